@@ -123,3 +123,29 @@ def run_on_ranks(
         others = f" (ranks {sorted(errors)} failed)" if len(errors) > 1 else ""
         raise RankError(f"rank {first} of {world_size} failed{others}:\n{errors[first]}")
     return [outputs[r] for r in range(world_size)]
+
+
+def _run_named_checks(checks):
+    results = {}
+    for check in checks:
+        try:
+            check()
+            results[check.__name__] = None
+        except Exception:  # noqa: BLE001 - reported per check to the parent
+            results[check.__name__] = traceback.format_exc()
+    return results
+
+
+def run_checks(checks: list[Callable[[], None]], world_size: int, timeout: float = 240.0) -> dict[str, str | None]:
+    """Run many module-level check functions in ONE spawn of ``world_size`` ranks.
+
+    Returns ``{check name: None if it passed on every rank, else the first failing rank's
+    traceback}``, so a test module can report each check as its own test while paying for one
+    process start. Checks run in order on every rank and must issue the same collectives.
+    """
+    merged: dict[str, str | None] = {}
+    for rank, results in enumerate(run_on_ranks(_run_named_checks, world_size, checks, timeout=timeout)):
+        for name, error in results.items():
+            if merged.get(name) is None:
+                merged[name] = None if error is None else f"rank {rank}:\n{error}"
+    return merged

@@ -1,0 +1,155 @@
+"""Collectives as autograd functions: Megatron's conjugate pairs, so HuggingFace code runs unchanged.
+
+    copy_to_parallel       forward: identity          backward: all-reduce
+    reduce_from_parallel   forward: all-reduce        backward: identity
+    split_to_parallel      forward: keep own shard    backward: all-gather
+    gather_from_parallel   forward: all-gather        backward: keep own shard
+
+Split and gather take a :class:`~shardformer.slicer.ShardSpec` for the last dimension, so fused
+blocks (``n_cast``) and vocabulary padding come back in the original order and size.
+
+Every collective issued here is recorded by any active :class:`CollectiveCounter`, so tests and
+benchmarks can count communication instead of trusting it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from shardformer.slicer import ShardSpec, merge_shards, slice_tensor
+
+_active_counters: list[CollectiveCounter] = []
+
+
+class CollectiveCounter:
+    """Context manager recording ``(op, numel, bytes)`` for each collective issued inside it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def __enter__(self) -> CollectiveCounter:
+        _active_counters.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active_counters.remove(self)
+
+    @property
+    def counts(self) -> Counter:
+        return Counter(op for op, _, _ in self.calls)
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, _, b in self.calls)
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+
+def _record(op: str, tensor: torch.Tensor) -> None:
+    for counter in _active_counters:
+        counter.calls.append((op, tensor.numel(), tensor.numel() * tensor.element_size()))
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of a contiguous tensor (a no-op on one rank)."""
+    if group_size(group) > 1:
+        _record("all_reduce", tensor)
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    _record("all_gather", tensor)
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
+def activation_spec(x: torch.Tensor, group, full_size: int | None = None, n_cast: int = 1) -> ShardSpec:
+    """ShardSpec of an activation split along its last dim into shards of ``x.shape[-1]``."""
+    world = group_size(group)
+    padded = x.shape[-1] * world
+    return ShardSpec(x.dim() - 1, world, group_rank(group), full_size or padded, padded, n_cast)
+
+
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, group):
+        ctx.spec, ctx.group = spec, group
+        return slice_tensor(x, spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return merge_shards(all_gather(grad, ctx.group), ctx.spec), None, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, group):
+        ctx.spec = spec
+        return merge_shards(all_gather(x, group), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return slice_tensor(grad, ctx.spec), None, None
+
+
+def copy_to_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToParallel.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_from_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceFromParallel.apply(x, group) if group_size(group) > 1 else x
+
+
+def split_to_parallel(x: torch.Tensor, group, n_cast: int = 1) -> torch.Tensor:
+    """Keep this rank's shard of the last dim (forward); all-gather the gradient (backward)."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    size = x.shape[-1]
+    if size % (n_cast * world) != 0:
+        raise ValueError(f"last dim {size} does not split into n_cast={n_cast} x {world} ranks")
+    spec = ShardSpec(x.dim() - 1, world, group_rank(group), size, size, n_cast)
+    return _SplitToParallel.apply(x, spec, group)
+
+
+def gather_from_parallel(x: torch.Tensor, group, full_size: int | None = None, n_cast: int = 1) -> torch.Tensor:
+    """All-gather the last dim (forward): fused blocks reordered, padding past ``full_size`` cut."""
+    if group_size(group) == 1:
+        return x if full_size is None else x[..., :full_size]
+    return _GatherFromParallel.apply(x, activation_spec(x, group, full_size, n_cast), group)

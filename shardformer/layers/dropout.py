@@ -1,0 +1,68 @@
+"""Dropout with its own RNG, so masks are right for tensor parallelism and reproducible.
+
+On replicated activations every tensor-parallel rank must drop the same elements (or the copies
+drift apart); on parallel activations (each rank holds different heads or features) the masks must
+differ. Each layer draws from its own ``torch.Generator`` seeded from one seed (plus the tp rank for
+parallel input), so the caller's global RNG stream is untouched and a seed replays the same masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardformer.layers.comm import group_rank
+
+_RANK_STRIDE = 1_000_003  # a prime: seeds of different ranks never collide for sane seeds
+
+
+class _SeededDropout(nn.Module):
+    parallel_input: bool
+
+    def __init__(self, p: float = 0.5, seed: int = 0, process_group=None) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability p={p} must be in [0, 1)")
+        self.p, self.process_group = p, process_group
+        rank = group_rank(process_group) if self.parallel_input else 0
+        self.seed = seed + _RANK_STRIDE * rank
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, seed: int = 0, **_) -> _SeededDropout:
+        return cls(module.p, seed, process_group)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+        return gen
+
+    def get_rng_state(self) -> dict[str, torch.Tensor]:
+        return {str(d): g.get_state() for d, g in self._generators.items()}
+
+    def set_rng_state(self, states: dict[str, torch.Tensor]) -> None:
+        for device, state in states.items():
+            self.generator(torch.device(device)).set_state(state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        noise = torch.rand(x.shape, generator=self.generator(x.device), device=x.device)
+        return x.masked_fill(noise < self.p, 0.0) * (1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, seed={self.seed}"
+
+
+class DropoutForReplicatedInput(_SeededDropout):
+    """Same mask on every tensor-parallel rank (input identical across ranks)."""
+
+    parallel_input = False
+
+
+class DropoutForParallelInput(_SeededDropout):
+    """A different mask on each tensor-parallel rank (input split across ranks)."""
+
+    parallel_input = True

@@ -1,0 +1,156 @@
+"""Column- and row-parallel linear layers, for ``nn.Linear`` and transformers' ``Conv1D``.
+
+``Conv1D`` stores its weight ``[in, out]`` (``reversed=True`` here) and computes ``addmm(b, x, W)``;
+the parallel layers keep each module's own layout, so a shard is a plain slice of the original
+weight and state-dict names and orientations are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardformer.layers.comm import (
+    copy_to_parallel,
+    gather_from_parallel,
+    group_rank,
+    group_size,
+    reduce_from_parallel,
+    split_to_parallel,
+)
+from shardformer.slicer import Slicer, shard_spec
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (weight [in, out]), recognised without importing transformers."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reversed: bool) -> torch.Tensor:
+    if not reversed:
+        return F.linear(x, weight, bias)
+    out_shape = x.shape[:-1] + (weight.shape[1],)
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
+    return y.view(out_shape)
+
+
+def _native_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias, False
+    if is_conv1d(module):
+        return module.weight, module.bias, True
+    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
+
+
+class Linear1D_Col(nn.Module):
+    """Output features split over the tensor-parallel group: ``y_r = x A_r + b_r``.
+
+    Forward issues no collective (the input is replicated); backward all-reduces the input
+    gradient once. With ``gather_output`` the full output is all-gathered (fused blocks put back
+    in order, vocabulary padding cut). ``n_cast`` > 1 slices fused blocks (Q/K/V) each on their
+    own, so every rank holds ``[Q_r | K_r | V_r]`` and the model's ``split`` keeps working.
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        process_group=None,
+        gather_output: bool = False,
+        reversed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.process_group, self.gather_output, self.reversed = process_group, gather_output, reversed
+        spec = shard_spec(weight)
+        self.n_cast = spec.n_cast if spec else 1
+        self.out_features = spec.full_size if spec else weight.shape[1 if reversed else 0]
+        self.in_features = weight.shape[0 if reversed else 1]
+
+    @classmethod
+    def from_native(
+        cls,
+        module: nn.Module,
+        process_group=None,
+        gather_output: bool = False,
+        n_cast: int = 1,
+        pad_to_multiple: int | None = None,
+    ) -> Linear1D_Col:
+        weight, bias, reversed = _native_parts(module)
+        slicer = Slicer(group_rank(process_group), group_size(process_group))
+        w = slicer.column_weight(weight, reversed, n_cast, pad_to_multiple)
+        b = None if bias is None else slicer.column_bias(bias, n_cast, pad_to_multiple)
+        return cls(w, b, process_group, gather_output, reversed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_parallel(x, self.process_group)
+        y = _matmul(x, self.weight, self.bias, self.reversed)
+        if self.gather_output:
+            y = gather_from_parallel(y, self.process_group, self.out_features, self.n_cast)
+        return y
+
+    def extra_repr(self) -> str:
+        local = self.weight.shape[1 if self.reversed else 0]
+        return (
+            f"in={self.in_features}, out={self.out_features} (local {local}), n_cast={self.n_cast}, "
+            f"gather_output={self.gather_output}, reversed={self.reversed}"
+        )
+
+
+class Linear1D_Row(nn.Module):
+    """Input features split over the tensor-parallel group: ``y = sum_r x_r A_r + b``.
+
+    Forward all-reduces the output once (the bias, replicated, is added after it); backward
+    issues no collective. With ``input_is_parallel=False`` the full input is split first.
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        process_group=None,
+        input_is_parallel: bool = True,
+        reversed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.process_group, self.input_is_parallel, self.reversed = process_group, input_is_parallel, reversed
+        spec = shard_spec(weight)
+        self.in_features = spec.full_size if spec else weight.shape[0 if reversed else 1]
+        self.out_features = weight.shape[1 if reversed else 0]
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, input_is_parallel: bool = True) -> Linear1D_Row:
+        weight, bias, reversed = _native_parts(module)
+        w = Slicer(group_rank(process_group), group_size(process_group)).row_weight(weight, reversed)
+        return cls(w, bias, process_group, input_is_parallel, reversed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = split_to_parallel(x, self.process_group)
+        y = reduce_from_parallel(_matmul(x, self.weight, None, self.reversed), self.process_group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        local = self.weight.shape[0 if self.reversed else 1]
+        return f"in={self.in_features} (local {local}), out={self.out_features}, reversed={self.reversed}"
+
+
+class VocabParallelLMHead1D(Linear1D_Col):
+    """An LM head with the vocabulary split over ranks (padded to a multiple of the group size).
+
+    Logits stay vocab-parallel for :func:`~shardformer.layers.loss.vocab_parallel_cross_entropy`
+    unless ``gather_output``, which returns logits of the true vocabulary size.
+    """
+
+    @classmethod
+    def from_native(
+        cls, module: nn.Module, process_group=None, gather_output: bool = False, pad_to_multiple: int = 1, **_
+    ) -> VocabParallelLMHead1D:
+        return super().from_native(module, process_group, gather_output, 1, pad_to_multiple)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.out_features

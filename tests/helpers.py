@@ -1,0 +1,60 @@
+"""Shared test utilities: compare sharded tensors and gradients against the unsharded module."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardformer.slicer import gather_tensor, shard_spec
+
+ATOL, RTOL = 1e-5, 1e-4  # outputs and loss (fp32)
+GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-4
+
+
+def assert_close(actual, expected, atol=ATOL, rtol=RTOL, what=""):
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def full_of(param_or_grad, spec_source=None, group=None):
+    """The full tensor behind a (possibly sharded) parameter or its gradient."""
+    spec = shard_spec(spec_source if spec_source is not None else param_or_grad)
+    return param_or_grad if spec is None else gather_tensor(param_or_grad, spec, group)
+
+
+def assert_grads_match(sharded: torch.nn.Module, full: torch.nn.Module, group=None, names=None):
+    """Every parameter gradient of ``sharded``, gathered to full shape, equals ``full``'s."""
+    full_params = dict(full.named_parameters())
+    for name, p in sharded.named_parameters():
+        if names is not None and name not in names:
+            continue
+        ref = full_params[name]
+        assert (p.grad is None) == (ref.grad is None), f"{name}: grad presence differs"
+        if p.grad is not None:
+            assert_close(full_of(p.grad, p, group), ref.grad, GRAD_ATOL, GRAD_RTOL, f"grad of {name}")
+
+
+def check_table(checks, world_size):
+    """Parametrized tests, one per check, sharing one spawn per module and world size."""
+    from shardformer.testing import run_checks
+
+    cache = {}
+
+    def results():
+        if "r" not in cache:
+            cache["r"] = run_checks(checks, world_size)
+        return cache["r"]
+
+    @pytest.mark.parametrize("name", [c.__name__ for c in checks])
+    def test(name):
+        error = results()[name]
+        if error is not None:
+            pytest.fail(f"{name} failed at tp={world_size}\n{error}", pytrace=False)
+
+    return test
+
+
+def world():
+    return dist.get_world_size()
+
+
+def rank():
+    return dist.get_rank()

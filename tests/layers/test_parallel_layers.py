@@ -1,0 +1,213 @@
+"""Parallel layers against the unsharded torch/transformers modules, at tp=2 and tp=4 (one spawn each).
+
+Each check builds the full module from one seed on every rank, shards it, and compares forward
+output, input gradient and gathered parameter gradients, and counts the collectives issued.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.pytorch_utils import Conv1D
+
+from shardformer.layers import (
+    CollectiveCounter,
+    Embedding1D,
+    Linear1D_Col,
+    Linear1D_Row,
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+)
+from shardformer.slicer import make_spec, shard_spec, slice_tensor
+from tests.helpers import assert_close, assert_grads_match, check_table, full_of, rank, world
+
+HIDDEN, OUT = 8, 12
+
+
+def _input(*shape, seed=1):
+    torch.manual_seed(seed)
+    return torch.randn(*shape, requires_grad=True)
+
+
+def _compare(full, sharded, x, gathered_output=True, local_spec=None):
+    """Run both, backprop the same upstream gradient; returns the collective counts (fwd, bwd)."""
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = full(x_ref)
+    with CollectiveCounter() as fwd:
+        y = sharded(x)
+    if gathered_output:
+        assert_close(y, y_ref, what="output")
+        upstream = torch.randn_like(y_ref)
+        y_ref.backward(upstream)
+        grad_out = upstream
+    else:
+        # a column layer without gather: this rank's output is its slice of the full output
+        assert_close(y, slice_tensor(y_ref.detach(), local_spec), what="local output")
+        upstream = torch.randn_like(y_ref)
+        y_ref.backward(upstream)
+        grad_out = slice_tensor(upstream, local_spec)
+    with CollectiveCounter() as bwd:
+        y.backward(grad_out)
+    assert_close(x.grad, x_ref.grad, what="input grad")
+    assert_grads_match(sharded, full)
+    return fwd.counts, bwd.counts
+
+
+def _output_spec(layer, y_dim):
+    spec = shard_spec(layer.weight)
+    return type(spec)(y_dim - 1, spec.world_size, spec.rank, spec.full_size, spec.padded_size, spec.n_cast)
+
+
+def check_column_linear():
+    torch.manual_seed(0)
+    full = nn.Linear(HIDDEN, OUT)
+    layer = Linear1D_Col.from_native(full, None)
+    assert layer.weight.shape == (OUT // world(), HIDDEN)
+    fwd, bwd = _compare(full, layer, _input(3, 5, HIDDEN), gathered_output=False, local_spec=_output_spec(layer, 3))
+    assert fwd == {} and bwd == {"all_reduce": 1}, (fwd, bwd)
+
+
+def check_column_linear_gather_output():
+    torch.manual_seed(0)
+    full = nn.Linear(HIDDEN, OUT)
+    fwd, bwd = _compare(full, Linear1D_Col.from_native(full, None, gather_output=True), _input(2, HIDDEN))
+    assert fwd == {"all_gather": 1} and bwd == {"all_reduce": 1}, (fwd, bwd)
+
+
+def check_fused_qkv_linear():
+    torch.manual_seed(0)
+    full = nn.Linear(HIDDEN, 3 * HIDDEN)
+    layer = Linear1D_Col.from_native(full, None, n_cast=3)
+    # each rank holds [Q_r | K_r | V_r], not a contiguous third of the fused weight
+    q, k, v = full.weight.detach().chunk(3, dim=0)
+    w = world()
+    mine = [t.chunk(w, dim=0)[rank()] for t in (q, k, v)]
+    assert_close(layer.weight.detach(), torch.cat(mine, dim=0), what="fused shard")
+    _compare(full, layer, _input(2, 3, HIDDEN), gathered_output=False, local_spec=_output_spec(layer, 3))
+    torch.manual_seed(0)
+    full = nn.Linear(HIDDEN, 3 * HIDDEN)
+    _compare(full, Linear1D_Col.from_native(full, None, n_cast=3, gather_output=True), _input(2, 3, HIDDEN))
+
+
+def check_fused_qkv_conv1d():
+    torch.manual_seed(0)
+    full = Conv1D(3 * HIDDEN, HIDDEN)  # weight [in, out]
+    nn.init.normal_(full.bias)
+    layer = Linear1D_Col.from_native(full, None, n_cast=3)
+    assert layer.reversed and layer.weight.shape == (HIDDEN, 3 * HIDDEN // world())
+    q, k, v = full.weight.detach().chunk(3, dim=1)
+    mine = [t.chunk(world(), dim=1)[rank()] for t in (q, k, v)]
+    assert_close(layer.weight.detach(), torch.cat(mine, dim=1), what="fused conv1d shard")
+    fwd, bwd = _compare(full, layer, _input(2, 3, HIDDEN), gathered_output=False, local_spec=_output_spec(layer, 3))
+    assert fwd == {} and bwd == {"all_reduce": 1}, (fwd, bwd)
+
+
+def check_row_linear():
+    torch.manual_seed(0)
+    full = nn.Linear(OUT, HIDDEN)
+    layer = Linear1D_Row.from_native(full, None)
+    x = _input(3, OUT)
+    x_local = slice_tensor(x.detach(), _spec_cols(x)).requires_grad_()
+    y_ref = full(x)
+    with CollectiveCounter() as fwd:
+        y = layer(x_local)
+    assert_close(y, y_ref, what="row output")
+    upstream = torch.randn_like(y)
+    y_ref.backward(upstream)
+    with CollectiveCounter() as bwd:
+        y.backward(upstream)
+    assert fwd.counts == {"all_reduce": 1} and bwd.counts == {}, (fwd.counts, bwd.counts)
+    assert_close(x_local.grad, slice_tensor(x.grad, _spec_cols(x)), what="row input grad")
+    assert_grads_match(layer, full)
+
+
+def _spec_cols(x):
+    return make_spec(x.shape, -1, rank(), world())
+
+
+def check_row_linear_splits_input():
+    torch.manual_seed(0)
+    full = nn.Linear(OUT, HIDDEN)
+    fwd, bwd = _compare(full, Linear1D_Row.from_native(full, None, input_is_parallel=False), _input(4, OUT))
+    assert fwd == {"all_reduce": 1} and bwd == {"all_gather": 1}, (fwd, bwd)
+
+
+def check_row_conv1d():
+    torch.manual_seed(0)
+    full = Conv1D(HIDDEN, OUT)  # in=OUT, out=HIDDEN
+    layer = Linear1D_Row.from_native(full, None, input_is_parallel=False)
+    assert layer.reversed and layer.weight.shape == (OUT // world(), HIDDEN)
+    _compare(full, layer, _input(2, 3, OUT))
+
+
+def check_vocab_parallel_embedding_odd_vocab():
+    for vocab in (13, 16):
+        torch.manual_seed(0)
+        full = nn.Embedding(vocab, HIDDEN, padding_idx=vocab - 1)
+        layer = VocabParallelEmbedding1D.from_native(full, None)
+        assert layer.weight.shape[0] * world() >= vocab and layer.weight.shape[0] * world() < vocab + world()
+        ids = torch.tensor([[0, 1, vocab - 1, vocab // 2], [vocab - 2, 3, 3, vocab - 1]])
+        with CollectiveCounter() as fwd:
+            y = layer(ids)
+        y_ref = full(ids)
+        assert_close(y, y_ref, what="embedding output")
+        upstream = torch.randn_like(y)
+        y.backward(upstream)
+        y_ref.backward(upstream)
+        assert fwd.counts == {"all_reduce": 1}, fwd.counts
+        assert_close(full_of(layer.weight.grad, layer.weight), full.weight.grad, what="embedding grad")
+        # padding rows (beyond the true vocabulary) receive nothing
+        padded = layer.weight.shape[0] * world() - vocab
+        if padded and rank() == world() - 1:
+            assert torch.all(layer.weight.grad[-padded:] == 0) and torch.all(layer.weight.detach()[-padded:] == 0)
+
+
+def check_hidden_parallel_embedding():
+    torch.manual_seed(0)
+    full = nn.Embedding(10, HIDDEN)
+    layer = Embedding1D.from_native(full, None)
+    ids = torch.tensor([[1, 2, 9], [0, 0, 4]])
+    y, y_ref = layer(ids), full(ids)
+    assert_close(y, y_ref, what="embedding1d output")
+    upstream = torch.randn_like(y)
+    with CollectiveCounter() as bwd:
+        y.backward(upstream)
+    y_ref.backward(upstream)
+    assert bwd.counts == {}, bwd.counts
+    assert_close(full_of(layer.weight.grad, layer.weight), full.weight.grad, what="embedding1d grad")
+
+
+def check_lm_head_gathered_logits_trim_padding():
+    torch.manual_seed(0)
+    full = nn.Linear(HIDDEN, 13, bias=False)
+    layer = VocabParallelLMHead1D.from_native(full, None, gather_output=True)
+    fwd, bwd = _compare(full, layer, _input(2, 3, HIDDEN))
+    assert fwd == {"all_gather": 1} and bwd == {"all_reduce": 1}, (fwd, bwd)
+    assert layer(torch.zeros(1, HIDDEN)).shape[-1] == 13
+
+
+CHECKS = [
+    check_column_linear,
+    check_column_linear_gather_output,
+    check_fused_qkv_linear,
+    check_fused_qkv_conv1d,
+    check_row_linear,
+    check_row_linear_splits_input,
+    check_row_conv1d,
+    check_vocab_parallel_embedding_odd_vocab,
+    check_hidden_parallel_embedding,
+    check_lm_head_gathered_logits_trim_padding,
+]
+
+test_tp2 = check_table(CHECKS, 2)
+test_tp4 = check_table(CHECKS, 4)
+
+
+def test_from_native_on_one_rank_reuses_storage_and_keeps_flags():
+    full = nn.Linear(HIDDEN, OUT).to(torch.float64)
+    full.bias.requires_grad_(False)
+    layer = Linear1D_Col.from_native(full)  # no process group: one rank
+    assert layer.weight.data_ptr() == full.weight.data_ptr()
+    assert layer.weight.dtype == torch.float64 and not layer.bias.requires_grad and layer.weight.requires_grad
+    x = torch.randn(2, HIDDEN, dtype=torch.float64)
+    assert_close(layer(x), full(x))
+    assert_close(F.linear(x, layer.weight, layer.bias), full(x))
