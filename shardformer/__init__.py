@@ -1,5 +1,22 @@
 """shardformer: tensor, pipeline and ZeRO parallelism for HuggingFace and timm models."""
 
+from shardformer.config import ShardConfig
 from shardformer.mesh import ProcessMesh, init_distributed, launch_from_torch
+from shardformer.policies import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, get_autopolicy
+from shardformer.sharder import ModelSharder, shard_model
 
-__all__ = ["ProcessMesh", "init_distributed", "launch_from_torch"]
+__all__ = [
+    "Argument",
+    "Col_Layer",
+    "Dropout_Layer",
+    "Layer",
+    "ModelSharder",
+    "Policy",
+    "ProcessMesh",
+    "Row_Layer",
+    "ShardConfig",
+    "get_autopolicy",
+    "init_distributed",
+    "launch_from_torch",
+    "shard_model",
+]

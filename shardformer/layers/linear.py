@@ -77,6 +77,7 @@ class Linear1D_Col(nn.Module):
         gather_output: bool = False,
         n_cast: int = 1,
         pad_to_multiple: int | None = None,
+        **_,
     ) -> Linear1D_Col:
         weight, bias, reversed = _native_parts(module)
         slicer = Slicer(group_rank(process_group), group_size(process_group))
@@ -122,7 +123,7 @@ class Linear1D_Row(nn.Module):
         self.out_features = weight.shape[1 if reversed else 0]
 
     @classmethod
-    def from_native(cls, module: nn.Module, process_group=None, input_is_parallel: bool = True) -> Linear1D_Row:
+    def from_native(cls, module: nn.Module, process_group=None, input_is_parallel: bool = True, **_) -> Linear1D_Row:
         weight, bias, reversed = _native_parts(module)
         w = Slicer(group_rank(process_group), group_size(process_group)).row_weight(weight, reversed)
         return cls(w, bias, process_group, input_is_parallel, reversed)

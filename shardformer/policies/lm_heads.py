@@ -1,0 +1,64 @@
+"""Losses for LM heads whose logits stay vocab-parallel, and a ``generate`` that gathers them.
+
+HuggingFace computes LM losses on full-vocabulary logits (``view(-1, vocab_size)``); on a sharded
+model the logits are ``[..., vocab / tp]`` per rank, so these functions compute the same losses with
+:func:`~shardformer.layers.vocab_parallel_cross_entropy`. When the head gathers its output, the
+ordinary fp32 cross-entropy is used.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from shardformer.layers import VocabParallelLMHead1D, vocab_parallel_cross_entropy
+
+
+def token_loss(logits, labels, head: VocabParallelLMHead1D, ignore_index=-100, reduction="mean"):
+    """Cross-entropy of (possibly vocab-parallel) logits from ``head`` against ``labels``."""
+    labels = labels.to(logits.device)
+    if head.gather_output:
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=ignore_index,
+            reduction=reduction,
+        )
+    return vocab_parallel_cross_entropy(logits, labels, head.process_group, head.vocab_size, ignore_index, reduction)
+
+
+def causal_lm_loss(
+    logits, labels, head, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss on vocab-parallel logits: tokens < n predict token n."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if num_items_in_batch is None:
+        return token_loss(logits, shift_labels, head, ignore_index)
+    loss = token_loss(logits, shift_labels, head, ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def with_loss(output, loss, return_dict) -> object:
+    """Put ``loss`` into a model output built without labels (first in a tuple, as HF does)."""
+    if loss is not None:
+        output["loss"] = loss
+    if return_dict is False:
+        items = output.to_tuple()
+        return items if loss is None else (loss, *[v for k, v in output.items() if k != "loss"])
+    return output
+
+
+@contextmanager
+def gathered_logits(head: VocabParallelLMHead1D):
+    """Temporarily gather the head's logits (generation picks tokens over the whole vocabulary)."""
+    before = head.gather_output
+    head.gather_output = True
+    try:
+        yield
+    finally:
+        head.gather_output = before

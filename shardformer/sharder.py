@@ -1,0 +1,181 @@
+"""ModelSharder: carries out a Policy on a model. ``shard_model`` is the one-liner around it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from shardformer.config import ShardConfig
+from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
+from shardformer.layers.linear import is_conv1d
+from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
+from shardformer.slicer import shard_spec
+
+
+@dataclass
+class Replacement:
+    """One planned swap: the module at ``path`` becomes ``layer.replace_layer``."""
+
+    path: str
+    layer: Layer
+    module: nn.Module
+
+
+def _get(root: nn.Module, path: str):
+    obj = root
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _set(root: nn.Module, path: str, value) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(root, parent) if parent else root, name, value)
+
+
+def _has(root, path: str) -> bool:
+    try:
+        _get(root, path)
+        return True
+    except AttributeError:
+        return False
+
+
+class ModelSharder:
+    """Shards ``model`` in place following ``policy``: inject_model, replace_layer, bind_layer.
+
+    Everything that can be wrong with the model, the policy or the sizes is checked by
+    :meth:`plan` before the first process group is created, so a bad input never leaves ranks
+    waiting on each other.
+    """
+
+    def __init__(self, model: nn.Module, policy: Policy, shard_config: ShardConfig) -> None:
+        self.model, self.policy, self.shard_config = model, policy, shard_config
+
+    def plan(self) -> tuple[list[tuple[str, nn.Module, Argument]], list[Replacement]]:
+        """Resolve the policy against the model; raise on anything that does not fit."""
+        self.shard_config.check_world()
+        config = getattr(self.model, "config", None)
+        self.policy.set_model(self.model)
+        arguments = self.policy.argument_policy(config, self.shard_config)
+        targets = [(name, m, arguments[type(m)]) for name, m in self.model.named_modules() if type(m) in arguments]
+        if not targets:
+            raise ValueError(
+                f"{type(self.policy).__name__} names the module classes {[c.__name__ for c in arguments]}, "
+                f"but {type(self.model).__name__} contains none of them; check the policy's argument_policy keys"
+            )
+        replacements = []
+        for name, module, argument in targets:
+            where = f"{type(module).__name__} ({name or 'the model'})"
+            for attr in argument.attr_dict:
+                if not _has(module, attr):
+                    raise ValueError(f"attribute {attr!r} of the policy's attr_dict is not in {where}")
+            for func in argument.param_funcs:
+                for layer in func():
+                    if not _has(module, layer.suffix):
+                        if layer.ignore:
+                            continue
+                        raise ValueError(
+                            f"suffix {layer.suffix!r} is not in {where}; fix the policy's suffix or mark the "
+                            f"layer ignore=True if the module is optional"
+                        )
+                    replacements.append(self._check_layer(name, module, layer, where))
+        return targets, replacements
+
+    def _check_layer(self, parent_path: str, parent: nn.Module, layer: Layer, where: str) -> Replacement:
+        target = _get(parent, layer.suffix)
+        path = f"{parent_path}.{layer.suffix}" if parent_path else layer.suffix
+        if layer.replace_layer is None:
+            raise ValueError(f"layer {layer.suffix!r} of {where} has no replace_layer")
+        if isinstance(layer, (Col_Layer, Row_Layer)):
+            for attr in (layer.weight, layer.bias):
+                if attr is not None and not hasattr(target, attr):  # a bias that is None is fine
+                    raise ValueError(
+                        f"{path} ({type(target).__name__}) has no {attr!r}; set weight=/bias= in the policy "
+                        f"(bias=None for a layer without bias)"
+                    )
+            conv1d = is_conv1d(target)
+            if (isinstance(target, nn.Linear) or conv1d) and layer.reversed != conv1d:
+                raise ValueError(
+                    f"{path} is {type(target).__name__} (weight {'[in, out]' if conv1d else '[out, in]'}) "
+                    f"but the policy says reversed={layer.reversed}; set reversed={conv1d}"
+                )
+        if isinstance(layer, Dropout_Layer) and not hasattr(target, layer.p):
+            raise ValueError(f"{path} ({type(target).__name__}) has no dropout probability {layer.p!r}")
+        return Replacement(path, layer, target)
+
+    def shard(self) -> nn.Module:
+        targets, replacements = self.plan()
+        bindings = self._tied_pairs()
+        group = self.shard_config.tp_group()
+        self.inject_model()
+        for _, module, argument in targets:
+            for attr, value in argument.attr_dict.items():
+                _set(module, attr, value)
+        for index, replacement in enumerate(replacements):
+            self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
+        self.bind_layer(bindings)
+        self.model.shardformer_config = self.shard_config
+        return self.model
+
+    def inject_model(self) -> None:
+        """Instances of OriginModel become CustomModel (a subclass whose forward works on shards)."""
+        pair = self.policy.inject_policy()
+        if pair is None:
+            return
+        origin, custom = pair
+        if not issubclass(custom, origin):
+            raise TypeError(f"inject_policy: {custom.__name__} must subclass {origin.__name__}")
+        for module in self.model.modules():
+            if type(module) is origin:
+                module.__class__ = custom
+
+    def replace_layer(self, replacement: Replacement, group, seed: int = 0) -> nn.Module:
+        layer, cfg = replacement.layer, self.shard_config
+        cls = layer.replace_layer
+        options: dict = {"seed": seed, "n_cast": layer.n_cast}
+        if isinstance(layer, Col_Layer):
+            options["gather_output"] = layer.gather_output or (
+                cfg.gather_output and issubclass(cls, VocabParallelLMHead1D)
+            )
+        if issubclass(cls, (VocabParallelLMHead1D, VocabParallelEmbedding1D)):
+            options["pad_to_multiple"] = cfg.vocab_pad_multiple
+        new = cls.from_native(replacement.module, group, **options)
+        _set(self.model, replacement.path, new)
+        return new
+
+    def _tied_pairs(self) -> list[tuple[str, str]]:
+        """Binding pairs that really are one tensor in the original model (else nothing to keep tied)."""
+        pairs = []
+        for source, target in (self.policy.binding_policy() or {}).items():
+            if (
+                _has(self.model, source)
+                and _has(self.model, target)
+                and _get(self.model, source) is _get(self.model, target)
+            ):
+                pairs.append((source, target))
+        return pairs
+
+    def bind_layer(self, pairs: list[tuple[str, str]]) -> None:
+        """Make each target the same Parameter as its source again, after both were sharded."""
+        for source, target in pairs:
+            src, dst = _get(self.model, source), _get(self.model, target)
+            if src.shape != dst.shape or shard_spec(src) != shard_spec(dst):
+                raise ValueError(
+                    f"tied {source} {tuple(src.shape)} and {target} {tuple(dst.shape)} were sharded differently; "
+                    f"the policy must cut both the same way (same dim and vocabulary padding)"
+                )
+            _set(self.model, target, src)
+
+
+def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, policy: Policy | None = None) -> nn.Module:
+    """Shard ``model`` in place for tensor parallelism and return it.
+
+    ``policy`` defaults to the built-in policy for the model's class (BERT, GPT-2, ViT, timm ViT).
+    """
+    from shardformer.policies.auto import get_autopolicy
+
+    shard_config = shard_config or ShardConfig()
+    policy = policy or get_autopolicy(model)
+    return ModelSharder(model, policy, shard_config).shard()
