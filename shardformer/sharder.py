@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from shardformer.config import ShardConfig
-from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
+from shardformer.layers import DropoutForReplicatedInput, VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.layers.linear import is_conv1d
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
 from shardformer.slicer import shard_spec
@@ -115,6 +115,7 @@ class ModelSharder:
                 _set(module, attr, value)
         for index, replacement in enumerate(replacements):
             self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
+        self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
         self.bind_layer(bindings)
         self.model.shardformer_config = self.shard_config
         return self.model
@@ -145,6 +146,13 @@ class ModelSharder:
         _set(self.model, replacement.path, new)
         return new
 
+    def replace_leftover_dropout(self, group, seed: int) -> None:
+        """Dropout the policy did not name (classifier heads, ...) sits on replicated activations: give
+        it the tensor-parallel RNG too, so ranks never drift apart through different global RNG states."""
+        leftovers = [name for name, m in self.model.named_modules() if type(m) is nn.Dropout and m.p > 0]
+        for index, name in enumerate(leftovers):
+            _set(self.model, name, DropoutForReplicatedInput.from_native(_get(self.model, name), group, seed + index))
+
     def _tied_pairs(self) -> list[tuple[str, str]]:
         """Binding pairs that really are one tensor in the original model (else nothing to keep tied)."""
         pairs = []
@@ -161,7 +169,9 @@ class ModelSharder:
         """Make each target the same Parameter as its source again, after both were sharded."""
         for source, target in pairs:
             src, dst = _get(self.model, source), _get(self.model, target)
-            if src.shape != dst.shape or shard_spec(src) != shard_spec(dst):
+            # A target that was sharded by its own layer must have been cut like the source; one left
+            # whole (an alias such as BERT's cls.predictions.bias) simply becomes the source's shard.
+            if shard_spec(dst) is not None and (src.shape != dst.shape or shard_spec(src) != shard_spec(dst)):
                 raise ValueError(
                     f"tied {source} {tuple(src.shape)} and {target} {tuple(dst.shape)} were sharded differently; "
                     f"the policy must cut both the same way (same dim and vocabulary padding)"

@@ -133,6 +133,9 @@ def _run_named_checks(checks):
             results[check.__name__] = None
         except Exception:  # noqa: BLE001 - reported per check to the parent
             results[check.__name__] = traceback.format_exc()
+            # Stop here: peers may be waiting in a collective this rank will never join; leaving makes
+            # their collectives fail at once (connection closed) instead of at the timeout.
+            break
     return results
 
 
@@ -140,12 +143,15 @@ def run_checks(checks: list[Callable[[], None]], world_size: int, timeout: float
     """Run many module-level check functions in ONE spawn of ``world_size`` ranks.
 
     Returns ``{check name: None if it passed on every rank, else the first failing rank's
-    traceback}``, so a test module can report each check as its own test while paying for one
+    traceback}``; a rank stops at its first failing check, and checks it never ran are reported
+    as not run, so a test module can report each check as its own test while paying for one
     process start. Checks run in order on every rank and must issue the same collectives.
     """
     merged: dict[str, str | None] = {}
     for rank, results in enumerate(run_on_ranks(_run_named_checks, world_size, checks, timeout=timeout)):
-        for name, error in results.items():
+        for check in checks:
+            name = check.__name__
+            error = results.get(name, "not run: an earlier check failed on this rank")
             if merged.get(name) is None:
                 merged[name] = None if error is None else f"rank {rank}:\n{error}"
     return merged
