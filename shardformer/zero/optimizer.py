@@ -1,0 +1,289 @@
+"""ZeroOptimizer: ZeRO stage 1/2 around any ``torch.optim.Optimizer``.
+
+Each rank of the data-parallel group keeps an fp32 master copy of only its 1/dp shard of every
+parameter, and the wrapped optimizer steps those shards, so its states (Adam's moments, SGD's
+momentum) take 1/dp of the memory. After each step the updated shards are all-gathered back into
+the model's parameters, which stay in their own dtype (fp32, bf16 or fp16).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from shardformer.zero import comm
+from shardformer.zero.grad_norm import clip_master_grads, global_grad_norm
+from shardformer.zero.layout import build_buckets, build_slots, copy_rows_into, shard_of
+from shardformer.zero.loss_scaler import DynamicLossScaler
+from shardformer.zero.reducer import GradientReducer
+from shardformer.zero.state import (
+    gather_full_state_dict,
+    load_full_state_dict,
+    load_sharded_state_dict,
+    sharded_state_dict,
+)
+from shardformer.zero.validate import check_arguments, check_same_on_all_ranks
+
+# Elements per bucket, all dp rows together: 16 MiB of fp32. It bounds the transient buffers of
+# both the gradient reduction and the parameter all-gather (two buckets in flight).
+DEFAULT_BUCKET_SIZE = 2**22
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Shard the optimizer states (stage 1) and the reduced gradients (stage 2) over ``dp_group``.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` already built over the model's parameters (its
+            param groups and hyper-parameters are kept; their params become this rank's shards).
+        dp_group: the data-parallel group (default: the whole world).
+        stage: 1 all-reduces gradients, 2 reduce-scatters them (each rank keeps only its shard).
+        bucket_size: elements per bucket, all dp rows together (gradients and the param all-gather).
+        overlap_communication: reduce each bucket during backward, as soon as it is full.
+        reduce_dtype: dtype the gradients are summed in (default: the master dtype, fp32).
+        release_grads: stage 2 only: free each ``param.grad`` once copied into its bucket.
+        tp_group, pp_group: tensor / pipeline groups, for the global grad norm and the fp16
+            overflow flag (None: no such parallelism).
+        loss_scaler: a :class:`DynamicLossScaler`; ``"auto"`` makes one when any param is fp16.
+        model: optional; when given, every trainable parameter of it must be in ``optimizer``.
+
+    Gradients are averaged over dp (as DDP does): the result equals one process running
+    ``optimizer`` on the concatenated batch with a mean loss.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        dp_group: dist.ProcessGroup | None = None,
+        stage: int = 1,
+        *,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        overlap_communication: bool = False,
+        reduce_dtype: torch.dtype | None = None,
+        release_grads: bool = False,
+        tp_group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
+        loss_scaler: DynamicLossScaler | str | None = "auto",
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        check_arguments(optimizer, stage, bucket_size, release_grads, reduce_dtype, loss_scaler, model)
+        self.optim = optimizer
+        self.stage = stage
+        self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
+        self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        model_params = [list(group["params"]) for group in optimizer.param_groups]
+        check_same_on_all_ranks(model_params, stage, bucket_size, overlap_communication, dp_group)
+
+        self.slots = build_slots(model_params, self.dp_size, self.dp_rank)
+        self.buckets = build_buckets(self.slots, bucket_size, self.dp_size)
+        # Re-point the wrapped optimizer at the shards; hyper-parameters and groups stay as they were.
+        start = 0
+        for group, params in zip(optimizer.param_groups, model_params):
+            group["params"] = [slot.master for slot in self.slots[start : start + len(params)]]
+            start += len(params)
+        self.reducer = GradientReducer(
+            self.slots,
+            self.buckets,
+            dp_group,
+            stage,
+            reduce_dtype,
+            overlap_communication,
+            release_grads,
+        )
+        if loss_scaler == "auto":
+            loss_scaler = DynamicLossScaler() if any(s.param.dtype == torch.float16 for s in self.slots) else None
+        self.loss_scaler: DynamicLossScaler | None = loss_scaler
+        self.last_step_skipped = False
+        self._grad_stats: tuple[float, bool] | None = None
+
+        # The torch.optim.Optimizer surface, shared with the wrapped optimizer, so LR schedulers and
+        # step hooks work on the wrapper: param_groups are the very same dicts.
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        for name in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+    # -- the training loop ------------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (1 unless fp16 loss scaling is on)."""
+        return loss * self.loss_scale if self.loss_scaler is not None else loss
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``scale_loss(loss).backward()``: use it instead of ``loss.backward()`` with fp16 params."""
+        self.scale_loss(loss).backward(**kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Micro-steps of gradient accumulation: backward inside only accumulates into ``param.grad``.
+
+        Without overlap nothing is ever sent during backward, so this is only needed with
+        ``overlap_communication=True``; it is harmless either way.
+        """
+        with self.reducer.no_sync():
+            yield
+
+    def sync_grads(self) -> None:
+        """Reduce this step's gradients over dp now (``clip_grad_norm`` and ``step`` call it).
+
+        Afterwards stage 1 leaves the dp-averaged gradient in every ``param.grad`` (like DDP);
+        stage 2 leaves each rank's own, unreduced ``param.grad`` (None with ``release_grads``).
+        """
+        self.reducer.sync(1.0 / (self.dp_size * self.loss_scale))
+
+    def grad_norm(self) -> tuple[float, bool]:
+        """``(global L2 norm of the gradients, found_inf)`` over dp x tp x pp; a collective."""
+        if self._grad_stats is None:
+            self.sync_grads()
+            self._grad_stats = global_grad_norm(self.slots, self.dp_group, self.tp_group, self.pp_group)
+        return self._grad_stats
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients to global L2 norm ``max_norm``; return the norm before clipping.
+
+        Call between backward and :meth:`step`. The norm equals the unsharded model's (tp-sharded
+        params summed over ``tp_group``, stages over ``pp_group``); it is inf/NaN on an fp16
+        overflow, and that step will be skipped.
+        """
+        norm, found_inf = self.grad_norm()
+        if not found_inf:
+            clip_master_grads(self.slots, norm, float(max_norm))
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce gradients, step this rank's shards, all-gather the updated params.
+
+        With a loss scaler, an inf/NaN gradient on any rank skips the step on every rank and
+        lowers the scale (``last_step_skipped`` tells which happened).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.sync_grads()
+        found_inf = self.grad_norm()[1] if self.loss_scaler is not None else False
+        self.last_step_skipped = found_inf
+        if not found_inf:
+            self.optim.step()
+            for slot in self.slots:
+                slot.master.grad = None  # free the gradient shards before the all-gather buffers exist
+            self._gather_params()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        self._end_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients (and this step's shards). Never called behind your back."""
+        for slot in self.slots:
+            p = slot.param
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    with torch.no_grad():
+                        p.grad.zero_()
+        self._end_step()
+
+    def _end_step(self) -> None:
+        for slot in self.slots:
+            slot.master.grad = None
+        self.reducer.reset()
+        self._grad_stats = None
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """All-gather every bucket's updated shards into the model params (two buckets in flight)."""
+        pending = deque()
+        for bucket in self.buckets:
+            pending.append(self._launch_gather(bucket))
+            if len(pending) > 1:
+                self._finish_gather(*pending.popleft())
+        while pending:
+            self._finish_gather(*pending.popleft())
+
+    def _launch_gather(self, bucket):
+        first = bucket.slots[0]
+        send = torch.empty(bucket.row_numel, dtype=first.param.dtype, device=first.master.device)
+        for slot in bucket.slots:
+            send[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master)
+        if self.dp_size == 1:
+            return bucket, None, send.view(1, -1)
+        out = send.new_empty(self.dp_size, bucket.row_numel)
+        return bucket, comm.all_gather(out.view(-1), send, self.dp_group, async_op=True), out
+
+    @staticmethod
+    def _finish_gather(bucket, work, out) -> None:
+        if work is not None:
+            work.wait()
+        for slot in bucket.slots:
+            copy_rows_into(slot.param.data, out[:, slot.offset : slot.offset + slot.shard_numel])
+
+    # -- weights, state and sizes -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reload_master_params(self) -> None:
+        """Copy the model's current weights into the master shards (after loading model weights)."""
+        for slot in self.slots:
+            slot.master.copy_(
+                shard_of(slot.param.detach().reshape(-1).to(slot.master.dtype), self.dp_size, self.dp_rank)
+            )
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the optimizer: wrapped-optimizer states and master shards."""
+        states = sum(
+            v.numel() * v.element_size() for st in self.optim.state.values() for v in st.values() if torch.is_tensor(v)
+        )
+        masters = sum(s.master.numel() * s.master.element_size() for s in self.slots)
+        return {"optimizer_states": states, "master_params": masters}
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the state; loads back at the same dp size on the same dp rank."""
+        return sharded_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load this rank's :meth:`state_dict`. Load the model's weights first (fp32 masters follow them)."""
+        load_sharded_state_dict(self, state_dict)
+
+    def full_state_dict(self) -> dict:
+        """The unsharded state, as the wrapped optimizer on the full model would save it (collective)."""
+        return gather_full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load an unsharded state (from :meth:`full_state_dict` at any dp size, or a plain optimizer).
+
+        Local, no communication. Load the model's weights first (fp32 masters follow them).
+        """
+        load_full_state_dict(self, state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError(
+            "ZeroOptimizer cannot add param groups after wrapping; add them to the wrapped optimizer "
+            "before building ZeroOptimizer"
+        )
+
+    def close(self) -> None:
+        """Remove the backward hooks (overlap mode); the optimizer is unusable afterwards."""
+        self.reducer.remove_hooks()
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroOptimizer(stage={self.stage}, dp={self.dp_rank}/{self.dp_size}, params={len(self.slots)}, "
+            f"buckets={len(self.buckets)}, optimizer={type(self.optim).__name__}, loss_scaler={self.loss_scaler})"
+        )

@@ -1,0 +1,313 @@
+"""ZeroOptimizer at dp=2 against one process running the wrapped optimizer on the whole batch.
+
+All checks share one spawn of 2 gloo ranks (see CheckTable); each is reported as its own test.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardformer.zero import DynamicLossScaler, ZeroOptimizer, comm
+from tests.zero.common import (
+    OPTIMIZERS,
+    STEPS,
+    CheckTable,
+    Net,
+    accumulate_run,
+    assert_same_on_all_ranks,
+    assert_same_weights,
+    batch,
+    local_rows,
+    loss_of,
+    mixed_reference,
+    reference_run,
+    state_bytes_check,
+    zero_run,
+)
+
+
+def weights_match_for_every_optimizer_and_stage():
+    runs = []
+    # On gloo, reduce-scatter and all-gather are built from per-rank reduce/broadcast; native=True
+    # runs torch's own collectives instead (what NCCL uses).
+    for stage, native in ((1, False), (2, False), (2, True)):
+        comm.PER_RANK_ON_GLOO = not native
+        try:
+            for name, make_opt in OPTIMIZERS.items():
+                model, _, _ = zero_run(make_opt, stage=stage)
+                assert_same_on_all_ranks(model)
+                runs.append((f"stage {stage} native={native} {name}", model, reference_run(make_opt)[0]))
+        finally:
+            comm.PER_RANK_ON_GLOO = True
+    for what, model, ref in runs:
+        assert_same_weights(model, ref, what=what)
+
+
+def clipping_matches_torch_clip_grad_norm():
+    make_opt = OPTIMIZERS["adamw"]
+    ref, _, ref_norms = reference_run(make_opt, clip=0.05)
+    runs = [zero_run(make_opt, stage=stage, clip=0.05) for stage in (1, 2)]
+    assert min(ref_norms) > 0.05, "the clip must be active for this check to mean anything"
+    for stage, (model, _, norms) in zip((1, 2), runs):
+        assert_same_weights(model, ref, what=f"stage {stage}")
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), atol=1e-5, rtol=1e-4)
+
+
+def accumulation_of_four_micro_steps_equals_one_big_batch():
+    make_opt = OPTIMIZERS["adam"]
+    ref = reference_run(make_opt)[0]
+    runs = {
+        "stage 1": accumulate_run(make_opt, stage=1)[0],
+        "stage 2 overlap": accumulate_run(make_opt, stage=2, overlap_communication=True, bucket_size=64)[0],
+        "stage 1 overlap": accumulate_run(make_opt, stage=1, overlap_communication=True, bucket_size=64)[0],
+    }
+    for what, model in runs.items():
+        assert_same_weights(model, ref, what=what)
+
+
+def no_communication_until_the_last_micro_step():
+    calls = []
+    originals = {name: getattr(comm, name) for name in ("all_reduce", "reduce_scatter", "all_gather")}
+    for name, fn in originals.items():
+        setattr(comm, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
+    try:
+        model = Net()
+        zero = ZeroOptimizer(OPTIMIZERS["sgd"](model.parameters()), stage=2, overlap_communication=True, bucket_size=64)
+        calls.clear()  # the constructor's consistency check is not part of a step
+        x, y = batch(0)
+        for _ in range(3):
+            with zero.no_sync():
+                zero.backward(loss_of(model, x[:2], y[:2]))
+        during_micro_steps = list(calls)
+        zero.backward(loss_of(model, x[:2], y[:2]))
+        during_last_backward = len(calls) - len(during_micro_steps)
+        zero.step()
+    finally:
+        for name, fn in originals.items():
+            setattr(comm, name, fn)
+    assert during_micro_steps == [], f"collectives inside no_sync: {during_micro_steps}"
+    assert during_last_backward == len(zero.buckets) > 1, "each bucket is sent during the last backward"
+
+
+def second_backward_without_no_sync_is_a_clear_error():
+    model = Net()
+    zero = ZeroOptimizer(OPTIMIZERS["sgd"](model.parameters()), stage=1, overlap_communication=True)
+    x, y = batch(0)
+    zero.backward(loss_of(model, x[:2], y[:2]))
+    with pytest.raises(RuntimeError, match="no_sync"):
+        zero.backward(loss_of(model, x[:2], y[:2]))
+    zero.zero_grad()  # waits for the bucket in flight, so both ranks leave in step
+
+
+def skipped_layer_is_not_updated_and_matches_reference():
+    skip_at = (0, 3, 4, 8)
+    make_opt = OPTIMIZERS["adamw"]  # weight decay: a param without grad must not even decay
+    ref = reference_run(make_opt, skip_at=skip_at)[0]
+    runs = [
+        zero_run(make_opt, stage=1, skip_at=skip_at)[0],
+        zero_run(make_opt, stage=2, skip_at=skip_at, overlap_communication=True, bucket_size=64)[0],
+    ]
+    for model in runs:
+        assert_same_weights(model, ref)
+    untouched = reference_run(make_opt, steps=1, skip_at=(0,))[0]
+    model = zero_run(make_opt, stage=2, steps=1, skip_at=(0,))[0]
+    assert torch.equal(model.skippable.weight, untouched.skippable.weight)
+    assert torch.equal(model.skippable.weight, Net().skippable.weight)
+
+
+def layer_skipped_on_one_rank_only_gets_the_averaged_gradient():
+    """Rank 1 skips the layer, rank 0 uses it: no hang; equal to the same mixed batch in one process."""
+    make_opt = OPTIMIZERS["adam"]
+    rank = dist.get_rank()
+    model, ref = Net(), Net()
+    zero = ZeroOptimizer(make_opt(model.parameters()), stage=2, overlap_communication=True, bucket_size=64)
+    ref_opt = make_opt(ref.parameters())
+    for step in range(STEPS):
+        x, y = batch(step)
+        zero.backward(loss_of(model, local_rows(x, rank, 2), local_rows(y, rank, 2), use_skippable=rank == 0))
+        zero.step()
+        zero.zero_grad()
+        out = torch.cat([ref(local_rows(x, 0, 2)), ref(local_rows(x, 1, 2), use_skippable=False)])
+        torch.nn.functional.mse_loss(out, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_on_all_ranks(model)
+    assert_same_weights(model, ref)
+
+
+def fp16_overflow_on_one_rank_skips_the_step_everywhere():
+    make_opt, skipped = OPTIMIZERS["adam"], 3
+    results = []
+    for stage in (1, 2):
+        model = Net(torch.float16)
+        zero = ZeroOptimizer(make_opt(model.parameters()), stage=stage, loss_scaler=DynamicLossScaler(1024.0))
+        for step in range(STEPS):
+            x, y = batch(step)
+            zero.backward(loss_of(model, local_rows(x, dist.get_rank(), 2), local_rows(y, dist.get_rank(), 2)))
+            if step == skipped and dist.get_rank() == 1:
+                model.fc2.weight.grad[0, 0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+            zero.step()
+            zero.zero_grad()
+            if step == skipped:
+                results.append(
+                    (zero.last_step_skipped, zero.loss_scale, before, [p.detach().clone() for p in model.parameters()])
+                )
+        results.append(model)
+    ref = mixed_reference(make_opt, torch.float16, 2, scale=1024.0, skipped_step=skipped)[0]
+    for skipped_flag, scale, before, after in results[0::2]:
+        assert skipped_flag and scale == 512.0
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a skipped step changed the weights"
+    for model in results[1::2]:
+        assert model.fc1.weight.dtype == torch.float16
+        assert_same_weights(model, ref, atol=1e-3, rtol=1e-3, what="fp16")
+
+
+def bf16_matches_mixed_precision_reference():
+    make_opt = OPTIMIZERS["adamw"]
+    model = Net(torch.bfloat16)
+    zero = ZeroOptimizer(make_opt(model.parameters()), stage=2, overlap_communication=True, bucket_size=64)
+    assert zero.loss_scaler is None and all(s.master.dtype == torch.float32 for s in zero.slots)
+    zero_run(make_opt, model=model, zero=zero)
+    # fp32 params, gradients summed in bf16: half the traffic, bf16-close to the reference.
+    summed_in_bf16 = zero_run(OPTIMIZERS["sgd"], stage=1, reduce_dtype=torch.bfloat16)[0]
+    ref, ref_master = mixed_reference(make_opt, torch.bfloat16, 2, scale=1.0)
+    assert_same_weights(model, ref, atol=1e-2, rtol=1e-2, what="bf16")
+    assert_same_weights(summed_in_bf16, reference_run(OPTIMIZERS["sgd"])[0], atol=1e-3, rtol=1e-2, what="bf16 sum")
+    full_masters = zero.full_state_dict()["zero"]["master_params"]
+    for i, p in enumerate(ref_master.parameters()):
+        torch.testing.assert_close(full_masters[i], p, atol=1e-5, rtol=1e-4)
+
+
+def grads_are_readable_after_backward():
+    make_opt = OPTIMIZERS["sgd"]
+    rank = dist.get_rank()
+    x, y = batch(0)
+    ref = Net()
+    loss_of(ref, x, y).backward()
+    local = Net()
+    loss_of(local, local_rows(x, rank, 2), local_rows(y, rank, 2)).backward()
+    seen = {}
+    for stage, release in ((1, False), (2, False), (2, True)):
+        model = Net()
+        zero = ZeroOptimizer(
+            make_opt(model.parameters()), stage=stage, overlap_communication=True, release_grads=release
+        )
+        zero.backward(loss_of(model, local_rows(x, rank, 2), local_rows(y, rank, 2)))
+        after_backward = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        zero.sync_grads()
+        seen[(stage, release)] = (after_backward, {n: p.grad for n, p in model.named_parameters()})
+        zero.step()
+    ref_grads, local_grads = dict(ref.named_parameters()), dict(local.named_parameters())
+    for name in ref_grads:
+        for key in ((1, False), (2, False)):
+            torch.testing.assert_close(seen[key][0][name], local_grads[name].grad)  # backward: this rank's
+        torch.testing.assert_close(seen[(1, False)][1][name], ref_grads[name].grad, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(seen[(2, False)][1][name], local_grads[name].grad)
+        assert seen[(2, True)][0][name] is None, "release_grads frees param.grad once bucketed"
+
+
+def state_dict_round_trip_and_full_state_match_the_plain_optimizer():
+    make_opt = OPTIMIZERS["adam"]
+    _, ref_opt5, _ = reference_run(make_opt, steps=5)
+    ref10 = reference_run(make_opt)[0]
+    model, zero, _ = zero_run(make_opt, steps=5, stage=2)
+    sharded, full = zero.state_dict(), zero.full_state_dict()
+    resumed = {}
+    for how in ("sharded", "full"):
+        m = copy.deepcopy(model)
+        z = ZeroOptimizer(make_opt(m.parameters()), stage=2)
+        z.load_state_dict(sharded) if how == "sharded" else z.load_full_state_dict(full)
+        resumed[how] = zero_run(make_opt, model=m, zero=z, first_step=5, steps=5)[0]
+    # The full state is a plain torch state: a plain optimizer on the whole model continues from it.
+    resumed["plain optimizer"] = reference_run(make_opt, steps=5, first_step=5, start=model, state=copy.deepcopy(full))[
+        0
+    ]
+    wrong = copy.deepcopy(sharded)
+    wrong["zero"]["dp_size"] = 4
+    with pytest.raises(ValueError, match=r"saved by dp rank \d of 4, but this is dp rank \d of 2"):
+        ZeroOptimizer(make_opt(Net().parameters())).load_state_dict(wrong)
+    with pytest.raises(ValueError, match=r"load_full_state_dict"):
+        ZeroOptimizer(make_opt(Net().parameters())).load_state_dict(ref_opt5.state_dict())
+
+    expected = ref_opt5.state_dict()
+    assert full["param_groups"] == expected["param_groups"]
+    assert full["state"].keys() == expected["state"].keys()
+    for index, entry in expected["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(full["state"][index][key], value, atol=1e-6, rtol=1e-4)
+    for how, m in resumed.items():
+        assert_same_weights(m, ref10, what=f"resumed from {how}")
+
+
+def optimizer_state_per_rank_is_one_over_dp():
+    return state_bytes_check(dp=2)
+
+
+def lr_scheduler_drives_the_wrapper():
+    make_opt = OPTIMIZERS["adamw"]
+    schedule = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    ref = reference_run(make_opt, schedule=schedule)[0]
+    model = Net()
+    zero = ZeroOptimizer(make_opt(model.parameters()), stage=2)
+    sched = schedule(zero)
+    for step in range(STEPS):
+        x, y = batch(step)
+        zero.backward(loss_of(model, local_rows(x, dist.get_rank(), 2), local_rows(y, dist.get_rank(), 2)))
+        zero.step()
+        zero.zero_grad()
+        sched.step()
+    assert zero.optim.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+    assert_same_weights(model, ref)
+
+
+def errors_name_the_value_and_the_fix():
+    model = Net()
+    with pytest.raises(ValueError, match=r"stage=3 is not supported; use stage=1"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    with pytest.raises(ValueError, match=r"release_grads=True needs stage=2"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=1, release_grads=True)
+    with pytest.raises(
+        ValueError, match=r"2 trainable parameters of the model are not in the optimizer: out.weight, out.bias"
+    ):
+        ZeroOptimizer(torch.optim.SGD(list(model.parameters())[:-2], lr=0.1), model=model)
+    stepped = torch.optim.Adam(model.parameters())
+    loss_of(model, *batch(0)).backward()
+    stepped.step()
+    with pytest.raises(ValueError, match=r"wrap it before its first step"):
+        ZeroOptimizer(stepped)
+    with pytest.raises(TypeError, match=r"wraps a torch.optim.Optimizer"):
+        ZeroOptimizer(model.parameters())
+    # A disagreement between ranks fails on every rank, naming the field, instead of hanging.
+    with pytest.raises(ValueError, match=r"disagree on bucket_size \(100 vs 101\)"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_size=100 + dist.get_rank())
+
+
+TABLE = CheckTable(
+    [
+        weights_match_for_every_optimizer_and_stage,
+        clipping_matches_torch_clip_grad_norm,
+        accumulation_of_four_micro_steps_equals_one_big_batch,
+        no_communication_until_the_last_micro_step,
+        second_backward_without_no_sync_is_a_clear_error,
+        skipped_layer_is_not_updated_and_matches_reference,
+        layer_skipped_on_one_rank_only_gets_the_averaged_gradient,
+        fp16_overflow_on_one_rank_skips_the_step_everywhere,
+        bf16_matches_mixed_precision_reference,
+        grads_are_readable_after_backward,
+        state_dict_round_trip_and_full_state_match_the_plain_optimizer,
+        optimizer_state_per_rank_is_one_over_dp,
+        lr_scheduler_drives_the_wrapper,
+        errors_name_the_value_and_the_fix,
+    ],
+    world_size=2,
+)
+
+
+@pytest.mark.parametrize("name", TABLE.names())
+def test_dp2(name):
+    values = TABLE.result(name)
+    if name == "optimizer_state_per_rank_is_one_over_dp":
+        print(values[0])
