@@ -1,0 +1,67 @@
+"""What torchrun starts on each rank under ``shardformer run``: ``python -m shardformer.cli.rank_entry SCRIPT ARGS``.
+
+It runs SCRIPT as ``python SCRIPT ARGS`` would (``__main__``, ``sys.argv``, the script's folder on
+``sys.path``). If the script raises, the exception goes into torchelastic's per-rank error file, so
+the launcher can name the failed rank and its error in one line instead of "no traceback available".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m shardformer.cli.rank_entry SCRIPT [ARGS...]")
+    script = os.path.abspath(sys.argv[1])
+    sys.argv = [script, *sys.argv[2:]]
+    sys.path[0] = os.path.dirname(script)  # as `python script.py` does
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        _record(exc)
+        tb = exc.__traceback__
+        # Drop this shim's and runpy's frames: the traceback starts in the user's script.
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:
+            tb = tb.tb_next
+        tb = tb or exc.__traceback__
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        raise SystemExit(1) from None
+
+
+def _record(exc: BaseException) -> None:
+    """Write torchelastic's error-file JSON (what its ``@record`` writes), plus a nanosecond time.
+
+    torchelastic orders failures by whole seconds; a peer that fails in the same second because this
+    rank died ("connection closed by peer") would tie. The finer time lets the launcher name the cause.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time_ns()
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": traceback.format_exc(),
+                "timestamp": str(now // 1_000_000_000),
+                "time_ns": str(now),
+            },
+        }
+    }
+    try:
+        with open(path, "w") as file:
+            json.dump(data, file)
+    except OSError:
+        pass  # the report is a courtesy; the exit code carries the failure
+
+
+if __name__ == "__main__":
+    main()

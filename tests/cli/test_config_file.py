@@ -1,0 +1,127 @@
+"""The config-file loader and the example-script arguments (in-process: no ranks, no torchrun)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardformer.cli import BASE_KEYS, Config, ConfigError, Key, load_config, parse_example_args
+from shardformer.cli.example_args import find_config_args, parse_overrides
+
+
+def write(tmp_path, text, name="config.py"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_loads_settings_in_either_case_and_fills_defaults(tmp_path):
+    path = write(
+        tmp_path,
+        "import os\n"
+        "tensor_parallel_size = 2\nZERO_STAGE = 1\nlr = 1\n"
+        "checkpoint_dir = os.path.join(os.path.dirname(__file__), 'ckpt')\n"
+        "_private = 'not a setting'\n"
+        "def helper():\n    return 3\n",
+    )
+    cfg = load_config(path)
+    assert isinstance(cfg, Config) and cfg.source == path
+    assert cfg.tensor_parallel_size == 2 and cfg["zero_stage"] == 1
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # an int is accepted for a float key
+    assert cfg.checkpoint_dir == str(tmp_path / "ckpt")
+    assert cfg.batch_size == BASE_KEYS["batch_size"].default and cfg.data_parallel_size is None
+    assert cfg.get("missing", 7) == 7 and "_private" not in cfg and "helper" not in cfg
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.lr = 2.0
+    with pytest.raises(AttributeError, match="did you mean 'steps'"):
+        _ = cfg.stepz
+    assert cfg.replace(steps=3).steps == 3 and cfg.steps == BASE_KEYS["steps"].default
+
+
+def test_unknown_key_names_it_lists_known_and_suggests(tmp_path):
+    path = write(tmp_path, "tensr_parallel_size = 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    text = str(err.value)
+    assert "unknown key 'tensr_parallel_size'" in text and "did you mean 'tensor_parallel_size'" in text
+    assert "known keys:" in text and "zero_stage" in text and path in text
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("steps = '10'", r"steps='10' has type str, expected int"),
+        ("steps = True", r"steps=True has type bool, expected int"),
+        ("lr = 'fast'", r"lr='fast' has type str, expected float"),
+        ("precision = 'fp8'", r"precision='fp8' is not one of 'fp32', 'fp16', 'bf16'"),
+        ("tensor_parallel_size = 0", r"tensor_parallel_size=0 must be at least 1"),
+        ("BATCH_SIZE = 4\nbatch_size = 8", r"'BATCH_SIZE' and 'batch_size' are the same key"),
+        ("steps = ", r"could not execute the config file: SyntaxError"),
+    ],
+)
+def test_bad_values_name_key_value_and_expected(tmp_path, line, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write(tmp_path, line + "\n"))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file .*nope.py' not found"):
+        load_config(tmp_path / "nope.py")
+
+
+def test_extra_keys_overrides_and_colossal_parallel_dict(tmp_path):
+    path = write(tmp_path, "parallel = dict(tensor=dict(size=2, mode='1d'), pipeline=1)\nprompt = 'Hi'\n")
+    extra = {"prompt": "Hello", "max_new_tokens": 20, "temperature": Key(float, 1.0, "sampling temperature")}
+    cfg = load_config(path, extra, overrides={"max_new_tokens": 5, "STEPS": 2})
+    assert (cfg.tensor_parallel_size, cfg.pipeline_parallel_size) == (2, 1)
+    assert (cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.steps) == ("Hi", 5, 1.0, 2)
+    with pytest.raises(ConfigError, match=r"--set: max_new_tokens='many' has type str, expected int"):
+        load_config(path, extra, overrides={"max_new_tokens": "many"})
+    with pytest.raises(ConfigError, match="unknown key 'prompt'"):
+        load_config(path)  # without the script's extra keys, its keys are unknown
+    assert load_config(path, allow_unknown=True).prompt == "Hi"  # the launcher's lenient mode
+    with pytest.raises(ConfigError, match="parallel has unknown axis 'tensr'"):
+        load_config(write(tmp_path, "parallel = dict(tensr=2)\n", "p.py"))
+    with pytest.raises(ConfigError, match="would hide Config.get"):
+        load_config(path, {"get": 1})
+
+
+def test_overrides_and_config_args_from_a_command_line():
+    assert parse_overrides(["steps=2", "lr=1e-4", "precision=bf16", "model_path=/tmp/m", "seed=None"]) == {
+        "steps": 2,
+        "lr": 1e-4,
+        "precision": "bf16",
+        "model_path": "/tmp/m",
+        "seed": None,
+    }
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_overrides(["steps"])
+    args = ["--mode", "train", "--config=c.py", "--set", "steps=3", "--", "--config", "other.py"]
+    assert find_config_args(args) == ("c.py", {"steps": 3})
+    assert find_config_args(["--mode", "train"]) == (None, {})
+    with pytest.raises(ConfigError, match="--config needs a value"):
+        find_config_args(["--config"])
+
+
+def test_parse_example_args(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    path = write(tmp_path, "steps = 4\n")
+    cfg, mode = parse_example_args(
+        ["--config", path, "--mode", "inference", "--set", "prompt=Hey"], {"prompt": "Hello"}
+    )
+    assert (cfg.steps, cfg.prompt, mode) == (4, "Hey", "inference")
+
+    for argv, message in [
+        (["--config", path, "--mode", "fly"], "argument --mode: invalid choice: 'fly'"),
+        (["--mode", "train"], "the following arguments are required: --config"),
+        (["--config", str(tmp_path / "nope.py"), "--mode", "train"], "nope.py' not found"),
+        (["--config", path, "--mode", "train", "--set", "stepz=1"], "unknown key 'stepz'; did you mean 'steps'"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_example_args(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+
+    monkeypatch.setenv("LOCAL_RANK", "1")  # other ranks exit 2 without repeating the message
+    with pytest.raises(SystemExit):
+        parse_example_args(["--config", path, "--mode", "fly"])
+    assert capsys.readouterr().err == ""
