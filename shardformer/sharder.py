@@ -55,10 +55,10 @@ class ModelSharder:
 
     def plan(self) -> tuple[list[tuple[str, nn.Module, Argument]], list[Replacement]]:
         """Resolve the policy against the model; raise on anything that does not fit."""
-        self.shard_config.check_world()
         config = getattr(self.model, "config", None)
         self.policy.set_model(self.model)
         arguments = self.policy.argument_policy(config, self.shard_config)
+        self.shard_config.check_world()
         targets = [(name, m, arguments[type(m)]) for name, m in self.model.named_modules() if type(m) in arguments]
         if not targets:
             raise ValueError(
@@ -143,6 +143,7 @@ class ModelSharder:
         if issubclass(cls, (VocabParallelLMHead1D, VocabParallelEmbedding1D)):
             options["pad_to_multiple"] = cfg.vocab_pad_multiple
         new = cls.from_native(replacement.module, group, **options)
+        new.train(replacement.module.training)  # a model sharded in eval() stays in eval()
         _set(self.model, replacement.path, new)
         return new
 
@@ -151,7 +152,8 @@ class ModelSharder:
         it the tensor-parallel RNG too, so ranks never drift apart through different global RNG states."""
         leftovers = [name for name, m in self.model.named_modules() if type(m) is nn.Dropout and m.p > 0]
         for index, name in enumerate(leftovers):
-            _set(self.model, name, DropoutForReplicatedInput.from_native(_get(self.model, name), group, seed + index))
+            old = _get(self.model, name)
+            _set(self.model, name, DropoutForReplicatedInput.from_native(old, group, seed + index).train(old.training))
 
     def _tied_pairs(self) -> list[tuple[str, str]]:
         """Binding pairs that really are one tensor in the original model (else nothing to keep tied)."""

@@ -92,6 +92,14 @@ def check_gpt2_generate_matches_greedy():
         assert model.lm_head.gather_output is False  # generate gathers only while it runs
 
 
+def check_sharding_keeps_train_and_eval_mode():
+    for mode in (True, False):
+        _, model = zoo.load_twice("GPT2LMHeadModel")
+        model.train(mode)
+        model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+        assert all(m.training == mode for m in model.modules()), f"a replaced module lost training={mode}"
+
+
 def check_classification_predictions_match():
     ref, model = zoo.load_twice("BertForSequenceClassification", "sdpa")
     model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size())).eval()
@@ -159,6 +167,7 @@ TP2 = [
     check_timm_vision_transformer,
     check_gpt2_generate_matches_greedy,
     check_classification_predictions_match,
+    check_sharding_keeps_train_and_eval_mode,
     check_gathered_logits_have_true_vocab_and_same_loss,
     check_tied_weights_stay_one_parameter,
     check_return_dict_false_puts_loss_first,

@@ -1,0 +1,93 @@
+"""Bad input fails before any process group exists, naming the value and the fix."""
+
+import pytest
+import torch.nn as nn
+from transformers import GPT2Model
+
+from shardformer import Argument, Col_Layer, Policy, ShardConfig, shard_model
+from shardformer.policies.base import Row_Layer
+from tests.policies import zoo
+
+
+class _Gpt2BlockPolicy(Policy):
+    def __init__(self, *layers):
+        self.layers = list(layers)
+
+    def argument_policy(self, config, shard_config):
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        return {GPT2Block: Argument({}, [lambda: self.layers])}
+
+
+def test_model_without_policy_names_the_supported_classes():
+    with pytest.raises(
+        ValueError, match=r"no built-in policy for Sequential; supported: .*BertForMaskedLM.*policy=MyPolicy"
+    ):
+        shard_model(nn.Sequential(nn.Linear(2, 2)), ShardConfig(tensor_parallel_size=2))
+
+
+def test_heads_that_tp_does_not_divide_are_named():
+    with pytest.raises(
+        ValueError, match=r"num_attention_heads=4 is not divisible by tensor_parallel_size=3.*\[1, 2, 4\]"
+    ):
+        shard_model(GPT2Model(zoo.gpt2_config()), ShardConfig(tensor_parallel_size=3))
+
+
+def test_missing_suffix_names_suffix_and_module():
+    policy = _Gpt2BlockPolicy(Col_Layer("attn.c_atn", reversed=True))
+    with pytest.raises(ValueError, match=r"suffix 'attn.c_atn' is not in GPT2Block \(h.0\).*ignore=True"):
+        shard_model(GPT2Model(zoo.gpt2_config()), ShardConfig(), policy=policy)
+
+
+def test_ignored_missing_suffix_is_skipped():
+    policy = _Gpt2BlockPolicy(
+        Col_Layer("attn.q_attn", reversed=True, ignore=True), Row_Layer("mlp.c_proj", reversed=True)
+    )
+    model = shard_model(GPT2Model(zoo.gpt2_config()), ShardConfig(), policy=policy)
+    assert type(model.h[0].mlp.c_proj).__name__ == "Linear1D_Row"
+
+
+def test_conv1d_without_reversed_is_caught():
+    policy = _Gpt2BlockPolicy(Col_Layer("attn.c_attn", n_cast=3))
+    with pytest.raises(ValueError, match=r"h.0.attn.c_attn is Conv1D \(weight \[in, out\]\).*set reversed=True"):
+        shard_model(GPT2Model(zoo.gpt2_config()), ShardConfig(), policy=policy)
+
+
+def test_tp_without_processes_says_how_to_launch():
+    with pytest.raises(RuntimeError, match=r"tensor_parallel_size=2 .* needs that many processes.*shardformer run"):
+        shard_model(GPT2Model(zoo.gpt2_config()), ShardConfig(tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tensor_parallel_size": 0}, r"tensor_parallel_size=0 must be a positive integer"),
+        ({"pipeline_parallel_size": 1.5}, r"pipeline_parallel_size=1.5 must be a positive integer"),
+        ({"data_parallel_size": 0}, r"data_parallel_size=0 must be a positive integer or None"),
+        ({"gather_output": "yes"}, r"gather_output='yes' must be True or False"),
+        ({"vocab_pad_multiple": 0}, r"vocab_pad_multiple=0 must be a positive integer"),
+    ],
+)
+def test_shard_config_checks_itself(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ShardConfig(**kwargs)
+
+
+def test_policy_for_classes_the_model_lacks():
+    class WrongPolicy(Policy):
+        def argument_policy(self, config, shard_config):
+            return {nn.GRU: Argument({}, [])}
+
+    with pytest.raises(ValueError, match=r"names the module classes \['GRU'\], but GPT2Model contains none"):
+        shard_model(GPT2Model(zoo.gpt2_config()), ShardConfig(), policy=WrongPolicy())
+
+
+def test_one_process_tp1_sharding_is_the_identity_on_values():
+    import torch
+
+    torch.manual_seed(0)
+    model = GPT2Model(zoo.gpt2_config()).eval()
+    ids = torch.randint(0, zoo.VOCAB, (2, 5))
+    expected = model(ids).last_hidden_state
+    sharded = shard_model(model, ShardConfig())
+    torch.testing.assert_close(sharded(ids).last_hidden_state, expected)
