@@ -37,7 +37,9 @@ class ShardConfig:
     def __post_init__(self) -> None:
         group = self.tensor_parallel_process_group
         if group is not None:
-            size = dist.get_world_size(group)
+            from shardformer.layers.comm import group_size
+
+            size = group_size(group)
             if self.tensor_parallel_size not in (1, size):
                 raise ValueError(
                     f"tensor_parallel_size={self.tensor_parallel_size} disagrees with the size {size} of "

@@ -10,9 +10,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shardformer.cli import run
+from shardformer.cli import plan, run
 
-SUBCOMMANDS = (run,)
+SUBCOMMANDS = (run, plan)
 
 
 def _version() -> str:

@@ -14,7 +14,9 @@ benchmarks can count communication instead of trusting it.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -54,11 +56,24 @@ def _record(op: str, tensor: torch.Tensor) -> None:
         counter.calls.append((op, tensor.numel(), tensor.numel() * tensor.element_size()))
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
+@dataclass(frozen=True)
+class VirtualGroup:
+    """A stand-in process group for planning (``shardformer plan``): sharding reads its rank and
+    size, and nothing ever communicates over it."""
+
+    rank: int
+    size: int
+
+
+def group_size(group) -> int:
+    if isinstance(group, VirtualGroup):
+        return group.size
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def group_rank(group: dist.ProcessGroup | None) -> int:
+def group_rank(group) -> int:
+    if isinstance(group, VirtualGroup):
+        return group.rank
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
@@ -93,6 +108,7 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _latest_copy[0] = None  # forward is over: nothing left to share
         return all_reduce(grad.contiguous(), ctx.group), None
 
 
@@ -128,8 +144,26 @@ class _GatherFromParallel(torch.autograd.Function):
         return slice_tensor(grad, ctx.spec), None, None
 
 
+# Column layers that read the same input one after another (BERT's query/key/value, Llama's gate/up)
+# share one copy_to_parallel node, so autograd sums their input gradients locally and backward
+# all-reduces once, as a fused QKV would. Only the latest input is remembered; its backward (or
+# the next input) releases it.
+_latest_copy: list = [None]  # [(weakref(input), input version, group, output)]
+
+
 def copy_to_parallel(x: torch.Tensor, group) -> torch.Tensor:
-    return _CopyToParallel.apply(x, group) if group_size(group) > 1 else x
+    if group_size(group) == 1:
+        return x
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x  # identity forward, and no backward to reduce in
+    latest = _latest_copy[0]
+    if latest is not None:
+        x_ref, version, cached_group, y = latest
+        if x_ref() is x and version == x._version and cached_group is group:
+            return y
+    y = _CopyToParallel.apply(x, group)
+    _latest_copy[0] = (weakref.ref(x), x._version, group, y)
+    return y
 
 
 def reduce_from_parallel(x: torch.Tensor, group) -> torch.Tensor:

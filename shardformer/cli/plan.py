@@ -1,0 +1,41 @@
+"""``shardformer plan``: size a job with no weights and no processes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="show how a model would be sharded and the bytes per rank, without starting anything",
+        description="Build MODEL on the meta device (no weights), apply its policy and print what is replaced, "
+        "each rank's parameter shapes and estimated bytes per rank.",
+        epilog="examples:\n  shardformer plan gpt2 --tp 2\n  shardformer plan path/to/model --tp 4 --dp 2 --zero 1 "
+        "--precision bf16\n  shardformer plan timm:vit_base_patch16_224 --tp 2 --summary",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", metavar="MODEL", help="folder with config.json, a built-in name (gpt2, bert-base, "
+                        "vit-base, ...) or timm:<name>")  # fmt: skip
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (default 0)")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--summary", action="store_true", help="leave out the per-parameter list")
+    parser.set_defaults(func=plan_command)
+    return parser
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from shardformer.plan import build_meta_model, format_plan, plan_model
+
+    try:
+        model = build_meta_model(args.model)
+        plan = plan_model(model, args.tp, args.pp, args.dp, args.zero, args.precision)
+    except (ValueError, NotImplementedError) as e:
+        print(f"shardformer plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan, show_params=not args.summary))
+    return 0

@@ -1,0 +1,162 @@
+"""Size a job before starting it: shard a model built on the meta device, with no processes.
+
+``plan_model`` applies the model's policy at a tensor-parallel size through a
+:class:`~shardformer.layers.comm.VirtualGroup`, so the parameter shapes are exactly those a real
+shard produces, and estimates bytes per rank for parameters, gradients and optimizer state.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from shardformer.config import ShardConfig
+from shardformer.layers.comm import VirtualGroup
+from shardformer.mesh import resolve_sizes
+from shardformer.slicer import shard_spec
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _builtin(name: str):
+    import transformers as tf
+
+    table = {
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config()),
+        "gpt2-medium": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=1024, n_layer=24, n_head=16)),
+        "gpt2-large": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=1280, n_layer=36, n_head=20)),
+        "bert-base": lambda: tf.BertForMaskedLM(tf.BertConfig()),
+        "bert-large": lambda: tf.BertForMaskedLM(
+            tf.BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+        ),
+        "vit-base": lambda: tf.ViTForImageClassification(tf.ViTConfig()),
+    }
+    return table.get(name), sorted(table)
+
+
+def build_meta_model(spec: str) -> nn.Module:
+    """A model without weights: a folder with config.json, a built-in name, or ``timm:<model name>``."""
+    with torch.device("meta"):
+        if spec.startswith("timm:"):
+            import timm
+
+            return timm.create_model(spec[5:], pretrained=False)
+        if os.path.isdir(spec):
+            import transformers as tf
+
+            config = tf.AutoConfig.from_pretrained(spec)
+            names = getattr(config, "architectures", None) or []
+            if not names or not hasattr(tf, names[0]):
+                raise ValueError(f"{spec}/config.json names no transformers class in 'architectures' ({names})")
+            return getattr(tf, names[0])(config)
+        factory, known = _builtin(spec)
+        if factory is None:
+            raise ValueError(
+                f"MODEL {spec!r} is not a folder with config.json, a built-in name ({', '.join(known)}) or timm:<name>"
+            )
+        return factory()
+
+
+@dataclass
+class Plan:
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    precision: str
+    replaced: list[tuple[str, str, str]] = field(default_factory=list)  # (path, from class, to class)
+    params: list[tuple[str, tuple, tuple]] = field(default_factory=list)  # (name, full shape, rank shape)
+
+    @property
+    def rank_numel(self) -> int:
+        return sum(_numel(local) for _, _, local in self.params)
+
+    @property
+    def full_numel(self) -> int:
+        return sum(_numel(full) for _, full, _ in self.params)
+
+    def bytes_per_rank(self) -> dict[str, int]:
+        """Parameters, gradients and Adam state (+ fp32 master) per rank, over all pipeline stages.
+
+        With pp > 1 the stages differ; these are for the whole tp shard divided evenly over stages.
+        """
+        n = self.rank_numel / self.pp
+        width = BYTES[self.precision]
+        master = 4 if (self.zero or self.precision != "fp32") else 0  # ZeRO keeps fp32 master shards
+        state_and_master = (8 + master) * n
+        return {
+            "parameters": int(n * width),
+            "gradients": int(n * width / (self.dp if self.zero >= 2 else 1)),
+            "optimizer (Adam + master)": int(state_and_master / (self.dp if self.zero >= 1 else 1)),
+        }
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def plan_model(
+    model: nn.Module, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, precision: str = "fp32", policy=None
+) -> Plan:
+    """Shard ``model`` (build it on the meta device) for tp rank 0 of ``tp`` and describe the result."""
+    from shardformer.sharder import ModelSharder, shard_model
+
+    if zero not in (0, 1, 2):
+        raise ValueError(f"zero={zero} must be 0, 1 or 2")
+    if precision not in BYTES:
+        raise ValueError(f"precision={precision!r} must be one of {sorted(BYTES)}")
+    resolve_sizes(tp * pp * dp, tp, pp, dp)
+    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    before = {name: type(m).__name__ for name, m in model.named_modules()}
+    config = ShardConfig(tensor_parallel_process_group=VirtualGroup(0, tp), pipeline_parallel_size=1)
+    if policy is None:
+        model = shard_model(model, config)
+    else:
+        model = ModelSharder(model, policy, config).shard()
+    plan = Plan(tp, pp, dp, zero, precision)
+    for name, m in model.named_modules():
+        if name in before and before[name] != type(m).__name__:
+            plan.replaced.append((name, before[name], type(m).__name__))
+    for name, p in model.named_parameters():
+        spec = shard_spec(p)
+        plan.params.append((name, full_shapes[name], tuple(p.shape) if spec else full_shapes[name]))
+    return plan
+
+
+def format_plan(plan: Plan, show_params: bool = True) -> str:
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    lines = [
+        f"layout: tp={plan.tp} x pp={plan.pp} x dp={plan.dp} = {plan.tp * plan.pp * plan.dp} processes, "
+        f"zero stage {plan.zero}, {plan.precision}",
+        "",
+        f"replaced modules ({len(plan.replaced)}):",
+    ]
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for path, old, new in plan.replaced:
+        kinds.setdefault((old, new), []).append(path)
+    for (old, new), paths in kinds.items():
+        lines.append(f"  {old} -> {new}: {len(paths)} (e.g. {paths[0] or 'the model itself'})")
+    if show_params:
+        lines += ["", "parameters of each tensor-parallel rank (full shape -> rank shape):"]
+        for name, full, local in plan.params:
+            mark = "" if full == local else "  [split]"
+            lines.append(f"  {name}: {list(full)} -> {list(local)}{mark}")
+    lines += [
+        "",
+        f"parameters: {plan.full_numel:,} unsharded, {plan.rank_numel:,} per tensor-parallel rank "
+        f"({plan.rank_numel / plan.full_numel:.3f})",
+        "estimated bytes per rank:",
+    ]
+    per_rank = plan.bytes_per_rank()
+    for what, b in per_rank.items():
+        lines.append(f"  {what}: {mib(b)}")
+    lines.append(f"  total: {mib(sum(per_rank.values()))} (activations not included)")
+    if plan.pp > 1:
+        lines.append(f"  (pp={plan.pp}: averaged over stages; the first and last stage also hold embeddings/head)")
+    return "\n".join(lines)
