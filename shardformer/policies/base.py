@@ -135,3 +135,48 @@ class Policy:
     @staticmethod
     def unembedding() -> list[Layer]:
         return []
+
+    # -- pipeline parallelism ---------------------------------------------------------------------
+    # A policy that fills in these methods lets the model split into pipeline stages: the layers
+    # at ``pipeline_layers`` are divided among the stages; the modules named by ``pipeline_first``
+    # stay only on the first stage, those of ``pipeline_last`` only on the last, those of
+    # ``pipeline_shared`` (weights tied between input and output, e.g. word embeddings) on both.
+    # Everything else is removed by setting it to None, so parameter names never change.
+
+    def pipeline_layers(self, model: nn.Module) -> str | None:
+        """Dotted path of the ``nn.ModuleList`` of transformer layers (None: no pipeline support)."""
+        return None
+
+    def pipeline_first(self, model: nn.Module) -> list[str]:
+        """Modules or parameters (dotted paths) used only by the first stage: embeddings."""
+        return []
+
+    def pipeline_last(self, model: nn.Module) -> list[str]:
+        """Modules or parameters used only by the last stage: final norm, head, pooler."""
+        return []
+
+    def pipeline_shared(self, model: nn.Module) -> list[str]:
+        """Modules held by the first and the last stage: input embeddings tied to the output head.
+        Their gradients are summed over the two stages before each optimizer step."""
+        return []
+
+    def stage_forward(self, model: nn.Module, hidden, inputs: dict):
+        """Run this rank's stage on one micro-batch.
+
+        ``hidden`` is the previous stage's output (None on the first stage), ``inputs`` the
+        micro-batch (every stage sees it: masks and labels come from it). Return the hidden
+        states for the next stage, or on the last stage the model's output (a ModelOutput with
+        ``loss`` when labels are given, or a tensor of logits). Loop over
+        ``model.shardformer_layers`` (the global indices of this stage's layers).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement stage_forward; it cannot be pipelined")
+
+    def pipeline_stage(self, model: nn.Module, stage: int, num_stages: int, layers_per_stage=None) -> nn.Module:
+        """Keep only stage ``stage`` of ``num_stages`` in ``model`` (in place) and return it.
+
+        ``layers_per_stage``: how many layers each stage gets (default: balanced). Records
+        ``model.shardformer_stage = (stage, num_stages)`` and ``model.shardformer_layers``.
+        """
+        from shardformer.pipeline.split import keep_stage
+
+        return keep_stage(self, model, stage, num_stages, layers_per_stage)

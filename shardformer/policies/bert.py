@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch.nn.functional as F
+from transformers.modeling_outputs import MaskedLMOutput
 from transformers.models.bert import modeling_bert as hf
 
 from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
@@ -85,6 +86,35 @@ class BertMLMPolicy(BertPolicy):
         return self.origin, self.custom
 
 
+def bert_mlm_stage_forward(model, hidden, inputs):
+    """One pipeline stage of BertForMaskedLM on a micro-batch."""
+    from shardformer.pipeline.split import local_layers
+
+    b = model.bert
+    stage, num_stages = getattr(model, "shardformer_stage", (0, 1))
+    if stage == 0:
+        hidden = b.embeddings(
+            input_ids=inputs.get("input_ids"),
+            token_type_ids=inputs.get("token_type_ids"),
+            position_ids=inputs.get("position_ids"),
+        )
+    mask, _ = b._create_attention_masks(
+        attention_mask=inputs.get("attention_mask"),
+        encoder_attention_mask=None,
+        embedding_output=hidden,
+        encoder_hidden_states=None,
+        past_key_values=None,
+    )
+    for layer in local_layers(model, b.encoder.layer):
+        hidden = layer(hidden, mask)
+    if stage < num_stages - 1:
+        return hidden
+    logits = model.cls(hidden)
+    labels = inputs.get("labels")
+    loss = None if labels is None else token_loss(logits, labels, model.cls.predictions.decoder)
+    return MaskedLMOutput(loss=loss, logits=logits)
+
+
 class VocabParallelBertForMaskedLM(hf.BertForMaskedLM):
     def forward(self, *args, labels=None, return_dict=None, **kwargs):
         output = super().forward(*args, return_dict=True, **kwargs)
@@ -115,6 +145,23 @@ class VocabParallelBertLMHeadModel(hf.BertLMHeadModel):
 
 class BertForMaskedLMPolicy(BertMLMPolicy):
     origin, custom = hf.BertForMaskedLM, VocabParallelBertForMaskedLM
+
+    # pipeline: embeddings on the first stage, the MLM head on the last; word embeddings (tied to
+    # the decoder) on both
+    def pipeline_layers(self, model):
+        return "bert.encoder.layer"
+
+    def pipeline_first(self, model):
+        return [f"bert.embeddings.{n}" for n in ("position_embeddings", "token_type_embeddings", "LayerNorm")]
+
+    def pipeline_last(self, model):
+        return ["cls", "bert.pooler"]
+
+    def pipeline_shared(self, model):
+        return ["bert.embeddings.word_embeddings"]
+
+    def stage_forward(self, model, hidden, inputs):
+        return bert_mlm_stage_forward(model, hidden, inputs)
 
 
 class BertForPreTrainingPolicy(BertMLMPolicy):

@@ -1,0 +1,268 @@
+"""ParallelEngine: one training API for every (tp, pp, dp, ZeRO) combination.
+
+It builds the process mesh, shards the model for tensor parallelism (``shard_model``), keeps this
+rank's pipeline stage, wraps the optimizer in :class:`~shardformer.zero.ZeroOptimizer` over the
+data-parallel group, and runs a pipeline schedule over micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardformer.pipeline.schedule import SCHEDULES, run_pipeline
+from shardformer.pipeline.split import check_split, num_layers_of, shared_parameters
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """How to train.
+
+    tp, pp, dp: tensor / pipeline / data parallel sizes (dp defaults to world // (tp * pp)).
+    zero_stage: 1 or 2 (ZeRO over the dp ranks). num_microbatches: micro-batches per step and
+    dp rank (gradient accumulation; also what fills the pipeline). schedule: "1f1b" or "gpipe".
+    precision: "fp32", "bf16" or "fp16" (fp32 master weights in the optimizer; fp16 adds dynamic
+    loss scaling). max_grad_norm: clip the global gradient norm (None: no clipping).
+    layers_per_stage: explicit split (one count per stage; default balanced).
+    split_batch: ``train_step`` gets the global batch and each dp rank takes its 1/dp slice
+    (False: each rank passes its own dp-local batch).
+    backend: how training steps run the schedule when pp > 1: "torch" (torch.distributed.pipelining's
+    PipelineStage, ScheduleGPipe / Schedule1F1B) or "p2p" (the same schedules on our own
+    send/recv). ``eval_step`` and ``forward`` always use "p2p" (forward only).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    zero_stage: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    precision: str = "fp32"
+    max_grad_norm: float | None = None
+    layers_per_stage: list[int] | None = None
+    split_batch: bool = True
+    backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "num_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"EngineConfig.zero_stage={self.zero_stage!r} must be 1 or 2")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"EngineConfig.schedule={self.schedule!r} must be one of {SCHEDULES}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"EngineConfig.precision={self.precision!r} must be one of {sorted(PRECISIONS)}")
+        if self.backend not in ("p2p", "torch"):
+            raise ValueError(f"EngineConfig.backend={self.backend!r} must be 'p2p' or 'torch'")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")
+
+
+def _loss_from_output(output, micro_batch):
+    loss = output.get("loss") if hasattr(output, "get") else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError(
+            "the model's output has no loss: put the labels in the batch, or give ParallelEngine a "
+            "loss_fn(output, micro_batch)"
+        )
+    return loss
+
+
+def split_batch(batch: dict, parts: int, what: str) -> list[dict]:
+    """Split every tensor of ``batch`` along dim 0 into ``parts`` equal chunks (others are copied)."""
+    sizes = {v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.ndim > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"the batch's tensors must share one batch size (dim 0); got sizes {sorted(sizes)}")
+    size = sizes.pop()
+    if size % parts != 0:
+        raise ValueError(
+            f"batch size {size} does not divide into {what}={parts}; use a batch size that is a multiple of {parts}"
+        )
+    step = size // parts
+    return [
+        {k: v[i * step : (i + 1) * step] if torch.is_tensor(v) and v.ndim > 0 else v for k, v in batch.items()}
+        for i in range(parts)
+    ]
+
+
+class ParallelEngine:
+    """Train or run ``model`` with tensor, pipeline and ZeRO data parallelism.
+
+    Args:
+        model: an unsharded HF / timm model (sharded and split in place).
+        optimizer: ``params -> torch.optim.Optimizer`` (built over this rank's stage shards).
+        config: an :class:`EngineConfig`.
+        policy: a custom Policy (default: the built-in one for the model's class).
+        loss_fn: ``(last-stage output, micro_batch) -> loss``; default: the output's ``loss``.
+        mesh: an existing :class:`~shardformer.ProcessMesh` with the same sizes (default: built here).
+
+    ``train_step(batch)`` returns the step's loss, the same on every rank: the mean over the
+    ``dp * num_microbatches`` chunks of each chunk's loss (the usual gradient-accumulation mean).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        config: EngineConfig | None = None,
+        *,
+        policy=None,
+        loss_fn: Callable | None = None,
+        mesh=None,
+    ) -> None:
+        from shardformer.config import ShardConfig
+        from shardformer.mesh import ProcessMesh, resolve_sizes
+        from shardformer.policies.auto import get_autopolicy
+        from shardformer.sharder import shard_model
+        from shardformer.zero import ZeroOptimizer
+
+        cfg = self.config = config or EngineConfig()
+        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer must be a factory `params -> Optimizer` (e.g. lambda p: torch.optim.AdamW(p, lr=1e-4)): "
+                "the parameters it steps exist only after sharding"
+            )
+        # Every check that can fail runs before the first collective.
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp)
+        self.policy = policy or get_autopolicy(model)
+        self.policy.set_model(model)
+        if cfg.pp > 1:
+            _, layers = num_layers_of(self.policy, model)
+            check_split(layers, cfg.pp, cfg.layers_per_stage)
+        self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp)
+        if (self.mesh.tp_size, self.mesh.pp_size) != (cfg.tp, cfg.pp) or (cfg.dp not in (None, self.mesh.dp_size)):
+            raise ValueError(f"mesh {self.mesh} does not match tp={cfg.tp}, pp={cfg.pp}, dp={cfg.dp}")
+        shard_config = ShardConfig(
+            tensor_parallel_size=cfg.tp, pipeline_parallel_size=cfg.pp, data_parallel_size=self.mesh.dp_size
+        )
+        shard_config.mesh = self.mesh
+        self.model = shard_model(model, shard_config, self.policy)
+        if cfg.pp > 1:
+            self.policy.pipeline_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
+        else:
+            self.model.shardformer_stage = (0, 1)
+        self.model.to(PRECISIONS[cfg.precision])
+        first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
+        self.shared = shared_parameters(self.policy, self.model) if cfg.pp > 1 and (first or last) else []
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = ZeroOptimizer(
+            optimizer(params),
+            self.mesh.dp_group,
+            cfg.zero_stage,
+            tp_group=self.mesh.tp_group,
+            pp_group=self.mesh.pp_group,
+            model=self.model,
+        )
+        self.loss_fn = loss_fn or _loss_from_output
+        self.device = params[0].device if params else torch.device("cpu")
+        self.last_grad_norm: float | None = None
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def _local_batch(self, batch: dict) -> dict:
+        if not self.config.split_batch or self.mesh.dp_size == 1:
+            return batch
+        return split_batch(batch, self.mesh.dp_size, "data_parallel_size")[self.mesh.dp_rank]
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
+        """Mean of the last stage's micro-batch losses, sent to every stage and averaged over dp."""
+        mesh = self.mesh
+        value = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
+        value = value.reshape(1).to(self.device)
+        if mesh.pp_size > 1:
+            dist.broadcast(value, mesh.stage_rank(mesh.pp_size - 1), mesh.pp_group)
+        if mesh.dp_size > 1:
+            dist.all_reduce(value, group=mesh.dp_group)
+            value /= mesh.dp_size
+        return value.item()
+
+    def train_step(self, batch: dict) -> float:
+        """Forward and backward over the micro-batches, then one optimizer step; returns the loss."""
+        cfg, mesh, zero = self.config, self.mesh, self.optimizer
+        micro = split_batch(self._to_device(self._local_batch(batch)), cfg.num_microbatches, "num_microbatches")
+        self.model.train()
+        zero.zero_grad()
+        scale = zero.loss_scale / cfg.num_microbatches
+        run = run_pipeline
+        if cfg.backend == "torch" and mesh.pp_size > 1:
+            from shardformer.pipeline.torch_schedule import run_pipeline_torch as run
+        losses, _ = run(
+            self.model, self.policy, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale, device=self.device
+        )
+        self._sum_shared_grads()
+        if cfg.max_grad_norm is not None:
+            self.last_grad_norm = self._clip(cfg.max_grad_norm)
+        zero.step()
+        return self._mean_loss(losses)
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict) -> float:
+        """The loss of ``batch`` without updating anything (same split and averaging as train_step)."""
+        micro = split_batch(self._to_device(self._local_batch(batch)), self.config.num_microbatches, "num_microbatches")
+        self.model.eval()
+        losses, _ = run_pipeline(
+            self.model, self.policy, self.mesh, micro, self.loss_fn, backward=False, device=self.device
+        )
+        return self._mean_loss(losses)
+
+    @torch.no_grad()
+    def forward(self, batch: dict):
+        """Inference on the whole ``batch`` (not split over dp): the last stage's outputs per
+        micro-batch, concatenated (``logits`` of a ModelOutput, or the tensor itself). Returned on
+        every rank (sent from the last stage over the pipeline); vocab-parallel logits stay
+        sharded over tp unless the model was built with ``gather_output``."""
+        micro = split_batch(self._to_device(batch), self.config.num_microbatches, "num_microbatches")
+        self.model.eval()
+        _, outputs = run_pipeline(self.model, self.policy, self.mesh, micro, None, backward=False, device=self.device)
+        out = None
+        if outputs:
+            out = torch.cat([o if torch.is_tensor(o) else o["logits"] for o in outputs]).contiguous()
+        if self.mesh.pp_size == 1:
+            return out
+        box = [None if out is None else (tuple(out.shape), out.dtype)]
+        src = self.mesh.stage_rank(self.mesh.pp_size - 1)
+        dist.broadcast_object_list(box, src, self.mesh.pp_group)
+        if out is None:
+            out = torch.empty(box[0][0], dtype=box[0][1], device=self.device)
+        dist.broadcast(out, src, self.mesh.pp_group)
+        return out
+
+    __call__ = forward
+
+    # -- gradients ----------------------------------------------------------------------------------
+
+    def _sum_shared_grads(self) -> None:
+        """Tied weights on the first and last stage: sum their gradients over the two stages."""
+        if not self.shared:
+            return
+        for p in self.shared:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.mesh.embedding_group)
+
+    def _clip(self, max_norm: float) -> float:
+        """Clip to the unsharded model's global norm; tied weights count once (first stage's copy)."""
+        from shardformer.zero.grad_norm import clip_master_grads, global_grad_norm
+
+        zero = self.optimizer
+        zero.sync_grads()
+        duplicate = {id(p) for p in self.shared} if self.mesh.is_last_stage and not self.mesh.is_first_stage else set()
+        counted = [s for s in zero.slots if id(s.param) not in duplicate]
+        norm, found_inf = global_grad_norm(counted, zero.dp_group, zero.tp_group, zero.pp_group)
+        zero._grad_stats = (norm, found_inf)  # step() reuses it for the fp16 overflow check
+        if not found_inf and math.isfinite(norm):
+            clip_master_grads(zero.slots, norm, float(max_norm))
+        return norm

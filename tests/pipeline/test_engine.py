@@ -1,0 +1,136 @@
+"""ParallelEngine on 4 gloo ranks: every (tp, pp, dp) combination with ZeRO stage 1, for GPT-2 LM,
+BERT MLM, ViT classification (and timm ViT): the loss of every step and the weights after 3 steps
+equal one process training the unsharded model on the same batches. One spawn for everything.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from shardformer import ProcessMesh
+from shardformer.pipeline import EngineConfig, ParallelEngine
+from tests.helpers import assert_close, check_table
+from tests.pipeline import common
+from tests.policies import zoo
+
+STEPS = 3
+# (tp, pp, dp, schedule, micro-batches, max grad norm, backend): both schedules on both backends
+# (torch.distributed.pipelining and our send/recv), gradient accumulation, clipping
+COMBOS = [
+    (2, 2, 1, "1f1b", 2, 0.5, "torch"),
+    (1, 2, 2, "gpipe", 2, None, "p2p"),
+    (2, 1, 2, "1f1b", 2, 0.5, "torch"),
+    (1, 4, 1, "1f1b", 4, 0.5, "p2p"),
+    (4, 1, 1, "gpipe", 1, None, "torch"),
+    (1, 1, 4, "1f1b", 2, 0.5, "torch"),
+]
+_MESHES = {}
+
+
+def _mesh(tp, pp, dp):
+    if (tp, pp, dp) not in _MESHES:
+        _MESHES[(tp, pp, dp)] = ProcessMesh(tp, pp, dp)
+    return _MESHES[(tp, pp, dp)]
+
+
+def _check(
+    name, tp, pp, dp, schedule, micro, clip, backend="torch", zero_stage=1, model_pair=None, loss_fn=None, data=None
+):
+    ref, model = model_pair or common.models(name)
+    data = data or common.batches(name, STEPS)
+    cfg = EngineConfig(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        zero_stage=zero_stage,
+        num_microbatches=micro,
+        schedule=schedule,
+        max_grad_norm=clip,
+        backend=backend,
+    )
+    engine = ParallelEngine(model, common.sgd, cfg, loss_fn=loss_fn, mesh=_mesh(tp, pp, dp))
+    stage = engine.model.shardformer_stage
+    assert stage == (engine.mesh.pp_rank, pp), stage
+    expected = common.reference_run(ref, data, dp * micro, clip, loss_fn)
+    got = [engine.train_step(b) for b in data]
+    what = f"{name} tp={tp} pp={pp} dp={dp} {schedule}/{backend} x{micro} clip={clip} zero={zero_stage}"
+    assert_close(torch.tensor(got), torch.tensor(expected), what=f"{what}: losses")
+    weights, mine = common.gathered_weights(engine.model, engine.mesh.tp_group)
+    full = dict(ref.named_parameters())
+    assert mine <= set(full), f"{what}: names not in the unsharded model: {mine - set(full)}"
+    assert set(weights) == set(full), f"{what}: missing on every stage: {set(full) - set(weights)}"
+    for key, value in full.items():
+        assert_close(weights[key], value.detach(), what=f"{what}: {key} after {STEPS} steps")
+    return engine
+
+
+class _ComboCheck:
+    """A picklable check of one model at one combination (spawned ranks unpickle it)."""
+
+    def __init__(self, name, combo):
+        self.name, self.combo = name, combo
+        tp, pp, dp, schedule, _, _, backend = combo
+        self.__name__ = f"check_{name}_tp{tp}_pp{pp}_dp{dp}_{schedule}" + (f"_{backend}" if pp > 1 else "")
+
+    def __call__(self):
+        _check(self.name, *self.combo)
+
+
+def check_gpt2_stage_contents():
+    ref, model = common.models("GPT2LMHeadModel")
+    engine = ParallelEngine(model, common.sgd, EngineConfig(tp=1, pp=4), mesh=_mesh(1, 4, 1))
+    m, stage = engine.model, engine.mesh.pp_rank
+    assert m.shardformer_stage == (stage, 4) and m.shardformer_layers == [stage]
+    assert [i for i, b in enumerate(m.transformer.h) if b is not None] == [stage]
+    assert (m.transformer.wte is not None) == (stage in (0, 3))
+    assert (m.transformer.wpe is not None) == (stage == 0)
+    assert (m.lm_head is not None) == (stage == 3)
+    if stage == 3:
+        assert m.lm_head.weight is m.transformer.wte.weight  # still tied on the last stage
+    # inference under pp: the logits reach every rank and match the unsharded model
+    inputs = common.batches("GPT2LMHeadModel", 1)[0]
+    inputs.pop("labels")
+    with torch.no_grad():
+        expected = ref.eval()(**inputs).logits
+    assert_close(engine.forward(inputs), expected, what="inference logits under pp=4")
+
+
+def check_eval_step_and_zero2_with_pp():
+    name = "BertForMaskedLM"
+    ref, model = common.models(name)
+    data = common.batches(name, 2, seed=4)
+    engine = _check(name, 2, 2, 1, "gpipe", 2, 1.0, "torch", zero_stage=2, model_pair=(ref, model), data=data)
+    chunks = [dict(zip(data[0], v)) for v in zip(*[t.chunk(2) for t in data[0].values()])]
+    with torch.no_grad():
+        expected = sum(ref.eval()(**c).loss for c in chunks).item() / 2
+    assert_close(torch.tensor(engine.eval_step(data[0])), torch.tensor(expected), what="eval_step")
+
+
+def _timm_loss(logits, batch):
+    return F.cross_entropy(logits, batch["labels"])
+
+
+def check_timm_vit_pp2_tp2():
+    pair = zoo.timm_pair()
+    g = torch.Generator().manual_seed(7)
+    data = [
+        {
+            "x": torch.randn(common.BATCH, 3, 16, 16, generator=g),
+            "labels": torch.randint(0, 3, (common.BATCH,), generator=g),
+        }
+        for _ in range(STEPS)
+    ]
+    _check("timm_vit", 2, 2, 1, "1f1b", 2, 0.5, "p2p", model_pair=pair, loss_fn=_timm_loss, data=data)
+
+
+CHECKS = [
+    _ComboCheck(name, combo)
+    for name in ("GPT2LMHeadModel", "BertForMaskedLM", "ViTForImageClassification")
+    for combo in COMBOS
+] + [
+    _ComboCheck("BertForMaskedLM", (1, 4, 1, "gpipe", 4, 0.5, "torch")),
+    check_gpt2_stage_contents,
+    check_eval_step_and_zero2_with_pp,
+    check_timm_vit_pp2_tp2,
+]
+
+test_engine_4_ranks = check_table(CHECKS, 4)

@@ -1,0 +1,179 @@
+"""Stage split and errors, in one process: no ranks to spawn.
+
+The stages of every built-in policy, run one after another, compute the unsharded model's loss;
+parameter names are the unsharded model's; bad sizes raise errors that name the fix.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardformer import Policy, shard_model
+from shardformer.pipeline import EngineConfig, balanced_split, check_split, split_batch
+from shardformer.policies.auto import get_autopolicy
+from tests.helpers import assert_close
+from tests.pipeline import common
+from tests.policies import zoo
+
+
+def _chain(policy, stages, inputs):
+    hidden = None
+    for m in stages:
+        hidden = policy.stage_forward(m, hidden, inputs)
+    return hidden
+
+
+@pytest.mark.parametrize(
+    ("name", "impl"),
+    [
+        ("GPT2LMHeadModel", "eager"),
+        ("GPT2LMHeadModel", "sdpa"),
+        ("BertForMaskedLM", "sdpa"),
+        ("ViTForImageClassification", "eager"),
+    ],
+)
+def test_stages_in_sequence_equal_the_model(name, impl):
+    ref, model = zoo.load_twice(name, impl, config=common.config(name))
+    policy = get_autopolicy(model)
+    model = shard_model(model, policy=policy)
+    split = [1, 3]
+    stages = [policy.pipeline_stage(copy.deepcopy(model), s, 2, split) for s in range(2)]
+    inputs = common.batches(name, 1)[0]
+    out = _chain(policy, stages, inputs)
+    expected = ref(**inputs)
+    assert_close(out.loss, expected.loss, what=f"{name}/{impl} loss")
+    full = {n for n, _ in ref.named_parameters()}
+    names = [{n for n, _ in m.named_parameters()} for m in stages]
+    assert names[0] <= full and names[1] <= full and names[0] | names[1] == full
+    assert stages[0].shardformer_stage == (0, 2) and stages[1].shardformer_layers == [1, 2, 3]
+
+
+def test_timm_stages_in_sequence_equal_the_model():
+    ref, model = zoo.timm_pair()
+    policy = get_autopolicy(model)
+    model = shard_model(model, policy=policy)
+    stages = [policy.pipeline_stage(copy.deepcopy(model), s, 2) for s in range(2)]
+    x = torch.randn(2, 3, 16, 16)
+    assert_close(_chain(policy, stages, {"x": x}), ref(x), what="timm logits")
+    assert stages[1].cls_token is None and stages[0].head is None
+
+
+def test_balanced_split():
+    assert balanced_split(4, 4) == [1, 1, 1, 1]
+    assert balanced_split(5, 3) == [2, 2, 1]  # extra layers to middle stages, then the first
+    assert balanced_split(7, 2) == [4, 3]
+    assert check_split(6, 3, [1, 2, 3]) == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("args", "fix"),
+    [
+        ((2, 4, None), "use pipeline_parallel_size <= 2"),
+        ((4, 2, [1, 2, 1]), "must list 2 positive integers"),
+        ((4, 2, [1, 2]), "it must sum to the 4 layers"),
+        ((4, 2, [0, 4]), "positive integers"),
+    ],
+)
+def test_bad_split_names_the_fix(args, fix):
+    with pytest.raises(ValueError, match=fix):
+        check_split(*args)
+
+
+def test_more_stages_than_layers_raises_before_changing_the_model():
+    _, model = zoo.load_twice("GPT2LMHeadModel")  # 2 layers
+    with pytest.raises(ValueError, match="more stages than the model's 2 layers"):
+        get_autopolicy(model).pipeline_stage(model, 0, 3)
+    assert all(b is not None for b in model.transformer.h)
+
+
+def test_microbatches_that_do_not_divide_the_batch():
+    with pytest.raises(ValueError, match="batch size 6 does not divide into num_microbatches=4"):
+        split_batch({"x": torch.zeros(6, 2)}, 4, "num_microbatches")
+
+
+def test_world_size_that_does_not_fit_raises_before_any_collective():
+    from shardformer.pipeline import ParallelEngine
+
+    _, model = zoo.load_twice("GPT2LMHeadModel")
+    with pytest.raises(ValueError, match="make the product equal the number of processes|launch a multiple"):
+        ParallelEngine(model, common.sgd, EngineConfig(tp=2, pp=2, dp=2))
+
+
+def test_optimizer_must_be_a_factory():
+    from shardformer.pipeline import ParallelEngine
+
+    _, model = zoo.load_twice("GPT2LMHeadModel")
+    with pytest.raises(TypeError, match="factory"):
+        ParallelEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), EngineConfig())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        ({"zero_stage": 3}, "must be 1 or 2"),
+        ({"schedule": "interleaved"}, "must be one of"),
+        ({"num_microbatches": 0}, "positive integer"),
+        ({"precision": "fp8"}, "must be one of"),
+    ],
+)
+def test_bad_engine_config(kwargs, fix):
+    with pytest.raises(ValueError, match=fix):
+        EngineConfig(**kwargs)
+
+
+def test_policy_without_pipeline_support_names_the_fix():
+    class Bare(Policy):
+        pass
+
+    with pytest.raises(NotImplementedError, match="implement pipeline_layers"):
+        Bare().pipeline_stage(torch.nn.Linear(2, 2), 0, 2)
+
+
+class TinyPolicy(Policy):
+    """A custom model pipelined by a custom policy (no tensor parallel layers needed)."""
+
+    def argument_policy(self, model_config, shard_config):
+        return {}
+
+    def pipeline_layers(self, model):
+        return "layers"
+
+    def pipeline_first(self, model):
+        return ["embed"]
+
+    def pipeline_last(self, model):
+        return ["head"]
+
+    def stage_forward(self, model, hidden, inputs):
+        stage, n = model.shardformer_stage
+        if stage == 0:
+            hidden = model.embed(inputs["x"])
+        for i in model.shardformer_layers:
+            hidden = torch.tanh(model.layers[i](hidden))
+        return model.head(hidden) if stage == n - 1 else hidden
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(3, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def test_custom_policy_splits_the_same_way():
+    torch.manual_seed(0)
+    model, policy = Tiny(), TinyPolicy()
+    stages = [policy.pipeline_stage(copy.deepcopy(model), s, 2) for s in range(2)]
+    assert [m.shardformer_layers for m in stages] == [[0, 1], [2]]
+    x = torch.randn(4, 3)
+    assert_close(_chain(policy, stages, {"x": x}), model(x), what="custom stages")
+    assert F.mse_loss(_chain(policy, stages, {"x": x}), model(x)).item() < 1e-12
