@@ -3,14 +3,17 @@
 from shardformer.config import ShardConfig
 from shardformer.mesh import ProcessMesh, init_distributed, launch_from_torch
 from shardformer.policies import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, get_autopolicy
+from shardformer.pipeline import EngineConfig, ParallelEngine
 from shardformer.sharder import ModelSharder, shard_model
 
 __all__ = [
     "Argument",
     "Col_Layer",
     "Dropout_Layer",
+    "EngineConfig",
     "Layer",
     "ModelSharder",
+    "ParallelEngine",
     "Policy",
     "ProcessMesh",
     "Row_Layer",
