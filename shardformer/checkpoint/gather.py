@@ -1,0 +1,111 @@
+"""Where a rank sits in the (pp, dp, tp) layout, and the full (unsharded) state of a sharded model.
+
+Everything here reads the layout the sharder left on the model: ``param.shard_spec`` for tensor
+parallelism, ``model.shardformer_config`` (its tp group and mesh) and ``model.shardformer_stage``
+for pipeline parallelism, where each stage holds the original model object with the modules of the
+other stages set to None (so names are the original ones and tied weights live on two stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardformer.slicer import gather_tensor, shard_spec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's coordinates and the parallel sizes, with the groups to talk along each axis."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    rank: int
+    world: int
+    tp_group: object = None
+    dp_group: object = None
+    pp_group: object = None
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def layout_of(model: nn.Module) -> Layout:
+    """The (tp, pp, dp) layout of a sharded (or plain) model on this rank."""
+    rank, world = _world()
+    cfg = getattr(model, "shardformer_config", None)
+    if cfg is None:
+        return Layout(1, 1, world, 0, 0, rank, rank, world)
+    tp_group = cfg.tp_group()
+    mesh = cfg.mesh
+    if mesh is not None:
+        return Layout(
+            mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.tp_rank, mesh.pp_rank, mesh.dp_rank, rank, world,
+            mesh.tp_group, mesh.dp_group, mesh.pp_group,
+        )  # fmt: skip
+    # A user-given tp group and no mesh: no pipeline; the rest of the world is data parallel.
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    stage, stages = getattr(model, "shardformer_stage", (0, 1))
+    return Layout(tp, stages, world // (tp * stages), tp_rank, stage, rank // tp, rank, world, tp_group)
+
+
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer by its state-dict name (tied names all listed)."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def full_local_state(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
+    """This stage's tensors, tp shards gathered to full size (collective over the tp group).
+
+    Tied names keep pointing at one tensor; every tp rank returns the same dict (detached, on CPU).
+    """
+    group = layout_of(model).tp_group if group is None else group
+    done: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in named_tensors(model).items():
+        if id(tensor) not in done:
+            spec = shard_spec(tensor)
+            value = tensor.detach() if spec is None else gather_tensor(tensor.detach(), spec, group)
+            done[id(tensor)] = value.cpu()
+        out[name] = done[id(tensor)]
+    return out
+
+
+def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The whole model's full state on global rank 0 (None elsewhere); collective on all ranks.
+
+    tp shards are gathered inside each stage; one rank per stage (tp rank 0, dp rank 0) then sends
+    its stage to global rank 0, which merges the stages (a name on two stages, such as tied
+    embeddings on the first and last stage, is kept once).
+    """
+    lay = layout_of(model)
+    local = full_local_state(model, lay.tp_group)
+    if lay.world == 1:
+        return local
+    sender = lay.tp_rank == 0 and lay.dp_rank == 0
+    if lay.pp == 1:
+        return local if lay.rank == 0 else None
+    parts = [None] * lay.world if lay.rank == 0 else None
+    dist.gather_object(local if sender and lay.rank != 0 else None, parts, dst=0)
+    if lay.rank != 0:
+        return None
+    merged = dict(local)
+    for part in parts:
+        for name, value in (part or {}).items():
+            merged.setdefault(name, value)
+    return merged

@@ -1,0 +1,135 @@
+"""Export a sharded model to a folder that plain HuggingFace ``from_pretrained`` (or timm) loads.
+
+The tp shards are gathered by their ShardSpec (fused Q/K/V back in order, vocabulary padding cut),
+the pipeline stages are merged on global rank 0, and only global rank 0 writes: ``config.json``
+(``architectures`` names the original transformers class, not the sharder's subclass) and
+safetensors weights, split into ``model-0000k-of-0000n.safetensors`` plus an index above
+``max_shard_size``. Tied weights are written once, under the name transformers expects.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from safetensors.torch import save_file
+
+from shardformer.checkpoint.gather import gather_full_state
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def original_class(model: nn.Module) -> type:
+    """The first class in the model's MRO defined by transformers (or timm); else its own class."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith(("transformers.", "timm.")):
+            return cls
+    return type(model)
+
+
+def tied_targets(model: nn.Module) -> dict[str, str]:
+    """``{target: source}`` of the weights transformers ties (and so saves once, as the source)."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is None:
+        tied = getattr(model, "_tied_weights_keys", None)
+    return dict(tied) if isinstance(tied, dict) else {}
+
+
+def _drop_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    out = dict(state)
+    for target, source in tied_targets(model).items():
+        if target in out and source in out and torch.equal(out[target], out[source]):
+            del out[target]
+    # Any other aliases (same tensor under two names) are written once, under the first name.
+    seen: set[int] = set()
+    for name in list(out):
+        if id(out[name]) in seen:
+            del out[name]
+        else:
+            seen.add(id(out[name]))
+    return out
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    for unit, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    if text.endswith("B"):
+        text = text[:-1]
+    return int(text)
+
+
+def write_safetensors(state: dict[str, torch.Tensor], path: str, max_shard_size: int | str = "2GB") -> list[str]:
+    """Write ``state`` into ``path`` as one safetensors file, or shards plus an index; returns file names."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    state = {k: v.detach().contiguous() for k, v in state.items()}
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="model{suffix}.safetensors", max_shard_size=_parse_size(max_shard_size)
+    )
+    for old in os.listdir(path):  # stale shards of an earlier export would confuse the index
+        if old.startswith("model") and (old.endswith(".safetensors") or old == SAFE_INDEX):
+            os.remove(os.path.join(path, old))
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, os.path.join(path, filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
+                 "weight_map": split.tensor_to_filename}  # fmt: skip
+        with open(os.path.join(path, SAFE_INDEX), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    return sorted(split.filename_to_tensors)
+
+
+def _write_config(model: nn.Module, path: str) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    config = copy.deepcopy(config)
+    config.architectures = [original_class(model).__name__]
+    config.save_pretrained(path)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(path)
+
+
+def _is_timm(model: nn.Module) -> bool:
+    return original_class(model).__module__.startswith("timm.")
+
+
+def save_pretrained(model: nn.Module, path: str, max_shard_size: int | str = "2GB") -> None:
+    """Write ``model`` (sharded over any tp x pp x dp) as a plain HuggingFace folder at ``path``.
+
+    Collective: call it on every rank of the model's world. Global rank 0 writes; the others wait.
+    ``transformers.<Class>.from_pretrained(path)`` then loads it without shardformer. A timm model
+    gets a ``model.safetensors`` (and ``config.json`` with its architecture) that
+    ``timm.create_model(...).load_state_dict(safetensors.torch.load_file(...))`` accepts.
+    """
+    state = gather_full_state(model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(path, exist_ok=True)
+            write_safetensors(_drop_tied(state, model), path, max_shard_size)
+            if _is_timm(model):
+                with open(os.path.join(path, "config.json"), "w") as f:
+                    json.dump({"architecture": original_class(model).__name__,
+                               "num_classes": getattr(model, "num_classes", None)}, f, indent=2)  # fmt: skip
+            else:
+                _write_config(model, path)
+        except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
+            error = f"{type(e).__name__}: {e}"
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise RuntimeError(f"save_pretrained to {path!r} failed on rank 0: {error}")

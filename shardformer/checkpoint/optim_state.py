@@ -1,0 +1,182 @@
+"""Optimizer state in training checkpoints: each rank's shard out, any layout's shard back in.
+
+Saved per rank: every tensor state of this rank's optimizer (a ZeroOptimizer's dp shards or a
+plain optimizer's states), named ``opt.<index>.<key>``, plus JSON saying which parameter (all its
+names, its ShardSpec and local shape) each index is, which states are per-element, the scalars,
+the param groups and the loss scaler. Loading puts each per-element state of a parameter back
+together like the parameter itself (dp pieces concatenated, tp shards merged), cuts this rank's
+tp shard and hands the optimizer a dp-unsharded state (``ZeroOptimizer.load_full_state_dict``
+shards it over dp).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from shardformer.checkpoint.files import json_load, rank_files, reshard_local, spec_from_json, spec_to_json
+from shardformer.slicer import shard_spec
+from shardformer.zero import ZeroOptimizer
+
+MASTER = "__master__"
+
+
+def _params_of(optimizer) -> list[torch.nn.Parameter]:
+    if isinstance(optimizer, ZeroOptimizer):
+        return [slot.param for slot in optimizer.slots]
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _names_by_id(model: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    return names
+
+
+def _is_per_element(value, shape, key) -> bool:
+    return torch.is_tensor(value) and tuple(value.shape) == tuple(shape) and not (len(shape) == 0 and key == "step")
+
+
+def optimizer_payload(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's optimizer state as (tensors for safetensors, JSON-able description)."""
+    zero = isinstance(optimizer, ZeroOptimizer)
+    state_dict = optimizer.state_dict()
+    params = _params_of(optimizer)
+    names = _names_by_id(model)
+    tensors, per_element, scalars = {}, {}, {}
+    for index, param in enumerate(params):
+        shape = optimizer.slots[index].master.shape if zero else param.shape
+        per_element[index], scalars[index] = [], {}
+        for key, value in state_dict["state"].get(index, {}).items():
+            if torch.is_tensor(value):
+                tensors[f"opt.{index}.{key}"] = value.detach().cpu()
+                if _is_per_element(value, shape, key):
+                    per_element[index].append(key)
+            else:
+                scalars[index][key] = value
+    zero_info = state_dict.get("zero", {})
+    for index, master in zero_info.get("master_params", {}).items():
+        tensors[f"opt.{index}.{MASTER}"] = master.detach().cpu()
+        per_element[index].append(MASTER)
+    info = {
+        "kind": "zero" if zero else "plain",
+        "params": [
+            {"names": names.get(id(p), []), "spec": spec_to_json(shard_spec(p)), "shape": list(p.shape)} for p in params
+        ],
+        "per_element": per_element,
+        "has_state": [i for i in range(len(params)) if i in state_dict["state"]],
+        "scalars": scalars,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]],
+        "loss_scaler": zero_info.get("loss_scaler"),
+    }
+    return tensors, info
+
+
+class _Saved:
+    """All ranks' saved optimizer descriptions, and lazy access to their tensors."""
+
+    def __init__(self, path: str, world: int) -> None:
+        self.path, self.ranks, self._files = path, {}, {}
+        for rank in range(world):
+            info = json_load(os.path.join(path, rank_files(rank)[1]))
+            if info["optimizer"] is not None:
+                self.ranks[rank] = info
+        self.where: dict[str, list[tuple[int, int]]] = {}
+        for rank, info in self.ranks.items():
+            for index, param in enumerate(info["optimizer"]["params"]):
+                for name in param["names"]:
+                    self.where.setdefault(name, []).append((rank, index))
+
+    def _file(self, rank: int):
+        if rank not in self._files:
+            self._files[rank] = safe_open(os.path.join(self.path, rank_files(rank)[0]), "pt")
+        return self._files[rank]
+
+    def tensor(self, rank: int, key: str) -> torch.Tensor:
+        return self._file(rank).get_tensor(key)
+
+    def keys(self, rank: int) -> list[str]:
+        return list(self._file(rank).keys())  # noqa: SIM118 - a safetensors handle, not a dict
+
+    def locate(self, names: list[str]) -> dict[int, list[tuple[int, int]]]:
+        """{saved tp rank: [(global rank, index) by dp rank]} of one pipeline stage holding the param."""
+        hits = next((self.where[n] for n in names if n in self.where), None)
+        if hits is None:
+            raise ValueError(f"the checkpoint holds no optimizer state for parameter {names[0]!r}")
+        stage = self.ranks[hits[0][0]]["coords"]["pp"]
+        by_tp: dict[int, list[tuple[int, int, int]]] = {}
+        for rank, index in hits:
+            coords = self.ranks[rank]["coords"]
+            if coords["pp"] == stage:
+                by_tp.setdefault(coords["tp"], []).append((coords["dp"], rank, index))
+        return {t: [(r, i) for _, r, i in sorted(v)] for t, v in by_tp.items()}
+
+
+def _put_together(saved: _Saved, located, key: str, my_spec) -> torch.Tensor:
+    pieces = {}
+    spec = None
+    for tp_rank, replicas in located.items():
+        rank0, index0 = replicas[0]
+        opt = saved.ranks[rank0]["optimizer"]
+        param = opt["params"][index0]
+        spec = spec_from_json(param["spec"])
+        shape = param["shape"]
+        numel = int(torch.Size(shape).numel())
+        if opt["kind"] == "zero":  # dp pieces of the flattened (padded) param, in dp order
+            flat = torch.cat([saved.tensor(r, f"opt.{i}.{key}").reshape(-1) for r, i in replicas])
+            pieces[tp_rank] = flat[:numel].view(shape)
+        else:
+            pieces[tp_rank] = saved.tensor(rank0, f"opt.{index0}.{key}").view(shape)
+    return reshard_local(pieces, spec, my_spec)
+
+
+def load_optimizer(path: str, model: nn.Module, optimizer, world: int) -> None:
+    """Give ``optimizer`` its state from the checkpoint at ``path``, at this rank's layout."""
+    saved = _Saved(path, world)
+    zero = isinstance(optimizer, ZeroOptimizer)
+    names = _names_by_id(model)
+    state, masters = {}, {}
+    reference = None
+    for index, param in enumerate(_params_of(optimizer)):
+        my_names = names.get(id(param), [f"parameter {index}"])
+        located = saved.locate(my_names)
+        rank0, index0 = next(iter(located.values()))[0]
+        opt = saved.ranks[rank0]["optimizer"]
+        reference = reference or opt
+        if index0 not in opt["has_state"]:
+            continue
+        entry = dict(opt["scalars"].get(str(index0), {}))
+        for key in opt["per_element"].get(str(index0), []):
+            value = _put_together(saved, located, key, shard_spec(param))
+            if key == MASTER:
+                masters[index] = value
+            else:
+                entry[key] = value
+        prefix = f"opt.{index0}."
+        for full_key in saved.keys(rank0):
+            key = full_key[len(prefix) :] if full_key.startswith(prefix) else None
+            if key is not None and key not in entry and key != MASTER:
+                entry[key] = saved.tensor(rank0, full_key)  # scalars such as Adam's step
+        state[index] = entry
+    groups = optimizer.state_dict()["param_groups"]
+    saved_groups = reference["param_groups"] if reference else []
+    if reference is not None and len(saved_groups) != len(groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one {len(groups)}")
+    for group, old in zip(groups, saved_groups):
+        for key, value in old.items():
+            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+    if zero:
+        optimizer.load_full_state_dict({
+            "state": state, "param_groups": groups,
+            "zero": {"format": "full", "loss_scaler": reference and reference["loss_scaler"], "master_params": masters},
+        })  # fmt: skip
+        # torch's load_state_dict makes new param-group dicts in the wrapped optimizer; re-share them,
+        # or an LR scheduler (which changes the wrapper's groups) would no longer reach it.
+        optimizer.param_groups = optimizer.optim.param_groups
+        optimizer.state = optimizer.optim.state
+    else:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,223 @@
+"""Shard-on-load: build a sharded model from a HuggingFace folder, each rank reading only its slices.
+
+The model is built with its parameters on the meta device (no memory, no initialisation), sharded
+by its policy (the slicer cuts meta tensors like real ones, so every parameter gets its ShardSpec),
+and then each rank reads just the rows or columns its ShardSpec names from the safetensors files
+(byte runs read with ``pread``, see :class:`SafetensorsReader`), so a rank's peak memory is about model / tp instead
+of the whole model. Tied weights stay one Parameter: it is materialised once and set under all its
+names. Buffers are built for real (they are small, and non-persistent ones are not in the files).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
+
+from shardformer.checkpoint.hf_export import SAFE_INDEX, SAFE_WEIGHTS
+from shardformer.slicer import ShardSpec, shard_spec
+
+
+class _EmptyOnMeta(TorchFunctionMode):
+    """``torch.empty`` (how layers allocate their weights before initialising them) makes meta tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.empty:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def parameters_on_meta():
+    """Parameters built inside live on the meta device; buffers stay real.
+
+    Weights that layers allocate with ``torch.empty`` are never allocated at all; any other parameter
+    (``torch.randn``, ``torch.zeros``, ...) is moved to meta as it is registered.
+    """
+    register = nn.Module.register_parameter
+
+    def to_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = to_meta
+    try:
+        with _EmptyOnMeta():
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def weight_map(path: str) -> dict[str, str]:
+    """{tensor name: safetensors file} of a HuggingFace folder (one file, or shards with an index)."""
+    index = os.path.join(path, SAFE_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+    single = os.path.join(path, SAFE_WEIGHTS)
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"{path} has neither {SAFE_WEIGHTS} nor {SAFE_INDEX}; save it with safetensors")
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), SAFE_WEIGHTS)
+
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class SafetensorsReader:
+    """Reads index ranges of tensors from a safetensors file with ``pread`` straight into the result.
+
+    ``safe_open(...).get_slice`` memory-maps the file, and every page a slice touches then counts in
+    the process's resident memory; a column slice touches nearly every page of a weight. Reading
+    just the needed byte runs keeps a rank's memory at its own shard.
+    """
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.fd = os.open(file, os.O_RDONLY)
+        (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        self.header = json.loads(os.pread(self.fd, length, 8))
+        self.header.pop("__metadata__", None)
+        self.base = 8 + length
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.header[name]["shape"])
+
+    def _read_into(self, view: memoryview, offset: int) -> None:
+        while len(view):
+            got = os.preadv(self.fd, [view], offset)
+            if got <= 0:
+                raise OSError(f"{self.file} ended early (truncated file?)")
+            view, offset = view[got:], offset + got
+
+    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """``tensor.narrow(dim, start, stop - start)`` of the saved tensor, reading only those bytes."""
+        info = self.header[name]
+        dtype, shape = _DTYPES[info["dtype"]], list(info["shape"])
+        begin = self.base + info["data_offsets"][0]
+        if not shape:
+            out = torch.empty((), dtype=dtype)
+            self._read_into(memoryview(out.reshape(1).view(torch.uint8).numpy()), begin)
+            return out
+        stop = shape[dim] if stop is None else stop
+        out_shape = shape[:dim] + [stop - start] + shape[dim + 1 :]
+        out = torch.empty(out_shape, dtype=dtype)
+        if out.numel() == 0:
+            return out
+        inner = math.prod(shape[dim + 1 :]) * out.element_size()
+        run, stride = (stop - start) * inner, shape[dim] * inner
+        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+        for i in range(math.prod(shape[:dim])):
+            self._read_into(buffer[i * run : (i + 1) * run], begin + i * stride + start * inner)
+        return out
+
+
+def read_shard(reader: SafetensorsReader, name: str, spec: ShardSpec | None) -> torch.Tensor:
+    """The piece of ``name`` that ``spec`` gives this rank (vocabulary padding rows zero)."""
+    if spec is None or spec.world_size == 1 and spec.padded_size == spec.full_size:
+        return reader.read(name)
+    shape = reader.shape(name)
+    block = spec.full_size // spec.n_cast
+    per_block = spec.local_size // spec.n_cast
+    pieces = []
+    for c in range(spec.n_cast):
+        start = c * block + spec.rank * per_block
+        stop = min(start + per_block, spec.full_size)
+        if stop > start:
+            pieces.append(reader.read(name, spec.dim, start, stop))
+        if stop - start < per_block:  # vocabulary padding (n_cast is 1 then)
+            pad = list(shape)
+            pad[spec.dim] = per_block - max(stop - start, 0)
+            pieces.append(torch.zeros(pad, dtype=_DTYPES[reader.header[name]["dtype"]]))
+    return torch.cat(pieces, dim=spec.dim) if len(pieces) > 1 else pieces[0]
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_path, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = value
+    else:
+        owner._buffers[leaf] = value
+
+
+def materialize_from_safetensors(model: nn.Module, path: str, device=None) -> None:
+    """Replace every meta tensor of ``model`` by this rank's slice read from the folder at ``path``."""
+    files = weight_map(path)
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), ([], tensor))[0].append(name)
+    todo = [(names, t) for names, t in groups.values() if t.device.type == "meta"]
+    missing = [names[0] for names, _ in todo if not any(n in files for n in names)]
+    if missing:
+        raise ValueError(f"{path} lacks the tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}; "
+                         f"was it saved from this model class? (a buffer built with torch.empty and not saved cannot be restored)")  # fmt: skip
+    handles = {}
+    try:
+        for names, tensor in todo:
+            saved = next(n for n in names if n in files)
+            file = files[saved]
+            if file not in handles:
+                handles[file] = SafetensorsReader(os.path.join(path, file))
+            spec = shard_spec(tensor)
+            value = read_shard(handles[file], saved, spec).to(device=device or "cpu", dtype=tensor.dtype)
+            if value.shape != tensor.shape:
+                raise ValueError(
+                    f"{saved}: read {tuple(value.shape)} from {file}, this rank holds {tuple(tensor.shape)}"
+                )
+            if isinstance(tensor, nn.Parameter):
+                value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+                if spec is not None:
+                    value.shard_spec = spec
+            for name in names:
+                _set_tensor(model, name, value)
+    finally:
+        for reader in handles.values():
+            reader.close()
+
+
+def load_sharded(cls_or_name, path: str, shard_config=None, policy=None, device=None, **hf_kwargs) -> nn.Module:
+    """Build ``cls`` (a transformers class or its name) from the folder ``path``, sharded on load.
+
+    ``shard_config`` / ``policy`` are as for :func:`shardformer.shard_model`; ``hf_kwargs`` go to the
+    model's construction (``attn_implementation=``, ``dtype=``) or its config; weights are read
+    straight onto ``device`` (default CPU; buffers are moved there too). Every rank reads only
+    its own slices; the result equals ``shard_model(cls.from_pretrained(path), shard_config)``.
+    """
+    import transformers
+
+    from shardformer.config import ShardConfig
+    from shardformer.sharder import shard_model
+
+    cls = getattr(transformers, cls_or_name) if isinstance(cls_or_name, str) else cls_or_name
+    build = {k: hf_kwargs.pop(k) for k in ("attn_implementation", "dtype", "torch_dtype") if k in hf_kwargs}
+    dtype = build.pop("dtype", build.pop("torch_dtype", None))
+    config = cls.config_class.from_pretrained(path, **hf_kwargs)
+    from transformers.initialization import no_init_weights
+
+    with parameters_on_meta(), no_init_weights():
+        model = cls._from_config(config, **build)
+        if callable(getattr(model, "tie_weights", None)):
+            model.tie_weights()  # transformers ties on loading, not on construction
+    if dtype is not None:
+        model = model.to(dtype)
+    model.eval()  # as from_pretrained returns it
+    model = shard_model(model, shard_config or ShardConfig(), policy)
+    materialize_from_safetensors(model, path, device)
+    return model if device is None else model.to(device)
