@@ -174,9 +174,5 @@ def load_optimizer(path: str, model: nn.Module, optimizer, world: int) -> None:
             "state": state, "param_groups": groups,
             "zero": {"format": "full", "loss_scaler": reference and reference["loss_scaler"], "master_params": masters},
         })  # fmt: skip
-        # torch's load_state_dict makes new param-group dicts in the wrapped optimizer; re-share them,
-        # or an LR scheduler (which changes the wrapper's groups) would no longer reach it.
-        optimizer.param_groups = optimizer.optim.param_groups
-        optimizer.state = optimizer.optim.state
     else:
         optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -44,6 +44,10 @@ def _finish_load(zo, zero: dict, masters: dict[int, torch.Tensor]) -> None:
                 slot.master.copy_(masters[slot.index])
     if zo.loss_scaler is not None and zero.get("loss_scaler") is not None:
         zo.loss_scaler.load_state_dict(zero["loss_scaler"])
+    # torch's load_state_dict gave the wrapped optimizer new param-group dicts: share them again, or
+    # an LR scheduler (which edits the wrapper's groups) would no longer reach the optimizer.
+    zo.param_groups = zo.optim.param_groups
+    zo.state = zo.optim.state
 
 
 def sharded_state_dict(zo) -> dict:

@@ -261,6 +261,11 @@ def lr_scheduler_drives_the_wrapper():
         sched.step()
     assert zero.optim.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
     assert_same_weights(model, ref)
+    # after loading a state the scheduler must still reach the wrapped optimizer
+    zero.load_state_dict(zero.state_dict())
+    for _ in range(3):
+        sched.step()
+    assert zero.optim.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**4)
 
 
 def errors_name_the_value_and_the_fix():
