@@ -2,8 +2,8 @@
 
 from shardformer.config import ShardConfig
 from shardformer.mesh import ProcessMesh, init_distributed, launch_from_torch
-from shardformer.policies import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, get_autopolicy
 from shardformer.pipeline import EngineConfig, ParallelEngine
+from shardformer.policies import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, get_autopolicy
 from shardformer.sharder import ModelSharder, shard_model
 
 __all__ = [
