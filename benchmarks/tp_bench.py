@@ -4,7 +4,8 @@ GPT-2 and BERT of a few tens of millions of parameters, built from a config with
 variant runs in fresh processes: the unsharded model in 1 process with 2 threads, the tp=2 variants
 in 2 gloo ranks with 1 thread each (same total threads). Reported: median time of a forward +
 backward step with the LM loss, peak RSS growth per rank over the steps, and max |logits - unsharded
-logits| on the same batch.
+logits| on the same batch. Memory: the peak RSS over the steps (Linux's high-water mark, reset
+just before them) minus the RSS when they start.
 
 PyTorch's tensor parallel rejects transformers' Conv1D, so for its GPT-2 run every Conv1D is first
 converted to an equivalent nn.Linear, and the plan is the hand-written Colwise/Rowwise one a user
@@ -16,7 +17,6 @@ would write (c_attn colwise: a contiguous split of the fused Q|K|V weight).
 import argparse
 import os
 import platform
-import resource
 import statistics
 import time
 
@@ -86,6 +86,18 @@ def _dtensor(model, family):
     return model
 
 
+def _status_mib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _reset_peak_rss_mib():
+    """Reset the process's peak RSS (Linux) so the steps' peak is not hidden by building the model."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_mib("VmRSS")
+
+
 def _run(family, variant, steps, batch_size, seq):
     model = build(family)
     inputs = batch(batch_size, seq)
@@ -105,7 +117,7 @@ def _run(family, variant, steps, batch_size, seq):
         for m in model.modules():
             if isinstance(m, VocabParallelLMHead1D):
                 m.gather_output = False
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = _reset_peak_rss_mib()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -114,7 +126,7 @@ def _run(family, variant, steps, batch_size, seq):
             dist.barrier()
         times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
-    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    peak = _status_mib("VmHWM") - before
     return statistics.median(times[1:] or times), peak, delta
 
 
