@@ -7,7 +7,6 @@ Every function here runs on every rank (the collective ones say so); only rank 0
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from shardformer import ProcessMesh, ShardConfig, init_distributed, shard_model
-from shardformer.slicer import gather_tensor, shard_spec
+from shardformer.slicer import shard_spec
 from shardformer.zero import ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -230,48 +229,18 @@ def write_json(env: Env, path: str, data) -> None:
 # -- saving and loading --------------------------------------------------------------------------
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of a sharded model, gathered whole (collective over the tp group)."""
-    config = getattr(model, "shardformer_config", None)
-    group = config.tp_group() if config is not None else None
-    gathered: dict[int, torch.Tensor] = {}
-    state = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) not in gathered:  # tied weights are gathered once
-            spec = shard_spec(param)
-            full = gather_tensor(param.detach(), spec, group) if spec is not None else param.detach()
-            gathered[id(param)] = full.cpu().contiguous()
-        state[name] = gathered[id(param)]
-    return state
-
-
-def _save_pretrained_gathered(model, path: str) -> None:
-    """Interim ``save_pretrained`` for a sharded HF model: gather, load into an unsharded twin, save."""
-    state = full_state_dict(model)
-    if dist.get_rank() == 0:
-        # The sharded model's class may be a shardformer subclass: save as the transformers class.
-        origin = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
-        twin = origin(copy.deepcopy(model.config))
-        missing, unexpected = twin.load_state_dict(state, strict=False)
-        params = {name for name, _ in twin.named_parameters()}
-        if unexpected or params & set(missing):
-            raise RuntimeError(f"state dict does not fit {origin.__name__}: missing {missing}, unexpected {unexpected}")
-        twin.save_pretrained(path)
-    dist.barrier()
-
-
 def save_model(model: torch.nn.Module, path: str) -> None:
-    """Save a sharded HF model as a plain HF folder (rank 0 writes; collective)."""
-    try:
-        from shardformer.checkpoint import save_pretrained
-    except ImportError:  # the checkpoint package is not there yet
-        save_pretrained = _save_pretrained_gathered
+    """Save a sharded HF model as a plain HF folder (collective; global rank 0 writes)."""
+    from shardformer.checkpoint import save_pretrained
+
     save_pretrained(model, path)
 
 
 def save_state_dict(model: torch.nn.Module, path: str, meta: dict) -> None:
     """Save a sharded non-HF model (timm) as ``model.safetensors`` + ``meta.json`` (collective)."""
-    state = full_state_dict(model)
+    from shardformer.checkpoint.gather import gather_full_state
+
+    state = gather_full_state(model)  # the full model on global rank 0, None elsewhere
     if dist.get_rank() == 0:
         write_state_dict(state, meta, path)
     dist.barrier()
@@ -294,6 +263,25 @@ def load_state_dict(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     with open(os.path.join(path, "meta.json")) as file:
         meta = json.load(file)
     return load_file(os.path.join(path, "model.safetensors")), meta
+
+
+def run_inference(cfg, env: Env, make_initial_model, run, show, results: dict | None = None) -> None:
+    """Run ``run(folder)`` on the trained model and, when asked (or with no checkpoint yet), on the
+    untrained one; ``show(which, result)`` prints each; everything goes to inference.json."""
+    paths = output_paths(cfg)
+    results = dict(results or {})
+    trained = has_checkpoint(paths["checkpoint"])
+    if not trained:
+        log(env, f"no checkpoint in {paths['checkpoint']} yet (run --mode train); using the untrained model")
+    if cfg.compare_untrained or not trained:
+        if not has_checkpoint(paths["initial"]):
+            make_initial_model(cfg, env, paths["initial"])
+        results["untrained"] = run(paths["initial"])
+        show("untrained", results["untrained"])
+    if trained:
+        results["trained"] = run(paths["checkpoint"])
+        show("trained", results["trained"])
+    write_json(env, paths["predictions"], results)
 
 
 def has_checkpoint(path: str) -> bool:

@@ -108,20 +108,13 @@ def show(env, title: str, predictions: list[dict]) -> None:
 
 
 def inference(cfg, env) -> None:
-    paths = common.output_paths(cfg)
-    results = {}
-    trained = common.has_checkpoint(paths["checkpoint"])
-    if not trained:
-        common.log(env, f"no checkpoint in {paths['checkpoint']} yet (run --mode train); using the untrained head")
-    if cfg.compare_untrained or not trained:
-        if not common.has_checkpoint(paths["initial"]):
-            make_initial_model(cfg, env, paths["initial"])
-        results["untrained"] = predict(paths["initial"], cfg, env)
-        show(env, "untrained head:", results["untrained"])
-    if trained:
-        results["trained"] = predict(paths["checkpoint"], cfg, env)
-        show(env, "trained head:", results["trained"])
-    common.write_json(env, paths["predictions"], results)
+    common.run_inference(
+        cfg,
+        env,
+        make_initial_model,
+        run=lambda folder: predict(folder, cfg, env),
+        show=lambda which, predictions: show(env, f"{which} head:", predictions),
+    )
 
 
 def main() -> None:

@@ -147,20 +147,14 @@ def generate(folder: str, cfg, env) -> str:
 
 
 def inference(cfg, env) -> None:
-    paths = common.output_paths(cfg)
-    results = {"prompt": cfg.prompt}
-    trained = common.has_checkpoint(paths["checkpoint"])
-    if not trained:
-        common.log(env, f"no checkpoint in {paths['checkpoint']} yet (run --mode train); using the untrained model")
-    if cfg.compare_untrained or not trained:
-        if not common.has_checkpoint(paths["initial"]):
-            make_initial_model(cfg, env, paths["initial"])
-        results["untrained"] = generate(paths["initial"], cfg, env)
-        common.log(env, f"untrained model: {results['untrained']!r}")
-    if trained:
-        results["trained"] = generate(paths["checkpoint"], cfg, env)
-        common.log(env, f"trained model:   {results['trained']!r}")
-    common.write_json(env, paths["predictions"], results)
+    common.run_inference(
+        cfg,
+        env,
+        make_initial_model,
+        run=lambda folder: generate(folder, cfg, env),
+        show=lambda which, text: common.log(env, f"{which + ' model:':<16} {text!r}"),
+        results={"prompt": cfg.prompt},
+    )
 
 
 def main() -> None:
