@@ -69,6 +69,7 @@ class Plan:
     precision: str
     replaced: list[tuple[str, str, str]] = field(default_factory=list)  # (path, from class, to class)
     params: list[tuple[str, tuple, tuple]] = field(default_factory=list)  # (name, full shape, rank shape)
+    stages: list[tuple[range, int]] = field(default_factory=list)  # (layers, parameters per rank), pp > 1
 
     @property
     def rank_numel(self) -> int:
@@ -81,9 +82,9 @@ class Plan:
     def bytes_per_rank(self) -> dict[str, int]:
         """Parameters, gradients and Adam state (+ fp32 master) per rank, over all pipeline stages.
 
-        With pp > 1 the stages differ; these are for the whole tp shard divided evenly over stages.
+        With pp > 1 these are for the largest stage (the rank that needs the most).
         """
-        n = self.rank_numel / self.pp
+        n = max(numel for _, numel in self.stages) if self.stages else self.rank_numel
         width = BYTES[self.precision]
         master = 4 if (self.zero or self.precision != "fp32") else 0  # ZeRO keeps fp32 master shards
         state_and_master = (8 + master) * n
@@ -105,7 +106,8 @@ def plan_model(
     model: nn.Module, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, precision: str = "fp32", policy=None
 ) -> Plan:
     """Shard ``model`` (build it on the meta device) for tp rank 0 of ``tp`` and describe the result."""
-    from shardformer.sharder import ModelSharder, shard_model
+    from shardformer.policies.auto import get_autopolicy
+    from shardformer.sharder import ModelSharder
 
     if zero not in (0, 1, 2):
         raise ValueError(f"zero={zero} must be 0, 1 or 2")
@@ -115,10 +117,8 @@ def plan_model(
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     before = {name: type(m).__name__ for name, m in model.named_modules()}
     config = ShardConfig(tensor_parallel_process_group=VirtualGroup(0, tp), pipeline_parallel_size=1)
-    if policy is None:
-        model = shard_model(model, config)
-    else:
-        model = ModelSharder(model, policy, config).shard()
+    policy = policy or get_autopolicy(model)
+    model = ModelSharder(model, policy, config).shard()
     plan = Plan(tp, pp, dp, zero, precision)
     for name, m in model.named_modules():
         if name in before and before[name] != type(m).__name__:
@@ -126,7 +126,36 @@ def plan_model(
     for name, p in model.named_parameters():
         spec = shard_spec(p)
         plan.params.append((name, full_shapes[name], tuple(p.shape) if spec else full_shapes[name]))
+    if pp > 1:
+        plan.stages = stage_split(policy, model, pp, {name: _numel(local) for name, _, local in plan.params})
     return plan
+
+
+def stage_split(policy, model: nn.Module, pp: int, numels: dict[str, int]) -> list[tuple[range, int]]:
+    """(layer indices, parameters per tensor-parallel rank) of each pipeline stage, as the engine cuts."""
+    from shardformer.pipeline.split import check_split, num_layers_of
+
+    path, num_layers = num_layers_of(policy, model)
+    counts = check_split(num_layers, pp)
+    starts = [sum(counts[:s]) for s in range(pp)]
+    layer_stage = {i: s for s in range(pp) for i in range(starts[s], starts[s] + counts[s])}
+    under = lambda name, paths: any(name == q or name.startswith(q + ".") for q in paths)  # noqa: E731
+    first, last, shared = policy.pipeline_first(model), policy.pipeline_last(model), policy.pipeline_shared(model)
+    per_stage = [0] * pp
+    for name, n in numels.items():
+        if name.startswith(path + "."):
+            per_stage[layer_stage[int(name[len(path) + 1 :].split(".")[0])]] += n
+        elif under(name, shared):
+            for s in {0, pp - 1}:
+                per_stage[s] += n
+        elif under(name, first):
+            per_stage[0] += n
+        elif under(name, last):
+            per_stage[pp - 1] += n
+        else:  # not named by the policy: every stage keeps it
+            for s in range(pp):
+                per_stage[s] += n
+    return [(range(starts[s], starts[s] + counts[s]), per_stage[s]) for s in range(pp)]
 
 
 def format_plan(plan: Plan, show_params: bool = True) -> str:
@@ -157,6 +186,8 @@ def format_plan(plan: Plan, show_params: bool = True) -> str:
     for what, b in per_rank.items():
         lines.append(f"  {what}: {mib(b)}")
     lines.append(f"  total: {mib(sum(per_rank.values()))} (activations not included)")
-    if plan.pp > 1:
-        lines.append(f"  (pp={plan.pp}: averaged over stages; the first and last stage also hold embeddings/head)")
+    if plan.stages:
+        lines += ["", f"pipeline stages (pp={plan.pp}; the bytes above are for the largest):"]
+        for s, (layers, numel) in enumerate(plan.stages):
+            lines.append(f"  stage {s}: layers {layers.start}..{layers.stop - 1}, {numel:,} parameters per rank")
     return "\n".join(lines)

@@ -38,6 +38,10 @@ def test_plan_matches_a_real_tp2_shard_byte_for_byte(tmp_path):
         for rank_shapes in real:
             assert planned == rank_shapes[name], name
         assert plan.rank_numel * 4 == sum(b for _, b in real[0][name].values())
+        # the stage split covers every layer once and every parameter at least once
+        stages = plan_model(build_meta_model(folder), tp=2, pp=2).stages
+        assert [list(layers) for layers, _ in stages] == [[0], [1]]
+        assert sum(n for _, n in stages) >= plan.rank_numel
 
 
 def test_cli_prints_the_plan_and_refuses_sizes_that_do_not_fit(tmp_path, capsys):
@@ -46,6 +50,9 @@ def test_cli_prints_the_plan_and_refuses_sizes_that_do_not_fit(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "Conv1D -> Linear1D_Col" in out and "transformer.wte.weight: [99, 32] -> [50, 32]  [split]" in out
     assert "optimizer (Adam + master)" in out
+    assert main(["plan", folder, "--tp", "2", "--pp", "2", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0: layers 0..0" in out and "stage 1: layers 1..1" in out
     assert main(["plan", folder, "--tp", "3"]) == 2
     assert "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in capsys.readouterr().err
     assert main(["plan", "no-such-model"]) == 2

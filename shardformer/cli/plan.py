@@ -11,7 +11,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "plan",
         help="show how a model would be sharded and the bytes per rank, without starting anything",
         description="Build MODEL on the meta device (no weights), apply its policy and print what is replaced, "
-        "each rank's parameter shapes and estimated bytes per rank.",
+        "each rank's parameter shapes, the pipeline stage split and estimated bytes per rank.",
         epilog="examples:\n  shardformer plan gpt2 --tp 2\n  shardformer plan path/to/model --tp 4 --dp 2 --zero 1 "
         "--precision bf16\n  shardformer plan timm:vit_base_patch16_224 --tp 2 --summary",
         formatter_class=argparse.RawDescriptionHelpFormatter,
