@@ -7,7 +7,6 @@ data-parallel group, and runs a pipeline schedule over micro-batches.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -162,6 +161,8 @@ class ParallelEngine:
             tp_group=self.mesh.tp_group,
             pp_group=self.mesh.pp_group,
             model=self.model,
+            # tied weights count once in the norm: the first stage's copy
+            counted_elsewhere=self.shared if last and not first else (),
         )
         self.loss_fn = loss_fn or _loss_from_output
         self.device = params[0].device if params else torch.device("cpu")
@@ -204,7 +205,7 @@ class ParallelEngine:
         )
         self._sum_shared_grads()
         if cfg.max_grad_norm is not None:
-            self.last_grad_norm = self._clip(cfg.max_grad_norm)
+            self.last_grad_norm = zero.clip_grad_norm(cfg.max_grad_norm)
         zero.step()
         return self._mean_loss(losses)
 
@@ -252,17 +253,3 @@ class ParallelEngine:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.mesh.embedding_group)
-
-    def _clip(self, max_norm: float) -> float:
-        """Clip to the unsharded model's global norm; tied weights count once (first stage's copy)."""
-        from shardformer.zero.grad_norm import clip_master_grads, global_grad_norm
-
-        zero = self.optimizer
-        zero.sync_grads()
-        duplicate = {id(p) for p in self.shared} if self.mesh.is_last_stage and not self.mesh.is_first_stage else set()
-        counted = [s for s in zero.slots if id(s.param) not in duplicate]
-        norm, found_inf = global_grad_norm(counted, zero.dp_group, zero.tp_group, zero.pp_group)
-        zero._grad_stats = (norm, found_inf)  # step() reuses it for the fp16 overflow check
-        if not found_inf and math.isfinite(norm):
-            clip_master_grads(zero.slots, norm, float(max_norm))
-        return norm

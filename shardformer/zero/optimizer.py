@@ -67,6 +67,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         pp_group: dist.ProcessGroup | None = None,
         loss_scaler: DynamicLossScaler | str | None = "auto",
         model: torch.nn.Module | None = None,
+        counted_elsewhere=(),
     ) -> None:
         check_arguments(optimizer, stage, bucket_size, release_grads, reduce_dtype, loss_scaler, model)
         self.optim = optimizer
@@ -97,6 +98,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scaler: DynamicLossScaler | None = loss_scaler
         self.last_step_skipped = False
         self._grad_stats: tuple[float, bool] | None = None
+        # Parameters another pipeline stage also holds and counts (a tied weight on the last
+        # stage): left out of this rank's share of the global gradient norm, so they count once.
+        elsewhere = {id(p) for p in counted_elsewhere}
+        self._norm_slots = [s for s in self.slots if id(s.param) not in elsewhere]
 
         # The torch.optim.Optimizer surface, shared with the wrapped optimizer, so LR schedulers and
         # step hooks work on the wrapper: param_groups are the very same dicts.
@@ -150,7 +155,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """``(global L2 norm of the gradients, found_inf)`` over dp x tp x pp; a collective."""
         if self._grad_stats is None:
             self.sync_grads()
-            self._grad_stats = global_grad_norm(self.slots, self.dp_group, self.tp_group, self.pp_group)
+            self._grad_stats = global_grad_norm(self._norm_slots, self.dp_group, self.tp_group, self.pp_group)
         return self._grad_stats
 
     def clip_grad_norm(self, max_norm: float) -> float:
