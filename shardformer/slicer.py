@@ -19,6 +19,7 @@ class ShardSpec:
 
     ``dim``: the tensor dimension that is split. ``n_cast``: fused blocks along ``dim`` (3 for a
     fused Q/K/V weight): each block is split on its own, so a rank holds ``[Q_r | K_r | V_r]``.
+    ``blocks``: the blocks' sizes when they differ (Q/K/V with fewer key/value heads); None: equal.
     ``full_size``: size along ``dim`` before padding; ``padded_size``: after padding (a vocabulary
     that ``world_size`` does not divide is padded with zero rows up to a multiple of it).
     """
@@ -29,6 +30,16 @@ class ShardSpec:
     full_size: int
     padded_size: int
     n_cast: int = 1
+    blocks: tuple[int, ...] | None = None
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """Sizes of the fused blocks along ``dim`` (padded; one block when ``n_cast == 1``)."""
+        return self.blocks or (self.padded_size // self.n_cast,) * self.n_cast
+
+    @property
+    def local_block_sizes(self) -> list[int]:
+        return [size // self.world_size for size in self.block_sizes]
 
     @property
     def local_size(self) -> int:
@@ -49,16 +60,19 @@ def make_spec(
     dim: int,
     rank: int,
     world_size: int,
-    n_cast: int = 1,
+    n_cast: int | tuple[int, ...] = 1,
     pad_to_multiple: int | None = None,
 ) -> ShardSpec:
     """Check that ``shape[dim]`` can be split and describe the cut.
 
     Without ``pad_to_multiple`` the size must divide by ``n_cast * world_size``; with it the size is
     padded up to a multiple of ``pad_to_multiple * world_size`` (vocabularies; ``n_cast`` must be 1).
+    ``n_cast`` may also be the fused blocks' sizes, each of which must divide by ``world_size``.
     """
     dim = dim % len(shape)
     size = shape[dim]
+    if not isinstance(n_cast, int):
+        return _blocks_spec(tuple(n_cast), size, shape, dim, rank, world_size, pad_to_multiple)
     if pad_to_multiple is not None:
         if n_cast != 1:
             raise ValueError(f"padding a fused tensor (n_cast={n_cast}) is not supported")
@@ -74,6 +88,22 @@ def make_spec(
     return ShardSpec(dim=dim, world_size=world_size, rank=rank, full_size=size, padded_size=padded, n_cast=n_cast)
 
 
+def _blocks_spec(blocks, size, shape, dim, rank, world_size, pad_to_multiple) -> ShardSpec:
+    if pad_to_multiple is not None:
+        raise ValueError(f"padding a fused tensor (blocks {blocks}) is not supported")
+    if sum(blocks) != size:
+        raise ValueError(
+            f"fused blocks {blocks} add up to {sum(blocks)}, not to size {size} of dim {dim} {tuple(shape)}"
+        )
+    if any(b % world_size for b in blocks):
+        raise ValueError(
+            f"fused blocks {blocks} of dim {dim} (shape {tuple(shape)}) do not each divide into "
+            f"tensor_parallel_size={world_size} parts"
+        )
+    equal = len(set(blocks)) == 1  # equal blocks: the plain n_cast form
+    return ShardSpec(dim, world_size, rank, size, size, len(blocks), None if equal else blocks)
+
+
 def slice_tensor(tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """This rank's shard of ``tensor`` (a new contiguous tensor; the full one can be freed)."""
     if spec.padded_size != spec.full_size:
@@ -82,14 +112,14 @@ def slice_tensor(tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
         tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=spec.dim)
     if spec.world_size == 1:
         return tensor
-    blocks = tensor.chunk(spec.n_cast, dim=spec.dim)
+    blocks = tensor.split(list(spec.block_sizes), dim=spec.dim)
     pieces = [block.chunk(spec.world_size, dim=spec.dim)[spec.rank] for block in blocks]
     return torch.cat(pieces, dim=spec.dim).contiguous() if len(pieces) > 1 else pieces[0].clone()
 
 
 def merge_shards(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     """Inverse of :func:`slice_tensor` over all ranks' shards: the full tensor, padding removed."""
-    per_rank = [shard.chunk(spec.n_cast, dim=spec.dim) for shard in shards]
+    per_rank = [shard.split(spec.local_block_sizes, dim=spec.dim) for shard in shards]
     blocks = [torch.cat([chunks[c] for chunks in per_rank], dim=spec.dim) for c in range(spec.n_cast)]
     full = torch.cat(blocks, dim=spec.dim) if len(blocks) > 1 else blocks[0]
     return full.narrow(spec.dim, 0, spec.full_size)
@@ -126,21 +156,22 @@ class Slicer:
     """Cuts weights and biases for one tensor-parallel rank, by the kind of layer they belong to.
 
     ``reversed`` means the weight is stored ``[in, out]`` (transformers' ``Conv1D``) rather than
-    ``nn.Linear``'s ``[out, in]``. ``n_cast`` is the number of fused blocks (3 for Q/K/V).
+    ``nn.Linear``'s ``[out, in]``. ``n_cast`` is the number of fused blocks (3 for Q/K/V), or their
+    sizes when they differ.
     """
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
 
-    def spec(self, shape, dim: int, n_cast: int = 1, pad_to_multiple: int | None = None) -> ShardSpec:
+    def spec(self, shape, dim: int, n_cast: int | tuple[int, ...] = 1, pad_to_multiple: int | None = None) -> ShardSpec:
         return make_spec(shape, dim, self.rank, self.world_size, n_cast, pad_to_multiple)
 
-    def column_weight(self, weight: torch.Tensor, reversed: bool = False, n_cast: int = 1, pad_to_multiple=None):
+    def column_weight(self, weight: torch.Tensor, reversed: bool = False, n_cast=1, pad_to_multiple=None):
         """Output features split: dim 0 of ``[out, in]``, dim 1 of ``[in, out]``."""
         spec = self.spec(weight.shape, 1 if reversed else 0, n_cast, pad_to_multiple)
         return make_shard_param(weight, spec)
 
-    def column_bias(self, bias: torch.Tensor, n_cast: int = 1, pad_to_multiple=None):
+    def column_bias(self, bias: torch.Tensor, n_cast=1, pad_to_multiple=None):
         return make_shard_param(bias, self.spec(bias.shape, 0, n_cast, pad_to_multiple))
 
     def row_weight(self, weight: torch.Tensor, reversed: bool = False):

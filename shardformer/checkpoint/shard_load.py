@@ -133,11 +133,9 @@ def read_shard(reader: SafetensorsReader, name: str, spec: ShardSpec | None) -> 
     if spec is None or spec.world_size == 1 and spec.padded_size == spec.full_size:
         return reader.read(name)
     shape = reader.shape(name)
-    block = spec.full_size // spec.n_cast
-    per_block = spec.local_size // spec.n_cast
-    pieces = []
-    for c in range(spec.n_cast):
-        start = c * block + spec.rank * per_block
+    pieces, offset = [], 0
+    for block, per_block in zip(spec.block_sizes, spec.local_block_sizes):
+        start, offset = offset + spec.rank * per_block, offset + block
         stop = min(start + per_block, spec.full_size)
         if stop > start:
             pieces.append(reader.read(name, spec.dim, start, stop))

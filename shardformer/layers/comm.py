@@ -93,11 +93,14 @@ def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
-def activation_spec(x: torch.Tensor, group, full_size: int | None = None, n_cast: int = 1) -> ShardSpec:
-    """ShardSpec of an activation split along its last dim into shards of ``x.shape[-1]``."""
+def activation_spec(x: torch.Tensor, group, full_size: int | None = None, n_cast=1) -> ShardSpec:
+    """ShardSpec of an activation split along its last dim into shards of ``x.shape[-1]``
+    (``n_cast``: the number of fused blocks, or their full sizes when they differ)."""
     world = group_size(group)
     padded = x.shape[-1] * world
-    return ShardSpec(x.dim() - 1, world, group_rank(group), full_size or padded, padded, n_cast)
+    blocks = None if isinstance(n_cast, int) else tuple(n_cast)
+    count = n_cast if blocks is None else len(blocks)
+    return ShardSpec(x.dim() - 1, world, group_rank(group), full_size or padded, padded, count, blocks)
 
 
 class _CopyToParallel(torch.autograd.Function):
@@ -182,7 +185,7 @@ def split_to_parallel(x: torch.Tensor, group, n_cast: int = 1) -> torch.Tensor:
     return _SplitToParallel.apply(x, spec, group)
 
 
-def gather_from_parallel(x: torch.Tensor, group, full_size: int | None = None, n_cast: int = 1) -> torch.Tensor:
+def gather_from_parallel(x: torch.Tensor, group, full_size: int | None = None, n_cast=1) -> torch.Tensor:
     """All-gather the last dim (forward): fused blocks reordered, padding past ``full_size`` cut."""
     if group_size(group) == 1:
         return x if full_size is None else x[..., :full_size]

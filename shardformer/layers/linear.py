@@ -65,7 +65,7 @@ class Linear1D_Col(nn.Module):
         self.weight, self.bias = weight, bias
         self.process_group, self.gather_output, self.reversed = process_group, gather_output, reversed
         spec = shard_spec(weight)
-        self.n_cast = spec.n_cast if spec else 1
+        self.n_cast = (spec.blocks or spec.n_cast) if spec else 1  # block sizes when they differ
         self.out_features = spec.full_size if spec else weight.shape[1 if reversed else 0]
         self.in_features = weight.shape[0 if reversed else 1]
 
@@ -75,7 +75,7 @@ class Linear1D_Col(nn.Module):
         module: nn.Module,
         process_group=None,
         gather_output: bool = False,
-        n_cast: int = 1,
+        n_cast: int | tuple[int, ...] = 1,
         pad_to_multiple: int | None = None,
         **_,
     ) -> Linear1D_Col:

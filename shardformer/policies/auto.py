@@ -46,13 +46,19 @@ def supported_models() -> list[str]:
 
 
 def get_autopolicy(model: nn.Module) -> Policy:
-    """A fresh instance of the built-in policy for ``model``'s class, or a ValueError listing them."""
+    """A fresh instance of the built-in policy for ``model``'s class, else one derived from the
+    model's transformers tensor-parallel plan, else a ValueError listing the built-ins."""
     import importlib
 
     name = type(model).__name__
     if name not in _POLICIES:
+        from shardformer.policies.tp_plan import TpPlanPolicy, has_tp_plan
+
+        if has_tp_plan(model):  # built-ins first; then the model's own tensor-parallel plan
+            return TpPlanPolicy()
         raise ValueError(
-            f"no built-in policy for {name}; supported: {', '.join(supported_models())}. For another model, "
+            f"no built-in policy for {name}; supported: {', '.join(supported_models())}, and any transformers "
+            f"model whose config has a base_model_tp_plan. For another model, "
             f"write a Policy subclass and pass it: shard_model(model, config, policy=MyPolicy())"
         )
     module, cls = _POLICIES[name]

@@ -26,13 +26,13 @@ class Layer:
     """A submodule to replace. ``suffix``: its path below the policy's module class;
     ``replace_layer``: the parallel class (built with ``from_native``); ``ignore``: the suffix may be
     missing; ``reversed``: the weight is stored ``[in, out]`` (transformers' Conv1D); ``n_cast``: fused
-    blocks along the split dimension (3 for Q/K/V)."""
+    blocks along the split dimension (3 for Q/K/V), or their sizes when they differ (``(q, kv, kv)``)."""
 
     suffix: str
     replace_layer: type[nn.Module] | None = None
     ignore: bool = False
     reversed: bool = False
-    n_cast: int = 1
+    n_cast: int | tuple[int, ...] = 1
 
 
 @dataclass

@@ -21,7 +21,7 @@ class _Gpt2BlockPolicy(Policy):
 
 def test_model_without_policy_names_the_supported_classes():
     with pytest.raises(
-        ValueError, match=r"no built-in policy for Sequential; supported: .*BertForMaskedLM.*policy=MyPolicy"
+        ValueError, match=r"no built-in policy for Sequential; supported: .*BertForMaskedLM.*tp_plan.*policy=MyPolicy"
     ):
         shard_model(nn.Sequential(nn.Linear(2, 2)), ShardConfig(tensor_parallel_size=2))
 

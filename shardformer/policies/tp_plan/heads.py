@@ -1,0 +1,94 @@
+"""Per-rank sizes a sharded attention (or MLP) reads, and fused projections cut block by block.
+
+Read from the model itself: which head-count attributes a module's ``forward`` reads (``self.X``
+or ``self.config.X``), and the block layout of a fused projection from the config's head counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+
+import torch.nn as nn
+
+from shardformer.policies.base import divide
+
+# Sizes that count heads (or features made of heads): a rank runs 1/tp of them.
+HEAD_COUNTS = (
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_heads",
+    "n_kv_heads",
+    "all_head_size",
+)
+
+
+def _forward_source(module: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def per_rank_attributes(path: str, module: nn.Module, tp: int) -> dict[str, object]:
+    """``{dotted attribute: per-rank value}`` for the head counts ``module.forward`` reads.
+
+    A count read through ``self.config`` gets the module its own copy of the config holding the
+    per-rank values (the model's config, shared with embeddings and heads, stays global).
+    """
+    source = _forward_source(module)
+    attrs: dict[str, object] = {}
+    for name in HEAD_COUNTS:
+        value = getattr(module, name, None)
+        if isinstance(value, int) and re.search(rf"self\.{name}\b", source):
+            attrs[f"{path}.{name}" if path else name] = divide(value, tp, f"{path}.{name}")
+    read = set(re.findall(r"self\.config\.(\w+)", source)) & set(HEAD_COUNTS)
+    config = getattr(module, "config", None)
+    if read and config is not None:
+        local = copy.copy(config)
+        for name in read:
+            setattr(local, name, divide(getattr(config, name), tp, f"config.{name} (read by {path})"))
+        attrs[f"{path}.config" if path else "config"] = local
+    return attrs
+
+
+def head_sizes(config) -> tuple[int, int, int] | None:
+    """(query heads, key/value heads, head dim) from a text config, or None if it has no heads."""
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return None
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv, head_dim
+
+
+def check_heads(config, tp: int) -> None:
+    """Query and key/value heads must both split over tp (we do not replicate key/value heads)."""
+    sizes = head_sizes(config)
+    if sizes is None:
+        return
+    heads, kv, _ = sizes
+    divide(heads, tp, "num_attention_heads")
+    if kv % tp:
+        raise ValueError(
+            f"num_key_value_heads={kv} is not divisible by tensor_parallel_size={tp} (num_attention_heads="
+            f"{heads}); shardformer splits key/value heads and does not replicate them: use a "
+            f"tensor_parallel_size that divides {kv}"
+        )
+
+
+def fused_blocks(name: str, module: nn.Linear, config) -> tuple[int, ...] | None:
+    """The blocks of a fused projection whose forward splits its output in place:
+    ``[Q | K | V]`` (sizes from the head counts) or ``[gate | up]`` (two halves). None: not fused."""
+    out = module.out_features
+    sizes = head_sizes(config)
+    if sizes is not None and "qkv" in name:
+        heads, kv, head_dim = sizes
+        if out == (heads + 2 * kv) * head_dim:
+            return heads * head_dim, kv * head_dim, kv * head_dim
+    if "gate_up" in name and out % 2 == 0:
+        return out // 2, out // 2
+    return None

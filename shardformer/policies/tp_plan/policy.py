@@ -1,0 +1,194 @@
+"""A Policy derived from a transformers model's own tensor-parallel plan.
+
+The plan (``config.base_model_tp_plan`` with its ``*`` layer wildcard, plus the head class's
+``_tp_plan``; transformers merges both into ``model.tp_plan``) says which module is cut how. On
+top of it: the input embedding and the LM head become vocab-parallel (with the vocab-parallel
+cross-entropy in the model's own loss path), ties found in the model stay one Parameter, a fused
+projection that transformers gathers (Phi-3's ``qkv_proj``, ``gate_up_proj``) is split block by
+block instead, and the head counts a forward reads become per-rank values.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.nn as nn
+
+from shardformer.layers import VocabParallelLMHead1D
+from shardformer.policies.base import Argument, Col_Layer, Layer, Policy, Row_Layer
+from shardformer.policies.tp_plan import heads, styles
+from shardformer.policies.tp_plan.lm import embedding_layer, uses_loss_function, vocab_parallel_class
+
+
+def model_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's full plan, keys relative to the model (transformers' merge, or ours of the same parts)."""
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        return dict(plan)
+    merged = dict(getattr(type(model), "_tp_plan", None) or {})
+    base = getattr(model, "base_model", model)
+    prefix = getattr(model, "base_model_prefix", "") if base is not model else ""
+    for key, style in (getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}).items():
+        merged[f"{prefix}.{key}" if prefix else key] = style
+    return merged
+
+
+def has_tp_plan(model: nn.Module) -> bool:
+    return bool(model_tp_plan(model))
+
+
+def _pattern(key: str) -> re.Pattern:
+    return re.compile("^" + re.escape(key).replace(r"\*", r"\d+") + "$")
+
+
+def resolve(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``{module path: style}`` for every module a plan entry names (entries naming nothing are
+    skipped, as transformers does: optional layers). An entry naming a parameter is refused."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    resolved: dict[str, str] = {}
+    for key, style in plan.items():
+        pattern = _pattern(key)
+        for name in params:
+            if pattern.match(name) and style != "replicate":
+                raise styles.UnsupportedStyleError(
+                    f"tp plan entry {key!r} -> {style!r} names the parameter {name}; shardformer cuts modules only"
+                )
+        resolved.update({name: style for name in modules if name and pattern.match(name)})
+    return resolved
+
+
+def _path_of(model: nn.Module, module: nn.Module | None) -> str | None:
+    if module is None:
+        return None
+    return next((name for name, m in model.named_modules() if m is module), None)
+
+
+class TpPlanPolicy(Policy):
+    """Shards any transformers model that ships a tensor-parallel plan, exactly."""
+
+    def set_model(self, model: nn.Module) -> None:
+        super().set_model(model)
+        self.embedding_path = _path_of(model, _call(model, "get_input_embeddings"))
+        self.head_path = _path_of(model, _call(model, "get_output_embeddings"))
+        self.ties = _ties(model)
+
+    def argument_policy(self, config, shard_config):
+        model, tp = self.model, shard_config.tensor_parallel_size
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        resolved = resolve(model, model_tp_plan(model))
+        modules = dict(model.named_modules())
+        layers = {path: styles.descriptor(style, path, modules[path]) for path, style in resolved.items()}
+        if any(isinstance(layer, Col_Layer) and not layer.gather_output for layer in layers.values()):
+            heads.check_heads(text_config, tp)
+        self._fuse(layers, modules, text_config)
+        self.vocab_parallel_head = self._vocab(layers, modules)
+        attrs = self._per_rank(layers, modules, tp, text_config)
+        found = list(layers.values())
+        return {type(model): Argument(attrs, [lambda: found])}
+
+    def _fuse(self, layers: dict[str, Layer], modules, config) -> None:
+        """Cut fused projections block by block: a plain ``colwise`` one, and the gathered pair
+        (``colwise_gather_output`` + ``rowwise_split_input`` in one module) transformers uses for
+        them, which then runs on this rank's blocks with no gather and no split."""
+        for path, layer in list(layers.items()):
+            if not isinstance(layer, Col_Layer) or layer.n_cast != 1 or not isinstance(modules[path], nn.Linear):
+                continue
+            blocks = heads.fused_blocks(path.rpartition(".")[2], modules[path], config)
+            if blocks is None:
+                continue
+            if not layer.gather_output:
+                layer.n_cast = blocks
+                continue
+            parent = path.rpartition(".")[0]
+            siblings = {p: s for p, s in layers.items() if p.rpartition(".")[0] == parent and p != path}
+            rows = [p for p, s in siblings.items() if s.replace_layer is styles.SplitInputRow]
+            if len(siblings) == 1 and len(rows) == 1:
+                layers[path] = Col_Layer(path, n_cast=blocks)
+                layers[rows[0]] = Row_Layer(rows[0])
+
+    def _vocab(self, layers: dict[str, Layer], modules) -> bool:
+        """Vocab-parallel input embedding and LM head (tied ones only together). True when the
+        head's logits stay vocab-parallel (the model computes its loss through loss_function)."""
+        embed_cls = embedding_layer(modules[self.embedding_path]) if self.embedding_path else None
+        head = modules.get(self.head_path) if self.head_path else None
+        tied = (
+            head is not None and self.embedding_path is not None and head.weight is modules[self.embedding_path].weight
+        )
+        if embed_cls is not None and (tied or head is None or isinstance(head, nn.Linear)):
+            layers[self.embedding_path] = Col_Layer(self.embedding_path, bias=None, replace_layer=embed_cls)
+        elif self.embedding_path in layers and tied:
+            del layers[self.embedding_path]  # a tied pair is cut together or not at all
+        if not isinstance(head, nn.Linear) or (tied and self.embedding_path not in layers):
+            if self.head_path in layers:
+                del layers[self.head_path]
+            return False
+        in_loss = uses_loss_function(type(self.model))
+        layers[self.head_path] = Col_Layer(
+            self.head_path, replace_layer=VocabParallelLMHead1D, gather_output=not in_loss
+        )
+        return in_loss
+
+    def _per_rank(self, layers: dict[str, Layer], modules, tp: int, config) -> dict[str, object]:
+        """Head counts read by the modules whose outputs are now split by head, as per-rank values;
+        per-head norms next to them (replicated weights on this rank's heads) get their gradients
+        summed; any other unplanned parameters beside split heads are refused."""
+        attrs: dict[str, object] = {}
+        split_parents = {
+            path.rpartition(".")[0]
+            for path, layer in layers.items()
+            if isinstance(layer, Col_Layer)
+            and not layer.gather_output
+            and path not in (self.head_path, self.embedding_path)
+        }
+        head_dim = (heads.head_sizes(config) or (0, 0, None))[2]
+        for parent in sorted(split_parents):
+            module = modules[parent]
+            attrs.update(heads.per_rank_attributes(parent, module, tp))
+            if list(module.parameters(recurse=False)):
+                raise styles.UnsupportedStyleError(
+                    f"{parent} ({type(module).__name__}) holds parameters of its own beside heads split over tp "
+                    f"({[n for n, _ in module.named_parameters(recurse=False)]}); the tp plan does not say how to "
+                    f"cut them. Pass your own Policy"
+                )
+            for name, child in module.named_children():
+                path = f"{parent}.{name}" if parent else name
+                own = list(child.parameters(recurse=False))
+                if path in layers or not own or list(child.children()):
+                    continue
+                if all(p.dim() == 1 and p.shape[0] == head_dim for p in own):
+                    layers[path] = Layer(path, replace_layer=styles.GradAllReduce)  # a per-head norm the plan omits
+                else:
+                    raise styles.UnsupportedStyleError(
+                        f"{path} ({type(child).__name__}) has parameters, sits beside heads split over tp and is "
+                        f"not in the tp plan; shardformer cannot tell how to cut it. Pass your own Policy"
+                    )
+        return attrs
+
+    def binding_policy(self):
+        return dict(self.ties)
+
+    def inject_policy(self):
+        if not getattr(self, "vocab_parallel_head", False):
+            return None
+        origin = type(self.model)
+        return origin, vocab_parallel_class(origin)
+
+
+def _call(model: nn.Module, method: str):
+    try:
+        return getattr(model, method)()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _ties(model: nn.Module) -> dict[str, str]:
+    """``{source: target}`` for parameters that are one tensor under two names in the model."""
+    first: dict[int, str] = {}
+    ties: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            ties[first[id(param)]] = name
+        else:
+            first[id(param)] = name
+    return ties

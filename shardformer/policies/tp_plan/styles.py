@@ -1,0 +1,109 @@
+"""transformers' tensor-parallel styles, carried out by our layers.
+
+Each style a dense plan uses maps onto a layer descriptor of the Policy API; a style that is not
+here is refused (by name, with the module path) before anything is cut.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from shardformer.layers import Linear1D_Row, VocabParallelEmbedding1D
+from shardformer.layers.comm import all_reduce, group_rank, group_size, reduce_from_parallel
+from shardformer.policies.base import Col_Layer, Layer, Row_Layer
+from shardformer.slicer import Slicer, make_shard_param
+
+
+class SplitInputRow(Linear1D_Row):
+    """``rowwise_split_input``: the input arrives replicated; each rank keeps its slice of it."""
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, **_) -> SplitInputRow:
+        return super().from_native(module, process_group, input_is_parallel=False)
+
+
+class PackedRow(Linear1D_Row):
+    """``packed_rowwise`` on a 2-D weight: input features ``[a | b]`` packed; each rank holds
+    ``[a_r | b_r]`` (the matching packed column layer produced exactly that)."""
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, n_cast=2, **_) -> PackedRow:
+        slicer = Slicer(group_rank(process_group), group_size(process_group))
+        weight = make_shard_param(module.weight, slicer.spec(module.weight.shape, 1, n_cast))
+        return cls(weight, module.bias, process_group, True, False)
+
+
+class GradAllReduce:
+    """``replicated_with_grad_allreduce``: the module stays as it is (weights replicated), but it
+    runs on this rank's heads only (Qwen3's per-head q/k norms), so each rank's gradient is a part
+    of the whole: a hook sums it over the group. The hook sees each backward's gradient before it
+    is accumulated, so gradient accumulation over micro-batches stays exact."""
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
+        if group_size(process_group) > 1:
+            for param in module.parameters(recurse=False):
+                if param.requires_grad:
+                    param.register_hook(lambda grad: all_reduce(grad.clone(), process_group))
+        module.shardformer_grad_all_reduce = True
+        return module
+
+
+class OutputAllReduce:
+    """``all_reduce``: the module's output is a partial sum over ranks; one all-reduce completes it."""
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
+        module.register_forward_hook(lambda _m, _args, out: reduce_from_parallel(out, process_group))
+        return module
+
+
+class Replicated:
+    """``replicate``: every rank keeps the whole module; nothing to do."""
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
+        return module
+
+
+def _linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+# style -> (module check and what it needs, descriptor factory(path))
+STYLES = {
+    "colwise": (_linear, lambda path: Col_Layer(path)),
+    "colwise_gather_output": (_linear, lambda path: Col_Layer(path, gather_output=True)),
+    "rowwise": (_linear, lambda path: Row_Layer(path)),
+    "rowwise_split_input": (_linear, lambda path: Row_Layer(path, replace_layer=SplitInputRow)),
+    "packed_colwise": (_linear, lambda path: Col_Layer(path, n_cast=2)),
+    "packed_rowwise": (_linear, lambda path: Row_Layer(path, replace_layer=PackedRow, n_cast=2)),
+    "embedding_rowwise": (
+        lambda m: type(m) is nn.Embedding,
+        lambda path: Col_Layer(path, bias=None, replace_layer=VocabParallelEmbedding1D),
+    ),
+    "replicated_with_grad_allreduce": (lambda m: True, lambda path: Layer(path, replace_layer=GradAllReduce)),
+    "all_reduce": (lambda m: True, lambda path: Layer(path, replace_layer=OutputAllReduce)),
+    "replicate": (lambda m: True, lambda path: Layer(path, replace_layer=Replicated)),
+}
+_NEEDS = {"embedding_rowwise": "a plain nn.Embedding"}
+
+
+class UnsupportedStyleError(ValueError):
+    """A plan entry shardformer cannot carry out exactly."""
+
+
+def descriptor(style: str, path: str, module: nn.Module) -> Layer:
+    """Our layer descriptor for ``module`` at ``path`` under ``style``, or UnsupportedStyleError."""
+    if style not in STYLES:
+        raise UnsupportedStyleError(
+            f"tp plan style {style!r} at {path} ({type(module).__name__}) is not supported; supported styles: "
+            f"{', '.join(sorted(STYLES))}. Pass your own Policy to shard this model"
+        )
+    fits, make = STYLES[style]
+    if not fits(module):
+        needs = _NEEDS.get(style, "an nn.Linear")
+        raise UnsupportedStyleError(
+            f"tp plan style {style!r} at {path} needs {needs}, but the module is {type(module).__name__}"
+        )
+    return make(path)
