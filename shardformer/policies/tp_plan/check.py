@@ -21,6 +21,10 @@ from shardformer.slicer import gather_tensor, shard_spec
 ATOL, GRAD_ATOL, RTOL = 1e-5, 1e-4, 1e-4
 
 
+class RefusedError(Exception):
+    """The sharder refused the model (before any collective): the reason is the message."""
+
+
 @dataclass
 class Result:
     """Largest differences against the unsharded model, and what did not match."""
@@ -40,10 +44,16 @@ def load_pair(model_class, config, attn_implementation="eager", seed=0):
     dist.broadcast_object_list(box, src=0)
     path = box[0]
     try:
+        error = [None]
         if rank == 0:
-            torch.manual_seed(seed)
-            model_class(config).save_pretrained(path)
-        dist.barrier()
+            try:
+                torch.manual_seed(seed)
+                model_class(config).save_pretrained(path)
+            except Exception as e:  # noqa: BLE001 - every rank raises it, none waits for rank 0
+                error = [f"{type(e).__name__}: {e}"]
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise RefusedError(f"a tiny {model_class.__name__} cannot be built from this config: {error[0]}")
         models = [model_class.from_pretrained(path, attn_implementation=attn_implementation) for _ in range(2)]
         dist.barrier()
     finally:
@@ -65,7 +75,10 @@ def compare(model_class, config, attn_implementation="eager", seq=8, batch=2, ne
     from shardformer.sharder import shard_model
 
     ref, model = load_pair(model_class, config, attn_implementation)
-    model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    try:
+        model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    except (ValueError, NotImplementedError, TypeError) as e:
+        raise RefusedError(f"{type(e).__name__}: {e}") from e
     vocab = config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (batch, seq), generator=g)
@@ -74,7 +87,11 @@ def compare(model_class, config, attn_implementation="eager", seq=8, batch=2, ne
 
     ref.train()
     model.train()
-    ref_out, out = ref(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    try:
+        ref_out = ref(input_ids=ids, labels=labels)
+    except Exception as e:  # noqa: BLE001 - the same on every rank: nothing of ours ran yet
+        raise RefusedError(f"the tiny unsharded model does not run: {type(e).__name__}: {e}") from e
+    out = model(input_ids=ids, labels=labels)
     result.vocab_parallel_logits = out.logits.shape[-1] < ref_out.logits.shape[-1]
     logits = gather_from_parallel(out.logits, None, vocab) if result.vocab_parallel_logits else out.logits
     result.logits, result.loss = _diff(logits, ref_out.logits), _diff(out.loss, ref_out.loss)

@@ -61,7 +61,10 @@ def head_sizes(config) -> tuple[int, int, int] | None:
     if not isinstance(heads, int):
         return None
     kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    try:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    except Exception:  # noqa: BLE001 - per-layer configs refuse a global head_dim
+        head_dim = None
     return heads, kv, head_dim
 
 
@@ -85,7 +88,7 @@ def fused_blocks(name: str, module: nn.Linear, config) -> tuple[int, ...] | None
     ``[Q | K | V]`` (sizes from the head counts) or ``[gate | up]`` (two halves). None: not fused."""
     out = module.out_features
     sizes = head_sizes(config)
-    if sizes is not None and "qkv" in name:
+    if sizes is not None and sizes[2] and "qkv" in name:
         heads, kv, head_dim = sizes
         if out == (heads + 2 * kv) * head_dim:
             return heads * head_dim, kv * head_dim, kv * head_dim

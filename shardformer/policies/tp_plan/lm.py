@@ -49,12 +49,17 @@ def uses_loss_function(model_class: type) -> bool:
         return False
 
 
+def _loss(logits, labels, vocab_size=None, *, head, **kwargs):
+    """transformers' loss signature (``vocab_size`` may come positionally) on vocab-parallel logits."""
+    return causal_lm_loss(logits, labels, head=head, **kwargs)
+
+
 class _VocabParallelCausalLM:
     """Mixed in front of a transformers causal LM class whose LM head is vocab-parallel."""
 
     @property
     def loss_function(self):
-        return partial(causal_lm_loss, head=self.get_output_embeddings())
+        return partial(_loss, head=self.get_output_embeddings())
 
     def generate(self, *args, **kwargs):
         with gathered_logits(self.get_output_embeddings()):

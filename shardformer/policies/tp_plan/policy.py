@@ -78,7 +78,10 @@ class TpPlanPolicy(Policy):
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         resolved = resolve(model, model_tp_plan(model))
         modules = dict(model.named_modules())
-        layers = {path: styles.descriptor(style, path, modules[path]) for path, style in resolved.items()}
+        ours = (self.embedding_path, self.head_path)  # cut our way below, whatever the plan says
+        layers = {
+            path: styles.descriptor(style, path, modules[path]) for path, style in resolved.items() if path not in ours
+        }
         if any(isinstance(layer, Col_Layer) and not layer.gather_output for layer in layers.values()):
             heads.check_heads(text_config, tp)
         self._fuse(layers, modules, text_config)
@@ -141,9 +144,10 @@ class TpPlanPolicy(Policy):
             and not layer.gather_output
             and path not in (self.head_path, self.embedding_path)
         }
-        head_dim = (heads.head_sizes(config) or (0, 0, None))[2]
+        config_head_dim = (heads.head_sizes(config) or (0, 0, None))[2]
         for parent in sorted(split_parents):
             module = modules[parent]
+            head_dim = getattr(module, "head_dim", config_head_dim)  # the module's own, where layers differ
             attrs.update(heads.per_rank_attributes(parent, module, tp))
             if list(module.parameters(recurse=False)):
                 raise styles.UnsupportedStyleError(
@@ -156,8 +160,10 @@ class TpPlanPolicy(Policy):
                 own = list(child.parameters(recurse=False))
                 if path in layers or not own or list(child.children()):
                     continue
-                if all(p.dim() == 1 and p.shape[0] == head_dim for p in own):
-                    layers[path] = Layer(path, replace_layer=styles.GradAllReduce)  # a per-head norm the plan omits
+                if all(p.numel() == 1 or p.dim() == 1 and p.shape[0] == head_dim for p in own):
+                    # shared by every head or feature (a per-head norm, a learned activation's scalars):
+                    # each rank's gradient covers its own part only
+                    layers[path] = Layer(path, replace_layer=styles.GradAllReduce)
                 else:
                     raise styles.UnsupportedStyleError(
                         f"{path} ({type(child).__name__}) has parameters, sits beside heads split over tp and is "

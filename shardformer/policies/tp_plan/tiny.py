@@ -17,11 +17,18 @@ SIZES = {
     "num_key_value_heads": 2,
     "head_dim": 8,
     "max_position_embeddings": 64,
+    "q_lora_rank": 16,  # multi-head latent attention
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
     "sliding_window": 4,
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# schedules over the layers that two layers must still contain (one full-attention layer, no shared KV)
+_FIT_TWO_LAYERS = {"full_attention_interval": 2, "num_kv_shared_layers": 0}
 _DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate")
 
 
@@ -32,7 +39,18 @@ def tiny_config(config_class, **overrides):
     for key, value in defaults.items():
         if isinstance(value, float) and any(w in key for w in _DROPOUT_WORDS):
             kwargs[key] = 0.0
+    if "qk_rope_head_dim" in defaults and "head_dim" in defaults:
+        kwargs["head_dim"] = SIZES["qk_rope_head_dim"]  # MLA models rotate head_dim features
+        kwargs["num_key_value_heads"] = SIZES["num_attention_heads"]  # and have no grouped heads
     if "layer_types" in defaults:
         kwargs["layer_types"] = None  # recomputed for num_hidden_layers
+    for key, value in _FIT_TWO_LAYERS.items():
+        if key in defaults:
+            kwargs[key] = value
     kwargs.update(overrides)
-    return config_class(**kwargs)
+    config = config_class(**kwargs)
+    types = getattr(config, "layer_types", None)
+    if "layer_types" not in overrides and isinstance(types, list) and types and "full_attention" not in types:
+        kwargs["layer_types"] = [*types[:-1], "full_attention"]  # a cache-holding attention layer for generate
+        config = config_class(**kwargs)
+    return config
