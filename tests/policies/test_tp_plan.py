@@ -1,0 +1,157 @@
+"""Policies derived from transformers' own tp plans, against the unsharded model from the same weights.
+
+One spawn at tp=2 runs a representative subset (tiny models saved and loaded with from_pretrained):
+logits (1e-5), loss, every gathered gradient (1e-4) and greedy generate. Refusals and the
+block-wise slicer are checked in this process: they happen before any process group is needed.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import transformers as tf
+
+from shardformer import ShardConfig, shard_model
+from shardformer.layers import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D, VocabParallelLMHead1D
+from shardformer.policies.auto import get_autopolicy
+from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError
+from shardformer.policies.tp_plan.check import compare, load_pair
+from shardformer.policies.tp_plan.tiny import tiny_config
+from shardformer.slicer import make_spec, merge_shards, shard_spec, slice_tensor
+from tests.helpers import check_table
+
+SUBSET = {
+    "LlamaForCausalLM": ("eager", "sdpa"),
+    "MistralForCausalLM": ("eager",),
+    "Qwen2ForCausalLM": ("eager",),
+    "Qwen3ForCausalLM": ("sdpa",),
+    "Gemma2ForCausalLM": ("eager",),
+    "Phi3ForCausalLM": ("eager", "sdpa"),
+    "GPTNeoXForCausalLM": ("eager",),
+    "Olmo2ForCausalLM": ("sdpa",),
+    "Starcoder2ForCausalLM": ("eager",),
+    "GraniteForCausalLM": ("eager",),
+}
+
+
+def _parity(name, impl, **config):
+    cls = getattr(tf, name)
+    result = compare(cls, tiny_config(cls.config_class, **config), impl, new_tokens=4)
+    assert not result.failures, f"{name}/{impl}: {result.failures}"
+    assert result.vocab_parallel_logits, f"{name}/{impl}: a rank held full-vocabulary logits in training"
+
+
+def _checks():
+    checks = []
+    for name, impls in SUBSET.items():
+        for impl in impls:
+            fn_name = f"check_{name}_{impl}"
+            if fn_name not in globals():  # module-level, so spawned ranks can unpickle it by name
+                fn = lambda n=name, i=impl: _parity(n, i)  # noqa: E731
+                fn.__name__ = fn.__qualname__ = fn_name
+                globals()[fn_name] = fn
+            checks.append(globals()[fn_name])
+    return checks
+
+
+def check_phi3_qkv_split_block_by_block():
+    """Phi-3's fused qkv (4 query, 2 key/value heads of 8) is cut [Q_r | K_r | V_r]; no gather, no split."""
+    cls = tf.Phi3ForCausalLM
+    _, model = load_pair(cls, tiny_config(cls.config_class))
+    model = shard_model(model, ShardConfig(tensor_parallel_size=2))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert isinstance(attn.qkv_proj, Linear1D_Col) and not attn.qkv_proj.gather_output
+    assert shard_spec(attn.qkv_proj.weight).blocks == (32, 16, 16)
+    assert attn.qkv_proj.weight.shape[0] == 32
+    assert isinstance(attn.o_proj, Linear1D_Row) and attn.o_proj.input_is_parallel
+    assert attn.config.num_attention_heads == 2 and attn.num_key_value_heads == 1
+    assert model.config.num_attention_heads == 4  # the model's own config stays global
+    assert isinstance(mlp.gate_up_proj, Linear1D_Col) and mlp.gate_up_proj.n_cast == 2
+    assert not mlp.gate_up_proj.gather_output and mlp.down_proj.input_is_parallel
+
+
+def check_tied_llama_keeps_one_parameter():
+    _parity("LlamaForCausalLM", "eager", tie_word_embeddings=True)
+    cls = tf.LlamaForCausalLM
+    _, model = load_pair(cls, tiny_config(cls.config_class, tie_word_embeddings=True))
+    model = shard_model(model, ShardConfig(tensor_parallel_size=2))
+    assert isinstance(model.model.embed_tokens, VocabParallelEmbedding1D)
+    assert isinstance(model.lm_head, VocabParallelLMHead1D)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.shape[0] == 50  # vocabulary 99 padded to 100, half per rank
+
+
+def check_qwen3_norm_gradients_are_summed_once_per_backward():
+    """Two backwards accumulate: the q/k norm hooks sum each backward's gradient, not the running total."""
+    cls = tf.Qwen3ForCausalLM
+    ref, model = load_pair(cls, tiny_config(cls.config_class))
+    model = shard_model(model, ShardConfig(tensor_parallel_size=2))
+    ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(2))
+    for m in (ref, model):
+        for _ in range(2):
+            m(input_ids=ids, labels=ids).loss.backward()
+    for name in ("q_norm", "k_norm"):
+        got = getattr(model.model.layers[1].self_attn, name).weight.grad
+        want = getattr(ref.model.layers[1].self_attn, name).weight.grad
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert dist.get_world_size() == 2
+
+
+TP2 = [
+    *_checks(),
+    check_phi3_qkv_split_block_by_block,
+    check_tied_llama_keeps_one_parameter,
+    check_qwen3_norm_gradients_are_summed_once_per_backward,
+]
+test_tp2 = check_table(TP2, 2)
+
+
+# -- in this process: what is decided before any collective -----------------------------------
+
+
+def _tiny(name, **config):
+    cls = getattr(tf, name)
+    torch.manual_seed(0)
+    return cls(tiny_config(cls.config_class, **config))
+
+
+def test_builtins_keep_precedence_and_plans_fill_in():
+    assert type(get_autopolicy(_tiny("LlamaForCausalLM"))) is TpPlanPolicy
+    assert type(get_autopolicy(tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=8, n_head=2)))).__name__ == (
+        "GPT2LMHeadPolicy"
+    )
+
+
+def test_unsupported_style_is_refused_with_its_name_and_path():
+    model = _tiny("LlamaForCausalLM")
+    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.gate_proj": "sequence_parallel"}
+    with pytest.raises(UnsupportedStyleError, match=r"'sequence_parallel' at model.layers.0.mlp.gate_proj \(Linear\)"):
+        shard_model(model, ShardConfig(tensor_parallel_size=2))
+
+
+def test_kv_heads_that_tp_does_not_divide_are_refused_with_sizes():
+    model = _tiny("LlamaForCausalLM", num_key_value_heads=1)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=1 is not divisible by tensor_parallel_size=2"):
+        shard_model(model, ShardConfig(tensor_parallel_size=2))
+
+
+def test_unplanned_parameters_beside_split_heads_are_refused():
+    model = _tiny("LlamaForCausalLM")
+    model.model.layers[0].self_attn.extra = nn.Linear(4, 4)
+    with pytest.raises(UnsupportedStyleError, match=r"model.layers.0.self_attn.extra \(Linear\) has parameters"):
+        shard_model(model, ShardConfig(tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_blocks_of_different_sizes_slice_and_merge_back(world):
+    full = torch.arange(48.0).view(24, 2)  # [Q: 16 | K: 4 | V: 4]
+    specs = [make_spec(full.shape, 0, r, world, (16, 4, 4)) for r in range(world)]
+    shards = [slice_tensor(full, s) for s in specs]
+    if world == 2:
+        assert torch.equal(shards[1], torch.cat([full[8:16], full[18:20], full[22:24]]))
+    assert torch.equal(merge_shards(shards, specs[0]), full)
+
+
+def test_blocks_that_tp_does_not_divide_are_refused():
+    with pytest.raises(ValueError, match=r"fused blocks \(16, 3, 3\).*tensor_parallel_size=2"):
+        make_spec((22, 2), 0, 0, 2, (16, 3, 3))
