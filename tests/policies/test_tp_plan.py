@@ -97,8 +97,35 @@ def check_qwen3_norm_gradients_are_summed_once_per_backward():
     assert dist.get_world_size() == 2
 
 
+def check_export_and_load_sharded_llama_phi3():
+    """save_pretrained of a derived model gives a plain transformers folder (exact reload); load_sharded
+    reads it slice by slice into what shard_model makes (Phi-3's qkv blocks included)."""
+    from shardformer.checkpoint import load_sharded, save_pretrained
+    from tests.checkpoint.common import remove_dir, shared_dir
+
+    for name in ("LlamaForCausalLM", "Phi3ForCausalLM"):
+        cls = getattr(tf, name)
+        ref, model = load_pair(cls, tiny_config(cls.config_class))
+        model = shard_model(model, ShardConfig(tensor_parallel_size=2))
+        path = shared_dir()
+        save_pretrained(model, path)
+        dist.barrier()
+        plain = cls.from_pretrained(path)
+        assert type(plain) is cls
+        ref_state = ref.state_dict()
+        for key, value in plain.state_dict().items():
+            assert torch.equal(value, ref_state[key]), f"{name}: {key} after export and reload"
+        on_load = load_sharded(name, path, ShardConfig(tensor_parallel_size=2))
+        remove_dir(path)
+        expected = dict(model.named_parameters())
+        for key, param in on_load.named_parameters():
+            assert torch.equal(param, expected[key]), f"{name}: {key} loaded sharded"
+            assert shard_spec(param) == shard_spec(expected[key]), key
+
+
 TP2 = [
     *_checks(),
+    check_export_and_load_sharded_llama_phi3,
     check_phi3_qkv_split_block_by_block,
     check_tied_llama_keeps_one_parameter,
     check_qwen3_norm_gradients_are_summed_once_per_backward,
