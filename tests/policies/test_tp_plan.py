@@ -123,8 +123,32 @@ def check_export_and_load_sharded_llama_phi3():
             assert shard_spec(param) == shard_spec(expected[key]), key
 
 
+def check_attention_dropout_masks_differ_per_rank_and_global_rng_stays():
+    cls = tf.LlamaForCausalLM
+    _, model = load_pair(cls, tiny_config(cls.config_class, attention_dropout=0.5))
+    model = shard_model(model, ShardConfig(tensor_parallel_size=2)).train()
+    ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(2))
+    attn = model.model.layers[0].self_attn
+    seen = {}
+
+    def keep_weights(module, args, out):
+        seen.setdefault("weights", out[1].detach())
+
+    attn.register_forward_hook(keep_weights)
+    before = torch.get_rng_state()
+    model(input_ids=ids)
+    assert torch.equal(torch.get_rng_state(), before), "the caller's RNG stream moved"
+    masks = [None, None]
+    dist.all_gather_object(masks, seen["weights"] == 0)
+    assert masks[0].any() and not torch.equal(masks[0], masks[1]), "ranks dropped the same positions"
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)  # eval: no swap, no error
+
+
 TP2 = [
     *_checks(),
+    check_attention_dropout_masks_differ_per_rank_and_global_rng_stays,
     check_export_and_load_sharded_llama_phi3,
     check_phi3_qkv_split_block_by_block,
     check_tied_llama_keeps_one_parameter,

@@ -149,6 +149,8 @@ class TpPlanPolicy(Policy):
             module = modules[parent]
             head_dim = getattr(module, "head_dim", config_head_dim)  # the module's own, where layers differ
             attrs.update(heads.per_rank_attributes(parent, module, tp))
+            if isinstance(getattr(module, "attention_dropout", None), float) and parent not in layers:
+                layers[parent] = Layer(parent, replace_layer=styles.AttentionDropoutRng)
             if list(module.parameters(recurse=False)):
                 raise styles.UnsupportedStyleError(
                     f"{parent} ({type(module).__name__}) holds parameters of its own beside heads split over tp "

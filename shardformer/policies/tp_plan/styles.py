@@ -6,6 +6,7 @@ here is refused (by name, with the module path) before anything is cut.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from shardformer.layers import Linear1D_Row, VocabParallelEmbedding1D
@@ -107,3 +108,57 @@ def descriptor(style: str, path: str, module: nn.Module) -> Layer:
             f"tp plan style {style!r} at {path} needs {needs}, but the module is {type(module).__name__}"
         )
     return make(path)
+
+
+class AttentionDropoutRng:
+    """Attention-probability dropout runs inside transformers' attention functions, on the global
+    RNG. With heads split over ranks, the same global state would drop the same positions of
+    different heads on every rank. Around the module's forward (in training, with
+    ``attention_dropout`` > 0) the global RNG is swapped for the module's own stream, seeded per rank,
+    and put back after: masks differ across ranks, the caller's RNG stream is untouched and equal
+    on every rank, and a seed replays the same masks."""
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, seed: int = 0, **_) -> nn.Module:
+        stream = _RngStream(seed + _RANK_STRIDE * group_rank(process_group))
+        module.register_forward_pre_hook(stream.enter, with_kwargs=True)
+        module.register_forward_hook(stream.leave)
+        return module
+
+
+_RANK_STRIDE = 1_000_003  # as the dropout layers: seeds of different ranks never collide
+
+
+class _RngStream:
+    def __init__(self, seed: int) -> None:
+        self.seed, self.states, self.saved = seed, {}, None
+
+    @staticmethod
+    def _device(args, kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
+        return tensors[0].device if tensors else torch.device("cpu")
+
+    def enter(self, module, args, kwargs):
+        if not (module.training and getattr(module, "attention_dropout", 0.0)):
+            return
+        device = self._device(args, kwargs)
+        accel = None if device.type == "cpu" else torch.get_device_module(device.type)
+        self.saved = (device, accel, torch.get_rng_state(), accel.get_rng_state(device) if accel else None)
+        if device not in self.states:
+            cpu = torch.Generator().manual_seed(self.seed).get_state()
+            dev = torch.Generator(device=device).manual_seed(self.seed).get_state() if accel else None
+            self.states[device] = (cpu, dev)
+        cpu, dev = self.states[device]
+        torch.set_rng_state(cpu)
+        if accel:
+            accel.set_rng_state(dev, device)
+
+    def leave(self, module, args, output):
+        if self.saved is None:
+            return
+        device, accel, cpu, dev = self.saved
+        self.states[device] = (torch.get_rng_state(), accel.get_rng_state(device) if accel else None)
+        torch.set_rng_state(cpu)
+        if accel:
+            accel.set_rng_state(dev, device)
+        self.saved = None
