@@ -31,6 +31,8 @@ SUBSET = {
     "Olmo2ForCausalLM": ("sdpa",),
     "Starcoder2ForCausalLM": ("eager",),
     "GraniteForCausalLM": ("eager",),
+    "MixtralForCausalLM": ("eager",),  # mixture of experts: stacked 3-D experts cut inside
+    "Qwen3MoeForCausalLM": ("sdpa",),
 }
 
 
@@ -68,6 +70,17 @@ def check_phi3_qkv_split_block_by_block():
     assert model.config.num_attention_heads == 4  # the model's own config stays global
     assert isinstance(mlp.gate_up_proj, Linear1D_Col) and mlp.gate_up_proj.n_cast == 2
     assert not mlp.gate_up_proj.gather_output and mlp.down_proj.input_is_parallel
+
+
+def check_mixtral_experts_cut_inside_router_replicated():
+    cls = tf.MixtralForCausalLM
+    _, model = load_pair(cls, tiny_config(cls.config_class))
+    model = shard_model(model, ShardConfig(tensor_parallel_size=2))
+    moe = model.model.layers[0].mlp
+    assert tuple(moe.experts.gate_up_proj.shape) == (4, 64, 32)  # [E, 2I / tp, H]: [gate_r | up_r]
+    assert shard_spec(moe.experts.gate_up_proj).n_cast == 2 and shard_spec(moe.experts.gate_up_proj).dim == 1
+    assert tuple(moe.experts.down_proj.shape) == (4, 32, 32) and shard_spec(moe.experts.down_proj).dim == 2
+    assert shard_spec(moe.gate.weight) is None  # the router
 
 
 def check_tied_llama_keeps_one_parameter():
@@ -152,6 +165,7 @@ TP2 = [
     check_export_and_load_sharded_llama_phi3,
     check_phi3_qkv_split_block_by_block,
     check_tied_llama_keeps_one_parameter,
+    check_mixtral_experts_cut_inside_router_replicated,
     check_qwen3_norm_gradients_are_summed_once_per_backward,
 ]
 test_tp2 = check_table(TP2, 2)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from shardformer.layers import VocabParallelLMHead1D
 from shardformer.policies.base import Argument, Col_Layer, Layer, Policy, Row_Layer
-from shardformer.policies.tp_plan import heads, styles
+from shardformer.policies.tp_plan import experts, heads, styles
 from shardformer.policies.tp_plan.lm import embedding_layer, uses_loss_function, vocab_parallel_class
 
 
@@ -41,21 +41,29 @@ def _pattern(key: str) -> re.Pattern:
     return re.compile("^" + re.escape(key).replace(r"\*", r"\d+") + "$")
 
 
-def resolve(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+def resolve(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     """``{module path: style}`` for every module a plan entry names (entries naming nothing are
-    skipped, as transformers does: optional layers). An entry naming a parameter is refused."""
+    skipped, as transformers does: optional layers), and ``{module path: {parameter: style}}`` for
+    entries naming parameters, which only stacked experts (``moe_tp_experts``) may have."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     resolved: dict[str, str] = {}
+    param_styles: dict[str, dict[str, str]] = {}
     for key, style in plan.items():
         pattern = _pattern(key)
         for name in params:
             if pattern.match(name) and style != "replicate":
-                raise styles.UnsupportedStyleError(
-                    f"tp plan entry {key!r} -> {style!r} names the parameter {name}; shardformer cuts modules only"
-                )
+                owner, _, leaf = name.rpartition(".")
+                param_styles.setdefault(owner, {})[leaf] = style
         resolved.update({name: style for name in modules if name and pattern.match(name)})
-    return resolved
+    for owner, named in param_styles.items():
+        if resolved.get(owner) != "moe_tp_experts":
+            leaf, style = next(iter(named.items()))
+            raise styles.UnsupportedStyleError(
+                f"tp plan style {style!r} names the parameter {owner}.{leaf}; shardformer cuts parameters "
+                f"only inside stacked experts ('moe_tp_experts'), and {owner} is not planned as those"
+            )
+    return resolved, param_styles
 
 
 def _path_of(model: nn.Module, module: nn.Module | None) -> str | None:
@@ -76,12 +84,18 @@ class TpPlanPolicy(Policy):
     def argument_policy(self, config, shard_config):
         model, tp = self.model, shard_config.tensor_parallel_size
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        resolved = resolve(model, model_tp_plan(model))
+        resolved, param_styles = resolve(model, model_tp_plan(model))
         modules = dict(model.named_modules())
         ours = (self.embedding_path, self.head_path)  # cut our way below, whatever the plan says
-        layers = {
-            path: styles.descriptor(style, path, modules[path]) for path, style in resolved.items() if path not in ours
-        }
+        layers = {}
+        for path, style in resolved.items():
+            if path in ours:
+                continue
+            if style == "moe_tp_experts":
+                experts.check_experts(path, modules[path], param_styles.get(path, {}), tp)
+                layers[path] = Layer(path, replace_layer=experts.experts_layer(param_styles[path]))
+            else:
+                layers[path] = styles.descriptor(style, path, modules[path])
         if any(isinstance(layer, Col_Layer) and not layer.gather_output for layer in layers.values()):
             heads.check_heads(text_config, tp)
         self._fuse(layers, modules, text_config)

@@ -17,6 +17,12 @@ SIZES = {
     "num_key_value_heads": 2,
     "head_dim": 8,
     "max_position_embeddings": 64,
+    "num_local_experts": 4,  # mixture of experts
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
     "q_lora_rank": 16,  # multi-head latent attention
     "kv_lora_rank": 16,
     "qk_rope_head_dim": 4,

@@ -1,0 +1,92 @@
+"""Expert-internal tensor parallelism for transformers' stacked 3-D expert weights (``moe_tp_experts``).
+
+Every rank holds every expert, each cut along its intermediate dimension: ``gate_up_proj``
+``[E, 2I, H]`` as two blocks (``[gate_r | up_r]`` per expert), ``down_proj`` ``[E, H, I]`` by input
+features. The router stays replicated, so every rank routes every token the same way; each rank
+computes its part of every chosen expert and one all-reduce sums the parts. The input and the
+routing weights are replicated with partial gradients: one all-reduce each in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardformer.layers.comm import copy_to_parallel, group_rank, group_size, reduce_from_parallel
+from shardformer.slicer import Slicer, make_shard_param, make_spec
+
+# plan style of an expert parameter -> (which dim of [E, out, in] is cut, fused blocks)
+_PARAM_CUTS = {"colwise": ("out", 1), "packed_colwise": ("out", 2), "rowwise": ("in", 1)}
+
+
+def param_cut(module: nn.Module, name: str, style: str, path: str) -> tuple[int, int]:
+    """(dim, n_cast) for expert parameter ``name`` of ``module`` under ``style``, or a ValueError."""
+    param = getattr(module, name)
+    if style not in _PARAM_CUTS:
+        raise ValueError(f"expert parameter {path}.{name}: style {style!r} is not supported for stacked experts")
+    side, n_cast = _PARAM_CUTS[style]
+    transposed = bool(getattr(module, "is_transposed", False))  # [E, in, out]
+    if param.dim() == 3:
+        return (1 if (side == "out") != transposed else 2), n_cast
+    if param.dim() == 2 and side == "out":  # a bias [E, out]
+        return 1, n_cast
+    raise ValueError(
+        f"expert parameter {path}.{name} {tuple(param.shape)} under {style!r} cannot be cut exactly (a bias "
+        f"after a row-parallel product would be added once per rank)"
+    )
+
+
+class ExpertsTP:
+    """Cuts a stacked-experts module's parameters in place and sums its output over the group.
+    ``param_styles`` (set on the subclass :func:`experts_layer` makes) is ``{name: plan style}``."""
+
+    param_styles: dict[str, str] = {}
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
+        slicer = Slicer(group_rank(process_group), group_size(process_group))
+        for name, style in cls.param_styles.items():
+            dim, n_cast = param_cut(module, name, style, type(module).__name__)
+            param = getattr(module, name)
+            setattr(module, name, make_shard_param(param, slicer.spec(param.shape, dim, n_cast)))
+
+        def inputs(_m, args, kwargs):
+            args = list(args)
+            if args:
+                args[0] = copy_to_parallel(args[0], process_group)
+            if len(args) > 2 and torch.is_tensor(args[2]):
+                args[2] = copy_to_parallel(args[2], process_group)  # routing weights
+            if torch.is_tensor(kwargs.get("top_k_weights")):
+                kwargs["top_k_weights"] = copy_to_parallel(kwargs["top_k_weights"], process_group)
+            return tuple(args), kwargs
+
+        def output(_m, _args, out):
+            if isinstance(out, tuple):
+                return (reduce_from_parallel(out[0], process_group), *out[1:])
+            return reduce_from_parallel(out, process_group)
+
+        module.register_forward_pre_hook(inputs, with_kwargs=True)
+        module.register_forward_hook(output)
+        return module
+
+
+_CLASSES: dict[tuple, type] = {}
+
+
+def experts_layer(param_styles: dict[str, str]) -> type[ExpertsTP]:
+    key = tuple(sorted(param_styles.items()))
+    if key not in _CLASSES:
+        _CLASSES[key] = type("ExpertsTP", (ExpertsTP,), {"param_styles": dict(param_styles)})
+    return _CLASSES[key]
+
+
+def check_experts(path: str, module: nn.Module, param_styles: dict[str, str], tp: int) -> None:
+    """Before anything is cut: every parameter of the experts is planned and divides over tp."""
+    for name, param in module.named_parameters(recurse=False):
+        if name not in param_styles:
+            raise ValueError(f"expert parameter {path}.{name} {tuple(param.shape)} is not in the tp plan")
+    if not param_styles:
+        raise ValueError(f"{path} is planned as 'moe_tp_experts' but the plan names none of its parameters")
+    for name, style in param_styles.items():
+        dim, n_cast = param_cut(module, name, style, path)
+        make_spec(getattr(module, name).shape, dim, 0, tp, n_cast)
