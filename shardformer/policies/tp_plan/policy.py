@@ -44,7 +44,7 @@ def _pattern(key: str) -> re.Pattern:
 def resolve(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     """``{module path: style}`` for every module a plan entry names (entries naming nothing are
     skipped, as transformers does: optional layers), and ``{module path: {parameter: style}}`` for
-    entries naming parameters, which only stacked experts (``moe_tp_experts``) may have."""
+    entries naming parameters (stacked experts, attention sinks)."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     resolved: dict[str, str] = {}
@@ -56,13 +56,6 @@ def resolve(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], dic
                 owner, _, leaf = name.rpartition(".")
                 param_styles.setdefault(owner, {})[leaf] = style
         resolved.update({name: style for name in modules if name and pattern.match(name)})
-    for owner, named in param_styles.items():
-        if resolved.get(owner) != "moe_tp_experts":
-            leaf, style = next(iter(named.items()))
-            raise styles.UnsupportedStyleError(
-                f"tp plan style {style!r} names the parameter {owner}.{leaf}; shardformer cuts parameters "
-                f"only inside stacked experts ('moe_tp_experts'), and {owner} is not planned as those"
-            )
     return resolved, param_styles
 
 
@@ -94,8 +87,15 @@ class TpPlanPolicy(Policy):
             if style == "moe_tp_experts":
                 experts.check_experts(path, modules[path], param_styles.get(path, {}), tp)
                 layers[path] = Layer(path, replace_layer=experts.experts_layer(param_styles[path]))
+            elif style == "mla_kv_a_proj":
+                rope = styles.mla_layer(getattr(text_config, "qk_rope_head_dim", 0))
+                layers[path] = Layer(path, replace_layer=rope)
             else:
                 layers[path] = styles.descriptor(style, path, modules[path])
+        for owner, named in param_styles.items():
+            if resolved.get(owner) != "moe_tp_experts":  # e.g. attention sinks, one per head
+                layers[owner] = Layer(owner, replace_layer=styles.params_layer(owner, modules[owner], named))
+        self.cut_params = {f"{owner}.{name}" for owner, named in param_styles.items() for name in named}
         if any(isinstance(layer, Col_Layer) and not layer.gather_output for layer in layers.values()):
             heads.check_heads(text_config, tp)
         self._fuse(layers, modules, text_config)
@@ -158,18 +158,20 @@ class TpPlanPolicy(Policy):
             and not layer.gather_output
             and path not in (self.head_path, self.embedding_path)
         }
-        config_head_dim = (heads.head_sizes(config) or (0, 0, None))[2]
+        sizes = heads.head_sizes(config) or (0, 0, None)
+        config_head_dim = sizes[2]
+        split_widths = {sizes[0], sizes[1]} | ({sizes[0] * sizes[2], sizes[1] * sizes[2]} if sizes[2] else set())
         for parent in sorted(split_parents):
             module = modules[parent]
             head_dim = getattr(module, "head_dim", config_head_dim)  # the module's own, where layers differ
             attrs.update(heads.per_rank_attributes(parent, module, tp))
             if isinstance(getattr(module, "attention_dropout", None), float) and parent not in layers:
                 layers[parent] = Layer(parent, replace_layer=styles.AttentionDropoutRng)
-            if list(module.parameters(recurse=False)):
+            uncut = [n for n, _ in module.named_parameters(recurse=False) if f"{parent}.{n}" not in self.cut_params]
+            if uncut:
                 raise styles.UnsupportedStyleError(
                     f"{parent} ({type(module).__name__}) holds parameters of its own beside heads split over tp "
-                    f"({[n for n, _ in module.named_parameters(recurse=False)]}); the tp plan does not say how to "
-                    f"cut them. Pass your own Policy"
+                    f"({uncut}); the tp plan does not say how to cut them. Pass your own Policy"
                 )
             for name, child in module.named_children():
                 path = f"{parent}.{name}" if parent else name
@@ -180,6 +182,8 @@ class TpPlanPolicy(Policy):
                     # shared by every head or feature (a per-head norm, a learned activation's scalars):
                     # each rank's gradient covers its own part only
                     layers[path] = Layer(path, replace_layer=styles.GradAllReduce)
+                elif not any(size in split_widths for p in own for size in p.shape):
+                    continue  # sized like no split activation: on replicated features (MLA's latent norms)
                 else:
                     raise styles.UnsupportedStyleError(
                         f"{path} ({type(child).__name__}) has parameters, sits beside heads split over tp and is "

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.layers import Linear1D_Row, VocabParallelEmbedding1D
-from shardformer.layers.comm import all_reduce, group_rank, group_size, reduce_from_parallel
+from shardformer.layers.comm import all_reduce, copy_to_parallel, group_rank, group_size, reduce_from_parallel
 from shardformer.policies.base import Col_Layer, Layer, Row_Layer
 from shardformer.slicer import Slicer, make_shard_param
 
@@ -86,6 +86,7 @@ STYLES = {
     "replicated_with_grad_allreduce": (lambda m: True, lambda path: Layer(path, replace_layer=GradAllReduce)),
     "all_reduce": (lambda m: True, lambda path: Layer(path, replace_layer=OutputAllReduce)),
     "replicate": (lambda m: True, lambda path: Layer(path, replace_layer=Replicated)),
+    "local_params": (lambda m: True, lambda path: Layer(path, replace_layer=Replicated)),  # its params: own entries
 }
 _NEEDS = {"embedding_rowwise": "a plain nn.Embedding"}
 
@@ -162,3 +163,53 @@ class _RngStream:
         if accel:
             accel.set_rng_state(dev, device)
         self.saved = None
+
+
+class MlaKvAProj:
+    """``mla_kv_a_proj`` (multi-head latent attention): the replicated projection's output is
+    ``[compressed kv | rope key]``. The compressed part feeds a column-parallel layer (which sums
+    its gradient); the rope key goes straight into attention on this rank's heads, so its gradient
+    is partial: it passes through copy_to_parallel (identity forward, one all-reduce backward)."""
+
+    rope_dim = 0
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
+        rope = cls.rope_dim
+
+        def split_rope_grad(_m, _args, out):
+            kv, rope_key = out.split([out.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([kv, copy_to_parallel(rope_key, process_group)], dim=-1)
+
+        module.register_forward_hook(split_rope_grad)
+        return module
+
+
+def mla_layer(rope_dim: int) -> type[MlaKvAProj]:
+    return type("MlaKvAProj", (MlaKvAProj,), {"rope_dim": rope_dim})
+
+
+class HeadParams:
+    """Parameters a plan cuts by themselves (``colwise`` on attention sinks ``[num_heads]``): each
+    rank keeps the entries of its own heads. ``names`` is set on the subclass :func:`params_layer` makes."""
+
+    names: tuple[str, ...] = ()
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
+        slicer = Slicer(group_rank(process_group), group_size(process_group))
+        for name in cls.names:
+            param = getattr(module, name)
+            setattr(module, name, make_shard_param(param, slicer.spec(param.shape, 0)))
+        return module
+
+
+def params_layer(path: str, module: nn.Module, named: dict[str, str]) -> type[HeadParams]:
+    """A HeadParams class for ``named`` (``{parameter: style}``), or UnsupportedStyleError."""
+    for name, style in named.items():
+        if style != "colwise" or getattr(module, name).dim() != 1:
+            raise UnsupportedStyleError(
+                f"tp plan style {style!r} on the parameter {path}.{name} {tuple(getattr(module, name).shape)} is "
+                f"not supported (only 'colwise' on a 1-D per-head parameter, or inside 'moe_tp_experts')"
+            )
+    return type("HeadParams", (HeadParams,), {"names": tuple(named)})

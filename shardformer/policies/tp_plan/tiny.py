@@ -23,8 +23,8 @@ SIZES = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
-    "q_lora_rank": 16,  # multi-head latent attention
-    "kv_lora_rank": 16,
+    "q_lora_rank": 24,  # multi-head latent attention (ranks unlike any head width)
+    "kv_lora_rank": 24,
     "qk_rope_head_dim": 4,
     "qk_nope_head_dim": 4,
     "v_head_dim": 8,
