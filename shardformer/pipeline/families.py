@@ -144,6 +144,11 @@ def pipeline_spec_for(model: nn.Module) -> PipelineSpec:
     for cls in type(model).__mro__:
         if cls.__name__ in BUILTIN_SPECS:
             return BUILTIN_SPECS[cls.__name__]
+    from shardformer.pipeline.from_plan import spec_from_pp_plan
+
+    derived = spec_from_pp_plan(model)  # transformers' own base_model_pp_plan
+    if derived is not None:
+        return derived
     raise NotImplementedError(
         f"no built-in pipeline split for {type(model).__name__} (built-in: {', '.join(sorted(BUILTIN_SPECS))}); "
         f"pass ParallelEngine(..., pipeline=PipelineSpec(layers=..., first=..., last=..., shared=..., "

@@ -1,0 +1,103 @@
+"""Pipeline specs derived from transformers' own ``base_model_pp_plan``.
+
+The plan lists the base model's children in order (``embed_tokens``, maybe a dropout, ``layers``,
+``norm``) and the head class adds ``lm_head``: what comes before the layer list goes on the first
+stage, what comes after on the last, an input embedding tied to the head on both.
+
+A stage runs the model's own forward: the base model with ``inputs_embeds`` after the first stage,
+so rotary position embeddings and the causal (or sliding-window) masks are built on every stage as
+the model builds them; while it runs, the layers of other stages are pass-throughs (layer indices
+stay global, as per-layer attention types need) and the modules dropped from this stage (final
+norm before the last stage, embedding dropout after the first) are identities. The last stage runs
+the whole causal LM forward, head and loss included.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch.nn as nn
+
+from shardformer.pipeline.spec import PipelineSpec, stage_of
+
+
+class _PassThrough(nn.Module):
+    """Stands in for another stage's decoder layer: returns the hidden states unchanged."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def _prefix(model: nn.Module) -> str:
+    base = getattr(model, "base_model", model)
+    return "" if base is model else getattr(model, "base_model_prefix", "")
+
+
+def spec_from_pp_plan(model: nn.Module) -> PipelineSpec | None:
+    """A PipelineSpec from the model's ``base_model_pp_plan`` and head ``_pp_plan``, or None if it has none."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_pp_plan", None) if config is not None else None
+    if not plan or "layers" not in plan or _prefix(model) is None:
+        return None
+    prefix = _prefix(model)
+    names = list(plan)
+    at = names.index("layers")
+    path = lambda name: f"{prefix}.{name}" if prefix else name  # noqa: E731
+    first = [path(n) for n in names[:at]]
+    last = [path(n) for n in names[at + 1 :]] + list(getattr(type(model), "_pp_plan", None) or {})
+    shared = []
+    embed, head = _call(model, "get_input_embeddings"), _call(model, "get_output_embeddings")
+    if embed is not None and head is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0):
+        tied = [p for p in first if model.get_submodule(p) is embed]
+        shared = tied
+        first = [p for p in first if p not in tied]
+    return PipelineSpec(
+        layers=path("layers"),
+        stage_forward=plan_stage_forward,
+        first=tuple(first),
+        last=tuple(last),
+        shared=tuple(shared),
+    )
+
+
+def _call(model, method):
+    try:
+        return getattr(model, method)()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+@contextmanager
+def _stage_view(model: nn.Module, spec: PipelineSpec):
+    """Other stages' layers as pass-throughs and dropped modules as identities, while a stage runs."""
+    layers = spec.layer_list(model)
+    filled = [key for key, layer in layers._modules.items() if layer is None]
+    for key in filled:
+        layers._modules[key] = _PassThrough()
+    holes = []
+    for dotted in (*spec.first, *spec.last, *spec.shared):
+        parent_path, _, name = dotted.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        if name in parent._modules and parent._modules[name] is None:
+            parent._modules[name] = nn.Identity()
+            holes.append((parent, name))
+    try:
+        yield
+    finally:
+        for key in filled:
+            layers._modules[key] = None
+        for parent, name in holes:
+            parent._modules[name] = None
+
+
+def plan_stage_forward(model: nn.Module, hidden, inputs: dict):
+    """One stage of a plan-derived causal LM on a micro-batch (no KV cache)."""
+    stage, num_stages = stage_of(model)
+    info = getattr(model, "shardformer", None)
+    spec = getattr(info, "pipeline", None) or spec_from_pp_plan(model)
+    extra = {k: inputs[k] for k in ("attention_mask", "position_ids") if inputs.get(k) is not None}
+    feed = {"input_ids": inputs["input_ids"]} if stage == 0 else {"inputs_embeds": hidden}
+    with _stage_view(model, spec):
+        if stage == num_stages - 1:
+            return model(**feed, **extra, labels=inputs.get("labels"), use_cache=False)
+        return model.base_model(**feed, **extra, use_cache=False).last_hidden_state
