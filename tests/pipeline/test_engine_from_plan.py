@@ -1,0 +1,43 @@
+"""Plan-derived models through ParallelEngine on 4 gloo ranks: pp=2 x tp=2 with ZeRO, cut by the
+policy and pipeline spec derived from transformers' own tp / pp plans, against one process training
+the unsharded model on the same batches (loss of every step, weights after the steps). One spawn.
+"""
+
+import transformers as tf
+
+from shardformer.policies.tp_plan.check import load_pair
+from shardformer.policies.tp_plan.tiny import tiny_config
+from tests.helpers import check_table
+from tests.pipeline import common
+from tests.pipeline.test_engine import STEPS, _check
+
+
+def _run(name, combo, zero_stage=1, **config):
+    cls = getattr(tf, name)
+    pair = load_pair(cls, tiny_config(cls.config_class, num_hidden_layers=common.LAYERS, **config))
+    _check(name, *combo, zero_stage=zero_stage, model_pair=pair, data=common.batches(name, STEPS))
+
+
+def check_llama_tp2_pp2_zero1():
+    _run("LlamaForCausalLM", (2, 2, 1, "1f1b", 2, 0.5, "torch"))
+
+
+def check_tied_llama_tp2_pp2_zero2():
+    _run("LlamaForCausalLM", (2, 2, 1, "gpipe", 2, None, "p2p"), zero_stage=2, tie_word_embeddings=True)
+
+
+def check_mixtral_tp2_pp2_zero1():
+    _run("MixtralForCausalLM", (2, 2, 1, "1f1b", 2, None, "torch"))
+
+
+def check_qwen3_tp1_pp2_dp2():
+    _run("Qwen3ForCausalLM", (1, 2, 2, "1f1b", 2, 0.5, "torch"))
+
+
+CHECKS = [
+    check_llama_tp2_pp2_zero1,
+    check_tied_llama_tp2_pp2_zero2,
+    check_mixtral_tp2_pp2_zero1,
+    check_qwen3_tp1_pp2_dp2,
+]
+test_engine_from_plan_4_ranks = check_table(CHECKS, 4)
