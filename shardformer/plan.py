@@ -35,6 +35,10 @@ def _builtin(name: str):
             tf.BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
         ),
         "vit-base": lambda: tf.ViTForImageClassification(tf.ViTConfig()),
+        # transformers' default configs of these are the published sizes; their policies come from the tp plans
+        "llama-7b": lambda: tf.LlamaForCausalLM(tf.LlamaConfig()),
+        "phi3-mini": lambda: tf.Phi3ForCausalLM(tf.Phi3Config()),
+        "mixtral-8x7b": lambda: tf.MixtralForCausalLM(tf.MixtralConfig()),
     }
     return table.get(name), sorted(table)
 

@@ -220,3 +220,17 @@ def test_blocks_of_different_sizes_slice_and_merge_back(world):
 def test_blocks_that_tp_does_not_divide_are_refused():
     with pytest.raises(ValueError, match=r"fused blocks \(16, 3, 3\).*tensor_parallel_size=2"):
         make_spec((22, 2), 0, 0, 2, (16, 3, 3))
+
+
+def test_plan_sizes_a_published_phi3_and_mixtral_at_tp2_pp2():
+    from shardformer.plan import build_meta_model, plan_model
+
+    for name, fused in (("phi3-mini", "model.layers.0.self_attn.qkv_proj.weight"), ("mixtral-8x7b", None)):
+        plan = plan_model(build_meta_model(name), tp=2, pp=2)
+        full = sum(torch.Size(f).numel() for _, f, _ in plan.params)
+        local = sum(torch.Size(r).numel() for _, _, r in plan.params)
+        assert abs(local / full - 0.5) < 0.01, (name, local / full)
+        assert len(plan.stages) == 2
+        if fused:
+            shapes = {n: (f, r) for n, f, r in plan.params}
+            assert shapes[fused] == ((9216, 3072), (4608, 3072))  # [Q | K | V] cut block by block
