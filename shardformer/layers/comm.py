@@ -98,7 +98,10 @@ class _CopyToParallel(torch.autograd.Function):
 class _ReduceFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.contiguous(), group)
+        y = all_reduce(x.contiguous(), group)
+        if y is x:  # reduced in place: say so, or a later in-place op on the output (Llama 4's add_) is refused
+            ctx.mark_dirty(x)
+        return y
 
     @staticmethod
     def backward(ctx, grad):

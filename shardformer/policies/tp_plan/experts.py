@@ -2,7 +2,7 @@
 
 Every rank holds every expert, each cut along its intermediate dimension: ``gate_up_proj``
 ``[E, 2I, H]`` as two blocks (``[gate_r | up_r]`` per expert), ``down_proj`` ``[E, H, I]`` by input
-features. The router stays replicated, so every rank routes every token the same way; each rank
+features (or the transposed layouts, as the plan's styles say: Llama 4's ``[E, H, 2I]``). The router stays replicated, so every rank routes every token the same way; each rank
 computes its part of every chosen expert and one all-reduce sums the parts. The input and the
 routing weights are replicated with partial gradients: one all-reduce each in backward.
 """
@@ -15,8 +15,9 @@ import torch.nn as nn
 from shardformer.layers.comm import copy_to_parallel, group_rank, group_size, reduce_from_parallel
 from shardformer.slicer import Slicer, make_shard_param, make_spec
 
-# plan style of an expert parameter -> (which dim of [E, out, in] is cut, fused blocks)
-_PARAM_CUTS = {"colwise": ("out", 1), "packed_colwise": ("out", 2), "rowwise": ("in", 1)}
+# plan style of an expert weight -> (dim, fused blocks), counted from the end as transformers does:
+# "col" styles cut dim -2 of [E, a, b], "row" styles dim -1; "packed" ones as two blocks (gate | up)
+_PARAM_CUTS = {"colwise": (-2, 1), "packed_colwise": (-2, 2), "rowwise": (-1, 1), "packed_rowwise": (-1, 2)}
 
 
 def param_cut(module: nn.Module, name: str, style: str, path: str) -> tuple[int, int]:
@@ -24,11 +25,10 @@ def param_cut(module: nn.Module, name: str, style: str, path: str) -> tuple[int,
     param = getattr(module, name)
     if style not in _PARAM_CUTS:
         raise ValueError(f"expert parameter {path}.{name}: style {style!r} is not supported for stacked experts")
-    side, n_cast = _PARAM_CUTS[style]
-    transposed = bool(getattr(module, "is_transposed", False))  # [E, in, out]
+    dim, n_cast = _PARAM_CUTS[style]
     if param.dim() == 3:
-        return (1 if (side == "out") != transposed else 2), n_cast
-    if param.dim() == 2 and side == "out":  # a bias [E, out]
+        return 3 + dim, n_cast
+    if param.dim() == 2 and "bias" in name and style.endswith("colwise"):  # [E, out] beside a cut output
         return 1, n_cast
     raise ValueError(
         f"expert parameter {path}.{name} {tuple(param.shape)} under {style!r} cannot be cut exactly (a bias "
