@@ -43,17 +43,14 @@ def _parity(name, impl, **config):
     assert result.vocab_parallel_logits, f"{name}/{impl}: a rank held full-vocabulary logits in training"
 
 
-def _checks():
-    checks = []
-    for name, impls in SUBSET.items():
-        for impl in impls:
-            fn_name = f"check_{name}_{impl}"
-            if fn_name not in globals():  # module-level, so spawned ranks can unpickle it by name
-                fn = lambda n=name, i=impl: _parity(n, i)  # noqa: E731
-                fn.__name__ = fn.__qualname__ = fn_name
-                globals()[fn_name] = fn
-            checks.append(globals()[fn_name])
-    return checks
+class _Parity:
+    """A picklable parity check of one class under one attention implementation."""
+
+    def __init__(self, name, impl):
+        self.name, self.impl, self.__name__ = name, impl, f"check_{name}_{impl}"
+
+    def __call__(self):
+        _parity(self.name, self.impl)
 
 
 def check_phi3_qkv_split_block_by_block():
@@ -160,7 +157,7 @@ def check_attention_dropout_masks_differ_per_rank_and_global_rng_stays():
 
 
 TP2 = [
-    *_checks(),
+    *[_Parity(name, impl) for name, impls in SUBSET.items() for impl in impls],
     check_attention_dropout_masks_differ_per_rank_and_global_rng_stays,
     check_export_and_load_sharded_llama_phi3,
     check_phi3_qkv_split_block_by_block,

@@ -59,6 +59,17 @@ class OutputAllReduce:
         return module
 
 
+class IdentityExpert:
+    """``moe_identity_expert``: an expert that returns its input sits inside experts whose output is
+    summed over ranks; its input is divided by the group size first, so the sum counts it once."""
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
+        world = group_size(process_group)
+        module.register_forward_pre_hook(lambda _m, args: (args[0] / world, *args[1:]))
+        return module
+
+
 class Replicated:
     """``replicate``: every rank keeps the whole module; nothing to do."""
 
@@ -85,6 +96,7 @@ STYLES = {
     ),
     "replicated_with_grad_allreduce": (lambda m: True, lambda path: Layer(path, replace_layer=GradAllReduce)),
     "all_reduce": (lambda m: True, lambda path: Layer(path, replace_layer=OutputAllReduce)),
+    "moe_identity_expert": (lambda m: True, lambda path: Layer(path, replace_layer=IdentityExpert)),
     "replicate": (lambda m: True, lambda path: Layer(path, replace_layer=Replicated)),
     "local_params": (lambda m: True, lambda path: Layer(path, replace_layer=Replicated)),  # its params: own entries
 }

@@ -13,6 +13,7 @@ SIZES = {
     "hidden_size": 32,
     "intermediate_size": 64,
     "num_hidden_layers": 2,
+    "num_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 8,
@@ -23,6 +24,10 @@ SIZES = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
+    "ffn_hidden_size": 64,
+    "expert_ffn_hidden_size": 32,
+    "moe_topk": 2,
+    "zero_expert_num": 2,
     "q_lora_rank": 24,  # multi-head latent attention (ranks unlike any head width)
     "kv_lora_rank": 24,
     "qk_rope_head_dim": 4,
@@ -35,6 +40,7 @@ SIZES = {
 }
 # schedules over the layers that two layers must still contain (one full-attention layer, no shared KV)
 _FIT_TWO_LAYERS = {"full_attention_interval": 2, "num_kv_shared_layers": 0}
+_MLA = {"head_dim": SIZES["qk_rope_head_dim"], "num_key_value_heads": SIZES["num_attention_heads"]}
 _DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate")
 
 
@@ -45,9 +51,8 @@ def tiny_config(config_class, **overrides):
     for key, value in defaults.items():
         if isinstance(value, float) and any(w in key for w in _DROPOUT_WORDS):
             kwargs[key] = 0.0
-    if "qk_rope_head_dim" in defaults and "head_dim" in defaults:
-        kwargs["head_dim"] = SIZES["qk_rope_head_dim"]  # MLA models rotate head_dim features
-        kwargs["num_key_value_heads"] = SIZES["num_attention_heads"]  # and have no grouped heads
+    if "qk_rope_head_dim" in defaults:  # multi-head latent attention: no grouped heads, rotates head_dim
+        kwargs.update({k: v for k, v in _MLA.items() if k in defaults})
     if "layer_types" in defaults:
         kwargs["layer_types"] = None  # recomputed for num_hidden_layers
     for key, value in _FIT_TWO_LAYERS.items():
