@@ -90,7 +90,7 @@ def run(rows, impl):
     """Results for ``rows``; a spawn that dies (a hang past the timeout) is restarted after its row."""
     from shardformer.testing import run_on_ranks
 
-    os.environ.setdefault("SHARDFORMER_TIMEOUT_S", "60")
+    os.environ.setdefault("SHARDFORMER_TIMEOUT_S", "120")
     out_path = tempfile.mktemp(prefix="sf-conformance-", suffix=".jsonl")
     done: list[dict] = []
     remaining = list(rows)

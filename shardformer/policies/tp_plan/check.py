@@ -54,7 +54,10 @@ def load_pair(model_class, config, attn_implementation="eager", seed=0):
         dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
             raise RefusedError(f"a tiny {model_class.__name__} cannot be built from this config: {error[0]}")
-        models = [model_class.from_pretrained(path, attn_implementation=attn_implementation) for _ in range(2)]
+        try:
+            models = [model_class.from_pretrained(path, attn_implementation=attn_implementation) for _ in range(2)]
+        except ValueError as e:  # the same on every rank: e.g. no sdpa support for this architecture
+            raise RefusedError(f"{model_class.__name__} does not load with {attn_implementation}: {e}") from e
         dist.barrier()
     finally:
         if rank == 0:
