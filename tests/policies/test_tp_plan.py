@@ -156,7 +156,27 @@ def check_attention_dropout_masks_differ_per_rank_and_global_rng_stays():
         model(input_ids=ids)  # eval: no swap, no error
 
 
+def check_llama_and_phi3_issue_the_minimum_collectives():
+    """Per layer 2 all-reduces forward (o_proj, down_proj) and 2 backward (the shared q/k/v input, the
+    shared gate/up input; Phi-3's fused ones); + 1 embedding and 3 loss forward, 1 LM head input backward;
+    Qwen3 adds one per q/k norm gradient (2 per layer)."""
+    from shardformer.layers import CollectiveCounter
+
+    for name, norms in (("LlamaForCausalLM", 0), ("Phi3ForCausalLM", 0), ("Qwen3ForCausalLM", 2)):
+        cls = getattr(tf, name)
+        _, model = load_pair(cls, tiny_config(cls.config_class))
+        model = shard_model(model, ShardConfig(tensor_parallel_size=2))
+        ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(2))
+        with CollectiveCounter() as fwd:
+            out = model(input_ids=ids, labels=ids)
+        with CollectiveCounter() as bwd:
+            out.loss.backward()
+        assert set(fwd.counts) | set(bwd.counts) <= {"all_reduce"}, (name, fwd.counts, bwd.counts)
+        assert (len(fwd.calls), len(bwd.calls)) == (2 * 2 + 4, (2 + norms) * 2 + 1), (name, fwd.counts, bwd.counts)
+
+
 TP2 = [
+    check_llama_and_phi3_issue_the_minimum_collectives,
     *[_Parity(name, impl) for name, impls in SUBSET.items() for impl in impls],
     check_attention_dropout_masks_differ_per_rank_and_global_rng_stays,
     check_export_and_load_sharded_llama_phi3,
