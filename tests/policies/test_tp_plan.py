@@ -175,7 +175,28 @@ def check_llama_and_phi3_issue_the_minimum_collectives():
         assert (len(fwd.calls), len(bwd.calls)) == (2 * 2 + 4, (2 + norms) * 2 + 1), (name, fwd.counts, bwd.counts)
 
 
+def check_llama_base_and_classifier_heads():
+    """Heads without an LM head: the embedding is still vocab-parallel, the rest as the plan says."""
+    from tests.helpers import assert_close, assert_grads_match
+
+    for name in ("LlamaModel", "LlamaForSequenceClassification"):
+        cls = getattr(tf, name)
+        ref, model = load_pair(cls, tiny_config(cls.config_class, num_labels=3))
+        model = shard_model(model, ShardConfig(tensor_parallel_size=2))
+        assert isinstance(model.get_input_embeddings(), VocabParallelEmbedding1D)
+        ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(2))
+        kwargs = {"labels": torch.tensor([0, 2])} if name.endswith("Classification") else {}
+        out, ref_out = model(input_ids=ids, **kwargs), ref(input_ids=ids, **kwargs)
+        key = "logits" if kwargs else "last_hidden_state"
+        assert_close(out[key], ref_out[key], what=f"{name} {key}")
+        loss_of = (lambda o: o.loss) if kwargs else (lambda o: o.last_hidden_state.square().mean())
+        loss_of(out).backward()
+        loss_of(ref_out).backward()
+        assert_grads_match(model, ref)
+
+
 TP2 = [
+    check_llama_base_and_classifier_heads,
     check_llama_and_phi3_issue_the_minimum_collectives,
     *[_Parity(name, impl) for name, impls in SUBSET.items() for impl in impls],
     check_attention_dropout_masks_differ_per_rank_and_global_rng_stays,
