@@ -58,7 +58,7 @@ def decode(data):
     if kind in _SEQUENCES and isinstance(items, list):
         return _SEQUENCES[kind](decode(v) for v in items)
     if kind in _MAPPINGS and isinstance(items, list) and all(isinstance(p, list) and len(p) == 2 for p in items):
-        return _MAPPINGS[kind]((decode(k), decode(v)) for k, v in items)
+        return _MAPPINGS[kind](dict((decode(k), decode(v)) for k, v in items))  # Counter(pairs) would count them
     raise ValueError(f"unknown tagged value {TAG}={kind!r}")
 
 
