@@ -29,14 +29,16 @@ _LEGACY = "shardformer-checkpoint/1"  # no manifest: replaceable when it holds o
 _LEGACY_FILES = re.compile(r"(meta\.json|model-pp\d+-tp\d+\.safetensors|rank\d+\.(safetensors|json))$")
 
 
-def checked_path(path) -> str:
-    """The absolute checkpoint path, refusing the ones whose replacement would destroy a working tree."""
+def checked_path(path, replacing: bool = True) -> str:
+    """The absolute checkpoint path; to save, refusing the ones whose replacement would destroy a working tree."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).strip():
         raise CheckpointError(
             f"checkpoint path {path!r} is empty; name a folder of its own, e.g. 'checkpoints/step-100'"
         )
     full = os.path.abspath(os.fspath(path))
     cwd = os.getcwd()
+    if not replacing:
+        return full
     if full == os.path.dirname(full) or cwd == full or cwd.startswith(full.rstrip(os.sep) + os.sep):
         raise CheckpointError(
             f"checkpoint path {path!r} is {full}, the working directory or one of its parents; "

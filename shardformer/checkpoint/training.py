@@ -112,10 +112,10 @@ def _prepare(path) -> tuple[str, str]:
     return full, commit.prepare(full)
 
 
-def _recovered(path) -> str:
-    full = commit.checked_path(path)
+def _recovered(path) -> tuple[str, bool]:
+    full = commit.checked_path(path, replacing=False)
     commit.recover(full)  # a commit that a crash interrupted
-    return full
+    return full, os.path.isdir(full)
 
 
 def save_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None, step: int = 0, extra=None) -> None:
@@ -290,11 +290,14 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None)
     Collective. Works at any (tp, pp, dp) layout. Everything is read and checked first (checksums,
     model class and config, names, shapes, optimizer and scheduler state); if anything is wrong on
     any rank, every rank raises the same :class:`CheckpointError` listing the problems and nothing
-    is changed. Returns ``{"step", "extra", "layout", "rng_restored"}``; RNG states are restored
+    is changed; no folder at ``path`` raises FileNotFoundError on every rank. Returns
+    ``{"step", "extra", "layout", "rng_restored"}``; RNG states are restored
     only at the layout they were saved at.
     """
     lay = layout_of(model)
-    full = _rank_zero_result(lay, lambda: _recovered(path))
+    full, found = _rank_zero_result(lay, lambda: _recovered(path))
+    if not found:  # its own type, so that "resume if there is a checkpoint" can tell it apart
+        raise FileNotFoundError(f"no checkpoint at {full}")
     staged, error = None, None
     try:
         staged = _read_all(full, model, optimizer, scheduler, lay)

@@ -156,6 +156,13 @@ def test_a_save_killed_at_any_step_leaves_the_previous_or_the_new_checkpoint(tmp
     assert seen["rename #1 before"] == 1 and seen["rename #1 after"] == 2, seen
     assert seen["save_file #2 after"] == 1 and seen["replace #1 after"] == 1 and seen["rmtree #1 before"] == 2, seen
     assert len(seen) == 14, seen  # every call of the commit was a crash point
+    # The next save, too, finds the interrupted swap (no checkpoint at `path`) and cleans up.
+    assert _save_killed((os, "rename"), 1, "after", path, new, 2) and not os.path.exists(path)
+    save_checkpoint(path, old, step=3)
+    assert os.listdir(tmp_path) == ["ckpt"] and load_checkpoint(path, _model(seed=5))["step"] == 3
+    shutil.rmtree(path)
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint at {path}"):
+        load_checkpoint(path, _model())
 
 
 def test_a_flipped_byte_is_detected_and_nothing_changes(tmp_path):
