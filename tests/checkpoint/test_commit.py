@@ -20,6 +20,7 @@ import transformers as tf
 
 import shardformer.checkpoint.training as training
 from shardformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from tests.checkpoint.common import scheduled_steps
 from tests.policies import zoo
 
 
@@ -202,29 +203,16 @@ def _trainer(kind, seed):
     return model, opt, _SCHEDULERS[kind](opt)
 
 
-def _steps(model, opt, sched, steps):
-    out = []
-    for step in steps:
-        ids = torch.randint(3, zoo.VOCAB, (2, zoo.SEQ), generator=torch.Generator().manual_seed(step))
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        out.append((loss.item(), sched.get_last_lr()))
-    return out
-
-
 @pytest.mark.parametrize("kind", list(_SCHEDULERS))
 def test_scheduler_and_extra_resume_exactly(tmp_path, kind):
     model, opt, sched = _trainer(kind, 0)
-    _steps(model, opt, sched, range(3))
+    scheduled_steps(model, opt, sched, range(3))
     save_checkpoint(str(tmp_path / "ckpt"), model, opt, sched, step=3, extra=_EXTRA)
-    uninterrupted = _steps(model, opt, sched, range(3, 7))
+    uninterrupted = scheduled_steps(model, opt, sched, range(3, 7))
     fresh, opt2, sched2 = _trainer(kind, 1)
     info = load_checkpoint(str(tmp_path / "ckpt"), fresh, opt2, sched2)
     assert info["extra"] == _EXTRA and isinstance(info["extra"]["nested"][0]["b"], tuple), info["extra"]
-    assert _steps(fresh, opt2, sched2, range(3, 7)) == uninterrupted
+    assert scheduled_steps(fresh, opt2, sched2, range(3, 7)) == uninterrupted
 
 
 def test_extra_that_would_not_come_back_is_refused_before_writing(tmp_path):

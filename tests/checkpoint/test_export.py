@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from shardformer import ShardConfig, shard_model
 from shardformer.checkpoint import CheckpointError, load_sharded, save_pretrained
-from tests.checkpoint.common import full_logits, remove_dir, sgd_steps, shared_dir
+from tests.checkpoint.common import full_logits, remove_dir, scheduled_steps, sgd_steps, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.policies import zoo
 
@@ -162,26 +162,14 @@ def check_plain_optimizer_checkpoint():
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
 
-    def train(model, opt, sched, steps):
-        losses = []
-        for step in steps:
-            ids = torch.randint(3, zoo.VOCAB, (2, zoo.SEQ), generator=torch.Generator().manual_seed(step))
-            loss = model(input_ids=ids, labels=ids).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-        return losses
-
     path = shared_dir()
     model, opt, sched = make(0)
-    train(model, opt, sched, range(3))
+    scheduled_steps(model, opt, sched, range(3))
     save_checkpoint(path + "/ckpt", model, opt, sched, step=3)
-    reference = train(model, opt, sched, range(3, 6))
+    reference = scheduled_steps(model, opt, sched, range(3, 6))
     fresh, opt2, sched2 = make(1)
     assert load_checkpoint(path + "/ckpt", fresh, opt2, sched2)["step"] == 3
-    assert train(fresh, opt2, sched2, range(3, 6)) == reference
+    assert scheduled_steps(fresh, opt2, sched2, range(3, 6)) == reference
     remove_dir(path)
 
 
