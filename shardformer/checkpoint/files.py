@@ -37,6 +37,11 @@ def rank_files(rank: int) -> tuple[str, str]:
     return f"rank{rank}.safetensors", f"rank{rank}.json"
 
 
+def dtype_kind(dtype: torch.dtype) -> str:
+    """float, int or bool: loading may convert within a kind (fp32 to bf16), never across."""
+    return "bool" if dtype == torch.bool else "float" if dtype.is_floating_point else "int"
+
+
 def spec_to_json(spec: ShardSpec | None):
     return None if spec is None else asdict(spec)
 

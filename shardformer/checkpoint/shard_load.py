@@ -22,7 +22,7 @@ from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
 from shardformer.checkpoint.errors import CheckpointError
-from shardformer.checkpoint.files import full_shape
+from shardformer.checkpoint.files import dtype_kind, full_shape
 from shardformer.checkpoint.hf_export import SAFE_INDEX, SAFE_WEIGHTS
 from shardformer.slicer import ShardSpec, shard_spec
 
@@ -94,10 +94,6 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def _kind(dtype: torch.dtype) -> str:
-    return "bool" if dtype == torch.bool else "float" if dtype.is_floating_point else "int"
-
-
 class SafetensorsReader:
     """Reads index ranges of tensors from a safetensors file with ``pread`` straight into the result.
 
@@ -141,7 +137,7 @@ class SafetensorsReader:
                 f"{self.file}: {name} has shape {self.shape(name)}, the model (built from its config) expects "
                 f"{list(shape)}; the config does not match the weights"
             )
-        if _kind(self.dtype(name)) != _kind(tensor.dtype):
+        if dtype_kind(self.dtype(name)) != dtype_kind(tensor.dtype):
             raise CheckpointError(
                 f"{self.file}: {name} is {self.header[name]['dtype']}, the model holds {tensor.dtype}"
             )

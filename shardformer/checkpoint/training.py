@@ -27,7 +27,15 @@ from safetensors.torch import save_file
 
 from shardformer.checkpoint import commit, typed_json
 from shardformer.checkpoint.errors import CheckpointError
-from shardformer.checkpoint.files import ModelIndex, SafeFile, full_shape, model_file, model_tensors, rank_files
+from shardformer.checkpoint.files import (
+    ModelIndex,
+    SafeFile,
+    dtype_kind,
+    full_shape,
+    model_file,
+    model_tensors,
+    rank_files,
+)
 from shardformer.checkpoint.gather import Layout, layout_of
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
@@ -157,7 +165,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None,
     try:
         _rank_zero_result(lay, finish)
     except CheckpointError as e:
-        errors.append(f"committing on rank 0: {e}")
+        raise CheckpointError(f"committing the checkpoint {full} failed on rank 0: {e}") from None
     if any(errors):
         raise CheckpointError(
             f"saving the checkpoint {full} failed; the previous checkpoint is untouched:\n  {_report(errors)}"
@@ -221,6 +229,8 @@ def _read_model(path: str, meta: dict, model: nn.Module, lay: Layout) -> list:
         if value.shape != tensor.shape:
             raise CheckpointError(f"{path}: {names[0]} comes to a shard of {tuple(value.shape)}, "
                                   f"this rank holds {tuple(tensor.shape)}")  # fmt: skip
+        if dtype_kind(value.dtype) != dtype_kind(tensor.dtype):
+            raise CheckpointError(f"{path}: {names[0]} is saved as {value.dtype}, this model holds {tensor.dtype}")
         values.append((tensor, value))
     return values
 
