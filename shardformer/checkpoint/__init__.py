@@ -3,6 +3,7 @@
 - :func:`save_pretrained` writes a sharded model as a plain HuggingFace (or timm) folder.
 - :func:`save_checkpoint` / :func:`load_checkpoint` save and resume training at any (tp, pp, dp).
 - :func:`load_sharded` builds a sharded model from a HuggingFace folder, each rank reading only its slices.
+- :class:`CheckpointError` is what they raise for a path or a file they refuse, naming it and the problem.
 """
 
 from shardformer.checkpoint.errors import CheckpointError
