@@ -80,6 +80,17 @@ def test_refuses_to_replace_what_it_did_not_write(tmp_path, monkeypatch):
     save_checkpoint(str(ckpt), model, step=2)  # its own checkpoint is replaced
     assert load_checkpoint(str(ckpt), _model(seed=1))["step"] == 2
 
+    legacy = tmp_path / "legacy"  # a checkpoint of the previous format (no manifest): its own names only
+    legacy.mkdir()
+    (legacy / "meta.json").write_text('{"format": "shardformer-checkpoint/1"}')
+    (legacy / "rank0.json").write_text("{}")
+    (legacy / "plot.png").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"also holds files it did not write \(plot.png\)"):
+        save_checkpoint(str(legacy), model)
+    (legacy / "plot.png").unlink()
+    save_checkpoint(str(legacy), model, step=4)
+    assert load_checkpoint(str(legacy), _model(seed=1))["step"] == 4
+
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(CheckpointError, match="exists and is not a folder"):
         save_checkpoint(str(tmp_path / "a_file"), model)
