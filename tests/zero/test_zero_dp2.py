@@ -33,14 +33,10 @@ def weights_match_for_every_optimizer_and_stage():
     # On gloo, reduce-scatter and all-gather are built from per-rank reduce/broadcast; native=True
     # runs torch's own collectives instead (what NCCL uses).
     for stage, native in ((1, False), (2, False), (2, True)):
-        comm.PER_RANK_ON_GLOO = not native
-        try:
-            for name, make_opt in OPTIMIZERS.items():
-                model, _, _ = zero_run(make_opt, stage=stage)
-                assert_same_on_all_ranks(model)
-                runs.append((f"stage {stage} native={native} {name}", model, reference_run(make_opt)[0]))
-        finally:
-            comm.PER_RANK_ON_GLOO = True
+        for name, make_opt in OPTIMIZERS.items():
+            model, _, _ = zero_run(make_opt, stage=stage, native_collectives=native)
+            assert_same_on_all_ranks(model)
+            runs.append((f"stage {stage} native={native} {name}", model, reference_run(make_opt)[0]))
     for what, model, ref in runs:
         assert_same_weights(model, ref, what=what)
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from shardformer.mesh import ProcessMesh
 from shardformer.slicer import make_shard_param, make_spec, slice_tensor
-from shardformer.zero import DynamicLossScaler, ZeroOptimizer, comm
+from shardformer.zero import DynamicLossScaler, ZeroOptimizer
 from tests.zero.common import (
     OPTIMIZERS,
     STEPS,
@@ -37,11 +37,9 @@ def weights_match_for_both_stages_and_optimizers():
     configs = ((1, "adam", False, False), (2, "adamw", True, False), (2, "sgd", False, True), (1, "sgd", True, True))
     for stage, name, overlap, native in configs:
         make_opt = OPTIMIZERS[name]
-        comm.PER_RANK_ON_GLOO = not native  # native: torch's own reduce-scatter / all-gather on gloo
-        try:
-            model = zero_run(make_opt, stage=stage, overlap_communication=overlap, bucket_size=64)[0]
-        finally:
-            comm.PER_RANK_ON_GLOO = True
+        # native: torch's own reduce-scatter / all-gather on gloo
+        kw = {"overlap_communication": overlap, "bucket_size": 64, "native_collectives": native}
+        model = zero_run(make_opt, stage=stage, **kw)[0]
         runs.append((f"stage {stage} {name} overlap={overlap} native={native}", model, reference_run(make_opt)[0]))
     assert_same_on_all_ranks(runs[1][1])
     for what, model, ref in runs:
