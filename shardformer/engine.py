@@ -200,12 +200,12 @@ class ParallelEngine:
         self._torch_pipeline = TorchPipeline(self.model, self.stage_forward, self.mesh, self.device)
         if self.mesh.rank == 0:
             logger.info(
-                "ParallelEngine: tp=%d pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batches (%s, backend %s); "
-                "rank 0 holds %s and %d trainable parameters",
+                "ParallelEngine: tp=%d pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
+                "rank 0 holds %s and %s trainable parameters",
                 cfg.tp, cfg.pp, self.mesh.dp_size, cfg.zero_stage, cfg.precision, cfg.num_microbatches,
                 cfg.schedule, cfg.backend,
                 "every layer" if self.model.shardformer.layers is None else f"layers {list(self.model.shardformer.layers)}",
-                sum(p.numel() for p in params),
+                f"{sum(p.numel() for p in params):,}",
             )  # fmt: skip
 
     # -- steps ---------------------------------------------------------------------------------------
