@@ -19,6 +19,7 @@ from shardformer.layers import (
 from shardformer.layers.linear import is_conv1d
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
+from shardformer.recompute import replay_in_hf_checkpointing
 from shardformer.slicer import shard_spec
 from shardformer.topology import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 
@@ -140,6 +141,7 @@ class ModelSharder:
             self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
         leftovers = self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
         self.bind_layer(bindings)
+        replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
         attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group))
         if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
             kinds = Counter(r.layer.replace_layer.__name__ for r in replacements)
