@@ -78,7 +78,9 @@ class EngineConfig:
         if self.backend not in ("p2p", "torch"):
             raise ValueError(f"EngineConfig.backend={self.backend!r} must be 'p2p' or 'torch'")
         if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(f"EngineConfig.activation_checkpointing={self.activation_checkpointing!r} must be True or False")
+            raise ValueError(
+                f"EngineConfig.activation_checkpointing={self.activation_checkpointing!r} must be True or False"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed={self.seed!r} must be an integer")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

@@ -17,6 +17,7 @@ import re
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from shardformer.checkpoint.gather import gather_full_state
@@ -71,7 +72,6 @@ def _parse_size(size: int | str) -> int:
 
 def write_safetensors(state: dict[str, torch.Tensor], path: str, max_shard_size: int | str = "2GB") -> list[str]:
     """Write ``state`` into ``path`` as one safetensors file, or shards plus an index; returns file names."""
-    from huggingface_hub import split_torch_state_dict_into_shards
 
     state = {k: v.detach().contiguous() for k, v in state.items()}
     split = split_torch_state_dict_into_shards(

@@ -18,12 +18,16 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+import transformers
 from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
+from transformers.initialization import no_init_weights
 
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import dtype_kind, full_shape
 from shardformer.checkpoint.hf_export import SAFE_INDEX, SAFE_WEIGHTS
+from shardformer.config import ShardConfig
+from shardformer.sharder import shard_model
 from shardformer.slicer import ShardSpec, shard_spec
 
 
@@ -260,17 +264,10 @@ def load_sharded(cls_or_name, path: str, shard_config=None, policy=None, device=
     straight onto ``device`` (default CPU; buffers are moved there too). Every rank reads only
     its own slices; the result equals ``shard_model(cls.from_pretrained(path), shard_config)``.
     """
-    import transformers
-
-    from shardformer.config import ShardConfig
-    from shardformer.sharder import shard_model
-
     cls = getattr(transformers, cls_or_name) if isinstance(cls_or_name, str) else cls_or_name
     build = {k: hf_kwargs.pop(k) for k in ("attn_implementation", "dtype", "torch_dtype") if k in hf_kwargs}
     dtype = build.pop("dtype", build.pop("torch_dtype", None))
     config = cls.config_class.from_pretrained(path, **hf_kwargs)
-    from transformers.initialization import no_init_weights
-
     with parameters_on_meta(), no_init_weights():
         model = cls._from_config(config, **build)
         if callable(getattr(model, "tie_weights", None)):
