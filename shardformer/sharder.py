@@ -19,6 +19,7 @@ from shardformer.layers import (
 from shardformer.layers.linear import is_conv1d
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
+from shardformer.recompute import replay_in_hf_checkpointing
 from shardformer.slicer import shard_spec
 from shardformer.topology import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 
@@ -130,7 +131,7 @@ class ModelSharder:
     def shard(self) -> nn.Module:
         targets, replacements = self.plan()
         bindings = self._tied_pairs()
-        params_before = _numel(self.model)
+        params_before, name = _numel(self.model), type(self.model).__name__
         mesh, group = build_mesh(self.shard_config)
         self.inject_model()
         for _, module, argument in targets:
@@ -140,19 +141,21 @@ class ModelSharder:
             self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
         leftovers = self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
         self.bind_layer(bindings)
+        replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
         attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group))
         if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
             kinds = Counter(r.layer.replace_layer.__name__ for r in replacements)
             kinds.update({"DropoutForReplicatedInput (leftover)": leftovers} if leftovers else {})
+            here = _numel(self.model)
             logger.info(
-                "sharded %s with %s at tp=%d: %s; parameters on this rank %d of %d (%.3f)",
-                type(self.model).__name__,
+                "sharded %s with %s at tp=%d: %s; parameters on this rank %s of %s (%.3f)",
+                name,
                 type(self.policy).__name__,
                 self.shard_config.tensor_parallel_size,
                 ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
-                _numel(self.model),
-                params_before,
-                _numel(self.model) / max(1, params_before),
+                f"{here:,}",
+                f"{params_before:,}",
+                here / max(1, params_before),
             )
         return self.model
 

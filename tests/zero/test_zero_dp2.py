@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from shardformer.zero import DynamicLossScaler, ZeroOptimizer, comm
+from tests.helpers import check_table
 from tests.zero.common import (
     OPTIMIZERS,
     STEPS,
-    CheckTable,
     Net,
     accumulate_run,
     assert_same_on_all_ranks,
@@ -286,7 +286,7 @@ def errors_name_the_value_and_the_fix():
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_size=100 + dist.get_rank())
 
 
-TABLE = CheckTable(
+test_dp2 = check_table(
     [
         weights_match_for_every_optimizer_and_stage,
         clipping_matches_torch_clip_grad_norm,
@@ -303,12 +303,5 @@ TABLE = CheckTable(
         lr_scheduler_drives_the_wrapper,
         errors_name_the_value_and_the_fix,
     ],
-    world_size=2,
+    2,
 )
-
-
-@pytest.mark.parametrize("name", TABLE.names())
-def test_dp2(name):
-    values = TABLE.result(name)
-    if name == "optimizer_state_per_rank_is_one_over_dp":
-        print(values[0])

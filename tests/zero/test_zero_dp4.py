@@ -13,10 +13,10 @@ import torch.distributed as dist
 from shardformer.mesh import ProcessMesh
 from shardformer.slicer import make_shard_param, make_spec, slice_tensor
 from shardformer.zero import DynamicLossScaler, ZeroOptimizer
+from tests.helpers import check_table
 from tests.zero.common import (
     OPTIMIZERS,
     STEPS,
-    CheckTable,
     Net,
     accumulate_run,
     assert_same_on_all_ranks,
@@ -183,7 +183,7 @@ def optimizer_state_per_rank_is_one_over_dp():
     return state_bytes_check(dp=4)
 
 
-TABLE = CheckTable(
+test_dp4 = check_table(
     [
         weights_match_for_both_stages_and_optimizers,
         clipping_accumulation_and_skipped_layer,
@@ -193,12 +193,5 @@ TABLE = CheckTable(
         grad_norm_and_overflow_under_tp2_x_pp2,
         optimizer_state_per_rank_is_one_over_dp,
     ],
-    world_size=4,
+    4,
 )
-
-
-@pytest.mark.parametrize("name", TABLE.names())
-def test_dp4(name):
-    values = TABLE.result(name)
-    if name == "optimizer_state_per_rank_is_one_over_dp":
-        print(values[0])
