@@ -155,6 +155,18 @@ def check_attention_dropout_masks_differ_per_rank_and_global_rng_stays():
     with torch.no_grad():
         model(input_ids=ids)  # eval: no swap, no error
 
+    # activation checkpointing recomputes each layer with the same attention-dropout masks
+    grads = []
+    for recompute in (False, True):
+        _, m = load_pair(cls, tiny_config(cls.config_class, attention_dropout=0.5))
+        m = shard_model(m, ShardConfig(tensor_parallel_size=2)).train()
+        if recompute:
+            m.activation_checkpointing_enable()
+        m(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
 
 def check_llama_and_phi3_issue_the_minimum_collectives():
     """Per layer 2 all-reduces forward (o_proj, down_proj) and 2 backward (the shared q/k/v input, the

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from shardformer.layers import Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layers.comm import all_reduce, copy_to_parallel, group_rank, group_size, reduce_from_parallel
+from shardformer.layers.dropout import SeededDropout
 from shardformer.policies.base import Col_Layer, Layer, Row_Layer
 from shardformer.slicer import Slicer, make_shard_param
 
@@ -129,22 +130,33 @@ class AttentionDropoutRng:
     different heads on every rank. Around the module's forward (in training, with
     ``attention_dropout`` > 0) the global RNG is swapped for the module's own stream, seeded per rank,
     and put back after: masks differ across ranks, the caller's RNG stream is untouched and equal
-    on every rank, and a seed replays the same masks."""
+    on every rank, and a seed replays the same masks. The stream is a :class:`SeededDropout` child
+    (no parameters), so activation checkpointing replays it like the other dropout layers."""
 
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, seed: int = 0, **_) -> nn.Module:
-        stream = _RngStream(seed + _RANK_STRIDE * group_rank(process_group))
+        stream = AttentionRngStream(0.0, seed, process_group)
+        module.shardformer_attention_rng = stream
         module.register_forward_pre_hook(stream.enter, with_kwargs=True)
         module.register_forward_hook(stream.leave)
         return module
 
 
-_RANK_STRIDE = 1_000_003  # as the dropout layers: seeds of different ranks never collide
+class AttentionRngStream(SeededDropout):
+    """The global CPU (and accelerator) RNG states an attention module draws its dropout from."""
 
+    parallel_input = True  # seeded per rank
 
-class _RngStream:
-    def __init__(self, seed: int) -> None:
-        self.seed, self.states, self.saved = seed, {}, None
+    def __init__(self, p: float = 0.0, seed: int = 0, process_group=None) -> None:
+        super().__init__(p, seed, process_group)
+        self.states: dict[torch.device, tuple] = {}
+        self.saved = None
+
+    def rng_snapshot(self) -> dict:
+        return dict(self.states)
+
+    def rng_restore(self, snapshot: dict) -> None:
+        self.states = dict(snapshot)
 
     @staticmethod
     def _device(args, kwargs):
@@ -175,6 +187,12 @@ class _RngStream:
         if accel:
             accel.set_rng_state(dev, device)
         self.saved = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # never called: the attention's hooks use the stream
+
+    def extra_repr(self) -> str:
+        return f"attention dropout stream, seed={self.seed}"
 
 
 class MlaKvAProj:
