@@ -30,14 +30,14 @@ def check_mixtral_tp2_pp2_zero1():
     _run("MixtralForCausalLM", (2, 2, 1, "1f1b", 2, None, "torch"))
 
 
-def check_qwen3_tp1_pp2_dp2():
-    _run("Qwen3ForCausalLM", (1, 2, 2, "1f1b", 2, 0.5, "torch"))
+def check_qwen3_tp2_pp2_zero1():  # q/k norm gradients summed over tp by hooks, under ZeRO and clipping
+    _run("Qwen3ForCausalLM", (2, 2, 1, "gpipe", 2, 0.5, "p2p"))
 
 
 CHECKS = [
     check_llama_tp2_pp2_zero1,
     check_tied_llama_tp2_pp2_zero2,
     check_mixtral_tp2_pp2_zero1,
-    check_qwen3_tp1_pp2_dp2,
+    check_qwen3_tp2_pp2_zero1,
 ]
 test_engine_from_plan_4_ranks = check_table(CHECKS, 4)
