@@ -250,6 +250,12 @@ def test_kv_heads_that_tp_does_not_divide_are_refused_with_sizes():
         shard_model(model, ShardConfig(tensor_parallel_size=2))
 
 
+def test_widths_that_tp_does_not_divide_are_refused_before_any_group():
+    model = _tiny("LlamaForCausalLM", intermediate_size=65)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj \(output features\): size 65"):
+        shard_model(model, ShardConfig(tensor_parallel_size=2))
+
+
 def test_unplanned_parameters_beside_split_heads_are_refused():
     model = _tiny("LlamaForCausalLM")
     model.model.layers[0].self_attn.extra = nn.Linear(4, 4)

@@ -18,6 +18,7 @@ from shardformer.layers import VocabParallelLMHead1D
 from shardformer.policies.base import Argument, Col_Layer, Layer, Policy, Row_Layer
 from shardformer.policies.tp_plan import experts, heads, styles
 from shardformer.policies.tp_plan.lm import embedding_layer, uses_loss_function, vocab_parallel_class
+from shardformer.slicer import make_spec
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -96,9 +97,10 @@ class TpPlanPolicy(Policy):
             if resolved.get(owner) != "moe_tp_experts":  # e.g. attention sinks, one per head
                 layers[owner] = Layer(owner, replace_layer=styles.params_layer(owner, modules[owner], named))
         self.cut_params = {f"{owner}.{name}" for owner, named in param_styles.items() for name in named}
+        self._fuse(layers, modules, text_config)
         if any(isinstance(layer, Col_Layer) and not layer.gather_output for layer in layers.values()):
             heads.check_heads(text_config, tp)
-        self._fuse(layers, modules, text_config)
+        _check_sizes(layers, modules, tp)
         self.vocab_parallel_head = self._vocab(layers, modules)
         attrs = self._per_rank(layers, modules, tp, text_config)
         found = list(layers.values())
@@ -199,6 +201,19 @@ class TpPlanPolicy(Policy):
             return None
         origin = type(self.model)
         return origin, vocab_parallel_class(origin)
+
+
+def _check_sizes(layers: dict[str, Layer], modules, tp: int) -> None:
+    """Every linear the plan cuts divides over tp (block by block), checked before any process group."""
+    for path, layer in layers.items():
+        module = modules[path]
+        if not isinstance(module, nn.Linear) or not isinstance(layer, (Col_Layer, Row_Layer)):
+            continue
+        dim = 0 if isinstance(layer, Col_Layer) else 1
+        try:
+            make_spec(module.weight.shape, dim, 0, tp, layer.n_cast)
+        except ValueError as e:
+            raise ValueError(f"{path} ({'output' if dim == 0 else 'input'} features): {e}") from None
 
 
 def _call(model: nn.Module, method: str):
