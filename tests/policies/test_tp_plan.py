@@ -207,8 +207,16 @@ def check_llama_base_and_classifier_heads():
         assert_grads_match(model, ref)
 
 
+def check_compiled_qwen3_matches_unsharded():
+    """torch.compile (dynamo graph capture) of a derived model with norm-gradient hooks stays exact."""
+    from tests.test_compile import _compiled_matches_unsharded
+
+    _compiled_matches_unsharded(tf.Qwen3ForCausalLM, tiny_config(tf.Qwen3Config))
+
+
 TP2 = [
     check_llama_base_and_classifier_heads,
+    check_compiled_qwen3_matches_unsharded,
     check_llama_and_phi3_issue_the_minimum_collectives,
     *[_Parity(name, impl) for name, impls in SUBSET.items() for impl in impls],
     check_attention_dropout_masks_differ_per_rank_and_global_rng_stays,
