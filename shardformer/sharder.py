@@ -7,9 +7,12 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from shardformer.config import ShardConfig
+from shardformer.detect import detect_from_model, keep_ties
+from shardformer.generation import enable_parallel_generate
 from shardformer.layers import DropoutForReplicatedInput, VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.layers.linear import is_conv1d
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
+from shardformer.rng import agree_on_rng
 from shardformer.slicer import shard_spec
 
 
@@ -81,6 +84,7 @@ class ModelSharder:
                             f"layer ignore=True if the module is optional"
                         )
                     replacements.append(self._check_layer(name, module, layer, where))
+        self.detected = detect_from_model(self.model, config, self.shard_config, targets, replacements)
         return targets, replacements
 
     def _check_layer(self, parent_path: str, parent: nn.Module, layer: Layer, where: str) -> Replacement:
@@ -113,10 +117,14 @@ class ModelSharder:
         for _, module, argument in targets:
             for attr, value in argument.attr_dict.items():
                 _set(module, attr, value)
+        self.detected.rewrite_attributes(self.model)
         for index, replacement in enumerate(replacements):
             self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
         self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
         self.bind_layer(bindings)
+        keep_ties(self.model, self.detected.ties)  # ties the policy did not list, found in the model
+        agree_on_rng(group)
+        enable_parallel_generate(self.model)
         self.model.shardformer_config = self.shard_config
         return self.model
 
