@@ -37,8 +37,9 @@ def _builtin(name: str):
     return table.get(name), sorted(table)
 
 
-def build_meta_model(spec: str) -> nn.Module:
-    """A model without weights: a folder with config.json, a built-in name, or ``timm:<model name>``."""
+def build_meta_model(spec: str, model_class: str | None = None) -> nn.Module:
+    """A model without weights: a folder with config.json (``model_class`` names the transformers class
+    when its config has no ``architectures``), a built-in name, or ``timm:<model name>``."""
     with torch.device("meta"):
         if spec.startswith("timm:"):
             import timm
@@ -48,16 +49,30 @@ def build_meta_model(spec: str) -> nn.Module:
             import transformers as tf
 
             config = tf.AutoConfig.from_pretrained(spec)
-            names = getattr(config, "architectures", None) or []
-            if not names or not hasattr(tf, names[0]):
-                raise ValueError(f"{spec}/config.json names no transformers class in 'architectures' ({names})")
-            return getattr(tf, names[0])(config)
+            return model_class_for(config, spec, model_class)(config)
         factory, known = _builtin(spec)
         if factory is None:
             raise ValueError(
                 f"MODEL {spec!r} is not a folder with config.json, a built-in name ({', '.join(known)}) or timm:<name>"
             )
         return factory()
+
+
+def model_class_for(config, folder: str, model_class: str | None = None) -> type:
+    """The transformers class named by ``model_class``, else by the config's ``architectures``."""
+    import transformers as tf
+
+    names = [model_class] if model_class else (getattr(config, "architectures", None) or [])
+    if not names:
+        guess = type(config).__name__.replace("Config", "ForCausalLM")
+        raise ValueError(
+            f"{folder}/config.json has no 'architectures'; name the model class with --model-class (e.g. {guess})"
+        )
+    cls = getattr(tf, names[0], None)
+    if not isinstance(cls, type):
+        source = "--model-class" if model_class else f"{folder}/config.json 'architectures'"
+        raise ValueError(f"{names[0]!r} (from {source}) is not a transformers model class")
+    return cls
 
 
 @dataclass

@@ -121,25 +121,10 @@ def build_model(model: Any, model_class: str | None = None) -> nn.Module:
     return factory()
 
 
-def model_class_for(config, folder: str, model_class: str | None) -> type:
-    import transformers as tf
-
-    names = [model_class] if model_class else (getattr(config, "architectures", None) or [])
-    if not names:
-        raise ValueError(
-            f"{folder}/config.json has no 'architectures'; name the class with --model-class (e.g. --model-class "
-            f"{type(config).__name__.replace('Config', 'ForCausalLM')})"
-        )
-    cls = getattr(tf, names[0], None)
-    if cls is None:
-        raise ValueError(
-            f"{names[0]!r} (from {'--model-class' if model_class else 'architectures'}) is not a transformers class"
-        )
-    return cls
-
-
 def _from_folder(folder: str, model_class: str | None) -> nn.Module:
     import transformers as tf
+
+    from shardformer.plan import model_class_for
 
     config = tf.AutoConfig.from_pretrained(folder)
     cls = model_class_for(config, folder, model_class)

@@ -10,9 +10,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shardformer.cli import plan, run
+from shardformer.cli import plan, run, verify
 
-SUBCOMMANDS = (run, plan)
+SUBCOMMANDS = (run, plan, verify)
 
 
 def _version() -> str:
