@@ -161,8 +161,7 @@ def check_sizes(cuts: list[Cut], tp: int, config, parents: dict[str, nn.Module])
             if count * head_dim == block and count % tp != 0:
                 raise PolicyMismatch(
                     f"{where} holds {name}={count} heads of {head_dim}, and tensor_parallel_size={tp} does not "
-                    f"divide {count}; use a tensor_parallel_size that divides {count}, or keep {cut.path} whole "
-                    f"(replicated) in the policy"
+                    f"divide {count}; use a tensor_parallel_size that divides {count}"
                 )
 
 
@@ -303,19 +302,21 @@ def detect_from_model(model: nn.Module, config, shard_config, targets, replaceme
     stale = stale_attributes(cuts, tp, parents, resolve_rewrites(targets, model))
     refused = [s for s in stale if s.kind == "width" or s.value % tp != 0]
     if refused:
-        lines = []
-        for s in refused:
+        grouped: dict[tuple, list[StaleAttribute]] = {}
+        for s in refused:  # one line per attr_dict entry, not per layer
             owner, rel = _relative(s.path, targets)
-            key = f"{rel}.{s.name}" if rel else s.name
+            grouped.setdefault((owner, f"{rel}.{s.name}" if rel else s.name, s.kind, s.value, s.local), []).append(s)
+        lines = []
+        for (owner, key, kind, value, local), items in grouped.items():
+            more = f" (and {len(items) - 1} more like it)" if len(items) > 1 else ""
             fix = (
-                f'add "{key}": {s.local} to the attr_dict of {owner}'
-                if s.value % tp == 0
-                else f"tensor_parallel_size={tp} does not divide it"
+                f'add "{key}": {local} to the attr_dict of {owner}'
+                if value % tp == 0
+                else (f"tensor_parallel_size={tp} does not divide it")
             )
-            lines.append(f"  {s.dotted} = {s.value} ({s.kind}; {fix})")
+            lines.append(f"  {items[0].dotted} = {value}{more}: a {kind} read in forward; {fix}")
         raise PolicyMismatch(
-            f"the policy cuts the projections of {type(model).__name__} at tensor_parallel_size={tp}, but these "
-            f"attributes their forward reads still hold the full size:\n" + "\n".join(lines) + "\n"
-            "(an attribute the forward does not use needs no entry: set it to its per-rank value anyway to silence this)"
+            f"the policy cuts the projections of {type(model).__name__} at tensor_parallel_size={tp}, but "
+            f"attributes their forward reads still hold the full size:\n" + "\n".join(lines)
         )
     return Detected(ties, [s for s in stale if s.kind == "head count"])
