@@ -157,11 +157,13 @@ class Divergence:
     cls: str
     error: float
     shape: tuple
+    before: str | None = None  # the submodule whose input already differed: the parent's own code is wrong
 
     def __str__(self) -> str:
+        where = "its output" if self.before is None else f"the input of {self.before}, computed by its own forward code"
         return (
             f"{self.module or '(the model)'} ({self.cls}): max |sharded - unsharded| = {self.error:.3g} "
-            f"in its output {list(self.shape)}; every module that ran before it matches"
+            f"in {where} {list(self.shape)}; every module that ran before it matches"
         )
 
 
@@ -242,7 +244,7 @@ class ActivationRecorder:
     """Forward hooks on every module: ``(name, output)`` in completion order (inner modules first)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.calls: list[tuple[str, torch.Tensor, int]] = []
+        self.calls: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] = []
         self.classes = {name: type(m).__name__ for name, m in model.named_modules()}
         self.handles = [m.register_forward_hook(self._hook(name, m)) for name, m in model.named_modules()]
 
@@ -251,10 +253,12 @@ class ActivationRecorder:
         spec = shard_spec(weight) if torch.is_tensor(weight) else None
         n_cast = spec.n_cast if spec is not None else 1  # fused Q/K/V: gathered back block by block
 
-        def hook(_module, _inputs, output):
+        def hook(_module, inputs, output):
             t = _first_tensor(output)
             if t is not None and t.is_floating_point():
-                self.calls.append((name, t.detach().clone(), n_cast))
+                x = _first_tensor(inputs)
+                x = x.detach().clone() if x is not None and x.is_floating_point() else None
+                self.calls.append((name, t.detach().clone(), n_cast, x))
 
         return hook
 
@@ -264,25 +268,38 @@ class ActivationRecorder:
 
 
 def first_divergence(ref: ActivationRecorder, sharded: ActivationRecorder, group) -> Divergence | None:
-    """Gather every sharded activation (the same collectives on every rank) and compare in order."""
+    """Gather every sharded activation (the same collectives on every rank) and compare in order.
+
+    When the first diverging module's input already differs, no module computed the difference:
+    the code of its parent between submodules did, and the parent is named.
+    """
     seen: dict[str, int] = {}
     by_call = {}
-    for name, t, n_cast in sharded.calls:
+    for name, t, n_cast, x in sharded.calls:
         k = seen[name] = seen.get(name, -1) + 1
-        by_call[(name, k)] = (t, n_cast)
+        by_call[(name, k)] = (t, n_cast, x)
     seen.clear()
     first = None
-    for name, expected, _ in ref.calls:
+    for name, expected, _, expected_in in ref.calls:
         k = seen[name] = seen.get(name, -1) + 1
         if (name, k) not in by_call:
             continue
-        local, n_cast = by_call[(name, k)]
+        local, n_cast, local_in = by_call[(name, k)]
         full = gather_like(local, expected.shape, group, n_cast)  # every rank gathers: no early exit
         if full is None or first is not None:
             continue
         err, ok = max_error(full, expected, ATOL, RTOL)
         if not ok:
             first = Divergence(name, sharded.classes.get(name, "?"), err, tuple(expected.shape))
+            full_in = (
+                None if local_in is None or expected_in is None else gather_like(local_in, expected_in.shape, group)
+            )
+            if full_in is not None and not max_error(full_in, expected_in, ATOL, RTOL)[1]:
+                parent, _, child = name.rpartition(".")
+                first = Divergence(
+                    parent, sharded.classes.get(parent, "?"), max_error(full_in, expected_in, 0, 0)[0],
+                    tuple(expected_in.shape), before=child,
+                )  # fmt: skip
     return first
 
 
