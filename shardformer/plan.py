@@ -148,10 +148,12 @@ def plan_model(
 
 def stage_split(policy, model: nn.Module, pp: int, numels: dict[str, int]) -> list[tuple[range, int]]:
     """(layer indices, parameters per tensor-parallel rank) of each pipeline stage, as the engine cuts."""
+    from shardformer.pipeline.spec_check import check_policy_pipeline
     from shardformer.pipeline.split import check_split, num_layers_of
 
     path, num_layers = num_layers_of(policy, model)
     counts = check_split(num_layers, pp)
+    check_policy_pipeline(policy, model, pp)
     starts = [sum(counts[:s]) for s in range(pp)]
     layer_stage = {i: s for s in range(pp) for i in range(starts[s], starts[s] + counts[s])}
     under = lambda name, paths: any(name == q or name.startswith(q + ".") for q in paths)  # noqa: E731

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.pipeline.schedule import SCHEDULES, run_pipeline
+from shardformer.pipeline.spec_check import check_policy_pipeline
 from shardformer.pipeline.split import check_split, num_layers_of, shared_parameters
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -138,6 +139,7 @@ class ParallelEngine:
         if cfg.pp > 1:
             _, layers = num_layers_of(self.policy, model)
             check_split(layers, cfg.pp, cfg.layers_per_stage)
+            check_policy_pipeline(self.policy, model, cfg.pp, cfg.layers_per_stage)
         self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp)
         if (self.mesh.tp_size, self.mesh.pp_size) != (cfg.tp, cfg.pp) or (cfg.dp not in (None, self.mesh.dp_size)):
             raise ValueError(f"mesh {self.mesh} does not match tp={cfg.tp}, pp={cfg.pp}, dp={cfg.dp}")
