@@ -4,7 +4,9 @@ from shardformer.config import ShardConfig
 from shardformer.mesh import ProcessMesh, init_distributed, launch_from_torch
 from shardformer.pipeline import EngineConfig, ParallelEngine
 from shardformer.policies import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, get_autopolicy
+from shardformer.rng import seed
 from shardformer.sharder import ModelSharder, shard_model
+from shardformer.verify import verify  # the function; the module stays importable as shardformer.verify
 
 __all__ = [
     "Argument",
@@ -21,5 +23,7 @@ __all__ = [
     "get_autopolicy",
     "init_distributed",
     "launch_from_torch",
+    "seed",
     "shard_model",
+    "verify",
 ]

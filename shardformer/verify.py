@@ -160,10 +160,12 @@ class Divergence:
     before: str | None = None  # the submodule whose input already differed: the parent's own code is wrong
 
     def __str__(self) -> str:
-        where = "its output" if self.before is None else f"the input of {self.before}, computed by its own forward code"
+        name = f"{self.module or '(the model)'} ({self.cls})"
+        if self.before is None:
+            return f"{name}: its output {list(self.shape)} differs by up to {self.error:.3g}; every module before it matches"
         return (
-            f"{self.module or '(the model)'} ({self.cls}): max |sharded - unsharded| = {self.error:.3g} "
-            f"in {where} {list(self.shape)}; every module that ran before it matches"
+            f"{name}, in its own forward code: the input {list(self.shape)} it passes to {self.before} differs by "
+            f"up to {self.error:.3g}, while every submodule before it matches"
         )
 
 
@@ -182,7 +184,7 @@ class VerifyReport:
 
     def format(self) -> str:
         lines = [f"shardformer verify: {self.model} with {self.policy} at tp={self.tp} ({self.tp} gloo processes)"]
-        lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<18} {c.detail}" for c in self.checks]
+        lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<20} {c.detail}" for c in self.checks]
         if self.divergence is not None:
             lines.append(f"first diverging module: {self.divergence}")
         if self.error is not None:
