@@ -175,6 +175,7 @@ class VerifyReport:
     policy: str
     tp: int
     checks: list[Check] = field(default_factory=list)
+    pp: int = 1
     divergence: Divergence | None = None
     error: str | None = None  # sharding refused or a step failed
 
@@ -183,7 +184,10 @@ class VerifyReport:
         return self.error is None and all(c.ok for c in self.checks)
 
     def format(self) -> str:
-        lines = [f"shardformer verify: {self.model} with {self.policy} at tp={self.tp} ({self.tp} gloo processes)"]
+        layout = f"tp={self.tp}" + (f" x pp={self.pp}" if self.pp > 1 else "")
+        lines = [
+            f"shardformer verify: {self.model} with {self.policy} at {layout} ({self.tp * self.pp} gloo processes)"
+        ]
         lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<20} {c.detail}" for c in self.checks]
         if self.divergence is not None:
             lines.append(f"first diverging module: {self.divergence}")
@@ -308,7 +312,7 @@ def first_divergence(ref: ActivationRecorder, sharded: ActivationRecorder, group
 # -- one rank ---------------------------------------------------------------------------------------
 
 
-def make_inputs(model: nn.Module, seed: int) -> dict:
+def make_inputs(model: nn.Module, seed: int, batch: int = BATCH) -> dict:
     """Random inputs for the model's main input, with labels where the head's name says what they are."""
     g = torch.Generator().manual_seed(seed)
     config = getattr(model, "config", None)
@@ -317,20 +321,20 @@ def make_inputs(model: nn.Module, seed: int) -> dict:
         size = getattr(config, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", (224,))
         size = size[0] if isinstance(size, (tuple, list)) else size
         channels = getattr(config, "num_channels", None) or getattr(model, "in_chans", 3)
-        images = torch.randn(BATCH, channels, size, size, generator=g)
+        images = torch.randn(batch, channels, size, size, generator=g)
         x = {"pixel_values": images} if config is not None else {"x": images}  # timm: positional
         if name.endswith("ForImageClassification"):
-            x["labels"] = torch.randint(0, config.num_labels, (BATCH,), generator=g)
+            x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
         return x
     vocab = getattr(config, "vocab_size", None) or model.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, vocab, (batch, SEQ), generator=g)
     x = {"input_ids": ids}
     if name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
         x["labels"] = ids.clone()
     elif name.endswith("ForSequenceClassification"):
-        x["labels"] = torch.randint(0, config.num_labels, (BATCH,), generator=g)
+        x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
     elif name.endswith("ForTokenClassification"):
-        x["labels"] = torch.randint(0, config.num_labels, (BATCH, SEQ), generator=g)
+        x["labels"] = torch.randint(0, config.num_labels, (batch, SEQ), generator=g)
     return x
 
 
@@ -456,25 +460,56 @@ def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None 
     return report
 
 
+def merge_reports(reports: list[VerifyReport]) -> VerifyReport:
+    """One report for all ranks: a check passes where it passed on every rank (pipeline stages hold
+    different weights); the first failing rank's detail is kept."""
+    merged = copy.deepcopy(reports[0])
+    for rank, report in enumerate(reports[1:], start=1):
+        if merged.error is None and report.error is not None:
+            merged.error = f"rank {rank}: {report.error}"
+        mine = {c.name: c for c in merged.checks}
+        for check in report.checks:
+            if check.name not in mine:
+                merged.checks.append(check)
+            elif mine[check.name].ok and not check.ok:
+                mine[check.name].ok, mine[check.name].detail = False, f"rank {rank}: {check.detail}"
+        merged.divergence = merged.divergence or report.divergence
+    return merged
+
+
 def verify(
     model: Any,
     policy: Any = None,
     tp: int = 2,
+    pp: int = 1,
     *,
     model_class: str | None = None,
     seed: int = 0,
     timeout: float = 300.0,
 ) -> VerifyReport:
-    """Compare ``model`` sharded at ``tp`` with itself unsharded, on ``tp`` local gloo processes.
+    """Compare ``model`` sharded at ``tp`` (and split into ``pp`` pipeline stages) with itself unsharded,
+    on ``tp * pp`` local gloo processes.
 
     ``model``: a factory (a module-level function, so spawned processes can import it), a folder
     with config.json, ``module:function``, ``timm:<name>`` or a built-in name (:data:`TINY_MODELS`).
     ``policy``: a Policy (instance or class, importable) or ``module:Class``; default: the built-in one.
-    Returns a :class:`VerifyReport` (``.ok``, ``.format()``, ``.divergence``).
+    With ``pp > 1`` the training engine runs one step (loss, weights, outputs after it); module-by-module
+    divergence and generate are checked at ``pp=1``. Returns a :class:`VerifyReport` (``.ok``,
+    ``.format()``, ``.divergence``).
     """
     from shardformer.testing import run_on_ranks
 
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
-        raise ValueError(f"tp={tp!r} must be an integer >= 2 (tp=1 has nothing to compare)")
-    # every rank compares gathered (identical) tensors: rank 0 answers for all
-    return run_on_ranks(verify_on_this_rank, tp, model, policy, model_class, seed, timeout=timeout)[0]
+    for name, value, least in (("tp", tp, 1), ("pp", pp, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if tp * pp < 2:
+        raise ValueError("tp * pp must be at least 2: one process has nothing to compare")
+    if pp == 1:
+        reports = run_on_ranks(verify_on_this_rank, tp, model, policy, model_class, seed, timeout=timeout)
+    else:
+        from shardformer.verify_pipeline import verify_pipeline_on_this_rank
+
+        reports = run_on_ranks(
+            verify_pipeline_on_this_rank, tp * pp, model, policy, model_class, seed, pp, timeout=timeout
+        )
+    return merge_reports(reports)

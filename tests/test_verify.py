@@ -1,4 +1,4 @@
-"""`shardformer verify`, and the ranks agreeing on tokens and RNG (issue 14, traps 1-5, 8).
+"""`shardformer verify`, and the ranks agreeing on tokens and RNG (issue 14, traps 1-6, 8).
 
 All multi-rank checks share one spawn of 2 gloo ranks; each asserts on every rank.
 """
@@ -6,6 +6,7 @@ All multi-rank checks share one spawn of 2 gloo ranks; each asserts on every ran
 import torch
 import torch.distributed as dist
 
+import shardformer
 from examples.custom_policy.llama_policy import LlamaPolicy
 from shardformer import ShardConfig, shard_model
 from shardformer.cli.main import main
@@ -56,6 +57,8 @@ def check_sampled_tokens_agree_on_every_rank():  # trap 3
     prompt = torch.tensor([[5, 17, 42], [7, 8, 9]])
     tokens = model.generate(prompt, do_sample=True, top_k=20, max_new_tokens=12, pad_token_id=0, eos_token_id=3)
     assert same_on_every_rank(tokens)
+    shardformer.seed(7)  # explicit seeding: the same state on every rank
+    assert same_on_every_rank(torch.rand(4))
 
 
 def check_functional_dropout_agrees_on_every_rank():  # trap 4: OPT calls F.dropout in its forward
@@ -65,6 +68,16 @@ def check_functional_dropout_agrees_on_every_rank():  # trap 4: OPT calls F.drop
     hidden = model.model.decoder(ids).last_hidden_state
     assert same_on_every_rank(hidden.detach())
     assert same_on_every_rank(model(ids).logits.detach())
+
+
+def check_verify_with_pipeline_stages():  # tp=1 x pp=2 on the same two ranks
+    from shardformer.verify_pipeline import verify_pipeline_on_this_rank
+    from tests.pipeline.test_spec_check import TiedNotShared
+
+    report = verify_pipeline_on_this_rank("gpt2-tiny", pp=2)
+    assert report.ok and [c.name for c in report.checks] == ["loss", "weights after step", "outputs after step"]
+    report = verify_pipeline_on_this_rank("gpt2-tiny", TiedNotShared(), pp=2)  # trap 6: refused, nothing waits
+    assert report.error.startswith("sharding refused: transformer.wte.weight (first), lm_head.weight (last)")
 
 
 class UncheckedVocabParallel(LlamaPolicy):
@@ -79,6 +92,7 @@ test_tp2 = check_table(
         check_custom_vocab_parallel_head_with_injected_loss_is_exact_and_generates,
         check_sampled_tokens_agree_on_every_rank,
         check_functional_dropout_agrees_on_every_rank,
+        check_verify_with_pipeline_stages,
     ],
     2,
 )

@@ -25,7 +25,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--policy", metavar="MODULE:CLASS", help="a custom Policy class (default: built-in)")
     parser.add_argument("--model-class", metavar="NAME", help="transformers class for a config.json without "
                         "'architectures' (e.g. LlamaForCausalLM)")  # fmt: skip
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size = processes started (default 2)")
+    parser.add_argument(
+        "--tp", type=int, default=2, help="tensor-parallel size (default 2; processes started: tp x pp)"
+    )
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (processes: tp x pp; default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the processes are killed")
     parser.set_defaults(func=verify_command)
@@ -43,7 +46,7 @@ def verify_command(args: argparse.Namespace) -> int:
         from shardformer.verify import load_policy
 
         load_policy(args.policy)
-        report = verify(args.model, args.policy, args.tp, model_class=args.model_class, seed=args.seed,
+        report = verify(args.model, args.policy, args.tp, args.pp, model_class=args.model_class, seed=args.seed,
                         timeout=args.timeout)  # fmt: skip
     except ValueError as e:
         print(f"shardformer verify: error: {e}", file=sys.stderr)
