@@ -2,7 +2,7 @@
 
 A vocab-parallel LM head gives each rank logits over its slice of the vocabulary; picking tokens
 from those would give each rank different tokens. At sharding, a model that can generate gets a
-subclass (same name, see :func:`enable_parallel_generate`) whose ``generate``
+subclass (same name, see :func:`shardformer.sharded_class.adapt_class`) whose ``generate``
 
 - gathers the logits of every vocab-parallel head in the model for the duration of the call, and
 - appends, after every other logits processor and warper, :class:`AgreeOnTokens`: tp rank 0 picks the
@@ -76,17 +76,3 @@ class ParallelGeneration:
         if group is not None and not isinstance(group, VirtualGroup) and group_size(group) > 1 and single_beam:
             processors.append(AgreeOnTokens(group, bool(generation_config.do_sample)))
         return processors
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def enable_parallel_generate(model: nn.Module) -> None:
-    """Give ``model`` (if it can generate) a subclass with :class:`ParallelGeneration`, keeping its name
-    (``type(model).__name__``; checkpoints name the transformers class they derive from)."""
-    cls = type(model)
-    if not callable(getattr(model, "_get_logits_processor", None)) or issubclass(cls, ParallelGeneration):
-        return
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (ParallelGeneration, cls), {"__qualname__": cls.__qualname__})
-    model.__class__ = _CLASSES[cls]

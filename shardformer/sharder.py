@@ -8,11 +8,11 @@ import torch.nn as nn
 
 from shardformer.config import ShardConfig
 from shardformer.detect import detect_from_model, keep_ties
-from shardformer.generation import enable_parallel_generate
 from shardformer.layers import DropoutForReplicatedInput, VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.layers.linear import is_conv1d
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
 from shardformer.rng import agree_on_rng
+from shardformer.sharded_class import adapt_class
 from shardformer.slicer import shard_spec
 
 
@@ -124,7 +124,7 @@ class ModelSharder:
         self.bind_layer(bindings)
         keep_ties(self.model, self.detected.ties)  # ties the policy did not list, found in the model
         agree_on_rng(group)
-        enable_parallel_generate(self.model)
+        adapt_class(self.model)  # generate() and transformers' LM losses on vocab-parallel logits
         self.model.shardformer_config = self.shard_config
         return self.model
 

@@ -12,7 +12,13 @@ from shardformer import ShardConfig, shard_model
 from shardformer.cli.main import main
 from shardformer.verify import TINY_MODELS, verify_on_this_rank
 from tests.helpers import check_table
-from tests.policies.custom_policies import BrokenGPT2Policy, OPTPolicy, tiny_llama, tiny_opt
+from tests.policies.custom_policies import (
+    BrokenGPT2Policy,
+    LlamaWithModelsOwnLossPolicy,
+    OPTPolicy,
+    tiny_llama,
+    tiny_opt,
+)
 
 
 def same_on_every_rank(t: torch.Tensor) -> bool:
@@ -47,6 +53,9 @@ def check_custom_vocab_parallel_head_with_injected_loss_is_exact_and_generates()
     assert [c.name for c in report.checks][-1] == "greedy generate"
     model = shard_model(tiny_llama(), ShardConfig(tensor_parallel_size=2), LlamaPolicy())
     assert not model.lm_head.gather_output  # the logits really are vocab-parallel outside generate
+    # without the injected loss, transformers' own causal-LM loss is replaced by the vocab-parallel one
+    report = verify_on_this_rank(tiny_llama, LlamaWithModelsOwnLossPolicy())
+    assert report.ok, report.format()
 
 
 def check_sampled_tokens_agree_on_every_rank():  # trap 3

@@ -74,6 +74,13 @@ class UncheckedLlamaPolicy(LlamaPolicy):
         return None
 
 
+class LlamaWithModelsOwnLossPolicy(LlamaPolicy):
+    """The example without its injected loss: transformers' own loss meets vocab-parallel logits (trap 8)."""
+
+    def inject_policy(self):
+        return None
+
+
 def tiny_llama(**overrides):
     torch.manual_seed(0)
     config = tiny_llama_config()
