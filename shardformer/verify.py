@@ -35,32 +35,13 @@ def _tiny(name: str):
     import transformers as tf
 
     vocab = {"vocab_size": 99}  # divides by neither 2 nor 4: vocabulary padding is exercised
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+    gpt2 = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32, "bos_token_id": 1, "eos_token_id": 2}
     table = {
-        "gpt2-tiny": lambda: tf.GPT2LMHeadModel(
-            tf.GPT2Config(
-                n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=1, eos_token_id=2, pad_token_id=0, **vocab
-            )
-        ),
-        "bert-tiny": lambda: tf.BertForMaskedLM(
-            tf.BertConfig(
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=64,
-                max_position_embeddings=32,
-                **vocab,
-            )  # fmt: skip
-        ),
+        "gpt2-tiny": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(pad_token_id=0, **gpt2, **vocab)),
+        "bert-tiny": lambda: tf.BertForMaskedLM(tf.BertConfig(max_position_embeddings=32, **small, **vocab)),
         "vit-tiny": lambda: tf.ViTForImageClassification(
-            tf.ViTConfig(
-                image_size=16,
-                patch_size=4,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=64,
-                num_labels=3,
-            )  # fmt: skip
+            tf.ViTConfig(image_size=16, patch_size=4, num_labels=3, **small)
         ),
         "timm-vit-tiny": lambda: __import__("timm").create_model(
             "vit_tiny_patch16_224",
