@@ -1,6 +1,8 @@
-"""What the examples share: start-up, sharding, the optimizer, the training loop, saving and plots.
+"""What the examples share: start-up, the engine, the training loop, saving and plots.
 
-Every function here runs on every rank (the collective ones say so); only rank 0 prints and writes.
+Every example trains (and runs inference) through :class:`shardformer.ParallelEngine`, so any
+(tp, pp, dp, ZeRO) layout the config asks for runs the same code. Every function here runs on every
+rank (the collective ones say so); only rank 0 prints and writes.
 """
 
 # ruff: noqa: E402 (the environment is set before transformers can be imported)
@@ -22,11 +24,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from shardformer import ProcessMesh, ShardConfig, init_distributed, shard_model
-from shardformer.slicer import shard_spec
-from shardformer.zero import ZeroOptimizer
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from shardformer import EngineConfig, ParallelEngine, ProcessMesh, init_distributed
+from shardformer.checkpoint import gather_full_state, save_pretrained
+from shardformer.config import PRECISIONS
 
 
 @dataclass
@@ -47,18 +47,14 @@ class Env:
 
 
 def setup(cfg) -> Env:
-    """Join the job started by ``shardformer run``, build the (dp, tp) mesh and seed every RNG."""
-    if cfg.pipeline_parallel_size != 1:
-        raise ValueError(f"pipeline_parallel_size={cfg.pipeline_parallel_size}: the examples use tp and dp only; set 1")
-    if cfg.precision != "fp32" and cfg.zero_stage == 0:
-        raise ValueError(f"precision={cfg.precision!r} needs fp32 master weights: set zero_stage=1 or 2")
+    """Join the job started by ``shardformer run``, build the (pp, dp, tp) mesh and seed every RNG."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the training bar is the one to watch
     device = init_distributed()
-    mesh = ProcessMesh(tp_size=cfg.tensor_parallel_size, dp_size=cfg.data_parallel_size)
+    mesh = ProcessMesh(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.data_parallel_size)
     seed_everything(cfg.seed)
-    return Env(device, mesh, DTYPES[cfg.precision])
+    return Env(device, mesh, PRECISIONS[cfg.precision])
 
 
 def finish() -> None:
@@ -97,88 +93,56 @@ def on_rank_zero(env: Env, fn, *args) -> None:
     dist.barrier()
 
 
-# -- sharding and the optimizer ------------------------------------------------------------------
+# -- the engine and the training loop -------------------------------------------------------------
 
 
-def shard(model: torch.nn.Module, cfg, env: Env) -> torch.nn.Module:
-    """Move ``model`` to this rank's device and dtype, then cut it for tensor parallelism."""
-    model = model.to(device=env.device, dtype=env.dtype)
-    config = ShardConfig(
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        data_parallel_size=env.mesh.dp_size,
+def build_engine(model: torch.nn.Module, cfg, env: Env, *, train: bool = True, loss_fn=None) -> ParallelEngine:
+    """Shard ``model`` for the job's (tp, pp, dp) layout; with ``train``, AdamW under ZeRO-``zero_stage``.
+
+    Each optimizer step takes the global batch of ``batch_size`` rows: every dp rank its slice, cut
+    into micro-batches of ``micro_batch_size`` rows (default: one micro-batch).
+    """
+    mesh = env.mesh
+    per_rank = cfg.batch_size // mesh.dp_size
+    if per_rank * mesh.dp_size != cfg.batch_size:
+        raise ValueError(f"batch_size={cfg.batch_size} does not divide over data_parallel_size={mesh.dp_size}")
+    micro = cfg.micro_batch_size or per_rank
+    if per_rank % micro != 0:
+        raise ValueError(f"micro_batch_size={micro} does not divide the {per_rank} rows each dp rank gets per step")
+    config = EngineConfig(
+        tp=mesh.tp_size,
+        pp=mesh.pp_size,
+        dp=mesh.dp_size,
+        zero_stage=cfg.zero_stage,
+        num_microbatches=per_rank // micro if train else 1,
+        precision=cfg.precision,
+        max_grad_norm=cfg.max_grad_norm,
         seed=cfg.seed,
-        mesh=env.mesh,
     )
-    return shard_model(model, config)
+    optimizer = (lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if train else None
+    return ParallelEngine(model.to(env.device), optimizer, config, loss_fn=loss_fn, mesh=mesh)
 
 
-def build_optimizer(model: torch.nn.Module, cfg, env: Env) -> torch.optim.Optimizer:
-    """AdamW; wrapped in ZeRO over the data-parallel group when ``zero_stage`` > 0."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.zero_stage == 0:
-        return optimizer
-    tp_group = env.mesh.tp_group if env.mesh.tp_size > 1 else None
-    return ZeroOptimizer(optimizer, env.mesh.dp_group, stage=cfg.zero_stage, tp_group=tp_group, model=model)
+def train(env: Env, cfg, engine: ParallelEngine, batch_of, unit: str = "samples") -> list[float]:
+    """Run ``cfg.steps`` optimizer steps; ``batch_of(step) -> (global batch dict, items in it)``.
 
-
-def _sync_and_clip(model: torch.nn.Module, cfg, env: Env) -> None:
-    """Without ZeRO: average gradients over dp and clip them to the global (tp-aware) norm."""
-    grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
-    if env.mesh.dp_size > 1:
-        for _, grad in grads:
-            dist.all_reduce(grad, group=env.mesh.dp_group)
-            grad.div_(env.mesh.dp_size)
-    if cfg.max_grad_norm is None:
-        return
-    # Shards of one tensor add up over tp; replicated params count once (tp rank 0's copy).
-    total = torch.zeros(2, dtype=torch.float64, device=env.device)
-    for p, grad in grads:
-        total[0 if shard_spec(p) is not None else 1] += grad.double().square().sum()
-    if env.mesh.tp_rank != 0:
-        total[1] = 0
-    dist.all_reduce(total, group=env.mesh.tp_group)
-    norm = total.sum().sqrt().item()
-    if norm > cfg.max_grad_norm:
-        for _, grad in grads:
-            grad.mul_(cfg.max_grad_norm / (norm + 1e-6))
-
-
-def train(env: Env, cfg, model: torch.nn.Module, optimizer, step_loss, unit: str = "samples") -> list[float]:
-    """Run ``cfg.steps`` optimizer steps; ``step_loss(step) -> (loss, items on this rank)``.
-
-    Shows a progress bar on rank 0 with the loss (averaged over dp) and ``unit`` per second (all
-    ranks of one tp group work on the same items, so the rate counts each dp replica once).
+    Shows a progress bar on rank 0 with the loss (averaged over dp) and ``unit`` per second.
     Returns the loss of every step.
     """
-    model.train()
-    zero = isinstance(optimizer, ZeroOptimizer)
     warmup = max(1, cfg.steps // 10)
     # Linear warm-up over the first 10% of the steps, then cosine decay to 10% of cfg.lr.
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * s / max(1, cfg.steps)))
+        engine.optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * s / max(1, cfg.steps))),
     )
     losses: list[float] = []
     bar = tqdm(total=cfg.steps, desc="train", unit="step", disable=not env.is_main, file=sys.stdout, mininterval=0.5)
     for step in range(cfg.steps):
         start = time.perf_counter()
-        loss, items = step_loss(step)
-        if zero:
-            optimizer.backward(loss)
-            if cfg.max_grad_norm is not None:
-                optimizer.clip_grad_norm(cfg.max_grad_norm)
-        else:
-            loss.backward()
-            _sync_and_clip(model, cfg, env)
-        optimizer.step()
-        optimizer.zero_grad()
+        batch, items = batch_of(step)
+        losses.append(engine.train_step(batch))
         schedule.step()
-        value = loss.detach().float()
-        if env.mesh.dp_size > 1:
-            dist.all_reduce(value, group=env.mesh.dp_group)
-            value /= env.mesh.dp_size
-        losses.append(value.item())
-        rate = items * env.mesh.dp_size / (time.perf_counter() - start)
+        rate = items / (time.perf_counter() - start)
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             bar.set_postfix({"loss": f"{losses[-1]:.3f}", f"{unit}/s": f"{rate:,.0f}"})
@@ -230,16 +194,12 @@ def write_json(env: Env, path: str, data) -> None:
 
 
 def save_model(model: torch.nn.Module, path: str) -> None:
-    """Save a sharded HF model as a plain HF folder (collective; global rank 0 writes)."""
-    from shardformer.checkpoint import save_pretrained
-
+    """Save a sharded HF model (any stage of it) as a plain HF folder (collective; global rank 0 writes)."""
     save_pretrained(model, path)
 
 
 def save_state_dict(model: torch.nn.Module, path: str, meta: dict) -> None:
     """Save a sharded non-HF model (timm) as ``model.safetensors`` + ``meta.json`` (collective)."""
-    from shardformer.checkpoint.gather import gather_full_state
-
     state = gather_full_state(model)  # the full model on global rank 0, None elsewhere
     if dist.get_rank() == 0:
         write_state_dict(state, meta, path)

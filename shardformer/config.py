@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from shardformer.mesh import group_size, resolve_sizes
+
+# The one table of training precisions (parameter dtypes) the engine, the examples and the CLI accept.
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DEFAULT_SEED = 1024  # base seed of the tensor-parallel dropout RNG
 
 
 @dataclass
@@ -23,6 +30,9 @@ class ShardConfig:
         pad the vocabulary to a multiple of ``vocab_pad_multiple * tp`` (1: just enough to divide).
     seed:
         base seed of the tensor-parallel dropout layers (each layer adds its index).
+    mesh:
+        an existing :class:`~shardformer.ProcessMesh` to shard over (its tp group); default: one is
+        built from the sizes when the model is sharded.
     """
 
     tensor_parallel_size: int = 1
@@ -31,14 +41,12 @@ class ShardConfig:
     tensor_parallel_process_group: Any = None
     gather_output: bool = False
     vocab_pad_multiple: int = 1
-    seed: int = 1024
+    seed: int = DEFAULT_SEED
     mesh: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         group = self.tensor_parallel_process_group
         if group is not None:
-            from shardformer.layers.comm import group_size
-
             size = group_size(group)
             if self.tensor_parallel_size not in (1, size):
                 raise ValueError(
@@ -60,8 +68,6 @@ class ShardConfig:
 
     def check_world(self) -> None:
         """Raise (before any collective) if the sizes do not fit the processes that were started."""
-        from shardformer.mesh import resolve_sizes
-
         world = dist.get_world_size() if dist.is_initialized() else 1
         if self.tensor_parallel_process_group is not None:
             return
@@ -73,15 +79,12 @@ class ShardConfig:
                 f"shardformer.init_distributed()"
             )
         resolve_sizes(world, self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
-
-    def tp_group(self):
-        """The tensor-parallel process group (building the process mesh on first use)."""
-        if self.tensor_parallel_process_group is not None:
-            return self.tensor_parallel_process_group
-        if not dist.is_initialized():
-            return None  # one process: the layers see a group of size 1
-        if self.mesh is None:
-            from shardformer.mesh import ProcessMesh
-
-            self.mesh = ProcessMesh(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
-        return self.mesh.tp_group
+        mesh = self.mesh
+        if mesh is not None and (mesh.tp_size, mesh.pp_size) != (
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+        ):
+            raise ValueError(
+                f"ShardConfig.mesh {mesh} does not match tensor_parallel_size={self.tensor_parallel_size}, "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}; give the mesh's sizes or leave mesh out"
+            )

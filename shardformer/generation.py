@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.layers import VocabParallelLMHead1D
-from shardformer.layers.comm import VirtualGroup, group_size
+from shardformer.mesh import VirtualGroup, group_size
 from shardformer.policies.lm_heads import gathered_logits
 
 
@@ -49,12 +49,10 @@ class AgreeOnTokens:
 
 
 def tp_group_of(model: nn.Module):
-    """The tensor-parallel group of a sharded model, read from its parallel layers (None if unsharded)."""
-    for module in model.modules():
-        group = getattr(module, "process_group", None)
-        if group is not None:
-            return group
-    return None
+    """The tensor-parallel group of a sharded model (None if it has none)."""
+    from shardformer.topology import is_sharded, sharding_of
+
+    return sharding_of(model).tp_group if is_sharded(model) else None
 
 
 class ParallelGeneration:

@@ -50,6 +50,28 @@ def resolve_sizes(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = No
     return pp, dp, tp
 
 
+@dataclass(frozen=True)
+class VirtualGroup:
+    """A stand-in process group for planning (``shardformer plan``): sharding reads its rank and
+    size, and nothing ever communicates over it."""
+
+    rank: int
+    size: int
+
+
+def group_size(group) -> int:
+    """Ranks in ``group`` (the default group when None; 1 when torch.distributed is not started)."""
+    if isinstance(group, VirtualGroup):
+        return group.size
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group) -> int:
+    if isinstance(group, VirtualGroup):
+        return group.rank
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
 @dataclass
 class ProcessMesh:
     """This rank's place in a (pp, dp, tp) grid and the process groups along each axis.

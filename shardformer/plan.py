@@ -1,7 +1,7 @@
 """Size a job before starting it: shard a model built on the meta device, with no processes.
 
 ``plan_model`` applies the model's policy at a tensor-parallel size through a
-:class:`~shardformer.layers.comm.VirtualGroup`, so the parameter shapes are exactly those a real
+:class:`~shardformer.mesh.VirtualGroup`, so the parameter shapes are exactly those a real
 shard produces, and estimates bytes per rank for parameters, gradients and optimizer state.
 """
 
@@ -12,18 +12,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import transformers as tf
 
-from shardformer.config import ShardConfig
-from shardformer.layers.comm import VirtualGroup
-from shardformer.mesh import resolve_sizes
+from shardformer.config import PRECISIONS, ShardConfig
+from shardformer.mesh import VirtualGroup, resolve_sizes
+from shardformer.pipeline.families import pipeline_spec_for
+from shardformer.pipeline.spec import PipelineSpec, check_split
+from shardformer.policies.auto import get_autopolicy
+from shardformer.sharder import ModelSharder
 from shardformer.slicer import shard_spec
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+BYTES = {name: dtype.itemsize for name, dtype in PRECISIONS.items()}
 
 
 def _builtin(name: str):
-    import transformers as tf
-
     table = {
         "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config()),
         "gpt2-medium": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=1024, n_layer=24, n_head=16)),
@@ -42,12 +44,10 @@ def build_meta_model(spec: str, model_class: str | None = None) -> nn.Module:
     when its config has no ``architectures``), a built-in name, or ``timm:<model name>``."""
     with torch.device("meta"):
         if spec.startswith("timm:"):
-            import timm
+            import timm  # deferred: importing timm registers every timm model; only when asked for
 
             return timm.create_model(spec[5:], pretrained=False)
         if os.path.isdir(spec):
-            import transformers as tf
-
             config = tf.AutoConfig.from_pretrained(spec)
             return model_class_for(config, spec, model_class)(config)
         factory, known = _builtin(spec)
@@ -118,17 +118,25 @@ def _numel(shape) -> int:
 
 
 def plan_model(
-    model: nn.Module, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, precision: str = "fp32", policy=None
+    model: nn.Module,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    zero: int = 0,
+    precision: str = "fp32",
+    policy=None,
+    pipeline: PipelineSpec | None = None,
 ) -> Plan:
-    """Shard ``model`` (build it on the meta device) for tp rank 0 of ``tp`` and describe the result."""
-    from shardformer.policies.auto import get_autopolicy
-    from shardformer.sharder import ModelSharder
+    """Shard ``model`` (build it on the meta device) for tp rank 0 of ``tp`` and describe the result.
 
+    ``policy`` / ``pipeline``: a custom Policy / PipelineSpec (default: the model family's)."""
     if zero not in (0, 1, 2):
         raise ValueError(f"zero={zero} must be 0, 1 or 2")
     if precision not in BYTES:
         raise ValueError(f"precision={precision!r} must be one of {sorted(BYTES)}")
     resolve_sizes(tp * pp * dp, tp, pp, dp)
+    if pp > 1:
+        pipeline = pipeline or pipeline_spec_for(model)  # before sharding: an unknown family fails fast
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     before = {name: type(m).__name__ for name, m in model.named_modules()}
     config = ShardConfig(tensor_parallel_process_group=VirtualGroup(0, tp), pipeline_parallel_size=1)
@@ -142,22 +150,21 @@ def plan_model(
         spec = shard_spec(p)
         plan.params.append((name, full_shapes[name], tuple(p.shape) if spec else full_shapes[name]))
     if pp > 1:
-        plan.stages = stage_split(policy, model, pp, {name: _numel(local) for name, _, local in plan.params})
+        plan.stages = stage_split(pipeline, model, pp, {name: _numel(local) for name, _, local in plan.params})
     return plan
 
 
-def stage_split(policy, model: nn.Module, pp: int, numels: dict[str, int]) -> list[tuple[range, int]]:
+def stage_split(spec: PipelineSpec, model: nn.Module, pp: int, numels: dict[str, int]) -> list[tuple[range, int]]:
     """(layer indices, parameters per tensor-parallel rank) of each pipeline stage, as the engine cuts."""
-    from shardformer.pipeline.spec_check import check_policy_pipeline
-    from shardformer.pipeline.split import check_split, num_layers_of
+    from shardformer.pipeline.spec_check import check_pipeline_spec
 
-    path, num_layers = num_layers_of(policy, model)
-    counts = check_split(num_layers, pp)
-    check_policy_pipeline(policy, model, pp)
+    path = spec.layers
+    counts = check_split(len(spec.layer_list(model)), pp)
+    check_pipeline_spec(spec, model, pp)
     starts = [sum(counts[:s]) for s in range(pp)]
     layer_stage = {i: s for s in range(pp) for i in range(starts[s], starts[s] + counts[s])}
     under = lambda name, paths: any(name == q or name.startswith(q + ".") for q in paths)  # noqa: E731
-    first, last, shared = policy.pipeline_first(model), policy.pipeline_last(model), policy.pipeline_shared(model)
+    first, last, shared = spec.first, spec.last, spec.shared
     per_stage = [0] * pp
     for name, n in numels.items():
         if name.startswith(path + "."):
@@ -169,7 +176,7 @@ def stage_split(policy, model: nn.Module, pp: int, numels: dict[str, int]) -> li
             per_stage[0] += n
         elif under(name, last):
             per_stage[pp - 1] += n
-        else:  # not named by the policy: every stage keeps it
+        else:  # not named by the spec: every stage keeps it
             for s in range(pp):
                 per_stage[s] += n
     return [(range(starts[s], starts[s] + counts[s]), per_stage[s]) for s in range(pp)]

@@ -14,7 +14,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from shardformer.layers.comm import VirtualGroup, group_size
+from shardformer.mesh import VirtualGroup, group_size
 
 _DP_STRIDE = 7919  # a prime: data-parallel replicas get seeds far apart
 

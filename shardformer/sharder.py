@@ -2,47 +2,61 @@
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass
 
+import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.config import ShardConfig
 from shardformer.detect import detect_from_model, keep_ties
-from shardformer.layers import DropoutForReplicatedInput, VocabParallelEmbedding1D, VocabParallelLMHead1D
+from shardformer.layers import (
+    DropoutForReplicatedInput,
+    SharedInputCopy,
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+)
 from shardformer.layers.linear import is_conv1d
+from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
 from shardformer.rng import agree_on_rng
 from shardformer.sharded_class import adapt_class
 from shardformer.slicer import shard_spec
+from shardformer.topology import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
+
+logger = logging.getLogger("shardformer")
 
 
 @dataclass
 class Replacement:
-    """One planned swap: the module at ``path`` becomes ``layer.replace_layer``."""
+    """One planned swap: the module at ``path`` becomes ``layer.replace_layer``. Column layers of
+    one policy target share ``input_copy`` (one backward all-reduce for q/k/v)."""
 
     path: str
     layer: Layer
     module: nn.Module
+    input_copy: SharedInputCopy
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    """Whether ``path`` names a submodule, parameter or attribute below ``root``."""
+    parent, _, name = path.rpartition(".")
+    try:
+        return hasattr(root.get_submodule(parent), name)
+    except AttributeError:
+        return False
 
 
 def _get(root: nn.Module, path: str):
-    obj = root
-    for name in path.split("."):
-        obj = getattr(obj, name)
-    return obj
+    parent, _, name = path.rpartition(".")
+    return getattr(root.get_submodule(parent), name)
 
 
 def _set(root: nn.Module, path: str, value) -> None:
+    """Set a submodule, parameter or plain attribute (``set_submodule`` takes only modules)."""
     parent, _, name = path.rpartition(".")
-    setattr(_get(root, parent) if parent else root, name, value)
-
-
-def _has(root, path: str) -> bool:
-    try:
-        _get(root, path)
-        return True
-    except AttributeError:
-        return False
+    setattr(root.get_submodule(parent), name, value)
 
 
 class ModelSharder:
@@ -58,6 +72,13 @@ class ModelSharder:
 
     def plan(self) -> tuple[list[tuple[str, nn.Module, Argument]], list[Replacement]]:
         """Resolve the policy against the model; raise on anything that does not fit."""
+        if is_sharded(self.model):
+            done = sharding_of(self.model).shard_config
+            raise ValueError(
+                f"{type(self.model).__name__} is already sharded (tensor_parallel_size="
+                f"{done.tensor_parallel_size}); shard the original model instead (load it again with "
+                f"from_pretrained), or use the sharded one as it is"
+            )
         config = getattr(self.model, "config", None)
         self.policy.set_model(self.model)
         arguments = self.policy.argument_policy(config, self.shard_config)
@@ -71,6 +92,7 @@ class ModelSharder:
         replacements = []
         for name, module, argument in targets:
             where = f"{type(module).__name__} ({name or 'the model'})"
+            input_copy = SharedInputCopy()
             for attr in argument.attr_dict:
                 if not _has(module, attr):
                     raise ValueError(f"attribute {attr!r} of the policy's attr_dict is not in {where}")
@@ -83,11 +105,11 @@ class ModelSharder:
                             f"suffix {layer.suffix!r} is not in {where}; fix the policy's suffix or mark the "
                             f"layer ignore=True if the module is optional"
                         )
-                    replacements.append(self._check_layer(name, module, layer, where))
+                    replacements.append(self._check_layer(name, module, layer, where, input_copy))
         self.detected = detect_from_model(self.model, config, self.shard_config, targets, replacements)
         return targets, replacements
 
-    def _check_layer(self, parent_path: str, parent: nn.Module, layer: Layer, where: str) -> Replacement:
+    def _check_layer(self, parent_path: str, parent: nn.Module, layer: Layer, where: str, input_copy) -> Replacement:
         target = _get(parent, layer.suffix)
         path = f"{parent_path}.{layer.suffix}" if parent_path else layer.suffix
         if layer.replace_layer is None:
@@ -107,12 +129,13 @@ class ModelSharder:
                 )
         if isinstance(layer, Dropout_Layer) and not hasattr(target, layer.p):
             raise ValueError(f"{path} ({type(target).__name__}) has no dropout probability {layer.p!r}")
-        return Replacement(path, layer, target)
+        return Replacement(path, layer, target, input_copy)
 
     def shard(self) -> nn.Module:
         targets, replacements = self.plan()
         bindings = self._tied_pairs()
-        group = self.shard_config.tp_group()
+        params_before, name = _numel(self.model), type(self.model).__name__
+        mesh, group = build_mesh(self.shard_config)
         self.inject_model()
         for _, module, argument in targets:
             for attr, value in argument.attr_dict.items():
@@ -120,12 +143,26 @@ class ModelSharder:
         self.detected.rewrite_attributes(self.model)
         for index, replacement in enumerate(replacements):
             self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
-        self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
+        leftovers = self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
         self.bind_layer(bindings)
         keep_ties(self.model, self.detected.ties)  # ties the policy did not list, found in the model
         agree_on_rng(group)
         adapt_class(self.model)  # generate() and transformers' LM losses on vocab-parallel logits
-        self.model.shardformer_config = self.shard_config
+        attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group))
+        if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
+            kinds = Counter(r.layer.replace_layer.__name__ for r in replacements)
+            kinds.update({"DropoutForReplicatedInput (leftover)": leftovers} if leftovers else {})
+            here = _numel(self.model)
+            logger.info(
+                "sharded %s with %s at tp=%d: %s; parameters on this rank %s of %s (%.3f)",
+                name,
+                type(self.policy).__name__,
+                self.shard_config.tensor_parallel_size,
+                ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+                f"{here:,}",
+                f"{params_before:,}",
+                here / max(1, params_before),
+            )
         return self.model
 
     def inject_model(self) -> None:
@@ -148,20 +185,23 @@ class ModelSharder:
             options["gather_output"] = layer.gather_output or (
                 cfg.gather_output and issubclass(cls, VocabParallelLMHead1D)
             )
+            options["input_copy"] = replacement.input_copy
         if issubclass(cls, (VocabParallelLMHead1D, VocabParallelEmbedding1D)):
             options["pad_to_multiple"] = cfg.vocab_pad_multiple
         new = cls.from_native(replacement.module, group, **options)
         new.train(replacement.module.training)  # a model sharded in eval() stays in eval()
-        _set(self.model, replacement.path, new)
+        self.model.set_submodule(replacement.path, new)
         return new
 
-    def replace_leftover_dropout(self, group, seed: int) -> None:
+    def replace_leftover_dropout(self, group, seed: int) -> int:
         """Dropout the policy did not name (classifier heads, ...) sits on replicated activations: give
-        it the tensor-parallel RNG too, so ranks never drift apart through different global RNG states."""
-        leftovers = [name for name, m in self.model.named_modules() if type(m) is nn.Dropout and m.p > 0]
-        for index, name in enumerate(leftovers):
-            old = _get(self.model, name)
-            _set(self.model, name, DropoutForReplicatedInput.from_native(old, group, seed + index).train(old.training))
+        it the tensor-parallel RNG too, so ranks never drift apart through different global RNG states.
+        Returns how many were replaced."""
+        leftovers = [(name, m) for name, m in self.model.named_modules() if type(m) is nn.Dropout and m.p > 0]
+        for index, (name, old) in enumerate(leftovers):
+            new = DropoutForReplicatedInput.from_native(old, group, seed + index).train(old.training)
+            self.model.set_submodule(name, new)
+        return len(leftovers)
 
     def _tied_pairs(self) -> list[tuple[str, str]]:
         """Binding pairs that really are one tensor in the original model (else nothing to keep tied)."""
@@ -193,9 +233,12 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
     """Shard ``model`` in place for tensor parallelism and return it.
 
     ``policy`` defaults to the built-in policy for the model's class (BERT, GPT-2, ViT, timm ViT).
+    The sharded model records how it was sharded in ``model.shardformer`` (a ShardedModelInfo).
     """
-    from shardformer.policies.auto import get_autopolicy
-
     shard_config = shard_config or ShardConfig()
     policy = policy or get_autopolicy(model)
     return ModelSharder(model, policy, shard_config).shard()
+
+
+def _numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() lists a tied tensor once

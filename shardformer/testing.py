@@ -17,15 +17,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 
 class RankError(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
 def _worker(fn, rank, world_size, port, results, threads, args, kwargs):
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -61,8 +61,6 @@ def run_on_ranks(
 
     ``fn`` and its arguments must be picklable (a module-level function), since ranks are spawned.
     """
-    import torch.distributed as dist
-
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     # The parent hosts the rendezvous store on a port the OS picks: no race for a "free" port.

@@ -464,6 +464,7 @@ def verify(
     tp: int = 2,
     pp: int = 1,
     *,
+    pipeline: Any = None,
     model_class: str | None = None,
     seed: int = 0,
     timeout: float = 300.0,
@@ -474,7 +475,7 @@ def verify(
     ``model``: a factory (a module-level function, so spawned processes can import it), a folder
     with config.json, ``module:function``, ``timm:<name>`` or a built-in name (:data:`TINY_MODELS`).
     ``policy``: a Policy (instance or class, importable) or ``module:Class``; default: the built-in one.
-    With ``pp > 1`` the training engine runs one step (loss, weights, outputs after it); module-by-module
+    ``pipeline``: a PipelineSpec for ``pp > 1`` (default: the family's built-in one). With ``pp > 1`` the training engine runs one step (loss, weights, outputs after it); module-by-module
     divergence and generate are checked at ``pp=1``. Returns a :class:`VerifyReport` (``.ok``,
     ``.format()``, ``.divergence``).
     """
@@ -491,6 +492,6 @@ def verify(
         from shardformer.verify_pipeline import verify_pipeline_on_this_rank
 
         reports = run_on_ranks(
-            verify_pipeline_on_this_rank, tp * pp, model, policy, model_class, seed, pp, timeout=timeout
+            verify_pipeline_on_this_rank, tp * pp, model, policy, model_class, seed, pp, pipeline, timeout=timeout
         )
     return merge_reports(reports)

@@ -39,7 +39,10 @@ def _keep_eval(model) -> None:
     model.train = lambda mode=True: model
 
 
-def verify_pipeline_on_this_rank(model, policy=None, model_class=None, seed: int = 0, pp: int = 2) -> VerifyReport:
+def verify_pipeline_on_this_rank(
+    model, policy=None, model_class=None, seed: int = 0, pp: int = 2, pipeline=None
+) -> VerifyReport:
+    """``pipeline``: a PipelineSpec (default: the model family's built-in one)."""
     from shardformer import EngineConfig, ParallelEngine
     from shardformer.policies.auto import get_autopolicy
 
@@ -72,6 +75,7 @@ def verify_pipeline_on_this_rank(model, policy=None, model_class=None, seed: int
             lambda params: torch.optim.SGD(params, lr=LR),
             EngineConfig(tp=tp, pp=pp, zero_stage=1, num_microbatches=micro),
             policy=pol,
+            pipeline=pipeline,
             loss_fn=loss_fn,
         )
     except (ValueError, NotImplementedError, TypeError) as e:  # refused before any collective

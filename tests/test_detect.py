@@ -11,7 +11,7 @@ import transformers as tf
 from shardformer import Argument, ShardConfig, shard_model
 from shardformer.cli.main import main
 from shardformer.detect import PolicyMismatch
-from shardformer.layers.comm import VirtualGroup
+from shardformer.mesh import VirtualGroup
 from tests.policies.custom_policies import (
     GPT2WithoutAttrsPolicy,
     OPTPolicy,

@@ -81,11 +81,11 @@ def check_functional_dropout_agrees_on_every_rank():  # trap 4: OPT calls F.drop
 
 def check_verify_with_pipeline_stages():  # tp=1 x pp=2 on the same two ranks
     from shardformer.verify_pipeline import verify_pipeline_on_this_rank
-    from tests.pipeline.test_spec_check import TiedNotShared
+    from tests.pipeline.test_spec_check import TIED_NOT_SHARED
 
     report = verify_pipeline_on_this_rank("gpt2-tiny", pp=2)
     assert report.ok and [c.name for c in report.checks] == ["loss", "weights after step", "outputs after step"]
-    report = verify_pipeline_on_this_rank("gpt2-tiny", TiedNotShared(), pp=2)  # trap 6: refused, nothing waits
+    report = verify_pipeline_on_this_rank("gpt2-tiny", pp=2, pipeline=TIED_NOT_SHARED)  # trap 6: refused, nothing waits
     assert report.error.startswith("sharding refused: transformer.wte.weight (first), lm_head.weight (last)")
 
 

@@ -51,50 +51,43 @@ def make_initial_model(cfg, env, folder: str) -> None:
     common.on_rank_zero(env, build)
 
 
-def load_sharded(folder: str, cfg, env):
+def load_engine(folder: str, cfg, env, train: bool = False):
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = BertForSequenceClassification.from_pretrained(folder, local_files_only=True)
-    return tokenizer, common.shard(model, cfg, env)
+    return tokenizer, common.build_engine(model, cfg, env, train=train)
 
 
 def train(cfg, env) -> None:
     paths = common.output_paths(cfg)
     make_initial_model(cfg, env, paths["initial"])
-    tokenizer, model = load_sharded(paths["initial"], cfg, env)
-    optimizer = common.build_optimizer(model, cfg, env)
+    tokenizer, engine = load_engine(paths["initial"], cfg, env, train=True)
     with open(cfg.data_path, encoding="utf-8") as file:
         data = json.load(file)
-    mesh = env.mesh
-    per_rank = cfg.batch_size // mesh.dp_size
-    if per_rank * mesh.dp_size != cfg.batch_size:
-        raise ValueError(f"batch_size={cfg.batch_size} does not divide over data_parallel_size={mesh.dp_size}")
-    common.log(env, f"{mesh}, {len(data)} training sentences")
+    common.log(env, f"{env.mesh}, {len(data)} training sentences")
 
-    def step_loss(step: int):
-        # Every rank draws the same global batch; each dp replica takes its slice of it.
+    def batch_of(step: int):
+        # Every rank draws the same global batch; the engine gives each dp replica its slice.
         generator = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
-        picks = torch.randperm(len(data), generator=generator)[: cfg.batch_size]
-        mine = [data[i] for i in picks[mesh.dp_rank * per_rank : (mesh.dp_rank + 1) * per_rank].tolist()]
+        picks = [data[i] for i in torch.randperm(len(data), generator=generator)[: cfg.batch_size].tolist()]
         batch = tokenizer(
-            [d["text"] for d in mine], padding=True, truncation=True, max_length=cfg.max_length, return_tensors="pt"
-        ).to(env.device)
-        labels = torch.tensor([d["label"] for d in mine], device=env.device)
-        return model(**batch, labels=labels).loss, len(mine)
+            [d["text"] for d in picks], padding=True, truncation=True, max_length=cfg.max_length, return_tensors="pt"
+        )
+        return {**batch, "labels": torch.tensor([d["label"] for d in picks])}, len(picks)
 
-    losses = common.train(env, cfg, model, optimizer, step_loss, unit="sent")
-    common.save_model(model, paths["checkpoint"])
+    losses = common.train(env, cfg, engine, batch_of, unit="sent")
+    common.save_model(engine.model, paths["checkpoint"])
     common.on_rank_zero(env, tokenizer.save_pretrained, paths["checkpoint"])
     common.log(env, f"saved {paths['checkpoint']}")
-    common.report_training(env, cfg, losses, f"MiniLM BERT sentence classification, tp={mesh.tp_size}")
+    common.report_training(env, cfg, losses, f"MiniLM BERT sentence classification, tp={env.mesh.tp_size}")
 
 
 @torch.no_grad()
 def predict(folder: str, cfg, env) -> list[dict]:
-    tokenizer, model = load_sharded(folder, cfg, env)
+    tokenizer, engine = load_engine(folder, cfg, env)
     batch = tokenizer(
         list(cfg.sentences), padding=True, truncation=True, max_length=cfg.max_length, return_tensors="pt"
-    ).to(env.device)
-    probs = model.eval()(**batch).logits.float().softmax(-1)
+    )
+    probs = engine.forward(dict(batch)).float().softmax(-1)
     return [
         {"text": text, "label": LABELS[int(p.argmax())], "p_positive": round(float(p[1]), 4)}
         for text, p in zip(cfg.sentences, probs)

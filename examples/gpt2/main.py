@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from shardformer.cli import parse_example_args  # noqa: E402
+from shardformer.layers import gather_from_parallel  # noqa: E402
 
 EXTRA_KEYS = {
     "n_layer": 2,
@@ -96,54 +97,58 @@ def make_initial_model(cfg, env, folder: str) -> WordTokenizer:
     return tokenizer
 
 
-def load_sharded(folder: str, cfg, env) -> GPT2LMHeadModel:
+def load_engine(folder: str, cfg, env, train: bool = False):
     model = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True)
-    return common.shard(model, cfg, env)
+    return common.build_engine(model, cfg, env, train=train)
 
 
 def train(cfg, env) -> None:
     paths = common.output_paths(cfg)
     tokenizer = make_initial_model(cfg, env, paths["initial"])
-    model = load_sharded(paths["initial"], cfg, env)
-    optimizer = common.build_optimizer(model, cfg, env)
+    engine = load_engine(paths["initial"], cfg, env, train=True)
     with open(cfg.data_path, encoding="utf-8") as file:
         ids = torch.tensor(tokenizer.encode(file.read()))
-    mesh = env.mesh
-    per_rank = cfg.batch_size // mesh.dp_size
-    if per_rank * mesh.dp_size != cfg.batch_size:
-        raise ValueError(f"batch_size={cfg.batch_size} does not divide over data_parallel_size={mesh.dp_size}")
-    common.log(env, f"{mesh}, {sum(p.numel() for p in model.parameters()):,} parameters on this rank")
+    common.log(env, f"{env.mesh}, {sum(p.numel() for p in engine.model.parameters()):,} parameters on this rank")
 
-    def step_loss(step: int):
-        # Every rank draws the same global batch; each dp replica takes its slice of it.
+    def batch_of(step: int):
+        # Every rank draws the same global batch; the engine gives each dp replica its slice.
         generator = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
         starts = torch.randint(0, len(ids) - cfg.block_size, (cfg.batch_size,), generator=generator)
-        mine = starts[mesh.dp_rank * per_rank : (mesh.dp_rank + 1) * per_rank]
-        batch = torch.stack([ids[s : s + cfg.block_size] for s in mine.tolist()]).to(env.device)
-        return model(input_ids=batch, labels=batch).loss, batch.numel()  # labels are shifted inside
+        batch = torch.stack([ids[s : s + cfg.block_size] for s in starts.tolist()])
+        return {"input_ids": batch, "labels": batch}, batch.numel()  # labels are shifted inside
 
-    losses = common.train(env, cfg, model, optimizer, step_loss, unit="tok")
-    common.save_model(model, paths["checkpoint"])
+    losses = common.train(env, cfg, engine, batch_of, unit="tok")
+    common.save_model(engine.model, paths["checkpoint"])
     common.on_rank_zero(env, tokenizer.save, paths["checkpoint"])
     common.log(env, f"saved {paths['checkpoint']}")
-    common.report_training(env, cfg, losses, f"GPT-2 ({cfg.n_layer} layers, n_embd {cfg.n_embd}), tp={mesh.tp_size}")
+    layout = f"tp={env.mesh.tp_size}, pp={env.mesh.pp_size}"
+    common.report_training(env, cfg, losses, f"GPT-2 ({cfg.n_layer} layers, n_embd {cfg.n_embd}), {layout}")
 
 
 @torch.no_grad()
 def generate(folder: str, cfg, env) -> str:
+    """Greedy continuation of the prompt: ``generate()`` (KV cache) on one stage; with pipeline
+    stages, one forward through all of them per new token."""
     tokenizer = WordTokenizer.load(folder)
-    model = load_sharded(folder, cfg, env).eval()
+    engine = load_engine(folder, cfg, env)
     input_ids = torch.tensor([tokenizer.encode(cfg.prompt)], device=env.device)
-    if input_ids.shape[1] + cfg.max_new_tokens > model.config.n_positions:
-        raise ValueError(f"prompt + max_new_tokens exceeds the model's {model.config.n_positions} positions")
-    output = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=cfg.max_new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return tokenizer.decode(output[0].tolist())
+    positions = engine.model.config.n_positions
+    if input_ids.shape[1] + cfg.max_new_tokens > positions:
+        raise ValueError(f"prompt + max_new_tokens exceeds the model's {positions} positions")
+    if env.mesh.pp_size == 1:
+        output = engine.model.eval().generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return tokenizer.decode(output[0].tolist())
+    vocab = engine.model.config.vocab_size
+    for _ in range(cfg.max_new_tokens):
+        logits = gather_from_parallel(engine.forward({"input_ids": input_ids})[:, -1:], env.mesh.tp_group, vocab)
+        input_ids = torch.cat([input_ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokenizer.decode(input_ids[0].tolist())
 
 
 def inference(cfg, env) -> None:

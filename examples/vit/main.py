@@ -78,7 +78,7 @@ def make_initial_model(cfg, env, folder: str) -> None:
     common.on_rank_zero(env, build)
 
 
-def load_sharded(folder: str, cfg, env):
+def load_engine(folder: str, cfg, env, train: bool = False):
     if cfg.backbone == "hf":
         from transformers import ViTForImageClassification
 
@@ -89,47 +89,47 @@ def load_sharded(folder: str, cfg, env):
         state, meta = common.load_state_dict(folder)
         model = VisionTransformer(**meta["timm_kwargs"])
         model.load_state_dict(state)
-    return common.shard(model, cfg, env)
+    return common.build_engine(model, cfg, env, train=train, loss_fn=None if cfg.backbone == "hf" else timm_loss)
 
 
-def logits_of(model, images: torch.Tensor) -> torch.Tensor:
-    out = model(pixel_values=images) if hasattr(model, "config") else model(images)
-    return out.logits if hasattr(out, "logits") else out
+def timm_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """timm models return logits: the engine gets the loss from here."""
+    return F.cross_entropy(logits.float(), batch["labels"])
+
+
+def images_batch(cfg, images: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The model's input: ``pixel_values`` for transformers, ``x`` for timm."""
+    return {"pixel_values" if cfg.backbone == "hf" else "x": images.to(dtype)}
 
 
 def train(cfg, env) -> None:
     paths = common.output_paths(cfg)
     make_initial_model(cfg, env, paths["initial"])
-    model = load_sharded(paths["initial"], cfg, env)
-    optimizer = common.build_optimizer(model, cfg, env)
-    mesh = env.mesh
-    per_rank = cfg.batch_size // mesh.dp_size
-    if per_rank * mesh.dp_size != cfg.batch_size:
-        raise ValueError(f"batch_size={cfg.batch_size} does not divide over data_parallel_size={mesh.dp_size}")
-    common.log(env, f"{mesh}, backbone={cfg.backbone}, {sum(p.numel() for p in model.parameters()):,} parameters here")
+    engine = load_engine(paths["initial"], cfg, env, train=True)
+    here = sum(p.numel() for p in engine.model.parameters())
+    common.log(env, f"{env.mesh}, backbone={cfg.backbone}, {here:,} parameters here")
 
-    def step_loss(step: int):
-        # Every rank generates the same global batch; each dp replica takes its slice of it.
+    def batch_of(step: int):
+        # Every rank generates the same global batch; the engine gives each dp replica its slice.
         images, labels = make_images(cfg.batch_size, cfg.seed * 100_003 + step, cfg.image_size)
-        mine = slice(mesh.dp_rank * per_rank, (mesh.dp_rank + 1) * per_rank)
-        images, labels = images[mine].to(env.device, env.dtype), labels[mine].to(env.device)
-        return F.cross_entropy(logits_of(model, images).float(), labels), len(labels)
+        return {**images_batch(cfg, images, env.dtype), "labels": labels}, len(labels)
 
-    losses = common.train(env, cfg, model, optimizer, step_loss, unit="img")
+    losses = common.train(env, cfg, engine, batch_of, unit="img")
     if cfg.backbone == "hf":
-        common.save_model(model, paths["checkpoint"])
+        common.save_model(engine.model, paths["checkpoint"])
     else:
         _, kwargs = build_model(cfg)
-        common.save_state_dict(model, paths["checkpoint"], {"timm_kwargs": kwargs})
+        common.save_state_dict(engine.model, paths["checkpoint"], {"timm_kwargs": kwargs})
     common.log(env, f"saved {paths['checkpoint']}")
-    common.report_training(env, cfg, losses, f"ViT ({cfg.backbone}) on generated shapes, tp={mesh.tp_size}")
+    layout = f"tp={env.mesh.tp_size}, pp={env.mesh.pp_size}"
+    common.report_training(env, cfg, losses, f"ViT ({cfg.backbone}) on generated shapes, {layout}")
 
 
 @torch.no_grad()
 def predict(folder: str, cfg, env) -> dict:
-    model = load_sharded(folder, cfg, env).eval()
+    engine = load_engine(folder, cfg, env)
     images, labels = make_images(cfg.num_test_images, TEST_SEED, cfg.image_size, balanced=True)
-    probs = logits_of(model, images.to(env.device, env.dtype)).float().softmax(-1).cpu()
+    probs = engine.forward(images_batch(cfg, images, env.dtype)).float().softmax(-1).cpu()
     rows = [
         {"true": CLASSES[t], "predicted": CLASSES[int(p.argmax())], "p": round(float(p.max()), 4)}
         for t, p in zip(labels.tolist(), probs)

@@ -1,9 +1,9 @@
 """Where a rank sits in the (pp, dp, tp) layout, and the full (unsharded) state of a sharded model.
 
 Everything here reads the layout the sharder left on the model: ``param.shard_spec`` for tensor
-parallelism, ``model.shardformer_config`` (its tp group and mesh) and ``model.shardformer_stage``
-for pipeline parallelism, where each stage holds the original model object with the modules of the
-other stages set to None (so names are the original ones and tied weights live on two stages).
+parallelism, and the ``model.shardformer`` record (mesh, tp group, pipeline stage) for the rest;
+each pipeline stage holds the original model object with the modules of the other stages set to
+None (so names are the original ones and tied weights live on two stages).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardformer.mesh import group_rank, group_size
 from shardformer.slicer import gather_tensor, shard_spec
+from shardformer.topology import is_sharded, sharding_of
 
 
 @dataclass(frozen=True)
@@ -47,21 +49,26 @@ def _world() -> tuple[int, int]:
 def layout_of(model: nn.Module) -> Layout:
     """The (tp, pp, dp) layout of a sharded (or plain) model on this rank."""
     rank, world = _world()
-    cfg = getattr(model, "shardformer_config", None)
-    if cfg is None:
+    if not is_sharded(model):  # a plain model: every process is a data-parallel replica
         return Layout(1, 1, world, 0, 0, rank, rank, world)
-    tp_group = cfg.tp_group()
-    mesh = cfg.mesh
+    info = sharding_of(model)
+    mesh = info.mesh
     if mesh is not None:
         return Layout(
             mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.tp_rank, mesh.pp_rank, mesh.dp_rank, rank, world,
             mesh.tp_group, mesh.dp_group, mesh.pp_group,
         )  # fmt: skip
-    # A user-given tp group and no mesh: no pipeline; the rest of the world is data parallel.
-    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    stage, stages = getattr(model, "shardformer_stage", (0, 1))
-    return Layout(tp, stages, world // (tp * stages), tp_rank, stage, rank // tp, rank, world, tp_group)
+    # No mesh: one process, or a tp group given directly. Only a group spanning the whole world
+    # says where every rank sits; otherwise the data-parallel place is unknown, and guessing it
+    # would write one replica's shards under another's name.
+    tp, tp_rank = group_size(info.tp_group), group_rank(info.tp_group)
+    if tp != world or info.num_stages != 1:
+        raise ValueError(
+            f"{type(model).__name__} was sharded over a tp group of {tp} of the {world} processes without a "
+            f"ProcessMesh, so its data-parallel place is unknown; shard it with ShardConfig(mesh=ProcessMesh(...)) "
+            f"or through ParallelEngine"
+        )
+    return Layout(tp, 1, 1, tp_rank, 0, 0, rank, world, info.tp_group)
 
 
 def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

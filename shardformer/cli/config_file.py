@@ -24,6 +24,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shardformer.config import DEFAULT_SEED, PRECISIONS
+
 
 class ConfigError(ValueError):
     """A config file could not be read, or holds an unknown key or a bad value."""
@@ -49,11 +51,13 @@ BASE_KEYS: dict[str, Key] = {
     "tensor_parallel_size": Key(int, 1, "processes that split each layer (Megatron 1D)", minimum=1),
     "pipeline_parallel_size": Key(int, 1, "pipeline stages", minimum=1),
     "data_parallel_size": Key(int, None, "data-parallel replicas; default: world // (tp * pp)", minimum=1),
-    "zero_stage": Key(int, 0, "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients", choices=(0, 1, 2)),
-    "precision": Key(str, "fp32", "parameter/compute precision", choices=("fp32", "fp16", "bf16")),
-    "seed": Key(int, 42, "random seed, the same on every rank"),
+    "zero_stage": Key(int, 1, "ZeRO stage: 1 shards optimizer state over dp, 2 also gradients", choices=(1, 2)),
+    "precision": Key(str, "fp32", "parameter/compute precision", choices=tuple(PRECISIONS)),
+    "seed": Key(int, DEFAULT_SEED, "random seed, the same on every rank"),
     "batch_size": Key(int, 8, "global batch size per optimizer step", minimum=1),
-    "micro_batch_size": Key(int, None, "pipeline micro-batch size; default: batch_size", minimum=1),
+    "micro_batch_size": Key(
+        int, None, "rows per micro-batch on each dp rank (fills the pipeline); default: one micro-batch", minimum=1
+    ),
     "steps": Key(int, 20, "optimizer steps to train", minimum=0),
     "lr": Key(float, 1e-3, "learning rate", minimum=0.0),
     "weight_decay": Key(float, 0.0, "AdamW weight decay", minimum=0.0),
@@ -65,6 +69,8 @@ BASE_KEYS: dict[str, Key] = {
     "output_dir": Key(str, None, "where plots and other outputs go"),
 }
 _SIZE_KEYS = {"tensor": "tensor_parallel_size", "pipeline": "pipeline_parallel_size", "data": "data_parallel_size"}
+# Short names for the sizes, in a config file or on the command line (--set pp=2).
+_ALIASES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "dp": "data_parallel_size"}
 
 
 class Config(Mapping[str, Any]):
@@ -206,6 +212,11 @@ def _check_settings(
 ) -> dict[str, Any]:
     checked: dict[str, Any] = {}
     for name, value in settings.items():
+        long = _ALIASES.get(name)
+        if long is not None and name not in schema:
+            if long in settings:
+                raise ConfigError(f"{where}: both {name}= and {long}= are set; keep one")
+            name = long
         key = schema.get(name)
         if key is not None:
             checked[name] = check_value(name, value, key, where)

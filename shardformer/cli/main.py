@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
 from shardformer.cli import plan, run, verify
 
@@ -16,8 +17,6 @@ SUBCOMMANDS = (run, plan, verify)
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("shardformer")
     except PackageNotFoundError:

@@ -174,7 +174,9 @@ def _set_rank_env(args: argparse.Namespace) -> None:
     if args.timeout is not None:
         os.environ["SHARDFORMER_TIMEOUT_S"] = str(args.timeout)
     else:
-        from shardformer.mesh import DEFAULT_TIMEOUT_S
+        from shardformer.mesh import (
+            DEFAULT_TIMEOUT_S,  # deferred: imports torch (seconds); pre-flight errors come first
+        )
 
         os.environ.setdefault("SHARDFORMER_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -228,6 +230,7 @@ def _quiet_torchrun(enabled: bool):
 
 def launch(argv: list[str], world_size: int, verbose: bool = False) -> int:
     """Call torchrun with ``argv`` in this process; return the job's exit status."""
+    # deferred: torch takes seconds to import, and every pre-flight check runs before it
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -2,6 +2,7 @@
 
 from shardformer.layers.comm import (
     CollectiveCounter,
+    SharedInputCopy,
     copy_to_parallel,
     gather_from_parallel,
     reduce_from_parallel,
@@ -19,6 +20,7 @@ __all__ = [
     "Embedding1D",
     "Linear1D_Col",
     "Linear1D_Row",
+    "SharedInputCopy",
     "VocabParallelEmbedding1D",
     "VocabParallelLMHead1D",
     "copy_to_parallel",

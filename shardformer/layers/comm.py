@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from shardformer.mesh import group_rank, group_size
 from shardformer.slicer import ShardSpec, merge_shards, slice_tensor
 
 _active_counters: list[CollectiveCounter] = []
@@ -56,27 +56,6 @@ def _record(op: str, tensor: torch.Tensor) -> None:
         counter.calls.append((op, tensor.numel(), tensor.numel() * tensor.element_size()))
 
 
-@dataclass(frozen=True)
-class VirtualGroup:
-    """A stand-in process group for planning (``shardformer plan``): sharding reads its rank and
-    size, and nothing ever communicates over it."""
-
-    rank: int
-    size: int
-
-
-def group_size(group) -> int:
-    if isinstance(group, VirtualGroup):
-        return group.size
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def group_rank(group) -> int:
-    if isinstance(group, VirtualGroup):
-        return group.rank
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of a contiguous tensor (a no-op on one rank)."""
     if group_size(group) > 1:
@@ -102,14 +81,15 @@ def activation_spec(x: torch.Tensor, group, full_size: int | None = None, n_cast
 
 class _CopyToParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, shared):
+        ctx.group, ctx.shared = group, shared
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        _latest_copy[0] = None  # forward is over: nothing left to share
-        return all_reduce(grad.contiguous(), ctx.group), None
+        if ctx.shared is not None:
+            ctx.shared.release()  # forward is over: nothing left to share
+        return all_reduce(grad.contiguous(), ctx.group), None, None
 
 
 class _ReduceFromParallel(torch.autograd.Function):
@@ -144,26 +124,41 @@ class _GatherFromParallel(torch.autograd.Function):
         return slice_tensor(grad, ctx.spec), None, None
 
 
-# Column layers that read the same input one after another (BERT's query/key/value, Llama's gate/up)
-# share one copy_to_parallel node, so autograd sums their input gradients locally and backward
-# all-reduces once, as a fused QKV would. Only the latest input is remembered; its backward (or
-# the next input) releases it.
-_latest_copy: list = [None]  # [(weakref(input), input version, group, output)]
-
-
 def copy_to_parallel(x: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) == 1:
-        return x
-    if not (torch.is_grad_enabled() and x.requires_grad):
+    if group_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
         return x  # identity forward, and no backward to reduce in
-    latest = _latest_copy[0]
-    if latest is not None:
-        x_ref, version, cached_group, y = latest
-        if x_ref() is x and version == x._version and cached_group is group:
-            return y
-    y = _CopyToParallel.apply(x, group)
-    _latest_copy[0] = (weakref.ref(x), x._version, group, y)
-    return y
+    return _CopyToParallel.apply(x, group, None)
+
+
+class SharedInputCopy:
+    """One ``copy_to_parallel`` for the column layers that read the same input one after another
+    (BERT's query/key/value, Llama's gate/up): autograd sums their input gradients locally and
+    backward all-reduces once, as a fused QKV would.
+
+    The sharder gives one instance to every column layer it builds inside one policy target (a
+    BertLayer, a GPT2Block). Only the latest input is remembered, by identity and version (an input
+    changed in place is copied anew); its backward, or the next input, releases it.
+    """
+
+    def __init__(self) -> None:
+        self._latest = None  # (weakref(input), input version, group, output)
+
+    def __call__(self, x: torch.Tensor, group) -> torch.Tensor:
+        if group_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
+            return x
+        if self._latest is not None:
+            x_ref, version, cached_group, y = self._latest
+            if x_ref() is x and version == x._version and cached_group is group:
+                return y
+        y = _CopyToParallel.apply(x, group, self)
+        self._latest = (weakref.ref(x), x._version, group, y)
+        return y
+
+    def release(self) -> None:
+        self._latest = None
+
+    def __deepcopy__(self, memo) -> SharedInputCopy:
+        return SharedInputCopy()  # a copied model shares among its own layers, never with the original
 
 
 def reduce_from_parallel(x: torch.Tensor, group) -> torch.Tensor:

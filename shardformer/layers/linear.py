@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardformer.layers.comm import (
+    SharedInputCopy,
     copy_to_parallel,
     gather_from_parallel,
     group_rank,
@@ -51,6 +52,8 @@ class Linear1D_Col(nn.Module):
     gradient once. With ``gather_output`` the full output is all-gathered (fused blocks put back
     in order, vocabulary padding cut). ``n_cast`` > 1 slices fused blocks (Q/K/V) each on their
     own, so every rank holds ``[Q_r | K_r | V_r]`` and the model's ``split`` keeps working.
+    ``input_copy``: a :class:`SharedInputCopy` shared with the other column layers reading the same
+    input, so their backward all-reduce happens once (None: this layer's own).
     """
 
     def __init__(
@@ -60,10 +63,12 @@ class Linear1D_Col(nn.Module):
         process_group=None,
         gather_output: bool = False,
         reversed: bool = False,
+        input_copy: SharedInputCopy | None = None,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.process_group, self.gather_output, self.reversed = process_group, gather_output, reversed
+        self.input_copy = input_copy
         spec = shard_spec(weight)
         self.n_cast = spec.n_cast if spec else 1
         self.out_features = spec.full_size if spec else weight.shape[1 if reversed else 0]
@@ -77,16 +82,20 @@ class Linear1D_Col(nn.Module):
         gather_output: bool = False,
         n_cast: int = 1,
         pad_to_multiple: int | None = None,
+        input_copy: SharedInputCopy | None = None,
         **_,
     ) -> Linear1D_Col:
         weight, bias, reversed = _native_parts(module)
         slicer = Slicer(group_rank(process_group), group_size(process_group))
         w = slicer.column_weight(weight, reversed, n_cast, pad_to_multiple)
         b = None if bias is None else slicer.column_bias(bias, n_cast, pad_to_multiple)
-        return cls(w, b, process_group, gather_output, reversed)
+        return cls(w, b, process_group, gather_output, reversed, input_copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_parallel(x, self.process_group)
+        if self.input_copy is not None:
+            x = self.input_copy(x, self.process_group)
+        else:
+            x = copy_to_parallel(x, self.process_group)
         y = _matmul(x, self.weight, self.bias, self.reversed)
         if self.gather_output:
             y = gather_from_parallel(y, self.process_group, self.out_features, self.n_cast)
@@ -148,9 +157,15 @@ class VocabParallelLMHead1D(Linear1D_Col):
 
     @classmethod
     def from_native(
-        cls, module: nn.Module, process_group=None, gather_output: bool = False, pad_to_multiple: int = 1, **_
+        cls,
+        module: nn.Module,
+        process_group=None,
+        gather_output: bool = False,
+        pad_to_multiple: int = 1,
+        input_copy: SharedInputCopy | None = None,
+        **_,
     ) -> VocabParallelLMHead1D:
-        return super().from_native(module, process_group, gather_output, 1, pad_to_multiple)
+        return super().from_native(module, process_group, gather_output, 1, pad_to_multiple, input_copy)
 
     @property
     def vocab_size(self) -> int:

@@ -1,7 +1,16 @@
-"""Pipeline parallelism: stage split, schedules (GPipe, 1F1B), and the tp x pp x ZeRO training engine."""
+"""Pipeline parallelism: pipeline specs (how a family splits into stages), schedules (GPipe, 1F1B)."""
 
-from shardformer.pipeline.engine import EngineConfig, ParallelEngine, split_batch
+from shardformer.pipeline.families import BUILTIN_SPECS, pipeline_spec_for
 from shardformer.pipeline.schedule import SCHEDULES
-from shardformer.pipeline.split import balanced_split, check_split
+from shardformer.pipeline.spec import PipelineSpec, balanced_split, check_split, local_layers, stage_of
 
-__all__ = ["SCHEDULES", "EngineConfig", "ParallelEngine", "balanced_split", "check_split", "split_batch"]
+__all__ = [
+    "BUILTIN_SPECS",
+    "SCHEDULES",
+    "PipelineSpec",
+    "balanced_split",
+    "check_split",
+    "local_layers",
+    "pipeline_spec_for",
+    "stage_of",
+]

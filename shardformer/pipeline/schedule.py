@@ -1,6 +1,6 @@
 """Pipeline schedules (GPipe, 1F1B) over micro-batches, with point-to-point activation transfer.
 
-Each stage runs ``policy.stage_forward`` on its micro-batches and passes hidden states to the next
+Each stage runs its pipeline spec's ``stage_forward`` on its micro-batches and passes hidden states to the next
 stage's rank with the same (dp, tp) place (``mesh.stage_rank``); gradients flow back the same way.
 Sends are non-blocking (waited at the end of the step), receives block, so both schedules are
 deadlock-free. A shape header precedes every tensor, so stages need no shape inference.
@@ -63,7 +63,7 @@ def order(schedule: str, num_microbatches: int, stage: int, num_stages: int) -> 
 
 
 def run_pipeline(
-    model, policy, mesh, micro_batches, loss_of, *, schedule="1f1b", backward=True, scale=1.0, device=None
+    model, stage_forward, mesh, micro_batches, loss_of, *, schedule="1f1b", backward=True, scale=1.0, device=None
 ):
     """Run one step over ``micro_batches`` on this stage.
 
@@ -85,7 +85,7 @@ def run_pipeline(
             hidden = p2p.recv(stage - 1, device)
             if backward:
                 hidden.requires_grad_(True)
-        out = policy.stage_forward(model, hidden, micro_batches[i])
+        out = stage_forward(model, hidden, micro_batches[i])
         if last:
             if backward or loss_of is not None:
                 loss = loss_of(out, micro_batches[i])

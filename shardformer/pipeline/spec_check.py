@@ -39,7 +39,7 @@ def _under(name: str, path: str) -> bool:
 
 
 def stages_of_layers(num_layers: int, num_stages: int, layers_per_stage=None) -> list[int]:
-    from shardformer.pipeline.split import check_split
+    from shardformer.pipeline.spec import check_split
 
     counts = check_split(num_layers, num_stages, layers_per_stage)
     return [s for s, c in enumerate(counts) for _ in range(c)]
@@ -107,17 +107,6 @@ def check_pipeline_lists(
         )
 
 
-def check_policy_pipeline(policy, model: nn.Module, num_stages: int, layers_per_stage=None) -> None:
-    """:func:`check_pipeline_lists` over a policy's ``pipeline_*`` methods."""
-    path = policy.pipeline_layers(model)
-    if path is None:
-        return  # no pipeline support: num_layers_of says so
-    check_pipeline_lists(
-        model,
-        path,
-        policy.pipeline_first(model),
-        policy.pipeline_last(model),
-        policy.pipeline_shared(model),
-        num_stages,
-        layers_per_stage,
-    )
+def check_pipeline_spec(spec, model: nn.Module, num_stages: int, layers_per_stage=None) -> None:
+    """:func:`check_pipeline_lists` over a :class:`~shardformer.pipeline.PipelineSpec`."""
+    check_pipeline_lists(model, spec.layers, spec.first, spec.last, spec.shared, num_stages, layers_per_stage)

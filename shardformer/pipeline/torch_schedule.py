@@ -9,20 +9,22 @@ schedule's loss function only passes it on.
 ``PipelineStage`` infers shapes at its first step by running each stage once on uninitialised
 tensors (a real forward, tensor-parallel collectives included), so the index it sees then is
 garbage: it is clamped, and the loss of that call is overwritten by the real one. Stage and
-schedule are cached per engine and rebuilt only when the micro-batch shapes change.
+schedule are kept by a :class:`TorchPipeline` (one per engine) and rebuilt only when the
+micro-batch shapes change.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 
 class _Stage(nn.Module):
-    def __init__(self, model, policy, loss_of, last) -> None:
+    def __init__(self, model, stage_forward, loss_of, last) -> None:
         super().__init__()
         self.model = model
-        self.policy, self.loss_of, self.last = policy, loss_of, last
+        self.stage_forward, self.loss_of, self.last = stage_forward, loss_of, last
         self.micro: list[dict] = []
         self.scale = 1.0
         self.losses: dict[int, torch.Tensor] = {}
@@ -33,7 +35,7 @@ class _Stage(nn.Module):
         value = torch.nan_to_num(index.detach().reshape(-1)[:1].double(), nan=0.0, posinf=0.0, neginf=0.0)
         i = int(value.round().clamp(0, len(self.micro) - 1).item())
         batch = self.micro[i]
-        out = self.policy.stage_forward(self.model, hidden, batch)
+        out = self.stage_forward(self.model, hidden, batch)
         if not self.last:
             return out, index
         loss = self.loss_of(out, batch)
@@ -47,32 +49,32 @@ def _signature(micro_batches) -> tuple:
     )
 
 
-def run_pipeline_torch(
-    model, policy, mesh, micro_batches, loss_of, *, schedule="1f1b", backward=True, scale=1.0, device=None
-):
-    """One training step with PipelineStage and ScheduleGPipe / Schedule1F1B (``backward`` only)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+class TorchPipeline:
+    """Runs training steps of one model's stage on torch.distributed.pipelining, keeping its
+    PipelineStage and schedule between steps of the same micro-batch shapes."""
 
-    if not backward:
-        raise NotImplementedError("backend='torch' runs training steps only; eval and inference use backend='p2p'")
-    n = len(micro_batches)
-    device = device or torch.device("cpu")
-    key = (_signature(micro_batches), schedule)
-    cache = getattr(model, "_shardformer_torch_pipeline", None)
-    if cache is None or cache[0] != key:
-        module = _Stage(model, policy, loss_of, mesh.is_last_stage)
-        stage = PipelineStage(module, mesh.pp_rank, mesh.pp_size, device, group=mesh.pp_group)
-        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-        # scale_grads=False: ``scale`` already divides by the number of micro-batches
-        sched = cls(stage, n_microbatches=n, loss_fn=lambda out, _: out.sum(), scale_grads=False)
-        cache = (key, module, sched)
-        object.__setattr__(model, "_shardformer_torch_pipeline", cache)
-    _, module, sched = cache
-    module.micro, module.scale, module.losses = micro_batches, scale, {}
-    kwargs = {}
-    if mesh.is_first_stage:
-        kwargs["arg_mbs"] = [(torch.full((1,), float(i), device=device),) for i in range(n)]
-    if mesh.is_last_stage:
-        kwargs["target_mbs"] = [torch.zeros(1, device=device) for _ in range(n)]
-    sched.step(**kwargs)
-    return [module.losses[i] for i in range(n)] if mesh.is_last_stage else [], []
+    def __init__(self, model: nn.Module, stage_forward, mesh, device=None) -> None:
+        self.model, self.stage_forward, self.mesh = model, stage_forward, mesh
+        self.device = device or torch.device("cpu")
+        self._built = None  # (key, stage module, schedule)
+
+    def step(self, micro_batches, loss_of, *, schedule="1f1b", scale=1.0) -> list[torch.Tensor]:
+        """Forward and backward of every micro-batch; the last stage returns their losses."""
+        mesh, device, n = self.mesh, self.device, len(micro_batches)
+        key = (_signature(micro_batches), schedule)
+        if self._built is None or self._built[0] != key:
+            module = _Stage(self.model, self.stage_forward, loss_of, mesh.is_last_stage)
+            stage = PipelineStage(module, mesh.pp_rank, mesh.pp_size, device, group=mesh.pp_group)
+            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            # scale_grads=False: ``scale`` already divides by the number of micro-batches
+            sched = cls(stage, n_microbatches=n, loss_fn=lambda out, _: out.sum(), scale_grads=False)
+            self._built = (key, module, sched)
+        _, module, sched = self._built
+        module.micro, module.scale, module.losses, module.loss_of = micro_batches, scale, {}, loss_of
+        kwargs = {}
+        if mesh.is_first_stage:
+            kwargs["arg_mbs"] = [(torch.full((1,), float(i), device=device),) for i in range(n)]
+        if mesh.is_last_stage:
+            kwargs["target_mbs"] = [torch.zeros(1, device=device) for _ in range(n)]
+        sched.step(**kwargs)
+        return [module.losses[i] for i in range(n)] if mesh.is_last_stage else []

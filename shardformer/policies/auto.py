@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch.nn as nn
 
 from shardformer.policies.base import Policy
 
-# class name -> (module, policy class name); imported lazily so a policy's imports cost nothing until used
+# class name -> (module, policy class name); each policy module is imported only when its family is
+# sharded, so sharding a GPT-2 never imports timm
 _POLICIES: dict[str, tuple[str, str]] = {
     **{
         name: ("shardformer.policies.bert", "BertPolicy")
@@ -47,8 +50,6 @@ def supported_models() -> list[str]:
 
 def get_autopolicy(model: nn.Module) -> Policy:
     """A fresh instance of the built-in policy for ``model``'s class, or a ValueError listing them."""
-    import importlib
-
     name = type(model).__name__
     if name not in _POLICIES:
         raise ValueError(

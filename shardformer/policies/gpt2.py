@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from functools import partial
-
-import torch
-from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 from transformers.models.gpt2 import modeling_gpt2 as hf
 
 from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Policy, Row_Layer, divide
-from shardformer.policies.lm_heads import causal_lm_loss, gathered_logits, token_loss, with_loss
+from shardformer.policies.lm_heads import VocabParallelGPT2DoubleHeadsModel, VocabParallelGPT2LMHeadModel
 
 
 class GPT2Policy(Policy):
@@ -81,86 +77,9 @@ class GPT2LMHeadPolicy(GPT2Policy):
     def inject_policy(self):
         return self.origin, VocabParallelGPT2LMHeadModel
 
-    # pipeline: wte/wpe/drop on the first stage, ln_f/lm_head on the last; wte (tied to lm_head) on both
-    def pipeline_layers(self, model):
-        return "transformer.h" if isinstance(model, hf.GPT2LMHeadModel) else None
-
-    def pipeline_first(self, model):
-        return ["transformer.wpe"]
-
-    def pipeline_last(self, model):
-        return ["transformer.ln_f", "lm_head"]
-
-    def pipeline_shared(self, model):
-        return ["transformer.wte"]
-
-    def stage_forward(self, model, hidden, inputs):
-        return gpt2_stage_forward(model, hidden, inputs)
-
 
 class GPT2DoubleHeadsPolicy(GPT2LMHeadPolicy):
     origin = hf.GPT2DoubleHeadsModel
 
     def inject_policy(self):
         return self.origin, VocabParallelGPT2DoubleHeadsModel
-
-
-def gpt2_stage_forward(model, hidden, inputs):
-    """One pipeline stage of GPT2LMHeadModel on a micro-batch (no KV cache)."""
-    from transformers.masking_utils import create_causal_mask
-
-    from shardformer.pipeline.split import local_layers
-
-    t = model.transformer
-    stage, num_stages = getattr(model, "shardformer_stage", (0, 1))
-    ids = inputs.get("input_ids")
-    seq = ids.shape[-1] if ids is not None else hidden.shape[1]
-    position_ids = inputs.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(seq, device=(ids if ids is not None else hidden).device).unsqueeze(0)
-    if stage == 0:
-        hidden = t.wte(ids) + t.wpe(position_ids)
-        if inputs.get("token_type_ids") is not None:
-            hidden = hidden + t.wte(inputs["token_type_ids"])
-        hidden = t.drop(hidden)
-    mask = inputs.get("attention_mask")
-    if mask is not None and mask.ndim < 4:
-        mask = mask.view(hidden.shape[0], -1)
-    mask = create_causal_mask(
-        config=t.config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None, position_ids=position_ids
-    )
-    for block in local_layers(model, t.h):
-        hidden = block(hidden, None, mask, None, use_cache=False, position_ids=position_ids)
-    if stage < num_stages - 1:
-        return hidden
-    logits = model.lm_head(t.ln_f(hidden))
-    loss = None
-    if inputs.get("labels") is not None:
-        loss = model.loss_function(logits, inputs["labels"], vocab_size=model.config.vocab_size)
-    return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
-
-
-class _GathersForGenerate:
-    def generate(self, *args, **kwargs):
-        with gathered_logits(self.lm_head):
-            return super().generate(*args, **kwargs)
-
-
-class VocabParallelGPT2LMHeadModel(_GathersForGenerate, hf.GPT2LMHeadModel):
-    """GPT2LMHeadModel whose loss runs on vocab-parallel logits."""
-
-    @property
-    def loss_function(self):
-        return partial(causal_lm_loss, head=self.lm_head)
-
-
-class VocabParallelGPT2DoubleHeadsModel(_GathersForGenerate, hf.GPT2DoubleHeadsModel):
-    """GPT2DoubleHeadsModel whose LM loss runs on vocab-parallel logits (mc_loss is unchanged)."""
-
-    def forward(self, *args, labels=None, return_dict=None, **kwargs):
-        output = super().forward(*args, return_dict=True, **kwargs)
-        loss = None
-        if labels is not None:
-            shifted = labels[..., 1:]
-            loss = token_loss(output.logits[..., :-1, :], shifted, self.lm_head)
-        return with_loss(output, loss, return_dict)

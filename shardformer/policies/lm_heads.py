@@ -1,4 +1,5 @@
-"""Losses for LM heads whose logits stay vocab-parallel, and a ``generate`` that gathers them.
+"""Vocab-parallel LM heads: the losses on vocab-parallel logits, a ``generate`` that gathers them,
+and the model subclasses the built-in policies inject (``inject_policy``), all in one place.
 
 HuggingFace computes LM losses on full-vocabulary logits (``view(-1, vocab_size)``); on a sharded
 model the logits are ``[..., vocab / tp]`` per rank, so these functions compute the same losses with
@@ -9,9 +10,12 @@ ordinary fp32 cross-entropy is used.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from transformers.models.bert import modeling_bert as hf_bert
+from transformers.models.gpt2 import modeling_gpt2 as hf_gpt2
 
 from shardformer.layers import VocabParallelLMHead1D, vocab_parallel_cross_entropy
 
@@ -62,3 +66,57 @@ def gathered_logits(head: VocabParallelLMHead1D):
         yield
     finally:
         head.gather_output = before
+
+
+# -- the model subclasses the built-in policies inject ------------------------------------------
+
+
+class _GathersForGenerate:
+    """``generate`` picks tokens over the whole vocabulary: gather the head's logits meanwhile."""
+
+    def generate(self, *args, **kwargs):
+        with gathered_logits(self.get_output_embeddings()):
+            return super().generate(*args, **kwargs)
+
+
+class VocabParallelGPT2LMHeadModel(_GathersForGenerate, hf_gpt2.GPT2LMHeadModel):
+    """GPT2LMHeadModel whose loss runs on vocab-parallel logits."""
+
+    @property
+    def loss_function(self):
+        return partial(causal_lm_loss, head=self.lm_head)
+
+
+class VocabParallelGPT2DoubleHeadsModel(_GathersForGenerate, hf_gpt2.GPT2DoubleHeadsModel):
+    """GPT2DoubleHeadsModel whose LM loss runs on vocab-parallel logits (mc_loss is unchanged)."""
+
+    def forward(self, *args, labels=None, return_dict=None, **kwargs):
+        output = super().forward(*args, return_dict=True, **kwargs)
+        loss = None
+        if labels is not None:
+            loss = token_loss(output.logits[..., :-1, :], labels[..., 1:], self.lm_head)
+        return with_loss(output, loss, return_dict)
+
+
+class VocabParallelBertForMaskedLM(hf_bert.BertForMaskedLM):
+    def forward(self, *args, labels=None, return_dict=None, **kwargs):
+        output = super().forward(*args, return_dict=True, **kwargs)
+        loss = None if labels is None else token_loss(output.logits, labels, self.cls.predictions.decoder)
+        return with_loss(output, loss, return_dict)
+
+
+class VocabParallelBertForPreTraining(hf_bert.BertForPreTraining):
+    def forward(self, *args, labels=None, next_sentence_label=None, return_dict=None, **kwargs):
+        output = super().forward(*args, return_dict=True, **kwargs)
+        loss = None
+        if labels is not None and next_sentence_label is not None:  # as transformers: both or no loss
+            mlm = token_loss(output.prediction_logits, labels, self.cls.predictions.decoder)
+            nsp = F.cross_entropy(output.seq_relationship_logits.view(-1, 2), next_sentence_label.view(-1))
+            loss = mlm + nsp
+        return with_loss(output, loss, return_dict)
+
+
+class VocabParallelBertLMHeadModel(_GathersForGenerate, hf_bert.BertLMHeadModel):
+    @property
+    def loss_function(self):
+        return partial(causal_lm_loss, head=self.cls.predictions.decoder)

@@ -52,26 +52,3 @@ class TimmViTPolicy(Policy):
     @staticmethod
     def embedding():
         return [Dropout_Layer("pos_drop")]
-
-    # pipeline: patch/position embeddings on the first stage, norm and head on the last. The model
-    # returns logits: give the engine a loss_fn.
-    def pipeline_layers(self, model):
-        return "blocks"
-
-    def pipeline_first(self, model):
-        return ["patch_embed", "cls_token", "reg_token", "pos_embed", "pos_drop", "patch_drop", "norm_pre"]
-
-    def pipeline_last(self, model):
-        return ["norm", "attn_pool", "fc_norm", "head_drop", "head"]
-
-    def stage_forward(self, model, hidden, inputs):
-        from shardformer.pipeline.split import local_layers
-
-        stage, num_stages = getattr(model, "shardformer_stage", (0, 1))
-        if stage == 0:
-            hidden = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(inputs["x"]))))
-        for block in local_layers(model, model.blocks):
-            hidden = block(hidden)
-        if stage < num_stages - 1:
-            return hidden
-        return model.forward_head(model.norm(hidden))

@@ -46,7 +46,7 @@ def global_grad_norm(
     # non-finite replicated gradient on a tp rank other than 0, so it is counted separately.
     nonfinite = (~torch.isfinite(sharded + replicated)).to(torch.float64)
     stats = torch.stack([sharded, replicated, nonfinite])
-    if comm.group_size(dp_group) > 1:
+    if dist.get_world_size(dp_group) > 1:
         comm.all_reduce(stats, dp_group)
     if comm.is_multi(tp_group):
         if dist.get_rank(tp_group) != 0:

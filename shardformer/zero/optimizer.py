@@ -48,6 +48,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             overflow flag (None: no such parallelism).
         loss_scaler: a :class:`DynamicLossScaler`; ``"auto"`` makes one when any param is fp16.
         model: optional; when given, every trainable parameter of it must be in ``optimizer``.
+        counted_elsewhere: parameters another pipeline stage also holds and counts in the gradient norm.
+        native_collectives: use the backend's own reduce-scatter / all-gather (default: except on
+            gloo, where per-rank reduce / broadcast are faster; results are identical).
 
     Gradients are averaged over dp (as DDP does): the result equals one process running
     ``optimizer`` on the concatenated batch with a mean loss.
@@ -68,12 +71,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scaler: DynamicLossScaler | str | None = "auto",
         model: torch.nn.Module | None = None,
         counted_elsewhere=(),
+        native_collectives: bool | None = None,
     ) -> None:
         check_arguments(optimizer, stage, bucket_size, release_grads, reduce_dtype, loss_scaler, model)
         self.optim = optimizer
         self.stage = stage
         self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        if native_collectives is None:
+            native_collectives = not comm.per_rank_is_faster(dp_group)
+        self.per_rank = not native_collectives
         model_params = [list(group["params"]) for group in optimizer.param_groups]
         check_same_on_all_ranks(model_params, stage, bucket_size, overlap_communication, dp_group)
 
@@ -92,6 +99,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             reduce_dtype,
             overlap_communication,
             release_grads,
+            self.per_rank,
         )
         if loss_scaler == "auto":
             loss_scaler = DynamicLossScaler() if any(s.param.dtype == torch.float16 for s in self.slots) else None
@@ -231,7 +239,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.dp_size == 1:
             return bucket, None, send.view(1, -1)
         out = send.new_empty(self.dp_size, bucket.row_numel)
-        return bucket, comm.all_gather(out.view(-1), send, self.dp_group, async_op=True), out
+        return bucket, comm.all_gather(out.view(-1), send, self.dp_group, self.per_rank, async_op=True), out
 
     @staticmethod
     def _finish_gather(bucket, work, out) -> None:

@@ -33,8 +33,10 @@ class GradientReducer:
         reduce_dtype: torch.dtype | None,
         overlap: bool,
         release_grads: bool,
+        per_rank: bool,
     ) -> None:
         self.slots, self.buckets, self.group, self.stage = slots, buckets, group, stage
+        self.per_rank = per_rank
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.reduce_dtype, self.overlap, self.release_grads = reduce_dtype, overlap, release_grads
         self.accumulating = False
@@ -123,7 +125,7 @@ class GradientReducer:
         if self.stage == 2:
             out = buf.new_empty(bucket.row_numel)
             if self.dp > 1:
-                work = comm.reduce_scatter(out, buf.view(-1), self.group, async_op=True)
+                work = comm.reduce_scatter(out, buf.view(-1), self.group, self.per_rank, async_op=True)
             else:
                 out.copy_(buf[0])
         else:

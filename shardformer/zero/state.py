@@ -114,7 +114,7 @@ def gather_full_state_dict(zo) -> dict:
         send = torch.cat([shard.reshape(-1) for _, _, shard in group])
         out = send.new_empty(zo.dp_size, send.numel())
         if zo.dp_size > 1:
-            comm.all_gather(out.view(-1), send, zo.dp_group)
+            comm.all_gather(out.view(-1), send, zo.dp_group, zo.per_rank)
         else:
             out[0].copy_(send)
         offset = 0

@@ -6,11 +6,10 @@ import torch
 import torch.distributed as dist
 
 from shardformer.zero import comm
+from shardformer.zero.loss_scaler import DynamicLossScaler
 
 
 def check_arguments(optimizer, stage, bucket_size, release_grads, reduce_dtype, loss_scaler, model) -> None:
-    from shardformer.zero.loss_scaler import DynamicLossScaler
-
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}; build e.g. "
@@ -66,7 +65,7 @@ def check_same_on_all_ranks(model_params, stage, bucket_size, overlap, dp_group)
 
     A mismatch would otherwise surface as a hang or a shape error deep inside a reduce-scatter.
     """
-    if comm.group_size(dp_group) == 1:
+    if dist.get_world_size(dp_group) == 1:
         return
     flat = [p for params in model_params for p in params]
     shapes_checksum = sum((i + 1) * (p.numel() + 7 * p.dim()) for i, p in enumerate(flat)) % (2**31 - 1)

@@ -16,6 +16,8 @@ import transformers as tf
 import shardformer.checkpoint.training as training
 from shardformer import ShardConfig, shard_model
 from shardformer.checkpoint import layout_of, load_checkpoint, save_checkpoint, save_pretrained
+from shardformer.pipeline import pipeline_spec_for
+from shardformer.topology import with_stage
 from shardformer.zero import ZeroOptimizer
 from tests.checkpoint.common import full_logits, remove_dir, sgd_steps, shared_dir
 from tests.helpers import assert_close, check_table
@@ -165,7 +167,7 @@ def check_mismatch_is_reported():
 
 def _cut_to_stage(model):
     """What the pipeline code leaves on a stage: the same model object, other stages' modules None."""
-    stage = model.shardformer_config.mesh.pp_rank
+    stage = model.shardformer.mesh.pp_rank
     if stage == 0:
         model.transformer.h[1] = None
         model.transformer.ln_f = None
@@ -173,7 +175,7 @@ def _cut_to_stage(model):
         model.transformer.h[0] = None
         model.transformer.wte = None
         model.transformer.wpe = None
-    model.shardformer_stage = (stage, 2)
+    with_stage(model, stage, 2, layers=(stage,), pipeline=None)
     return model
 
 
@@ -182,7 +184,7 @@ def check_pipeline_export_and_checkpoint():
     name = "GPT2LMHeadModel"
     inputs = zoo.inputs_for(name)
     model = _gpt2(2, pp=2)
-    group = model.shardformer_config.tp_group()
+    group = model.shardformer.tp_group
     sgd_steps(model, inputs, lambda m, x: m(**x).loss)
     model.eval()
     with torch.no_grad():
@@ -199,25 +201,20 @@ def check_pipeline_export_and_checkpoint():
     load_checkpoint(os.path.join(path, "ckpt"), other)
     other.eval()
     with torch.no_grad():
-        got = full_logits(other(input_ids=inputs["input_ids"]).logits, zoo.VOCAB, other.shardformer_config.tp_group())
+        got = full_logits(other(input_ids=inputs["input_ids"]).logits, zoo.VOCAB, other.shardformer.tp_group)
     assert_close(got, logits, what="pp checkpoint loaded at tp=4")
     remove_dir(path)
 
 
 def check_real_pipeline_split_export():
-    """The same with shardformer.pipeline's own stage split (policy.pipeline_stage), when present."""
-    from shardformer.policies.auto import get_autopolicy
-
+    """The same with shardformer.pipeline's own stage split (the GPT-2 pipeline spec)."""
     torch.manual_seed(0)
     reference = tf.GPT2LMHeadModel(zoo.gpt2_config()).eval()
     torch.manual_seed(0)
     model = tf.GPT2LMHeadModel(zoo.gpt2_config())
-    policy = get_autopolicy(model)
-    if not hasattr(policy, "pipeline_stage"):
-        return  # the pipeline code is not there: the simulated check above covers the contract
-    config = ShardConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
-    model = shard_model(model, config, policy)
-    policy.pipeline_stage(model, config.mesh.pp_rank, 2)
+    spec = pipeline_spec_for(model)
+    model = shard_model(model, ShardConfig(tensor_parallel_size=2, pipeline_parallel_size=2))
+    spec.keep_stage(model, model.shardformer.mesh.pp_rank, 2)
     path = shared_dir()
     save_pretrained(model, os.path.join(path, "hf"))
     save_checkpoint(os.path.join(path, "ckpt"), model)
@@ -229,7 +226,7 @@ def check_real_pipeline_split_export():
             assert_close(plain(input_ids=ids).logits, expected, what="pipeline-split export")
         other = _gpt2(4, seed=9).eval()
         load_checkpoint(os.path.join(path, "ckpt"), other)
-        got = full_logits(other(input_ids=ids).logits, zoo.VOCAB, other.shardformer_config.tp_group())
+        got = full_logits(other(input_ids=ids).logits, zoo.VOCAB, other.shardformer.tp_group)
     assert_close(got, expected, what="pipeline-split checkpoint loaded at tp=4")
     remove_dir(path)
 

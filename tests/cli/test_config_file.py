@@ -37,6 +37,14 @@ def test_loads_settings_in_either_case_and_fills_defaults(tmp_path):
     assert cfg.replace(steps=3).steps == 3 and cfg.steps == BASE_KEYS["steps"].default
 
 
+def test_short_size_names_in_the_file_and_on_the_command_line(tmp_path):
+    path = write(tmp_path, "tp = 2\n")
+    cfg = load_config(path, overrides={"pp": 2, "dp": 1})
+    assert (cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.data_parallel_size) == (2, 2, 1)
+    with pytest.raises(ConfigError, match="both tp= and tensor_parallel_size= are set"):
+        load_config(write(tmp_path, "tp = 2\ntensor_parallel_size = 2\n", "both.py"))
+
+
 def test_unknown_key_names_it_lists_known_and_suggests(tmp_path):
     path = write(tmp_path, "tensr_parallel_size = 2\n")
     with pytest.raises(ConfigError) as err:

@@ -58,6 +58,15 @@ def test_gpt2_train_then_generate(tmp_path):
     assert stdout.count("trained model:   ") == 1
 
 
+def test_gpt2_pipeline_stages_train_then_generate(tmp_path):
+    """The same example on 2 pipeline stages instead of 2 tensor-parallel ranks (--set pp=2)."""
+    tiny = ("tp=1", "pp=2", "micro_batch_size=4", "steps=20", "log_every=10", "max_new_tokens=8")
+    check_training(tmp_path, launch("gpt2", "train", tmp_path, *tiny))
+    launch("gpt2", "inference", tmp_path, *tiny)
+    result = predictions(tmp_path)
+    assert result["trained"].startswith("The keeper") and result["trained"] != result["untrained"]
+
+
 def test_bert_train_then_classify(tmp_path):
     tiny = ("steps=8", "batch_size=8", "lr=3e-4", "log_every=2")
     check_training(tmp_path, launch("bert", "train", tmp_path, *tiny))

@@ -14,6 +14,7 @@ from shardformer.layers import (
     Embedding1D,
     Linear1D_Col,
     Linear1D_Row,
+    SharedInputCopy,
     VocabParallelEmbedding1D,
     VocabParallelLMHead1D,
 )
@@ -185,8 +186,24 @@ def check_lm_head_gathered_logits_trim_padding():
     assert layer(torch.zeros(1, HIDDEN)).shape[-1] == 13
 
 
+def check_column_layers_sharing_an_input_copy_reduce_once():
+    """q/k/v reading one input: one backward all-reduce with a shared SharedInputCopy, one each without."""
+    torch.manual_seed(0)
+    fulls = [nn.Linear(HIDDEN, OUT) for _ in range(3)]
+    for shared, expected in ((SharedInputCopy(), 1), (None, 3)):
+        layers = [Linear1D_Col.from_native(f, None, input_copy=shared) for f in fulls]
+        x, x_ref = _input(2, HIDDEN), _input(2, HIDDEN)
+        loss = sum(layer(x).square().sum() for layer in layers)
+        with CollectiveCounter() as bwd:
+            loss.backward()
+        assert bwd.counts == {"all_reduce": expected}, (shared, bwd.counts)
+        sum(f(x_ref).square().sum() for f in fulls).backward()
+        assert_close(x.grad, x_ref.grad, what=f"input grad (shared={shared is not None})")
+
+
 CHECKS = [
     check_column_linear,
+    check_column_layers_sharing_an_input_copy_reduce_once,
     check_column_linear_gather_output,
     check_fused_qkv_linear,
     check_fused_qkv_conv1d,

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from shardformer.pipeline import split_batch
+from shardformer.engine import split_batch
 from shardformer.slicer import gather_tensor, shard_spec
 from tests.policies import zoo
 

@@ -6,8 +6,8 @@ equal one process training the unsharded model on the same batches. One spawn fo
 import torch
 import torch.nn.functional as F
 
-from shardformer import ProcessMesh
-from shardformer.pipeline import EngineConfig, ParallelEngine
+from shardformer import EngineConfig, ParallelEngine, ProcessMesh
+from shardformer.pipeline import stage_of
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common
 from tests.policies import zoo
@@ -48,7 +48,7 @@ def _check(
         backend=backend,
     )
     engine = ParallelEngine(model, common.sgd, cfg, loss_fn=loss_fn, mesh=_mesh(tp, pp, dp))
-    stage = engine.model.shardformer_stage
+    stage = stage_of(engine.model)
     assert stage == (engine.mesh.pp_rank, pp), stage
     expected = common.reference_run(ref, data, dp * micro, clip, loss_fn)
     got = [engine.train_step(b) for b in data]
@@ -79,7 +79,7 @@ def check_gpt2_stage_contents():
     ref, model = common.models("GPT2LMHeadModel")
     engine = ParallelEngine(model, common.sgd, EngineConfig(tp=1, pp=4), mesh=_mesh(1, 4, 1))
     m, stage = engine.model, engine.mesh.pp_rank
-    assert m.shardformer_stage == (stage, 4) and m.shardformer_layers == [stage]
+    assert stage_of(m) == (stage, 4) and m.shardformer.layers == (stage,)
     assert [i for i, b in enumerate(m.transformer.h) if b is not None] == [stage]
     assert (m.transformer.wte is not None) == (stage in (0, 3))
     assert (m.transformer.wpe is not None) == (stage == 0)

@@ -10,18 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardformer import Policy, shard_model
-from shardformer.pipeline import EngineConfig, balanced_split, check_split, split_batch
-from shardformer.policies.auto import get_autopolicy
+from shardformer import EngineConfig, ParallelEngine, PipelineSpec, shard_model
+from shardformer.engine import split_batch
+from shardformer.pipeline import balanced_split, check_split, local_layers, pipeline_spec_for, stage_of
 from tests.helpers import assert_close
 from tests.pipeline import common
 from tests.policies import zoo
 
 
-def _chain(policy, stages, inputs):
+def _chain(spec, stages, inputs):
     hidden = None
     for m in stages:
-        hidden = policy.stage_forward(m, hidden, inputs)
+        hidden = spec.stage_forward(m, hidden, inputs)
     return hidden
 
 
@@ -36,27 +36,27 @@ def _chain(policy, stages, inputs):
 )
 def test_stages_in_sequence_equal_the_model(name, impl):
     ref, model = zoo.load_twice(name, impl, config=common.config(name))
-    policy = get_autopolicy(model)
-    model = shard_model(model, policy=policy)
+    spec = pipeline_spec_for(model)
+    model = shard_model(model)
     split = [1, 3]
-    stages = [policy.pipeline_stage(copy.deepcopy(model), s, 2, split) for s in range(2)]
+    stages = [spec.keep_stage(copy.deepcopy(model), s, 2, split) for s in range(2)]
     inputs = common.batches(name, 1)[0]
-    out = _chain(policy, stages, inputs)
+    out = _chain(spec, stages, inputs)
     expected = ref(**inputs)
     assert_close(out.loss, expected.loss, what=f"{name}/{impl} loss")
     full = {n for n, _ in ref.named_parameters()}
     names = [{n for n, _ in m.named_parameters()} for m in stages]
     assert names[0] <= full and names[1] <= full and names[0] | names[1] == full
-    assert stages[0].shardformer_stage == (0, 2) and stages[1].shardformer_layers == [1, 2, 3]
+    assert stage_of(stages[0]) == (0, 2) and stages[1].shardformer.layers == (1, 2, 3)
 
 
 def test_timm_stages_in_sequence_equal_the_model():
     ref, model = zoo.timm_pair()
-    policy = get_autopolicy(model)
-    model = shard_model(model, policy=policy)
-    stages = [policy.pipeline_stage(copy.deepcopy(model), s, 2) for s in range(2)]
+    spec = pipeline_spec_for(model)
+    model = shard_model(model)
+    stages = [spec.keep_stage(copy.deepcopy(model), s, 2) for s in range(2)]
     x = torch.randn(2, 3, 16, 16)
-    assert_close(_chain(policy, stages, {"x": x}), ref(x), what="timm logits")
+    assert_close(_chain(spec, stages, {"x": x}), ref(x), what="timm logits")
     assert stages[1].cls_token is None and stages[0].head is None
 
 
@@ -84,7 +84,7 @@ def test_bad_split_names_the_fix(args, fix):
 def test_more_stages_than_layers_raises_before_changing_the_model():
     _, model = zoo.load_twice("GPT2LMHeadModel")  # 2 layers
     with pytest.raises(ValueError, match="more stages than the model's 2 layers"):
-        get_autopolicy(model).pipeline_stage(model, 0, 3)
+        pipeline_spec_for(model).keep_stage(model, 0, 3)
     assert all(b is not None for b in model.transformer.h)
 
 
@@ -94,16 +94,12 @@ def test_microbatches_that_do_not_divide_the_batch():
 
 
 def test_world_size_that_does_not_fit_raises_before_any_collective():
-    from shardformer.pipeline import ParallelEngine
-
     _, model = zoo.load_twice("GPT2LMHeadModel")
     with pytest.raises(ValueError, match="make the product equal the number of processes|launch a multiple"):
         ParallelEngine(model, common.sgd, EngineConfig(tp=2, pp=2, dp=2))
 
 
 def test_optimizer_must_be_a_factory():
-    from shardformer.pipeline import ParallelEngine
-
     _, model = zoo.load_twice("GPT2LMHeadModel")
     with pytest.raises(TypeError, match="factory"):
         ParallelEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), EngineConfig())
@@ -123,36 +119,22 @@ def test_bad_engine_config(kwargs, fix):
         EngineConfig(**kwargs)
 
 
-def test_policy_without_pipeline_support_names_the_fix():
-    class Bare(Policy):
-        pass
-
-    with pytest.raises(NotImplementedError, match="implement pipeline_layers"):
-        Bare().pipeline_stage(torch.nn.Linear(2, 2), 0, 2)
+def test_model_without_pipeline_spec_names_the_fix():
+    with pytest.raises(NotImplementedError, match=r"pipeline=PipelineSpec\(layers="):
+        pipeline_spec_for(torch.nn.Linear(2, 2))
 
 
-class TinyPolicy(Policy):
-    """A custom model pipelined by a custom policy (no tensor parallel layers needed)."""
+def tiny_stage_forward(model, hidden, inputs):
+    stage, n = stage_of(model)
+    if stage == 0:
+        hidden = model.embed(inputs["x"])
+    for layer in local_layers(model, model.layers):
+        hidden = torch.tanh(layer(hidden))
+    return model.head(hidden) if stage == n - 1 else hidden
 
-    def argument_policy(self, model_config, shard_config):
-        return {}
 
-    def pipeline_layers(self, model):
-        return "layers"
-
-    def pipeline_first(self, model):
-        return ["embed"]
-
-    def pipeline_last(self, model):
-        return ["head"]
-
-    def stage_forward(self, model, hidden, inputs):
-        stage, n = model.shardformer_stage
-        if stage == 0:
-            hidden = model.embed(inputs["x"])
-        for i in model.shardformer_layers:
-            hidden = torch.tanh(model.layers[i](hidden))
-        return model.head(hidden) if stage == n - 1 else hidden
+# A custom model pipelined by a custom spec (no tensor parallel layers needed).
+TINY_SPEC = PipelineSpec(layers="layers", first=("embed",), last=("head",), stage_forward=tiny_stage_forward)
 
 
 class Tiny(torch.nn.Module):
@@ -171,9 +153,9 @@ class Tiny(torch.nn.Module):
 
 def test_custom_policy_splits_the_same_way():
     torch.manual_seed(0)
-    model, policy = Tiny(), TinyPolicy()
-    stages = [policy.pipeline_stage(copy.deepcopy(model), s, 2) for s in range(2)]
-    assert [m.shardformer_layers for m in stages] == [[0, 1], [2]]
+    model = Tiny()
+    stages = [TINY_SPEC.keep_stage(copy.deepcopy(model), s, 2) for s in range(2)]
+    assert [m.shardformer.layers for m in stages] == [(0, 1), (2,)]
     x = torch.randn(4, 3)
-    assert_close(_chain(policy, stages, {"x": x}), model(x), what="custom stages")
-    assert F.mse_loss(_chain(policy, stages, {"x": x}), model(x)).item() < 1e-12
+    assert_close(_chain(TINY_SPEC, stages, {"x": x}), model(x), what="custom stages")
+    assert F.mse_loss(_chain(TINY_SPEC, stages, {"x": x}), model(x)).item() < 1e-12

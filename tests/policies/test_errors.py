@@ -1,10 +1,12 @@
 """Bad input fails before any process group exists, naming the value and the fix."""
 
+import logging
+
 import pytest
 import torch.nn as nn
 from transformers import GPT2Model
 
-from shardformer import Argument, Col_Layer, Policy, ShardConfig, shard_model
+from shardformer import Argument, Col_Layer, Policy, ShardConfig, shard_model, sharding_of
 from shardformer.policies.base import Row_Layer
 from tests.policies import zoo
 
@@ -91,3 +93,23 @@ def test_one_process_tp1_sharding_is_the_identity_on_values():
     expected = model(ids).last_hidden_state
     sharded = shard_model(model, ShardConfig())
     torch.testing.assert_close(sharded(ids).last_hidden_state, expected)
+
+
+def test_sharding_twice_is_refused_and_an_unsharded_model_has_no_record():
+    model = GPT2Model(zoo.gpt2_config())
+    with pytest.raises(ValueError, match="was not sharded by shardformer"):
+        sharding_of(model)
+    shard_model(model, ShardConfig())
+    info = sharding_of(model)
+    assert (info.stage, info.num_stages, info.layers, info.mesh) == (0, 1, None, None)
+    assert info.shard_config.tensor_parallel_size == 1 and type(info.policy).__name__ == "GPT2Policy"
+    with pytest.raises(ValueError, match="already sharded.*shard the original model instead"):
+        shard_model(model, ShardConfig())
+
+
+def test_sharding_logs_a_summary_at_info(caplog):
+    with caplog.at_level(logging.INFO, logger="shardformer"):
+        shard_model(GPT2Model(zoo.gpt2_config()), ShardConfig())
+    (record,) = [r for r in caplog.records if r.name == "shardformer"]
+    assert "sharded GPT2Model with GPT2Policy at tp=1" in record.getMessage()
+    assert "Linear1D_Col" in record.getMessage() and "(1.000)" in record.getMessage()

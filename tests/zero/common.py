@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import traceback
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardformer.testing import run_on_ranks
 from shardformer.zero import ZeroOptimizer
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -196,41 +193,3 @@ def assert_same_on_all_ranks(model, group=None):
         dist.all_gather(gathered, p.detach().contiguous(), group=group)
         for other in gathered:
             assert torch.equal(other, p), f"{name} differs between dp ranks"
-
-
-# -- one spawn, many checks -------------------------------------------------------------------------
-
-
-def _run_checks(checks):
-    """On each rank: run every check, catch its failure, and report {name: (traceback|None, value)}."""
-    results = {}
-    for check in checks:
-        try:
-            results[check.__name__] = (None, check())
-        except Exception:  # noqa: BLE001 - reported per check to the parent
-            results[check.__name__] = (traceback.format_exc(), None)
-    return results
-
-
-class CheckTable:
-    """Runs all ``checks`` in one spawn of ``world_size`` ranks, the first time any result is asked for.
-
-    Checks run in the same order on every rank and must issue the same collectives; assertions
-    come after a check's last collective, so one failing check cannot derail the next.
-    """
-
-    def __init__(self, checks, world_size, timeout=240.0):
-        self.checks, self.world_size, self.timeout = checks, world_size, timeout
-        self._results = None
-
-    def names(self):
-        return [c.__name__ for c in self.checks]
-
-    def result(self, name):
-        if self._results is None:
-            self._results = run_on_ranks(_run_checks, self.world_size, self.checks, timeout=self.timeout)
-        for rank, per_rank in enumerate(self._results):
-            error, _ = per_rank[name]
-            if error is not None:
-                pytest.fail(f"{name} failed on rank {rank} of {self.world_size}:\n{error}", pytrace=False)
-        return [per_rank[name][1] for per_rank in self._results]

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from shardformer.zero import DynamicLossScaler, ZeroOptimizer, comm
+from tests.helpers import check_table
 from tests.zero.common import (
     OPTIMIZERS,
     STEPS,
-    CheckTable,
     Net,
     accumulate_run,
     assert_same_on_all_ranks,
@@ -33,14 +33,10 @@ def weights_match_for_every_optimizer_and_stage():
     # On gloo, reduce-scatter and all-gather are built from per-rank reduce/broadcast; native=True
     # runs torch's own collectives instead (what NCCL uses).
     for stage, native in ((1, False), (2, False), (2, True)):
-        comm.PER_RANK_ON_GLOO = not native
-        try:
-            for name, make_opt in OPTIMIZERS.items():
-                model, _, _ = zero_run(make_opt, stage=stage)
-                assert_same_on_all_ranks(model)
-                runs.append((f"stage {stage} native={native} {name}", model, reference_run(make_opt)[0]))
-        finally:
-            comm.PER_RANK_ON_GLOO = True
+        for name, make_opt in OPTIMIZERS.items():
+            model, _, _ = zero_run(make_opt, stage=stage, native_collectives=native)
+            assert_same_on_all_ranks(model)
+            runs.append((f"stage {stage} native={native} {name}", model, reference_run(make_opt)[0]))
     for what, model, ref in runs:
         assert_same_weights(model, ref, what=what)
 
@@ -290,7 +286,7 @@ def errors_name_the_value_and_the_fix():
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_size=100 + dist.get_rank())
 
 
-TABLE = CheckTable(
+test_dp2 = check_table(
     [
         weights_match_for_every_optimizer_and_stage,
         clipping_matches_torch_clip_grad_norm,
@@ -307,12 +303,5 @@ TABLE = CheckTable(
         lr_scheduler_drives_the_wrapper,
         errors_name_the_value_and_the_fix,
     ],
-    world_size=2,
+    2,
 )
-
-
-@pytest.mark.parametrize("name", TABLE.names())
-def test_dp2(name):
-    values = TABLE.result(name)
-    if name == "optimizer_state_per_rank_is_one_over_dp":
-        print(values[0])

@@ -12,11 +12,11 @@ import torch.distributed as dist
 
 from shardformer.mesh import ProcessMesh
 from shardformer.slicer import make_shard_param, make_spec, slice_tensor
-from shardformer.zero import DynamicLossScaler, ZeroOptimizer, comm
+from shardformer.zero import DynamicLossScaler, ZeroOptimizer
+from tests.helpers import check_table
 from tests.zero.common import (
     OPTIMIZERS,
     STEPS,
-    CheckTable,
     Net,
     accumulate_run,
     assert_same_on_all_ranks,
@@ -37,11 +37,9 @@ def weights_match_for_both_stages_and_optimizers():
     configs = ((1, "adam", False, False), (2, "adamw", True, False), (2, "sgd", False, True), (1, "sgd", True, True))
     for stage, name, overlap, native in configs:
         make_opt = OPTIMIZERS[name]
-        comm.PER_RANK_ON_GLOO = not native  # native: torch's own reduce-scatter / all-gather on gloo
-        try:
-            model = zero_run(make_opt, stage=stage, overlap_communication=overlap, bucket_size=64)[0]
-        finally:
-            comm.PER_RANK_ON_GLOO = True
+        # native: torch's own reduce-scatter / all-gather on gloo
+        kw = {"overlap_communication": overlap, "bucket_size": 64, "native_collectives": native}
+        model = zero_run(make_opt, stage=stage, **kw)[0]
         runs.append((f"stage {stage} {name} overlap={overlap} native={native}", model, reference_run(make_opt)[0]))
     assert_same_on_all_ranks(runs[1][1])
     for what, model, ref in runs:
@@ -185,7 +183,7 @@ def optimizer_state_per_rank_is_one_over_dp():
     return state_bytes_check(dp=4)
 
 
-TABLE = CheckTable(
+test_dp4 = check_table(
     [
         weights_match_for_both_stages_and_optimizers,
         clipping_accumulation_and_skipped_layer,
@@ -195,12 +193,5 @@ TABLE = CheckTable(
         grad_norm_and_overflow_under_tp2_x_pp2,
         optimizer_state_per_rank_is_one_over_dp,
     ],
-    world_size=4,
+    4,
 )
-
-
-@pytest.mark.parametrize("name", TABLE.names())
-def test_dp4(name):
-    values = TABLE.result(name)
-    if name == "optimizer_state_per_rank_is_one_over_dp":
-        print(values[0])

@@ -1,12 +1,14 @@
 """ParallelEngine: one training API for every (tp, pp, dp, ZeRO) combination.
 
-It builds the process mesh, shards the model for tensor parallelism (``shard_model``), keeps this
-rank's pipeline stage, wraps the optimizer in :class:`~shardformer.zero.ZeroOptimizer` over the
-data-parallel group, and runs a pipeline schedule over micro-batches.
+It composes the techniques: builds the process mesh, shards the model for tensor parallelism
+(``shard_model`` with a policy), keeps this rank's pipeline stage (a pipeline spec), wraps the
+optimizer in :class:`~shardformer.zero.ZeroOptimizer` over the data-parallel group, and runs a
+pipeline schedule over micro-batches.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,11 +16,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardformer.config import DEFAULT_SEED, PRECISIONS, ShardConfig
+from shardformer.mesh import ProcessMesh, resolve_sizes
+from shardformer.pipeline.families import BUILTIN_SPECS, pipeline_spec_for
 from shardformer.pipeline.schedule import SCHEDULES, run_pipeline
-from shardformer.pipeline.spec_check import check_policy_pipeline
-from shardformer.pipeline.split import check_split, num_layers_of, shared_parameters
+from shardformer.pipeline.spec import PipelineSpec, check_split
+from shardformer.pipeline.spec_check import check_pipeline_spec
+from shardformer.pipeline.torch_schedule import TorchPipeline
+from shardformer.policies.auto import get_autopolicy
+from shardformer.sharder import shard_model
+from shardformer.zero import ZeroOptimizer
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+logger = logging.getLogger("shardformer")
 
 
 @dataclass
@@ -31,6 +40,7 @@ class EngineConfig:
     precision: "fp32", "bf16" or "fp16" (fp32 master weights in the optimizer; fp16 adds dynamic
     loss scaling). max_grad_norm: clip the global gradient norm (None: no clipping).
     layers_per_stage: explicit split (one count per stage; default balanced).
+    seed: base seed of the tensor-parallel dropout layers (as ShardConfig.seed).
     split_batch: ``train_step`` gets the global batch and each dp rank takes its 1/dp slice
     (False: each rank passes its own dp-local batch).
     backend: how training steps run the schedule when pp > 1: "torch" (torch.distributed.pipelining's
@@ -49,6 +59,7 @@ class EngineConfig:
     layers_per_stage: list[int] | None = None
     split_batch: bool = True
     backend: str = "torch"
+    seed: int = DEFAULT_SEED
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "num_microbatches"):
@@ -63,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.precision={self.precision!r} must be one of {sorted(PRECISIONS)}")
         if self.backend not in ("p2p", "torch"):
             raise ValueError(f"EngineConfig.backend={self.backend!r} must be 'p2p' or 'torch'")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"EngineConfig.seed={self.seed!r} must be an integer")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")
 
@@ -94,14 +107,31 @@ def split_batch(batch: dict, parts: int, what: str) -> list[dict]:
     ]
 
 
+def whole_model_forward(model: nn.Module, hidden, inputs: dict):
+    """The stage forward of an unsplit model (pp=1) that has no pipeline spec: its own forward."""
+    return model(**inputs)
+
+
+def _pipeline_for(model: nn.Module, pp: int, given: PipelineSpec | None) -> PipelineSpec | None:
+    """The spec the model is cut by: the given one, else its family's (required only at pp > 1)."""
+    if given is not None:
+        return given
+    if pp > 1 or any(cls.__name__ in BUILTIN_SPECS for cls in type(model).__mro__):
+        return pipeline_spec_for(model)
+    return None
+
+
 class ParallelEngine:
     """Train or run ``model`` with tensor, pipeline and ZeRO data parallelism.
 
     Args:
         model: an unsharded HF / timm model (sharded and split in place).
-        optimizer: ``params -> torch.optim.Optimizer`` (built over this rank's stage shards).
+        optimizer: ``params -> torch.optim.Optimizer`` (built over this rank's stage shards), or None
+            for an engine that only runs ``forward`` / ``eval_step`` (inference).
         config: an :class:`EngineConfig`.
-        policy: a custom Policy (default: the built-in one for the model's class).
+        policy: a custom tensor-parallel Policy (default: the built-in one for the model's class).
+        pipeline: a custom :class:`~shardformer.pipeline.PipelineSpec` (default: the family's
+            built-in one; at pp=1 a model without one runs its own forward).
         loss_fn: ``(last-stage output, micro_batch) -> loss``; default: the output's ``loss``.
         mesh: an existing :class:`~shardformer.ProcessMesh` with the same sizes (default: built here).
 
@@ -112,21 +142,16 @@ class ParallelEngine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: Callable[..., torch.optim.Optimizer],
+        optimizer: Callable[..., torch.optim.Optimizer] | None,
         config: EngineConfig | None = None,
         *,
         policy=None,
+        pipeline: PipelineSpec | None = None,
         loss_fn: Callable | None = None,
-        mesh=None,
+        mesh: ProcessMesh | None = None,
     ) -> None:
-        from shardformer.config import ShardConfig
-        from shardformer.mesh import ProcessMesh, resolve_sizes
-        from shardformer.policies.auto import get_autopolicy
-        from shardformer.sharder import shard_model
-        from shardformer.zero import ZeroOptimizer
-
         cfg = self.config = config or EngineConfig()
-        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer is not None and (not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer)):
             raise TypeError(
                 "optimizer must be a factory `params -> Optimizer` (e.g. lambda p: torch.optim.AdamW(p, lr=1e-4)): "
                 "the parameters it steps exist only after sharding"
@@ -135,40 +160,55 @@ class ParallelEngine:
         world = dist.get_world_size() if dist.is_initialized() else 1
         resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp)
         self.policy = policy or get_autopolicy(model)
-        self.policy.set_model(model)
+        self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
         if cfg.pp > 1:
-            _, layers = num_layers_of(self.policy, model)
-            check_split(layers, cfg.pp, cfg.layers_per_stage)
-            check_policy_pipeline(self.policy, model, cfg.pp, cfg.layers_per_stage)
+            check_split(len(self.pipeline.layer_list(model)), cfg.pp, cfg.layers_per_stage)
+            check_pipeline_spec(self.pipeline, model, cfg.pp, cfg.layers_per_stage)
+        if mesh is not None and (
+            (mesh.tp_size, mesh.pp_size) != (cfg.tp, cfg.pp) or cfg.dp not in (None, mesh.dp_size)
+        ):
+            raise ValueError(f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, dp={cfg.dp}")
         self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp)
-        if (self.mesh.tp_size, self.mesh.pp_size) != (cfg.tp, cfg.pp) or (cfg.dp not in (None, self.mesh.dp_size)):
-            raise ValueError(f"mesh {self.mesh} does not match tp={cfg.tp}, pp={cfg.pp}, dp={cfg.dp}")
         shard_config = ShardConfig(
-            tensor_parallel_size=cfg.tp, pipeline_parallel_size=cfg.pp, data_parallel_size=self.mesh.dp_size
+            tensor_parallel_size=cfg.tp,
+            pipeline_parallel_size=cfg.pp,
+            data_parallel_size=self.mesh.dp_size,
+            seed=cfg.seed,
+            mesh=self.mesh,
         )
-        shard_config.mesh = self.mesh
         self.model = shard_model(model, shard_config, self.policy)
         if cfg.pp > 1:
-            self.policy.pipeline_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
-        else:
-            self.model.shardformer_stage = (0, 1)
+            self.pipeline.keep_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
+        self.stage_forward = self.pipeline.stage_forward if self.pipeline is not None else whole_model_forward
         self.model.to(PRECISIONS[cfg.precision])
         first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
-        self.shared = shared_parameters(self.policy, self.model) if cfg.pp > 1 and (first or last) else []
+        self.shared = self.pipeline.shared_parameters(self.model) if cfg.pp > 1 and (first or last) else []
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = ZeroOptimizer(
-            optimizer(params),
-            self.mesh.dp_group,
-            cfg.zero_stage,
-            tp_group=self.mesh.tp_group,
-            pp_group=self.mesh.pp_group,
-            model=self.model,
-            # tied weights count once in the norm: the first stage's copy
-            counted_elsewhere=self.shared if last and not first else (),
-        )
+        self.optimizer = None
+        if optimizer is not None:
+            self.optimizer = ZeroOptimizer(
+                optimizer(params),
+                self.mesh.dp_group,
+                cfg.zero_stage,
+                tp_group=self.mesh.tp_group,
+                pp_group=self.mesh.pp_group,
+                model=self.model,
+                # tied weights count once in the norm: the first stage's copy
+                counted_elsewhere=self.shared if last and not first else (),
+            )
         self.loss_fn = loss_fn or _loss_from_output
         self.device = params[0].device if params else torch.device("cpu")
         self.last_grad_norm: float | None = None
+        self._torch_pipeline = TorchPipeline(self.model, self.stage_forward, self.mesh, self.device)
+        if self.mesh.rank == 0:
+            logger.info(
+                "ParallelEngine: tp=%d pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
+                "rank 0 holds %s and %s trainable parameters",
+                cfg.tp, cfg.pp, self.mesh.dp_size, cfg.zero_stage, cfg.precision, cfg.num_microbatches,
+                cfg.schedule, cfg.backend,
+                "every layer" if self.model.shardformer.layers is None else f"layers {list(self.model.shardformer.layers)}",
+                f"{sum(p.numel() for p in params):,}",
+            )  # fmt: skip
 
     # -- steps ---------------------------------------------------------------------------------------
 
@@ -195,16 +235,19 @@ class ParallelEngine:
     def train_step(self, batch: dict) -> float:
         """Forward and backward over the micro-batches, then one optimizer step; returns the loss."""
         cfg, mesh, zero = self.config, self.mesh, self.optimizer
+        if zero is None:
+            raise RuntimeError("this ParallelEngine was built without an optimizer (inference only); pass one to train")
         micro = split_batch(self._to_device(self._local_batch(batch)), cfg.num_microbatches, "num_microbatches")
         self.model.train()
         zero.zero_grad()
         scale = zero.loss_scale / cfg.num_microbatches
-        run = run_pipeline
         if cfg.backend == "torch" and mesh.pp_size > 1:
-            from shardformer.pipeline.torch_schedule import run_pipeline_torch as run
-        losses, _ = run(
-            self.model, self.policy, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale, device=self.device
-        )
+            losses = self._torch_pipeline.step(micro, self.loss_fn, schedule=cfg.schedule, scale=scale)
+        else:
+            losses, _ = run_pipeline(
+                self.model, self.stage_forward, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale,
+                device=self.device,
+            )  # fmt: skip
         self._sum_shared_grads()
         if cfg.max_grad_norm is not None:
             self.last_grad_norm = zero.clip_grad_norm(cfg.max_grad_norm)
@@ -217,7 +260,7 @@ class ParallelEngine:
         micro = split_batch(self._to_device(self._local_batch(batch)), self.config.num_microbatches, "num_microbatches")
         self.model.eval()
         losses, _ = run_pipeline(
-            self.model, self.policy, self.mesh, micro, self.loss_fn, backward=False, device=self.device
+            self.model, self.stage_forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device
         )
         return self._mean_loss(losses)
 
@@ -229,7 +272,9 @@ class ParallelEngine:
         sharded over tp unless the model was built with ``gather_output``."""
         micro = split_batch(self._to_device(batch), self.config.num_microbatches, "num_microbatches")
         self.model.eval()
-        _, outputs = run_pipeline(self.model, self.policy, self.mesh, micro, None, backward=False, device=self.device)
+        _, outputs = run_pipeline(
+            self.model, self.stage_forward, self.mesh, micro, None, backward=False, device=self.device
+        )
         out = None
         if outputs:
             out = torch.cat([o if torch.is_tensor(o) else o["logits"] for o in outputs]).contiguous()

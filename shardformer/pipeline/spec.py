@@ -1,0 +1,146 @@
+"""PipelineSpec: how one model family splits into pipeline stages, apart from how it is tensor-parallel.
+
+A spec names, by dotted path, the ``nn.ModuleList`` of transformer layers that is divided among
+the stages, the modules only the first stage needs (embeddings), those only the last needs (final
+norm, head), and those both ends hold (input embeddings tied to the output head: their gradients
+are summed over the two stages). Its ``stage_forward(model, hidden, inputs)`` runs one stage on a
+micro-batch: ``hidden`` is the previous stage's output (None on the first stage), ``inputs`` the
+micro-batch (every stage sees it: masks and labels come from it); it returns the hidden states for
+the next stage, or on the last stage the model's output (a ModelOutput with ``loss`` when labels are
+given, or a tensor of logits). It loops over :func:`local_layers`.
+
+Keeping a stage sets every module of other stages to None in place, so parameter names never change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from shardformer.config import ShardConfig
+from shardformer.topology import ATTRIBUTE, ShardedModelInfo, attach, sharding_of, with_stage
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    layers: str
+    stage_forward: Callable[[nn.Module, Any, dict], Any]
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+
+    def layer_list(self, model: nn.Module) -> nn.ModuleList:
+        layers = _find(model, self.layers)
+        if not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            raise ValueError(f"PipelineSpec.layers={self.layers!r} is not a ModuleList in {type(model).__name__}")
+        return layers
+
+    def keep_stage(self, model: nn.Module, stage: int, num_stages: int, layers_per_stage=None) -> nn.Module:
+        """Keep only stage ``stage`` of ``num_stages`` in ``model`` (in place) and return it.
+
+        ``layers_per_stage``: how many layers each stage gets (default: balanced). The stage and its
+        layers are recorded in ``model.shardformer`` (an unsharded model gets a tp=1 record).
+        """
+        layers = self.layer_list(model)
+        counts = check_split(len(layers), num_stages, layers_per_stage)
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage={stage} must be in [0, {num_stages})")
+        start = sum(counts[:stage])
+        mine = range(start, start + counts[stage])
+        for i in range(len(layers)):
+            if i not in mine:
+                layers._modules[str(i)] = None
+        first, last = stage == 0, stage == num_stages - 1
+        drop = [p for p in self.first if not first] + [p for p in self.last if not last]
+        drop += [p for p in self.shared if not (first or last)]
+        for path in drop:
+            _set_none(model, path)
+        if ATTRIBUTE not in model.__dict__:
+            attach(model, unsharded_record())
+        with_stage(model, stage, num_stages, mine, self)
+        return model
+
+    def shared_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """Parameters of the modules both end stages hold (tied input/output weights), each once."""
+        seen, out = set(), []
+        for path in self.shared:
+            module = _find(model, path)
+            if module is None:
+                continue
+            for p in [module] if isinstance(module, nn.Parameter) else module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+
+def unsharded_record() -> ShardedModelInfo:
+    """The layout of a model that was split into stages without tensor parallelism."""
+    return ShardedModelInfo(ShardConfig(), policy=None, mesh=None, tp_group=None)
+
+
+def local_layers(model: nn.Module, container) -> list:
+    """This stage's layers of ``container`` in order (all of them on a model that was not split)."""
+    indices = sharding_of(model).layers
+    return list(container) if indices is None else [container[i] for i in indices]
+
+
+def stage_of(model: nn.Module) -> tuple[int, int]:
+    """``(stage, num_stages)`` of a sharded model."""
+    info = sharding_of(model)
+    return info.stage, info.num_stages
+
+
+def balanced_split(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per stage, as even as possible; extra layers go to the middle stages first (the first
+    stage also runs the embeddings and the last the head), then to the first, then to the last."""
+    counts = [num_layers // num_stages] * num_stages
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 1 else [0]
+    for i in range(num_layers % num_stages):
+        counts[order[i]] += 1
+    return counts
+
+
+def check_split(num_layers: int, num_stages: int, layers_per_stage=None) -> list[int]:
+    """Validate and return the layers per stage (no communication: safe before any collective)."""
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"pipeline_parallel_size={num_stages!r} must be a positive integer")
+    if layers_per_stage is None:
+        if num_layers < num_stages:
+            raise ValueError(
+                f"pipeline_parallel_size={num_stages} is more stages than the model's {num_layers} layers; "
+                f"use pipeline_parallel_size <= {num_layers}"
+            )
+        return balanced_split(num_layers, num_stages)
+    counts = list(layers_per_stage)
+    if len(counts) != num_stages or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"layers_per_stage={counts} must list {num_stages} positive integers (one per pipeline stage)")
+    if sum(counts) != num_layers:
+        raise ValueError(f"layers_per_stage={counts} sums to {sum(counts)}; it must sum to the {num_layers} layers")
+    return counts
+
+
+def _find(root: nn.Module, path: str):
+    """The module or parameter at ``path``, or None where a stage already dropped it."""
+    obj = root
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _set_none(root: nn.Module, path: str) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = _find(root, parent_path) if parent_path else root
+    if parent is None:
+        return
+    if name in parent._modules:
+        parent._modules[name] = None
+    elif name in parent._parameters:
+        parent._parameters[name] = None
+    elif hasattr(parent, name):
+        setattr(parent, name, None)
