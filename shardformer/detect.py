@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import logging
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ import torch.nn as nn
 
 from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.layers.linear import is_conv1d
+
+logger = logging.getLogger("shardformer")
 
 
 class PolicyMismatch(ValueError):
@@ -282,6 +285,12 @@ class Detected:
     def rewrite_attributes(self, model: nn.Module) -> None:
         for stale in self.rewrites:
             setattr(model.get_submodule(stale.path), stale.name, stale.local)
+        if self.rewrites:
+            first = self.rewrites[0]
+            logger.info(
+                "set %d per-rank head counts the policy left full (e.g. %s: %d -> %d)",
+                len(self.rewrites), first.dotted, first.value, first.local,
+            )  # fmt: skip
 
 
 def _relative(path: str, targets) -> tuple[str, str]:
