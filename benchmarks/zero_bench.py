@@ -5,7 +5,7 @@
 Each method trains the same small GPT-2 (built from a config, same seed, same data) on 2 gloo
 ranks for a few steps, in its own spawn so that its peak memory is its own. Reported per rank:
 median step time, optimizer memory (the wrapped optimizer's states plus, for ZeroOptimizer, the
-fp32 master shards), and the peak resident-memory growth over the model alone; every number is
+fp32 master shards of half-precision models), and the peak resident-memory growth over the model alone; every number is
 also given as a ratio to DDP measured in the same run. The final loss shows all methods train
 the same model the same way.
 """

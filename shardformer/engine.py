@@ -24,6 +24,7 @@ from shardformer.pipeline.spec import PipelineSpec, check_split
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
 from shardformer.policies.auto import get_autopolicy
+from shardformer.recompute import checkpoint_layers
 from shardformer.sharder import shard_model
 from shardformer.zero import ZeroOptimizer
 
@@ -41,6 +42,8 @@ class EngineConfig:
     loss scaling). max_grad_norm: clip the global gradient norm (None: no clipping).
     layers_per_stage: explicit split (one count per stage; default balanced).
     seed: base seed of the tensor-parallel dropout layers (as ShardConfig.seed).
+    activation_checkpointing: recompute each transformer layer's activations in backward instead of
+    keeping them (dropout masks replayed: losses and gradients are those of the run without it).
     split_batch: ``train_step`` gets the global batch and each dp rank takes its 1/dp slice
     (False: each rank passes its own dp-local batch).
     backend: how training steps run the schedule when pp > 1: "torch" (torch.distributed.pipelining's
@@ -60,6 +63,7 @@ class EngineConfig:
     split_batch: bool = True
     backend: str = "torch"
     seed: int = DEFAULT_SEED
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "num_microbatches"):
@@ -74,6 +78,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.precision={self.precision!r} must be one of {sorted(PRECISIONS)}")
         if self.backend not in ("p2p", "torch"):
             raise ValueError(f"EngineConfig.backend={self.backend!r} must be 'p2p' or 'torch'")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(
+                f"EngineConfig.activation_checkpointing={self.activation_checkpointing!r} must be True or False"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed={self.seed!r} must be an integer")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -164,6 +172,8 @@ class ParallelEngine:
         if cfg.pp > 1:
             check_split(len(self.pipeline.layer_list(model)), cfg.pp, cfg.layers_per_stage)
             check_pipeline_spec(self.pipeline, model, cfg.pp, cfg.layers_per_stage)
+        if cfg.activation_checkpointing:
+            self._checkpoint_activations(model, check_only=True)  # before any collective
         if mesh is not None and (
             (mesh.tp_size, mesh.pp_size) != (cfg.tp, cfg.pp) or cfg.dp not in (None, mesh.dp_size)
         ):
@@ -180,6 +190,8 @@ class ParallelEngine:
         if cfg.pp > 1:
             self.pipeline.keep_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
         self.stage_forward = self.pipeline.stage_forward if self.pipeline is not None else whole_model_forward
+        if cfg.activation_checkpointing:
+            self._checkpoint_activations(self.model)
         self.model.to(PRECISIONS[cfg.precision])
         first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
         self.shared = self.pipeline.shared_parameters(self.model) if cfg.pp > 1 and (first or last) else []
@@ -209,6 +221,21 @@ class ParallelEngine:
                 "every layer" if self.model.shardformer.layers is None else f"layers {list(self.model.shardformer.layers)}",
                 f"{sum(p.numel() for p in params):,}",
             )  # fmt: skip
+
+    def _checkpoint_activations(self, model: nn.Module, check_only: bool = False) -> None:
+        """transformers models use their own per-layer checkpointing (the sharder made it replay the
+        dropout masks); other models get their pipeline spec's layers wrapped."""
+        if getattr(model, "supports_gradient_checkpointing", False):
+            if not check_only:  # transformers 5.23 renamed gradient_checkpointing_enable
+                (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+        elif self.pipeline is not None:
+            if not check_only:
+                checkpoint_layers(self.pipeline.layer_list(model))
+        else:
+            raise ValueError(
+                f"activation_checkpointing: {type(model).__name__} has no transformers checkpointing and no "
+                f"pipeline spec naming its layers; pass pipeline=PipelineSpec(layers=..., ...) to ParallelEngine"
+            )
 
     # -- steps ---------------------------------------------------------------------------------------
 

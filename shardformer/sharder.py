@@ -20,6 +20,7 @@ from shardformer.layers import (
 from shardformer.layers.linear import is_conv1d
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
+from shardformer.recompute import replay_in_hf_checkpointing
 from shardformer.rng import agree_on_rng
 from shardformer.sharded_class import adapt_class
 from shardformer.slicer import shard_spec
@@ -147,6 +148,7 @@ class ModelSharder:
         self.bind_layer(bindings)
         keep_ties(self.model, self.detected.ties)  # ties the policy did not list, found in the model
         agree_on_rng(group)
+        replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
         adapt_class(self.model)  # generate() and transformers' LM losses on vocab-parallel logits
         attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group))
         if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):

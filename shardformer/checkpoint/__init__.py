@@ -3,11 +3,21 @@
 - :func:`save_pretrained` writes a sharded model as a plain HuggingFace (or timm) folder.
 - :func:`save_checkpoint` / :func:`load_checkpoint` save and resume training at any (tp, pp, dp).
 - :func:`load_sharded` builds a sharded model from a HuggingFace folder, each rank reading only its slices.
+- :class:`CheckpointError` is what they raise for a path or a file they refuse, naming it and the problem.
 """
 
+from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.gather import gather_full_state, layout_of
 from shardformer.checkpoint.hf_export import save_pretrained
 from shardformer.checkpoint.shard_load import load_sharded
 from shardformer.checkpoint.training import load_checkpoint, save_checkpoint
 
-__all__ = ["gather_full_state", "layout_of", "load_checkpoint", "load_sharded", "save_checkpoint", "save_pretrained"]
+__all__ = [
+    "CheckpointError",
+    "gather_full_state",
+    "layout_of",
+    "load_checkpoint",
+    "load_sharded",
+    "save_checkpoint",
+    "save_pretrained",
+]

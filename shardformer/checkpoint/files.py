@@ -2,7 +2,9 @@
 
 A checkpoint folder holds
 
-- ``meta.json``: format, step, ``extra``, the layout it was saved at, the LR scheduler state;
+- ``meta.json``: the manifest (written last, see :mod:`shardformer.checkpoint.commit`): every file's
+  size and sha256, format, step, ``extra``, the layout it was saved at, the model's class and config,
+  the LR scheduler state;
 - ``model-pp{p}-tp{t}.safetensors``: stage ``p``'s tensors as tp rank ``t`` holds them (written by
   dp rank 0), with each tensor's ShardSpec, full shape and tied aliases in the file's metadata;
 - ``rank{r}.safetensors`` + ``rank{r}.json``: global rank ``r``'s optimizer shard and RNG states.
@@ -21,10 +23,9 @@ from dataclasses import asdict
 import torch
 from safetensors import safe_open
 
+from shardformer.checkpoint.errors import CheckpointError
 from shardformer.slicer import ShardSpec, merge_shards, shard_spec, slice_tensor
 
-META = "meta.json"
-FORMAT = "shardformer-checkpoint/1"
 _MODEL_FILE = re.compile(r"model-pp(\d+)-tp(\d+)\.safetensors$")
 
 
@@ -36,12 +37,44 @@ def rank_files(rank: int) -> tuple[str, str]:
     return f"rank{rank}.safetensors", f"rank{rank}.json"
 
 
+def dtype_kind(dtype: torch.dtype) -> str:
+    """float, int or bool: loading may convert within a kind (fp32 to bf16), never across."""
+    return "bool" if dtype == torch.bool else "float" if dtype.is_floating_point else "int"
+
+
 def spec_to_json(spec: ShardSpec | None):
     return None if spec is None else asdict(spec)
 
 
 def spec_from_json(data) -> ShardSpec | None:
     return None if data is None else ShardSpec(**data)
+
+
+class SafeFile:
+    """A safetensors file opened for reading, every failure reported naming the file."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        try:
+            self.handle = safe_open(file, "pt")
+        except Exception as e:  # noqa: BLE001 - SafetensorError and OSError alike: name the file
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+    def names(self) -> list[str]:
+        return list(self.handle.keys())  # noqa: SIM118 - a safetensors handle, not a dict
+
+    def metadata(self, key: str):
+        """A JSON entry of the file's metadata."""
+        try:
+            return json.loads((self.handle.metadata() or {})[key])
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{self.file}: its metadata entry {key!r} is missing or damaged ({e})") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.handle.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - a missing name or damaged data: name the file
+            raise CheckpointError(f"{self.file}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
 
 
 def full_shape(tensor: torch.Tensor) -> list[int]:
@@ -66,45 +99,37 @@ def model_tensors(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     return tensors, info
 
 
-def json_dump(obj, path: str, what: str) -> None:
-    def refuse(value):
-        if isinstance(value, tuple):
-            return list(value)
-        raise TypeError(f"{what} holds {type(value).__name__} {value!r}, which JSON cannot store")
-
-    with open(path, "w") as f:
-        json.dump(obj, f, default=refuse, indent=1)
-
-
-def json_load(path: str):
-    with open(path) as f:
-        return json.load(f)
-
-
 class ModelIndex:
     """Every model tensor of a checkpoint: name -> {tp rank: (file, spec)}, with full shapes."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, files) -> None:
         self.path = path
         self.pieces: dict[str, dict[int, tuple[str, ShardSpec | None]]] = {}
         self.shapes: dict[str, list[int]] = {}
         self.alias: dict[str, str] = {}
-        self._handles: dict[str, object] = {}
-        found = sorted(f for f in os.listdir(path) if _MODEL_FILE.match(f))
+        self._handles: dict[str, SafeFile] = {}
+        found = sorted(f for f in files if _MODEL_FILE.match(f))
         if not found:
-            raise FileNotFoundError(f"{path} holds no model-pp*-tp*.safetensors files; is it a training checkpoint?")
+            raise CheckpointError(f"{path} holds no model-pp*-tp*.safetensors files; is it a training checkpoint?")
         for file in found:
             tp_rank = int(_MODEL_FILE.match(file).group(2))
-            info = json.loads(self.handle(file).metadata()["shardformer"])
-            for name, entry in info.items():
-                self.pieces.setdefault(name, {}).setdefault(tp_rank, (file, spec_from_json(entry["spec"])))
-                self.shapes[name] = entry["shape"]
-                for alias in entry["aliases"]:
-                    self.alias.setdefault(alias, name)
+            handle = self.handle(file)
+            info = handle.metadata("shardformer")
+            try:
+                for name, entry in info.items():
+                    self.pieces.setdefault(name, {}).setdefault(tp_rank, (file, spec_from_json(entry["spec"])))
+                    self.shapes[name] = list(entry["shape"])
+                    for alias in entry["aliases"]:
+                        self.alias.setdefault(alias, name)
+            except (AttributeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{handle.file}: its tensor list is damaged ({type(e).__name__}: {e})") from None
+            missing = sorted(set(info) - set(handle.names()))
+            if missing:
+                raise CheckpointError(f"{handle.file}: lists tensors {missing[:5]} it does not hold")
 
-    def handle(self, file: str):
+    def handle(self, file: str) -> SafeFile:
         if file not in self._handles:
-            self._handles[file] = safe_open(os.path.join(self.path, file), "pt")
+            self._handles[file] = SafeFile(os.path.join(self.path, file))
         return self._handles[file]
 
     def resolve(self, names: list[str]) -> str | None:
@@ -126,18 +151,18 @@ class ModelIndex:
         spec = self.saved_spec(name)
         if spec is None:
             file = pieces[min(pieces)][0]
-            return self.handle(file).get_tensor(name)
+            return self.handle(file).get(name)
         missing = [t for t in range(spec.world_size) if t not in pieces]
         if missing:
-            raise ValueError(f"{self.path}: the shards of {name!r} from tp ranks {missing} are missing")
-        return merge_shards([self.handle(pieces[t][0]).get_tensor(name) for t in range(spec.world_size)], spec)
+            raise CheckpointError(f"{self.path}: the shards of {name!r} from tp ranks {missing} are missing")
+        return merge_shards([self.handle(pieces[t][0]).get(name) for t in range(spec.world_size)], spec)
 
     def shard(self, name: str, spec: ShardSpec | None) -> torch.Tensor:
         """This rank's piece of ``name`` for ``spec`` (the saved shard itself when the layout is the same)."""
         if spec is not None and spec.rank in self.pieces[name]:
             file, saved = self.pieces[name][spec.rank]
             if saved == spec:
-                return self.handle(file).get_tensor(name)
+                return self.handle(file).get(name)
         full = self.full(name)
         return full if spec is None else slice_tensor(full, spec)
 

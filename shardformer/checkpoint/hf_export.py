@@ -12,16 +12,19 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from shardformer.checkpoint.gather import gather_full_state
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
+_OWN_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors$")  # what write_safetensors names files
 
 
 def original_class(model: nn.Module) -> type:
@@ -69,22 +72,28 @@ def _parse_size(size: int | str) -> int:
 
 def write_safetensors(state: dict[str, torch.Tensor], path: str, max_shard_size: int | str = "2GB") -> list[str]:
     """Write ``state`` into ``path`` as one safetensors file, or shards plus an index; returns file names."""
-    from huggingface_hub import split_torch_state_dict_into_shards
 
     state = {k: v.detach().contiguous() for k, v in state.items()}
     split = split_torch_state_dict_into_shards(
         state, filename_pattern="model{suffix}.safetensors", max_shard_size=_parse_size(max_shard_size)
     )
-    for old in os.listdir(path):  # stale shards of an earlier export would confuse the index
-        if old.startswith("model") and (old.endswith(".safetensors") or old == SAFE_INDEX):
-            os.remove(os.path.join(path, old))
     for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, os.path.join(path, filename), metadata={"format": "pt"})
+        part = os.path.join(path, filename + ".partial")
+        save_file({n: state[n] for n in names}, part, metadata={"format": "pt"})
+        os.replace(part, os.path.join(path, filename))
+    index_file = os.path.join(path, SAFE_INDEX)
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
                  "weight_map": split.tensor_to_filename}  # fmt: skip
-        with open(os.path.join(path, SAFE_INDEX), "w") as f:
+        with open(index_file + ".partial", "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
+        os.replace(index_file + ".partial", index_file)
+    elif os.path.isfile(index_file):
+        os.remove(index_file)
+    # Weights of an earlier export would confuse loaders; only names this function writes are removed.
+    for old in os.listdir(path):
+        if _OWN_WEIGHTS.match(old) and old not in split.filename_to_tensors:
+            os.remove(os.path.join(path, old))
     return sorted(split.filename_to_tensors)
 
 

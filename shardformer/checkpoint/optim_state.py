@@ -6,7 +6,8 @@ names, its ShardSpec and local shape) each index is, which states are per-elemen
 the param groups and the loss scaler. Loading puts each per-element state of a parameter back
 together like the parameter itself (dp pieces concatenated, tp shards merged), cuts this rank's
 tp shard and hands the optimizer a dp-unsharded state (``ZeroOptimizer.load_full_state_dict``
-shards it over dp).
+shards it over dp). Reading (:func:`read_optimizer`) checks every state against this rank's
+parameters and changes nothing; :func:`apply_optimizer` then cannot fail on the checkpoint's account.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import os
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 
-from shardformer.checkpoint.files import json_load, rank_files, reshard_local, spec_from_json, spec_to_json
+from shardformer.checkpoint import typed_json
+from shardformer.checkpoint.errors import CheckpointError
+from shardformer.checkpoint.files import SafeFile, rank_files, reshard_local, spec_from_json, spec_to_json
 from shardformer.slicer import shard_spec
 from shardformer.zero import ZeroOptimizer
 
@@ -50,7 +52,7 @@ def optimizer_payload(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tens
     tensors, per_element, scalars = {}, {}, {}
     for index, param in enumerate(params):
         shape = optimizer.slots[index].master.shape if zero else param.shape
-        per_element[index], scalars[index] = [], {}
+        per_element[index], scalars[index] = [], {}  # int keys: typed JSON keeps them
         for key, value in state_dict["state"].get(index, {}).items():
             if torch.is_tensor(value):
                 tensors[f"opt.{index}.{key}"] = value.detach().cpu()
@@ -82,31 +84,37 @@ class _Saved:
     def __init__(self, path: str, world: int) -> None:
         self.path, self.ranks, self._files = path, {}, {}
         for rank in range(world):
-            info = json_load(os.path.join(path, rank_files(rank)[1]))
-            if info["optimizer"] is not None:
-                self.ranks[rank] = info
+            file = os.path.join(path, rank_files(rank)[1])
+            info = typed_json.load(file)
+            try:
+                if info["optimizer"] is not None:
+                    self.ranks[rank] = info
+                    for key in ("kind", "params", "per_element", "has_state", "scalars", "param_groups"):
+                        info["optimizer"][key]  # noqa: B018 - present, or reported below naming the file
+            except (KeyError, TypeError) as e:
+                raise CheckpointError(f"{file}: the optimizer description is damaged (no {e})") from None
         self.where: dict[str, list[tuple[int, int]]] = {}
         for rank, info in self.ranks.items():
             for index, param in enumerate(info["optimizer"]["params"]):
                 for name in param["names"]:
                     self.where.setdefault(name, []).append((rank, index))
 
-    def _file(self, rank: int):
+    def _file(self, rank: int) -> SafeFile:
         if rank not in self._files:
-            self._files[rank] = safe_open(os.path.join(self.path, rank_files(rank)[0]), "pt")
+            self._files[rank] = SafeFile(os.path.join(self.path, rank_files(rank)[0]))
         return self._files[rank]
 
     def tensor(self, rank: int, key: str) -> torch.Tensor:
-        return self._file(rank).get_tensor(key)
+        return self._file(rank).get(key)
 
     def keys(self, rank: int) -> list[str]:
-        return list(self._file(rank).keys())  # noqa: SIM118 - a safetensors handle, not a dict
+        return self._file(rank).names()
 
     def locate(self, names: list[str]) -> dict[int, list[tuple[int, int]]]:
         """{saved tp rank: [(global rank, index) by dp rank]} of one pipeline stage holding the param."""
         hits = next((self.where[n] for n in names if n in self.where), None)
         if hits is None:
-            raise ValueError(f"the checkpoint holds no optimizer state for parameter {names[0]!r}")
+            raise CheckpointError(f"{self.path}: no rank file holds optimizer state for parameter {names[0]!r}")
         stage = self.ranks[hits[0][0]]["coords"]["pp"]
         by_tp: dict[int, list[tuple[int, int, int]]] = {}
         for rank, index in hits:
@@ -134,8 +142,8 @@ def _put_together(saved: _Saved, located, key: str, my_spec) -> torch.Tensor:
     return reshard_local(pieces, spec, my_spec)
 
 
-def load_optimizer(path: str, model: nn.Module, optimizer, world: int) -> None:
-    """Give ``optimizer`` its state from the checkpoint at ``path``, at this rank's layout."""
+def read_optimizer(path: str, model: nn.Module, optimizer, world: int) -> dict:
+    """The state to give ``optimizer`` from the checkpoint at ``path``, at this rank's layout; changes nothing."""
     saved = _Saved(path, world)
     zero = isinstance(optimizer, ZeroOptimizer)
     names = _names_by_id(model)
@@ -149,9 +157,14 @@ def load_optimizer(path: str, model: nn.Module, optimizer, world: int) -> None:
         reference = reference or opt
         if index0 not in opt["has_state"]:
             continue
-        entry = dict(opt["scalars"].get(str(index0), {}))
-        for key in opt["per_element"].get(str(index0), []):
+        entry = dict(opt["scalars"].get(index0, {}))
+        for key in opt["per_element"].get(index0, []):
             value = _put_together(saved, located, key, shard_spec(param))
+            if tuple(value.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{os.path.join(path, rank_files(rank0)[0])}: state {key!r} of {my_names[0]} comes to "
+                    f"{tuple(value.shape)}, this rank's parameter is {tuple(param.shape)}"
+                )
             if key == MASTER:
                 masters[index] = value
             else:
@@ -165,14 +178,19 @@ def load_optimizer(path: str, model: nn.Module, optimizer, world: int) -> None:
     groups = optimizer.state_dict()["param_groups"]
     saved_groups = reference["param_groups"] if reference else []
     if reference is not None and len(saved_groups) != len(groups):
-        raise ValueError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one {len(groups)}")
+        raise CheckpointError(
+            f"{path}: the saved optimizer has {len(saved_groups)} param groups, this one {len(groups)}"
+        )
     for group, old in zip(groups, saved_groups):
-        for key, value in old.items():
-            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        group.update({k: v for k, v in old.items() if k != "params"})
     if zero:
-        optimizer.load_full_state_dict({
-            "state": state, "param_groups": groups,
-            "zero": {"format": "full", "loss_scaler": reference and reference["loss_scaler"], "master_params": masters},
-        })  # fmt: skip
+        return {"state": state, "param_groups": groups,
+                "zero": {"format": "full", "loss_scaler": reference and reference["loss_scaler"], "master_params": masters}}  # fmt: skip
+    return {"state": state, "param_groups": groups}
+
+
+def apply_optimizer(optimizer, state_dict: dict) -> None:
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.load_full_state_dict(state_dict)
     else:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        optimizer.load_state_dict(state_dict)

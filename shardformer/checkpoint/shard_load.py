@@ -18,10 +18,16 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+import transformers
 from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
+from transformers.initialization import no_init_weights
 
+from shardformer.checkpoint.errors import CheckpointError
+from shardformer.checkpoint.files import dtype_kind, full_shape
 from shardformer.checkpoint.hf_export import SAFE_INDEX, SAFE_WEIGHTS
+from shardformer.config import ShardConfig
+from shardformer.sharder import shard_model
 from shardformer.slicer import ShardSpec, shard_spec
 
 
@@ -57,17 +63,32 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
+def _inside(path: str, file) -> str:
+    """``file`` (a name from the index) as a path inside the folder ``path``; anything else is refused."""
+    norm = os.path.normpath(file) if isinstance(file, str) and file else ""
+    if not norm or os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
+        raise CheckpointError(f"{os.path.join(path, SAFE_INDEX)}: names the file {file!r}, which is not inside {path}")
+    return norm
+
+
 def weight_map(path: str) -> dict[str, str]:
     """{tensor name: safetensors file} of a HuggingFace folder (one file, or shards with an index)."""
     index = os.path.join(path, SAFE_INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            return json.load(f)["weight_map"]
+        try:
+            with open(index, "rb") as f:
+                files = json.loads(f.read().decode("utf-8"))["weight_map"]
+            if not isinstance(files, dict):
+                raise TypeError(f"weight_map is a {type(files).__name__}, not a dict")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a readable safetensors index ({type(e).__name__}: {e})") from None
+        return {name: _inside(path, file) for name, file in files.items()}
     single = os.path.join(path, SAFE_WEIGHTS)
     if not os.path.isfile(single):
         raise FileNotFoundError(f"{path} has neither {SAFE_WEIGHTS} nor {SAFE_INDEX}; save it with safetensors")
-    with safe_open(single, "pt") as f:
-        return dict.fromkeys(f.keys(), SAFE_WEIGHTS)
+    reader = SafetensorsReader(single)
+    reader.close()
+    return dict.fromkeys(reader.header, SAFE_WEIGHTS)
 
 
 _DTYPES = {
@@ -82,16 +103,24 @@ class SafetensorsReader:
 
     ``safe_open(...).get_slice`` memory-maps the file, and every page a slice touches then counts in
     the process's resident memory; a column slice touches nearly every page of a weight. Reading
-    just the needed byte runs keeps a rank's memory at its own shard.
+    just the needed byte runs keeps a rank's memory at its own shard. The header is first checked by
+    ``safe_open`` itself (every tensor's dtype, shape and byte range consistent, the file fully
+    covered), so the offsets read here can be trusted; each read also stays inside its tensor.
     """
 
     def __init__(self, file: str) -> None:
         self.file = file
-        self.fd = os.open(file, os.O_RDONLY)
-        (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-        self.header = json.loads(os.pread(self.fd, length, 8))
+        try:
+            with safe_open(file, "pt"):
+                pass
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                self.header = json.loads(f.read(length))
+        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: name the file
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
         self.header.pop("__metadata__", None)
         self.base = 8 + length
+        self.fd = os.open(file, os.O_RDONLY)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -99,23 +128,46 @@ class SafetensorsReader:
     def shape(self, name: str) -> list[int]:
         return list(self.header[name]["shape"])
 
-    def _read_into(self, view: memoryview, offset: int) -> None:
+    def dtype(self, name: str) -> torch.dtype:
+        code = self.header[name]["dtype"]
+        if code not in _DTYPES:
+            raise CheckpointError(f"{self.file}: {name} has dtype {code}, which shardformer cannot load")
+        return _DTYPES[code]
+
+    def check(self, name: str, tensor: torch.Tensor, shape: list[int]) -> None:
+        """Refuse what ``from_pretrained`` refuses: a saved tensor of another size or kind than the model's."""
+        if self.shape(name) != list(shape):
+            raise CheckpointError(
+                f"{self.file}: {name} has shape {self.shape(name)}, the model (built from its config) expects "
+                f"{list(shape)}; the config does not match the weights"
+            )
+        if dtype_kind(self.dtype(name)) != dtype_kind(tensor.dtype):
+            raise CheckpointError(
+                f"{self.file}: {name} is {self.header[name]['dtype']}, the model holds {tensor.dtype}"
+            )
+
+    def _read_into(self, view: memoryview, offset: int, name: str) -> None:
+        start, stop = (self.base + o for o in self.header[name]["data_offsets"])
+        if offset < start or offset + len(view) > stop:
+            raise CheckpointError(f"{self.file}: a read of {name} would leave its bytes [{start}, {stop})")
         while len(view):
             got = os.preadv(self.fd, [view], offset)
             if got <= 0:
-                raise OSError(f"{self.file} ended early (truncated file?)")
+                raise CheckpointError(f"{self.file}: ended inside {name} (the file changed while being read?)")
             view, offset = view[got:], offset + got
 
     def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """``tensor.narrow(dim, start, stop - start)`` of the saved tensor, reading only those bytes."""
         info = self.header[name]
-        dtype, shape = _DTYPES[info["dtype"]], list(info["shape"])
+        dtype, shape = self.dtype(name), list(info["shape"])
         begin = self.base + info["data_offsets"][0]
         if not shape:
             out = torch.empty((), dtype=dtype)
-            self._read_into(memoryview(out.reshape(1).view(torch.uint8).numpy()), begin)
+            self._read_into(memoryview(out.reshape(1).view(torch.uint8).numpy()), begin, name)
             return out
         stop = shape[dim] if stop is None else stop
+        if not 0 <= start <= stop <= shape[dim]:
+            raise CheckpointError(f"{self.file}: rows {start}:{stop} of {name} asked, it has {shape[dim]} on dim {dim}")
         out_shape = shape[:dim] + [stop - start] + shape[dim + 1 :]
         out = torch.empty(out_shape, dtype=dtype)
         if out.numel() == 0:
@@ -124,7 +176,7 @@ class SafetensorsReader:
         run, stride = (stop - start) * inner, shape[dim] * inner
         buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
         for i in range(math.prod(shape[:dim])):
-            self._read_into(buffer[i * run : (i + 1) * run], begin + i * stride + start * inner)
+            self._read_into(buffer[i * run : (i + 1) * run], begin + i * stride + start * inner, name)
         return out
 
 
@@ -144,7 +196,7 @@ def read_shard(reader: SafetensorsReader, name: str, spec: ShardSpec | None) -> 
         if stop - start < per_block:  # vocabulary padding (n_cast is 1 then)
             pad = list(shape)
             pad[spec.dim] = per_block - max(stop - start, 0)
-            pieces.append(torch.zeros(pad, dtype=_DTYPES[reader.header[name]["dtype"]]))
+            pieces.append(torch.zeros(pad, dtype=reader.dtype(name)))
     return torch.cat(pieces, dim=spec.dim) if len(pieces) > 1 else pieces[0]
 
 
@@ -166,19 +218,31 @@ def materialize_from_safetensors(model: nn.Module, path: str, device=None) -> No
     todo = [(names, t) for names, t in groups.values() if t.device.type == "meta"]
     missing = [names[0] for names, _ in todo if not any(n in files for n in names)]
     if missing:
-        raise ValueError(f"{path} lacks the tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}; "
+        raise CheckpointError(f"{path} lacks the tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}; "
                          f"was it saved from this model class? (a buffer built with torch.empty and not saved cannot be restored)")  # fmt: skip
     handles = {}
     try:
+        problems = []  # every header checked before any read, all mismatches reported at once
         for names, tensor in todo:
             saved = next(n for n in names if n in files)
             file = files[saved]
             if file not in handles:
                 handles[file] = SafetensorsReader(os.path.join(path, file))
+            if saved not in handles[file].header:
+                raise CheckpointError(f"{os.path.join(path, file)}: lacks {saved}, which the index places there")
+            try:
+                handles[file].check(saved, tensor, full_shape(tensor))
+            except CheckpointError as e:
+                problems.append(str(e))
+        if problems:
+            raise CheckpointError(f"cannot load {path} into this model:\n  " + "\n  ".join(problems))
+        for names, tensor in todo:
+            saved = next(n for n in names if n in files)
+            file = files[saved]
             spec = shard_spec(tensor)
             value = read_shard(handles[file], saved, spec).to(device=device or "cpu", dtype=tensor.dtype)
             if value.shape != tensor.shape:
-                raise ValueError(
+                raise CheckpointError(
                     f"{saved}: read {tuple(value.shape)} from {file}, this rank holds {tuple(tensor.shape)}"
                 )
             if isinstance(tensor, nn.Parameter):
@@ -200,17 +264,10 @@ def load_sharded(cls_or_name, path: str, shard_config=None, policy=None, device=
     straight onto ``device`` (default CPU; buffers are moved there too). Every rank reads only
     its own slices; the result equals ``shard_model(cls.from_pretrained(path), shard_config)``.
     """
-    import transformers
-
-    from shardformer.config import ShardConfig
-    from shardformer.sharder import shard_model
-
     cls = getattr(transformers, cls_or_name) if isinstance(cls_or_name, str) else cls_or_name
     build = {k: hf_kwargs.pop(k) for k in ("attn_implementation", "dtype", "torch_dtype") if k in hf_kwargs}
     dtype = build.pop("dtype", build.pop("torch_dtype", None))
     config = cls.config_class.from_pretrained(path, **hf_kwargs)
-    from transformers.initialization import no_init_weights
-
     with parameters_on_meta(), no_init_weights():
         model = cls._from_config(config, **build)
         if callable(getattr(model, "tie_weights", None)):

@@ -268,6 +268,11 @@ def load_config(
         raise ConfigError(f"config file {path!r} not found (working directory: {os.getcwd()})")
     try:
         namespace = runpy.run_path(path, run_name="__shardformer_config__")
+    except SystemExit as exc:  # not an Exception: without this the launcher would exit silently
+        raise ConfigError(
+            f"{path}: the config file called sys.exit({exc.code!r}); a config file only sets values, "
+            "remove the exit (or raise an error saying what is wrong)"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any error in the user's file becomes one clear message
         raise ConfigError(f"{path}: could not execute the config file: {type(exc).__name__}: {exc}") from exc
     settings = _settings(namespace, path)

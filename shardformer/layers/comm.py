@@ -146,6 +146,10 @@ class SharedInputCopy:
     def __call__(self, x: torch.Tensor, group) -> torch.Tensor:
         if group_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
+        if torch.compiler.is_compiling():
+            # No Python-side cache inside a traced graph: dynamo would bake a stale entry in (a
+            # module-level cache did, and gave wrong losses). One all-reduce per layer: exact.
+            return _CopyToParallel.apply(x, group, None)
         if self._latest is not None:
             x_ref, version, cached_group, y = self._latest
             if x_ref() is x and version == x._version and cached_group is group:

@@ -16,7 +16,7 @@ from shardformer.layers.comm import group_rank
 _RANK_STRIDE = 1_000_003  # a prime: seeds of different ranks never collide for sane seeds
 
 
-class _SeededDropout(nn.Module):
+class SeededDropout(nn.Module):
     parallel_input: bool
 
     def __init__(self, p: float = 0.5, seed: int = 0, process_group=None) -> None:
@@ -29,7 +29,7 @@ class _SeededDropout(nn.Module):
         self._generators: dict[torch.device, torch.Generator] = {}
 
     @classmethod
-    def from_native(cls, module: nn.Module, process_group=None, seed: int = 0, **_) -> _SeededDropout:
+    def from_native(cls, module: nn.Module, process_group=None, seed: int = 0, **_) -> SeededDropout:
         return cls(module.p, seed, process_group)
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -46,6 +46,18 @@ class _SeededDropout(nn.Module):
         for device, state in states.items():
             self.generator(torch.device(device)).set_state(state)
 
+    def rng_snapshot(self) -> dict[torch.device, torch.Tensor]:
+        """The generators' states now (a generator not made yet is not listed: it would start at the seed)."""
+        return {d: g.get_state() for d, g in self._generators.items()}
+
+    def rng_restore(self, snapshot: dict[torch.device, torch.Tensor]) -> None:
+        """Back to the states of :meth:`rng_snapshot` (activation recompute replays the same masks)."""
+        for device in list(self._generators):
+            if device not in snapshot:
+                del self._generators[device]
+        for device, state in snapshot.items():
+            self.generator(device).set_state(state)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
@@ -56,13 +68,13 @@ class _SeededDropout(nn.Module):
         return f"p={self.p}, seed={self.seed}"
 
 
-class DropoutForReplicatedInput(_SeededDropout):
+class DropoutForReplicatedInput(SeededDropout):
     """Same mask on every tensor-parallel rank (input identical across ranks)."""
 
     parallel_input = False
 
 
-class DropoutForParallelInput(_SeededDropout):
+class DropoutForParallelInput(SeededDropout):
     """A different mask on each tensor-parallel rank (input split across ranks)."""
 
     parallel_input = True

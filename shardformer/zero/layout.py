@@ -5,6 +5,11 @@ Every parameter is flattened, padded to a multiple of the data-parallel size ``d
 into buckets. A bucket's communication buffer is a ``[dp, shard_numel_total]`` tensor: row ``r``
 holds rank ``r``'s piece of every parameter of the bucket, side by side. A reduce-scatter of the
 flattened buffer hands each rank exactly its row, an all-gather of the rows rebuilds every param.
+
+Half-precision parameters get an fp32 master copy of this rank's piece. A parameter that already
+is fp32 (or fp64) needs no copy: its storage is moved into a padded flat buffer and the master is
+this rank's piece of that buffer, a view, so the optimizer updates the parameter in place and ZeRO
+holds no second copy of the weights (the padding, under ``dp`` elements, is never read).
 """
 
 from __future__ import annotations
@@ -100,10 +105,22 @@ def build_slots(param_groups: list[list[torch.nn.Parameter]], dp: int, rank: int
     slots = []
     for params in param_groups:
         for p in params:
-            flat = p.detach().reshape(-1)
-            master = shard_of(flat.to(master_dtype_for(p.dtype)), dp, rank)
-            slots.append(ParamSlot(len(slots), p, p.numel(), shard_numel_for(p.numel(), dp), master))
+            k = shard_numel_for(p.numel(), dp)
+            if master_dtype_for(p.dtype) == p.dtype:
+                master = _piece_in_place(p, dp * k)[rank * k : (rank + 1) * k]
+            else:
+                master = shard_of(p.detach().reshape(-1).to(master_dtype_for(p.dtype)), dp, rank)
+            slots.append(ParamSlot(len(slots), p, p.numel(), k, master))
     return slots
+
+
+@torch.no_grad()
+def _piece_in_place(p: torch.nn.Parameter, padded: int) -> torch.Tensor:
+    """Move ``p``'s values into a zero-padded flat buffer of ``padded`` elements that ``p`` then views."""
+    buffer = torch.zeros(padded, dtype=p.dtype, device=p.device)
+    buffer[: p.numel()].copy_(p.detach().reshape(-1))
+    p.data = buffer[: p.numel()].view(p.shape)
+    return buffer
 
 
 def build_buckets(slots: list[ParamSlot], bucket_size: int, dp: int) -> list[Bucket]:

@@ -1,9 +1,10 @@
 """ZeroOptimizer: ZeRO stage 1/2 around any ``torch.optim.Optimizer``.
 
-Each rank of the data-parallel group keeps an fp32 master copy of only its 1/dp shard of every
-parameter, and the wrapped optimizer steps those shards, so its states (Adam's moments, SGD's
-momentum) take 1/dp of the memory. After each step the updated shards are all-gathered back into
-the model's parameters, which stay in their own dtype (fp32, bf16 or fp16).
+Each rank of the data-parallel group steps only its 1/dp shard of every parameter, so the wrapped
+optimizer's states (Adam's moments, SGD's momentum) take 1/dp of the memory. Half-precision
+parameters get an fp32 master copy of that shard; fp32 parameters are stepped in place (the shard
+is a view of the parameter: no second copy). After each step the updated shards are all-gathered
+back into the model's parameters, which stay in their own dtype (fp32, bf16 or fp16).
 """
 
 from __future__ import annotations
@@ -259,11 +260,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the optimizer: wrapped-optimizer states and master shards."""
+        """Bytes this rank holds for the optimizer: wrapped-optimizer states and master shards (copies
+        only: an fp32 parameter's master is a view of the parameter itself)."""
         states = sum(
             v.numel() * v.element_size() for st in self.optim.state.values() for v in st.values() if torch.is_tensor(v)
         )
-        masters = sum(s.master.numel() * s.master.element_size() for s in self.slots)
+        masters = sum(s.master.numel() * s.master.element_size() for s in self.slots if s.master.dtype != s.param.dtype)
         return {"optimizer_states": states, "master_params": masters}
 
     def state_dict(self) -> dict:

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from shardformer.layers import gather_from_parallel
+from tests.policies import zoo
 
 
 def shared_dir(prefix="sf-ckpt-"):
@@ -36,3 +37,17 @@ def sgd_steps(model, inputs, loss_of, steps=2, lr=0.1):
         loss_of(model, inputs).backward()
         opt.step()
     return model
+
+
+def scheduled_steps(model, opt, sched, steps):
+    """SGD-style steps on seeded random tokens; (loss, learning rates) after each, to compare runs exactly."""
+    out = []
+    for step in steps:
+        ids = torch.randint(3, zoo.VOCAB, (2, zoo.SEQ), generator=torch.Generator().manual_seed(step))
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        out.append((loss.item(), sched.get_last_lr()))
+    return out

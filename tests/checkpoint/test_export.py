@@ -7,6 +7,7 @@ model's gathered logits. Everything runs in one spawn of 2 ranks.
 
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -16,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from shardformer import ShardConfig, shard_model
-from shardformer.checkpoint import load_sharded, save_pretrained
-from tests.checkpoint.common import full_logits, remove_dir, sgd_steps, shared_dir
+from shardformer.checkpoint import CheckpointError, load_sharded, save_pretrained
+from tests.checkpoint.common import full_logits, remove_dir, scheduled_steps, sgd_steps, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.policies import zoo
 
@@ -161,27 +162,88 @@ def check_plain_optimizer_checkpoint():
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
 
-    def train(model, opt, sched, steps):
-        losses = []
-        for step in steps:
-            ids = torch.randint(3, zoo.VOCAB, (2, zoo.SEQ), generator=torch.Generator().manual_seed(step))
-            loss = model(input_ids=ids, labels=ids).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-        return losses
-
     path = shared_dir()
     model, opt, sched = make(0)
-    train(model, opt, sched, range(3))
+    scheduled_steps(model, opt, sched, range(3))
     save_checkpoint(path + "/ckpt", model, opt, sched, step=3)
-    reference = train(model, opt, sched, range(3, 6))
+    reference = scheduled_steps(model, opt, sched, range(3, 6))
     fresh, opt2, sched2 = make(1)
     assert load_checkpoint(path + "/ckpt", fresh, opt2, sched2)["step"] == 3
-    assert train(fresh, opt2, sched2, range(3, 6)) == reference
+    assert scheduled_steps(fresh, opt2, sched2, range(3, 6)) == reference
     remove_dir(path)
+
+
+def check_shard_on_load_refuses_a_config_that_disagrees_with_the_weights():
+    """What from_pretrained refuses: tp slicing must not read other tensors' bytes or cut silently."""
+    torch.manual_seed(0)
+    path = shared_dir()
+    if dist.get_rank() == 0:
+        tf.GPT2LMHeadModel(zoo.gpt2_config()).save_pretrained(path)
+    dist.barrier()
+    tp = ShardConfig(tensor_parallel_size=2)
+    weights = os.path.join(path, "model.safetensors")
+    cases = {"vocab_size": (zoo.VOCAB + 9, "transformer.wte.weight has shape [99, 32]"),
+             "n_inner": (64, "transformer.h.0.mlp.c_fc.weight has shape [32, 128]")}  # fmt: skip
+    cases["vocab_size "] = (zoo.VOCAB - 9, "transformer.wte.weight has shape [99, 32]")
+    for key, (value, expected) in cases.items():
+        try:
+            load_sharded("GPT2LMHeadModel", path, tp, **{key.strip(): value})
+            raise AssertionError(f"{key}={value} disagrees with the weights and loaded")
+        except CheckpointError as e:
+            assert f"{weights}: {expected}" in str(e) and "the config does not match the weights" in str(e), e
+    load_sharded("GPT2LMHeadModel", path, tp)  # the config it was saved with loads
+    remove_dir(path)
+
+
+def check_a_damaged_checkpoint_fails_on_every_rank_and_changes_nothing():
+    """A file only one rank needs is missing or damaged: every rank raises the same error, untouched."""
+    from shardformer.checkpoint import load_checkpoint, save_checkpoint
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = shard_model(tf.GPT2LMHeadModel(zoo.gpt2_config()), ShardConfig(tensor_parallel_size=2))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sgd_steps(model, zoo.inputs_for("GPT2LMHeadModel"), _hf_loss, steps=1)
+        opt.step()  # AdamW state to save, and to keep
+        return model, opt
+
+    path = shared_dir()
+    ckpt = os.path.join(path, "ckpt")
+    damages = {
+        "model-pp0-tp1.safetensors": lambda file: os.remove(file),  # tp rank 1's shard
+        "rank1.safetensors": lambda file: _flip_last_byte(file),  # rank 1's optimizer state
+    }
+    for name, damage in damages.items():
+        save_checkpoint(ckpt, *make(0), step=1)
+        fresh, fresh_opt = make(1)
+        before = {k: v.clone() for k, v in fresh.state_dict().items()}
+        opt_before = repr(fresh_opt.state_dict())
+        if dist.get_rank() == 0:
+            damage(os.path.join(ckpt, name))
+        dist.barrier()
+        try:
+            load_checkpoint(ckpt, fresh, fresh_opt)
+            raise AssertionError(f"a damaged {name} loaded")
+        except CheckpointError as e:
+            message = str(e)
+        messages = [None, None]
+        dist.all_gather_object(messages, message)
+        assert messages[0] == messages[1], messages
+        assert os.path.join(ckpt, name) in message and "nothing was changed" in message, message
+        assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items()), name
+        assert repr(fresh_opt.state_dict()) == opt_before, name
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(ckpt)
+    remove_dir(path)
+
+
+def _flip_last_byte(file):
+    with open(file, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
 
 
 CHECKS = [
@@ -194,5 +256,7 @@ CHECKS = [
     check_shard_on_load_bert,
     check_shard_on_load_vit,
     check_plain_optimizer_checkpoint,
+    check_shard_on_load_refuses_a_config_that_disagrees_with_the_weights,
+    check_a_damaged_checkpoint_fails_on_every_rank_and_changes_nothing,
 ]
 test_export_tp2 = check_table(CHECKS, 2)

@@ -15,7 +15,7 @@ import transformers as tf
 
 import shardformer.checkpoint.training as training
 from shardformer import ShardConfig, shard_model
-from shardformer.checkpoint import layout_of, load_checkpoint, save_checkpoint, save_pretrained
+from shardformer.checkpoint import CheckpointError, layout_of, load_checkpoint, save_checkpoint, save_pretrained
 from shardformer.pipeline import pipeline_spec_for
 from shardformer.topology import with_stage
 from shardformer.zero import ZeroOptimizer
@@ -113,10 +113,17 @@ def check_reshard_tp2_dp2_to_tp4_dp1():
     _reshard_to(4)
 
 
-def _fail_on_rank_1(rank, tmp):
-    assert os.listdir(tmp), "the hook runs after this rank's files are written"
-    if rank == 1:
-        raise OSError("disk full (simulated)")
+def _disk_full_on_rank_1(monkeypatch_target):
+    """Rank 1's writes fail after the file is written (a wrapped function, not a hook in the library)."""
+    real = monkeypatch_target.save_file
+
+    def failing(tensors, file, *args, **kwargs):
+        real(tensors, file, *args, **kwargs)
+        if dist.get_rank() == 1:
+            raise OSError("disk full (simulated)")
+
+    monkeypatch_target.save_file = failing
+    return real
 
 
 def check_failed_save_keeps_previous_checkpoint():
@@ -128,14 +135,14 @@ def check_failed_save_keeps_previous_checkpoint():
     save_checkpoint(ckpt, model, opt, sched, step=2)
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
     _train(model, opt, sched, range(3, 4))
-    training._FAULT_HOOK = _fail_on_rank_1
+    real = _disk_full_on_rank_1(training)
     try:
         save_checkpoint(ckpt, model, opt, sched, step=3)
         raise AssertionError("the save should have failed")
-    except RuntimeError as e:
+    except CheckpointError as e:
         assert "rank 1" in str(e) and "disk full" in str(e), e
     finally:
-        training._FAULT_HOOK = None
+        training.save_file = real
     dist.barrier()
     assert sorted(os.listdir(path)) == ["ckpt"], os.listdir(path)  # the temporary folder is gone
     info = load_checkpoint(ckpt, model, opt, sched)

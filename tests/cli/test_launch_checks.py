@@ -83,6 +83,14 @@ def test_bad_config_value_is_caught_before_start(capsys, tmp_path):
     assert "tensor_parallel_size='2' has type str, expected int" in err
 
 
+def test_config_that_exits_is_reported(capsys, tmp_path):
+    bad = tmp_path / "exits.py"
+    bad.write_text("import sys\ntensor_parallel_size = 2\nsys.exit(3)\n")
+    code, _, err = run_cli(capsys, "--nproc_per_node", "2", JOB, "--config", str(bad), "--mode", "train")
+    assert code == 2
+    assert f"{bad}: the config file called sys.exit(3)" in err
+
+
 def test_bad_process_counts(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["run", "--nproc_per_node", "0", JOB])

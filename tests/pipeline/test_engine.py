@@ -33,7 +33,19 @@ def _mesh(tp, pp, dp):
 
 
 def _check(
-    name, tp, pp, dp, schedule, micro, clip, backend="torch", zero_stage=1, model_pair=None, loss_fn=None, data=None
+    name,
+    tp,
+    pp,
+    dp,
+    schedule,
+    micro,
+    clip,
+    backend="torch",
+    zero_stage=1,
+    model_pair=None,
+    loss_fn=None,
+    data=None,
+    **engine_options,
 ):
     ref, model = model_pair or common.models(name)
     data = data or common.batches(name, STEPS)
@@ -46,13 +58,16 @@ def _check(
         schedule=schedule,
         max_grad_norm=clip,
         backend=backend,
+        **engine_options,
     )
     engine = ParallelEngine(model, common.sgd, cfg, loss_fn=loss_fn, mesh=_mesh(tp, pp, dp))
     stage = stage_of(engine.model)
     assert stage == (engine.mesh.pp_rank, pp), stage
     expected = common.reference_run(ref, data, dp * micro, clip, loss_fn)
     got = [engine.train_step(b) for b in data]
-    what = f"{name} tp={tp} pp={pp} dp={dp} {schedule}/{backend} x{micro} clip={clip} zero={zero_stage}"
+    what = (
+        f"{name} tp={tp} pp={pp} dp={dp} {schedule}/{backend} x{micro} clip={clip} zero={zero_stage} {engine_options}"
+    )
     assert_close(torch.tensor(got), torch.tensor(expected), what=f"{what}: losses")
     weights, mine = common.gathered_weights(engine.model, engine.mesh.tp_group)
     full = dict(ref.named_parameters())
@@ -105,6 +120,12 @@ def check_eval_step_and_zero2_with_pp():
     assert_close(torch.tensor(engine.eval_step(data[0])), torch.tensor(expected), what="eval_step")
 
 
+def check_activation_checkpointing_pp2_tp2():
+    engine = _check("GPT2LMHeadModel", 2, 2, 1, "1f1b", 2, 1.0, "torch", activation_checkpointing=True)
+    layers = [b for b in engine.model.transformer.h if b is not None]
+    assert layers and all(b.gradient_checkpointing for b in layers)
+
+
 def _timm_loss(logits, batch):
     return F.cross_entropy(logits, batch["labels"])
 
@@ -130,6 +151,7 @@ CHECKS = [
     _ComboCheck("BertForMaskedLM", (1, 4, 1, "gpipe", 4, 0.5, "torch")),
     check_gpt2_stage_contents,
     check_eval_step_and_zero2_with_pp,
+    check_activation_checkpointing_pp2_tp2,
     check_timm_vit_pp2_tp2,
 ]
 

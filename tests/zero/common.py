@@ -170,6 +170,10 @@ def state_bytes_check(dp: int, group=None):
     expected = sum(2 * 4 * -(-p.numel() // dp) + 4 for p in model.parameters())
     assert mine["optimizer_states"] == expected, (mine, expected)
     assert mine["optimizer_states"] <= full / dp * 1.001, (mine, full)
+    # fp32 parameters are stepped in place: the master shard is a view of the parameter, not a copy
+    assert mine["master_params"] == 0, mine
+    for slot in zero.slots:
+        assert slot.master.untyped_storage().data_ptr() == slot.param.untyped_storage().data_ptr()
     params = sum(p.numel() for p in model.parameters())
     return {
         "dp": dp,

@@ -1,0 +1,191 @@
+"""The folder protocol of a training checkpoint: what may be replaced, how a save commits, how a crash recovers.
+
+A checkpoint is a folder only shardformer writes. A save writes every file into ``<path>.tmp-<token>``;
+when every rank has finished, global rank 0 writes the manifest ``meta.json`` (each file's size and
+sha256) into it with one atomic rename: a folder holding a manifest is complete, one without it is
+not. Then the folder takes the name ``path`` in two renames (the previous checkpoint to
+``<path>.old-<token>``, the new one to ``path``) and the old one is deleted, manifest first.
+
+A crash at any instant therefore leaves either ``path`` complete, or no ``path`` and a complete folder
+under a temporary name (between the two renames): :func:`recover` (run by the next save and load)
+renames the newest complete one back to ``path``. Leftovers of crashed saves are removed by the next save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import uuid
+
+from shardformer.checkpoint import typed_json
+from shardformer.checkpoint.errors import CheckpointError
+
+META = "meta.json"
+FORMAT = "shardformer-checkpoint/2"
+_LEGACY = "shardformer-checkpoint/1"  # no manifest: replaceable when it holds only its own file names
+_LEGACY_FILES = re.compile(r"(meta\.json|model-pp\d+-tp\d+\.safetensors|rank\d+\.(safetensors|json))$")
+
+
+def checked_path(path, replacing: bool = True) -> str:
+    """The absolute checkpoint path; to save, refusing the ones whose replacement would destroy a working tree."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).strip():
+        raise CheckpointError(
+            f"checkpoint path {path!r} is empty; name a folder of its own, e.g. 'checkpoints/step-100'"
+        )
+    full = os.path.abspath(os.fspath(path))
+    cwd = os.getcwd()
+    if not replacing:
+        return full
+    if full == os.path.dirname(full) or cwd == full or cwd.startswith(full.rstrip(os.sep) + os.sep):
+        raise CheckpointError(
+            f"checkpoint path {path!r} is {full}, the working directory or one of its parents; "
+            "a checkpoint replaces its folder, so give it a folder of its own, e.g. 'checkpoints/step-100'"
+        )
+    return full
+
+
+def sha256_of(file: str) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def describe(folder: str, names) -> dict[str, dict]:
+    """``{name: {"bytes", "sha256"}}`` of files just written, synced to disk."""
+    out = {}
+    for name in names:
+        file = os.path.join(folder, name)
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+        out[name] = {"bytes": os.path.getsize(file), "sha256": sha256_of(file)}
+    return out
+
+
+def read_meta(folder: str) -> dict:
+    """The manifest of a checkpoint folder, checked to be ours and well formed."""
+    file = os.path.join(folder, META)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{folder} has no {META}: it is not a (finished) shardformer checkpoint")
+    meta = typed_json.load(file)
+    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith("shardformer-checkpoint/"):
+        raise CheckpointError(f"{file}: not a shardformer checkpoint manifest (no 'format' naming one)")
+    if meta["format"] != FORMAT:
+        raise CheckpointError(f"{file}: format {meta['format']!r}, this shardformer reads {FORMAT!r}")
+    for key in ("step", "files", "layout", "model_class", "has_optimizer", "saved_at"):
+        if key not in meta:
+            raise CheckpointError(f"{file}: the manifest lacks {key!r}; the file is damaged")
+    return meta
+
+
+def _own_files(folder: str) -> set[str]:
+    """The names a checkpoint folder may hold; raises if it is not a checkpoint."""
+    try:
+        return {META, *read_meta(folder)["files"]}
+    except CheckpointError:
+        meta = os.path.join(folder, META)
+        if os.path.isfile(meta):  # the previous format: no manifest, known file names
+            try:
+                if typed_json.load(meta).get("format") == _LEGACY:
+                    return {n for n in os.listdir(folder) if _LEGACY_FILES.match(n)}
+            except (CheckpointError, AttributeError):
+                pass
+        raise
+
+
+def check_replaceable(path: str) -> None:
+    """Refuse to replace anything but nothing, an empty folder, or a checkpoint holding only its own files."""
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symbolic link; save to the folder it points to, or to a new path")
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} exists and is not a folder; save the checkpoint to a new path")
+    entries = set(os.listdir(path))
+    if not entries:
+        return
+    try:
+        own = _own_files(path)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{path} is a non-empty folder that is not a shardformer checkpoint ({e}); saving would delete "
+            "it, so save to a new or empty folder, or remove it yourself"
+        ) from None
+    foreign = sorted(entries - own)
+    if foreign:
+        raise CheckpointError(
+            f"{path} is a checkpoint that also holds files it did not write ({', '.join(foreign[:5])}); "
+            "saving would delete them: move them out, or save to another path"
+        )
+
+
+def _siblings(path: str, kind: str) -> list[str]:
+    parent, base = os.path.split(path)
+    pattern = re.compile(re.escape(base) + r"\." + kind + r"-[0-9a-f]{8}$")
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return []
+    return [os.path.join(parent, n) for n in sorted(names) if pattern.match(n)]
+
+
+def _saved_at(folder: str) -> int | None:
+    try:
+        return int(read_meta(folder)["saved_at"])
+    except (CheckpointError, ValueError, TypeError):
+        return None
+
+
+def recover(path: str) -> str | None:
+    """Finish a commit that a crash interrupted; returns the folder renamed to ``path``, if any."""
+    if os.path.lexists(path):
+        return None
+    complete = [(t, d) for d in _siblings(path, "tmp") + _siblings(path, "old") if (t := _saved_at(d)) is not None]
+    if not complete:
+        return None
+    newest = max(complete)[1]
+    os.rename(newest, path)
+    _sync_dir(os.path.dirname(path))
+    return newest
+
+
+def discard(folder: str) -> None:
+    """Delete a checkpoint folder, manifest first, so a half-deleted folder never looks complete."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(folder, META))
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def prepare(path: str) -> str:
+    """Global rank 0, before a save: recover, refuse what must not be replaced, clear leftovers; the new tmp name."""
+    recover(path)
+    check_replaceable(path)
+    for leftover in _siblings(path, "tmp") + _siblings(path, "old"):
+        discard(leftover)
+    return f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+
+
+def _sync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: str, path: str, manifest: dict) -> None:
+    """Global rank 0, after every rank wrote its files into ``tmp``: mark it complete, put it at ``path``."""
+    typed_json.write_atomic(os.path.join(tmp, META), typed_json.dumps(manifest, "the checkpoint manifest"))
+    _sync_dir(tmp)
+    old = None
+    if os.path.lexists(path):
+        old = f"{path}.old-{tmp.rsplit('-', 1)[1]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _sync_dir(os.path.dirname(path))
+    if old is not None:
+        discard(old)
