@@ -26,6 +26,8 @@ import torch.nn as nn
 
 from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.layers.linear import is_conv1d
+from shardformer.policies.base import Col_Layer, Row_Layer
+from shardformer.slicer import shard_spec
 
 logger = logging.getLogger("shardformer")
 
@@ -68,8 +70,6 @@ def check_ties_are_cut_alike(model: nn.Module, ties: list[list[str]], replaced: 
 
 def keep_ties(model: nn.Module, ties: list[list[str]]) -> None:
     """After sharding, make every name of each tie the same Parameter again (the sharded one)."""
-    from shardformer.slicer import shard_spec
-
     for names in ties:
         params = {n: model.get_parameter(n) for n in names}
         source = next((n for n in names if shard_spec(params[n]) is not None), names[0])
@@ -264,8 +264,6 @@ def resolve_rewrites(targets, model: nn.Module) -> set[tuple[int, str]]:
 
 def cut_of(path: str, layer, module: nn.Module) -> Cut | None:
     """The cut a layer descriptor makes, or None for layers that cut nothing (dropout)."""
-    from shardformer.policies.base import Col_Layer, Row_Layer
-
     cls = layer.replace_layer
     vocab = isinstance(cls, type) and issubclass(cls, (VocabParallelEmbedding1D, VocabParallelLMHead1D))
     if isinstance(layer, Col_Layer):

@@ -22,6 +22,7 @@ import torch.nn as nn
 from shardformer.layers import VocabParallelLMHead1D
 from shardformer.mesh import VirtualGroup, group_size
 from shardformer.policies.lm_heads import gathered_logits
+from shardformer.topology import is_sharded, sharding_of
 
 
 class AgreeOnTokens:
@@ -50,8 +51,6 @@ class AgreeOnTokens:
 
 def tp_group_of(model: nn.Module):
     """The tensor-parallel group of a sharded model (None if it has none)."""
-    from shardformer.topology import is_sharded, sharding_of
-
     return sharding_of(model).tp_group if is_sharded(model) else None
 
 

@@ -18,6 +18,7 @@ from shardformer.config import PRECISIONS, ShardConfig
 from shardformer.mesh import VirtualGroup, resolve_sizes
 from shardformer.pipeline.families import pipeline_spec_for
 from shardformer.pipeline.spec import PipelineSpec, check_split
+from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.policies.auto import get_autopolicy
 from shardformer.sharder import ModelSharder
 from shardformer.slicer import shard_spec
@@ -60,8 +61,6 @@ def build_meta_model(spec: str, model_class: str | None = None) -> nn.Module:
 
 def model_class_for(config, folder: str, model_class: str | None = None) -> type:
     """The transformers class named by ``model_class``, else by the config's ``architectures``."""
-    import transformers as tf
-
     names = [model_class] if model_class else (getattr(config, "architectures", None) or [])
     if not names:
         guess = type(config).__name__.replace("Config", "ForCausalLM")
@@ -156,8 +155,6 @@ def plan_model(
 
 def stage_split(spec: PipelineSpec, model: nn.Module, pp: int, numels: dict[str, int]) -> list[tuple[range, int]]:
     """(layer indices, parameters per tensor-parallel rank) of each pipeline stage, as the engine cuts."""
-    from shardformer.pipeline.spec_check import check_pipeline_spec
-
     path = spec.layers
     counts = check_split(len(spec.layer_list(model)), pp)
     check_pipeline_spec(spec, model, pp)

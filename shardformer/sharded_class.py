@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
+from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
 from shardformer.generation import ParallelGeneration
 from shardformer.layers import VocabParallelLMHead1D
@@ -35,8 +36,6 @@ class VocabParallelLoss:
         head = get_head() if callable(get_head) else None
         if not isinstance(head, VocabParallelLMHead1D) or head.gather_output:
             return own
-        from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
-
         if own is ForCausalLMLoss:
             return partial(causal_lm_loss, head=head)
         if own is ForMaskedLMLoss:

@@ -20,8 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import transformers as tf
 
+from shardformer.config import ShardConfig
+from shardformer.layers.comm import gather_from_parallel
+from shardformer.plan import _builtin, model_class_for
+from shardformer.policies.auto import get_autopolicy
+from shardformer.sharder import shard_model
 from shardformer.slicer import ShardSpec, gather_tensor, merge_shards, shard_spec
+from shardformer.testing import run_on_ranks
 
 ATOL, RTOL = 1e-5, 1e-4  # outputs and loss (fp32), as the test suite
 GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-4
@@ -32,8 +39,6 @@ BATCH, SEQ, NEW_TOKENS, LR = 2, 8, 4, 0.1
 
 
 def _tiny(name: str):
-    import transformers as tf
-
     vocab = {"vocab_size": 99}  # divides by neither 2 nor 4: vocabulary padding is exercised
     small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
     gpt2 = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32, "bos_token_id": 1, "eos_token_id": 2}
@@ -82,7 +87,7 @@ def build_model(model: Any, model_class: str | None = None) -> nn.Module:
     if callable(model):
         return model()
     if model.startswith("timm:"):
-        import timm
+        import timm  # deferred: importing timm registers every timm model; only when asked for
 
         return timm.create_model(model[5:], pretrained=False)
     if os.path.isdir(model):
@@ -91,8 +96,6 @@ def build_model(model: Any, model_class: str | None = None) -> nn.Module:
         return _import(model, "MODEL")()
     factory, tiny = _tiny(model)
     if factory is None:
-        from shardformer.plan import _builtin
-
         factory, known = _builtin(model)
         if factory is None:
             raise ValueError(
@@ -103,10 +106,6 @@ def build_model(model: Any, model_class: str | None = None) -> nn.Module:
 
 
 def _from_folder(folder: str, model_class: str | None) -> nn.Module:
-    import transformers as tf
-
-    from shardformer.plan import model_class_for
-
     config = tf.AutoConfig.from_pretrained(folder)
     cls = model_class_for(config, folder, model_class)
     has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder))
@@ -325,8 +324,6 @@ def _loss_and_output(model, inputs, weights, group, full_shape):
     main = _first_tensor(out)
     loss = out.get("loss") if isinstance(out, dict) else None
     if group is not None and main.shape != full_shape:
-        from shardformer.layers.comm import gather_from_parallel
-
         if main.shape[:-1] != full_shape[:-1]:
             raise ValueError(f"sharded output {list(main.shape)} cannot be gathered to {list(full_shape)}")
         main = gather_from_parallel(main, group, full_shape[-1])
@@ -378,10 +375,6 @@ def _generate(model, inputs):
 
 def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None = None, seed: int = 0) -> VerifyReport:
     """The body each rank runs (torch.distributed must be up: its world is the tp group)."""
-    from shardformer.config import ShardConfig
-    from shardformer.policies.auto import get_autopolicy
-    from shardformer.sharder import shard_model
-
     tp = dist.get_world_size()
     torch.manual_seed(seed)
     built = build_model(model, model_class)
@@ -479,8 +472,6 @@ def verify(
     divergence and generate are checked at ``pp=1``. Returns a :class:`VerifyReport` (``.ok``,
     ``.format()``, ``.divergence``).
     """
-    from shardformer.testing import run_on_ranks
-
     for name, value, least in (("tp", tp, 1), ("pp", pp, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -489,6 +480,7 @@ def verify(
     if pp == 1:
         reports = run_on_ranks(verify_on_this_rank, tp, model, policy, model_class, seed, timeout=timeout)
     else:
+        # deferred: verify_pipeline builds on this module's report and comparisons
         from shardformer.verify_pipeline import verify_pipeline_on_this_rank
 
         reports = run_on_ranks(

@@ -14,6 +14,8 @@ import copy
 import torch
 import torch.distributed as dist
 
+from shardformer.engine import EngineConfig, ParallelEngine
+from shardformer.policies.auto import get_autopolicy
 from shardformer.slicer import gather_tensor, shard_spec
 from shardformer.verify import (
     ATOL,
@@ -43,9 +45,6 @@ def verify_pipeline_on_this_rank(
     model, policy=None, model_class=None, seed: int = 0, pp: int = 2, pipeline=None
 ) -> VerifyReport:
     """``pipeline``: a PipelineSpec (default: the model family's built-in one)."""
-    from shardformer import EngineConfig, ParallelEngine
-    from shardformer.policies.auto import get_autopolicy
-
     world = dist.get_world_size()
     tp = world // pp
     torch.manual_seed(seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -32,8 +33,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    import os
-
     # deferred: torch and transformers take seconds to import; `shardformer --help` and `run` never need them
     from shardformer.plan import build_meta_model, format_plan, plan_model
     from shardformer.verify import load_policy

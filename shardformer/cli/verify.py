@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -36,15 +37,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def verify_command(args: argparse.Namespace) -> int:
-    import os
-
-    from shardformer.verify import verify
+    # deferred: torch and transformers take seconds to import; `shardformer --help` never needs them
+    from shardformer.verify import load_policy, verify
 
     sys.path.insert(0, os.getcwd())  # module:Class from the current folder, as `python -m` would find it
     try:
         # resolve names here first: a typo is a usage error, not a failed verification
-        from shardformer.verify import load_policy
-
         load_policy(args.policy)
         report = verify(args.model, args.policy, args.tp, args.pp, model_class=args.model_class, seed=args.seed,
                         timeout=args.timeout)  # fmt: skip

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from shardformer.detect import find_ties
+from shardformer.pipeline.spec import check_split
 
 
 class PipelineSpecError(ValueError):
@@ -39,8 +40,6 @@ def _under(name: str, path: str) -> bool:
 
 
 def stages_of_layers(num_layers: int, num_stages: int, layers_per_stage=None) -> list[int]:
-    from shardformer.pipeline.spec import check_split
-
     counts = check_split(num_layers, num_stages, layers_per_stage)
     return [s for s, c in enumerate(counts) for _ in range(c)]
 
