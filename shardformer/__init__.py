@@ -5,8 +5,10 @@ from shardformer.engine import EngineConfig, ParallelEngine
 from shardformer.mesh import ProcessMesh, init_distributed, launch_from_torch
 from shardformer.pipeline import PipelineSpec
 from shardformer.policies import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, get_autopolicy
+from shardformer.rng import seed
 from shardformer.sharder import ModelSharder, shard_model
 from shardformer.topology import ShardedModelInfo, sharding_of
+from shardformer.verify import verify  # the function; the module stays importable as shardformer.verify
 
 __all__ = [
     "Argument",
@@ -25,6 +27,8 @@ __all__ = [
     "get_autopolicy",
     "init_distributed",
     "launch_from_torch",
+    "seed",
     "shard_model",
     "sharding_of",
+    "verify",
 ]

@@ -21,6 +21,7 @@ from shardformer.mesh import ProcessMesh, resolve_sizes
 from shardformer.pipeline.families import BUILTIN_SPECS, pipeline_spec_for
 from shardformer.pipeline.schedule import SCHEDULES, run_pipeline
 from shardformer.pipeline.spec import PipelineSpec, check_split
+from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
 from shardformer.policies.auto import get_autopolicy
 from shardformer.recompute import checkpoint_layers
@@ -170,6 +171,7 @@ class ParallelEngine:
         self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
         if cfg.pp > 1:
             check_split(len(self.pipeline.layer_list(model)), cfg.pp, cfg.layers_per_stage)
+            check_pipeline_spec(self.pipeline, model, cfg.pp, cfg.layers_per_stage)
         if cfg.activation_checkpointing:
             self._checkpoint_activations(model, check_only=True)  # before any collective
         if mesh is not None and (

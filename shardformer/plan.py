@@ -18,6 +18,7 @@ from shardformer.config import PRECISIONS, ShardConfig
 from shardformer.mesh import VirtualGroup, resolve_sizes
 from shardformer.pipeline.families import pipeline_spec_for
 from shardformer.pipeline.spec import PipelineSpec, check_split
+from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.policies.auto import get_autopolicy
 from shardformer.sharder import ModelSharder
 from shardformer.slicer import shard_spec
@@ -43,8 +44,9 @@ def _builtin(name: str):
     return table.get(name), sorted(table)
 
 
-def build_meta_model(spec: str) -> nn.Module:
-    """A model without weights: a folder with config.json, a built-in name, or ``timm:<model name>``."""
+def build_meta_model(spec: str, model_class: str | None = None) -> nn.Module:
+    """A model without weights: a folder with config.json (``model_class`` names the transformers class
+    when its config has no ``architectures``), a built-in name, or ``timm:<model name>``."""
     with torch.device("meta"):
         if spec.startswith("timm:"):
             import timm  # deferred: importing timm registers every timm model; only when asked for
@@ -52,16 +54,28 @@ def build_meta_model(spec: str) -> nn.Module:
             return timm.create_model(spec[5:], pretrained=False)
         if os.path.isdir(spec):
             config = tf.AutoConfig.from_pretrained(spec)
-            names = getattr(config, "architectures", None) or []
-            if not names or not hasattr(tf, names[0]):
-                raise ValueError(f"{spec}/config.json names no transformers class in 'architectures' ({names})")
-            return getattr(tf, names[0])(config)
+            return model_class_for(config, spec, model_class)(config)
         factory, known = _builtin(spec)
         if factory is None:
             raise ValueError(
                 f"MODEL {spec!r} is not a folder with config.json, a built-in name ({', '.join(known)}) or timm:<name>"
             )
         return factory()
+
+
+def model_class_for(config, folder: str, model_class: str | None = None) -> type:
+    """The transformers class named by ``model_class``, else by the config's ``architectures``."""
+    names = [model_class] if model_class else (getattr(config, "architectures", None) or [])
+    if not names:
+        guess = type(config).__name__.replace("Config", "ForCausalLM")
+        raise ValueError(
+            f"{folder}/config.json has no 'architectures'; name the model class with --model-class (e.g. {guess})"
+        )
+    cls = getattr(tf, names[0], None)
+    if not isinstance(cls, type):
+        source = "--model-class" if model_class else f"{folder}/config.json 'architectures'"
+        raise ValueError(f"{names[0]!r} (from {source}) is not a transformers model class")
+    return cls
 
 
 @dataclass
@@ -147,6 +161,7 @@ def stage_split(spec: PipelineSpec, model: nn.Module, pp: int, numels: dict[str,
     """(layer indices, parameters per tensor-parallel rank) of each pipeline stage, as the engine cuts."""
     path = spec.layers
     counts = check_split(len(spec.layer_list(model)), pp)
+    check_pipeline_spec(spec, model, pp)
     starts = [sum(counts[:s]) for s in range(pp)]
     layer_stage = {i: s for s in range(pp) for i in range(starts[s], starts[s] + counts[s])}
     under = lambda name, paths: any(name == q or name.startswith(q + ".") for q in paths)  # noqa: E731

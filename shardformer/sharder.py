@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.config import ShardConfig
+from shardformer.detect import detect_from_model, keep_ties
 from shardformer.layers import (
     DropoutForReplicatedInput,
     SharedInputCopy,
@@ -20,6 +21,8 @@ from shardformer.layers.linear import is_conv1d
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
 from shardformer.recompute import replay_in_hf_checkpointing
+from shardformer.rng import agree_on_rng
+from shardformer.sharded_class import adapt_class
 from shardformer.slicer import shard_spec
 from shardformer.topology import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 
@@ -104,6 +107,7 @@ class ModelSharder:
                             f"layer ignore=True if the module is optional"
                         )
                     replacements.append(self._check_layer(name, module, layer, where, input_copy))
+        self.detected = detect_from_model(self.model, config, self.shard_config, targets, replacements)
         return targets, replacements
 
     def _check_layer(self, parent_path: str, parent: nn.Module, layer: Layer, where: str, input_copy) -> Replacement:
@@ -137,11 +141,15 @@ class ModelSharder:
         for _, module, argument in targets:
             for attr, value in argument.attr_dict.items():
                 _set(module, attr, value)
+        self.detected.rewrite_attributes(self.model)
         for index, replacement in enumerate(replacements):
             self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
         leftovers = self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
         self.bind_layer(bindings)
+        keep_ties(self.model, self.detected.ties)  # ties the policy did not list, found in the model
+        agree_on_rng(group)
         replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
+        adapt_class(self.model)  # generate() and transformers' LM losses on vocab-parallel logits
         attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group))
         if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
             kinds = Counter(r.layer.replace_layer.__name__ for r in replacements)

@@ -1,6 +1,10 @@
 """A custom Policy: tensor-parallel Llama, a model shardformer has no built-in policy for.
 
-Run it on 2 processes to compare the sharded model with the original:
+Check it against the unsharded model (outputs, loss, gradients, a step, generate), from this folder:
+
+    shardformer verify llama_policy:tiny_llama --policy llama_policy:LlamaPolicy
+
+Run it on 2 processes to compare the sharded model's logits with the original:
 
     shardformer run --nproc_per_node 2 examples/custom_policy/llama_policy.py
 """
@@ -9,11 +13,12 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama as llama
 
 from shardformer import Argument, Col_Layer, Policy, Row_Layer, ShardConfig, init_distributed, shard_model
-from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
+from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D, vocab_parallel_cross_entropy
 from shardformer.policies import divide
 
 
@@ -26,6 +31,8 @@ class LlamaPolicy(Policy):
         divide(config.num_key_value_heads, tp, "num_key_value_heads")
         divide(config.intermediate_size, tp, "intermediate_size")
         # LlamaAttention views its projections as (-1, head_dim): no attribute needs a per-rank value.
+        # (A forward reading self.num_heads would need {"self_attn.num_heads": heads // tp} here; the
+        # sharder rewrites such head counts itself and refuses widths left at their full size.)
         return {
             llama.LlamaDecoderLayer: Argument({}, [self.attn_in, self.attn_out, self.mlp_in, self.mlp_out]),
             llama.LlamaModel: Argument({}, [self.embedding]),
@@ -54,11 +61,30 @@ class LlamaPolicy(Policy):
 
     @staticmethod
     def unembedding():
-        # gather_output: the model's own loss and generate() see full-vocabulary logits
-        return [Col_Layer("lm_head", bias=None, gather_output=True, replace_layer=VocabParallelLMHead1D)]
+        # logits stay vocab-parallel (no rank holds full-vocabulary logits): the loss below reads them;
+        # generate() gathers them on its own
+        return [Col_Layer("lm_head", bias=None, replace_layer=VocabParallelLMHead1D)]
+
+    def inject_policy(self):
+        return llama.LlamaForCausalLM, VocabParallelLlamaForCausalLM
 
     def binding_policy(self):
-        return {"model.embed_tokens.weight": "lm_head.weight"}  # kept tied only if tied in the model
+        # optional: the sharder finds ties in the model itself (one tensor under two names)
+        return {"model.embed_tokens.weight": "lm_head.weight"}
+
+
+class VocabParallelLlamaForCausalLM(llama.LlamaForCausalLM):
+    """LlamaForCausalLM whose loss runs on vocab-parallel logits ``[..., vocab / tp]``."""
+
+    @property
+    def loss_function(self):
+        head = self.lm_head  # a VocabParallelLMHead1D: its process_group is the tensor-parallel group
+
+        def causal_lm_loss(logits, labels, vocab_size=None, ignore_index=-100, **_):
+            shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # token t predicts token t + 1
+            return vocab_parallel_cross_entropy(logits, shifted, head.process_group, head.vocab_size, ignore_index)
+
+        return causal_lm_loss
 
 
 def tiny_llama_config(**kw):
@@ -66,6 +92,11 @@ def tiny_llama_config(**kw):
         vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, **kw,
     )  # fmt: skip
+
+
+def tiny_llama():
+    """A factory for ``shardformer verify`` (random weights)."""
+    return LlamaForCausalLM(tiny_llama_config())
 
 
 def main():
@@ -83,9 +114,10 @@ def main():
         policy=LlamaPolicy(),
     )
     ids = torch.randint(0, 99, (2, 16), generator=torch.Generator().manual_seed(1))
-    diff = (model(ids).logits - ref(ids).logits).abs().max().item()
+    loss, ref_loss = model(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    diff = abs(loss.item() - ref_loss.item())
     if dist.get_rank() == 0:
-        print(f"max |logits - unsharded logits| = {diff:.2e}")
+        print(f"|loss - unsharded loss| = {diff:.2e}")
     dist.destroy_process_group()
 
 

@@ -11,9 +11,9 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from shardformer.cli import plan, run
+from shardformer.cli import plan, run, verify
 
-SUBCOMMANDS = (run, plan)
+SUBCOMMANDS = (run, plan, verify)
 
 
 def _version() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -18,6 +19,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("model", metavar="MODEL", help="folder with config.json, a built-in name (gpt2, bert-base, "
                         "vit-base, ...) or timm:<name>")  # fmt: skip
+    parser.add_argument("--policy", metavar="MODULE:CLASS", help="a custom Policy class (default: the built-in one)")
+    parser.add_argument("--model-class", metavar="NAME", help="transformers class for a config.json without "
+                        "'architectures' (e.g. LlamaForCausalLM)")  # fmt: skip
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
@@ -31,12 +35,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def plan_command(args: argparse.Namespace) -> int:
     # deferred: torch and transformers take seconds to import; `shardformer --help` and `run` never need them
     from shardformer.plan import build_meta_model, format_plan, plan_model
+    from shardformer.verify import load_policy
 
+    sys.path.insert(0, os.getcwd())  # --policy module:Class from the current folder
     try:
-        model = build_meta_model(args.model)
-        plan = plan_model(model, args.tp, args.pp, args.dp, args.zero, args.precision)
+        policy = load_policy(args.policy)
+        model = build_meta_model(args.model, args.model_class)
+        plan = plan_model(model, args.tp, args.pp, args.dp, args.zero, args.precision, policy=policy)
     except (ValueError, NotImplementedError) as e:
-        print(f"shardformer plan: error: {e}", file=sys.stderr)
+        message = str(e).replace("pass it: shard_model(model, config, policy=MyPolicy())", "pass --policy module:Class")
+        print(f"shardformer plan: error: {message}", file=sys.stderr)
         return 2
     print(format_plan(plan, show_params=not args.summary))
     return 0

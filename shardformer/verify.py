@@ -1,0 +1,489 @@
+"""``shardformer.verify``: run a model unsharded and sharded on the same inputs and say where they part.
+
+On ``tp`` local gloo processes (:func:`shardformer.testing.run_on_ranks`) every rank builds the same
+model (same seed, then rank 0's weights broadcast), keeps an unsharded copy, shards the other with the
+given policy, and compares on the same random inputs: the outputs, the loss, every gradient (gathered),
+the weights after one SGD step, the outputs after it, and greedy ``generate``. Forward hooks record
+every module's output in both models; sharded activations are gathered back (along the dimension
+that tp split; fused blocks and vocabulary padding from the layer's ShardSpec), so a failure names
+**the first module whose output diverges** and by how much. It is how a custom policy is finished.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import transformers as tf
+
+from shardformer.config import ShardConfig
+from shardformer.layers.comm import gather_from_parallel
+from shardformer.plan import _builtin, model_class_for
+from shardformer.policies.auto import get_autopolicy
+from shardformer.sharder import shard_model
+from shardformer.slicer import ShardSpec, gather_tensor, merge_shards, shard_spec
+from shardformer.testing import run_on_ranks
+
+ATOL, RTOL = 1e-5, 1e-4  # outputs and loss (fp32), as the test suite
+GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-4
+BATCH, SEQ, NEW_TOKENS, LR = 2, 8, 4, 0.1
+
+
+# -- what to verify -------------------------------------------------------------------------------
+
+
+def _tiny(name: str):
+    vocab = {"vocab_size": 99}  # divides by neither 2 nor 4: vocabulary padding is exercised
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+    gpt2 = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32, "bos_token_id": 1, "eos_token_id": 2}
+    table = {
+        "gpt2-tiny": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(pad_token_id=0, **gpt2, **vocab)),
+        "bert-tiny": lambda: tf.BertForMaskedLM(tf.BertConfig(max_position_embeddings=32, **small, **vocab)),
+        "vit-tiny": lambda: tf.ViTForImageClassification(
+            tf.ViTConfig(image_size=16, patch_size=4, num_labels=3, **small)
+        ),
+        "timm-vit-tiny": lambda: __import__("timm").create_model(
+            "vit_tiny_patch16_224",
+            pretrained=False,
+            img_size=16,
+            patch_size=4,
+            embed_dim=32,
+            depth=2,
+            num_heads=4,
+            num_classes=3,
+        ),  # fmt: skip
+    }
+    return table.get(name), sorted(table)
+
+
+TINY_MODELS = _tiny("")[1]  # one tiny model per built-in policy family
+
+
+def _import(spec: str, what: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{what} {spec!r} must be module:name (e.g. my_models:build)")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what} {spec!r}: cannot import it ({e}); is its folder on PYTHONPATH?") from e
+    return obj
+
+
+def build_model(model: Any, model_class: str | None = None) -> nn.Module:
+    """A model from: a factory (callable), ``timm:<name>``, a folder with config.json (weights loaded if
+    present; ``model_class`` names the transformers class when config.json has no ``architectures``),
+    a ``module:function`` factory, or a built-in name (``gpt2-tiny``, ``bert-tiny``, ...; ``gpt2``, ...)."""
+    if isinstance(model, nn.Module):
+        raise TypeError("pass a factory or a name, not a model: every process builds its own copy")
+    if callable(model):
+        return model()
+    if model.startswith("timm:"):
+        import timm  # deferred: importing timm registers every timm model; only when asked for
+
+        return timm.create_model(model[5:], pretrained=False)
+    if os.path.isdir(model):
+        return _from_folder(model, model_class)
+    if ":" in model:
+        return _import(model, "MODEL")()
+    factory, tiny = _tiny(model)
+    if factory is None:
+        factory, known = _builtin(model)
+        if factory is None:
+            raise ValueError(
+                f"MODEL {model!r} is not a folder with config.json, module:function, timm:<name> or a built-in "
+                f"name ({', '.join(tiny + known)})"
+            )
+    return factory()
+
+
+def _from_folder(folder: str, model_class: str | None) -> nn.Module:
+    config = tf.AutoConfig.from_pretrained(folder)
+    cls = model_class_for(config, folder, model_class)
+    has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder))
+    return cls.from_pretrained(folder) if has_weights else cls(config)
+
+
+def load_policy(policy: Any):
+    """None (the built-in policy), a Policy instance or class, or ``module:Class``."""
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        policy = _import(policy, "--policy")
+    return policy() if isinstance(policy, type) else policy
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class Divergence:
+    module: str
+    cls: str
+    error: float
+    shape: tuple
+    before: str | None = None  # the submodule whose input already differed: the parent's own code is wrong
+
+    def __str__(self) -> str:
+        name = f"{self.module or '(the model)'} ({self.cls})"
+        if self.before is None:
+            return f"{name}: its output {list(self.shape)} differs by up to {self.error:.3g}; every module before it matches"
+        return (
+            f"{name}, in its own forward code: the input {list(self.shape)} it passes to {self.before} differs by "
+            f"up to {self.error:.3g}, while every submodule before it matches"
+        )
+
+
+@dataclass
+class VerifyReport:
+    model: str
+    policy: str
+    tp: int
+    checks: list[Check] = field(default_factory=list)
+    pp: int = 1
+    divergence: Divergence | None = None
+    error: str | None = None  # sharding refused or a step failed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(c.ok for c in self.checks)
+
+    def format(self) -> str:
+        layout = f"tp={self.tp}" + (f" x pp={self.pp}" if self.pp > 1 else "")
+        lines = [
+            f"shardformer verify: {self.model} with {self.policy} at {layout} ({self.tp * self.pp} gloo processes)"
+        ]
+        lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<20} {c.detail}" for c in self.checks]
+        if self.divergence is not None:
+            lines.append(f"first diverging module: {self.divergence}")
+        if self.error is not None:
+            lines.append(f"error: {self.error}")
+        lines.append("PASSED" if self.ok else "FAILED")
+        return "\n".join(lines)
+
+
+# -- comparing --------------------------------------------------------------------------------------
+
+
+def _first_tensor(out) -> torch.Tensor | None:
+    if torch.is_tensor(out):
+        return out
+    if isinstance(out, dict):  # ModelOutput: logits first when there is a loss in front
+        if torch.is_tensor(out.get("logits")):
+            return out["logits"]
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            if torch.is_tensor(item):
+                return item
+    return None
+
+
+def _split_dim(local: torch.Size, full: torch.Size, tp: int) -> int | None:
+    """The one dimension tp split (``local * tp`` covers ``full``, padding allowed), or None."""
+    if len(local) != len(full):
+        return None
+    dims = [d for d, (a, b) in enumerate(zip(local, full)) if a != b]
+    if len(dims) == 1 and local[dims[0]] * tp >= full[dims[0]] > local[dims[0]] * (tp - 1):
+        return dims[0]
+    return None
+
+
+def gather_like(local: torch.Tensor, full_shape: torch.Size, group, n_cast: int = 1) -> torch.Tensor | None:
+    """The full tensor behind a rank's piece of an activation (None when it cannot be told)."""
+    if local.shape == full_shape:
+        return local
+    tp = dist.get_world_size(group)
+    dim = _split_dim(local.shape, full_shape, tp)
+    if dim is None:
+        return None
+    spec = ShardSpec(dim, tp, dist.get_rank(group), full_shape[dim], local.shape[dim] * tp, n_cast)
+    shards = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return merge_shards(shards, spec)
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[float, bool]:
+    a, b = a.detach().float(), b.detach().float()
+    if a.shape != b.shape:
+        return float("inf"), False
+    err = (a - b).abs()
+    return (err.max().item() if err.numel() else 0.0), bool((err <= atol + rtol * b.abs()).all())
+
+
+class ActivationRecorder:
+    """Forward hooks on every module: ``(name, output)`` in completion order (inner modules first)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.calls: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] = []
+        self.classes = {name: type(m).__name__ for name, m in model.named_modules()}
+        self.handles = [m.register_forward_hook(self._hook(name, m)) for name, m in model.named_modules()]
+
+    def _hook(self, name: str, module: nn.Module):
+        weight = getattr(module, "weight", None)
+        spec = shard_spec(weight) if torch.is_tensor(weight) else None
+        n_cast = spec.n_cast if spec is not None else 1  # fused Q/K/V: gathered back block by block
+
+        def hook(_module, inputs, output):
+            t = _first_tensor(output)
+            if t is not None and t.is_floating_point():
+                x = _first_tensor(inputs)
+                x = x.detach().clone() if x is not None and x.is_floating_point() else None
+                self.calls.append((name, t.detach().clone(), n_cast, x))
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def first_divergence(ref: ActivationRecorder, sharded: ActivationRecorder, group) -> Divergence | None:
+    """Gather every sharded activation (the same collectives on every rank) and compare in order.
+
+    When the first diverging module's input already differs, no module computed the difference:
+    the code of its parent between submodules did, and the parent is named.
+    """
+    seen: dict[str, int] = {}
+    by_call = {}
+    for name, t, n_cast, x in sharded.calls:
+        k = seen[name] = seen.get(name, -1) + 1
+        by_call[(name, k)] = (t, n_cast, x)
+    seen.clear()
+    first = None
+    for name, expected, _, expected_in in ref.calls:
+        k = seen[name] = seen.get(name, -1) + 1
+        if (name, k) not in by_call:
+            continue
+        local, n_cast, local_in = by_call[(name, k)]
+        full = gather_like(local, expected.shape, group, n_cast)  # every rank gathers: no early exit
+        if full is None or first is not None:
+            continue
+        err, ok = max_error(full, expected, ATOL, RTOL)
+        if not ok:
+            first = Divergence(name, sharded.classes.get(name, "?"), err, tuple(expected.shape))
+            full_in = (
+                None if local_in is None or expected_in is None else gather_like(local_in, expected_in.shape, group)
+            )
+            if full_in is not None and not max_error(full_in, expected_in, ATOL, RTOL)[1]:
+                parent, _, child = name.rpartition(".")
+                first = Divergence(
+                    parent, sharded.classes.get(parent, "?"), max_error(full_in, expected_in, 0, 0)[0],
+                    tuple(expected_in.shape), before=child,
+                )  # fmt: skip
+    return first
+
+
+# -- one rank ---------------------------------------------------------------------------------------
+
+
+def make_inputs(model: nn.Module, seed: int, batch: int = BATCH) -> dict:
+    """Random inputs for the model's main input, with labels where the head's name says what they are."""
+    g = torch.Generator().manual_seed(seed)
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    if getattr(model, "main_input_name", "input_ids") == "pixel_values" or not hasattr(model, "config"):
+        size = getattr(config, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", (224,))
+        size = size[0] if isinstance(size, (tuple, list)) else size
+        channels = getattr(config, "num_channels", None) or getattr(model, "in_chans", 3)
+        images = torch.randn(batch, channels, size, size, generator=g)
+        x = {"pixel_values": images} if config is not None else {"x": images}  # timm: positional
+        if name.endswith("ForImageClassification"):
+            x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+        return x
+    vocab = getattr(config, "vocab_size", None) or model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (batch, SEQ), generator=g)
+    x = {"input_ids": ids}
+    if name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
+        x["labels"] = ids.clone()
+    elif name.endswith("ForSequenceClassification"):
+        x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+    elif name.endswith("ForTokenClassification"):
+        x["labels"] = torch.randint(0, config.num_labels, (batch, SEQ), generator=g)
+    return x
+
+
+def _loss_and_output(model, inputs, weights, group, full_shape):
+    """The model's loss when it returns one, else ``sum(output * weights)`` on the gathered output."""
+    out = model(inputs["x"]) if "x" in inputs else model(**inputs)
+    main = _first_tensor(out)
+    loss = out.get("loss") if isinstance(out, dict) else None
+    if group is not None and main.shape != full_shape:
+        if main.shape[:-1] != full_shape[:-1]:
+            raise ValueError(f"sharded output {list(main.shape)} cannot be gathered to {list(full_shape)}")
+        main = gather_from_parallel(main, group, full_shape[-1])
+    if loss is None and weights is not None:
+        loss = (main.float() * weights).sum()
+    return loss, main
+
+
+def _compare_params(ref: nn.Module, sharded: nn.Module, group, grads: bool) -> tuple[bool, str]:
+    full = dict(ref.named_parameters())
+    worst, worst_name, bad, count = 0.0, "", None, 0
+    for name, p in sharded.named_parameters():
+        r = full.get(name)
+        t, rt = (p.grad, r.grad) if grads else (p, r)
+        if r is None or (t is None) != (rt is None):
+            bad = bad or f"{name}: {'gradient ' if grads else ''}present in only one model"
+            continue
+        if t is None:
+            continue
+        spec = shard_spec(p)
+        t = t.detach() if spec is None else gather_tensor(t.detach().contiguous(), spec, group)
+        err, ok = max_error(t, rt, GRAD_ATOL, GRAD_RTOL)
+        count += 1
+        if err > worst:
+            worst, worst_name = err, name
+        if not ok and bad is None:
+            bad = f"{name}: max |diff| {err:.3g}"
+    if bad is not None:
+        return False, f"first mismatch {bad} ({count} compared)"
+    return True, f"{count} parameters, max |diff| {worst:.2g} ({worst_name or '-'})"
+
+
+def _broadcast_weights(model: nn.Module) -> None:
+    """Rank 0's weights everywhere, whatever the model's init did with the RNG."""
+    with torch.no_grad():
+        for t in list(model.state_dict(keep_vars=True).values()):
+            if torch.is_tensor(t):
+                dist.broadcast(t.data, src=0)
+
+
+def _generate(model, inputs):
+    config = model.config
+    pad = next((v for v in (config.pad_token_id, config.eos_token_id, 0) if isinstance(v, int)), 0)
+    prompt = inputs["input_ids"][:, : SEQ // 2]
+    kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad, "min_new_tokens": NEW_TOKENS}
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+
+
+def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None = None, seed: int = 0) -> VerifyReport:
+    """The body each rank runs (torch.distributed must be up: its world is the tp group)."""
+    tp = dist.get_world_size()
+    torch.manual_seed(seed)
+    built = build_model(model, model_class)
+    report = VerifyReport(type(built).__name__, "?", tp)
+    _broadcast_weights(built)
+    built.eval()  # no dropout: both models must compute the same function
+    ref = copy.deepcopy(built)
+    try:
+        pol = load_policy(policy) or get_autopolicy(built)
+        report.policy = type(pol).__name__
+        sharded = shard_model(built, ShardConfig(tensor_parallel_size=tp), pol)
+    except (ValueError, NotImplementedError, TypeError) as e:  # refused before any collective
+        report.error = f"sharding refused: {e}"
+        return report
+    group = dist.group.WORLD
+    inputs = make_inputs(ref, seed + 1)
+
+    step = "forward"
+    try:
+        rec_ref, rec_sh = ActivationRecorder(ref), ActivationRecorder(sharded)
+        ref_loss, ref_out = _loss_and_output(ref, inputs, None, None, None)
+        weights = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(seed + 2))
+        if ref_loss is None:  # no loss of its own: a fixed random projection of the output
+            ref_loss = (ref_out.float() * weights).sum()
+        loss, out = _loss_and_output(sharded, inputs, weights, group, ref_out.shape)
+        rec_ref.remove(), rec_sh.remove()
+        err, ok = max_error(out, ref_out, ATOL, RTOL)
+        report.checks.append(Check("forward outputs", ok, f"max |diff| {err:.2g} (output {list(ref_out.shape)})"))
+        report.divergence = first_divergence(rec_ref, rec_sh, group)
+        err, ok = max_error(loss, ref_loss, ATOL, RTOL)
+        report.checks.append(Check("loss", ok, f"{loss.item():.6g} vs {ref_loss.item():.6g} (|diff| {err:.2g})"))
+
+        step = "backward"
+        ref_loss.backward(), loss.backward()
+        report.checks.append(Check("gradients", *_compare_params(ref, sharded, group, grads=True)))
+
+        step = "optimizer step"
+        for m in (ref, sharded):
+            torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR).step()
+        report.checks.append(Check("weights after step", *_compare_params(ref, sharded, group, grads=False)))
+        with torch.no_grad():
+            _, ref_out = _loss_and_output(ref, inputs, weights, None, None)
+            _, out = _loss_and_output(sharded, inputs, weights, group, ref_out.shape)
+        err, ok = max_error(out, ref_out, ATOL, RTOL)
+        report.checks.append(Check("outputs after step", ok, f"max |diff| {err:.2g}"))
+
+        step = "generate"
+        if callable(getattr(ref, "can_generate", None)) and ref.can_generate():
+            expected, got = _generate(ref, inputs), _generate(sharded, inputs)
+            same = got.shape == expected.shape and torch.equal(got, expected)
+            detail = f"{BATCH} x {NEW_TOKENS} new tokens " + (
+                "equal" if same else f"differ: {got[:, SEQ // 2 :].tolist()} vs {expected[:, SEQ // 2 :].tolist()}"
+            )
+            report.checks.append(Check("greedy generate", same, detail))
+    except Exception as e:  # noqa: BLE001 - reported, with the module that diverged if one did
+        report.error = f"{step} failed: {type(e).__name__}: {e}"
+    return report
+
+
+def merge_reports(reports: list[VerifyReport]) -> VerifyReport:
+    """One report for all ranks: a check passes where it passed on every rank (pipeline stages hold
+    different weights); the first failing rank's detail is kept."""
+    merged = copy.deepcopy(reports[0])
+    for rank, report in enumerate(reports[1:], start=1):
+        if merged.error is None and report.error is not None:
+            merged.error = f"rank {rank}: {report.error}"
+        mine = {c.name: c for c in merged.checks}
+        for check in report.checks:
+            if check.name not in mine:
+                merged.checks.append(check)
+            elif mine[check.name].ok and not check.ok:
+                mine[check.name].ok, mine[check.name].detail = False, f"rank {rank}: {check.detail}"
+        merged.divergence = merged.divergence or report.divergence
+    return merged
+
+
+def verify(
+    model: Any,
+    policy: Any = None,
+    tp: int = 2,
+    pp: int = 1,
+    *,
+    pipeline: Any = None,
+    model_class: str | None = None,
+    seed: int = 0,
+    timeout: float = 300.0,
+) -> VerifyReport:
+    """Compare ``model`` sharded at ``tp`` (and split into ``pp`` pipeline stages) with itself unsharded,
+    on ``tp * pp`` local gloo processes.
+
+    ``model``: a factory (a module-level function, so spawned processes can import it), a folder
+    with config.json, ``module:function``, ``timm:<name>`` or a built-in name (:data:`TINY_MODELS`).
+    ``policy``: a Policy (instance or class, importable) or ``module:Class``; default: the built-in one.
+    ``pipeline``: a PipelineSpec for ``pp > 1`` (default: the family's built-in one). With ``pp > 1`` the training engine runs one step (loss, weights, outputs after it); module-by-module
+    divergence and generate are checked at ``pp=1``. Returns a :class:`VerifyReport` (``.ok``,
+    ``.format()``, ``.divergence``).
+    """
+    for name, value, least in (("tp", tp, 1), ("pp", pp, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if tp * pp < 2:
+        raise ValueError("tp * pp must be at least 2: one process has nothing to compare")
+    if pp == 1:
+        reports = run_on_ranks(verify_on_this_rank, tp, model, policy, model_class, seed, timeout=timeout)
+    else:
+        # deferred: verify_pipeline builds on this module's report and comparisons
+        from shardformer.verify_pipeline import verify_pipeline_on_this_rank
+
+        reports = run_on_ranks(
+            verify_pipeline_on_this_rank, tp * pp, model, policy, model_class, seed, pp, pipeline, timeout=timeout
+        )
+    return merge_reports(reports)

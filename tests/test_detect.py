@@ -1,0 +1,89 @@
+"""The sharder reads ties, head counts and widths from the model (issue 14, traps 1, 5, 7, 9).
+
+Every refusal here happens in ModelSharder.plan: the tensor-parallel group is a VirtualGroup and
+torch.distributed is not even initialised, so no collective could have been issued.
+"""
+
+import pytest
+import torch.distributed as dist
+import transformers as tf
+
+from shardformer import Argument, ShardConfig, shard_model
+from shardformer.cli.main import main
+from shardformer.detect import PolicyMismatch
+from shardformer.mesh import VirtualGroup
+from tests.policies.custom_policies import (
+    GPT2WithoutAttrsPolicy,
+    OPTPolicy,
+    UncheckedLlamaPolicy,
+    tiny_llama,
+    tiny_opt,
+)
+
+
+def planned(tp=2):
+    return ShardConfig(tensor_parallel_process_group=VirtualGroup(0, tp))
+
+
+def refused(model, policy, tp=2) -> str:
+    with pytest.raises(PolicyMismatch) as info:
+        shard_model(model, planned(tp), policy)
+    assert not dist.is_initialized()
+    return str(info.value)
+
+
+def test_head_count_read_in_forward_is_made_per_rank():  # trap 1: OPTAttention views q with self.num_heads
+    model = shard_model(tiny_opt(), planned(), OPTPolicy())
+    assert all(layer.self_attn.num_heads == 2 for layer in model.model.decoder.layers)
+
+
+def test_width_read_in_forward_left_full_is_refused_by_name():  # trap 1, a width: the fix is named
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99))
+    message = refused(gpt2, GPT2WithoutAttrsPolicy())
+    assert "transformer.h.0.attn.split_size = 32" in message
+    assert 'add "attn.split_size": 16 to the attr_dict of GPT2Block' in message
+
+
+def test_ties_found_in_the_model_stay_tied():  # trap 5: neither policy has a binding_policy
+    opt = shard_model(tiny_opt(), planned(), OPTPolicy())
+    assert opt.lm_head.weight is opt.model.decoder.embed_tokens.weight
+    llama = shard_model(tiny_llama(), planned(), UncheckedLlamaPolicy())
+    assert llama.lm_head.weight is llama.model.embed_tokens.weight
+    assert llama.lm_head.weight.shape == (50, 32)  # the vocab-parallel shard, padded 99 -> 100
+
+
+def test_tie_cut_on_one_side_only_is_refused():
+    class EmbeddingOnly(UncheckedLlamaPolicy):
+        def argument_policy(self, config, shard_config):
+            arguments = super().argument_policy(config, shard_config)
+            arguments[tf.LlamaForCausalLM] = Argument({}, [])
+            return arguments
+
+    message = refused(tiny_llama(), EmbeddingOnly())
+    assert "model.embed_tokens.weight and lm_head.weight are one tied tensor" in message
+
+
+def test_kv_heads_tp_does_not_divide_are_refused():  # trap 7: the policy never called divide()
+    message = refused(tiny_llama(num_key_value_heads=1), UncheckedLlamaPolicy())
+    assert "model.layers.0.self_attn.k_proj (Linear) holds num_key_value_heads=1 heads of 8" in message
+
+
+def test_width_tp_does_not_divide_is_refused():
+    message = refused(tiny_llama(intermediate_size=66, num_key_value_heads=4), UncheckedLlamaPolicy(), tp=4)
+    assert (
+        "model.layers.0.mlp.gate_proj (Linear): its output width 66 does not divide by tensor_parallel_size=4"
+        in message
+    )
+
+
+def test_plan_takes_a_custom_policy_and_a_model_class(tmp_path, capsys, monkeypatch):  # trap 9
+    from examples.custom_policy.llama_policy import tiny_llama_config
+
+    tiny_llama_config().save_pretrained(tmp_path)  # a config without `architectures`
+    assert main(["plan", str(tmp_path), "--tp", "2"]) == 2
+    assert "no 'architectures'; name the model class with --model-class" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path), "--model-class", "LlamaForCausalLM", "--tp", "2"]) == 2
+    assert "pass --policy module:Class" in capsys.readouterr().err
+    policy = "examples.custom_policy.llama_policy:LlamaPolicy"
+    assert main(["plan", str(tmp_path), "--model-class", "LlamaForCausalLM", "--policy", policy, "--tp", "2"]) == 0
+    assert "Linear -> VocabParallelLMHead1D: 1 (e.g. lm_head)" in capsys.readouterr().out
