@@ -121,6 +121,7 @@ class Cut:
     side: str  # "out" (column) or "in" (row)
     n_cast: int = 1
     vocab: bool = False  # vocabulary splits are padded, so any size fits
+    blocks: tuple[int, ...] | None = None  # fused blocks of different sizes (Phi-3's q | k | v)
 
     @property
     def full_width(self) -> int | None:
@@ -144,6 +145,12 @@ def check_sizes(cuts: list[Cut], tp: int, config, parents: dict[str, nn.Module])
         if width is None or cut.vocab:
             continue
         where = f"{cut.path} ({type(cut.module).__name__})"
+        if cut.blocks:  # the policy sized the blocks from the head counts: each must divide
+            if any(b % tp for b in cut.blocks):
+                raise PolicyMismatch(
+                    f"{where}: fused blocks {cut.blocks} do not each divide by tensor_parallel_size={tp}"
+                )
+            continue
         if width % (cut.n_cast * tp) != 0:
             raise PolicyMismatch(
                 f"{where}: its {'output' if cut.side == 'out' else 'input'} width {width}"
@@ -227,7 +234,7 @@ def stale_attributes(cuts: list[Cut], tp: int, parents: dict[str, nn.Module], re
         return []
     found: dict[tuple[str, str], StaleAttribute] = {}
     for cut in cuts:
-        if cut.side != "out" or cut.vocab or cut.full_width is None:
+        if cut.side != "out" or cut.vocab or cut.full_width is None or cut.blocks:
             continue
         parent_path = cut.path.rpartition(".")[0]
         parent = parents.get(parent_path)
@@ -267,6 +274,8 @@ def cut_of(path: str, layer, module: nn.Module) -> Cut | None:
     cls = layer.replace_layer
     vocab = isinstance(cls, type) and issubclass(cls, (VocabParallelEmbedding1D, VocabParallelLMHead1D))
     if isinstance(layer, Col_Layer):
+        if not isinstance(layer.n_cast, int):
+            return Cut(path, module, "out", len(layer.n_cast), vocab, tuple(layer.n_cast))
         return Cut(path, module, "out", layer.n_cast, vocab)
     if isinstance(layer, Row_Layer):
         return Cut(path, module, "in", 1, vocab)

@@ -204,7 +204,7 @@ def _split_dim(local: torch.Size, full: torch.Size, tp: int) -> int | None:
     return None
 
 
-def gather_like(local: torch.Tensor, full_shape: torch.Size, group, n_cast: int = 1) -> torch.Tensor | None:
+def gather_like(local: torch.Tensor, full_shape: torch.Size, group, n_cast=1) -> torch.Tensor | None:
     """The full tensor behind a rank's piece of an activation (None when it cannot be told)."""
     if local.shape == full_shape:
         return local
@@ -212,7 +212,9 @@ def gather_like(local: torch.Tensor, full_shape: torch.Size, group, n_cast: int 
     dim = _split_dim(local.shape, full_shape, tp)
     if dim is None:
         return None
-    spec = ShardSpec(dim, tp, dist.get_rank(group), full_shape[dim], local.shape[dim] * tp, n_cast)
+    blocks = None if isinstance(n_cast, int) else tuple(n_cast)  # fused blocks of different sizes
+    count = n_cast if blocks is None else len(blocks)
+    spec = ShardSpec(dim, tp, dist.get_rank(group), full_shape[dim], local.shape[dim] * tp, count, blocks)
     shards = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(shards, local.contiguous(), group=group)
     return merge_shards(shards, spec)
@@ -237,7 +239,7 @@ class ActivationRecorder:
     def _hook(self, name: str, module: nn.Module):
         weight = getattr(module, "weight", None)
         spec = shard_spec(weight) if torch.is_tensor(weight) else None
-        n_cast = spec.n_cast if spec is not None else 1  # fused Q/K/V: gathered back block by block
+        n_cast = (spec.blocks or spec.n_cast) if spec is not None else 1  # fused Q/K/V: gathered back block by block
 
         def hook(_module, inputs, output):
             t = _first_tensor(output)
