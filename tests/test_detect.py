@@ -82,8 +82,9 @@ def test_plan_takes_a_custom_policy_and_a_model_class(tmp_path, capsys, monkeypa
     tiny_llama_config().save_pretrained(tmp_path)  # a config without `architectures`
     assert main(["plan", str(tmp_path), "--tp", "2"]) == 2
     assert "no 'architectures'; name the model class with --model-class" in capsys.readouterr().err
-    assert main(["plan", str(tmp_path), "--model-class", "LlamaForCausalLM", "--tp", "2"]) == 2
-    assert "pass --policy module:Class" in capsys.readouterr().err
+    # no built-in policy: the one derived from Llama's own tp plan (issue 13), or a custom one
+    assert main(["plan", str(tmp_path), "--model-class", "LlamaForCausalLM", "--tp", "2"]) == 0
+    assert "LlamaForCausalLM -> VocabParallelLlamaForCausalLM" in capsys.readouterr().out
     policy = "examples.custom_policy.llama_policy:LlamaPolicy"
     assert main(["plan", str(tmp_path), "--model-class", "LlamaForCausalLM", "--policy", policy, "--tp", "2"]) == 0
     assert "Linear -> VocabParallelLMHead1D: 1 (e.g. lm_head)" in capsys.readouterr().out
