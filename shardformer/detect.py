@@ -122,6 +122,7 @@ class Cut:
     n_cast: int = 1
     vocab: bool = False  # vocabulary splits are padded, so any size fits
     blocks: tuple[int, ...] | None = None  # fused blocks of different sizes (Phi-3's q | k | v)
+    gathered: bool = False  # the output is gathered back: the module's owner sees full sizes
 
     @property
     def full_width(self) -> int | None:
@@ -157,7 +158,7 @@ def check_sizes(cuts: list[Cut], tp: int, config, parents: dict[str, nn.Module])
                 f"{f' ({cut.n_cast} fused blocks)' if cut.n_cast > 1 else ''} does not divide by "
                 f"tensor_parallel_size={tp}; use a tensor_parallel_size that divides {width // cut.n_cast}"
             )
-        if cut.side != "out":
+        if cut.side != "out" or cut.gathered:
             continue
         parent = parents.get(cut.path.rpartition(".")[0])
         counts = {k: v for k, v in ints.items() if _is_head_count(k) and v > 0}
@@ -234,7 +235,7 @@ def stale_attributes(cuts: list[Cut], tp: int, parents: dict[str, nn.Module], re
         return []
     found: dict[tuple[str, str], StaleAttribute] = {}
     for cut in cuts:
-        if cut.side != "out" or cut.vocab or cut.full_width is None or cut.blocks:
+        if cut.side != "out" or cut.vocab or cut.full_width is None or cut.blocks or cut.gathered:
             continue
         parent_path = cut.path.rpartition(".")[0]
         parent = parents.get(parent_path)
@@ -274,9 +275,9 @@ def cut_of(path: str, layer, module: nn.Module) -> Cut | None:
     cls = layer.replace_layer
     vocab = isinstance(cls, type) and issubclass(cls, (VocabParallelEmbedding1D, VocabParallelLMHead1D))
     if isinstance(layer, Col_Layer):
-        if not isinstance(layer.n_cast, int):
-            return Cut(path, module, "out", len(layer.n_cast), vocab, tuple(layer.n_cast))
-        return Cut(path, module, "out", layer.n_cast, vocab)
+        blocks = None if isinstance(layer.n_cast, int) else tuple(layer.n_cast)
+        n_cast = layer.n_cast if blocks is None else len(blocks)
+        return Cut(path, module, "out", n_cast, vocab, blocks, gathered=layer.gather_output and not vocab)
     if isinstance(layer, Row_Layer):
         return Cut(path, module, "in", 1, vocab)
     return None
