@@ -20,7 +20,7 @@ from shardformer.config import DEFAULT_SEED, PRECISIONS, ShardConfig
 from shardformer.mesh import ProcessMesh, resolve_sizes
 from shardformer.pipeline.families import BUILTIN_SPECS, pipeline_spec_for
 from shardformer.pipeline.schedule import SCHEDULES, run_pipeline
-from shardformer.pipeline.spec import PipelineSpec, check_split
+from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
 from shardformer.policies.auto import get_autopolicy
@@ -169,8 +169,7 @@ class ParallelEngine:
         resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp)
         self.policy = policy or get_autopolicy(model)
         self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
-        if cfg.pp > 1:
-            check_split(len(self.pipeline.layer_list(model)), cfg.pp, cfg.layers_per_stage)
+        if cfg.pp > 1:  # the split's sizes, paths and ties, before any process waits
             check_pipeline_spec(self.pipeline, model, cfg.pp, cfg.layers_per_stage)
         if cfg.activation_checkpointing:
             self._checkpoint_activations(model, check_only=True)  # before any collective

@@ -104,7 +104,7 @@ class Plan:
         """
         n = max(numel for _, numel in self.stages) if self.stages else self.rank_numel
         width = BYTES[self.precision]
-        master = 4 if (self.zero or self.precision != "fp32") else 0  # ZeRO keeps fp32 master shards
+        master = 4 if self.precision != "fp32" else 0  # fp32 masters for half precision; fp32 is stepped in place
         state_and_master = (8 + master) * n
         return {
             "parameters": int(n * width),

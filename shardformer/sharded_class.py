@@ -1,11 +1,12 @@
-"""The class a sharded model gets: its own class plus what vocab-parallel logits need, name unchanged.
+"""What a sharded transformers model needs for vocab-parallel logits, with its class name unchanged.
 
-- :class:`~shardformer.generation.ParallelGeneration`: ``generate`` gathers the logits and takes
-  tp rank 0's tokens;
-- :class:`VocabParallelLoss`: where the model would hand vocab-parallel logits ``[..., vocab / tp]``
-  to transformers' own causal-LM or masked-LM loss (which reshapes them by the full vocabulary and
-  fails, or worse), the same loss is computed by the vocab-parallel cross-entropy over the head's
-  process group. A loss the policy injected itself is left alone.
+- its class gains :class:`~shardformer.generation.ParallelGeneration`: ``generate`` gathers the
+  logits and takes tp rank 0's tokens;
+- where the model would hand vocab-parallel logits ``[..., vocab / tp]`` to transformers' own
+  causal-LM or masked-LM loss (which reshapes them by the full vocabulary and fails, or worse), its
+  ``loss_function`` becomes the same loss on the vocab-parallel cross-entropy over the head's
+  process group. Set once, as a plain attribute (transformers' own setter), so torch.compile traces
+  it like any other. A loss the policy injected itself is left alone.
 """
 
 from __future__ import annotations
@@ -28,39 +29,30 @@ def masked_lm_loss(logits, labels, head, num_items_in_batch=None, ignore_index=-
     return token_loss(logits, labels, head, ignore_index, reduction="sum") / num_items_in_batch
 
 
-class VocabParallelLoss:
-    @property
-    def loss_function(self):
-        own = super().loss_function
-        get_head = getattr(self, "get_output_embeddings", None)
-        head = get_head() if callable(get_head) else None
-        if not isinstance(head, VocabParallelLMHead1D) or head.gather_output:
-            return own
-        if own is ForCausalLMLoss:
-            return partial(causal_lm_loss, head=head)
-        if own is ForMaskedLMLoss:
-            return partial(masked_lm_loss, head=head)
-        return own
-
-    @loss_function.setter
-    def loss_function(self, value):
-        self._loss_function = value
-
-
 _CLASSES: dict[type, type] = {}
 
 
 def adapt_class(model: nn.Module) -> None:
-    """Give a transformers model that can generate or compute a loss the mixins above, keeping
+    """Route a transformers model's LM loss and ``generate`` through its vocab-parallel head, keeping
     ``type(model).__name__`` (checkpoints name the transformers class it derives from)."""
     cls = type(model)
-    if issubclass(cls, ParallelGeneration) or not hasattr(cls, "loss_function"):
+    if not hasattr(cls, "loss_function"):
+        return
+    _route_loss(model)
+    if issubclass(cls, ParallelGeneration) or not callable(getattr(model, "_get_logits_processor", None)):
         return
     if cls not in _CLASSES:
-        mixins = (
-            (ParallelGeneration, VocabParallelLoss)
-            if callable(getattr(model, "_get_logits_processor", None))
-            else (VocabParallelLoss,)
-        )
-        _CLASSES[cls] = type(cls.__name__, (*mixins, cls), {"__qualname__": cls.__qualname__})
+        _CLASSES[cls] = type(cls.__name__, (ParallelGeneration, cls), {"__qualname__": cls.__qualname__})
     model.__class__ = _CLASSES[cls]
+
+
+def _route_loss(model: nn.Module) -> None:
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, VocabParallelLMHead1D):
+        return
+    own = model.loss_function
+    if own is ForCausalLMLoss:
+        model.loss_function = partial(causal_lm_loss, head=head)
+    elif own is ForMaskedLMLoss:
+        model.loss_function = partial(masked_lm_loss, head=head)

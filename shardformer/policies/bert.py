@@ -9,7 +9,6 @@ from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Policy
 from shardformer.policies.lm_heads import (
     VocabParallelBertForMaskedLM,
     VocabParallelBertForPreTraining,
-    VocabParallelBertLMHeadModel,
 )
 
 
@@ -83,7 +82,7 @@ class BertMLMPolicy(BertPolicy):
         }
 
     def inject_policy(self):
-        return self.origin, self.custom
+        return None if self.custom is None else (self.origin, self.custom)
 
 
 class BertForMaskedLMPolicy(BertMLMPolicy):
@@ -95,4 +94,4 @@ class BertForPreTrainingPolicy(BertMLMPolicy):
 
 
 class BertLMHeadModelPolicy(BertMLMPolicy):
-    origin, custom = hf.BertLMHeadModel, VocabParallelBertLMHeadModel
+    origin, custom = hf.BertLMHeadModel, None  # its loss_function is routed for every sharded model

@@ -6,7 +6,7 @@ from transformers.models.gpt2 import modeling_gpt2 as hf
 
 from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Policy, Row_Layer, divide
-from shardformer.policies.lm_heads import VocabParallelGPT2DoubleHeadsModel, VocabParallelGPT2LMHeadModel
+from shardformer.policies.lm_heads import VocabParallelGPT2DoubleHeadsModel
 
 
 class GPT2Policy(Policy):
@@ -74,8 +74,8 @@ class GPT2LMHeadPolicy(GPT2Policy):
     def binding_policy(self):
         return {"transformer.wte.weight": "lm_head.weight"}
 
-    def inject_policy(self):
-        return self.origin, VocabParallelGPT2LMHeadModel
+    # no inject_policy: transformers' own loss_function and generate() are routed through the
+    # vocab-parallel head for every sharded model (shardformer.sharded_class)
 
 
 class GPT2DoubleHeadsPolicy(GPT2LMHeadPolicy):

@@ -10,7 +10,6 @@ ordinary fp32 cross-entropy is used.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -69,25 +68,12 @@ def gathered_logits(head: VocabParallelLMHead1D):
 
 
 # -- the model subclasses the built-in policies inject ------------------------------------------
+# Only where transformers computes the loss outside ``loss_function`` (inline cross-entropy): every
+# sharded model's class already routes ``loss_function`` and ``generate`` through the vocab-parallel
+# head (shardformer.sharded_class), so GPT2LMHeadModel and BertLMHeadModel need nothing here.
 
 
-class _GathersForGenerate:
-    """``generate`` picks tokens over the whole vocabulary: gather the head's logits meanwhile."""
-
-    def generate(self, *args, **kwargs):
-        with gathered_logits(self.get_output_embeddings()):
-            return super().generate(*args, **kwargs)
-
-
-class VocabParallelGPT2LMHeadModel(_GathersForGenerate, hf_gpt2.GPT2LMHeadModel):
-    """GPT2LMHeadModel whose loss runs on vocab-parallel logits."""
-
-    @property
-    def loss_function(self):
-        return partial(causal_lm_loss, head=self.lm_head)
-
-
-class VocabParallelGPT2DoubleHeadsModel(_GathersForGenerate, hf_gpt2.GPT2DoubleHeadsModel):
+class VocabParallelGPT2DoubleHeadsModel(hf_gpt2.GPT2DoubleHeadsModel):
     """GPT2DoubleHeadsModel whose LM loss runs on vocab-parallel logits (mc_loss is unchanged)."""
 
     def forward(self, *args, labels=None, return_dict=None, **kwargs):
@@ -114,9 +100,3 @@ class VocabParallelBertForPreTraining(hf_bert.BertForPreTraining):
             nsp = F.cross_entropy(output.seq_relationship_logits.view(-1, 2), next_sentence_label.view(-1))
             loss = mlm + nsp
         return with_loss(output, loss, return_dict)
-
-
-class VocabParallelBertLMHeadModel(_GathersForGenerate, hf_bert.BertLMHeadModel):
-    @property
-    def loss_function(self):
-        return partial(causal_lm_loss, head=self.cls.predictions.decoder)
