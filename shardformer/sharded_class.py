@@ -22,8 +22,11 @@ from shardformer.layers import VocabParallelLMHead1D
 from shardformer.policies.lm_heads import causal_lm_loss, token_loss
 
 
-def masked_lm_loss(logits, labels, head, num_items_in_batch=None, ignore_index=-100, **_) -> torch.Tensor:
-    """transformers' ForMaskedLMLoss on vocab-parallel logits: every position predicts its own label."""
+def masked_lm_loss(
+    logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, *, head, **_
+) -> torch.Tensor:
+    """transformers' ForMaskedLMLoss on vocab-parallel logits: every position predicts its own label
+    (transformers' signature, ``head`` bound by keyword)."""
     if num_items_in_batch is None:
         return token_loss(logits, labels, head, ignore_index)
     return token_loss(logits, labels, head, ignore_index, reduction="sum") / num_items_in_batch

@@ -11,6 +11,7 @@ import torch.nn as nn
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, ImageClassifierOutput, MaskedLMOutput
 
+from shardformer.pipeline.from_plan import spec_from_pp_plan
 from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
 from shardformer.policies.lm_heads import token_loss
 
@@ -144,8 +145,6 @@ def pipeline_spec_for(model: nn.Module) -> PipelineSpec:
     for cls in type(model).__mro__:
         if cls.__name__ in BUILTIN_SPECS:
             return BUILTIN_SPECS[cls.__name__]
-    from shardformer.pipeline.from_plan import spec_from_pp_plan
-
     derived = spec_from_pp_plan(model)  # transformers' own base_model_pp_plan
     if derived is not None:
         return derived

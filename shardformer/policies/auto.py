@@ -7,6 +7,7 @@ import importlib
 import torch.nn as nn
 
 from shardformer.policies.base import Policy
+from shardformer.policies.tp_plan import TpPlanPolicy, has_tp_plan
 
 # class name -> (module, policy class name); each policy module is imported only when its family is
 # sharded, so sharding a GPT-2 never imports timm
@@ -53,8 +54,6 @@ def get_autopolicy(model: nn.Module) -> Policy:
     model's transformers tensor-parallel plan, else a ValueError listing the built-ins."""
     name = type(model).__name__
     if name not in _POLICIES:
-        from shardformer.policies.tp_plan import TpPlanPolicy, has_tp_plan
-
         if has_tp_plan(model):  # built-ins first; then the model's own tensor-parallel plan
             return TpPlanPolicy()
         raise ValueError(

@@ -33,9 +33,12 @@ def token_loss(logits, labels, head: VocabParallelLMHead1D, ignore_index=-100, r
 
 
 def causal_lm_loss(
-    logits, labels, head, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_
+    logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, *, head, **_
 ) -> torch.Tensor:
-    """transformers' ForCausalLMLoss on vocab-parallel logits: tokens < n predict token n."""
+    """transformers' ForCausalLMLoss on vocab-parallel logits: tokens < n predict token n.
+
+    The signature is transformers' own (some models pass ``vocab_size`` positionally; the head knows
+    the true vocabulary), with ``head`` bound by keyword: ``partial(causal_lm_loss, head=lm_head)``."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     if num_items_in_batch is None:

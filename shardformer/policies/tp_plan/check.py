@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from shardformer.config import ShardConfig
 from shardformer.layers import gather_from_parallel
+from shardformer.sharder import shard_model
 from shardformer.slicer import gather_tensor, shard_spec
 
 ATOL, GRAD_ATOL, RTOL = 1e-5, 1e-4, 1e-4
@@ -75,8 +76,6 @@ def _close(a, b, atol) -> bool:
 
 def compare(model_class, config, attn_implementation="eager", seq=8, batch=2, new_tokens=6) -> Result:
     """Shard a tiny ``model_class`` at tp = the group size and compare it with the unsharded copy."""
-    from shardformer.sharder import shard_model
-
     ref, model = load_pair(model_class, config, attn_implementation)
     try:
         model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))

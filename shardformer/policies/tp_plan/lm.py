@@ -2,7 +2,8 @@
 
 transformers' causal LMs compute their loss through ``self.loss_function(logits, labels, ...)``:
 the injected subclass returns the vocab-parallel cross-entropy there, so no rank ever holds
-full-vocabulary logits in training; ``generate`` gathers the logits while it runs.
+full-vocabulary logits in training (``generate`` gathers the logits for every sharded model:
+:mod:`shardformer.generation`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.layers import VocabParallelEmbedding1D
-from shardformer.policies.lm_heads import causal_lm_loss, gathered_logits
+from shardformer.policies.lm_heads import causal_lm_loss
 
 
 class ScaledVocabParallelEmbedding1D(VocabParallelEmbedding1D):
@@ -49,28 +50,19 @@ def uses_loss_function(model_class: type) -> bool:
         return False
 
 
-def _loss(logits, labels, vocab_size=None, *, head, **kwargs):
-    """transformers' loss signature (``vocab_size`` may come positionally) on vocab-parallel logits."""
-    return causal_lm_loss(logits, labels, head=head, **kwargs)
-
-
 class _VocabParallelCausalLM:
     """Mixed in front of a transformers causal LM class whose LM head is vocab-parallel."""
 
     @property
     def loss_function(self):
-        return partial(_loss, head=self.get_output_embeddings())
-
-    def generate(self, *args, **kwargs):
-        with gathered_logits(self.get_output_embeddings()):
-            return super().generate(*args, **kwargs)
+        return partial(causal_lm_loss, head=self.get_output_embeddings())
 
 
 _SUBCLASSES: dict[type, type] = {}
 
 
 def vocab_parallel_class(origin: type) -> type:
-    """``origin`` with the vocab-parallel loss and a gathering ``generate`` (one class per origin)."""
+    """``origin`` with the vocab-parallel loss (one class per origin)."""
     if origin not in _SUBCLASSES:
         name = f"VocabParallel{origin.__name__}"
         _SUBCLASSES[origin] = type(name, (_VocabParallelCausalLM, origin), {"__module__": __name__})
