@@ -7,15 +7,14 @@ shard produces, and estimates bytes per rank for parameters, gradients and optim
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import transformers as tf
 
 from shardformer.config import PRECISIONS, ShardConfig
 from shardformer.mesh import VirtualGroup, resolve_sizes
+from shardformer.model_source import build_model
 from shardformer.pipeline.families import pipeline_spec_for
 from shardformer.pipeline.spec import PipelineSpec, check_split
 from shardformer.pipeline.spec_check import check_pipeline_spec
@@ -26,56 +25,10 @@ from shardformer.slicer import shard_spec
 BYTES = {name: dtype.itemsize for name, dtype in PRECISIONS.items()}
 
 
-def _builtin(name: str):
-    table = {
-        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config()),
-        "gpt2-medium": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=1024, n_layer=24, n_head=16)),
-        "gpt2-large": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=1280, n_layer=36, n_head=20)),
-        "bert-base": lambda: tf.BertForMaskedLM(tf.BertConfig()),
-        "bert-large": lambda: tf.BertForMaskedLM(
-            tf.BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
-        ),
-        "vit-base": lambda: tf.ViTForImageClassification(tf.ViTConfig()),
-        # transformers' default configs of these are the published sizes; their policies come from the tp plans
-        "llama-7b": lambda: tf.LlamaForCausalLM(tf.LlamaConfig()),
-        "phi3-mini": lambda: tf.Phi3ForCausalLM(tf.Phi3Config()),
-        "mixtral-8x7b": lambda: tf.MixtralForCausalLM(tf.MixtralConfig()),
-    }
-    return table.get(name), sorted(table)
-
-
 def build_meta_model(spec: str, model_class: str | None = None) -> nn.Module:
-    """A model without weights: a folder with config.json (``model_class`` names the transformers class
-    when its config has no ``architectures``), a built-in name, or ``timm:<model name>``."""
+    """A model without weights, from anything :func:`shardformer.model_source.build_model` takes."""
     with torch.device("meta"):
-        if spec.startswith("timm:"):
-            import timm  # deferred: importing timm registers every timm model; only when asked for
-
-            return timm.create_model(spec[5:], pretrained=False)
-        if os.path.isdir(spec):
-            config = tf.AutoConfig.from_pretrained(spec)
-            return model_class_for(config, spec, model_class)(config)
-        factory, known = _builtin(spec)
-        if factory is None:
-            raise ValueError(
-                f"MODEL {spec!r} is not a folder with config.json, a built-in name ({', '.join(known)}) or timm:<name>"
-            )
-        return factory()
-
-
-def model_class_for(config, folder: str, model_class: str | None = None) -> type:
-    """The transformers class named by ``model_class``, else by the config's ``architectures``."""
-    names = [model_class] if model_class else (getattr(config, "architectures", None) or [])
-    if not names:
-        guess = type(config).__name__.replace("Config", "ForCausalLM")
-        raise ValueError(
-            f"{folder}/config.json has no 'architectures'; name the model class with --model-class (e.g. {guess})"
-        )
-    cls = getattr(tf, names[0], None)
-    if not isinstance(cls, type):
-        source = "--model-class" if model_class else f"{folder}/config.json 'architectures'"
-        raise ValueError(f"{names[0]!r} (from {source}) is not a transformers model class")
-    return cls
+        return build_model(spec, model_class, weights=False)
 
 
 @dataclass

@@ -12,19 +12,16 @@ that tp split; fused blocks and vocabulary padding from the layer's ShardSpec), 
 from __future__ import annotations
 
 import copy
-import importlib
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import transformers as tf
 
 from shardformer.config import ShardConfig
 from shardformer.layers.comm import gather_from_parallel
-from shardformer.plan import _builtin, model_class_for
+from shardformer.model_source import build_model, load_policy
 from shardformer.policies.auto import get_autopolicy
 from shardformer.sharder import shard_model
 from shardformer.slicer import ShardSpec, gather_tensor, merge_shards, shard_spec
@@ -33,92 +30,6 @@ from shardformer.testing import run_on_ranks
 ATOL, RTOL = 1e-5, 1e-4  # outputs and loss (fp32), as the test suite
 GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-4
 BATCH, SEQ, NEW_TOKENS, LR = 2, 8, 4, 0.1
-
-
-# -- what to verify -------------------------------------------------------------------------------
-
-
-def _tiny(name: str):
-    vocab = {"vocab_size": 99}  # divides by neither 2 nor 4: vocabulary padding is exercised
-    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
-    gpt2 = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32, "bos_token_id": 1, "eos_token_id": 2}
-    table = {
-        "gpt2-tiny": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(pad_token_id=0, **gpt2, **vocab)),
-        "bert-tiny": lambda: tf.BertForMaskedLM(tf.BertConfig(max_position_embeddings=32, **small, **vocab)),
-        "vit-tiny": lambda: tf.ViTForImageClassification(
-            tf.ViTConfig(image_size=16, patch_size=4, num_labels=3, **small)
-        ),
-        "timm-vit-tiny": lambda: __import__("timm").create_model(
-            "vit_tiny_patch16_224",
-            pretrained=False,
-            img_size=16,
-            patch_size=4,
-            embed_dim=32,
-            depth=2,
-            num_heads=4,
-            num_classes=3,
-        ),  # fmt: skip
-    }
-    return table.get(name), sorted(table)
-
-
-TINY_MODELS = _tiny("")[1]  # one tiny model per built-in policy family
-
-
-def _import(spec: str, what: str):
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{what} {spec!r} must be module:name (e.g. my_models:build)")
-    try:
-        obj = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what} {spec!r}: cannot import it ({e}); is its folder on PYTHONPATH?") from e
-    return obj
-
-
-def build_model(model: Any, model_class: str | None = None) -> nn.Module:
-    """A model from: a factory (callable), ``timm:<name>``, a folder with config.json (weights loaded if
-    present; ``model_class`` names the transformers class when config.json has no ``architectures``),
-    a ``module:function`` factory, or a built-in name (``gpt2-tiny``, ``bert-tiny``, ...; ``gpt2``, ...)."""
-    if isinstance(model, nn.Module):
-        raise TypeError("pass a factory or a name, not a model: every process builds its own copy")
-    if callable(model):
-        return model()
-    if model.startswith("timm:"):
-        import timm  # deferred: importing timm registers every timm model; only when asked for
-
-        return timm.create_model(model[5:], pretrained=False)
-    if os.path.isdir(model):
-        return _from_folder(model, model_class)
-    if ":" in model:
-        return _import(model, "MODEL")()
-    factory, tiny = _tiny(model)
-    if factory is None:
-        factory, known = _builtin(model)
-        if factory is None:
-            raise ValueError(
-                f"MODEL {model!r} is not a folder with config.json, module:function, timm:<name> or a built-in "
-                f"name ({', '.join(tiny + known)})"
-            )
-    return factory()
-
-
-def _from_folder(folder: str, model_class: str | None) -> nn.Module:
-    config = tf.AutoConfig.from_pretrained(folder)
-    cls = model_class_for(config, folder, model_class)
-    has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder))
-    return cls.from_pretrained(folder) if has_weights else cls(config)
-
-
-def load_policy(policy: Any):
-    """None (the built-in policy), a Policy instance or class, or ``module:Class``."""
-    if policy is None:
-        return None
-    if isinstance(policy, str):
-        policy = _import(policy, "--policy")
-    return policy() if isinstance(policy, type) else policy
 
 
 # -- the report -----------------------------------------------------------------------------------

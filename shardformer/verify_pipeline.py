@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardformer.engine import EngineConfig, ParallelEngine
+from shardformer.model_source import build_model, load_policy
 from shardformer.policies.auto import get_autopolicy
 from shardformer.slicer import gather_tensor, shard_spec
 from shardformer.verify import (
@@ -27,9 +28,7 @@ from shardformer.verify import (
     VerifyReport,
     _broadcast_weights,
     _first_tensor,
-    build_model,
     gather_like,
-    load_policy,
     make_inputs,
     max_error,
 )

@@ -10,7 +10,8 @@ import shardformer
 from examples.custom_policy.llama_policy import LlamaPolicy
 from shardformer import ShardConfig, shard_model
 from shardformer.cli.main import main
-from shardformer.verify import TINY_MODELS, verify_on_this_rank
+from shardformer.model_source import TINY_MODELS
+from shardformer.verify import verify_on_this_rank
 from tests.helpers import check_table
 from tests.policies.custom_policies import (
     BrokenGPT2Policy,

@@ -5,10 +5,10 @@ from dataclasses import replace
 import pytest
 import transformers as tf
 
+from shardformer.model_source import build_model
 from shardformer.pipeline import BUILTIN_SPECS, pipeline_spec_for
 from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_lists, check_pipeline_spec
 from shardformer.plan import plan_model
-from shardformer.verify import build_model
 
 
 def gpt2():
