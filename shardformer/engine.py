@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from shardformer.config import DEFAULT_SEED, PRECISIONS, ShardConfig
 from shardformer.mesh import ProcessMesh, resolve_sizes
-from shardformer.pipeline.families import BUILTIN_SPECS, pipeline_spec_for
+from shardformer.pipeline.families import builtin_spec, pipeline_spec_for
 from shardformer.pipeline.schedule import SCHEDULES, run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
@@ -124,9 +124,7 @@ def _pipeline_for(model: nn.Module, pp: int, given: PipelineSpec | None) -> Pipe
     """The spec the model is cut by: the given one, else its family's (required only at pp > 1)."""
     if given is not None:
         return given
-    if pp > 1 or any(cls.__name__ in BUILTIN_SPECS for cls in type(model).__mro__):
-        return pipeline_spec_for(model)
-    return None
+    return pipeline_spec_for(model) if pp > 1 else builtin_spec(model)
 
 
 class ParallelEngine:

@@ -140,11 +140,19 @@ BUILTIN_SPECS: dict[str, PipelineSpec] = {
 }
 
 
-def pipeline_spec_for(model: nn.Module) -> PipelineSpec:
-    """The built-in pipeline spec of ``model``'s class, or an error naming what to do instead."""
+def builtin_spec(model: nn.Module) -> PipelineSpec | None:
+    """The hand-written spec of ``model``'s family, if it has one."""
     for cls in type(model).__mro__:
         if cls.__name__ in BUILTIN_SPECS:
             return BUILTIN_SPECS[cls.__name__]
+    return None
+
+
+def pipeline_spec_for(model: nn.Module) -> PipelineSpec:
+    """The built-in pipeline spec of ``model``'s class, or an error naming what to do instead."""
+    builtin = builtin_spec(model)
+    if builtin is not None:
+        return builtin
     derived = spec_from_pp_plan(model)  # transformers' own base_model_pp_plan
     if derived is not None:
         return derived
