@@ -30,6 +30,11 @@ class ShardConfig:
         pad the vocabulary to a multiple of ``vocab_pad_multiple * tp`` (1: just enough to divide).
     seed:
         base seed of the tensor-parallel dropout layers (each layer adds its index).
+    sequence_parallel:
+        Megatron sequence parallelism: between attention and MLP blocks each tp rank keeps its
+        ``1/tp`` of the sequence (norms, dropout, residuals), for less activation memory at the
+        same communication volume. Needs a model whose layer stack is known (the built-in
+        families and models with transformers' plans); a no-op at tp=1.
     mesh:
         an existing :class:`~shardformer.ProcessMesh` to shard over (its tp group); default: one is
         built from the sizes when the model is sharded.
@@ -42,6 +47,7 @@ class ShardConfig:
     gather_output: bool = False
     vocab_pad_multiple: int = 1
     seed: int = DEFAULT_SEED
+    sequence_parallel: bool = False
     mesh: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,8 +67,9 @@ class ShardConfig:
         dp = self.data_parallel_size
         if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
             raise ValueError(f"ShardConfig.data_parallel_size={dp!r} must be a positive integer or None")
-        if not isinstance(self.gather_output, bool):
-            raise ValueError(f"ShardConfig.gather_output={self.gather_output!r} must be True or False")
+        for name in ("gather_output", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ShardConfig.{name}={getattr(self, name)!r} must be True or False")
         if not isinstance(self.seed, int):
             raise ValueError(f"ShardConfig.seed={self.seed!r} must be an integer")
 

@@ -44,6 +44,7 @@ class EngineConfig:
     seed: base seed of the tensor-parallel dropout layers (as ShardConfig.seed).
     activation_checkpointing: recompute each transformer layer's activations in backward instead of
     keeping them (dropout masks replayed: losses and gradients are those of the run without it).
+    sequence_parallel: Megatron sequence parallelism inside the tp group (as ShardConfig.sequence_parallel).
     split_batch: ``train_step`` gets the global batch and each dp rank takes its 1/dp slice
     (False: each rank passes its own dp-local batch).
     backend: how training steps run the schedule when pp > 1: "torch" (torch.distributed.pipelining's
@@ -64,6 +65,7 @@ class EngineConfig:
     backend: str = "torch"
     seed: int = DEFAULT_SEED
     activation_checkpointing: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "num_microbatches"):
@@ -78,10 +80,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.precision={self.precision!r} must be one of {sorted(PRECISIONS)}")
         if self.backend not in ("p2p", "torch"):
             raise ValueError(f"EngineConfig.backend={self.backend!r} must be 'p2p' or 'torch'")
-        if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(
-                f"EngineConfig.activation_checkpointing={self.activation_checkpointing!r} must be True or False"
-            )
+        for name in ("activation_checkpointing", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed={self.seed!r} must be an integer")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -181,6 +182,7 @@ class ParallelEngine:
             pipeline_parallel_size=cfg.pp,
             data_parallel_size=self.mesh.dp_size,
             seed=cfg.seed,
+            sequence_parallel=cfg.sequence_parallel,
             mesh=self.mesh,
         )
         self.model = shard_model(model, shard_config, self.policy)

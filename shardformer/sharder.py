@@ -18,10 +18,12 @@ from shardformer.layers import (
     VocabParallelLMHead1D,
 )
 from shardformer.layers.linear import is_conv1d
+from shardformer.pipeline.families import pipeline_spec_for
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.base import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
 from shardformer.recompute import replay_in_hf_checkpointing
 from shardformer.rng import agree_on_rng
+from shardformer.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel
 from shardformer.sharded_class import adapt_class
 from shardformer.slicer import shard_spec
 from shardformer.topology import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
@@ -108,6 +110,17 @@ class ModelSharder:
                         )
                     replacements.append(self._check_layer(name, module, layer, where, input_copy))
         self.detected = detect_from_model(self.model, config, self.shard_config, targets, replacements)
+        self.sequence_plan = None
+        if self.shard_config.sequence_parallel and self.shard_config.tensor_parallel_size > 1:
+            try:
+                spec = pipeline_spec_for(self.model)
+            except NotImplementedError as e:
+                raise ValueError(
+                    f"sequence_parallel=True needs to know {type(self.model).__name__}'s stack of transformer "
+                    f"layers, and it has no pipeline spec ({e}); shard it with sequence_parallel=False"
+                ) from None
+            entries = self.policy.sequence_parallel_entries()
+            self.sequence_plan = plan_sequence_parallel(self.model, spec, replacements, entries)
         return targets, replacements
 
     def _check_layer(self, parent_path: str, parent: nn.Module, layer: Layer, where: str, input_copy) -> Replacement:
@@ -145,12 +158,15 @@ class ModelSharder:
         for index, replacement in enumerate(replacements):
             self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
         leftovers = self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
+        sequence = None
+        if self.sequence_plan is not None:
+            sequence = apply_sequence_parallel(self.model, self.sequence_plan, group)
         self.bind_layer(bindings)
         keep_ties(self.model, self.detected.ties)  # ties the policy did not list, found in the model
         agree_on_rng(group)
         replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
         adapt_class(self.model)  # generate() and transformers' LM losses on vocab-parallel logits
-        attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group))
+        attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group, sequence_parallel=sequence))
         if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
             kinds = Counter(r.layer.replace_layer.__name__ for r in replacements)
             kinds.update({"DropoutForReplicatedInput (leftover)": leftovers} if leftovers else {})

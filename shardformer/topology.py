@@ -37,6 +37,7 @@ class ShardedModelInfo:
     num_stages: int = 1
     layers: tuple[int, ...] | None = None
     pipeline: Any = None
+    sequence_parallel: Any = None  # the model's SequenceParallel state (None: plain tensor parallelism)
 
     @property
     def is_first_stage(self) -> bool:

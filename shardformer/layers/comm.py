@@ -47,6 +47,14 @@ class CollectiveCounter:
     def bytes(self) -> int:
         return sum(b for _, _, b in self.calls)
 
+    def wire_bytes(self, world: int) -> float:
+        """Bytes each rank sends under ring algorithms: an all-reduce of N bytes sends 2(w-1)/w N, a
+        reduce-scatter of N bytes or an all-gather into N bytes (w-1)/w N. An all-reduce costs what a
+        reduce-scatter plus an all-gather cost, which makes sequence parallelism comparable to plain tp."""
+        share = (world - 1) / world
+        per_op = {"all_reduce": 2 * share, "reduce_scatter": share, "all_gather": world * share}
+        return sum(per_op[op] * b for op, _, b in self.calls if op in per_op)
+
     def reset(self) -> None:
         self.calls.clear()
 

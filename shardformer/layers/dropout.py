@@ -18,6 +18,8 @@ _RANK_STRIDE = 1_000_003  # a prime: seeds of different ranks never collide for 
 
 class SeededDropout(nn.Module):
     parallel_input: bool
+    supports_sequence_parallel = True
+    sequence_parallel = None  # set on dropout in the sequence-split region (shardformer.sequence_parallel)
 
     def __init__(self, p: float = 0.5, seed: int = 0, process_group=None) -> None:
         super().__init__()
@@ -61,7 +63,14 @@ class SeededDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        noise = torch.rand(x.shape, generator=self.generator(x.device), device=x.device)
+        sp = self.sequence_parallel
+        if sp is not None and sp.is_split(x):
+            # the mask plain tp draws for the whole sequence, cut to this rank's chunk: exact, and
+            # chunks of one sequence never share a mask
+            full = torch.rand(sp.full_shape(x), generator=self.generator(x.device), device=x.device)
+            noise = sp.own_chunk(full)
+        else:
+            noise = torch.rand(x.shape, generator=self.generator(x.device), device=x.device)
         return x.masked_fill(noise < self.p, 0.0) * (1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:

@@ -54,7 +54,12 @@ class Linear1D_Col(nn.Module):
     own, so every rank holds ``[Q_r | K_r | V_r]`` and the model's ``split`` keeps working.
     ``input_copy``: a :class:`SharedInputCopy` shared with the other column layers reading the same
     input, so their backward all-reduce happens once (None: this layer's own).
+    ``sequence_parallel``: set by :mod:`shardformer.sequence_parallel`; while it is active the input
+    was gathered along the sequence by the enclosing block, whose backward reduce-scatters the gradient.
     """
+
+    sequence_parallel = None
+    supports_sequence_parallel = True
 
     def __init__(
         self,
@@ -92,7 +97,9 @@ class Linear1D_Col(nn.Module):
         return cls(w, b, process_group, gather_output, reversed, input_copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_copy is not None:
+        if self.sequence_parallel is not None and self.sequence_parallel.active:
+            pass  # the input gradient is reduce-scattered where the sequence was gathered
+        elif self.input_copy is not None:
             x = self.input_copy(x, self.process_group)
         else:
             x = copy_to_parallel(x, self.process_group)
@@ -114,7 +121,11 @@ class Linear1D_Row(nn.Module):
 
     Forward all-reduces the output once (the bias, replicated, is added after it); backward
     issues no collective. With ``input_is_parallel=False`` the full input is split first.
+    Under active sequence parallelism the output is reduce-scattered along the sequence instead.
     """
+
+    sequence_parallel = None
+    supports_sequence_parallel = True
 
     def __init__(
         self,
@@ -140,7 +151,12 @@ class Linear1D_Row(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = split_to_parallel(x, self.process_group)
-        y = reduce_from_parallel(_matmul(x, self.weight, None, self.reversed), self.process_group)
+        y = _matmul(x, self.weight, None, self.reversed)
+        sp = self.sequence_parallel
+        if sp is not None and sp.active:
+            y = sp.reduce_scatter(y, getattr(self, "sequence_parallel_name", type(self).__name__))
+        else:
+            y = reduce_from_parallel(y, self.process_group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

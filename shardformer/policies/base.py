@@ -112,6 +112,12 @@ class Policy:
         Parameter after sharding (the target is bound to the source's shard)."""
         return None
 
+    def sequence_parallel_entries(self) -> list[str] | None:
+        """Blocks of a transformer layer (suffixes relative to it) whose input sequence parallelism
+        gathers: the ones holding the column-parallel layers, with the residual add outside them.
+        None (default): each child of the layer that holds a column-parallel layer."""
+        return None
+
     @staticmethod
     def attn_in() -> list[Layer]:
         return []

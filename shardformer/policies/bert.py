@@ -31,6 +31,10 @@ class BertPolicy(Policy):
             ),
         }
 
+    def sequence_parallel_entries(self):
+        # BertAttention adds its input back inside (BertSelfOutput): gather below it, at the q/k/v block
+        return ["attention.self", "intermediate"]
+
     @staticmethod
     def attn_in():
         return [

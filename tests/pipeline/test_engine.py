@@ -126,6 +126,13 @@ def check_activation_checkpointing_pp2_tp2():
     assert layers and all(b.gradient_checkpointing for b in layers)
 
 
+def check_sequence_parallel_gpt2_pp2_tp2_with_checkpointing():
+    engine = _check(
+        "GPT2LMHeadModel", 2, 2, 1, "gpipe", 2, 0.5, "p2p", activation_checkpointing=True, sequence_parallel=True
+    )
+    assert engine.model.shardformer.sequence_parallel is not None
+
+
 def _timm_loss(logits, batch):
     return F.cross_entropy(logits, batch["labels"])
 
@@ -152,6 +159,7 @@ CHECKS = [
     check_gpt2_stage_contents,
     check_eval_step_and_zero2_with_pp,
     check_activation_checkpointing_pp2_tp2,
+    check_sequence_parallel_gpt2_pp2_tp2_with_checkpointing,
     check_timm_vit_pp2_tp2,
 ]
 

@@ -12,10 +12,11 @@ from tests.pipeline import common
 from tests.pipeline.test_engine import STEPS, _check
 
 
-def _run(name, combo, zero_stage=1, **config):
+def _run(name, combo, zero_stage=1, engine_options=None, **config):
     cls = getattr(tf, name)
     pair = load_pair(cls, tiny_config(cls.config_class, num_hidden_layers=common.LAYERS, **config))
-    _check(name, *combo, zero_stage=zero_stage, model_pair=pair, data=common.batches(name, STEPS))
+    data = common.batches(name, STEPS)
+    _check(name, *combo, zero_stage=zero_stage, model_pair=pair, data=data, **(engine_options or {}))
 
 
 def check_llama_tp2_pp2_zero1():
@@ -34,10 +35,17 @@ def check_qwen3_tp2_pp2_zero1():  # q/k norm gradients summed over tp by hooks, 
     _run("Qwen3ForCausalLM", (2, 2, 1, "gpipe", 2, 0.5, "p2p"))
 
 
+def check_sequence_parallel_llama_tp2_pp2_zero2():  # norm gradients summed over tp, under ZeRO and clipping
+    _run(
+        "LlamaForCausalLM", (2, 2, 1, "1f1b", 2, 0.5, "torch"), zero_stage=2, engine_options={"sequence_parallel": True}
+    )
+
+
 CHECKS = [
     check_llama_tp2_pp2_zero1,
     check_tied_llama_tp2_pp2_zero2,
     check_mixtral_tp2_pp2_zero1,
     check_qwen3_tp2_pp2_zero1,
+    check_sequence_parallel_llama_tp2_pp2_zero2,
 ]
 test_engine_from_plan_4_ranks = check_table(CHECKS, 4)

@@ -74,11 +74,14 @@ def _close(a, b, atol) -> bool:
     return bool(torch.allclose(a.detach().float(), b.detach().float(), atol=atol, rtol=RTOL))
 
 
-def compare(model_class, config, attn_implementation="eager", seq=8, batch=2, new_tokens=6) -> Result:
+def compare(
+    model_class, config, attn_implementation="eager", seq=8, batch=2, new_tokens=6, sequence_parallel=False
+) -> Result:
     """Shard a tiny ``model_class`` at tp = the group size and compare it with the unsharded copy."""
     ref, model = load_pair(model_class, config, attn_implementation)
     try:
-        model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+        shard_config = ShardConfig(tensor_parallel_size=dist.get_world_size(), sequence_parallel=sequence_parallel)
+        model = shard_model(model, shard_config)
     except (ValueError, NotImplementedError, TypeError) as e:
         raise RefusedError(f"{type(e).__name__}: {e}") from e
     vocab = config.get_text_config().vocab_size

@@ -41,6 +41,8 @@ class GradAllReduce:
     of the whole: a hook sums it over the group. The hook sees each backward's gradient before it
     is accumulated, so gradient accumulation over micro-batches stays exact."""
 
+    supports_sequence_parallel = True  # per-token, per-head or no-op: exact on sequence chunks
+
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
         if group_size(process_group) > 1:
@@ -49,6 +51,11 @@ class GradAllReduce:
                     param.register_hook(lambda grad: all_reduce(grad.clone(), process_group))
         module.shardformer_grad_all_reduce = True
         return module
+
+    @staticmethod
+    def sequence_parallel_exact_params(module: nn.Module) -> list[str]:
+        """It reads this rank's heads, not the gathered input: exact under sequence parallelism."""
+        return [name for name, _ in module.named_parameters(recurse=False)]
 
 
 class OutputAllReduce:
@@ -73,6 +80,8 @@ class IdentityExpert:
 
 class Replicated:
     """``replicate``: every rank keeps the whole module; nothing to do."""
+
+    supports_sequence_parallel = True  # per-token, per-head or no-op: exact on sequence chunks
 
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
@@ -132,6 +141,8 @@ class AttentionDropoutRng:
     and put back after: masks differ across ranks, the caller's RNG stream is untouched and equal
     on every rank, and a seed replays the same masks. The stream is a :class:`SeededDropout` child
     (no parameters), so activation checkpointing replays it like the other dropout layers."""
+
+    supports_sequence_parallel = True  # per-token, per-head or no-op: exact on sequence chunks
 
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, seed: int = 0, **_) -> nn.Module:
@@ -223,6 +234,8 @@ class HeadParams:
     """Parameters a plan cuts by themselves (``colwise`` on attention sinks ``[num_heads]``): each
     rank keeps the entries of its own heads. ``names`` is set on the subclass :func:`params_layer` makes."""
 
+    supports_sequence_parallel = True  # per-token, per-head or no-op: exact on sequence chunks
+
     names: tuple[str, ...] = ()
 
     @classmethod
@@ -232,6 +245,10 @@ class HeadParams:
             param = getattr(module, name)
             setattr(module, name, make_shard_param(param, slicer.spec(param.shape, 0)))
         return module
+
+    @classmethod
+    def sequence_parallel_exact_params(cls, module: nn.Module) -> list[str]:
+        return list(cls.names)  # per-head entries: exact under sequence parallelism
 
 
 def params_layer(path: str, module: nn.Module, named: dict[str, str]) -> type[HeadParams]:
