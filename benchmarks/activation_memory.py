@@ -1,4 +1,5 @@
-"""Activation memory per rank of a GPT-2 training step: unsharded, tp=2, tp=2 with activation checkpointing.
+"""Activation memory per rank of a GPT-2 training step: unsharded, tp=2, tp=2 with sequence parallelism
+and / or activation checkpointing.
 
     .venv/bin/python benchmarks/activation_memory.py [--seq 1024] [--batch 2] [--layers 4]
 
@@ -33,7 +34,7 @@ def _rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-def _step(variant: str, layers: int, batch: int, seq: int):
+def _step(variant: str, layers: int, batch: int, seq: int, attn: str = "eager", dropout: float = 0.1):
     torch.manual_seed(0)
     config = tf.GPT2Config(
         vocab_size=VOCAB,
@@ -41,14 +42,17 @@ def _step(variant: str, layers: int, batch: int, seq: int):
         n_embd=256,
         n_layer=layers,
         n_head=8,
-        resid_pdrop=0.1,
-        attn_pdrop=0.1,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         bos_token_id=0,
         eos_token_id=0,
     )
+    config._attn_implementation = attn
     model = tf.GPT2LMHeadModel(config).train()
     if variant != "unsharded":
-        model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+        sequence_parallel = "sequence parallel" in variant
+        model = shard_model(model, ShardConfig(dist.get_world_size(), sequence_parallel=sequence_parallel))
     if variant.endswith("checkpointing"):
         model.activation_checkpointing_enable()
     ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
@@ -67,23 +71,37 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
+    parser.add_argument("--dropout", type=float, default=0.1)
     args = parser.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # spawned ranks inherit it
-    shape = (args.layers, args.batch, args.seq)
+    shape = (args.layers, args.batch, args.seq, args.attn, args.dropout)
     rows = {}
-    for name, ranks in (("unsharded", 1), ("tp=2", 2), ("tp=2 + activation checkpointing", 2)):
+    variants = (
+        ("unsharded", 1),
+        ("tp=2", 2),
+        ("tp=2 + sequence parallel", 2),
+        ("tp=2 + activation checkpointing", 2),
+        ("tp=2 + sequence parallel + activation checkpointing", 2),
+    )
+    for name, ranks in variants:
         per_rank = run_on_ranks(_step, ranks, name, *shape, threads_per_rank=1, timeout=900)
         rows[name] = (max(r[0] for r in per_rank), *per_rank[0][1:])  # the larger rank; rank 0's loss and norm
     base = rows["tp=2"][0]
-    plain, recomputed = rows["tp=2"][1:], rows["tp=2 + activation checkpointing"][1:]
-    assert all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for a, b in zip(plain, recomputed)), (plain, recomputed)
+    plain = rows["tp=2"][1:]
+    for name, row in rows.items():  # the same computation: same dropout masks, exact recompute
+        if name.startswith("tp=2 +"):
+            assert all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for a, b in zip(plain, row[1:])), (name, plain, row)
     print(f"GPT-2 {args.layers} layers x 256 hidden, 8 heads, vocab {VOCAB}, batch {args.batch} x {args.seq} tokens, "
-          f"dropout 0.1; torch {torch.__version__}, transformers {tf.__version__}, {platform.machine()}, "
+          f"{args.attn} attention, dropout {args.dropout}; torch {torch.__version__}, transformers {tf.__version__}, {platform.machine()}, "
           f"{os.cpu_count()} cores\n")  # fmt: skip
-    print("| variant | activation memory / rank (MiB) | vs tp=2 | loss | grad norm (this rank's shards) |")
-    print("|---|---:|---:|---:|---:|")
+    checkpointed = rows["tp=2 + activation checkpointing"][0]
+    print(
+        "| variant | activation memory / rank (MiB) | vs tp=2 | vs tp=2 + checkpointing | loss | grad norm (rank 0) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for name, (held, loss, norm) in rows.items():
-        print(f"| {name} | {held:.0f} | {held / base:.2f} | {loss:.6f} | {norm:.6f} |")
+        print(f"| {name} | {held:.0f} | {held / base:.2f} | {held / checkpointed:.2f} | {loss:.6f} | {norm:.6f} |")
 
 
 if __name__ == "__main__":
