@@ -45,7 +45,7 @@ def architectures(only=None):
     return rows
 
 
-def _rank_job(rows, impl, out_path):
+def _rank_job(rows, impl, out_path, sequence_parallel=False):
     """On every rank: check each architecture in turn; rank 0 appends one JSON line per result."""
     import traceback
 
@@ -64,7 +64,7 @@ def _rank_job(rows, impl, out_path):
             row.update(result="refused", reason=f"no tiny config: {type(e).__name__}: {str(e)[:160]}")
         else:
             try:
-                r = compare(getattr(tf, lm_name), config, impl)
+                r = compare(getattr(tf, lm_name), config, impl, sequence_parallel=sequence_parallel)
                 row.update(
                     result="passed" if not r.failures else "failed",
                     logits=r.logits,
@@ -86,7 +86,7 @@ def _rank_job(rows, impl, out_path):
                 f.write(json.dumps(row) + "\n")
 
 
-def run(rows, impl):
+def run(rows, impl, sequence_parallel=False):
     """Results for ``rows``; a spawn that dies (a hang past the timeout) is restarted after its row."""
     from shardformer.testing import run_on_ranks
 
@@ -96,7 +96,7 @@ def run(rows, impl):
     remaining = list(rows)
     while remaining:
         try:
-            run_on_ranks(_rank_job, 2, remaining, impl, out_path, timeout=60 * len(remaining) + 60)
+            run_on_ranks(_rank_job, 2, remaining, impl, out_path, sequence_parallel, timeout=60 * len(remaining) + 60)
         except Exception as e:  # noqa: BLE001
             crash = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
         else:
@@ -114,9 +114,10 @@ def run(rows, impl):
     return done
 
 
-def table(results, impl) -> str:
+def table(results, impl, sequence_parallel=False) -> str:
     lines = [
-        f"conformance at tp=2, {impl} attention, transformers {_tf_version()}, "
+        f"conformance at tp=2{' with sequence parallelism' if sequence_parallel else ''}, {impl} attention, "
+        f"transformers {_tf_version()}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         "",
         "| architecture | class | kind | result | max logits err | max grad err | generate | reason |",
@@ -150,13 +151,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated model types (default: all)")
     parser.add_argument("--dense", action="store_true", help="dense architectures only")
     parser.add_argument("--sdpa", action="store_true", help="sdpa attention instead of eager")
+    parser.add_argument("--sequence-parallel", action="store_true", help="shard with sequence_parallel=True")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
     rows = [r for r in architectures(only) if not args.dense or r[3] == "dense"]
     impl = "sdpa" if args.sdpa else "eager"
-    results = run(rows, impl)
-    print(table(results, impl))
+    results = run(rows, impl, args.sequence_parallel)
+    print(table(results, impl, args.sequence_parallel))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
