@@ -1,8 +1,9 @@
 """Activation memory per rank of one training forward, estimated from the model's config.
 
-What is estimated: the bytes a forward of ``model(input_ids, labels=...)`` leaves alive for the
-backward on one tensor-parallel rank: the tensors autograd saved, the logits it returns and
-transformers' KV cache (built in training too unless ``use_cache=False``). Units below: b batch,
+What is estimated: the bytes a training forward ``loss = model(input_ids, labels=...).loss`` leaves
+alive for the backward on one tensor-parallel rank: the tensors autograd saved. The returned logits
+and KV cache (transformers builds one in training too unless ``use_cache=False``) are not counted:
+the step drops them, except where the attention keeps the cache's copies of k and v itself. Units below: b batch,
 s sequence, h hidden, a heads, k key/value heads, d = h / a, i intermediate size, v vocabulary
 (padded to a multiple of tp), t tp, w bytes per activation element, m bytes per dropout mask
 element: torch's dropout keeps a float noise tensor on CPU (m = w) and a bool mask on CUDA (m = 1);
@@ -21,13 +22,12 @@ column-layer inputs     the norm's output read by q/k/v (or c_attn) and by the M
                         (2 bsh)
 residual dropout        a mask after attention and after the MLP (2 bsh x m), if resid_pdrop > 0
 attention, eager        q, k, v as the matmuls read them (3 bsh; Llama with k < a: q + 2 bsh of
-                        repeated k/v, + 2 bskd cache copies when the cache is on); softmax output
+                        repeated k/v); softmax output
                         (b a s^2; Llama's in fp32, + its cast back in half precision), with
                         attention dropout also torch's mask and the dropped probabilities
 attention, sdpa         fused kernel: q, k, v (GPT-2: views of c_attn's output, 3 bsh, + 2 bsh of
                         cache copies when the cache is on; Llama: q + 2 bskd) and a logsumexp
                         (b a s, fp32). With attention dropout torch runs sdpa's math path: as eager
-                        (GPT-2 + bsh when the cache is on)
 attention output        the merged heads read by the output projection (bsh)
 MLP, GPT-2              gelu_new saves 4 tensors of bsi (x, x/2, tanh, 1 + tanh), F.gelu 1; the
                         second linear's input (bsi)
@@ -35,7 +35,8 @@ MLP, Llama (gated)      gate output, silu(gate), up output, their product (4 bsi
 ======================  ==========================================================================
 
 Outside the layers: the embedding dropout mask (bsh x m), the final norm (as above) and the head's
-input (bsh); the logits (bsv / t) and the loss's fp32 softmax or log-softmax (bsv / t x 4 bytes).
+input (bsh); the loss's fp32 softmax or log-softmax (bsv / t x 4 bytes; the logits themselves are
+not kept).
 
 Under tensor parallelism the attention and MLP interiors (q/k/v, scores, attention output, MLP
 activations) and the logits are split by t; norms, column-layer inputs, residual dropout and the
@@ -120,11 +121,7 @@ def estimate_activations(
         if impl == "sdpa" and attn_p == 0:
             attn = 3 * bs * h * w + (2 * bs * h * w if cache else 0) + batch * a * seq * 4
         else:  # eager, or sdpa's math path (dropout): torch's dropout on the probabilities
-            attn = (
-                3 * bs * h * w
-                + _probs(batch, a, seq, w, torch_mask, attn_p)
-                + (bs * h * w if impl == "sdpa" and cache else 0)
-            )
+            attn = 3 * bs * h * w + _probs(batch, a, seq, w, torch_mask, attn_p)
         mlp = (GELU_SAVES.get(config.activation_function, 1) + 1) * bs * i * w
         final_norm, embd_drop = bs * h * w, (bs * h * m if embd > 0 else 0)
     else:
@@ -137,7 +134,7 @@ def estimate_activations(
         else:
             repeated = 2 * bs * a * d * w if k < a else kv
             probs = _probs(batch, a, seq, w, torch_mask, attn_p, softmax_bytes=4)  # Llama's softmax runs in fp32
-            attn = q + repeated + (kv if k < a and cache else 0) + probs
+            attn = q + repeated + probs
         mlp = 4 * bs * i * w
         final_norm, embd_drop = bs * h * (4 + w), 0
 
@@ -154,7 +151,7 @@ def estimate_activations(
         est.parts["layers, split over tp"] = layers * split
     est.parts["embedding dropout"] = embd_drop
     est.parts["final norm + head input"] = final_norm + bs * h * w
-    est.parts["logits + loss"] = bs * vocab // t * (w + 4)
+    est.parts["loss softmax"] = bs * vocab // t * 4
     return est
 
 
