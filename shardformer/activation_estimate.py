@@ -3,15 +3,16 @@
 What is estimated: the bytes a training forward ``loss = model(input_ids, labels=...).loss`` leaves
 alive for the backward on one tensor-parallel rank: the tensors autograd saved. The returned logits
 and KV cache (transformers builds one in training too unless ``use_cache=False``) are not counted:
-the step drops them, except where the attention keeps the cache's copies of k and v itself. Units below: b batch,
-s sequence, h hidden, a heads, k key/value heads, d = h / a, i intermediate size, v vocabulary
+the step drops them, except where the attention keeps the cache's copies of k and v itself. Units
+below: b batch, s sequence, h hidden, a heads, k key/value heads, d = h / a, i intermediate size, v vocabulary
 (padded to a multiple of tp), t tp, w bytes per activation element, m bytes per dropout mask
 element: torch's dropout keeps a float noise tensor on CPU (m = w) and a bool mask on CUDA (m = 1);
 shardformer's seeded dropout layers, which replace a sharded model's ``nn.Dropout`` modules, keep a
 bool mask (m = 1) on any device; dropout of attention probabilities (functional, in transformers'
 attention functions) stays torch's.
 
-Per transformer layer (what each op saves, read from transformers 5.23 and torch 2.14):
+Per transformer layer (what each op saves, read from transformers 5.23 and torch 2.14; checked in
+fp32 against the bytes a real forward saves, tests/test_plan.py; half precision is not checked):
 
 ======================  ==========================================================================
 kind                    elements saved (x w unless marked)
@@ -22,9 +23,9 @@ column-layer inputs     the norm's output read by q/k/v (or c_attn) and by the M
                         (2 bsh)
 residual dropout        a mask after attention and after the MLP (2 bsh x m), if resid_pdrop > 0
 attention, eager        q, k, v as the matmuls read them (3 bsh; Llama with k < a: q + 2 bsh of
-                        repeated k/v); softmax output
-                        (b a s^2; Llama's in fp32, + its cast back in half precision), with
-                        attention dropout also torch's mask and the dropped probabilities
+                        repeated k/v); softmax output (b a s^2; Llama's in fp32, + its cast back in
+                        half precision), with attention dropout also torch's mask and the dropped
+                        probabilities
 attention, sdpa         fused kernel: q, k, v (GPT-2: views of c_attn's output, 3 bsh, + 2 bsh of
                         cache copies when the cache is on; Llama: q + 2 bskd) and a logsumexp
                         (b a s, fp32). With attention dropout torch runs sdpa's math path: as eager
