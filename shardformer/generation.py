@@ -5,10 +5,15 @@ from those would give each rank different tokens. At sharding, a model that can 
 subclass (same name, see :func:`shardformer.sharded_class.adapt_class`) whose ``generate``
 
 - gathers the logits of every vocab-parallel head in the model for the duration of the call, and
-- appends, after every other logits processor and warper, :class:`AgreeOnTokens`: tp rank 0 picks the
-  token (argmax, or a draw from the processed distribution with the RNG state the model's own draw
-  would use) and broadcasts it; every rank then keeps only that token. Sampled tokens are the same on
-  every rank by construction, so no rank reaches EOS alone and leaves the others waiting.
+- when sampling, or when the logits do not come from a head it gathers, appends, after every other
+  logits processor and warper, :class:`AgreeOnTokens`: tp rank 0 picks the token (argmax, or a draw
+  from the processed distribution with the RNG state the model's own draw would use) and broadcasts
+  it; every rank then keeps only that token. Sampled tokens are the same on every rank by
+  construction, so no rank reaches EOS alone and leaves the others waiting.
+
+Greedy decoding through a gathered vocab-parallel head needs no broadcast: the all-gather hands every
+rank the same bytes, and the processors and argmax that follow are deterministic, so each decoded
+token costs the Megatron minimum (the embedding's all-reduce, two per layer, the head's all-gather).
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.layers import VocabParallelLMHead1D
+from shardformer.layers.comm import broadcast
 from shardformer.mesh import VirtualGroup, group_size
 from shardformer.policies.lm_heads import gathered_logits
 from shardformer.topology import is_sharded, sharding_of
@@ -43,7 +48,7 @@ class AgreeOnTokens:
                 tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             tokens = scores.argmax(dim=-1)
-        dist.broadcast(tokens, src=dist.get_global_rank(self.group, 0), group=self.group)
+        broadcast(tokens, self.group)
         chosen = torch.full_like(scores, float("-inf"))
         chosen.scatter_(1, tokens.unsqueeze(1), 0.0)
         return chosen
@@ -70,6 +75,9 @@ class ParallelGeneration:
         processors = super()._get_logits_processor(generation_config, *args, **kwargs)
         group = tp_group_of(self)
         single_beam = (generation_config.num_beams or 1) == 1
-        if group is not None and not isinstance(group, VirtualGroup) and group_size(group) > 1 and single_beam:
-            processors.append(AgreeOnTokens(group, bool(generation_config.do_sample)))
+        sampled = bool(generation_config.do_sample)
+        if group is None or isinstance(group, VirtualGroup) or group_size(group) == 1 or not single_beam:
+            return processors
+        if sampled or not isinstance(self.get_output_embeddings(), VocabParallelLMHead1D):
+            processors.append(AgreeOnTokens(group, sampled))
         return processors

@@ -2,7 +2,8 @@
 
 ``plan_model`` applies the model's policy at a tensor-parallel size through a
 :class:`~shardformer.mesh.VirtualGroup`, so the parameter shapes are exactly those a real
-shard produces, and estimates bytes per rank for parameters, gradients and optimizer state.
+shard produces, and estimates bytes per rank for parameters, gradients and optimizer state, and,
+given a batch and sequence length, activations (:mod:`shardformer.activation_estimate`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from shardformer.activation_estimate import estimate_activations
 from shardformer.config import PRECISIONS, ShardConfig
 from shardformer.mesh import VirtualGroup, resolve_sizes
 from shardformer.model_source import build_model
@@ -41,6 +43,7 @@ class Plan:
     replaced: list[tuple[str, str, str]] = field(default_factory=list)  # (path, from class, to class)
     params: list[tuple[str, tuple, tuple]] = field(default_factory=list)  # (name, full shape, rank shape)
     stages: list[tuple[range, int]] = field(default_factory=list)  # (layers, parameters per rank), pp > 1
+    activations: list[str] = field(default_factory=list)  # lines of the activation estimate (batch and seq given)
 
     @property
     def rank_numel(self) -> int:
@@ -82,10 +85,16 @@ def plan_model(
     precision: str = "fp32",
     policy=None,
     pipeline: PipelineSpec | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    device: str = "cpu",
 ) -> Plan:
     """Shard ``model`` (build it on the meta device) for tp rank 0 of ``tp`` and describe the result.
 
-    ``policy`` / ``pipeline``: a custom Policy / PipelineSpec (default: the model family's)."""
+    ``policy`` / ``pipeline``: a custom Policy / PipelineSpec (default: the model family's).
+    ``batch`` and ``seq`` (both or neither): estimate activation memory per rank too."""
+    if (batch is None) != (seq is None):
+        raise ValueError(f"batch={batch} and seq={seq}: give both (--batch and --seq) to estimate activations")
     if zero not in (0, 1, 2):
         raise ValueError(f"zero={zero} must be 0, 1 or 2")
     if precision not in BYTES:
@@ -93,12 +102,16 @@ def plan_model(
     resolve_sizes(tp * pp * dp, tp, pp, dp)
     if pp > 1:
         pipeline = pipeline or pipeline_spec_for(model)  # before sharding: an unknown family fails fast
+    config = getattr(model, "config", None)
+    plan_activations = (
+        activation_lines(config, batch, seq, tp, precision, device) if batch is not None else []
+    )  # before sharding: a bad size fails before the slow part
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     before = {name: type(m).__name__ for name, m in model.named_modules()}
     config = ShardConfig(tensor_parallel_process_group=VirtualGroup(0, tp), pipeline_parallel_size=1)
     policy = policy or get_autopolicy(model)
     model = ModelSharder(model, policy, config).shard()
-    plan = Plan(tp, pp, dp, zero, precision)
+    plan = Plan(tp, pp, dp, zero, precision, activations=plan_activations)
     for name, m in model.named_modules():
         if name in before and before[name] != type(m).__name__:
             plan.replaced.append((name, before[name], type(m).__name__))
@@ -136,6 +149,29 @@ def stage_split(spec: PipelineSpec, model: nn.Module, pp: int, numels: dict[str,
     return [(range(starts[s], starts[s] + counts[s]), per_stage[s]) for s in range(pp)]
 
 
+def activation_lines(config, batch: int, seq: int, tp: int, precision: str, device: str) -> list[str]:
+    """The activation estimate as printed lines: with and without checkpointing and sequence parallelism."""
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    head = f"activations per rank, batch {batch} x seq {seq}, {impl} attention, {precision} (kept for the backward):"
+    try:
+        estimate = lambda **kw: estimate_activations(  # noqa: E731
+            config, batch, seq, tp, dtype_bytes=BYTES[precision], device=device, **kw
+        )
+        plain = estimate()
+    except NotImplementedError as e:
+        return [head, f"  not estimated: {e}"]
+    lines = [head, f"  {'':<22}{'no checkpointing':>18}  activation checkpointing (+ one layer while it recomputes)"]
+    variants = [("tensor parallel" if tp > 1 else "unsharded", {})]
+    if tp > 1:
+        variants.append(("+ sequence parallel", {"sequence_parallel": True}))
+    for name, options in variants:
+        full, ckpt = estimate(**options), estimate(checkpointing=True, **options)
+        lines.append(f"  {name:<22}{mib(full.total):>18}  {mib(ckpt.total)} (+ {mib(ckpt.recompute)})")
+    lines.append("  of which: " + ", ".join(f"{k} {mib(v)}" for k, v in plain.parts.items()))
+    return lines
+
+
 def format_plan(plan: Plan, show_params: bool = True) -> str:
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     lines = [
@@ -168,4 +204,6 @@ def format_plan(plan: Plan, show_params: bool = True) -> str:
         lines += ["", f"pipeline stages (pp={plan.pp}; the bytes above are for the largest):"]
         for s, (layers, numel) in enumerate(plan.stages):
             lines.append(f"  stage {s}: layers {layers.start}..{layers.stop - 1}, {numel:,} parameters per rank")
+    if plan.activations:
+        lines += ["", *plan.activations]
     return "\n".join(lines)

@@ -14,7 +14,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Build MODEL on the meta device (no weights), apply its policy and print what is replaced, "
         "each rank's parameter shapes, the pipeline stage split and estimated bytes per rank.",
         epilog="examples:\n  shardformer plan gpt2 --tp 2\n  shardformer plan path/to/model --tp 4 --dp 2 --zero 1 "
-        "--precision bf16\n  shardformer plan timm:vit_base_patch16_224 --tp 2 --summary",
+        "--precision bf16\n  shardformer plan timm:vit_base_patch16_224 --tp 2 --summary\n"
+        "  shardformer plan gpt2 --tp 2 --summary --batch 2 --seq 1024",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", metavar="MODEL", help="folder with config.json, a built-in name (gpt2, bert-base, "
@@ -28,6 +29,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (default 0)")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--summary", action="store_true", help="leave out the per-parameter list")
+    parser.add_argument("--batch", type=int, help="with --seq: estimate activation memory per rank for this batch")
+    parser.add_argument("--seq", type=int, help="with --batch: sequence length of the activation estimate")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the job runs: torch's "
+                        "dropout keeps float masks on cpu, bool masks on cuda (default cpu)")  # fmt: skip
     parser.set_defaults(func=plan_command)
     return parser
 
@@ -41,7 +46,10 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         policy = load_policy(args.policy)
         model = build_meta_model(args.model, args.model_class)
-        plan = plan_model(model, args.tp, args.pp, args.dp, args.zero, args.precision, policy=policy)
+        plan = plan_model(
+            model, args.tp, args.pp, args.dp, args.zero, args.precision, policy=policy, batch=args.batch,
+            seq=args.seq, device=args.device,
+        )  # fmt: skip
     except (ValueError, NotImplementedError) as e:
         message = str(e).replace("pass it: shard_model(model, config, policy=MyPolicy())", "pass --policy module:Class")
         print(f"shardformer plan: error: {message}", file=sys.stderr)

@@ -72,6 +72,15 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     return tensor
 
 
+def broadcast(tensor: torch.Tensor, group, src_group_rank: int = 0) -> torch.Tensor:
+    """In-place broadcast from the group's ``src_group_rank`` (a no-op on one rank)."""
+    if group_size(group) > 1:
+        _record("broadcast", tensor)
+        src = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
+        dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
 def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     tensor = tensor.contiguous()
     out = [torch.empty_like(tensor) for _ in range(group_size(group))]
