@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from shardformer.layers.comm import _record
@@ -43,6 +44,9 @@ def own_chunk(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
 
 def _all_gather(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
     x = x.contiguous()
+    if torch.compiler.is_compiling():  # functional collectives: dynamo traces them (counting is eager-only)
+        full = funcol.all_gather_tensor(x, SEQ_DIM, dist.group.WORLD if group is None else group)
+        return full.narrow(SEQ_DIM, 0, full_len)
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
     _record("all_gather", x)
     dist.all_gather(parts, x, group=group)
@@ -52,6 +56,9 @@ def _all_gather(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
     world = group_size(group)
     local = chunk_length(full_len, world)
+    if torch.compiler.is_compiling():
+        padded = _pad(x, local * world).contiguous()
+        return funcol.reduce_scatter_tensor(padded, "sum", SEQ_DIM, dist.group.WORLD if group is None else group)
     chunks = [c.contiguous() for c in _pad(x, local * world).split(local, dim=SEQ_DIM)]
     out = torch.empty_like(chunks[0])
     _record("reduce_scatter", x)
