@@ -9,7 +9,9 @@ Split and gather take a :class:`~shardformer.slicer.ShardSpec` for the last dime
 blocks (``n_cast``) and vocabulary padding come back in the original order and size.
 
 Every collective issued here is recorded by any active :class:`CollectiveCounter`, so tests and
-benchmarks can count communication instead of trusting it.
+benchmarks can count communication instead of trusting it. Under ``torch.compile`` the collectives
+are torch's functional ones, which dynamo traces into the graph (an in-place ``dist`` call inside an
+autograd function, or the counter's list append, would break it); counting is eager-only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from shardformer.mesh import group_rank, group_size
 from shardformer.slicer import ShardSpec, merge_shards, slice_tensor
@@ -56,17 +59,42 @@ def _record(op: str, tensor: torch.Tensor) -> None:
         counter.calls.append((op, tensor.numel(), tensor.numel() * tensor.element_size()))
 
 
+def _functional_group(group):
+    return dist.group.WORLD if group is None else group
+
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of a contiguous tensor (a no-op on one rank)."""
-    if group_size(group) > 1:
-        _record("all_reduce", tensor)
-        dist.all_reduce(tensor, op=op, group=group)
+    """All-reduce of a contiguous tensor (a no-op on one rank); use the result. Eager: in place and
+    counted. Compiling: a functional all-reduce into a new tensor (dynamo cannot trace mutation)."""
+    if group_size(group) == 1:
+        return tensor
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(tensor, "max" if op == dist.ReduceOp.MAX else "sum", _functional_group(group))
+    _record("all_reduce", tensor)
+    dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def start_all_reduce(tensor: torch.Tensor, group):
+    """Start a sum all-reduce of a contiguous tensor; returns ``(result, wait)``: compute that does not
+    need the result may run before ``wait()``. Compiling, the functional collective is already
+    asynchronous in the graph (its wait sits at the first use), so ``wait`` does nothing."""
+    if group_size(group) == 1 or torch.compiler.is_compiling():
+        return all_reduce(tensor, group), _nothing_to_wait
+    _record("all_reduce", tensor)
+    return tensor, dist.all_reduce(tensor, group=group, async_op=True).wait
+
+
+def _nothing_to_wait() -> None:
+    return None
 
 
 def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     tensor = tensor.contiguous()
-    out = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    world = group_size(group)
+    if torch.compiler.is_compiling():
+        return list(funcol.all_gather_single(tensor, 0, _functional_group(group)).chunk(world))
+    out = [torch.empty_like(tensor) for _ in range(world)]
     _record("all_gather", tensor)
     dist.all_gather(out, tensor, group=group)
     return out
