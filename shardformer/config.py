@@ -30,6 +30,9 @@ class ShardConfig:
         pad the vocabulary to a multiple of ``vocab_pad_multiple * tp`` (1: just enough to divide).
     seed:
         base seed of the tensor-parallel dropout layers (each layer adds its index).
+    overlap_communication:
+        a column-parallel layer's backward starts its input-gradient all-reduce and computes its
+        weight gradient meanwhile (same result; False runs them one after the other, for comparison).
     mesh:
         an existing :class:`~shardformer.ProcessMesh` to shard over (its tp group); default: one is
         built from the sizes when the model is sharded.
@@ -42,6 +45,7 @@ class ShardConfig:
     gather_output: bool = False
     vocab_pad_multiple: int = 1
     seed: int = DEFAULT_SEED
+    overlap_communication: bool = True
     mesh: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +67,8 @@ class ShardConfig:
             raise ValueError(f"ShardConfig.data_parallel_size={dp!r} must be a positive integer or None")
         if not isinstance(self.gather_output, bool):
             raise ValueError(f"ShardConfig.gather_output={self.gather_output!r} must be True or False")
+        if not isinstance(self.overlap_communication, bool):
+            raise ValueError(f"ShardConfig.overlap_communication={self.overlap_communication!r} must be True or False")
         if not isinstance(self.seed, int):
             raise ValueError(f"ShardConfig.seed={self.seed!r} must be an integer")
 

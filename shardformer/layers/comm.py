@@ -172,12 +172,19 @@ class SharedInputCopy:
     The sharder gives one instance to every column layer it builds inside one policy target (a
     BertLayer, a GPT2Block). Only the latest input is remembered, by identity and version (an input
     changed in place is copied anew); its backward, or the next input, releases it.
+
+    It also learns which readers read an input alone (GPT-2's c_attn and c_fc: each its own input):
+    :meth:`reads_alone` tells such a layer it may all-reduce its own input gradient, overlapped with
+    its weight gradient, without costing a collective. Either way is exact (the all-reduces of the
+    parts sum to the all-reduce of the sum); a layer becomes a sharer for good once seen sharing.
     """
 
     def __init__(self) -> None:
-        self._latest = None  # (weakref(input), input version, group, output)
+        self._latest = None  # (weakref(input), input version, group, output, readers)
+        self._alone: weakref.WeakSet = weakref.WeakSet()
+        self._sharing: weakref.WeakSet = weakref.WeakSet()
 
-    def __call__(self, x: torch.Tensor, group) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, group, reader=None) -> torch.Tensor:
         if group_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
         if torch.compiler.is_compiling():
@@ -185,15 +192,35 @@ class SharedInputCopy:
             # module-level cache did, and gave wrong losses). One all-reduce per layer: exact.
             return _CopyToParallel.apply(x, group, None)
         if self._latest is not None:
-            x_ref, version, cached_group, y = self._latest
+            x_ref, version, cached_group, y, readers = self._latest
             if x_ref() is x and version == x._version and cached_group is group:
+                readers.append(reader)
                 return y
+        self._settle()
         y = _CopyToParallel.apply(x, group, self)
-        self._latest = (weakref.ref(x), x._version, group, y)
+        self._latest = (weakref.ref(x), x._version, group, y, [reader])
         return y
 
+    def reads_alone(self, reader) -> bool:
+        """Whether every input ``reader`` read so far, no other reader read (False before its first)."""
+        return reader in self._alone
+
     def release(self) -> None:
+        self._settle()
         self._latest = None
+
+    def _settle(self) -> None:
+        """The latest input's readers are all known (forward moved on): remember who read it alone."""
+        if self._latest is None:
+            return
+        readers = self._latest[4]
+        if len(readers) == 1 and readers[0] is not None and readers[0] not in self._sharing:
+            self._alone.add(readers[0])
+        elif len(readers) > 1:
+            for reader in readers:
+                if reader is not None:
+                    self._sharing.add(reader)
+                    self._alone.discard(reader)
 
     def __deepcopy__(self, memo) -> SharedInputCopy:
         return SharedInputCopy()  # a copied model shares among its own layers, never with the original

@@ -19,6 +19,7 @@ from shardformer.layers.comm import (
     group_size,
     reduce_from_parallel,
     split_to_parallel,
+    start_all_reduce,
 )
 from shardformer.slicer import Slicer, shard_spec
 
@@ -35,6 +36,33 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
     flat = x.reshape(-1, x.shape[-1])
     y = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
     return y.view(out_shape)
+
+
+class _ColumnLinearOverlapped(torch.autograd.Function):
+    """``copy_to_parallel`` then ``_matmul`` in one function, so backward can start the input
+    gradient's all-reduce and compute the weight and bias gradients while it runs (Megatron's async
+    grad all-reduce). The same products as autograd's backward of the two, in the same dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, reversed, group):
+        ctx.save_for_backward(x, weight)
+        ctx.reversed, ctx.group, ctx.has_bias = reversed, group, bias is not None
+        return _matmul(x, weight, bias, reversed)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x = flat_grad.mm(weight.t() if ctx.reversed else weight)
+        grad_x, wait = start_all_reduce(grad_x, ctx.group)
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_w = flat_x.t().mm(flat_grad) if ctx.reversed else flat_grad.t().mm(flat_x)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = flat_grad.sum(0)
+        wait()
+        return grad_x.view(x.shape), grad_w, grad_b, None, None
 
 
 def _native_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -54,6 +82,10 @@ class Linear1D_Col(nn.Module):
     own, so every rank holds ``[Q_r | K_r | V_r]`` and the model's ``split`` keeps working.
     ``input_copy``: a :class:`SharedInputCopy` shared with the other column layers reading the same
     input, so their backward all-reduce happens once (None: this layer's own).
+    ``overlap_communication``: backward starts the input gradient's all-reduce and computes the
+    weight gradient meanwhile (False: one after the other), in a layer with an input of its own:
+    no ``input_copy``, or one that saw this layer read its inputs alone. Layers reading one input
+    keep their one shared all-reduce (three overlapped ones would send three times the bytes).
     """
 
     def __init__(
@@ -69,6 +101,7 @@ class Linear1D_Col(nn.Module):
         self.weight, self.bias = weight, bias
         self.process_group, self.gather_output, self.reversed = process_group, gather_output, reversed
         self.input_copy = input_copy
+        self.overlap_communication = True
         spec = shard_spec(weight)
         self.n_cast = (spec.blocks or spec.n_cast) if spec else 1  # block sizes when they differ
         self.out_features = spec.full_size if spec else weight.shape[1 if reversed else 0]
@@ -92,14 +125,30 @@ class Linear1D_Col(nn.Module):
         return cls(w, b, process_group, gather_output, reversed, input_copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_copy is not None:
-            x = self.input_copy(x, self.process_group)
+        if self._overlaps(x):
+            y = _ColumnLinearOverlapped.apply(x, self.weight, self.bias, self.reversed, self.process_group)
         else:
-            x = copy_to_parallel(x, self.process_group)
-        y = _matmul(x, self.weight, self.bias, self.reversed)
+            if self.input_copy is not None:
+                x = self.input_copy(x, self.process_group, self)
+            else:
+                x = copy_to_parallel(x, self.process_group)
+            y = _matmul(x, self.weight, self.bias, self.reversed)
         if self.gather_output:
             y = gather_from_parallel(y, self.process_group, self.out_features, self.n_cast)
         return y
+
+    def _overlaps(self, x: torch.Tensor) -> bool:
+        """Whether backward has an input-gradient all-reduce of this layer's own to overlap (compiled,
+        every layer has; under autocast the plain path runs: its backward computes in that dtype)."""
+        own_input = self.input_copy is None or torch.compiler.is_compiling() or self.input_copy.reads_alone(self)
+        return (
+            self.overlap_communication
+            and own_input
+            and group_size(self.process_group) > 1
+            and torch.is_grad_enabled()
+            and x.requires_grad
+            and not torch.is_autocast_enabled(x.device.type)
+        )
 
     def extra_repr(self) -> str:
         local = self.weight.shape[1 if self.reversed else 0]
