@@ -29,7 +29,8 @@ def _graphs_and_loss(model, inputs, backend):
     return counter.frame_count, loss
 
 
-def _compiled_matches_unsharded(model_class, config, inputs, warm_up=False):
+def _compiled_matches_unsharded(model_class, config, inputs=None, warm_up=False):
+    inputs = inputs or _token_inputs(config)
     torch.manual_seed(0)
     ref = model_class(config).train()
     torch.manual_seed(0)
@@ -55,13 +56,11 @@ def _token_inputs(config):
 
 
 def check_compiled_gpt2_lm():
-    config = zoo.gpt2_config()
-    _compiled_matches_unsharded(tf.GPT2LMHeadModel, config, _token_inputs(config))
+    _compiled_matches_unsharded(tf.GPT2LMHeadModel, zoo.gpt2_config())
 
 
 def check_compiled_bert_mlm():
-    config = zoo.bert_config()
-    _compiled_matches_unsharded(tf.BertForMaskedLM, config, _token_inputs(config), warm_up=True)
+    _compiled_matches_unsharded(tf.BertForMaskedLM, zoo.bert_config(), warm_up=True)
 
 
 def check_compiled_vit_classification():
@@ -71,8 +70,7 @@ def check_compiled_vit_classification():
 
 
 def check_compiled_llama_from_its_tp_plan():
-    config = tiny_config(tf.LlamaConfig)
-    _compiled_matches_unsharded(tf.LlamaForCausalLM, config, _token_inputs(config))
+    _compiled_matches_unsharded(tf.LlamaForCausalLM, tiny_config(tf.LlamaConfig))
 
 
 def check_engine_compiles_its_stage():
