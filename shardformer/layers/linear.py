@@ -41,7 +41,8 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
 class _ColumnLinearOverlapped(torch.autograd.Function):
     """``copy_to_parallel`` then ``_matmul`` in one function, so backward can start the input
     gradient's all-reduce and compute the weight and bias gradients while it runs (Megatron's async
-    grad all-reduce). The same products as autograd's backward of the two, in the same dtype."""
+    grad all-reduce). The same products as autograd's backward of the two, in the same dtype.
+    ``group`` None: no all-reduce here (a shared input copy before it reduces the sum)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, reversed, group):
@@ -54,15 +55,22 @@ class _ColumnLinearOverlapped(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_x = flat_grad.mm(weight.t() if ctx.reversed else weight)
-        grad_x, wait = start_all_reduce(grad_x, ctx.group)
+        grad_x, wait = None, _no_wait
+        if ctx.needs_input_grad[0]:
+            grad_x = flat_grad.mm(weight.t() if ctx.reversed else weight)
+            if ctx.group is not None:
+                grad_x, wait = start_all_reduce(grad_x, ctx.group)
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
             grad_w = flat_x.t().mm(flat_grad) if ctx.reversed else flat_grad.t().mm(flat_x)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = flat_grad.sum(0)
         wait()
-        return grad_x.view(x.shape), grad_w, grad_b, None, None
+        return None if grad_x is None else grad_x.view(x.shape), grad_w, grad_b, None, None
+
+
+def _no_wait() -> None:
+    return None
 
 
 def _native_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -84,8 +92,9 @@ class Linear1D_Col(nn.Module):
     input, so their backward all-reduce happens once (None: this layer's own).
     ``overlap_communication``: backward starts the input gradient's all-reduce and computes the
     weight gradient meanwhile (False: one after the other), in a layer with an input of its own:
-    no ``input_copy``, or one that saw this layer read its inputs alone. Layers reading one input
-    keep their one shared all-reduce (three overlapped ones would send three times the bytes).
+    no ``input_copy``, or one that saw this layer read its inputs alone (from its second step on).
+    Layers reading one input keep their one shared all-reduce after the sum of their gradients
+    (three overlapped ones would send three times the bytes).
     """
 
     def __init__(
@@ -126,7 +135,13 @@ class Linear1D_Col(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._overlaps(x):
-            y = _ColumnLinearOverlapped.apply(x, self.weight, self.bias, self.reversed, self.process_group)
+            # Sharers and loners run the same function (it saves the same tensors), so activation
+            # checkpointing's recompute matches the forward even if reads_alone changed in between.
+            alone = self.input_copy is None or torch.compiler.is_compiling() or self.input_copy.reads_alone(self)
+            if not alone:
+                x = self.input_copy(x, self.process_group, self)  # one all-reduce after the sharers' sum
+            group = self.process_group if alone else None
+            y = _ColumnLinearOverlapped.apply(x, self.weight, self.bias, self.reversed, group)
         else:
             if self.input_copy is not None:
                 x = self.input_copy(x, self.process_group, self)
@@ -138,12 +153,10 @@ class Linear1D_Col(nn.Module):
         return y
 
     def _overlaps(self, x: torch.Tensor) -> bool:
-        """Whether backward has an input-gradient all-reduce of this layer's own to overlap (compiled,
-        every layer has; under autocast the plain path runs: its backward computes in that dtype)."""
-        own_input = self.input_copy is None or torch.compiler.is_compiling() or self.input_copy.reads_alone(self)
+        """Whether backward runs through the overlapping function (under autocast the plain path runs:
+        its backward computes in the autocast dtype)."""
         return (
             self.overlap_communication
-            and own_input
             and group_size(self.process_group) > 1
             and torch.is_grad_enabled()
             and x.requires_grad
