@@ -42,12 +42,12 @@ class _ColumnLinearOverlapped(torch.autograd.Function):
     """``copy_to_parallel`` then ``_matmul`` in one function, so backward can start the input
     gradient's all-reduce and compute the weight and bias gradients while it runs (Megatron's async
     grad all-reduce). The same products as autograd's backward of the two, in the same dtype.
-    ``group`` None: no all-reduce here (a shared input copy before it reduces the sum)."""
+    ``reduce`` False: no all-reduce here (a shared input copy before it reduces the sum)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, reversed, group):
+    def forward(ctx, x, weight, bias, reversed, group, reduce):
         ctx.save_for_backward(x, weight)
-        ctx.reversed, ctx.group, ctx.has_bias = reversed, group, bias is not None
+        ctx.reversed, ctx.group, ctx.reduce, ctx.has_bias = reversed, group, reduce, bias is not None
         return _matmul(x, weight, bias, reversed)
 
     @staticmethod
@@ -58,7 +58,7 @@ class _ColumnLinearOverlapped(torch.autograd.Function):
         grad_x, wait = None, _no_wait
         if ctx.needs_input_grad[0]:
             grad_x = flat_grad.mm(weight.t() if ctx.reversed else weight)
-            if ctx.group is not None:
+            if ctx.reduce:
                 grad_x, wait = start_all_reduce(grad_x, ctx.group)
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
@@ -66,7 +66,7 @@ class _ColumnLinearOverlapped(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = flat_grad.sum(0)
         wait()
-        return None if grad_x is None else grad_x.view(x.shape), grad_w, grad_b, None, None
+        return None if grad_x is None else grad_x.view(x.shape), grad_w, grad_b, None, None, None
 
 
 def _no_wait() -> None:
@@ -140,8 +140,7 @@ class Linear1D_Col(nn.Module):
             alone = self.input_copy is None or torch.compiler.is_compiling() or self.input_copy.reads_alone(self)
             if not alone:
                 x = self.input_copy(x, self.process_group, self)  # one all-reduce after the sharers' sum
-            group = self.process_group if alone else None
-            y = _ColumnLinearOverlapped.apply(x, self.weight, self.bias, self.reversed, group)
+            y = _ColumnLinearOverlapped.apply(x, self.weight, self.bias, self.reversed, self.process_group, alone)
         else:
             if self.input_copy is not None:
                 x = self.input_copy(x, self.process_group, self)
