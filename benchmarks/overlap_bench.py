@@ -54,7 +54,7 @@ def _run(steps, batch_size, seq):
         for overlap in (True, False) if step % 2 == 0 else (False, True):
             _set_overlap(columns, overlap)
             times[overlap].append(timed_step(model, inputs)[0])
-    overlapping = sum(m.input_copy is None for m in columns)
+    overlapping = sum(m.input_copy is None or m.input_copy.reads_alone(m) for m in columns)
     return statistics.median(times[True]), statistics.median(times[False]), same, overlapping, len(columns)
 
 
