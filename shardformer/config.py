@@ -35,6 +35,9 @@ class ShardConfig:
         ``1/tp`` of the sequence (norms, dropout, residuals), for less activation memory at the
         same communication volume. Needs a model whose layer stack is known (the built-in
         families and models with transformers' plans); a no-op at tp=1.
+    overlap_communication:
+        a column-parallel layer's backward starts its input-gradient all-reduce and computes its
+        weight gradient meanwhile (same result; False runs them one after the other, for comparison).
     mesh:
         an existing :class:`~shardformer.ProcessMesh` to shard over (its tp group); default: one is
         built from the sizes when the model is sharded.
@@ -48,6 +51,7 @@ class ShardConfig:
     vocab_pad_multiple: int = 1
     seed: int = DEFAULT_SEED
     sequence_parallel: bool = False
+    overlap_communication: bool = True
     mesh: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -67,7 +71,7 @@ class ShardConfig:
         dp = self.data_parallel_size
         if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
             raise ValueError(f"ShardConfig.data_parallel_size={dp!r} must be a positive integer or None")
-        for name in ("gather_output", "sequence_parallel"):
+        for name in ("gather_output", "sequence_parallel", "overlap_communication"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ShardConfig.{name}={getattr(self, name)!r} must be True or False")
         if not isinstance(self.seed, int):

@@ -50,6 +50,9 @@ class EngineConfig:
     backend: how training steps run the schedule when pp > 1: "torch" (torch.distributed.pipelining's
     PipelineStage, ScheduleGPipe / Schedule1F1B) or "p2p" (the same schedules on our own
     send/recv). ``eval_step`` and ``forward`` always use "p2p" (forward only).
+    compile: run each stage's forward under ``torch.compile`` (``compile_backend``: "inductor", or
+    "aot_eager" / "eager" to trace without generating code); the pipeline's sends and receives stay
+    outside the compiled graph.
     """
 
     tp: int = 1
@@ -66,6 +69,8 @@ class EngineConfig:
     seed: int = DEFAULT_SEED
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
+    compile: bool = False
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "num_microbatches"):
@@ -80,9 +85,14 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.precision={self.precision!r} must be one of {sorted(PRECISIONS)}")
         if self.backend not in ("p2p", "torch"):
             raise ValueError(f"EngineConfig.backend={self.backend!r} must be 'p2p' or 'torch'")
-        for name in ("activation_checkpointing", "sequence_parallel"):
+        for name in ("activation_checkpointing", "sequence_parallel", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.compile_backend, str) or self.compile_backend not in torch._dynamo.list_backends(None):
+            raise ValueError(
+                f"EngineConfig.compile_backend={self.compile_backend!r} is not a torch.compile backend; "
+                f"use one of {torch._dynamo.list_backends(None)}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed={self.seed!r} must be an integer")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -189,6 +199,8 @@ class ParallelEngine:
         if cfg.pp > 1:
             self.pipeline.keep_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
         self.stage_forward = self.pipeline.stage_forward if self.pipeline is not None else whole_model_forward
+        if cfg.compile:  # the stage forward, not the model: a spec's stage forward calls submodules directly
+            self.stage_forward = torch.compile(self.stage_forward, backend=cfg.compile_backend)
         if cfg.activation_checkpointing:
             self._checkpoint_activations(self.model)
         self.model.to(PRECISIONS[cfg.precision])

@@ -13,6 +13,7 @@ from shardformer.config import ShardConfig
 from shardformer.detect import detect_from_model, keep_ties
 from shardformer.layers import (
     DropoutForReplicatedInput,
+    Linear1D_Col,
     SharedInputCopy,
     VocabParallelEmbedding1D,
     VocabParallelLMHead1D,
@@ -207,6 +208,8 @@ class ModelSharder:
         if issubclass(cls, (VocabParallelLMHead1D, VocabParallelEmbedding1D)):
             options["pad_to_multiple"] = cfg.vocab_pad_multiple
         new = cls.from_native(replacement.module, group, **options)
+        if isinstance(new, Linear1D_Col):
+            new.overlap_communication = cfg.overlap_communication
         new.train(replacement.module.training)  # a model sharded in eval() stays in eval()
         self.model.set_submodule(replacement.path, new)
         return new

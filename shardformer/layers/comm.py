@@ -9,7 +9,9 @@ Split and gather take a :class:`~shardformer.slicer.ShardSpec` for the last dime
 blocks (``n_cast``) and vocabulary padding come back in the original order and size.
 
 Every collective issued here is recorded by any active :class:`CollectiveCounter`, so tests and
-benchmarks can count communication instead of trusting it.
+benchmarks can count communication instead of trusting it. Under ``torch.compile`` the collectives
+are torch's functional ones, which dynamo traces into the graph (an in-place ``dist`` call inside an
+autograd function, or the counter's list append, would break it); counting is eager-only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from shardformer.mesh import group_rank, group_size
 from shardformer.slicer import ShardSpec, merge_shards, slice_tensor
@@ -64,11 +67,19 @@ def _record(op: str, tensor: torch.Tensor) -> None:
         counter.calls.append((op, tensor.numel(), tensor.numel() * tensor.element_size()))
 
 
+def _functional_group(group):
+    return dist.group.WORLD if group is None else group
+
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of a contiguous tensor (a no-op on one rank)."""
-    if group_size(group) > 1:
-        _record("all_reduce", tensor)
-        dist.all_reduce(tensor, op=op, group=group)
+    """All-reduce of a contiguous tensor (a no-op on one rank); use the result. Eager: in place and
+    counted. Compiling: a functional all-reduce into a new tensor (dynamo cannot trace mutation)."""
+    if group_size(group) == 1:
+        return tensor
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(tensor, "max" if op == dist.ReduceOp.MAX else "sum", _functional_group(group))
+    _record("all_reduce", tensor)
+    dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -81,9 +92,26 @@ def broadcast(tensor: torch.Tensor, group, src_group_rank: int = 0) -> torch.Ten
     return tensor
 
 
+def start_all_reduce(tensor: torch.Tensor, group):
+    """Start a sum all-reduce of a contiguous tensor; returns ``(result, wait)``: compute that does not
+    need the result may run before ``wait()``. Compiling, the functional collective is already
+    asynchronous in the graph (its wait sits at the first use), so ``wait`` does nothing."""
+    if group_size(group) == 1 or torch.compiler.is_compiling():
+        return all_reduce(tensor, group), _nothing_to_wait
+    _record("all_reduce", tensor)
+    return tensor, dist.all_reduce(tensor, group=group, async_op=True).wait
+
+
+def _nothing_to_wait() -> None:
+    return None
+
+
 def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     tensor = tensor.contiguous()
-    out = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    world = group_size(group)
+    if torch.compiler.is_compiling():
+        return list(funcol.all_gather_single(tensor, 0, _functional_group(group)).chunk(world))
+    out = [torch.empty_like(tensor) for _ in range(world)]
     _record("all_gather", tensor)
     dist.all_gather(out, tensor, group=group)
     return out
@@ -161,12 +189,19 @@ class SharedInputCopy:
     The sharder gives one instance to every column layer it builds inside one policy target (a
     BertLayer, a GPT2Block). Only the latest input is remembered, by identity and version (an input
     changed in place is copied anew); its backward, or the next input, releases it.
+
+    It also learns which readers read an input alone (GPT-2's c_attn and c_fc: each its own input):
+    :meth:`reads_alone` tells such a layer it may all-reduce its own input gradient, overlapped with
+    its weight gradient, without costing a collective. Either way is exact (the all-reduces of the
+    parts sum to the all-reduce of the sum); a layer becomes a sharer for good once seen sharing.
     """
 
     def __init__(self) -> None:
-        self._latest = None  # (weakref(input), input version, group, output)
+        self._latest = None  # (weakref(input), input version, group, output, readers)
+        self._alone: weakref.WeakSet = weakref.WeakSet()
+        self._sharing: weakref.WeakSet = weakref.WeakSet()
 
-    def __call__(self, x: torch.Tensor, group) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, group, reader=None) -> torch.Tensor:
         if group_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
         if torch.compiler.is_compiling():
@@ -174,15 +209,35 @@ class SharedInputCopy:
             # module-level cache did, and gave wrong losses). One all-reduce per layer: exact.
             return _CopyToParallel.apply(x, group, None)
         if self._latest is not None:
-            x_ref, version, cached_group, y = self._latest
+            x_ref, version, cached_group, y, readers = self._latest
             if x_ref() is x and version == x._version and cached_group is group:
+                readers.append(reader)
                 return y
+        self._settle()
         y = _CopyToParallel.apply(x, group, self)
-        self._latest = (weakref.ref(x), x._version, group, y)
+        self._latest = (weakref.ref(x), x._version, group, y, [reader])
         return y
 
+    def reads_alone(self, reader) -> bool:
+        """Whether every input ``reader`` read so far, no other reader read (False before its first)."""
+        return reader in self._alone
+
     def release(self) -> None:
+        self._settle()
         self._latest = None
+
+    def _settle(self) -> None:
+        """The latest input's readers are all known (forward moved on): remember who read it alone."""
+        if self._latest is None:
+            return
+        readers = self._latest[4]
+        if len(readers) == 1 and readers[0] is not None and readers[0] not in self._sharing:
+            self._alone.add(readers[0])
+        elif len(readers) > 1:
+            for reader in readers:
+                if reader is not None:
+                    self._sharing.add(reader)
+                    self._alone.discard(reader)
 
     def __deepcopy__(self, memo) -> SharedInputCopy:
         return SharedInputCopy()  # a copied model shares among its own layers, never with the original

@@ -19,6 +19,7 @@ from shardformer.layers.comm import (
     group_size,
     reduce_from_parallel,
     split_to_parallel,
+    start_all_reduce,
 )
 from shardformer.slicer import Slicer, shard_spec
 
@@ -35,6 +36,41 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
     flat = x.reshape(-1, x.shape[-1])
     y = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
     return y.view(out_shape)
+
+
+class _ColumnLinearOverlapped(torch.autograd.Function):
+    """``copy_to_parallel`` then ``_matmul`` in one function, so backward can start the input
+    gradient's all-reduce and compute the weight and bias gradients while it runs (Megatron's async
+    grad all-reduce). The same products as autograd's backward of the two, in the same dtype.
+    ``reduce`` False: no all-reduce here (a shared input copy before it reduces the sum)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, reversed, group, reduce):
+        ctx.save_for_backward(x, weight)
+        ctx.reversed, ctx.group, ctx.reduce, ctx.has_bias = reversed, group, reduce, bias is not None
+        return _matmul(x, weight, bias, reversed)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x, wait = None, _no_wait
+        if ctx.needs_input_grad[0]:
+            grad_x = flat_grad.mm(weight.t() if ctx.reversed else weight)
+            if ctx.reduce:
+                grad_x, wait = start_all_reduce(grad_x, ctx.group)
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_w = flat_x.t().mm(flat_grad) if ctx.reversed else flat_grad.t().mm(flat_x)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = flat_grad.sum(0)
+        wait()
+        return None if grad_x is None else grad_x.view(x.shape), grad_w, grad_b, None, None, None
+
+
+def _no_wait() -> None:
+    return None
 
 
 def _native_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -56,6 +92,11 @@ class Linear1D_Col(nn.Module):
     input, so their backward all-reduce happens once (None: this layer's own).
     ``sequence_parallel``: set by :mod:`shardformer.sequence_parallel`; while it is active the input
     was gathered along the sequence by the enclosing block, whose backward reduce-scatters the gradient.
+    ``overlap_communication``: backward starts the input gradient's all-reduce and computes the
+    weight gradient meanwhile (False: one after the other), in a layer with an input of its own:
+    no ``input_copy``, or one that saw this layer read its inputs alone (from its second step on).
+    Layers reading one input keep their one shared all-reduce after the sum of their gradients
+    (three overlapped ones would send three times the bytes).
     """
 
     sequence_parallel = None
@@ -74,6 +115,7 @@ class Linear1D_Col(nn.Module):
         self.weight, self.bias = weight, bias
         self.process_group, self.gather_output, self.reversed = process_group, gather_output, reversed
         self.input_copy = input_copy
+        self.overlap_communication = True
         spec = shard_spec(weight)
         self.n_cast = (spec.blocks or spec.n_cast) if spec else 1  # block sizes when they differ
         self.out_features = spec.full_size if spec else weight.shape[1 if reversed else 0]
@@ -98,15 +140,35 @@ class Linear1D_Col(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel is not None and self.sequence_parallel.active:
-            pass  # the input gradient is reduce-scattered where the sequence was gathered
-        elif self.input_copy is not None:
-            x = self.input_copy(x, self.process_group)
+            # the input gradient is reduce-scattered where the sequence was gathered: nothing to reduce here
+            y = _matmul(x, self.weight, self.bias, self.reversed)
+        elif self._overlaps(x):
+            # Sharers and loners run the same function (it saves the same tensors), so activation
+            # checkpointing's recompute matches the forward even if reads_alone changed in between.
+            alone = self.input_copy is None or torch.compiler.is_compiling() or self.input_copy.reads_alone(self)
+            if not alone:
+                x = self.input_copy(x, self.process_group, self)  # one all-reduce after the sharers' sum
+            y = _ColumnLinearOverlapped.apply(x, self.weight, self.bias, self.reversed, self.process_group, alone)
         else:
-            x = copy_to_parallel(x, self.process_group)
-        y = _matmul(x, self.weight, self.bias, self.reversed)
+            if self.input_copy is not None:
+                x = self.input_copy(x, self.process_group, self)
+            else:
+                x = copy_to_parallel(x, self.process_group)
+            y = _matmul(x, self.weight, self.bias, self.reversed)
         if self.gather_output:
             y = gather_from_parallel(y, self.process_group, self.out_features, self.n_cast)
         return y
+
+    def _overlaps(self, x: torch.Tensor) -> bool:
+        """Whether backward runs through the overlapping function (under autocast the plain path runs:
+        its backward computes in the autocast dtype)."""
+        return (
+            self.overlap_communication
+            and group_size(self.process_group) > 1
+            and torch.is_grad_enabled()
+            and x.requires_grad
+            and not torch.is_autocast_enabled(x.device.type)
+        )
 
     def extra_repr(self) -> str:
         local = self.weight.shape[1 if self.reversed else 0]

@@ -25,18 +25,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             z = z.clone()  # .float() of fp32 logits is the caller's tensor: never write into it
             z[:, valid:] = float("-inf")
         z_max = z.max(dim=-1).values
-        all_reduce(z_max, group, dist.ReduceOp.MAX)
+        z_max = all_reduce(z_max, group, dist.ReduceOp.MAX)
         shifted = z - z_max.unsqueeze(-1)
 
         local_target = target - start
         here = (local_target >= 0) & (local_target < valid)
         local_target = local_target.masked_fill(~here, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
-        all_reduce(target_logit, group)
+        target_logit = all_reduce(target_logit, group)
 
         exp = shifted.exp_()  # padding columns were -inf: exp gives exactly 0
         sum_exp = exp.sum(dim=-1)
-        all_reduce(sum_exp, group)
+        sum_exp = all_reduce(sum_exp, group)
 
         ignored = target == ignore_index
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
@@ -50,8 +50,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_target, hit, ignored = ctx.saved_tensors
         grad = softmax  # reused in place: d loss / d z = softmax - one_hot(target)
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows[hit], local_target[hit]] -= 1.0
+        # -1 at each target this rank holds, -0 (which changes nothing) elsewhere: no data-dependent
+        # shape (boolean indexing), so torch.compile traces it without a graph break
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None
 

@@ -187,23 +187,71 @@ def check_lm_head_gathered_logits_trim_padding():
 
 
 def check_column_layers_sharing_an_input_copy_reduce_once():
-    """q/k/v reading one input: one backward all-reduce with a shared SharedInputCopy, one each without."""
+    """q/k/v reading one input: one backward all-reduce with a shared SharedInputCopy, one each
+    without; the sharers stay sharers from step to step (none of them overlaps on its own)."""
     torch.manual_seed(0)
     fulls = [nn.Linear(HIDDEN, OUT) for _ in range(3)]
     for shared, expected in ((SharedInputCopy(), 1), (None, 3)):
         layers = [Linear1D_Col.from_native(f, None, input_copy=shared) for f in fulls]
-        x, x_ref = _input(2, HIDDEN), _input(2, HIDDEN)
-        loss = sum(layer(x).square().sum() for layer in layers)
+        for step in range(2):
+            x, x_ref = _input(2, HIDDEN), _input(2, HIDDEN)
+            loss = sum(layer(x).square().sum() for layer in layers)
+            with CollectiveCounter() as bwd:
+                loss.backward()
+            assert bwd.counts == {"all_reduce": expected}, (shared, step, bwd.counts)
+            sum(f(x_ref).square().sum() for f in fulls).backward()
+            assert_close(x.grad, x_ref.grad, what=f"input grad (shared={shared is not None}, step {step})")
+        if shared is not None:
+            assert not any(shared.reads_alone(layer) for layer in layers)
+
+
+def check_input_copy_learns_layers_reading_alone():
+    """Two column layers given one SharedInputCopy but reading different inputs (GPT-2's c_attn and
+    c_fc): from the second step on each is known to read alone and overlaps its own all-reduce;
+    the same two all-reduces and input gradients every step."""
+    torch.manual_seed(0)
+    fulls = [nn.Linear(HIDDEN, OUT) for _ in range(2)]
+    shared = SharedInputCopy()
+    layers = [Linear1D_Col.from_native(f, None, input_copy=shared) for f in fulls]
+    for step in range(2):
+        xs, xs_ref = [_input(2, HIDDEN, seed=s) for s in (1, 2)], [_input(2, HIDDEN, seed=s) for s in (1, 2)]
+        loss = sum(layer(x).square().sum() for layer, x in zip(layers, xs))
         with CollectiveCounter() as bwd:
             loss.backward()
-        assert bwd.counts == {"all_reduce": expected}, (shared, bwd.counts)
-        sum(f(x_ref).square().sum() for f in fulls).backward()
-        assert_close(x.grad, x_ref.grad, what=f"input grad (shared={shared is not None})")
+        assert bwd.counts == {"all_reduce": 2}, (step, bwd.counts)
+        sum(f(x).square().sum() for f, x in zip(fulls, xs_ref)).backward()
+        for x, x_ref in zip(xs, xs_ref):
+            assert_close(x.grad, x_ref.grad, what=f"input grad (step {step})")
+        assert [shared.reads_alone(layer) for layer in layers] == [True, True], step
+
+
+def check_column_overlap_on_and_off_agree():
+    """The overlapped backward (input-gradient all-reduce running while the weight gradient is
+    computed) gives what the sequential one gives, with the same one all-reduce; a frozen bias too."""
+    for make in (lambda: nn.Linear(HIDDEN, OUT), lambda: Conv1D(OUT, HIDDEN)):
+        grads, counts = [], []
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            full = make()
+            full.bias.requires_grad_(False)
+            layer = Linear1D_Col.from_native(full, None)
+            layer.overlap_communication = overlap
+            x = _input(3, 5, HIDDEN)
+            with CollectiveCounter() as bwd:
+                layer(x).square().sum().backward()
+            grads.append((x.grad, layer.weight.grad))
+            counts.append(bwd.counts)
+            assert layer.bias.grad is None
+        assert counts[0] == counts[1] == {"all_reduce": 1}, counts
+        for on, off in zip(grads[0], grads[1]):
+            assert torch.equal(on, off), (on - off).abs().max()
 
 
 CHECKS = [
     check_column_linear,
+    check_column_overlap_on_and_off_agree,
     check_column_layers_sharing_an_input_copy_reduce_once,
+    check_input_copy_learns_layers_reading_alone,
     check_column_linear_gather_output,
     check_fused_qkv_linear,
     check_fused_qkv_conv1d,

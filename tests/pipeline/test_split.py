@@ -112,6 +112,11 @@ def test_optimizer_must_be_a_factory():
         ({"schedule": "interleaved"}, "must be one of"),
         ({"num_microbatches": 0}, "positive integer"),
         ({"precision": "fp8"}, "must be one of"),
+        ({"compile": "yes"}, r"compile='yes' must be True or False"),
+        (
+            {"compile": True, "compile_backend": "fast"},
+            r"compile_backend='fast' is not a torch.compile backend.*inductor",
+        ),
     ],
 )
 def test_bad_engine_config(kwargs, fix):

@@ -67,6 +67,7 @@ def test_tp_without_processes_says_how_to_launch():
         ({"pipeline_parallel_size": 1.5}, r"pipeline_parallel_size=1.5 must be a positive integer"),
         ({"data_parallel_size": 0}, r"data_parallel_size=0 must be a positive integer or None"),
         ({"gather_output": "yes"}, r"gather_output='yes' must be True or False"),
+        ({"overlap_communication": 1}, r"overlap_communication=1 must be True or False"),
         ({"vocab_pad_multiple": 0}, r"vocab_pad_multiple=0 must be a positive integer"),
     ],
 )
