@@ -29,7 +29,7 @@ def _graphs_and_loss(model, inputs, backend):
     return counter.frame_count, loss
 
 
-def _compiled_matches_unsharded(model_class, config, inputs=None, warm_up=False):
+def _compiled_matches_unsharded(model_class, config, inputs=None, warm_up=False, sequence_parallel=False):
     inputs = inputs or _token_inputs(config)
     torch.manual_seed(0)
     ref = model_class(config).train()
@@ -38,7 +38,7 @@ def _compiled_matches_unsharded(model_class, config, inputs=None, warm_up=False)
     expected = ref(**inputs).loss
     expected.backward()
     ref_graphs, _ = _graphs_and_loss(ref, inputs, "eager")
-    sharded = shard_model(model, ShardConfig(tensor_parallel_size=2))
+    sharded = shard_model(model, ShardConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))
     if warm_up:
         sharded(**inputs).loss.detach()  # an eager call first, as a user's warm-up would be
     graphs, loss = _graphs_and_loss(sharded, inputs, "aot_eager")
@@ -73,6 +73,11 @@ def check_compiled_llama_from_its_tp_plan():
     _compiled_matches_unsharded(tf.LlamaForCausalLM, tiny_config(tf.LlamaConfig))
 
 
+def check_compiled_sequence_parallel_gpt2_and_llama():
+    _compiled_matches_unsharded(tf.GPT2LMHeadModel, zoo.gpt2_config(), sequence_parallel=True)
+    _compiled_matches_unsharded(tf.LlamaForCausalLM, tiny_config(tf.LlamaConfig), sequence_parallel=True)
+
+
 def check_engine_compiles_its_stage():
     """EngineConfig(compile=True) at tp=2: losses of 3 steps and the weights after them as unsharded."""
     torch._dynamo.reset()
@@ -86,6 +91,7 @@ test_tp2 = check_table(
         check_compiled_bert_mlm,
         check_compiled_vit_classification,
         check_compiled_llama_from_its_tp_plan,
+        check_compiled_sequence_parallel_gpt2_and_llama,
         check_engine_compiles_its_stage,
     ],
     2,
