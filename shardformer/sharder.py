@@ -6,6 +6,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -93,10 +94,11 @@ class ModelSharder:
                 f"{type(self.policy).__name__} names the module classes {[c.__name__ for c in arguments]}, "
                 f"but {type(self.model).__name__} contains none of them; check the policy's argument_policy keys"
             )
-        replacements = []
+        replacements, self.input_copies = [], []
         for name, module, argument in targets:
             where = f"{type(module).__name__} ({name or 'the model'})"
             input_copy = SharedInputCopy()
+            self.input_copies.append((module, input_copy))
             for attr in argument.attr_dict:
                 if not _has(module, attr):
                     raise ValueError(f"attribute {attr!r} of the policy's attr_dict is not in {where}")
@@ -158,6 +160,8 @@ class ModelSharder:
         self.detected.rewrite_attributes(self.model)
         for index, replacement in enumerate(replacements):
             self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
+        for module, input_copy in self.input_copies:
+            module.register_forward_hook(_release_after_forward(input_copy))
         leftovers = self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
         sequence = None
         if self.sequence_plan is not None:
@@ -259,6 +263,18 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
     shard_config = shard_config or ShardConfig()
     policy = policy or get_autopolicy(model)
     return ModelSharder(model, policy, shard_config).shard()
+
+
+def _release_after_forward(input_copy: SharedInputCopy):
+    """A forward hook: once the target's forward is over, its shared input copy holds nothing (the
+    copy's output would otherwise keep a hidden-sized tensor alive per layer under activation
+    checkpointing, which saves nothing else of the layer)."""
+
+    def release(_module, _args, _output):
+        if not torch.compiler.is_compiling():  # compiled forwards do not use the cache
+            input_copy.release()
+
+    return release
 
 
 def _numel(model: nn.Module) -> int:
