@@ -247,13 +247,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._finish_gather(*pending.popleft())
 
     def _launch_gather(self, bucket):
+        """Updated shards into this rank's row of a ``[dp, row]`` buffer (the bucket's gradient
+        buffer when the dtypes match: no fresh allocation each step), then all-gather the rows."""
         first = bucket.slots[0]
-        send = torch.empty(bucket.row_numel, dtype=first.param.dtype, device=first.master.device)
+        out = self.reducer.spare_buffer(bucket, first.param.dtype)
+        if out is None:
+            out = torch.empty(self.dp_size, bucket.row_numel, dtype=first.param.dtype, device=first.master.device)
+        mine = out[self.dp_rank]
         for slot in bucket.slots:
-            send[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master)
+            mine[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master)
         if self.dp_size == 1:
-            return bucket, None, send.view(1, -1)
-        out = send.new_empty(self.dp_size, bucket.row_numel)
+            return bucket, None, out
+        send = mine if self.per_rank else mine.clone()  # the native all-gather wants separate input
         return bucket, comm.all_gather(out.view(-1), send, self.dp_group, self.per_rank, async_op=True), out
 
     @staticmethod

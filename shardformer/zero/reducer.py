@@ -67,6 +67,10 @@ class GradientReducer:
                 if slot.param.requires_grad and id(slot.param) not in late:
                     self._hooks.append(slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, slot)))
         self._pending: list[tuple[Bucket, dist.Work | None, torch.Tensor]] = []
+        # Communication buffers live as long as the reducer: allocating ~the model's size afresh every
+        # step costs page faults (large CPU blocks are mmapped), and the peak holds them anyway.
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -79,7 +83,6 @@ class GradientReducer:
         for _, work, _ in self._pending:
             if work is not None:
                 work.wait()
-        self._buffers: dict[int, torch.Tensor] = {}
         self._copied: list[set[int]] = [set() for _ in self.buckets]
         self._has_grad = [0] * len(self.slots)  # a list: hooks must not launch device ops one flag at a time
         self._backwards = [0] * len(self.slots)  # backward passes that reached each param this step
@@ -164,7 +167,9 @@ class GradientReducer:
                 buf[:, slot.offset : slot.offset + slot.shard_numel].zero_()  # no gradient here: adds nothing
         work = None
         if self.stage == 2:
-            out = buf.new_empty(bucket.row_numel)
+            out = self._outputs.get(bucket.index)
+            if out is None:
+                out = self._outputs[bucket.index] = buf.new_empty(bucket.row_numel)
             if self.dp > 1:
                 work = comm.reduce_scatter(out, buf.view(-1), self.group, self.per_rank, async_op=True)
             else:
@@ -217,8 +222,14 @@ class GradientReducer:
             if work is not None:
                 work.wait()
             self._finish(bucket, out, has_grad, grad_scale)
-        self._pending, self._buffers = [], {}
+        self._pending = []
         self.synced = True
+
+    def spare_buffer(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:
+        """The bucket's ``[dp, row]`` buffer, free between ``sync`` and the next backward (the
+        parameter all-gather reuses it), if it has ``dtype``."""
+        buf = self._buffers.get(bucket.index)
+        return buf if buf is not None and buf.dtype == dtype and not self._pending else None
 
     def _finish(self, bucket: Bucket, out: torch.Tensor, has_grad: list[bool], grad_scale: float) -> None:
         if self.stage == 2:
@@ -228,7 +239,9 @@ class GradientReducer:
             for slot in bucket.slots:
                 if has_grad[slot.index]:
                     self._write_back(slot, out[:, slot.offset : slot.offset + slot.shard_numel])
-            row = out[self.rank].mul(grad_scale * self.dp)
+            row = out[self.rank]  # written back already: unscaled in place, the masters' grads view it
+            if grad_scale * self.dp != 1.0:
+                row.mul_(grad_scale * self.dp)
         for slot in bucket.slots:
             piece = row[slot.offset : slot.offset + slot.shard_numel]
             slot.master.grad = piece.to(slot.master.dtype) if has_grad[slot.index] else None
