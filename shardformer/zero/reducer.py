@@ -67,8 +67,9 @@ class GradientReducer:
                 if slot.param.requires_grad and id(slot.param) not in late:
                     self._hooks.append(slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, slot)))
         self._pending: list[tuple[Bucket, dist.Work | None, torch.Tensor]] = []
-        # Communication buffers live as long as the reducer: allocating ~the model's size afresh every
-        # step costs page faults (large CPU blocks are mmapped), and the peak holds them anyway.
+        # Stage 1 keeps its communication buffers from step to step: allocating ~the model's size
+        # afresh every step costs page faults (large CPU blocks are mmapped). Stage 2 is about memory:
+        # it frees the [dp, row] buffers once reduced and its rows after each step.
         self._buffers: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.reset()
@@ -76,6 +77,8 @@ class GradientReducer:
     def reset(self) -> None:
         """Forget this step's gradients (waiting for anything still in flight, so ranks stay in step)."""
         self._new_round()
+        if self.stage == 2:
+            self._buffers, self._outputs = {}, {}
         self._stale = False  # a gradient changed after its bucket was sent
         self.synced = False
 
@@ -223,6 +226,8 @@ class GradientReducer:
                 work.wait()
             self._finish(bucket, out, has_grad, grad_scale)
         self._pending = []
+        if self.stage == 2:
+            self._buffers = {}
         self.synced = True
 
     def spare_buffer(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:
