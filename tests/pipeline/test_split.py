@@ -112,6 +112,8 @@ def test_optimizer_must_be_a_factory():
         ({"schedule": "interleaved"}, "must be one of"),
         ({"num_microbatches": 0}, "positive integer"),
         ({"precision": "fp8"}, "must be one of"),
+        ({"overlap_p2p": "yes"}, r"overlap_p2p='yes' must be True or False"),
+        ({"overlap_grad_reduce": 1}, r"overlap_grad_reduce=1 must be True or False"),
     ],
 )
 def test_bad_engine_config(kwargs, fix):

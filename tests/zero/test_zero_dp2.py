@@ -295,6 +295,8 @@ def errors_name_the_value_and_the_fix():
     model = Net()
     with pytest.raises(ValueError, match=r"stage=3 is not supported; use stage=1"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    with pytest.raises(ValueError, match=r"backwards_per_step=0 must be a positive integer: the number of backward"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backwards_per_step=0)
     with pytest.raises(ValueError, match=r"release_grads=True needs stage=2"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=1, release_grads=True)
     with pytest.raises(
