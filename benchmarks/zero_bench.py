@@ -1,13 +1,15 @@
 """ZeroOptimizer (stage 1 and 2) vs torch's ZeroRedundancyOptimizer and plain DDP + AdamW.
 
-    .venv/bin/python benchmarks/zero_bench.py            # ~2 minutes on a 2-core CPU machine
+    .venv/bin/python benchmarks/zero_bench.py            # ~3 minutes on a 2-core CPU machine
 
 Each method trains the same small GPT-2 (built from a config, same seed, same data) on 2 gloo
-ranks for a few steps, in its own spawn so that its peak memory is its own. Reported per rank:
-median step time, optimizer memory (the wrapped optimizer's states plus, for ZeroOptimizer, the
-fp32 master shards of half-precision models), and the peak resident-memory growth over the model alone; every number is
-also given as a ratio to DDP measured in the same run. The final loss shows all methods train
-the same model the same way.
+ranks. Step time: all methods live in one spawn and take turns step by step (the order reversed
+every other step), so load from elsewhere on a shared machine hits them alike; the median over
+the steps of ``--repeats`` such spawns is reported. Memory: each method in its own spawn, so that
+its peak is its own: optimizer memory (the wrapped optimizer's states plus, for ZeroOptimizer, the
+fp32 master shards of half-precision models) and the peak resident-memory growth over the model
+alone. Every number is also given as a ratio to DDP measured in the same run. The final loss
+shows all methods train the same model the same way.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ METHODS = {
     "ddp": "DDP + AdamW",
     "torch_zero": "DDP + torch ZeroRedundancyOptimizer(AdamW)",
     "zero1": "ZeroOptimizer(AdamW) stage 1",
+    "zero1_no_overlap": "ZeroOptimizer(AdamW) stage 1, overlap_communication=False",
     "zero2": "ZeroOptimizer(AdamW) stage 2",
-    "zero2_overlap": "ZeroOptimizer(AdamW) stage 2, overlap + release_grads",
+    "zero2_no_overlap": "ZeroOptimizer(AdamW) stage 2, overlap_communication=False",
+    "zero2_release": "ZeroOptimizer(AdamW) stage 2, release_grads",
 }
 
 
@@ -90,13 +94,11 @@ def build_trainer(method, model, bucket_size):
 
         return ddp, step, memory
 
-    stage = 1 if method == "zero1" else 2
-    overlap = method == "zero2_overlap"
     zero = ZeroOptimizer(
         adamw(model.parameters()),
-        stage=stage,
-        overlap_communication=overlap,
-        release_grads=overlap,
+        stage=1 if method.startswith("zero1") else 2,
+        overlap_communication=not method.endswith("no_overlap"),  # on by default
+        release_grads=method == "zero2_release",
         model=model,
         bucket_size=bucket_size,
     )
@@ -109,30 +111,47 @@ def build_trainer(method, model, bucket_size):
     return model, step, lambda: sum(zero.state_bytes().values())
 
 
-def run_method(method, args):
+def _ids(step, rank, args):
+    gen = torch.Generator().manual_seed(10_000 * step + rank)
+    return torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+
+
+def run_timing(methods, args):
+    """Every method in one spawn, one step of each in turn (the order reversed every other step):
+    their ratios are measured under the same load, which on a shared machine is what changes."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    trainers = {m: build_trainer(m, build_model(args), args.bucket_size) for m in methods}
+    times = {m: [] for m in methods}
+    losses = {}
+    for i in range(args.warmup + args.steps):
+        ids = _ids(i, rank, args)
+        for method in methods if i % 2 == 0 else methods[::-1]:
+            module, step, _ = trainers[method]
+            dist.barrier()
+            start = time.perf_counter()
+            loss = module(input_ids=ids, labels=ids).loss
+            step(loss)
+            if i >= args.warmup:
+                times[method].append(time.perf_counter() - start)
+            losses[method] = loss.detach().reshape(1).clone()
+    for loss in losses.values():
+        dist.all_reduce(loss)
+    return {m: {"step_s": times[m], "final_loss": losses[m].item() / world} for m in methods}
+
+
+def run_memory(method, args):
+    """One method in its own spawn, so that its peak resident memory is its own."""
+    rank = dist.get_rank()
     model = build_model(args)
     baseline = rss_bytes()
     module, step, optimizer_memory = build_trainer(method, model, args.bucket_size)
-    times, loss = [], None
-    for i in range(args.warmup + args.steps):
-        gen = torch.Generator().manual_seed(10_000 * i + rank)
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-        dist.barrier()
-        start = time.perf_counter()
-        loss = module(input_ids=ids, labels=ids).loss
-        step(loss)
-        elapsed = time.perf_counter() - start
-        if i >= args.warmup:
-            times.append(elapsed)
-    loss_sum = loss.detach().reshape(1).clone()
-    dist.all_reduce(loss_sum)
+    for i in range(args.warmup + 1):
+        ids = _ids(i, rank, args)
+        step(module(input_ids=ids, labels=ids).loss)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {
-        "step_s": statistics.median(times),
         "optimizer_bytes": optimizer_memory(),
         "peak_rss_growth": max(peak - baseline, 0),
-        "final_loss": loss_sum.item() / world,
         "params": sum(p.numel() for p in model.parameters()),
     }
 
@@ -140,8 +159,8 @@ def run_method(method, args):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per method and round")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds over all methods (fastest round kept)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per method and timing spawn")
+    parser.add_argument("--repeats", type=int, default=2, help="timing spawns (their steps pooled)")
     parser.add_argument("--warmup", type=int, default=2)
     # Few tokens per step: the optimizer and gradient traffic, not activations, dominate.
     parser.add_argument("--layers", type=int, default=4)
@@ -174,22 +193,23 @@ def main(argv=None):
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     started = time.perf_counter()
     results = {}
-    # Rounds alternate the order of methods and each method keeps its fastest round: on a shared
-    # machine, load from elsewhere only ever adds time.
-    for round_index in range(args.repeats):
-        for method in methods if round_index % 2 == 0 else methods[::-1]:
-            per_rank = run_on_ranks(run_method, args.ranks, method, args, timeout=600, threads_per_rank=threads)
-            measured = {
-                "step_s": max(r["step_s"] for r in per_rank),  # ranks wait on each other: the slowest counts
-                "optimizer_bytes": max(r["optimizer_bytes"] for r in per_rank),
-                "peak_rss_growth": max(r["peak_rss_growth"] for r in per_rank),
-                "final_loss": per_rank[0]["final_loss"],
-                "params": per_rank[0]["params"],
-            }
-            print(f"  round {round_index} {method}: {measured}", file=sys.stderr, flush=True)
-            best = results.setdefault(method, measured)
-            best["step_s"] = min(best["step_s"], measured["step_s"])
-            best["peak_rss_growth"] = max(best["peak_rss_growth"], measured["peak_rss_growth"])
+    for method in methods:
+        per_rank = run_on_ranks(run_memory, args.ranks, method, args, timeout=600, threads_per_rank=threads)
+        results[method] = {
+            "optimizer_bytes": max(r["optimizer_bytes"] for r in per_rank),
+            "peak_rss_growth": max(r["peak_rss_growth"] for r in per_rank),
+            "params": per_rank[0]["params"],
+        }
+    times = {m: [] for m in methods}
+    for _ in range(args.repeats):
+        per_rank = run_on_ranks(run_timing, args.ranks, methods, args, timeout=900, threads_per_rank=threads)
+        for method in methods:
+            # ranks wait on each other: each step counts at its slowest rank
+            times[method] += [max(ts) for ts in zip(*(r[method]["step_s"] for r in per_rank))]
+            results[method]["final_loss"] = per_rank[0][method]["final_loss"]
+    for method in methods:
+        results[method]["step_s"] = statistics.median(times[method])
+        print(f"  {method}: steps (ms) {[round(t * 1e3) for t in times[method]]}", file=sys.stderr, flush=True)
 
     base = results["ddp"]
     mib = 1 / 2**20
@@ -210,8 +230,9 @@ def main(argv=None):
         f"{os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}, Python "
         f"{platform.python_version()}; {args.ranks} spawned gloo ranks, {threads} torch thread(s) each; GPT-2 with "
         f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}; {args.batch} x {args.seq} "
-        f"tokens per rank per step; ZeroOptimizer bucket {args.bucket_size} elements; step time = median of {args.steps} steps after {args.warmup} warm-up steps, "
-        f"best of {args.repeats} rounds in alternating order; each method in its own spawn. Optimizer memory = AdamW states (+ fp32 master shards for ZeroOptimizer); peak RSS growth = "
+        f"tokens per rank per step; ZeroOptimizer bucket {args.bucket_size} elements; step time = median of "
+        f"{args.repeats} x {args.steps} steps (after {args.warmup} warm-up steps), all methods in one spawn taking "
+        f"turns step by step; memory from one spawn per method. Optimizer memory = AdamW states (+ fp32 master shards for ZeroOptimizer); peak RSS growth = "
         f"peak resident memory minus resident memory once the model is built (MALLOC_MMAP_THRESHOLD_="
         f"{os.environ['MALLOC_MMAP_THRESHOLD_']}). Total {time.perf_counter() - started:.0f} s."
     )

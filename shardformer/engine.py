@@ -53,6 +53,10 @@ class EngineConfig:
     compile: run each stage's forward under ``torch.compile`` (``compile_backend``: "inductor", or
     "aot_eager" / "eager" to trace without generating code); the pipeline's sends and receives stay
     outside the compiled graph.
+    overlap_grad_reduce: ZeRO reduces each gradient bucket during the backward of the last
+    micro-batch, as soon as its gradients are final (exact either way; False: all at the step).
+    overlap_p2p: the "p2p" schedules post each receive one schedule step early, so activations and
+    gradients arrive while the stage computes (every micro-batch of a step must give one shape).
     """
 
     tp: int = 1
@@ -71,6 +75,8 @@ class EngineConfig:
     sequence_parallel: bool = False
     compile: bool = False
     compile_backend: str = "inductor"
+    overlap_grad_reduce: bool = True
+    overlap_p2p: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "num_microbatches"):
@@ -93,6 +99,9 @@ class EngineConfig:
                 f"EngineConfig.compile_backend={self.compile_backend!r} is not a torch.compile backend; "
                 f"use one of {torch._dynamo.list_backends(None)}"
             )
+        for name in ("overlap_grad_reduce", "overlap_p2p"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed={self.seed!r} must be an integer")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -218,6 +227,9 @@ class ParallelEngine:
                 model=self.model,
                 # tied weights count once in the norm: the first stage's copy
                 counted_elsewhere=self.shared if last and not first else (),
+                overlap_communication=cfg.overlap_grad_reduce,
+                backwards_per_step=cfg.num_microbatches,  # one backward per micro-batch
+                late_grads=self.shared,  # summed over the stages after backward
             )
         self.loss_fn = loss_fn or _loss_from_output
         self.device = params[0].device if params else torch.device("cpu")
@@ -284,7 +296,7 @@ class ParallelEngine:
         else:
             losses, _ = run_pipeline(
                 self.model, self.stage_forward, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale,
-                device=self.device,
+                device=self.device, overlap=cfg.overlap_p2p,
             )  # fmt: skip
         self._sum_shared_grads()
         if cfg.max_grad_norm is not None:
@@ -298,8 +310,9 @@ class ParallelEngine:
         micro = split_batch(self._to_device(self._local_batch(batch)), self.config.num_microbatches, "num_microbatches")
         self.model.eval()
         losses, _ = run_pipeline(
-            self.model, self.stage_forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device
-        )
+            self.model, self.stage_forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device,
+            overlap=self.config.overlap_p2p,
+        )  # fmt: skip
         return self._mean_loss(losses)
 
     @torch.no_grad()
@@ -311,8 +324,9 @@ class ParallelEngine:
         micro = split_batch(self._to_device(batch), self.config.num_microbatches, "num_microbatches")
         self.model.eval()
         _, outputs = run_pipeline(
-            self.model, self.stage_forward, self.mesh, micro, None, backward=False, device=self.device
-        )
+            self.model, self.stage_forward, self.mesh, micro, None, backward=False, device=self.device,
+            overlap=self.config.overlap_p2p,
+        )  # fmt: skip
         out = None
         if outputs:
             out = torch.cat([o if torch.is_tensor(o) else o["logits"] for o in outputs]).contiguous()

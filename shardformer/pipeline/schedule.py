@@ -2,50 +2,21 @@
 
 Each stage runs its pipeline spec's ``stage_forward`` on its micro-batches and passes hidden states to the next
 stage's rank with the same (dp, tp) place (``mesh.stage_rank``); gradients flow back the same way.
-Sends are non-blocking (waited at the end of the step), receives block, so both schedules are
-deadlock-free. A shape header precedes every tensor, so stages need no shape inference.
+Sends are non-blocking (waited at the end of the step). With ``overlap`` (the default) each step
+of the schedule posts its own receive and the next step's before computing, so the next input
+arrives while this one computes; without it a receive is posted only when its tensor is needed.
+Both are deadlock-free: only a tensor that is needed now is ever waited on (see :mod:`.p2p`).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-import torch.distributed as dist
+
+from shardformer.pipeline.p2p import P2P
 
 SCHEDULES = ("gpipe", "1f1b")
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-_MAX_DIMS = 8
-
-
-class P2P:
-    """Send/receive tensors of any shape between neighbouring stages of one pipeline."""
-
-    def __init__(self, mesh) -> None:
-        self.mesh = mesh
-        self.pending: list = []
-
-    def send(self, tensor: torch.Tensor, stage: int) -> None:
-        tensor = tensor.contiguous()
-        header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
-        header[0], header[1] = tensor.ndim, _DTYPES.index(tensor.dtype)
-        header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape, dtype=torch.int64)
-        dst = self.mesh.stage_rank(stage)
-        for t in (header, tensor):
-            self.pending.append((dist.isend(t.to(tensor.device) if t is header else t, dst, self.mesh.pp_group), t))
-
-    def recv(self, stage: int, device) -> torch.Tensor:
-        src = self.mesh.stage_rank(stage)
-        header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=device)
-        dist.recv(header, src, self.mesh.pp_group)
-        header = header.cpu()
-        shape = header[2 : 2 + int(header[0])].tolist()
-        out = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device)
-        dist.recv(out, src, self.mesh.pp_group)
-        return out
-
-    def wait(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
 
 
 def order(schedule: str, num_microbatches: int, stage: int, num_stages: int) -> list[tuple[str, int]]:
@@ -63,26 +34,36 @@ def order(schedule: str, num_microbatches: int, stage: int, num_stages: int) -> 
 
 
 def run_pipeline(
-    model, stage_forward, mesh, micro_batches, loss_of, *, schedule="1f1b", backward=True, scale=1.0, device=None
+    model,
+    stage_forward,
+    mesh,
+    micro_batches,
+    loss_of,
+    *,
+    schedule="1f1b",
+    backward=True,
+    scale=1.0,
+    device=None,
+    overlap=True,
 ):
     """Run one step over ``micro_batches`` on this stage.
 
     ``loss_of(output, micro_batch)`` gives the loss of a last-stage output. With ``backward``,
     each micro-batch's loss times ``scale`` is back-propagated (gradients accumulate in
-    ``param.grad``). Returns ``(losses, outputs)`` on the last stage (detached; ``outputs`` only
-    without backward), ``([], [])`` elsewhere.
+    ``param.grad``). ``overlap`` posts receives one schedule step early. Returns ``(losses,
+    outputs)`` on the last stage (detached; ``outputs`` only without backward), ``([], [])`` elsewhere.
     """
     stage, num_stages = mesh.pp_rank, mesh.pp_size
     first, last = stage == 0, stage == num_stages - 1
     device = device or torch.device("cpu")
-    p2p = P2P(mesh)
+    p2p = P2P(mesh, device, early_receives=overlap)
     saved: dict[int, tuple] = {}
     losses, outputs = [], []
 
     def forward(i):
         hidden = None
         if not first:
-            hidden = p2p.recv(stage - 1, device)
+            hidden = p2p.take(("act", i))
             if backward:
                 hidden.requires_grad_(True)
         out = stage_forward(model, hidden, micro_batches[i])
@@ -95,7 +76,7 @@ def run_pipeline(
             else:
                 outputs.append(out)
         else:
-            p2p.send(out.detach(), stage + 1)
+            p2p.send_activation(out.detach(), i)
             if backward:
                 saved[i] = (hidden, out)
 
@@ -104,20 +85,21 @@ def run_pipeline(
         if last:
             out.backward()
         else:
-            grad = p2p.recv(stage + 1, device)
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(out, p2p.take(("grad", i)))
         if not first:
-            p2p.send(hidden.grad, stage - 1)
+            p2p.send_grad(hidden.grad)
 
-    steps = order(schedule, len(micro_batches), stage, num_stages) if backward else None
-    try:
-        if steps is None:
-            with torch.no_grad():
-                for i in range(len(micro_batches)):
-                    forward(i)
-        else:
-            for kind, i in steps:
-                forward(i) if kind == "F" else backward_step(i)
-    finally:
-        p2p.wait()
+    n = len(micro_batches)
+    steps = order(schedule, n, stage, num_stages) if backward else [("F", i) for i in range(n)]
+    # What each step receives: its micro-batch's activation (F) or gradient (B), if from a neighbour.
+    receives = [("act", i) if kind == "F" else ("grad", i) for kind, i in steps]
+    receives = [None if (key[0] == "act" and first) or (key[0] == "grad" and last) else key for key in receives]
+    with contextlib.nullcontext() if backward else torch.no_grad():
+        for k, (kind, i) in enumerate(steps):
+            if overlap:  # in step order, so each direction's receives are posted in send order
+                for key in receives[k : k + 2]:
+                    if key is not None:
+                        p2p.post(key)
+            forward(i) if kind == "F" else backward_step(i)
+    p2p.wait()
     return losses, outputs

@@ -74,7 +74,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, per_rank: bool, asyn
         return _all_gather(out, inp, group=group, async_op=async_op)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = out.view(size, -1)
-    rows[rank].copy_(inp)
+    if inp.data_ptr() != rows[rank].data_ptr():  # already in place when the caller wrote its row
+        rows[rank].copy_(inp)
     works = [dist.broadcast(rows[r], src=_global(group, r), group=group, async_op=True) for r in range(size)]
     handle = _AllWorks(works)
     if not async_op:

@@ -42,7 +42,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         dp_group: the data-parallel group (default: the whole world).
         stage: 1 all-reduces gradients, 2 reduce-scatters them (each rank keeps only its shard).
         bucket_size: elements per bucket, all dp rows together (gradients and the param all-gather).
-        overlap_communication: reduce each bucket during backward, as soon as it is full.
+        overlap_communication: reduce each bucket during backward, as soon as its gradients are final
+            (default; always exact: see ``backwards_per_step``). False: reduce everything in ``step``.
+        backwards_per_step: backward passes per step (micro-batches of gradient accumulation); with
+            overlap, buckets are sent during the last one. More backward passes than announced are
+            still exact (every bucket is reduced again at ``step``, with a warning) unless
+            ``release_grads``, where they are an error; ``no_sync()`` passes do not count.
         reduce_dtype: dtype the gradients are summed in (default: the master dtype, fp32).
         release_grads: stage 2 only: free each ``param.grad`` once copied into its bucket.
         tp_group, pp_group: tensor / pipeline groups, for the global grad norm and the fp16
@@ -50,6 +55,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scaler: a :class:`DynamicLossScaler`; ``"auto"`` makes one when any param is fp16.
         model: optional; when given, every trainable parameter of it must be in ``optimizer``.
         counted_elsewhere: parameters another pipeline stage also holds and counts in the gradient norm.
+        late_grads: parameters whose ``.grad`` the caller still changes after backward (a tied weight
+            summed over pipeline stages): with overlap their buckets wait for ``step``.
         native_collectives: use the backend's own reduce-scatter / all-gather (default: except on
             gloo, where per-rank reduce / broadcast are faster; results are identical).
 
@@ -64,7 +71,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage: int = 1,
         *,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
-        overlap_communication: bool = False,
+        overlap_communication: bool = True,
+        backwards_per_step: int = 1,
         reduce_dtype: torch.dtype | None = None,
         release_grads: bool = False,
         tp_group: dist.ProcessGroup | None = None,
@@ -72,9 +80,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scaler: DynamicLossScaler | str | None = "auto",
         model: torch.nn.Module | None = None,
         counted_elsewhere=(),
+        late_grads=(),
         native_collectives: bool | None = None,
     ) -> None:
-        check_arguments(optimizer, stage, bucket_size, release_grads, reduce_dtype, loss_scaler, model)
+        check_arguments(
+            optimizer, stage, bucket_size, release_grads, reduce_dtype, loss_scaler, model, backwards_per_step
+        )
         self.optim = optimizer
         self.stage = stage
         self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
@@ -83,7 +94,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             native_collectives = not comm.per_rank_is_faster(dp_group)
         self.per_rank = not native_collectives
         model_params = [list(group["params"]) for group in optimizer.param_groups]
-        check_same_on_all_ranks(model_params, stage, bucket_size, overlap_communication, dp_group)
+        check_same_on_all_ranks(model_params, stage, bucket_size, overlap_communication, backwards_per_step, dp_group)
 
         self.slots = build_slots(model_params, self.dp_size, self.dp_rank)
         self.buckets = build_buckets(self.slots, bucket_size, self.dp_size)
@@ -101,6 +112,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             overlap_communication,
             release_grads,
             self.per_rank,
+            backwards_per_step,
+            late_grads,
         )
         if loss_scaler == "auto":
             loss_scaler = DynamicLossScaler() if any(s.param.dtype == torch.float16 for s in self.slots) else None
@@ -146,8 +159,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def no_sync(self):
         """Micro-steps of gradient accumulation: backward inside only accumulates into ``param.grad``.
 
-        Without overlap nothing is ever sent during backward, so this is only needed with
-        ``overlap_communication=True``; it is harmless either way.
+        With overlap (the default) wrap all but the last backward of a step in it (or pass
+        ``backwards_per_step``), else the buckets sent during the first are sent again at ``step``.
+        Without overlap nothing is ever sent during backward; it is harmless either way.
         """
         with self.reducer.no_sync():
             yield
@@ -233,13 +247,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._finish_gather(*pending.popleft())
 
     def _launch_gather(self, bucket):
+        """Updated shards into this rank's row of a ``[dp, row]`` buffer (the bucket's gradient
+        buffer when the dtypes match: no fresh allocation each step), then all-gather the rows."""
         first = bucket.slots[0]
-        send = torch.empty(bucket.row_numel, dtype=first.param.dtype, device=first.master.device)
+        out = self.reducer.spare_buffer(bucket, first.param.dtype)
+        if out is None:
+            out = torch.empty(self.dp_size, bucket.row_numel, dtype=first.param.dtype, device=first.master.device)
+        mine = out[self.dp_rank]
         for slot in bucket.slots:
-            send[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master)
+            mine[slot.offset : slot.offset + slot.shard_numel].copy_(slot.master)
         if self.dp_size == 1:
-            return bucket, None, send.view(1, -1)
-        out = send.new_empty(self.dp_size, bucket.row_numel)
+            return bucket, None, out
+        send = mine if self.per_rank else mine.clone()  # the native all-gather wants separate input
         return bucket, comm.all_gather(out.view(-1), send, self.dp_group, self.per_rank, async_op=True), out
 
     @staticmethod

@@ -9,7 +9,9 @@ from shardformer.zero import comm
 from shardformer.zero.loss_scaler import DynamicLossScaler
 
 
-def check_arguments(optimizer, stage, bucket_size, release_grads, reduce_dtype, loss_scaler, model) -> None:
+def check_arguments(
+    optimizer, stage, bucket_size, release_grads, reduce_dtype, loss_scaler, model, backwards_per_step=1
+) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}; build e.g. "
@@ -24,6 +26,11 @@ def check_arguments(optimizer, stage, bucket_size, release_grads, reduce_dtype, 
         )
     if not isinstance(bucket_size, int) or bucket_size < 1:
         raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements, e.g. 2**23")
+    if isinstance(backwards_per_step, bool) or not isinstance(backwards_per_step, int) or backwards_per_step < 1:
+        raise ValueError(
+            f"backwards_per_step={backwards_per_step!r} must be a positive integer: the number of backward "
+            f"passes (micro-batches) each step accumulates, 1 without gradient accumulation"
+        )
     if release_grads and stage != 2:
         raise ValueError(
             f"release_grads=True needs stage=2 (got stage={stage}): stage 1 writes the averaged "
@@ -60,7 +67,7 @@ def check_arguments(optimizer, stage, bucket_size, release_grads, reduce_dtype, 
             )
 
 
-def check_same_on_all_ranks(model_params, stage, bucket_size, overlap, dp_group) -> None:
+def check_same_on_all_ranks(model_params, stage, bucket_size, overlap, backwards_per_step, dp_group) -> None:
     """One small collective: every dp rank must wrap the same parameter shapes with the same options.
 
     A mismatch would otherwise surface as a hang or a shape error deep inside a reduce-scatter.
@@ -77,6 +84,7 @@ def check_same_on_all_ranks(model_params, stage, bucket_size, overlap, dp_group)
         "stage": stage,
         "bucket_size": bucket_size,
         "overlap_communication": int(overlap),
+        "backwards_per_step": backwards_per_step,
     }
     mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=flat[0].device)
     both = torch.cat([mine, -mine])

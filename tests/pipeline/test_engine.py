@@ -3,11 +3,15 @@ BERT MLM, ViT classification (and timm ViT): the loss of every step and the weig
 equal one process training the unsharded model on the same batches. One spawn for everything.
 """
 
+import warnings
+
+import pytest
 import torch
 import torch.nn.functional as F
 
 from shardformer import EngineConfig, ParallelEngine, ProcessMesh
 from shardformer.pipeline import stage_of
+from shardformer.pipeline.schedule import run_pipeline
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common
 from tests.policies import zoo
@@ -64,7 +68,11 @@ def _check(
     stage = stage_of(engine.model)
     assert stage == (engine.mesh.pp_rank, pp), stage
     expected = common.reference_run(ref, data, dp * micro, clip, loss_fn)
-    got = [engine.train_step(b) for b in data]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [engine.train_step(b) for b in data]
+    # with overlap, every bucket is sent once, in the last micro-batch's backward: none is sent again
+    assert not [w for w in caught if "reduced again" in str(w.message)], [str(w.message) for w in caught]
     what = (
         f"{name} tp={tp} pp={pp} dp={dp} {schedule}/{backend} x{micro} clip={clip} zero={zero_stage} {engine_options}"
     )
@@ -113,7 +121,20 @@ def check_eval_step_and_zero2_with_pp():
     name = "BertForMaskedLM"
     ref, model = common.models(name)
     data = common.batches(name, 2, seed=4)
-    engine = _check(name, 2, 2, 1, "gpipe", 2, 1.0, "torch", zero_stage=2, model_pair=(ref, model), data=data)
+    engine = _check(
+        name,
+        2,
+        2,
+        1,
+        "gpipe",
+        2,
+        1.0,
+        "torch",
+        zero_stage=2,
+        model_pair=(ref, model),
+        data=data,
+        overlap_grad_reduce=False,
+    )
     chunks = [dict(zip(data[0], v)) for v in zip(*[t.chunk(2) for t in data[0].values()])]
     with torch.no_grad():
         expected = sum(ref.eval()(**c).loss for c in chunks).item() / 2
@@ -147,7 +168,23 @@ def check_timm_vit_pp2_tp2():
         }
         for _ in range(STEPS)
     ]
-    _check("timm_vit", 2, 2, 1, "1f1b", 2, 0.5, "p2p", model_pair=pair, loss_fn=_timm_loss, data=data)
+    _check(
+        "timm_vit", 2, 2, 1, "1f1b", 2, 0.5, "p2p", model_pair=pair, loss_fn=_timm_loss, data=data, overlap_p2p=False
+    )
+
+
+def _one_output_per_size(model, hidden, micro_batch):
+    return torch.ones(micro_batch["rows"], 3) if hidden is None else hidden.sum()
+
+
+def check_p2p_overlap_refuses_micro_batches_of_two_shapes():
+    """Early receives assume the step's first shape: a different one fails on both stages, no hang."""
+    mesh = ProcessMesh(1, 2, 2)  # its own groups: nothing of this step is left in a group others use
+    micro = [{"rows": 1}, {"rows": 2}]
+    with pytest.raises(ValueError, match=r"shape \[2, 3\] for micro-batch 1.*EngineConfig\(overlap_p2p=False\)"):
+        run_pipeline(None, _one_output_per_size, mesh, micro, None, backward=False)
+    # without early receives each shape travels with its tensor
+    run_pipeline(None, _one_output_per_size, mesh, micro, None, backward=False, overlap=False)
 
 
 CHECKS = [
@@ -161,6 +198,7 @@ CHECKS = [
     check_activation_checkpointing_pp2_tp2,
     check_sequence_parallel_gpt2_pp2_tp2_with_checkpointing,
     check_timm_vit_pp2_tp2,
+    check_p2p_overlap_refuses_micro_batches_of_two_shapes,
 ]
 
 test_engine_4_ranks = check_table(CHECKS, 4)

@@ -117,6 +117,8 @@ def test_optimizer_must_be_a_factory():
             {"compile": True, "compile_backend": "fast"},
             r"compile_backend='fast' is not a torch.compile backend.*inductor",
         ),
+        ({"overlap_p2p": "yes"}, r"overlap_p2p='yes' must be True or False"),
+        ({"overlap_grad_reduce": 1}, r"overlap_grad_reduce=1 must be True or False"),
     ],
 )
 def test_bad_engine_config(kwargs, fix):

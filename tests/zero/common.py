@@ -106,8 +106,9 @@ def zero_run(make_opt, group=None, steps=STEPS, clip=None, skip_at=(), first_ste
     return model, zero, norms
 
 
-def accumulate_run(make_opt, group=None, micro=4, steps=STEPS, **kw):
-    """ZeroOptimizer with ``micro`` accumulation micro-steps per step (mean loss / micro each)."""
+def accumulate_run(make_opt, group=None, micro=4, steps=STEPS, no_sync=True, **kw):
+    """ZeroOptimizer with ``micro`` accumulation micro-steps per step (mean loss / micro each), all
+    but the last inside ``no_sync()`` unless ``no_sync=False``."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     model = Net()
     zero = ZeroOptimizer(make_opt(model.parameters()), dp_group=group, **kw)
@@ -115,12 +116,29 @@ def accumulate_run(make_opt, group=None, micro=4, steps=STEPS, **kw):
         x, y = batch(step)
         xs, ys = local_rows(x, rank, world).chunk(micro), local_rows(y, rank, world).chunk(micro)
         for i in range(micro):
-            ctx = zero.no_sync() if i < micro - 1 else contextlib.nullcontext()
+            ctx = zero.no_sync() if no_sync and i < micro - 1 else contextlib.nullcontext()
             with ctx:
                 zero.backward(loss_of(model, xs[i], ys[i]) / micro)
         zero.step()
         zero.zero_grad()
     return model, zero
+
+
+@contextlib.contextmanager
+def poisoned_grad(param, index, value):
+    """Backward inside writes ``value`` at ``index`` of ``param``'s gradient. A tensor hook, because
+    with overlap the optimizer copies each gradient as soon as autograd finishes it."""
+
+    def poison(grad):
+        grad = grad.clone()
+        grad[index] = value
+        return grad
+
+    handle = param.register_hook(poison)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def mixed_reference(make_opt, dtype, world, steps=STEPS, scale=1024.0, skipped_step=None):

@@ -3,6 +3,7 @@
 All checks share one spawn of 2 gloo ranks (see CheckTable); each is reported as its own test.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -22,6 +23,7 @@ from tests.zero.common import (
     local_rows,
     loss_of,
     mixed_reference,
+    poisoned_grad,
     reference_run,
     state_bytes_check,
     zero_run,
@@ -55,10 +57,22 @@ def accumulation_of_four_micro_steps_equals_one_big_batch():
     make_opt = OPTIMIZERS["adam"]
     ref = reference_run(make_opt)[0]
     runs = {
-        "stage 1": accumulate_run(make_opt, stage=1)[0],
-        "stage 2 overlap": accumulate_run(make_opt, stage=2, overlap_communication=True, bucket_size=64)[0],
-        "stage 1 overlap": accumulate_run(make_opt, stage=1, overlap_communication=True, bucket_size=64)[0],
+        "stage 1 without overlap": accumulate_run(make_opt, stage=1, overlap_communication=False)[0],
+        "stage 2 overlap": accumulate_run(make_opt, stage=2, bucket_size=64)[0],
+        "stage 1 overlap": accumulate_run(make_opt, stage=1, bucket_size=64)[0],
+        "stage 1 overlap, backwards_per_step=4": accumulate_run(
+            make_opt, stage=1, bucket_size=64, no_sync=False, backwards_per_step=4
+        )[0],
+        "stage 2 overlap, backwards_per_step=4, release_grads": accumulate_run(
+            make_opt, stage=2, bucket_size=64, no_sync=False, backwards_per_step=4, release_grads=True
+        )[0],
     }
+    # Backward passes nobody announced: the buckets sent during the first are stale, so every bucket
+    # is reduced again at step(): still exact, with a warning that says how to avoid the waste.
+    with pytest.warns(UserWarning, match="reduced again at step"):
+        runs["stage 2 overlap, unannounced micro-steps"] = accumulate_run(
+            make_opt, stage=2, bucket_size=64, no_sync=False
+        )[0]
     for what, model in runs.items():
         assert_same_weights(model, ref, what=what)
 
@@ -68,33 +82,46 @@ def no_communication_until_the_last_micro_step():
     originals = {name: getattr(comm, name) for name in ("all_reduce", "reduce_scatter", "all_gather")}
     for name, fn in originals.items():
         setattr(comm, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
+    counted = {}
     try:
-        model = Net()
-        zero = ZeroOptimizer(OPTIMIZERS["sgd"](model.parameters()), stage=2, overlap_communication=True, bucket_size=64)
-        calls.clear()  # the constructor's consistency check is not part of a step
-        x, y = batch(0)
-        for _ in range(3):
-            with zero.no_sync():
-                zero.backward(loss_of(model, x[:2], y[:2]))
-        during_micro_steps = list(calls)
-        zero.backward(loss_of(model, x[:2], y[:2]))
-        during_last_backward = len(calls) - len(during_micro_steps)
-        zero.step()
+        for how in ("no_sync", "backwards_per_step"):
+            model = Net()
+            zero = ZeroOptimizer(
+                OPTIMIZERS["sgd"](model.parameters()),
+                stage=2,
+                bucket_size=64,
+                backwards_per_step=4 if how == "backwards_per_step" else 1,
+            )
+            calls.clear()  # the constructor's consistency check is not part of a step
+            x, y = batch(0)
+            for _ in range(3):
+                with zero.no_sync() if how == "no_sync" else contextlib.nullcontext():
+                    zero.backward(loss_of(model, x[:2], y[:2]))
+            during_micro_steps = list(calls)
+            zero.backward(loss_of(model, x[:2], y[:2]))
+            counted[how] = (during_micro_steps, len(calls) - len(during_micro_steps), len(zero.buckets))
+            zero.step()
     finally:
         for name, fn in originals.items():
             setattr(comm, name, fn)
-    assert during_micro_steps == [], f"collectives inside no_sync: {during_micro_steps}"
-    assert during_last_backward == len(zero.buckets) > 1, "each bucket is sent during the last backward"
+    for how, (during_micro_steps, during_last_backward, buckets) in counted.items():
+        assert during_micro_steps == [], f"{how}: collectives during the micro-steps: {during_micro_steps}"
+        assert during_last_backward == buckets > 1, f"{how}: each bucket is sent during the last backward"
 
 
-def second_backward_without_no_sync_is_a_clear_error():
+def extra_backward_with_released_grads_is_a_clear_error():
     model = Net()
-    zero = ZeroOptimizer(OPTIMIZERS["sgd"](model.parameters()), stage=1, overlap_communication=True)
+    zero = ZeroOptimizer(OPTIMIZERS["sgd"](model.parameters()), stage=2, release_grads=True)
     x, y = batch(0)
     zero.backward(loss_of(model, x[:2], y[:2]))
-    with pytest.raises(RuntimeError, match="no_sync"):
+    with pytest.raises(RuntimeError, match="no_sync.*backwards_per_step"):
         zero.backward(loss_of(model, x[:2], y[:2]))
     zero.zero_grad()  # waits for the bucket in flight, so both ranks leave in step
+    zero.backward(loss_of(model, x[:2], y[:2]))
+    zero.clip_grad_norm(1.0)
+    with pytest.raises(RuntimeError, match="clip_grad_norm, grad_norm or sync_grads ran already"):
+        zero.backward(loss_of(model, x[:2], y[:2]))
+    zero.zero_grad()
 
 
 def skipped_layer_is_not_updated_and_matches_reference():
@@ -141,9 +168,9 @@ def fp16_overflow_on_one_rank_skips_the_step_everywhere():
         zero = ZeroOptimizer(make_opt(model.parameters()), stage=stage, loss_scaler=DynamicLossScaler(1024.0))
         for step in range(STEPS):
             x, y = batch(step)
-            zero.backward(loss_of(model, local_rows(x, dist.get_rank(), 2), local_rows(y, dist.get_rank(), 2)))
-            if step == skipped and dist.get_rank() == 1:
-                model.fc2.weight.grad[0, 0] = float("inf")
+            poison = step == skipped and dist.get_rank() == 1
+            with poisoned_grad(model.fc2.weight, (0, 0), float("inf")) if poison else contextlib.nullcontext():
+                zero.backward(loss_of(model, local_rows(x, dist.get_rank(), 2), local_rows(y, dist.get_rank(), 2)))
             before = [p.detach().clone() for p in model.parameters()]
             zero.step()
             zero.zero_grad()
@@ -268,6 +295,8 @@ def errors_name_the_value_and_the_fix():
     model = Net()
     with pytest.raises(ValueError, match=r"stage=3 is not supported; use stage=1"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    with pytest.raises(ValueError, match=r"backwards_per_step=0 must be a positive integer: the number of backward"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backwards_per_step=0)
     with pytest.raises(ValueError, match=r"release_grads=True needs stage=2"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=1, release_grads=True)
     with pytest.raises(
@@ -292,7 +321,7 @@ test_dp2 = check_table(
         clipping_matches_torch_clip_grad_norm,
         accumulation_of_four_micro_steps_equals_one_big_batch,
         no_communication_until_the_last_micro_step,
-        second_backward_without_no_sync_is_a_clear_error,
+        extra_backward_with_released_grads_is_a_clear_error,
         skipped_layer_is_not_updated_and_matches_reference,
         layer_skipped_on_one_rank_only_gets_the_averaged_gradient,
         fp16_overflow_on_one_rank_skips_the_step_everywhere,

@@ -4,6 +4,7 @@ One spawn of 4 gloo ranks runs every check. ``ProcessMesh(tp_size=2)`` over the 
 dp groups of 2 ([0, 2] and [1, 3]), so a dp=2 world and a dp=4 world live in the same spawn.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -25,6 +26,7 @@ from tests.zero.common import (
     local_rows,
     loss_of,
     mixed_reference,
+    poisoned_grad,
     reference_run,
     state_bytes_check,
     zero_run,
@@ -67,9 +69,9 @@ def fp16_overflow_on_the_last_rank_skips_the_step_everywhere():
     flags = []
     for step in range(STEPS):
         x, y = batch(step)
-        zero.backward(loss_of(model, local_rows(x, rank, 4), local_rows(y, rank, 4)))
-        if step == skipped and rank == 3:
-            model.out.bias.grad[1] = float("nan")
+        poison = step == skipped and rank == 3
+        with poisoned_grad(model.out.bias, 1, float("nan")) if poison else contextlib.nullcontext():
+            zero.backward(loss_of(model, local_rows(x, rank, 4), local_rows(y, rank, 4)))
         zero.step()
         zero.zero_grad()
         flags.append(zero.last_step_skipped)
