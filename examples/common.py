@@ -118,6 +118,8 @@ def build_engine(model: torch.nn.Module, cfg, env: Env, *, train: bool = True, l
         precision=cfg.precision,
         max_grad_norm=cfg.max_grad_norm,
         seed=cfg.seed,
+        sequence_parallel=cfg.sequence_parallel,
+        activation_checkpointing=cfg.activation_checkpointing and train,
     )
     optimizer = (lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if train else None
     return ParallelEngine(model.to(env.device), optimizer, config, loss_fn=loss_fn, mesh=mesh)

@@ -53,6 +53,8 @@ BASE_KEYS: dict[str, Key] = {
     "data_parallel_size": Key(int, None, "data-parallel replicas; default: world // (tp * pp)", minimum=1),
     "zero_stage": Key(int, 1, "ZeRO stage: 1 shards optimizer state over dp, 2 also gradients", choices=(1, 2)),
     "precision": Key(str, "fp32", "parameter/compute precision", choices=tuple(PRECISIONS)),
+    "sequence_parallel": Key(bool, False, "Megatron sequence parallelism inside the tp group"),
+    "activation_checkpointing": Key(bool, False, "recompute each layer's activations in backward (exact)"),
     "seed": Key(int, DEFAULT_SEED, "random seed, the same on every rank"),
     "batch_size": Key(int, 8, "global batch size per optimizer step", minimum=1),
     "micro_batch_size": Key(

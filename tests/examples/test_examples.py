@@ -88,6 +88,8 @@ def test_vit_hf_train_then_predict(tmp_path):
 
 @pytest.mark.parametrize("backbone", ["timm"])
 def test_vit_timm_short_train(tmp_path, backbone):
-    stdout = launch("vit", "train", tmp_path, f"backbone={backbone}", "steps=10", "batch_size=16")
+    """With sequence parallelism and activation checkpointing switched on from the command line."""
+    settings = ("steps=10", "batch_size=16", "sequence_parallel=True", "activation_checkpointing=True")
+    stdout = launch("vit", "train", tmp_path, f"backbone={backbone}", *settings)
     check_training(tmp_path / backbone, stdout)
     assert sorted(os.listdir(tmp_path / backbone / "checkpoint")) == ["meta.json", "model.safetensors"]
