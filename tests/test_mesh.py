@@ -44,7 +44,7 @@ def _check_all_meshes():
     return seen
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [2, 4])  # one process has one layout only
 def test_every_factorisation(world):
     results = run_on_ranks(_check_all_meshes, world)
     for rank, seen in enumerate(results):
