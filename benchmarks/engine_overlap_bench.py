@@ -31,28 +31,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from zero_bench import build_model  # noqa: E402 - the same GPT-2 (this folder is on the path: run as a script)
 
 SETTINGS = {
     "zero": ("dp=2, ZeRO-2: gradient buckets reduced during backward", "overlap_grad_reduce"),
     "pp": ("pp=2, p2p 1F1B x 4 micro-batches: receives posted early", "overlap_p2p"),
 }
-
-
-def build_model(args):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=args.vocab,
-        n_positions=args.seq,
-        n_embd=args.hidden,
-        n_layer=args.layers,
-        n_head=args.heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(config)
 
 
 def engine_config(setting, overlap, args):
