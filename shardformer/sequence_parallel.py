@@ -123,8 +123,7 @@ def plan_sequence_parallel(model: nn.Module, spec, replacements, entry_suffixes=
     """
     plan = SequenceParallelPlan(spec.layers)
     layer_list = spec.layer_list(model)
-    heads = (VocabParallelLMHead1D,)
-    columns = [r.path for r in replacements if _is(r, Linear1D_Col) and not _is(r, heads)]
+    columns = [r.path for r in replacements if _is(r, Linear1D_Col) and not _is(r, VocabParallelLMHead1D)]
     rows = [r.path for r in replacements if _is(r, Linear1D_Row)]
     exact = set()  # parameters other replacements vouch for (per-head norms and sinks)
     for r in replacements:
@@ -160,17 +159,16 @@ def plan_sequence_parallel(model: nn.Module, spec, replacements, entry_suffixes=
         for name, _ in layer.named_parameters():
             path = f"{prefix}.{name}"
             owner = path.rpartition(".")[0]
-            if _under(path, entries):
-                if not _under(owner, parallel) and path not in exact:
-                    raise ValueError(
-                        f"sequence parallelism: {path} sits in {_entry_of(path, entries)} beside the column-parallel "
-                        f"layers but is not one of them; it may read the gathered input (a router, a replicated "
-                        f"projection), which sequence parallelism cannot keep exact. Shard this model with "
-                        f"sequence_parallel=False"
-                    )
-                if owner in rows and name.endswith("bias"):
-                    plan.split_params.append(path)  # added after the reduce-scatter: on a chunk
-            elif not _under(owner, parallel) or (owner in rows and name.endswith("bias")):
+            in_entry, in_parallel = _under(path, entries), _under(owner, parallel)
+            if in_entry and not in_parallel and path not in exact:
+                raise ValueError(
+                    f"sequence parallelism: {path} sits in {_entry_of(path, entries)} beside the column-parallel "
+                    f"layers but is not one of them; it may read the gathered input (a router, a replicated "
+                    f"projection), which sequence parallelism cannot keep exact. Shard this model with "
+                    f"sequence_parallel=False"
+                )
+            row_bias = owner in rows and name.endswith("bias")  # added after the reduce-scatter: on a chunk
+            if row_bias or not (in_entry or in_parallel):
                 plan.split_params.append(path)
         plan.entries += entries
         plan.parallel += parallel
@@ -186,20 +184,14 @@ def _entry_of(path: str, entries: list[str]) -> str:
     return next(e for e in entries if _under(path, [e]))
 
 
-def _hidden_arg(args, kwargs, where: str):
+def _replace_hidden(args, kwargs, fn, where: str):
+    """A forward pre-hook's ``(args, kwargs)`` with the hidden states (first argument) passed through ``fn``."""
     if args:
-        return "arg", 0
+        return (fn(args[0]), *args[1:]), kwargs
     for key in ("hidden_states", "x", "input"):
         if key in kwargs:
-            return "kw", key
+            return args, {**kwargs, key: fn(kwargs[key])}
     raise RuntimeError(f"sequence parallelism: cannot find the hidden states among the inputs of {where}")
-
-
-def _replace_hidden(args, kwargs, fn, where: str):
-    kind, key = _hidden_arg(args, kwargs, where)
-    if kind == "arg":
-        return (fn(args[0]), *args[1:]), kwargs
-    return args, {**kwargs, key: fn(kwargs[key])}
 
 
 def apply_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, group) -> SequenceParallel:
@@ -207,19 +199,19 @@ def apply_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, group)
     sp = SequenceParallel(group)
     layer_list = model.get_submodule(plan.layers)
 
-    def present() -> tuple[int, ...]:  # the layers of this pipeline stage (all of them without pp)
+    def ends() -> tuple[int, int]:  # first and last layer of this pipeline stage (of all without pp)
         kept = sharding_of(model).layers
-        return tuple(range(len(layer_list))) if kept is None else kept
+        return (0, len(layer_list) - 1) if kept is None else (kept[0], kept[-1])
 
     for index, layer in enumerate(layer_list):
 
         def begin(_module, args, kwargs, index=index):
-            if present()[0] != index:
+            if ends()[0] != index:
                 return None
             return _replace_hidden(args, kwargs, sp.begin, f"layer {index}")
 
         def end(_module, _args, _kwargs, output, index=index):
-            if present()[-1] != index:
+            if ends()[1] != index:
                 return None
             if isinstance(output, torch.Tensor):
                 return sp.end(output)

@@ -55,7 +55,7 @@ class _ColumnLinearOverlapped(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_x, wait = None, _no_wait
+        grad_x = wait = None
         if ctx.needs_input_grad[0]:
             grad_x = flat_grad.mm(weight.t() if ctx.reversed else weight)
             if ctx.reduce:
@@ -65,12 +65,9 @@ class _ColumnLinearOverlapped(torch.autograd.Function):
             grad_w = flat_x.t().mm(flat_grad) if ctx.reversed else flat_grad.t().mm(flat_x)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = flat_grad.sum(0)
-        wait()
+        if wait is not None:
+            wait()
         return None if grad_x is None else grad_x.view(x.shape), grad_w, grad_b, None, None, None
-
-
-def _no_wait() -> None:
-    return None
 
 
 def _native_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:

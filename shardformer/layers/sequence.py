@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from shardformer.layers.comm import _record
+from shardformer.layers.comm import _functional_group, _record, all_gather
 from shardformer.mesh import group_rank, group_size
 
 SEQ_DIM = 1
@@ -43,38 +43,34 @@ def own_chunk(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
-    x = x.contiguous()
-    if torch.compiler.is_compiling():  # functional collectives: dynamo traces them (counting is eager-only)
-        full = funcol.all_gather_tensor(x, SEQ_DIM, dist.group.WORLD if group is None else group)
-        return full.narrow(SEQ_DIM, 0, full_len)
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    _record("all_gather", x)
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=SEQ_DIM).narrow(SEQ_DIM, 0, full_len)
+    return torch.cat(all_gather(x, group), dim=SEQ_DIM).narrow(SEQ_DIM, 0, full_len)
 
 
 def _reduce_scatter(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
     world = group_size(group)
     local = chunk_length(full_len, world)
-    if torch.compiler.is_compiling():
-        padded = _pad(x, local * world).contiguous()
-        return funcol.reduce_scatter_tensor(padded, "sum", SEQ_DIM, dist.group.WORLD if group is None else group)
-    chunks = [c.contiguous() for c in _pad(x, local * world).split(local, dim=SEQ_DIM)]
+    padded = _pad(x, local * world)
+    if torch.compiler.is_compiling():  # functional collectives: dynamo traces them (counting is eager-only)
+        return funcol.reduce_scatter_tensor(padded.contiguous(), "sum", SEQ_DIM, _functional_group(group))
+    chunks = [c.contiguous() for c in padded.split(local, dim=SEQ_DIM)]
     out = torch.empty_like(chunks[0])
     _record("reduce_scatter", x)
     dist.reduce_scatter(out, chunks, group=group)
     return out
 
 
-class _SplitSequence(torch.autograd.Function):
+class _ToChunk(torch.autograd.Function):
+    """Full sequence -> this rank's chunk: of the replicated input (``reduce`` False) or of the sum
+    over ranks (``reduce`` True). Backward all-gathers the chunks' gradients either way."""
+
     @staticmethod
-    def forward(ctx, x, group, full_len):
+    def forward(ctx, x, group, full_len, reduce):
         ctx.group, ctx.full_len = group, full_len
-        return own_chunk(x, group, full_len)
+        return _reduce_scatter(x, group, full_len) if reduce else own_chunk(x, group, full_len)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.full_len), None, None
+        return _all_gather(grad, ctx.group, ctx.full_len), None, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -90,20 +86,9 @@ class _GatherSequence(torch.autograd.Function):
         return own_chunk(grad, ctx.group, ctx.full_len), None, None, None
 
 
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, full_len):
-        ctx.group, ctx.full_len = group, full_len
-        return _reduce_scatter(x, group, full_len)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.full_len), None, None
-
-
 def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """Replicated full sequence -> this rank's chunk (the gradient is all-gathered back)."""
-    return _SplitSequence.apply(x, group, x.shape[SEQ_DIM])
+    return _ToChunk.apply(x, group, x.shape[SEQ_DIM], False)
 
 
 def gather_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
@@ -119,4 +104,4 @@ def gather_sequence_for_tp(x: torch.Tensor, group, full_len: int) -> torch.Tenso
 
 def reduce_scatter_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
     """Partial sums of the full sequence (a row-parallel output) -> this rank's chunk of the total."""
-    return _ReduceScatterSequence.apply(x, group, full_len)
+    return _ToChunk.apply(x, group, full_len, True)
