@@ -9,7 +9,7 @@ glibc returning large blocks to the system at once: MALLOC_MMAP_THRESHOLD_). Eac
 fresh processes, one thread per rank; ratios are against plain tp=2 measured in the same run. The
 step's loss and gradients are checked equal across variants (activation checkpointing recomputes
 exactly), so the memory saved is not bought with a different computation. Next to each measurement
-stands ``shardformer plan``'s estimate from the config (shardformer.activation_estimate) and its
+stands ``shardformer plan``'s estimate from the config (shardformer.tools.activation_estimate) and its
 relative error.
 """
 
@@ -26,8 +26,8 @@ import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from shardformer import ShardConfig, shard_model  # noqa: E402
-from shardformer.activation_estimate import estimate_activations  # noqa: E402
-from shardformer.testing import run_on_ranks  # noqa: E402
+from shardformer.tools.activation_estimate import estimate_activations  # noqa: E402
+from shardformer.tools.testing import run_on_ranks  # noqa: E402
 
 VOCAB = 8192
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.layers import CollectiveCounter
-from shardformer.testing import run_on_ranks
+from shardformer.tensor_parallel.layers import CollectiveCounter
+from shardformer.tools.testing import run_on_ranks
 
 
 def build(family):

@@ -23,7 +23,7 @@ import transformers as tf
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from shardformer import ShardConfig, shard_model
-from shardformer.testing import run_on_ranks
+from shardformer.tools.testing import run_on_ranks
 
 VOCAB = 8192
 

@@ -2,9 +2,9 @@
 
 Walks the configuration classes of the installed transformers that have a ``base_model_tp_plan``
 and a causal-LM class, builds a tiny random model from a scaled-down config
-(``shardformer.policies.tp_plan.tiny``), shards it with the derived policy on 2 gloo ranks and
+(``shardformer.models.tiny``), shards it with the derived policy on 2 gloo ranks and
 compares logits, loss, every gathered gradient and greedy ``generate`` with the unsharded copy
-(``shardformer.policies.tp_plan.check``). Prints one row per architecture: passed (max errors),
+(``shardformer.tools.conformance``). Prints one row per architecture: passed (max errors),
 failed (what differs) or refused (why: the style or sizes that stop it, or a config a tiny model
 cannot be built from).
 
@@ -52,8 +52,8 @@ def _rank_job(rows, impl, out_path, sequence_parallel=False):
     import torch.distributed as dist
     import transformers as tf
 
-    from shardformer.policies.tp_plan.check import RefusedError, compare
-    from shardformer.policies.tp_plan.tiny import tiny_config
+    from shardformer.models.tiny import tiny_config
+    from shardformer.tools.conformance import RefusedError, compare
 
     for model_type, _config, lm_name, kind in rows:
         row = {"model_type": model_type, "class": lm_name, "kind": kind}
@@ -88,7 +88,7 @@ def _rank_job(rows, impl, out_path, sequence_parallel=False):
 
 def run(rows, impl, sequence_parallel=False):
     """Results for ``rows``; a spawn that dies (a hang past the timeout) is restarted after its row."""
-    from shardformer.testing import run_on_ranks
+    from shardformer.tools.testing import run_on_ranks
 
     os.environ.setdefault("SHARDFORMER_TIMEOUT_S", "120")
     out_path = tempfile.mktemp(prefix="sf-conformance-", suffix=".jsonl")

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardformer.layers import VocabParallelLMHead1D, vocab_parallel_cross_entropy
-from shardformer.testing import run_on_ranks
+from shardformer.tensor_parallel.layers import VocabParallelLMHead1D, vocab_parallel_cross_entropy
+from shardformer.tools.testing import run_on_ranks
 
 
 def _peak_rss_mib() -> float:

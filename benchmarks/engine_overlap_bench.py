@@ -89,7 +89,7 @@ def parse_args(argv=None):
 def main(argv=None):
     import transformers
 
-    from shardformer.testing import run_on_ranks
+    from shardformer.tools.testing import run_on_ranks
 
     args = parse_args(argv)
     settings = args.settings.split(",")

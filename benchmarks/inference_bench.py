@@ -45,8 +45,8 @@ from transformers.distributed import DistributedConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from shardformer import ShardConfig, shard_model  # noqa: E402
-from shardformer.layers import CollectiveCounter  # noqa: E402
-from shardformer.testing import run_on_ranks  # noqa: E402
+from shardformer.tensor_parallel.layers import CollectiveCounter  # noqa: E402
+from shardformer.tools.testing import run_on_ranks  # noqa: E402
 
 BATCHES = (1, 8)
 MODELS = {

@@ -68,7 +68,7 @@ def main() -> None:
     import torch
     import transformers as tf
 
-    from shardformer.testing import run_on_ranks
+    from shardformer.tools.testing import run_on_ranks
 
     config = tf.GPT2Config(n_embd=args.hidden, n_layer=args.layers, n_head=args.hidden // 64,
                            vocab_size=args.vocab, n_positions=1024)  # fmt: skip

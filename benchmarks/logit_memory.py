@@ -37,7 +37,7 @@ def _job(path, batch, seq):
     import transformers as tf
 
     from shardformer import ShardConfig, shard_model
-    from shardformer.layers import gather_from_parallel
+    from shardformer.tensor_parallel.layers import gather_from_parallel
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
@@ -83,7 +83,7 @@ def main():
     import torch
     import transformers as tf
 
-    from shardformer.testing import run_on_ranks
+    from shardformer.tools.testing import run_on_ranks
 
     config = tf.LlamaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,

@@ -22,8 +22,8 @@ import transformers as tf
 from compile_bench import batch, build, timed_step
 
 from shardformer import ShardConfig, shard_model
-from shardformer.layers import Linear1D_Col
-from shardformer.testing import run_on_ranks
+from shardformer.tensor_parallel.layers import Linear1D_Col
+from shardformer.tools.testing import run_on_ranks
 
 
 def _set_overlap(columns, overlap):

@@ -9,7 +9,7 @@ import torch
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.testing import run_on_ranks
+from shardformer.tools.testing import run_on_ranks
 
 MODELS = {
     "GPT2LMHeadModel (gpt2, 124M)": lambda: tf.GPT2LMHeadModel(tf.GPT2Config()),

@@ -26,8 +26,8 @@ import torch.nn as nn
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.layers import VocabParallelLMHead1D, gather_from_parallel
-from shardformer.testing import run_on_ranks
+from shardformer.tensor_parallel.layers import VocabParallelLMHead1D, gather_from_parallel
+from shardformer.tools.testing import run_on_ranks
 
 VOCAB = 8192
 

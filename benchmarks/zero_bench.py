@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from shardformer.zero import DEFAULT_BUCKET_SIZE  # noqa: E402
+from shardformer.data_parallel import DEFAULT_BUCKET_SIZE  # noqa: E402
 
 METHODS = {
     "ddp": "DDP + AdamW",
@@ -66,7 +66,7 @@ def build_trainer(method, model, bucket_size):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from shardformer.zero import ZeroOptimizer
+    from shardformer.data_parallel import ZeroOptimizer
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
@@ -178,7 +178,7 @@ def parse_args(argv=None):
 def main(argv=None):
     import transformers
 
-    from shardformer.testing import run_on_ranks
+    from shardformer.tools.testing import run_on_ranks
 
     args = parse_args(argv)
     methods = args.methods.split(",")

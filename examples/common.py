@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from shardformer import EngineConfig, ParallelEngine, ProcessMesh, init_distributed
 from shardformer.checkpoint import gather_full_state, save_pretrained
-from shardformer.config import PRECISIONS
+from shardformer.core.config import PRECISIONS
 
 
 @dataclass

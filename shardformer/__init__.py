@@ -1,14 +1,22 @@
-"""shardformer: tensor, pipeline and ZeRO parallelism for HuggingFace and timm models."""
+"""shardformer: tensor, pipeline and ZeRO parallelism for HuggingFace and timm models.
 
-from shardformer.config import ShardConfig
+The public API. The code is grouped by technique (core, tensor_parallel, pipeline, data_parallel)
+and by model family (models); README's "How the code is organised" walks the folders.
+"""
+
+from shardformer import _compat
+from shardformer.api import shard_model
+from shardformer.core.config import ShardConfig
+from shardformer.core.mesh import ProcessMesh, init_distributed, launch_from_torch
+from shardformer.core.record import ShardedModelInfo, sharding_of
+from shardformer.core.rng import seed
 from shardformer.engine import EngineConfig, ParallelEngine
-from shardformer.mesh import ProcessMesh, init_distributed, launch_from_torch
 from shardformer.pipeline import PipelineSpec
 from shardformer.policies import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, get_autopolicy
-from shardformer.rng import seed
-from shardformer.sharder import ModelSharder, shard_model
-from shardformer.topology import ShardedModelInfo, sharding_of
-from shardformer.verify import verify  # the function; the module stays importable as shardformer.verify
+from shardformer.tensor_parallel.sharder import ModelSharder
+from shardformer.tools.verify import verify  # the function; the module is shardformer.tools.verify
+
+_compat.install()  # old import paths (shardformer.layers, shardformer.zero, ...) name the moved modules
 
 __all__ = [
     "Argument",

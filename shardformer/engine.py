@@ -2,7 +2,7 @@
 
 It composes the techniques: builds the process mesh, shards the model for tensor parallelism
 (``shard_model`` with a policy), keeps this rank's pipeline stage (a pipeline spec), wraps the
-optimizer in :class:`~shardformer.zero.ZeroOptimizer` over the data-parallel group, and runs a
+optimizer in :class:`~shardformer.data_parallel.ZeroOptimizer` over the data-parallel group, and runs a
 pipeline schedule over micro-batches.
 """
 
@@ -16,17 +16,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardformer.config import DEFAULT_SEED, PRECISIONS, ShardConfig
-from shardformer.mesh import ProcessMesh, resolve_sizes
-from shardformer.pipeline.families import builtin_spec, pipeline_spec_for
+from shardformer.api import shard_model
+from shardformer.core.config import DEFAULT_SEED, PRECISIONS, ShardConfig
+from shardformer.core.mesh import ProcessMesh, resolve_sizes
+from shardformer.data_parallel import ZeroOptimizer
+from shardformer.models import family_spec, layer_stack, pipeline_spec_for
 from shardformer.pipeline.schedule import SCHEDULES, run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
 from shardformer.policies.auto import get_autopolicy
-from shardformer.recompute import checkpoint_layers
-from shardformer.sharder import shard_model
-from shardformer.zero import ZeroOptimizer
+from shardformer.tensor_parallel.recompute import checkpoint_layers
 
 logger = logging.getLogger("shardformer")
 
@@ -144,7 +144,7 @@ def _pipeline_for(model: nn.Module, pp: int, given: PipelineSpec | None) -> Pipe
     """The spec the model is cut by: the given one, else its family's (required only at pp > 1)."""
     if given is not None:
         return given
-    return pipeline_spec_for(model) if pp > 1 else builtin_spec(model)
+    return pipeline_spec_for(model) if pp > 1 else family_spec(model)
 
 
 class ParallelEngine:
@@ -247,13 +247,15 @@ class ParallelEngine:
 
     def _checkpoint_activations(self, model: nn.Module, check_only: bool = False) -> None:
         """transformers models use their own per-layer checkpointing (the sharder made it replay the
-        dropout masks); other models get their pipeline spec's layers wrapped."""
+        dropout masks); other models get their layer stack wrapped (the given pipeline spec's, else the
+        model family's)."""
+        layers = self.pipeline.layers if self.pipeline is not None else layer_stack(model)
         if getattr(model, "supports_gradient_checkpointing", False):
             if not check_only:  # transformers 5.23 renamed gradient_checkpointing_enable
                 (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-        elif self.pipeline is not None:
+        elif layers is not None:
             if not check_only:
-                checkpoint_layers(self.pipeline.layer_list(model))
+                checkpoint_layers(model.get_submodule(layers))
         else:
             raise ValueError(
                 f"activation_checkpointing: {type(model).__name__} has no transformers checkpointing and no "

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardformer.slicer import gather_tensor, shard_spec
+from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 
 ATOL, RTOL = 1e-5, 1e-4  # outputs and loss (fp32)
 GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-4
@@ -34,7 +34,7 @@ def assert_grads_match(sharded: torch.nn.Module, full: torch.nn.Module, group=No
 
 def check_table(checks, world_size):
     """Parametrized tests, one per check, sharing one spawn per module and world size."""
-    from shardformer.testing import run_checks
+    from shardformer.tools.testing import run_checks
 
     cache = {}
 

@@ -10,8 +10,8 @@ import transformers as tf
 
 from shardformer import Argument, ShardConfig, shard_model
 from shardformer.cli.main import main
-from shardformer.detect import PolicyMismatch
-from shardformer.mesh import VirtualGroup
+from shardformer.core.comm import VirtualGroup
+from shardformer.tensor_parallel.detect import PolicyMismatch
 from tests.policies.custom_policies import (
     GPT2WithoutAttrsPolicy,
     OPTPolicy,

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardformer.mesh import ProcessMesh, resolve_sizes
-from shardformer.testing import run_on_ranks
+from shardformer.core.mesh import ProcessMesh, resolve_sizes
+from shardformer.tools.testing import run_on_ranks
 
 
 def factorisations(n):

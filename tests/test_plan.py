@@ -7,10 +7,10 @@ import torch.distributed as dist
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.activation_estimate import estimate_activations
 from shardformer.cli.main import main
-from shardformer.plan import build_meta_model, plan_model
-from shardformer.testing import run_on_ranks
+from shardformer.tools.activation_estimate import estimate_activations
+from shardformer.tools.plan import build_meta_model, plan_model
+from shardformer.tools.testing import run_on_ranks
 from tests.policies import zoo
 
 NAMES = ["GPT2LMHeadModel", "BertForMaskedLM", "ViTForImageClassification"]

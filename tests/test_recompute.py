@@ -15,7 +15,7 @@ import transformers as tf
 from timm.models.vision_transformer import VisionTransformer
 
 from shardformer import ShardConfig, shard_model
-from shardformer.recompute import checkpoint_layers
+from shardformer.tensor_parallel.recompute import checkpoint_layers
 from tests.helpers import GRAD_ATOL, GRAD_RTOL, assert_close
 from tests.policies import zoo
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.layers.comm import CollectiveCounter
-from shardformer.policies.tp_plan.check import compare, load_pair
-from shardformer.policies.tp_plan.tiny import tiny_config
+from shardformer.core.comm import CollectiveCounter
+from shardformer.models.tiny import tiny_config
+from shardformer.tools.conformance import compare, load_pair
 from tests.helpers import assert_close, check_table
 from tests.policies import zoo
 from tests.policies.test_parity import parity

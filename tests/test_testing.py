@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardformer.testing import RankError, run_on_ranks
+from shardformer.tools.testing import RankError, run_on_ranks
 
 
 def _sum_of_ranks():

@@ -10,8 +10,8 @@ import shardformer
 from examples.custom_policy.llama_policy import LlamaPolicy
 from shardformer import ShardConfig, shard_model
 from shardformer.cli.main import main
-from shardformer.model_source import TINY_MODELS
-from shardformer.verify import verify_on_this_rank
+from shardformer.tools.model_source import TINY_MODELS
+from shardformer.tools.verify import verify_on_this_rank
 from tests.helpers import check_table
 from tests.policies.custom_policies import (
     BrokenGPT2Policy,
@@ -81,7 +81,7 @@ def check_functional_dropout_agrees_on_every_rank():  # trap 4: OPT calls F.drop
 
 
 def check_verify_with_pipeline_stages():  # tp=1 x pp=2 on the same two ranks
-    from shardformer.verify_pipeline import verify_pipeline_on_this_rank
+    from shardformer.tools.verify_pipeline import verify_pipeline_on_this_rank
     from tests.pipeline.test_spec_check import TIED_NOT_SHARED
 
     report = verify_pipeline_on_this_rank("gpt2-tiny", pp=2)

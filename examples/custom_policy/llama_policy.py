@@ -18,8 +18,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama as llama
 
 from shardformer import Argument, Col_Layer, Policy, Row_Layer, ShardConfig, init_distributed, shard_model
-from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D, vocab_parallel_cross_entropy
 from shardformer.policies import divide
+from shardformer.tensor_parallel.layers import (
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+    vocab_parallel_cross_entropy,
+)
 
 
 class LlamaPolicy(Policy):

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from shardformer.cli import parse_example_args  # noqa: E402
-from shardformer.layers import gather_from_parallel  # noqa: E402
+from shardformer.tensor_parallel.layers import gather_from_parallel  # noqa: E402
 
 EXTRA_KEYS = {
     "n_layer": 2,

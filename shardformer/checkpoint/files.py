@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from shardformer.checkpoint.errors import CheckpointError
-from shardformer.slicer import ShardSpec, merge_shards, shard_spec, slice_tensor
+from shardformer.tensor_parallel.slicer import ShardSpec, merge_shards, shard_spec, slice_tensor
 
 _MODEL_FILE = re.compile(r"model-pp(\d+)-tp(\d+)\.safetensors$")
 

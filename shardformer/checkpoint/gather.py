@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardformer.mesh import group_rank, group_size
-from shardformer.slicer import gather_tensor, shard_spec
-from shardformer.topology import is_sharded, sharding_of
+from shardformer.core.comm import group_rank, group_size
+from shardformer.core.record import is_sharded, sharding_of
+from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 
 
 @dataclass(frozen=True)

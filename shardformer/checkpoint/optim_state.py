@@ -20,8 +20,8 @@ import torch.nn as nn
 from shardformer.checkpoint import typed_json
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import SafeFile, rank_files, reshard_local, spec_from_json, spec_to_json
-from shardformer.slicer import shard_spec
-from shardformer.zero import ZeroOptimizer
+from shardformer.data_parallel import ZeroOptimizer
+from shardformer.tensor_parallel.slicer import shard_spec
 
 MASTER = "__master__"
 

@@ -23,12 +23,12 @@ from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 from transformers.initialization import no_init_weights
 
+from shardformer.api import shard_model
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import dtype_kind, full_shape
 from shardformer.checkpoint.hf_export import SAFE_INDEX, SAFE_WEIGHTS
-from shardformer.config import ShardConfig
-from shardformer.sharder import shard_model
-from shardformer.slicer import ShardSpec, shard_spec
+from shardformer.core.config import ShardConfig
+from shardformer.tensor_parallel.slicer import ShardSpec, shard_spec
 
 
 class _EmptyOnMeta(TorchFunctionMode):

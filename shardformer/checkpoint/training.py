@@ -40,7 +40,7 @@ from shardformer.checkpoint.gather import Layout, layout_of
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
 from shardformer.checkpoint.optim_state import apply_optimizer, optimizer_payload, read_optimizer
-from shardformer.slicer import shard_spec
+from shardformer.tensor_parallel.slicer import shard_spec
 
 
 def _rank_zero_result(lay: Layout, work):

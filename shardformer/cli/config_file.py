@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardformer.config import DEFAULT_SEED, PRECISIONS
+from shardformer.core.config import DEFAULT_SEED, PRECISIONS
 
 
 class ConfigError(ValueError):

@@ -39,8 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def plan_command(args: argparse.Namespace) -> int:
     # deferred: torch and transformers take seconds to import; `shardformer --help` and `run` never need them
-    from shardformer.model_source import load_policy
-    from shardformer.plan import build_meta_model, format_plan, plan_model
+    from shardformer.tools.model_source import load_policy
+    from shardformer.tools.plan import build_meta_model, format_plan, plan_model
 
     sys.path.insert(0, os.getcwd())  # --policy module:Class from the current folder
     try:

@@ -174,7 +174,7 @@ def _set_rank_env(args: argparse.Namespace) -> None:
     if args.timeout is not None:
         os.environ["SHARDFORMER_TIMEOUT_S"] = str(args.timeout)
     else:
-        from shardformer.mesh import (
+        from shardformer.core.mesh import (
             DEFAULT_TIMEOUT_S,  # deferred: imports torch (seconds); pre-flight errors come first
         )
 

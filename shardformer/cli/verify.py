@@ -38,8 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def verify_command(args: argparse.Namespace) -> int:
     # deferred: torch and transformers take seconds to import; `shardformer --help` never needs them
-    from shardformer.model_source import load_policy
-    from shardformer.verify import verify
+    from shardformer.tools.model_source import load_policy
+    from shardformer.tools.verify import verify
 
     sys.path.insert(0, os.getcwd())  # module:Class from the current folder, as `python -m` would find it
     try:

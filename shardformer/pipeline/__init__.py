@@ -1,16 +1,14 @@
-"""Pipeline parallelism: pipeline specs (how a family splits into stages), schedules (GPipe, 1F1B)."""
+"""Pipeline parallelism: pipeline specs (how a model splits into stages; a family's own spec is in its
+record, :mod:`shardformer.models`), specs from transformers' ``base_model_pp_plan``, schedules (GPipe, 1F1B)."""
 
-from shardformer.pipeline.families import BUILTIN_SPECS, pipeline_spec_for
 from shardformer.pipeline.schedule import SCHEDULES
 from shardformer.pipeline.spec import PipelineSpec, balanced_split, check_split, local_layers, stage_of
 
 __all__ = [
-    "BUILTIN_SPECS",
     "SCHEDULES",
     "PipelineSpec",
     "balanced_split",
     "check_split",
     "local_layers",
-    "pipeline_spec_for",
     "stage_of",
 ]

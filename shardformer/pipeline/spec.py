@@ -20,8 +20,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from shardformer.config import ShardConfig
-from shardformer.topology import ATTRIBUTE, ShardedModelInfo, attach, sharding_of, with_stage
+from shardformer.core.config import ShardConfig
+from shardformer.core.record import ATTRIBUTE, ShardedModelInfo, attach, sharding_of, with_stage
 
 
 @dataclass(frozen=True)

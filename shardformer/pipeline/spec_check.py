@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from shardformer.detect import find_ties
 from shardformer.pipeline.spec import check_split
+from shardformer.tensor_parallel.detect import find_ties
 
 
 class PipelineSpecError(ValueError):

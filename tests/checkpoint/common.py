@@ -6,7 +6,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from shardformer.layers import gather_from_parallel
+from shardformer.tensor_parallel.layers import gather_from_parallel
 from tests.policies import zoo
 
 

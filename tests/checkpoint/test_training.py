@@ -16,9 +16,9 @@ import transformers as tf
 import shardformer.checkpoint.training as training
 from shardformer import ShardConfig, shard_model
 from shardformer.checkpoint import CheckpointError, layout_of, load_checkpoint, save_checkpoint, save_pretrained
-from shardformer.pipeline import pipeline_spec_for
-from shardformer.topology import with_stage
-from shardformer.zero import ZeroOptimizer
+from shardformer.core.record import with_stage
+from shardformer.data_parallel import ZeroOptimizer
+from shardformer.models import pipeline_spec_for
 from tests.checkpoint.common import full_logits, remove_dir, sgd_steps, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.policies import zoo

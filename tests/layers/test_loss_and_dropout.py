@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardformer.layers import (
+from shardformer.tensor_parallel.layers import (
     CollectiveCounter,
     DropoutForParallelInput,
     DropoutForReplicatedInput,

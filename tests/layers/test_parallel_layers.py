@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D
 
-from shardformer.layers import (
+from shardformer.tensor_parallel.layers import (
     CollectiveCounter,
     Embedding1D,
     Linear1D_Col,
@@ -18,7 +18,7 @@ from shardformer.layers import (
     VocabParallelEmbedding1D,
     VocabParallelLMHead1D,
 )
-from shardformer.slicer import make_spec, shard_spec, slice_tensor
+from shardformer.tensor_parallel.slicer import make_spec, shard_spec, slice_tensor
 from tests.helpers import assert_close, assert_grads_match, check_table, full_of, rank, world
 
 HIDDEN, OUT = 8, 12

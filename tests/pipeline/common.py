@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from shardformer.engine import split_batch
-from shardformer.slicer import gather_tensor, shard_spec
+from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 from tests.policies import zoo
 
 LAYERS = 4  # pp=4 needs one layer per stage

@@ -5,8 +5,8 @@ the unsharded model on the same batches (loss of every step, weights after the s
 
 import transformers as tf
 
-from shardformer.policies.tp_plan.check import load_pair
-from shardformer.policies.tp_plan.tiny import tiny_config
+from shardformer.models.tiny import tiny_config
+from shardformer.tools.conformance import load_pair
 from tests.helpers import check_table
 from tests.pipeline import common
 from tests.pipeline.test_engine import STEPS, _check

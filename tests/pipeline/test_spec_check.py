@@ -5,17 +5,18 @@ from dataclasses import replace
 import pytest
 import transformers as tf
 
-from shardformer.model_source import build_model
-from shardformer.pipeline import BUILTIN_SPECS, pipeline_spec_for
+from shardformer.models import gpt2 as gpt2_family
+from shardformer.models import pipeline_spec_for
 from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_lists, check_pipeline_spec
-from shardformer.plan import plan_model
+from shardformer.tools.model_source import build_model
+from shardformer.tools.plan import plan_model
 
 
 def gpt2():
     return tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=99))
 
 
-GPT2 = BUILTIN_SPECS["GPT2LMHeadModel"]
+GPT2 = gpt2_family.FAMILY.pipelines["GPT2LMHeadModel"]
 # wte in first and shared: the engine used to deadlock until the timeout
 WTE_TWICE = replace(GPT2, first=("transformer.wpe", "transformer.wte"))
 # wte on the first stage only, its tied lm_head on the last: two copies drifting apart

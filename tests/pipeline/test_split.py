@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from shardformer import EngineConfig, ParallelEngine, PipelineSpec, shard_model
 from shardformer.engine import split_batch
-from shardformer.pipeline import balanced_split, check_split, local_layers, pipeline_spec_for, stage_of
+from shardformer.models import pipeline_spec_for
+from shardformer.pipeline import balanced_split, check_split, local_layers, stage_of
 from tests.helpers import assert_close
 from tests.pipeline import common
 from tests.policies import zoo

@@ -8,8 +8,8 @@ from transformers.models.opt import modeling_opt as opt
 
 from examples.custom_policy.llama_policy import LlamaPolicy, tiny_llama_config
 from shardformer import Argument, Col_Layer, Policy, Row_Layer
-from shardformer.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
-from shardformer.policies.gpt2 import GPT2LMHeadPolicy
+from shardformer.models.gpt2 import GPT2LMHeadPolicy
+from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
 
 
 class OPTPolicy(Policy):

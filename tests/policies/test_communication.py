@@ -13,9 +13,9 @@ import torch.distributed as dist
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.layers import CollectiveCounter
-from shardformer.policies.tp_plan.check import load_pair
-from shardformer.policies.tp_plan.tiny import tiny_config
+from shardformer.models.tiny import tiny_config
+from shardformer.tensor_parallel.layers import CollectiveCounter
+from shardformer.tools.conformance import load_pair
 from tests.helpers import check_table
 from tests.policies import zoo
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 from transformers import GPT2Model
 
 from shardformer import Argument, Col_Layer, Policy, ShardConfig, shard_model, sharding_of
-from shardformer.policies.base import Row_Layer
+from shardformer.tensor_parallel.policy import Row_Layer
 from tests.policies import zoo
 
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from shardformer import ShardConfig, shard_model
-from shardformer.layers import gather_from_parallel
-from shardformer.slicer import gather_tensor, shard_spec
+from shardformer.tensor_parallel.layers import gather_from_parallel
+from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 from tests.helpers import GRAD_ATOL, GRAD_RTOL, assert_close, assert_grads_match, check_table
 from tests.policies import zoo
 

@@ -12,12 +12,17 @@ import torch.nn as nn
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.layers import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D, VocabParallelLMHead1D
+from shardformer.models.tiny import tiny_config
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError
-from shardformer.policies.tp_plan.check import compare, load_pair
-from shardformer.policies.tp_plan.tiny import tiny_config
-from shardformer.slicer import make_spec, merge_shards, shard_spec, slice_tensor
+from shardformer.tensor_parallel.layers import (
+    Linear1D_Col,
+    Linear1D_Row,
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+)
+from shardformer.tensor_parallel.slicer import make_spec, merge_shards, shard_spec, slice_tensor
+from shardformer.tools.conformance import compare, load_pair
 from tests.helpers import check_table
 
 SUBSET = {
@@ -172,7 +177,7 @@ def check_llama_and_phi3_issue_the_minimum_collectives():
     """Per layer 2 all-reduces forward (o_proj, down_proj) and 2 backward (the shared q/k/v input, the
     shared gate/up input; Phi-3's fused ones); + 1 embedding and 3 loss forward, 1 LM head input backward;
     Qwen3 adds one per q/k norm gradient (2 per layer)."""
-    from shardformer.layers import CollectiveCounter
+    from shardformer.tensor_parallel.layers import CollectiveCounter
 
     for name, norms in (("LlamaForCausalLM", 0), ("Phi3ForCausalLM", 0), ("Qwen3ForCausalLM", 2)):
         cls = getattr(tf, name)
@@ -287,7 +292,7 @@ def test_blocks_that_tp_does_not_divide_are_refused():
 
 
 def test_plan_sizes_a_published_phi3_and_mixtral_at_tp2_pp2():
-    from shardformer.plan import build_meta_model, plan_model
+    from shardformer.tools.plan import build_meta_model, plan_model
 
     for name, fused in (("phi3-mini", "model.layers.0.self_attn.qkv_proj.weight"), ("mixtral-8x7b", None)):
         plan = plan_model(build_meta_model(name), tp=2, pp=2)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardformer.zero import ZeroOptimizer
+from shardformer.data_parallel import ZeroOptimizer
 
 ATOL, RTOL = 1e-5, 1e-4
 GLOBAL_BATCH = 16  # 8 rows per rank at dp=2, 4 at dp=4: enough for 4 micro-steps

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from shardformer.zero import DynamicLossScaler, ZeroOptimizer
-from shardformer.zero.layout import build_buckets, build_slots, read_rows, shard_of, write_rows
+from shardformer.data_parallel import DynamicLossScaler, ZeroOptimizer
+from shardformer.data_parallel.layout import build_buckets, build_slots, read_rows, shard_of, write_rows
 
 
 @pytest.mark.parametrize("numel,dp", [(1, 4), (7, 2), (8, 4), (13, 4), (100, 3)])

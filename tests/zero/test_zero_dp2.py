@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardformer.zero import DynamicLossScaler, ZeroOptimizer, comm
+from shardformer.core.comm import CollectiveCounter
+from shardformer.data_parallel import DynamicLossScaler, ZeroOptimizer
 from tests.helpers import check_table
 from tests.zero.common import (
     OPTIMIZERS,
@@ -78,32 +79,24 @@ def accumulation_of_four_micro_steps_equals_one_big_batch():
 
 
 def no_communication_until_the_last_micro_step():
-    calls = []
-    originals = {name: getattr(comm, name) for name in ("all_reduce", "reduce_scatter", "all_gather")}
-    for name, fn in originals.items():
-        setattr(comm, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
     counted = {}
-    try:
-        for how in ("no_sync", "backwards_per_step"):
-            model = Net()
-            zero = ZeroOptimizer(
-                OPTIMIZERS["sgd"](model.parameters()),
-                stage=2,
-                bucket_size=64,
-                backwards_per_step=4 if how == "backwards_per_step" else 1,
-            )
-            calls.clear()  # the constructor's consistency check is not part of a step
+    for how in ("no_sync", "backwards_per_step"):
+        model = Net()
+        zero = ZeroOptimizer(
+            OPTIMIZERS["sgd"](model.parameters()),
+            stage=2,
+            bucket_size=64,
+            backwards_per_step=4 if how == "backwards_per_step" else 1,
+        )
+        with CollectiveCounter() as counter:  # the constructor's consistency check is not part of a step
             x, y = batch(0)
             for _ in range(3):
                 with zero.no_sync() if how == "no_sync" else contextlib.nullcontext():
                     zero.backward(loss_of(model, x[:2], y[:2]))
-            during_micro_steps = list(calls)
+            during_micro_steps = [op for op, _, _ in counter.calls]
             zero.backward(loss_of(model, x[:2], y[:2]))
-            counted[how] = (during_micro_steps, len(calls) - len(during_micro_steps), len(zero.buckets))
-            zero.step()
-    finally:
-        for name, fn in originals.items():
-            setattr(comm, name, fn)
+            counted[how] = (during_micro_steps, len(counter.calls) - len(during_micro_steps), len(zero.buckets))
+        zero.step()
     for how, (during_micro_steps, during_last_backward, buckets) in counted.items():
         assert during_micro_steps == [], f"{how}: collectives during the micro-steps: {during_micro_steps}"
         assert during_last_backward == buckets > 1, f"{how}: each bucket is sent during the last backward"

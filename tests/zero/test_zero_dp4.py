@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardformer.mesh import ProcessMesh
-from shardformer.slicer import make_shard_param, make_spec, slice_tensor
-from shardformer.zero import DynamicLossScaler, ZeroOptimizer
+from shardformer.core.mesh import ProcessMesh
+from shardformer.data_parallel import DynamicLossScaler, ZeroOptimizer
+from shardformer.tensor_parallel.slicer import make_shard_param, make_spec, slice_tensor
 from tests.helpers import check_table
 from tests.zero.common import (
     OPTIMIZERS,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from shardformer.layers.comm import copy_to_parallel, group_rank, group_size, reduce_from_parallel
-from shardformer.slicer import Slicer, make_shard_param, make_spec
+from shardformer.core.comm import copy_to_parallel, group_rank, group_size, reduce_from_parallel
+from shardformer.tensor_parallel.slicer import Slicer, make_shard_param, make_spec
 
 # plan style of an expert weight -> (dim, fused blocks), counted from the end as transformers does:
 # "col" styles cut dim -2 of [E, a, b], "row" styles dim -1; "packed" ones as two blocks (gate | up)

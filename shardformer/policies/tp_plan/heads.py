@@ -12,7 +12,7 @@ import re
 
 import torch.nn as nn
 
-from shardformer.policies.base import divide
+from shardformer.tensor_parallel.policy import divide
 
 # Sizes that count heads (or features made of heads): a rank runs 1/tp of them.
 HEAD_COUNTS = (

@@ -14,11 +14,12 @@ import re
 
 import torch.nn as nn
 
-from shardformer.layers import VocabParallelLMHead1D
-from shardformer.policies.base import Argument, Col_Layer, Layer, Policy, Row_Layer
 from shardformer.policies.tp_plan import experts, heads, styles
-from shardformer.policies.tp_plan.lm import embedding_layer, uses_loss_function, vocab_parallel_class
-from shardformer.slicer import make_spec
+from shardformer.policies.tp_plan.lm import embedding_layer
+from shardformer.tensor_parallel.layers import VocabParallelLMHead1D
+from shardformer.tensor_parallel.lm_head import routes_loss
+from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Policy, Row_Layer
+from shardformer.tensor_parallel.slicer import make_spec
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -73,7 +74,6 @@ class TpPlanPolicy(Policy):
         super().set_model(model)
         self.embedding_path = _path_of(model, _call(model, "get_input_embeddings"))
         self.head_path = _path_of(model, _call(model, "get_output_embeddings"))
-        self.ties = _ties(model)
 
     def argument_policy(self, config, shard_config):
         model, tp = self.model, shard_config.tensor_parallel_size
@@ -101,7 +101,7 @@ class TpPlanPolicy(Policy):
         if any(isinstance(layer, Col_Layer) and not layer.gather_output for layer in layers.values()):
             heads.check_heads(text_config, tp)
         _check_sizes(layers, modules, tp)
-        self.vocab_parallel_head = self._vocab(layers, modules)
+        self._vocab(layers, modules)
         attrs = self._per_rank(layers, modules, tp, text_config)
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
@@ -142,7 +142,7 @@ class TpPlanPolicy(Policy):
             if self.head_path in layers:
                 del layers[self.head_path]
             return False
-        in_loss = uses_loss_function(type(self.model))
+        in_loss = routes_loss(self.model)  # else the head gathers: the model's own loss reads full logits
         layers[self.head_path] = Col_Layer(
             self.head_path, replace_layer=VocabParallelLMHead1D, gather_output=not in_loss
         )
@@ -193,15 +193,6 @@ class TpPlanPolicy(Policy):
                     )
         return attrs
 
-    def binding_policy(self):
-        return dict(self.ties)
-
-    def inject_policy(self):
-        if not getattr(self, "vocab_parallel_head", False):
-            return None
-        origin = type(self.model)
-        return origin, vocab_parallel_class(origin)
-
 
 def _check_sizes(layers: dict[str, Layer], modules, tp: int) -> None:
     """Every linear the plan cuts divides over tp (block by block), checked before any process group."""
@@ -221,15 +212,3 @@ def _call(model: nn.Module, method: str):
         return getattr(model, method)()
     except (AttributeError, NotImplementedError):
         return None
-
-
-def _ties(model: nn.Module) -> dict[str, str]:
-    """``{source: target}`` for parameters that are one tensor under two names in the model."""
-    first: dict[int, str] = {}
-    ties: dict[str, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            ties[first[id(param)]] = name
-        else:
-            first[id(param)] = name
-    return ties

@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from shardformer.layers import Linear1D_Row, VocabParallelEmbedding1D
-from shardformer.layers.comm import all_reduce, copy_to_parallel, group_rank, group_size, reduce_from_parallel
-from shardformer.layers.dropout import SeededDropout
-from shardformer.policies.base import Col_Layer, Layer, Row_Layer
-from shardformer.slicer import Slicer, make_shard_param
+from shardformer.core.comm import all_reduce, copy_to_parallel, group_rank, group_size, reduce_from_parallel
+from shardformer.tensor_parallel.layers import Linear1D_Row, VocabParallelEmbedding1D
+from shardformer.tensor_parallel.layers.dropout import SeededDropout
+from shardformer.tensor_parallel.policy import Col_Layer, Layer, Row_Layer
+from shardformer.tensor_parallel.slicer import Slicer, make_shard_param
 
 
 class SplitInputRow(Linear1D_Row):

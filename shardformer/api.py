@@ -1,0 +1,24 @@
+"""``shard_model``: the one-liner. Picks the policy (the model family's, or one derived from
+transformers' own plan) and the layer stack (the family's anatomy), then lets the sharder cut."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from shardformer.core.config import ShardConfig
+from shardformer.models import layer_stack
+from shardformer.policies.auto import get_autopolicy
+from shardformer.tensor_parallel.policy import Policy
+from shardformer.tensor_parallel.sharder import ModelSharder
+
+
+def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, policy: Policy | None = None) -> nn.Module:
+    """Shard ``model`` in place for tensor parallelism and return it.
+
+    ``policy`` defaults to the built-in policy for the model's class (BERT, GPT-2, ViT, timm ViT),
+    else one derived from the model's transformers tensor-parallel plan. The sharded model records
+    how it was sharded in ``model.shardformer`` (a ShardedModelInfo).
+    """
+    shard_config = shard_config or ShardConfig()
+    policy = policy or get_autopolicy(model)
+    return ModelSharder(model, policy, shard_config, layers=layer_stack(model)).shard()

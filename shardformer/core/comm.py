@@ -1,0 +1,505 @@
+"""Every collective shardformer issues, in one module: primitives, Megatron's region functions for
+tensor parallelism, the same along the sequence dimension, and the flat ones ZeRO uses.
+
+Groups. ``None`` always means torch's default group: the whole world once torch.distributed is
+initialised, this one process before. :data:`LOCAL` (a :class:`VirtualGroup` of one) stands for a
+parallel dimension that is absent: nothing ever communicates over it. A ``VirtualGroup`` of more
+ranks (``shardformer plan``) gives sizes and ranks to shard by, and must never reach a collective.
+
+Tensor-parallel regions (autograd functions, so HuggingFace code runs unchanged):
+
+    copy_to_parallel          forward: identity          backward: all-reduce
+    reduce_from_parallel      forward: all-reduce        backward: identity
+    split_to_parallel         forward: keep own shard    backward: all-gather
+    gather_from_parallel      forward: all-gather        backward: keep own shard
+
+and along the sequence (dim 1 of ``[batch, seq, hidden]``), for sequence parallelism:
+
+    split_sequence            forward: keep own chunk    backward: all-gather
+    gather_sequence           forward: all-gather        backward: keep own chunk
+    gather_sequence_for_tp    forward: all-gather        backward: reduce-scatter
+    reduce_scatter_sequence   forward: reduce-scatter    backward: all-gather
+
+Split and gather take a :class:`~shardformer.core.shard_spec.ShardSpec` for the last dimension, so
+fused blocks (``n_cast``) and vocabulary padding come back in the original order and size. A
+sequence of ``full_len`` tokens is cut into chunks of ``ceil(full_len / world)``; the padding of the
+last chunks never leaves the split region.
+
+Every tensor collective issued here is recorded by any active :class:`CollectiveCounter`, so tests
+and benchmarks count communication instead of trusting it. Under ``torch.compile`` the collectives
+are torch's functional ones, which dynamo traces into the graph (an in-place ``dist`` call inside an
+autograd function, or the counter's list append, would break it); counting is eager-only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from shardformer.core.shard_spec import ShardSpec, merge_shards, slice_tensor
+
+# torch 2.14 renamed the single-tensor collectives; older releases only have the *_tensor names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# -- groups -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VirtualGroup:
+    """A stand-in process group: sharding reads its rank and size, and nothing ever communicates
+    over it (``shardformer plan`` shards for rank 0 of a size; :data:`LOCAL` is a group of one)."""
+
+    rank: int
+    size: int
+
+
+LOCAL = VirtualGroup(0, 1)  # a parallel dimension that is absent
+
+
+def group_size(group) -> int:
+    """Ranks in ``group`` (None: the default group; 1 when torch.distributed is not started)."""
+    if isinstance(group, VirtualGroup):
+        return group.size
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group) -> int:
+    """This process's rank in ``group`` (None: the default group)."""
+    if isinstance(group, VirtualGroup):
+        return group.rank
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def global_rank(group, group_rank_: int) -> int:
+    """The global rank of rank ``group_rank_`` of ``group`` (None: the default group)."""
+    return group_rank_ if group is None else dist.get_global_rank(group, group_rank_)
+
+
+def _functional_group(group):
+    return dist.group.WORLD if group is None else group
+
+
+_active_counters: list[CollectiveCounter] = []
+
+
+class CollectiveCounter:
+    """Context manager recording ``(op, numel, bytes)`` for each collective issued inside it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def __enter__(self) -> CollectiveCounter:
+        _active_counters.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active_counters.remove(self)
+
+    @property
+    def counts(self) -> Counter:
+        return Counter(op for op, _, _ in self.calls)
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, _, b in self.calls)
+
+    def wire_bytes(self, world: int) -> float:
+        """Bytes each rank sends under ring algorithms: an all-reduce of N bytes sends 2(w-1)/w N, a
+        reduce-scatter of N bytes or an all-gather into N bytes (w-1)/w N. An all-reduce costs what a
+        reduce-scatter plus an all-gather cost, which makes sequence parallelism comparable to plain tp."""
+        share = (world - 1) / world
+        per_op = {"all_reduce": 2 * share, "reduce_scatter": share, "all_gather": world * share}
+        return sum(per_op[op] * b for op, _, b in self.calls if op in per_op)
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+
+def _record(op: str, tensor: torch.Tensor) -> None:
+    for counter in _active_counters:
+        counter.calls.append((op, tensor.numel(), tensor.numel() * tensor.element_size()))
+
+
+# -- primitives -------------------------------------------------------------------------------------
+
+
+class Handle:
+    """What a started collective returns: ``wait()`` it before reading the result."""
+
+    def __init__(self, *works) -> None:
+        self.works = [w for w in works if w is not None]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+class _CopyOnWait:
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.dst, self.src = dst, src
+
+    def wait(self) -> None:
+        self.dst.copy_(self.src)
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce of a contiguous tensor (a no-op on one rank); use the result. Eager: in place and
+    counted. Compiling: a functional all-reduce into a new tensor (dynamo cannot trace mutation)."""
+    if group_size(group) == 1:
+        return tensor
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(tensor, "max" if op == dist.ReduceOp.MAX else "sum", _functional_group(group))
+    _record("all_reduce", tensor)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def start_all_reduce(tensor: torch.Tensor, group) -> tuple[torch.Tensor, Handle]:
+    """Start a sum all-reduce of a contiguous tensor in place; returns ``(result, handle)``: compute that
+    does not need the result may run before ``handle.wait()``. Compiling, the functional collective
+    is already asynchronous in the graph (its wait sits at the first use), so the handle is empty."""
+    if group_size(group) == 1 or torch.compiler.is_compiling():
+        return all_reduce(tensor, group), Handle()
+    _record("all_reduce", tensor)
+    return tensor, Handle(dist.all_reduce(tensor, group=group, async_op=True))
+
+
+def broadcast(tensor: torch.Tensor, group, src_group_rank: int = 0) -> torch.Tensor:
+    """In-place broadcast from the group's ``src_group_rank`` (a no-op on one rank)."""
+    if group_size(group) > 1:
+        _record("broadcast", tensor)
+        dist.broadcast(tensor, src=global_rank(group, src_group_rank), group=group)
+    return tensor
+
+
+def broadcast_object(obj, group, src_group_rank: int = 0):
+    """``obj`` of the group's ``src_group_rank`` on every rank (picklable control data, not counted)."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=global_rank(group, src_group_rank), group=group)
+    return box[0]
+
+
+def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``tensor``, in rank order."""
+    tensor = tensor.contiguous()
+    world = group_size(group)
+    if world == 1:
+        return [tensor]
+    if torch.compiler.is_compiling():
+        return list(funcol.all_gather_single(tensor, 0, _functional_group(group)).chunk(world))
+    out = [torch.empty_like(tensor) for _ in range(world)]
+    _record("all_gather", tensor)
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the group; this rank keeps its equal chunk along ``dim``."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, _functional_group(group))
+    chunks = [c.contiguous() for c in x.chunk(world, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    _record("reduce_scatter", x)
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+def gather_tensor(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
+    """All-gather a sharded tensor over ``group`` and return the full tensor (same on every rank)."""
+    if spec.world_size == 1:
+        return local.narrow(spec.dim, 0, spec.full_size)
+    return merge_shards(all_gather(local, group), spec)
+
+
+# -- flat buffers (ZeRO) ----------------------------------------------------------------------------
+# gloo's native reduce-scatter and all-gather measure 1.6-2.7x slower than doing the same work with
+# one ``reduce`` (resp. ``broadcast``) per rank (10M floats, 2 and 4 CPU ranks), so on gloo they are
+# built from those (``per_rank=True``, what :func:`per_rank_is_faster` picks); other backends (NCCL)
+# use the native collectives. Results are identical.
+
+
+def per_rank_is_faster(group) -> bool:
+    """Whether reduce-scatter / all-gather over ``group`` are faster built from per-rank collectives."""
+    return dist.get_backend(group) == "gloo"
+
+
+def start_reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, per_rank: bool) -> Handle:
+    """Start summing ``inp`` (``size * out.numel()`` elements) over ``group``; this rank's slice lands
+    in ``out`` once the handle is waited on. The per-rank form reduces row ``r`` onto rank ``r`` in
+    place (other ranks' rows of ``inp`` may be overwritten)."""
+    if group_size(group) == 1:
+        out.view(-1).copy_(inp.view(-1))
+        return Handle()
+    _record("reduce_scatter", inp)
+    if not per_rank:
+        return Handle(_reduce_scatter_single(out, inp, group=group, async_op=True))
+    size, rank = group_size(group), group_rank(group)
+    rows = inp.view(size, -1)
+    works = [dist.reduce(rows[r], dst=global_rank(group, r), group=group, async_op=True) for r in range(size)]
+    return Handle(*works, _CopyOnWait(out, rows[rank]))
+
+
+def start_all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, per_rank: bool) -> Handle:
+    """Start concatenating every rank's ``inp`` into ``out`` (``size * inp.numel()`` elements), in rank order."""
+    size = group_size(group)
+    if size == 1:
+        if inp.data_ptr() != out.data_ptr():
+            out.view(-1).copy_(inp.view(-1))
+        return Handle()
+    _record("all_gather", out)
+    if not per_rank:
+        return Handle(_all_gather_single(out, inp, group=group, async_op=True))
+    rows = out.view(size, -1)
+    rank = group_rank(group)
+    if inp.data_ptr() != rows[rank].data_ptr():  # already in place when the caller wrote its row
+        rows[rank].copy_(inp)
+    return Handle(
+        *[dist.broadcast(rows[r], src=global_rank(group, r), group=group, async_op=True) for r in range(size)]
+    )
+
+
+# -- tensor-parallel regions ------------------------------------------------------------------------
+
+
+def activation_spec(x: torch.Tensor, group, full_size: int | None = None, n_cast=1) -> ShardSpec:
+    """ShardSpec of an activation split along its last dim into shards of ``x.shape[-1]``
+    (``n_cast``: the number of fused blocks, or their full sizes when they differ)."""
+    world = group_size(group)
+    padded = x.shape[-1] * world
+    blocks = None if isinstance(n_cast, int) else tuple(n_cast)
+    count = n_cast if blocks is None else len(blocks)
+    return ShardSpec(x.dim() - 1, world, group_rank(group), full_size or padded, padded, count, blocks)
+
+
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, shared):
+        ctx.group, ctx.shared = group, shared
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.shared is not None:
+            ctx.shared.release()  # forward is over: nothing left to share
+        return all_reduce(grad.contiguous(), ctx.group), None, None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        y = all_reduce(x.contiguous(), group)
+        if y is x:  # reduced in place: say so, or a later in-place op on the output (Llama 4's add_) is refused
+            ctx.mark_dirty(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, group):
+        ctx.spec, ctx.group = spec, group
+        return slice_tensor(x, spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return merge_shards(all_gather(grad, ctx.group), ctx.spec), None, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, group):
+        ctx.spec = spec
+        return merge_shards(all_gather(x, group), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return slice_tensor(grad, ctx.spec), None, None
+
+
+def copy_to_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
+        return x  # identity forward, and no backward to reduce in
+    return _CopyToParallel.apply(x, group, None)
+
+
+class SharedInputCopy:
+    """One ``copy_to_parallel`` for the column layers that read the same input one after another
+    (BERT's query/key/value, Llama's gate/up): autograd sums their input gradients locally and
+    backward all-reduces once, as a fused QKV would.
+
+    The sharder gives one instance to every column layer it builds inside one policy target (a
+    BertLayer, a GPT2Block). Only the latest input is remembered, by identity and version (an input
+    changed in place is copied anew); its backward, or the next input, releases it.
+
+    It also learns which readers read an input alone (GPT-2's c_attn and c_fc: each its own input):
+    :meth:`reads_alone` tells such a layer it may all-reduce its own input gradient, overlapped with
+    its weight gradient, without costing a collective. Either way is exact (the all-reduces of the
+    parts sum to the all-reduce of the sum); a layer becomes a sharer for good once seen sharing.
+    """
+
+    def __init__(self) -> None:
+        self._latest = None  # (weakref(input), input version, group, output, readers)
+        self._alone: weakref.WeakSet = weakref.WeakSet()
+        self._sharing: weakref.WeakSet = weakref.WeakSet()
+
+    def __call__(self, x: torch.Tensor, group, reader=None) -> torch.Tensor:
+        if group_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
+            return x
+        if torch.compiler.is_compiling():
+            # No Python-side cache inside a traced graph: dynamo would bake a stale entry in (a
+            # module-level cache did, and gave wrong losses). One all-reduce per layer: exact.
+            return _CopyToParallel.apply(x, group, None)
+        if self._latest is not None:
+            x_ref, version, cached_group, y, readers = self._latest
+            if x_ref() is x and version == x._version and cached_group is group:
+                readers.append(reader)
+                return y
+        self._settle()
+        y = _CopyToParallel.apply(x, group, self)
+        self._latest = (weakref.ref(x), x._version, group, y, [reader])
+        return y
+
+    def reads_alone(self, reader) -> bool:
+        """Whether every input ``reader`` read so far, no other reader read (False before its first)."""
+        return reader in self._alone
+
+    def release(self) -> None:
+        self._settle()
+        self._latest = None
+
+    def _settle(self) -> None:
+        """The latest input's readers are all known (forward moved on): remember who read it alone."""
+        if self._latest is None:
+            return
+        readers = self._latest[4]
+        if len(readers) == 1 and readers[0] is not None and readers[0] not in self._sharing:
+            self._alone.add(readers[0])
+        elif len(readers) > 1:
+            for reader in readers:
+                if reader is not None:
+                    self._sharing.add(reader)
+                    self._alone.discard(reader)
+
+    def __deepcopy__(self, memo) -> SharedInputCopy:
+        return SharedInputCopy()  # a copied model shares among its own layers, never with the original
+
+
+def reduce_from_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceFromParallel.apply(x, group) if group_size(group) > 1 else x
+
+
+def split_to_parallel(x: torch.Tensor, group, n_cast: int = 1) -> torch.Tensor:
+    """Keep this rank's shard of the last dim (forward); all-gather the gradient (backward)."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    size = x.shape[-1]
+    if size % (n_cast * world) != 0:
+        raise ValueError(f"last dim {size} does not split into n_cast={n_cast} x {world} ranks")
+    spec = ShardSpec(x.dim() - 1, world, group_rank(group), size, size, n_cast)
+    return _SplitToParallel.apply(x, spec, group)
+
+
+def gather_from_parallel(x: torch.Tensor, group, full_size: int | None = None, n_cast=1) -> torch.Tensor:
+    """All-gather the last dim (forward): fused blocks reordered, padding past ``full_size`` cut."""
+    if group_size(group) == 1:
+        return x if full_size is None else x[..., :full_size]
+    return _GatherFromParallel.apply(x, activation_spec(x, group, full_size, n_cast), group)
+
+
+# -- sequence-parallel regions (dim 1 of [batch, seq, hidden]) --------------------------------------
+
+
+SEQ_DIM = 1
+
+
+def chunk_length(full_len: int, world: int) -> int:
+    return -(-full_len // world)
+
+
+def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
+    missing = length - x.shape[SEQ_DIM]
+    if missing == 0:
+        return x
+    pad = [0, 0] * (x.dim() - SEQ_DIM - 1) + [0, missing]  # F.pad counts dimensions from the last
+    return F.pad(x, pad)
+
+
+def own_chunk(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
+    """This rank's chunk of a full-length ``x`` (padded at the end where the length does not divide)."""
+    world = group_size(group)
+    local = chunk_length(full_len, world)
+    return _pad(x, local * world).narrow(SEQ_DIM, group_rank(group) * local, local).contiguous()
+
+
+def _all_gather_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
+    return torch.cat(all_gather(x, group), dim=SEQ_DIM).narrow(SEQ_DIM, 0, full_len)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
+    local = chunk_length(full_len, group_size(group))
+    return reduce_scatter(_pad(x, local * group_size(group)), group, SEQ_DIM)
+
+
+class _ToChunk(torch.autograd.Function):
+    """Full sequence -> this rank's chunk: of the replicated input (``reduce`` False) or of the sum
+    over ranks (``reduce`` True). Backward all-gathers the chunks' gradients either way."""
+
+    @staticmethod
+    def forward(ctx, x, group, full_len, reduce):
+        ctx.group, ctx.full_len = group, full_len
+        return _reduce_scatter_sequence(x, group, full_len) if reduce else own_chunk(x, group, full_len)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_sequence(grad, ctx.group, ctx.full_len), None, None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, full_len, reduce_grad):
+        ctx.group, ctx.full_len, ctx.reduce_grad = group, full_len, reduce_grad
+        return _all_gather_sequence(x, group, full_len)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:  # each rank holds a partial gradient of the whole sequence
+            return _reduce_scatter_sequence(grad, ctx.group, ctx.full_len), None, None, None
+        return own_chunk(grad, ctx.group, ctx.full_len), None, None, None
+
+
+def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Replicated full sequence -> this rank's chunk (the gradient is all-gathered back)."""
+    return _ToChunk.apply(x, group, x.shape[SEQ_DIM], False)
+
+
+def gather_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
+    """Chunks -> the replicated full sequence (each rank's gradient of it is whole: keep own chunk)."""
+    return _GatherSequence.apply(x, group, full_len, False)
+
+
+def gather_sequence_for_tp(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
+    """Chunks -> the full sequence as input of column-parallel layers, whose input gradients are
+    partial sums over the ranks: backward reduce-scatters them (Megatron's sequence parallelism)."""
+    return _GatherSequence.apply(x, group, full_len, True)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
+    """Partial sums of the full sequence (a row-parallel output) -> this rank's chunk of the total."""
+    return _ToChunk.apply(x, group, full_len, True)

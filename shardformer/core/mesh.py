@@ -1,0 +1,157 @@
+"""Process groups for (pp, dp, tp) over the world, and process-group start-up from torchrun.
+
+Ranks are laid out with tp innermost, then dp, then pp:
+
+    rank = (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
+
+so tensor-parallel peers are neighbours (on one node they share the fastest links).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shardformer.core.comm import LOCAL, VirtualGroup, group_rank, group_size  # noqa: F401 - re-exported
+
+DEFAULT_TIMEOUT_S = 300
+
+
+def _timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("SHARDFORMER_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+
+
+def resolve_sizes(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> tuple[int, int, int]:
+    """Check the parallel sizes against the world size and return (pp, dp, tp).
+
+    ``dp`` defaults to ``world_size // (tp * pp)``.
+    """
+    for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if dp is None:
+        if world_size % (tp * pp) != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_parallel_size={tp} x "
+                f"pipeline_parallel_size={pp} = {tp * pp}; launch a multiple of {tp * pp} processes "
+                f"or change the sizes"
+            )
+        dp = world_size // (tp * pp)
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"data_parallel_size={dp!r} must be a positive integer")
+    if pp * dp * tp != world_size:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} x data_parallel_size={dp} x tensor_parallel_size={tp} "
+            f"= {pp * dp * tp}, but the world size is {world_size}; make the product equal the number "
+            f"of processes"
+        )
+    return pp, dp, tp
+
+
+@dataclass
+class ProcessMesh:
+    """This rank's place in a (pp, dp, tp) grid and the process groups along each axis.
+
+    Every rank must build the mesh with the same sizes (group creation is collective).
+    ``embedding_group`` joins the first and last pipeline stage of this rank's (dp, tp) column:
+    it sums the gradients of weights tied across those stages (word embeddings and LM head).
+    Middle stages belong to no embedding group: theirs is ``None``.
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int | None = None
+    rank: int = field(init=False)
+    world_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised; call shardformer.init_distributed() first "
+                "(or start the script with `shardformer run`)"
+            )
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.pp_size, self.dp_size, self.tp_size = resolve_sizes(
+            self.world_size, self.tp_size, self.pp_size, self.dp_size
+        )
+        pp, dp, tp = self.pp_size, self.dp_size, self.tp_size
+        self.pp_rank, rest = divmod(self.rank, dp * tp)
+        self.dp_rank, self.tp_rank = divmod(rest, tp)
+
+        timeout = _timeout()
+
+        def build(rank_lists: list[list[int]]) -> dist.ProcessGroup:
+            # new_group is collective over the world: every rank creates every group, in one order.
+            mine = None
+            for ranks in rank_lists:
+                group = dist.new_group(ranks, timeout=timeout)
+                if self.rank in ranks:
+                    mine = group
+            return mine
+
+        self.tp_group = build([[self.global_rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)])
+        self.dp_group = build([[self.global_rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)])
+        self.pp_group = build([[self.global_rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)])
+        self.embedding_group = build(
+            [sorted({self.global_rank(0, d, t), self.global_rank(pp - 1, d, t)}) for d in range(dp) for t in range(tp)]
+        )
+
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of this process."""
+        return self.pp_rank, self.dp_rank, self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of the process at pipeline stage ``pp_rank`` with this rank's (dp, tp) place."""
+        return self.global_rank(pp_rank, self.dp_rank, self.tp_rank)
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessMesh(rank={self.rank}/{self.world_size}, pp={self.pp_rank}/{self.pp_size}, "
+            f"dp={self.dp_rank}/{self.dp_size}, tp={self.tp_rank}/{self.tp_size})"
+        )
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> torch.device:
+    """Start the default process group from torchrun's environment and return this rank's device.
+
+    Picks NCCL when CUDA is available and gloo otherwise; the timeout is finite
+    (``timeout_s``, else ``$SHARDFORMER_TIMEOUT_S``, else 300 s) so a lost peer ends the job.
+    Calling it again once initialised only returns the device.
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing and not dist.is_initialized():
+        raise RuntimeError(
+            f"environment variables {missing} are not set; start the script with "
+            f"`shardformer run --nproc_per_node N script.py` (or torchrun)"
+        )
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else _timeout()
+        dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"), timeout=timeout)
+    return device
+
+
+launch_from_torch = init_distributed

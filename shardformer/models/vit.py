@@ -1,0 +1,92 @@
+"""ViT (transformers): q/k/v/o projections and the MLP split; patch embeddings and heads replicated.
+
+The family record: policies, the layer stack ``layers``, ViTForImageClassification's pipeline split
+and stage forward, and the tiny / named builds."""
+
+from __future__ import annotations
+
+import transformers as tf
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_outputs import ImageClassifierOutput
+from transformers.models.vit import modeling_vit as hf
+
+from shardformer.models import ModelFamily
+from shardformer.models.tiny import tiny_config
+from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
+from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Policy, Row_Layer, divide
+
+
+class ViTPolicy(Policy):
+    """ViTModel, ViTForImageClassification, ViTForMaskedImageModeling."""
+
+    def argument_policy(self, config, shard_config):
+        tp = shard_config.tensor_parallel_size
+        heads = divide(config.num_attention_heads, tp, "num_attention_heads")
+        divide(config.intermediate_size, tp, "intermediate_size")
+        return {
+            hf.ViTLayer: Argument(
+                {"attention.num_attention_heads": heads},
+                [self.attn_in, self.attn_out, self.mlp_in, self.mlp_out],
+            ),
+            hf.ViTEmbeddings: Argument({}, [self.embedding]),
+        }
+
+    @staticmethod
+    def attn_in():
+        return [Col_Layer("attention.q_proj"), Col_Layer("attention.k_proj"), Col_Layer("attention.v_proj")]
+
+    @staticmethod
+    def attn_out():
+        return [Row_Layer("attention.o_proj"), Dropout_Layer("dropout")]
+
+    @staticmethod
+    def mlp_in():
+        return [Col_Layer("mlp.fc1")]
+
+    @staticmethod
+    def mlp_out():
+        return [Row_Layer("mlp.fc2")]
+
+    @staticmethod
+    def embedding():
+        return [Dropout_Layer("dropout")]
+
+
+def vit_classification_stage_forward(model, hidden, inputs):
+    """One pipeline stage of ViTForImageClassification on a micro-batch."""
+    v = model.vit
+    stage, num_stages = stage_of(model)
+    if stage == 0:
+        pixels = inputs["pixel_values"]
+        dtype = v.embeddings.patch_embeddings.projection.weight.dtype
+        hidden = v.embeddings(pixels.to(dtype), interpolate_pos_encoding=inputs.get("interpolate_pos_encoding"))
+    mask = create_bidirectional_mask(config=v.config, inputs_embeds=hidden, attention_mask=inputs.get("attention_mask"))
+    for layer in local_layers(model, v.layers):
+        hidden = layer(hidden, mask)
+    if stage < num_stages - 1:
+        return hidden
+    logits = model.classifier(v.layernorm(hidden)[:, 0, :])
+    labels = inputs.get("labels")
+    loss = None if labels is None else model.loss_function(labels, logits, model.config)
+    return ImageClassifierOutput(loss=loss, logits=logits)
+
+
+FAMILY = ModelFamily(
+    name="ViT",
+    policies=dict.fromkeys(("ViTModel", "ViTForImageClassification", "ViTForMaskedImageModeling"), ViTPolicy),
+    layers="layers",
+    pipelines={
+        "ViTForImageClassification": PipelineSpec(
+            layers="vit.layers",
+            stage_forward=vit_classification_stage_forward,
+            first=("vit.embeddings",),
+            last=("vit.layernorm", "vit.pooler", "classifier"),
+        ),
+    },
+    builds={
+        "vit-tiny": lambda: tf.ViTForImageClassification(
+            tiny_config(tf.ViTConfig, image_size=16, patch_size=4, num_labels=3)
+        ),
+        "vit-base": lambda: tf.ViTForImageClassification(tf.ViTConfig()),
+    },
+)

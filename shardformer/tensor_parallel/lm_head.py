@@ -1,0 +1,204 @@
+"""The vocab-parallel LM head's one route: losses on vocab-parallel logits, ``generate``, and the one
+class swap every sharded transformers model gets.
+
+A vocab-parallel head gives each rank logits over its slice of the vocabulary ``[..., vocab / tp]``.
+transformers' own losses reshape logits by the full vocabulary, and picking tokens from a slice would
+give each rank different tokens. So, once a model is sharded, :func:`adapt_class`
+
+- routes the model's ``loss_function``, where it is transformers' causal-LM or masked-LM loss and the
+  head is vocab-parallel, to the same loss on the vocab-parallel cross-entropy over the head's
+  process group (set once, with transformers' own setter, so torch.compile traces it like any
+  other; a loss the policy injected is left alone);
+- swaps the class of a model that can generate for ``VocabParallel<Name>`` (one cached class per
+  original class), which adds :class:`ParallelGeneration`: ``generate`` gathers the logits of every
+  vocab-parallel head for the call and, when sampling or when the logits do not come from a head it
+  gathers, appends :class:`AgreeOnTokens` after every other logits processor and warper: tp rank 0
+  picks each token (argmax, or a draw with the RNG state the model's own draw would use) and
+  broadcasts it, so every rank keeps the same token and no rank reaches EOS alone.
+
+Greedy decoding through a gathered vocab-parallel head needs no broadcast: the all-gather hands
+every rank the same bytes, and the processors and argmax that follow are deterministic, so each
+decoded token costs the Megatron minimum (the embedding's all-reduce, two per layer, the head's
+all-gather). Models whose loss is computed inline (BERT's MLM heads, GPT-2's double heads) get a
+forward of their own from their policy (``inject_policy``), built on :func:`token_loss`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import ExitStack, contextmanager
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
+
+from shardformer.core.comm import VirtualGroup, broadcast, group_size
+from shardformer.core.record import is_sharded, sharding_of
+from shardformer.tensor_parallel.layers import VocabParallelLMHead1D, vocab_parallel_cross_entropy
+
+# -- losses on vocab-parallel logits ----------------------------------------------------------------
+
+
+def token_loss(logits, labels, head: VocabParallelLMHead1D, ignore_index=-100, reduction="mean"):
+    """Cross-entropy of (possibly vocab-parallel) logits from ``head`` against ``labels``."""
+    labels = labels.to(logits.device)
+    if head.gather_output:
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=ignore_index,
+            reduction=reduction,
+        )
+    return vocab_parallel_cross_entropy(logits, labels, head.process_group, head.vocab_size, ignore_index, reduction)
+
+
+def causal_lm_loss(
+    logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, *, head, **_
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss on vocab-parallel logits: tokens < n predict token n.
+
+    The signature is transformers' own (some models pass ``vocab_size`` positionally; the head knows
+    the true vocabulary), with ``head`` bound by keyword: ``partial(causal_lm_loss, head=lm_head)``."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if num_items_in_batch is None:
+        return token_loss(logits, shift_labels, head, ignore_index)
+    loss = token_loss(logits, shift_labels, head, ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def with_loss(output, loss, return_dict) -> object:
+    """Put ``loss`` into a model output built without labels (first in a tuple, as HF does)."""
+    if loss is not None:
+        output["loss"] = loss
+    if return_dict is False:
+        items = output.to_tuple()
+        return items if loss is None else (loss, *[v for k, v in output.items() if k != "loss"])
+    return output
+
+
+@contextmanager
+def gathered_logits(head: VocabParallelLMHead1D):
+    """Temporarily gather the head's logits (generation picks tokens over the whole vocabulary)."""
+    before = head.gather_output
+    head.gather_output = True
+    try:
+        yield
+    finally:
+        head.gather_output = before
+
+
+def masked_lm_loss(
+    logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, *, head, **_
+) -> torch.Tensor:
+    """transformers' ForMaskedLMLoss on vocab-parallel logits: every position predicts its own label
+    (transformers' signature, ``head`` bound by keyword)."""
+    if num_items_in_batch is None:
+        return token_loss(logits, labels, head, ignore_index)
+    return token_loss(logits, labels, head, ignore_index, reduction="sum") / num_items_in_batch
+
+
+_ROUTED = {ForCausalLMLoss: causal_lm_loss, ForMaskedLMLoss: masked_lm_loss}
+
+
+def routes_loss(model: nn.Module) -> bool:
+    """Whether :func:`adapt_class` can route ``model``'s loss through a vocab-parallel head: its
+    forward computes the loss through ``self.loss_function``, and that is transformers' causal-LM or
+    masked-LM loss. Otherwise a vocab-parallel head must gather its logits."""
+    try:
+        calls = "self.loss_function(" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    return calls and getattr(model, "loss_function", None) in _ROUTED
+
+
+# -- generate ---------------------------------------------------------------------------------------
+
+
+class AgreeOnTokens:
+    """Logits processor: tp rank 0 chooses each next token, every rank gets scores selecting it alone.
+
+    The returned scores are ``-inf`` except at the chosen token (0), so ``output_scores`` of a
+    sharded ``generate`` show the choice rather than the distribution.
+    """
+
+    def __init__(self, group, do_sample: bool) -> None:
+        self.group, self.do_sample = group, do_sample
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.do_sample:
+            devices = [scores.device] if scores.device.type != "cpu" else []
+            # fork: the model's own draw that follows consumes the same state, as it would unsharded
+            with torch.random.fork_rng(devices=devices, device_type=scores.device.type):
+                tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = scores.argmax(dim=-1)
+        broadcast(tokens, self.group)
+        chosen = torch.full_like(scores, float("-inf"))
+        chosen.scatter_(1, tokens.unsqueeze(1), 0.0)
+        return chosen
+
+
+def tp_group_of(model: nn.Module):
+    """The tensor-parallel group of a sharded model (None if it has none)."""
+    return sharding_of(model).tp_group if is_sharded(model) else None
+
+
+class ParallelGeneration:
+    """Mixed into a sharded model's class by :func:`vocab_parallel_class`: see the module docstring."""
+
+    def generate(self, *args, **kwargs):
+        with ExitStack() as stack:
+            for head in self.modules():
+                if isinstance(head, VocabParallelLMHead1D):
+                    stack.enter_context(gathered_logits(head))
+            return super().generate(*args, **kwargs)
+
+    def _get_logits_processor(self, generation_config, *args, **kwargs):
+        # transformers appends the warpers (temperature, top-k, top-p) after user processors: only
+        # here does ours run last, on the distribution the token is actually drawn from
+        processors = super()._get_logits_processor(generation_config, *args, **kwargs)
+        group = tp_group_of(self)
+        single_beam = (generation_config.num_beams or 1) == 1
+        sampled = bool(generation_config.do_sample)
+        if group is None or isinstance(group, VirtualGroup) or group_size(group) == 1 or not single_beam:
+            return processors
+        if sampled or not isinstance(self.get_output_embeddings(), VocabParallelLMHead1D):
+            processors.append(AgreeOnTokens(group, sampled))
+        return processors
+
+
+# -- the class swap ---------------------------------------------------------------------------------
+
+_CLASSES: dict[type, type] = {}
+
+
+def vocab_parallel_class(cls: type) -> type:
+    """``VocabParallel<Name>``: ``cls`` with :class:`ParallelGeneration` (one class per ``cls``)."""
+    if cls not in _CLASSES:
+        name = cls.__name__ if cls.__name__.startswith("VocabParallel") else f"VocabParallel{cls.__name__}"
+        _CLASSES[cls] = type(name, (ParallelGeneration, cls), {"__module__": __name__, "__qualname__": name})
+    return _CLASSES[cls]
+
+
+def adapt_class(model: nn.Module) -> None:
+    """Route a sharded transformers model's LM loss and ``generate`` through its vocab-parallel head."""
+    cls = type(model)
+    if not hasattr(cls, "loss_function"):
+        return
+    head = _call(model, "get_output_embeddings")
+    if isinstance(head, VocabParallelLMHead1D) and model.loss_function in _ROUTED:
+        model.loss_function = partial(_ROUTED[model.loss_function], head=head)
+    if not issubclass(cls, ParallelGeneration) and callable(getattr(model, "_get_logits_processor", None)):
+        model.__class__ = vocab_parallel_class(cls)
+
+
+def _call(model: nn.Module, method: str):
+    try:
+        return getattr(model, method)()
+    except (AttributeError, NotImplementedError):
+        return None

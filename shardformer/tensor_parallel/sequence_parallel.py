@@ -1,0 +1,235 @@
+"""Megatron sequence parallelism on a tensor-parallel model, without rewriting the model's forward.
+
+Between attention and MLP blocks (norms, dropout, residual adds) plain tensor parallelism keeps the
+full ``[batch, seq, hidden]`` activations on every rank. With sequence parallelism each rank keeps
+``seq / tp`` of them instead:
+
+- the first layer of the stack (of a pipeline stage) splits its input along the sequence, the last
+  one all-gathers its output: embeddings, final norm and heads run as in plain tp, because
+  transformers' forwards read positions and masks from the full length;
+- an *entry* (a block holding column-parallel layers: attention, MLP) all-gathers its input, and the
+  gradient is reduce-scattered; the column layers skip their own all-reduce;
+- row-parallel layers reduce-scatter their output instead of all-reducing it;
+- parameters in the split region (norms, row biases, layer scales) see a chunk of the sequence: a
+  hook sums their gradients over the tp ranks;
+- dropout in the split region draws the full-sequence mask (the one plain tp draws) and keeps its chunk.
+
+A forward shorter than the tp size (a decode step) runs as plain tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from shardformer.core.comm import (
+    SEQ_DIM,
+    all_reduce,
+    chunk_length,
+    gather_sequence,
+    gather_sequence_for_tp,
+    group_size,
+    own_chunk,
+    reduce_scatter_sequence,
+    split_sequence,
+)
+from shardformer.core.record import sharding_of
+from shardformer.tensor_parallel.layers.dropout import DropoutForReplicatedInput
+from shardformer.tensor_parallel.layers.linear import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
+
+
+class SequenceParallel:
+    """The state of one model's sequence parallelism, set by the first layer of every forward."""
+
+    def __init__(self, group) -> None:
+        self.group, self.world = group, group_size(group)
+        self.active = False  # this forward runs split (its sequence is at least tp long)
+        self.grad_active = False  # the latest forward under autograd did
+        self.full_len = 0
+
+    @property
+    def local_len(self) -> int:
+        return chunk_length(self.full_len, self.world)
+
+    def begin(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.full_len = hidden.shape[SEQ_DIM]
+        self.active = self.full_len >= self.world
+        if torch.is_grad_enabled():
+            self.grad_active = self.active
+        return split_sequence(hidden, self.group) if self.active else hidden
+
+    def end(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(hidden, self.group, self.full_len) if self.active else hidden
+
+    def is_split(self, x: torch.Tensor) -> bool:
+        return self.active and x.dim() > SEQ_DIM and x.shape[SEQ_DIM] == self.local_len
+
+    def gather_for_tp(self, x: torch.Tensor, where: str) -> torch.Tensor:
+        if not self.active:
+            return x
+        if not self.is_split(x):
+            raise RuntimeError(
+                f"sequence parallelism: {where} expected this rank's {self.local_len} of {self.full_len} tokens "
+                f"along dim {SEQ_DIM}, got {tuple(x.shape)}; the model passes it something the policy did not "
+                f"expect, shard it with sequence_parallel=False"
+            )
+        return gather_sequence_for_tp(x, self.group, self.full_len)
+
+    def reduce_scatter(self, y: torch.Tensor, where: str) -> torch.Tensor:
+        if y.dim() <= SEQ_DIM or y.shape[SEQ_DIM] != self.full_len:
+            raise RuntimeError(
+                f"sequence parallelism: row-parallel {where} produced {tuple(y.shape)}, not the {self.full_len} "
+                f"tokens of the sequence along dim {SEQ_DIM}; shard this model with sequence_parallel=False"
+            )
+        return reduce_scatter_sequence(y, self.group, self.full_len)
+
+    def own_chunk(self, full: torch.Tensor) -> torch.Tensor:
+        return own_chunk(full, self.group, self.full_len)
+
+    def full_shape(self, x: torch.Tensor) -> torch.Size:
+        shape = list(x.shape)
+        shape[SEQ_DIM] = self.full_len
+        return torch.Size(shape)
+
+    def reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """Gradient hook of a split-region parameter: each rank saw a chunk of the sequence."""
+        if not self.grad_active:
+            return grad
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), self.group)
+
+
+@dataclass
+class SequenceParallelPlan:
+    """What sequence parallelism touches, by path (resolved before anything is cut)."""
+
+    layers: str  # the ModuleList of transformer layers
+    entries: list[str] = field(default_factory=list)  # blocks whose input is gathered
+    parallel: list[str] = field(default_factory=list)  # column/row layers inside the layers
+    split_params: list[str] = field(default_factory=list)  # parameters that see a chunk of the sequence
+
+
+def _under(path: str, prefixes) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in prefixes)
+
+
+def plan_sequence_parallel(model: nn.Module, layers: str, replacements, entry_suffixes=None) -> SequenceParallelPlan:
+    """Find entries, parallel layers and split-region parameters; refuse what cannot be exact.
+
+    ``layers``: the path of the model's layer stack (from its family record); ``replacements``: the
+    sharder's planned swaps; ``entry_suffixes``: the policy's entries relative to a layer (default:
+    each child of a layer that holds a column-parallel layer).
+    """
+    plan = SequenceParallelPlan(layers)
+    layer_list = model.get_submodule(layers)
+    columns = [r.path for r in replacements if _is(r, Linear1D_Col) and not _is(r, VocabParallelLMHead1D)]
+    rows = [r.path for r in replacements if _is(r, Linear1D_Row)]
+    exact = set()  # parameters other replacements vouch for (per-head norms and sinks)
+    for r in replacements:
+        names = getattr(r.layer.replace_layer, "sequence_parallel_exact_params", None)
+        exact.update(f"{r.path}.{n}" for n in (names(r.module) if names else ()))
+    for r in replacements:
+        if r.path.startswith(layers + ".") and not getattr(r.layer.replace_layer, "supports_sequence_parallel", False):
+            raise ValueError(
+                f"sequence parallelism: {r.path} becomes {getattr(r.layer.replace_layer, '__name__', r.layer.replace_layer)}, "
+                f"which does not declare supports_sequence_parallel (it may mix tokens of different ranks' chunks, "
+                f"like experts cut over tp); shard this model with sequence_parallel=False"
+            )
+    for index, layer in enumerate(layer_list):
+        prefix = f"{layers}.{index}"
+        mine = [c for c in columns if c.startswith(prefix + ".")]
+        if entry_suffixes is None:
+            children = {c[len(prefix) + 1 :].split(".")[0] for c in mine}
+            entries = [f"{prefix}.{name}" for name, _ in layer.named_children() if name in children]
+        else:
+            entries = [f"{prefix}.{suffix}" for suffix in entry_suffixes]
+            for path in entries:
+                if model.get_submodule(path) is None:
+                    raise ValueError(f"sequence parallel entry {path} is not in the model")
+        stray = [c for c in mine if not _under(c, entries)]
+        if stray:
+            raise ValueError(
+                f"sequence parallelism: column-parallel {stray[0]} is not inside an entry ({entries}); the policy's "
+                f"sequence_parallel_entries() must name the block that holds it"
+            )
+        parallel = [p for p in columns + rows if p.startswith(prefix + ".")]
+        for name, _ in layer.named_parameters():
+            path = f"{prefix}.{name}"
+            owner = path.rpartition(".")[0]
+            in_entry, in_parallel = _under(path, entries), _under(owner, parallel)
+            if in_entry and not in_parallel and path not in exact:
+                raise ValueError(
+                    f"sequence parallelism: {path} sits in {_entry_of(path, entries)} beside the column-parallel "
+                    f"layers but is not one of them; it may read the gathered input (a router, a replicated "
+                    f"projection), which sequence parallelism cannot keep exact. Shard this model with "
+                    f"sequence_parallel=False"
+                )
+            row_bias = owner in rows and name.endswith("bias")  # added after the reduce-scatter: on a chunk
+            if row_bias or not (in_entry or in_parallel):
+                plan.split_params.append(path)
+        plan.entries += entries
+        plan.parallel += parallel
+    return plan
+
+
+def _is(replacement, classes) -> bool:
+    cls = replacement.layer.replace_layer
+    return isinstance(cls, type) and issubclass(cls, classes)
+
+
+def _entry_of(path: str, entries: list[str]) -> str:
+    return next(e for e in entries if _under(path, [e]))
+
+
+def _replace_hidden(args, kwargs, fn, where: str):
+    """A forward pre-hook's ``(args, kwargs)`` with the hidden states (first argument) passed through ``fn``."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    for key in ("hidden_states", "x", "input"):
+        if key in kwargs:
+            return args, {**kwargs, key: fn(kwargs[key])}
+    raise RuntimeError(f"sequence parallelism: cannot find the hidden states among the inputs of {where}")
+
+
+def apply_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, group) -> SequenceParallel:
+    """Install the hooks and attributes of ``plan`` on the (already sharded) model."""
+    sp = SequenceParallel(group)
+    layer_list = model.get_submodule(plan.layers)
+
+    def ends() -> tuple[int, int]:  # first and last layer of this pipeline stage (of all without pp)
+        kept = sharding_of(model).layers
+        return (0, len(layer_list) - 1) if kept is None else (kept[0], kept[-1])
+
+    for index, layer in enumerate(layer_list):
+
+        def begin(_module, args, kwargs, index=index):
+            if ends()[0] != index:
+                return None
+            return _replace_hidden(args, kwargs, sp.begin, f"layer {index}")
+
+        def end(_module, _args, _kwargs, output, index=index):
+            if ends()[1] != index:
+                return None
+            if isinstance(output, torch.Tensor):
+                return sp.end(output)
+            return (sp.end(output[0]), *output[1:])
+
+        layer.register_forward_pre_hook(begin, with_kwargs=True)
+        layer.register_forward_hook(end, with_kwargs=True)
+        for module in layer.modules():
+            if isinstance(module, DropoutForReplicatedInput):
+                module.sequence_parallel = sp  # in the split region: its chunk of the full mask
+    for path in plan.entries:
+
+        def gather(_module, args, kwargs, path=path):
+            return _replace_hidden(args, kwargs, lambda x: sp.gather_for_tp(x, path), path)
+
+        model.get_submodule(path).register_forward_pre_hook(gather, with_kwargs=True)
+    for path in plan.parallel:
+        module = model.get_submodule(path)
+        module.sequence_parallel = sp
+        module.sequence_parallel_name = path
+    for path in plan.split_params:
+        model.get_parameter(path).register_hook(sp.reduce_grad)
+    return sp

@@ -1,0 +1,243 @@
+"""ModelSharder: carries out a Policy on a model (``shardformer.shard_model`` is the one-liner around it).
+
+It is given everything it needs: the policy, the config and, for sequence parallelism, the path of
+the model's layer stack (model anatomy, from its family record).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardformer.core.config import ShardConfig
+from shardformer.core.record import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
+from shardformer.core.rng import agree_on_rng
+from shardformer.tensor_parallel.detect import detect_from_model, keep_ties
+from shardformer.tensor_parallel.layers import (
+    DropoutForReplicatedInput,
+    Linear1D_Col,
+    SharedInputCopy,
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+)
+from shardformer.tensor_parallel.layers.linear import is_conv1d
+from shardformer.tensor_parallel.lm_head import adapt_class
+from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
+from shardformer.tensor_parallel.recompute import replay_in_hf_checkpointing
+from shardformer.tensor_parallel.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel
+
+logger = logging.getLogger("shardformer")
+
+
+@dataclass
+class Replacement:
+    """One planned swap: the module at ``path`` becomes ``layer.replace_layer``. Column layers of
+    one policy target share ``input_copy`` (one backward all-reduce for q/k/v)."""
+
+    path: str
+    layer: Layer
+    module: nn.Module
+    input_copy: SharedInputCopy
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    """Whether ``path`` names a submodule, parameter or attribute below ``root``."""
+    parent, _, name = path.rpartition(".")
+    try:
+        return hasattr(root.get_submodule(parent), name)
+    except AttributeError:
+        return False
+
+
+def _get(root: nn.Module, path: str):
+    parent, _, name = path.rpartition(".")
+    return getattr(root.get_submodule(parent), name)
+
+
+def _set(root: nn.Module, path: str, value) -> None:
+    """Set a submodule, parameter or plain attribute (``set_submodule`` takes only modules)."""
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent), name, value)
+
+
+class ModelSharder:
+    """Shards ``model`` in place following ``policy``: inject_model, replace_layer, bind_layer.
+
+    Everything that can be wrong with the model, the policy or the sizes is checked by
+    :meth:`plan` before the first process group is created, so a bad input never leaves ranks
+    waiting on each other.
+    """
+
+    def __init__(self, model: nn.Module, policy: Policy, shard_config: ShardConfig, layers: str | None = None) -> None:
+        self.model, self.policy, self.shard_config, self.layers = model, policy, shard_config, layers
+
+    def plan(self) -> tuple[list[tuple[str, nn.Module, Argument]], list[Replacement]]:
+        """Resolve the policy against the model; raise on anything that does not fit."""
+        if is_sharded(self.model):
+            done = sharding_of(self.model).shard_config
+            raise ValueError(
+                f"{type(self.model).__name__} is already sharded (tensor_parallel_size="
+                f"{done.tensor_parallel_size}); shard the original model instead (load it again with "
+                f"from_pretrained), or use the sharded one as it is"
+            )
+        config = getattr(self.model, "config", None)
+        self.policy.set_model(self.model)
+        arguments = self.policy.argument_policy(config, self.shard_config)
+        self.shard_config.check_world()
+        targets = [(name, m, arguments[type(m)]) for name, m in self.model.named_modules() if type(m) in arguments]
+        if not targets:
+            raise ValueError(
+                f"{type(self.policy).__name__} names the module classes {[c.__name__ for c in arguments]}, "
+                f"but {type(self.model).__name__} contains none of them; check the policy's argument_policy keys"
+            )
+        replacements, self.input_copies = [], []
+        for name, module, argument in targets:
+            where = f"{type(module).__name__} ({name or 'the model'})"
+            input_copy = SharedInputCopy()
+            self.input_copies.append((module, input_copy))
+            for attr in argument.attr_dict:
+                if not _has(module, attr):
+                    raise ValueError(f"attribute {attr!r} of the policy's attr_dict is not in {where}")
+            for func in argument.param_funcs:
+                for layer in func():
+                    if not _has(module, layer.suffix):
+                        if layer.ignore:
+                            continue
+                        raise ValueError(
+                            f"suffix {layer.suffix!r} is not in {where}; fix the policy's suffix or mark the "
+                            f"layer ignore=True if the module is optional"
+                        )
+                    replacements.append(self._check_layer(name, module, layer, where, input_copy))
+        self.detected = detect_from_model(self.model, config, self.shard_config, targets, replacements)
+        self.sequence_plan = None
+        if self.shard_config.sequence_parallel and self.shard_config.tensor_parallel_size > 1:
+            if self.layers is None:
+                raise ValueError(
+                    f"sequence_parallel=True needs to know {type(self.model).__name__}'s stack of transformer "
+                    f"layers, and neither a model family nor transformers' base_model_pp_plan names it; shard "
+                    f"it with sequence_parallel=False"
+                )
+            entries = self.policy.sequence_parallel_entries()
+            self.sequence_plan = plan_sequence_parallel(self.model, self.layers, replacements, entries)
+        return targets, replacements
+
+    def _check_layer(self, parent_path: str, parent: nn.Module, layer: Layer, where: str, input_copy) -> Replacement:
+        target = _get(parent, layer.suffix)
+        path = f"{parent_path}.{layer.suffix}" if parent_path else layer.suffix
+        if layer.replace_layer is None:
+            raise ValueError(f"layer {layer.suffix!r} of {where} has no replace_layer")
+        if isinstance(layer, (Col_Layer, Row_Layer)):
+            for attr in (layer.weight, layer.bias):
+                if attr is not None and not hasattr(target, attr):  # a bias that is None is fine
+                    raise ValueError(
+                        f"{path} ({type(target).__name__}) has no {attr!r}; set weight=/bias= in the policy "
+                        f"(bias=None for a layer without bias)"
+                    )
+            conv1d = is_conv1d(target)
+            if (isinstance(target, nn.Linear) or conv1d) and layer.reversed != conv1d:
+                raise ValueError(
+                    f"{path} is {type(target).__name__} (weight {'[in, out]' if conv1d else '[out, in]'}) "
+                    f"but the policy says reversed={layer.reversed}; set reversed={conv1d}"
+                )
+        if isinstance(layer, Dropout_Layer) and not hasattr(target, layer.p):
+            raise ValueError(f"{path} ({type(target).__name__}) has no dropout probability {layer.p!r}")
+        return Replacement(path, layer, target, input_copy)
+
+    def shard(self) -> nn.Module:
+        targets, replacements = self.plan()
+        params_before, name = _numel(self.model), type(self.model).__name__
+        mesh, group = build_mesh(self.shard_config)
+        self.inject_model()
+        for _, module, argument in targets:
+            for attr, value in argument.attr_dict.items():
+                _set(module, attr, value)
+        self.detected.rewrite_attributes(self.model)
+        for index, replacement in enumerate(replacements):
+            self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
+        for module, input_copy in self.input_copies:
+            module.register_forward_hook(_release_after_forward(input_copy))
+        leftovers = self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
+        sequence = None
+        if self.sequence_plan is not None:
+            sequence = apply_sequence_parallel(self.model, self.sequence_plan, group)
+        keep_ties(self.model, self.detected.ties)  # found in the model: binding_policy() pairs are among them
+        agree_on_rng(group)
+        replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
+        adapt_class(self.model)  # generate() and transformers' LM losses on vocab-parallel logits
+        attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group, sequence_parallel=sequence))
+        if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
+            kinds = Counter(r.layer.replace_layer.__name__ for r in replacements)
+            kinds.update({"DropoutForReplicatedInput (leftover)": leftovers} if leftovers else {})
+            here = _numel(self.model)
+            logger.info(
+                "sharded %s with %s at tp=%d: %s; parameters on this rank %s of %s (%.3f)",
+                name,
+                type(self.policy).__name__,
+                self.shard_config.tensor_parallel_size,
+                ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+                f"{here:,}",
+                f"{params_before:,}",
+                here / max(1, params_before),
+            )
+        return self.model
+
+    def inject_model(self) -> None:
+        """Instances of OriginModel become CustomModel (a subclass whose forward works on shards)."""
+        pair = self.policy.inject_policy()
+        if pair is None:
+            return
+        origin, custom = pair
+        if not issubclass(custom, origin):
+            raise TypeError(f"inject_policy: {custom.__name__} must subclass {origin.__name__}")
+        for module in self.model.modules():
+            if type(module) is origin:
+                module.__class__ = custom
+
+    def replace_layer(self, replacement: Replacement, group, seed: int = 0) -> nn.Module:
+        layer, cfg = replacement.layer, self.shard_config
+        cls = layer.replace_layer
+        options: dict = {"seed": seed, "n_cast": layer.n_cast}
+        if isinstance(layer, Col_Layer):
+            options["gather_output"] = layer.gather_output or (
+                cfg.gather_output and issubclass(cls, VocabParallelLMHead1D)
+            )
+            options["input_copy"] = replacement.input_copy
+        if issubclass(cls, (VocabParallelLMHead1D, VocabParallelEmbedding1D)):
+            options["pad_to_multiple"] = cfg.vocab_pad_multiple
+        new = cls.from_native(replacement.module, group, **options)
+        if isinstance(new, Linear1D_Col):
+            new.overlap_communication = cfg.overlap_communication
+        new.train(replacement.module.training)  # a model sharded in eval() stays in eval()
+        self.model.set_submodule(replacement.path, new)
+        return new
+
+    def replace_leftover_dropout(self, group, seed: int) -> int:
+        """Dropout the policy did not name (classifier heads, ...) sits on replicated activations: give
+        it the tensor-parallel RNG too, so ranks never drift apart through different global RNG states.
+        Returns how many were replaced."""
+        leftovers = [(name, m) for name, m in self.model.named_modules() if type(m) is nn.Dropout and m.p > 0]
+        for index, (name, old) in enumerate(leftovers):
+            new = DropoutForReplicatedInput.from_native(old, group, seed + index).train(old.training)
+            self.model.set_submodule(name, new)
+        return len(leftovers)
+
+
+def _release_after_forward(input_copy: SharedInputCopy):
+    """A forward hook: once the target's forward is over, its shared input copy holds nothing (the
+    copy's output would otherwise keep a hidden-sized tensor alive per layer under activation
+    checkpointing, which saves nothing else of the layer)."""
+
+    def release(_module, _args, _output):
+        if not torch.compiler.is_compiling():  # compiled forwards do not use the cache
+            input_copy.release()
+
+    return release
+
+
+def _numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() lists a tied tensor once

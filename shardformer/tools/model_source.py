@@ -1,0 +1,99 @@
+"""What a user names on the command line (or in Python) becomes a model or a policy.
+
+A model: a factory (callable), ``module:function``, ``timm:<name>``, a folder with config.json
+(``model_class`` names the transformers class when its config has no ``architectures``), a tiny
+model per built-in family (``gpt2-tiny``, ...) or a full-size built-in name (``gpt2``, ``llama-7b``,
+...). ``shardformer plan`` builds it on the meta device, ``shardformer verify`` with real weights.
+A policy: None (the model's own), a Policy instance or class, or ``module:Class``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch.nn as nn
+import transformers as tf
+
+from shardformer.models import builds, tiny_models
+
+# Full-size models whose policies come from transformers' own plans (transformers' default configs of
+# these are the published sizes); the hand-written families name their own builds in their records.
+PLAN_DERIVED = {
+    "llama-7b": lambda: tf.LlamaForCausalLM(tf.LlamaConfig()),
+    "phi3-mini": lambda: tf.Phi3ForCausalLM(tf.Phi3Config()),
+    "mixtral-8x7b": lambda: tf.MixtralForCausalLM(tf.MixtralConfig()),
+}
+
+
+def model_class_for(config, folder: str, model_class: str | None = None) -> type:
+    """The transformers class named by ``model_class``, else by the config's ``architectures``."""
+    names = [model_class] if model_class else (getattr(config, "architectures", None) or [])
+    if not names:
+        guess = type(config).__name__.replace("Config", "ForCausalLM")
+        raise ValueError(
+            f"{folder}/config.json has no 'architectures'; name the model class with --model-class (e.g. {guess})"
+        )
+    cls = getattr(tf, names[0], None)
+    if not isinstance(cls, type):
+        source = "--model-class" if model_class else f"{folder}/config.json 'architectures'"
+        raise ValueError(f"{names[0]!r} (from {source}) is not a transformers model class")
+    return cls
+
+
+TINY_MODELS = tiny_models()  # one tiny model per model family
+
+
+def _import(spec: str, what: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{what} {spec!r} must be module:name (e.g. my_models:build)")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what} {spec!r}: cannot import it ({e}); is its folder on PYTHONPATH?") from e
+    return obj
+
+
+def build_model(model: Any, model_class: str | None = None, weights: bool = True) -> nn.Module:
+    """A model from: a factory (callable), ``timm:<name>``, a folder with config.json (weights loaded if
+    present; ``model_class`` names the transformers class when config.json has no ``architectures``),
+    a ``module:function`` factory, or a built-in name (``gpt2-tiny``, ``bert-tiny``, ...; ``gpt2``, ...)."""
+    if isinstance(model, nn.Module):
+        raise TypeError("pass a factory or a name, not a model: every process builds its own copy")
+    if callable(model):
+        return model()
+    if model.startswith("timm:"):
+        import timm  # deferred: importing timm registers every timm model; only when asked for
+
+        return timm.create_model(model[5:], pretrained=False)
+    if os.path.isdir(model):
+        return _from_folder(model, model_class, weights)
+    if ":" in model:
+        return _import(model, "MODEL")()
+    named = {**builds(), **PLAN_DERIVED}
+    if model not in named:
+        raise ValueError(
+            f"MODEL {model!r} is not a folder with config.json, module:function, timm:<name> or a built-in "
+            f"name ({', '.join(sorted(named))})"
+        )
+    return named[model]()
+
+
+def _from_folder(folder: str, model_class: str | None, weights: bool) -> nn.Module:
+    config = tf.AutoConfig.from_pretrained(folder)
+    cls = model_class_for(config, folder, model_class)
+    has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder))
+    return cls.from_pretrained(folder) if weights and has_weights else cls(config)
+
+
+def load_policy(policy: Any):
+    """None (the built-in policy), a Policy instance or class, or ``module:Class``."""
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        policy = _import(policy, "--policy")
+    return policy() if isinstance(policy, type) else policy

@@ -1,0 +1,210 @@
+"""Size a job before starting it: shard a model built on the meta device, with no processes.
+
+``plan_model`` applies the model's policy at a tensor-parallel size through a
+:class:`~shardformer.core.mesh.VirtualGroup`, so the parameter shapes are exactly those a real
+shard produces, and estimates bytes per rank for parameters, gradients and optimizer state, and,
+given a batch and sequence length, activations (:mod:`shardformer.tools.activation_estimate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from shardformer.core.comm import VirtualGroup
+from shardformer.core.config import PRECISIONS, ShardConfig
+from shardformer.core.mesh import resolve_sizes
+from shardformer.models import layer_stack, pipeline_spec_for
+from shardformer.pipeline.spec import PipelineSpec, check_split
+from shardformer.pipeline.spec_check import check_pipeline_spec
+from shardformer.policies.auto import get_autopolicy
+from shardformer.tensor_parallel.sharder import ModelSharder
+from shardformer.tensor_parallel.slicer import shard_spec
+from shardformer.tools.activation_estimate import estimate_activations
+from shardformer.tools.model_source import build_model
+
+BYTES = {name: dtype.itemsize for name, dtype in PRECISIONS.items()}
+
+
+def build_meta_model(spec: str, model_class: str | None = None) -> nn.Module:
+    """A model without weights, from anything :func:`shardformer.tools.model_source.build_model` takes."""
+    with torch.device("meta"):
+        return build_model(spec, model_class, weights=False)
+
+
+@dataclass
+class Plan:
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    precision: str
+    replaced: list[tuple[str, str, str]] = field(default_factory=list)  # (path, from class, to class)
+    params: list[tuple[str, tuple, tuple]] = field(default_factory=list)  # (name, full shape, rank shape)
+    stages: list[tuple[range, int]] = field(default_factory=list)  # (layers, parameters per rank), pp > 1
+    activations: list[str] = field(default_factory=list)  # lines of the activation estimate (batch and seq given)
+
+    @property
+    def rank_numel(self) -> int:
+        return sum(_numel(local) for _, _, local in self.params)
+
+    @property
+    def full_numel(self) -> int:
+        return sum(_numel(full) for _, full, _ in self.params)
+
+    def bytes_per_rank(self) -> dict[str, int]:
+        """Parameters, gradients and Adam state (+ fp32 master) per rank, over all pipeline stages.
+
+        With pp > 1 these are for the largest stage (the rank that needs the most).
+        """
+        n = max(numel for _, numel in self.stages) if self.stages else self.rank_numel
+        width = BYTES[self.precision]
+        master = 4 if self.precision != "fp32" else 0  # fp32 masters for half precision; fp32 is stepped in place
+        state_and_master = (8 + master) * n
+        return {
+            "parameters": int(n * width),
+            "gradients": int(n * width / (self.dp if self.zero >= 2 else 1)),
+            "optimizer (Adam + master)": int(state_and_master / (self.dp if self.zero >= 1 else 1)),
+        }
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def plan_model(
+    model: nn.Module,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    zero: int = 0,
+    precision: str = "fp32",
+    policy=None,
+    pipeline: PipelineSpec | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    device: str = "cpu",
+) -> Plan:
+    """Shard ``model`` (build it on the meta device) for tp rank 0 of ``tp`` and describe the result.
+
+    ``policy`` / ``pipeline``: a custom Policy / PipelineSpec (default: the model family's).
+    ``batch`` and ``seq`` (both or neither): estimate activation memory per rank too."""
+    if (batch is None) != (seq is None):
+        raise ValueError(f"batch={batch} and seq={seq}: give both (--batch and --seq) to estimate activations")
+    if zero not in (0, 1, 2):
+        raise ValueError(f"zero={zero} must be 0, 1 or 2")
+    if precision not in BYTES:
+        raise ValueError(f"precision={precision!r} must be one of {sorted(BYTES)}")
+    resolve_sizes(tp * pp * dp, tp, pp, dp)
+    if pp > 1:
+        pipeline = pipeline or pipeline_spec_for(model)  # before sharding: an unknown family fails fast
+    config = getattr(model, "config", None)
+    plan_activations = (
+        activation_lines(config, batch, seq, tp, precision, device) if batch is not None else []
+    )  # before sharding: a bad size fails before the slow part
+    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    before = {name: type(m).__name__ for name, m in model.named_modules()}
+    config = ShardConfig(tensor_parallel_process_group=VirtualGroup(0, tp), pipeline_parallel_size=1)
+    policy = policy or get_autopolicy(model)
+    model = ModelSharder(model, policy, config, layers=layer_stack(model)).shard()
+    plan = Plan(tp, pp, dp, zero, precision, activations=plan_activations)
+    for name, m in model.named_modules():
+        if name in before and before[name] != type(m).__name__:
+            plan.replaced.append((name, before[name], type(m).__name__))
+    for name, p in model.named_parameters():
+        spec = shard_spec(p)
+        plan.params.append((name, full_shapes[name], tuple(p.shape) if spec else full_shapes[name]))
+    if pp > 1:
+        plan.stages = stage_split(pipeline, model, pp, {name: _numel(local) for name, _, local in plan.params})
+    return plan
+
+
+def stage_split(spec: PipelineSpec, model: nn.Module, pp: int, numels: dict[str, int]) -> list[tuple[range, int]]:
+    """(layer indices, parameters per tensor-parallel rank) of each pipeline stage, as the engine cuts."""
+    path = spec.layers
+    counts = check_split(len(spec.layer_list(model)), pp)
+    check_pipeline_spec(spec, model, pp)
+    starts = [sum(counts[:s]) for s in range(pp)]
+    layer_stage = {i: s for s in range(pp) for i in range(starts[s], starts[s] + counts[s])}
+    under = lambda name, paths: any(name == q or name.startswith(q + ".") for q in paths)  # noqa: E731
+    first, last, shared = spec.first, spec.last, spec.shared
+    per_stage = [0] * pp
+    for name, n in numels.items():
+        if name.startswith(path + "."):
+            per_stage[layer_stage[int(name[len(path) + 1 :].split(".")[0])]] += n
+        elif under(name, shared):
+            for s in {0, pp - 1}:
+                per_stage[s] += n
+        elif under(name, first):
+            per_stage[0] += n
+        elif under(name, last):
+            per_stage[pp - 1] += n
+        else:  # not named by the spec: every stage keeps it
+            for s in range(pp):
+                per_stage[s] += n
+    return [(range(starts[s], starts[s] + counts[s]), per_stage[s]) for s in range(pp)]
+
+
+def activation_lines(config, batch: int, seq: int, tp: int, precision: str, device: str) -> list[str]:
+    """The activation estimate as printed lines: with and without checkpointing and sequence parallelism."""
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    head = f"activations per rank, batch {batch} x seq {seq}, {impl} attention, {precision} (kept for the backward):"
+    try:
+        estimate = lambda **kw: estimate_activations(  # noqa: E731
+            config, batch, seq, tp, dtype_bytes=BYTES[precision], device=device, **kw
+        )
+        plain = estimate()
+    except NotImplementedError as e:
+        return [head, f"  not estimated: {e}"]
+    lines = [head, f"  {'':<22}{'no checkpointing':>18}  activation checkpointing (+ one layer while it recomputes)"]
+    variants = [("tensor parallel" if tp > 1 else "unsharded", {})]
+    if tp > 1:
+        variants.append(("+ sequence parallel", {"sequence_parallel": True}))
+    for name, options in variants:
+        full, ckpt = estimate(**options), estimate(checkpointing=True, **options)
+        lines.append(f"  {name:<22}{mib(full.total):>18}  {mib(ckpt.total)} (+ {mib(ckpt.recompute)})")
+    lines.append("  of which: " + ", ".join(f"{k} {mib(v)}" for k, v in plain.parts.items()))
+    return lines
+
+
+def format_plan(plan: Plan, show_params: bool = True) -> str:
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    lines = [
+        f"layout: tp={plan.tp} x pp={plan.pp} x dp={plan.dp} = {plan.tp * plan.pp * plan.dp} processes, "
+        f"zero stage {plan.zero}, {plan.precision}",
+        "",
+        f"replaced modules ({len(plan.replaced)}):",
+    ]
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for path, old, new in plan.replaced:
+        kinds.setdefault((old, new), []).append(path)
+    for (old, new), paths in kinds.items():
+        lines.append(f"  {old} -> {new}: {len(paths)} (e.g. {paths[0] or 'the model itself'})")
+    if show_params:
+        lines += ["", "parameters of each tensor-parallel rank (full shape -> rank shape):"]
+        for name, full, local in plan.params:
+            mark = "" if full == local else "  [split]"
+            lines.append(f"  {name}: {list(full)} -> {list(local)}{mark}")
+    lines += [
+        "",
+        f"parameters: {plan.full_numel:,} unsharded, {plan.rank_numel:,} per tensor-parallel rank "
+        f"({plan.rank_numel / plan.full_numel:.3f})",
+        "estimated bytes per rank:",
+    ]
+    per_rank = plan.bytes_per_rank()
+    for what, b in per_rank.items():
+        lines.append(f"  {what}: {mib(b)}")
+    lines.append(f"  total: {mib(sum(per_rank.values()))} (activations not included)")
+    if plan.stages:
+        lines += ["", f"pipeline stages (pp={plan.pp}; the bytes above are for the largest):"]
+        for s, (layers, numel) in enumerate(plan.stages):
+            lines.append(f"  stage {s}: layers {layers.start}..{layers.stop - 1}, {numel:,} parameters per rank")
+    if plan.activations:
+        lines += ["", *plan.activations]
+    return "\n".join(lines)

@@ -1,7 +1,0 @@
-"""Low-level ZeRO (stage 1 and 2): shard optimizer states and gradients over data-parallel ranks."""
-
-from shardformer.zero.grad_norm import global_grad_norm
-from shardformer.zero.loss_scaler import DynamicLossScaler
-from shardformer.zero.optimizer import DEFAULT_BUCKET_SIZE, ZeroOptimizer
-
-__all__ = ["DEFAULT_BUCKET_SIZE", "DynamicLossScaler", "ZeroOptimizer", "global_grad_norm"]
