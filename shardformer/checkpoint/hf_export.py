@@ -21,6 +21,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from shardformer.checkpoint.gather import gather_full_state
+from shardformer.tensor_parallel.detect import names_by_tensor
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -49,12 +50,9 @@ def _drop_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, to
         if target in out and source in out and torch.equal(out[target], out[source]):
             del out[target]
     # Any other aliases (same tensor under two names) are written once, under the first name.
-    seen: set[int] = set()
-    for name in list(out):
-        if id(out[name]) in seen:
-            del out[name]
-        else:
-            seen.add(id(out[name]))
+    for names in names_by_tensor(list(out.items())).values():
+        for alias in names[1:]:
+            del out[alias]
     return out
 
 

@@ -21,6 +21,7 @@ from shardformer.checkpoint import typed_json
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import SafeFile, rank_files, reshard_local, spec_from_json, spec_to_json
 from shardformer.data_parallel import ZeroOptimizer
+from shardformer.tensor_parallel.detect import names_by_tensor
 from shardformer.tensor_parallel.slicer import shard_spec
 
 MASTER = "__master__"
@@ -33,10 +34,7 @@ def _params_of(optimizer) -> list[torch.nn.Parameter]:
 
 
 def _names_by_id(model: nn.Module) -> dict[int, list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(tensor), []).append(name)
-    return names
+    return names_by_tensor(model.state_dict(keep_vars=True).items())
 
 
 def _is_per_element(value, shape, key) -> bool:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch.nn as nn
 
 from shardformer.pipeline.spec import PipelineSpec, stage_of
+from shardformer.tensor_parallel.detect import call_optional
 
 
 class _PassThrough(nn.Module):
@@ -46,7 +47,7 @@ def spec_from_pp_plan(model: nn.Module) -> PipelineSpec | None:
     first = [path(n) for n in names[:at]]
     last = [path(n) for n in names[at + 1 :]] + list(getattr(type(model), "_pp_plan", None) or {})
     shared = []
-    embed, head = _call(model, "get_input_embeddings"), _call(model, "get_output_embeddings")
+    embed, head = call_optional(model, "get_input_embeddings"), call_optional(model, "get_output_embeddings")
     if embed is not None and head is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0):
         tied = [p for p in first if model.get_submodule(p) is embed]
         shared = tied
@@ -58,13 +59,6 @@ def spec_from_pp_plan(model: nn.Module) -> PipelineSpec | None:
         last=tuple(last),
         shared=tuple(shared),
     )
-
-
-def _call(model, method):
-    try:
-        return getattr(model, method)()
-    except (AttributeError, NotImplementedError):
-        return None
 
 
 @contextmanager

@@ -65,16 +65,13 @@ class PipelineSpec:
 
     def shared_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """Parameters of the modules both end stages hold (tied input/output weights), each once."""
-        seen, out = set(), []
+        unique: dict[int, nn.Parameter] = {}
         for path in self.shared:
             module = _find(model, path)
-            if module is None:
-                continue
-            for p in [module] if isinstance(module, nn.Parameter) else module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+            if module is not None:
+                for p in [module] if isinstance(module, nn.Parameter) else module.parameters():
+                    unique.setdefault(id(p), p)
+        return list(unique.values())
 
 
 def unsharded_record() -> ShardedModelInfo:

@@ -39,12 +39,27 @@ class PolicyMismatch(ValueError):
 # -- ties ---------------------------------------------------------------------------------------
 
 
+def names_by_tensor(named_tensors) -> dict[int, list[str]]:
+    """``{id(tensor): its names}`` over ``(name, tensor)`` pairs, names in order: the one place tensors
+    are grouped by identity (ties, checkpoint names, aliases written once)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in named_tensors:
+        names.setdefault(id(tensor), []).append(name)
+    return names
+
+
 def find_ties(model: nn.Module) -> list[list[str]]:
     """Groups of parameter names that are one tensor in ``model`` (each group at least two names)."""
-    by_tensor: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(p), []).append(name)
-    return [names for names in by_tensor.values() if len(names) > 1]
+    groups = names_by_tensor(model.named_parameters(remove_duplicate=False)).values()
+    return [names for names in groups if len(names) > 1]
+
+
+def call_optional(model: nn.Module, method: str):
+    """``model.method()`` (``get_input_embeddings``, ...), or None where the model has none."""
+    try:
+        return getattr(model, method)()
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def _is_cuttable(module: nn.Module) -> bool:
@@ -95,7 +110,7 @@ def _config_ints(config) -> dict[str, int]:
     return {k: v for k, v in items if isinstance(v, int) and not isinstance(v, bool)}
 
 
-def _is_head_count(name: str) -> bool:
+def is_head_count(name: str) -> bool:
     """``num_heads``, ``num_key_value_heads``, ``n_head``: a count, not ``head_dim`` / ``attention_head_size``."""
     low = name.lower()
     return "head" in low and not any(w in low for w in ("dim", "size", "mask", "scale"))
@@ -161,9 +176,9 @@ def check_sizes(cuts: list[Cut], tp: int, config, parents: dict[str, nn.Module])
         if cut.side != "out" or cut.gathered:
             continue
         parent = parents.get(cut.path.rpartition(".")[0])
-        counts = {k: v for k, v in ints.items() if _is_head_count(k) and v > 0}
+        counts = {k: v for k, v in ints.items() if is_head_count(k) and v > 0}
         if parent is not None:
-            counts.update({k: v for k, v in _int_attrs(parent).items() if _is_head_count(k) and v > 0})
+            counts.update({k: v for k, v in _int_attrs(parent).items() if is_head_count(k) and v > 0})
         head_dim = _head_dim(ints, parent) if parent is not None else _head_dim(ints, cut.module)
         block = width // cut.n_cast
         if not head_dim or block % head_dim:
@@ -184,18 +199,24 @@ def _int_attrs(module: nn.Module) -> dict[str, int]:
 
 
 def _attribute_loads(tree: ast.AST, owner: str) -> set[str]:
-    return {
-        n.attr
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == owner
-        if isinstance(n.ctx, ast.Load)
-    }
+    """``owner.x`` read in ``tree``, and ``owner.config.x`` as ``config.x``."""
+    names = set()
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)):
+            continue
+        inner = n.value
+        if isinstance(inner, ast.Name) and inner.id == owner:
+            names.add(n.attr)
+        elif isinstance(inner, ast.Attribute) and inner.attr == "config" and getattr(inner.value, "id", None) == owner:
+            names.add(f"config.{n.attr}")
+    return names
 
 
 @functools.cache
 def attributes_read(cls: type) -> frozenset[str] | None:
-    """Attributes ``self.x`` that ``cls`` reads outside ``__init__`` (its own methods and its bases'),
-    plus ``module.x`` read by functions of its source file (``eager_attention_forward(module, ...)``).
+    """The one reader of what a module's code reads: attributes ``self.x`` that ``cls`` reads outside
+    ``__init__`` (its own methods and its bases'), plus ``module.x`` read by functions of its source
+    file (``eager_attention_forward(module, ...)``); ``self.config.x`` is listed as ``config.x``.
     None when the source cannot be read: then every attribute counts as read."""
     names: set[str] = set()
     try:
@@ -246,7 +267,7 @@ def stale_attributes(cuts: list[Cut], tp: int, parents: dict[str, nn.Module], re
         for name, value in _int_attrs(parent).items():
             if (id(parent), name) in rewritten or (read is not None and name not in read) or value <= 1:
                 continue
-            if _is_head_count(name) and block % value == 0 and block // value > 1:
+            if is_head_count(name) and block % value == 0 and block // value > 1:
                 kind = "head count"
             elif value == block and not any(w in name.lower() for w in ("head_dim", "head_size")):
                 kind = "width"

@@ -36,6 +36,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
 from shardformer.core.comm import VirtualGroup, broadcast, group_size
 from shardformer.core.record import is_sharded, sharding_of
+from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.layers import VocabParallelLMHead1D, vocab_parallel_cross_entropy
 
 # -- losses on vocab-parallel logits ----------------------------------------------------------------
@@ -190,15 +191,8 @@ def adapt_class(model: nn.Module) -> None:
     cls = type(model)
     if not hasattr(cls, "loss_function"):
         return
-    head = _call(model, "get_output_embeddings")
+    head = call_optional(model, "get_output_embeddings")
     if isinstance(head, VocabParallelLMHead1D) and model.loss_function in _ROUTED:
         model.loss_function = partial(_ROUTED[model.loss_function], head=head)
     if not issubclass(cls, ParallelGeneration) and callable(getattr(model, "_get_logits_processor", None)):
         model.__class__ = vocab_parallel_class(cls)
-
-
-def _call(model: nn.Module, method: str):
-    try:
-        return getattr(model, method)()
-    except (AttributeError, NotImplementedError):
-        return None

@@ -192,9 +192,10 @@ def _replace_hidden(args, kwargs, fn, where: str):
     raise RuntimeError(f"sequence parallelism: cannot find the hidden states among the inputs of {where}")
 
 
-def apply_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, group) -> SequenceParallel:
-    """Install the hooks and attributes of ``plan`` on the (already sharded) model."""
-    sp = SequenceParallel(group)
+def apply_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, sp: SequenceParallel) -> None:
+    """Install the hooks of ``plan`` on the (already sharded) model: the stack's ends, the entries'
+    gathers and the split-region gradient sums. (The parallel layers and the dropout of the split
+    region were given ``sp`` when the sharder built them.)"""
     layer_list = model.get_submodule(plan.layers)
 
     def ends() -> tuple[int, int]:  # first and last layer of this pipeline stage (of all without pp)
@@ -217,19 +218,22 @@ def apply_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, group)
 
         layer.register_forward_pre_hook(begin, with_kwargs=True)
         layer.register_forward_hook(end, with_kwargs=True)
-        for module in layer.modules():
-            if isinstance(module, DropoutForReplicatedInput):
-                module.sequence_parallel = sp  # in the split region: its chunk of the full mask
     for path in plan.entries:
 
         def gather(_module, args, kwargs, path=path):
             return _replace_hidden(args, kwargs, lambda x: sp.gather_for_tp(x, path), path)
 
         model.get_submodule(path).register_forward_pre_hook(gather, with_kwargs=True)
-    for path in plan.parallel:
-        module = model.get_submodule(path)
-        module.sequence_parallel = sp
-        module.sequence_parallel_name = path
     for path in plan.split_params:
         model.get_parameter(path).register_hook(sp.reduce_grad)
-    return sp
+
+
+def layer_options(plan: SequenceParallelPlan, sp: SequenceParallel, path: str, cls: type) -> dict:
+    """What the layer the sharder builds at ``path`` (of class ``cls``) is given for ``plan``: the
+    parallel layers the state (and their name, for errors), dropout in the split region the state."""
+    if path in plan.parallel:
+        return {"sequence_parallel": sp, "sequence_parallel_name": path}
+    in_stack = path.startswith(plan.layers + ".")
+    if in_stack and isinstance(cls, type) and issubclass(cls, DropoutForReplicatedInput):
+        return {"sequence_parallel": sp}  # in the split region: its chunk of the full mask
+    return {}

@@ -17,10 +17,9 @@ import torch.nn as nn
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 from shardformer.core.rng import agree_on_rng
-from shardformer.tensor_parallel.detect import detect_from_model, keep_ties
+from shardformer.tensor_parallel.detect import Detected, detect_from_model, keep_ties
 from shardformer.tensor_parallel.layers import (
     DropoutForReplicatedInput,
-    Linear1D_Col,
     SharedInputCopy,
     VocabParallelEmbedding1D,
     VocabParallelLMHead1D,
@@ -29,9 +28,28 @@ from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.lm_head import adapt_class
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer
 from shardformer.tensor_parallel.recompute import replay_in_hf_checkpointing
-from shardformer.tensor_parallel.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel
+from shardformer.tensor_parallel.sequence_parallel import (
+    SequenceParallel,
+    SequenceParallelPlan,
+    apply_sequence_parallel,
+    layer_options,
+    plan_sequence_parallel,
+)
 
 logger = logging.getLogger("shardformer")
+
+
+@dataclass
+class ShardPlan:
+    """What :meth:`ModelSharder.plan` resolved, checked before anything is cut: the policy's targets
+    (path, module, Argument), the planned replacements, each target's shared input copy, what was
+    detected in the model, and the sequence-parallel plan (None: plain tensor parallelism)."""
+
+    targets: list[tuple[str, nn.Module, Argument]]
+    replacements: list[Replacement]
+    input_copies: list[tuple[nn.Module, SharedInputCopy]]
+    detected: Detected
+    sequence: SequenceParallelPlan | None
 
 
 @dataclass
@@ -76,7 +94,7 @@ class ModelSharder:
     def __init__(self, model: nn.Module, policy: Policy, shard_config: ShardConfig, layers: str | None = None) -> None:
         self.model, self.policy, self.shard_config, self.layers = model, policy, shard_config, layers
 
-    def plan(self) -> tuple[list[tuple[str, nn.Module, Argument]], list[Replacement]]:
+    def plan(self) -> ShardPlan:
         """Resolve the policy against the model; raise on anything that does not fit."""
         if is_sharded(self.model):
             done = sharding_of(self.model).shard_config
@@ -95,11 +113,11 @@ class ModelSharder:
                 f"{type(self.policy).__name__} names the module classes {[c.__name__ for c in arguments]}, "
                 f"but {type(self.model).__name__} contains none of them; check the policy's argument_policy keys"
             )
-        replacements, self.input_copies = [], []
+        replacements, input_copies = [], []
         for name, module, argument in targets:
             where = f"{type(module).__name__} ({name or 'the model'})"
             input_copy = SharedInputCopy()
-            self.input_copies.append((module, input_copy))
+            input_copies.append((module, input_copy))
             for attr in argument.attr_dict:
                 if not _has(module, attr):
                     raise ValueError(f"attribute {attr!r} of the policy's attr_dict is not in {where}")
@@ -113,8 +131,8 @@ class ModelSharder:
                             f"layer ignore=True if the module is optional"
                         )
                     replacements.append(self._check_layer(name, module, layer, where, input_copy))
-        self.detected = detect_from_model(self.model, config, self.shard_config, targets, replacements)
-        self.sequence_plan = None
+        detected = detect_from_model(self.model, config, self.shard_config, targets, replacements)
+        sequence = None
         if self.shard_config.sequence_parallel and self.shard_config.tensor_parallel_size > 1:
             if self.layers is None:
                 raise ValueError(
@@ -123,8 +141,8 @@ class ModelSharder:
                     f"it with sequence_parallel=False"
                 )
             entries = self.policy.sequence_parallel_entries()
-            self.sequence_plan = plan_sequence_parallel(self.model, self.layers, replacements, entries)
-        return targets, replacements
+            sequence = plan_sequence_parallel(self.model, self.layers, replacements, entries)
+        return ShardPlan(targets, replacements, input_copies, detected, sequence)
 
     def _check_layer(self, parent_path: str, parent: nn.Module, layer: Layer, where: str, input_copy) -> Replacement:
         target = _get(parent, layer.suffix)
@@ -149,23 +167,26 @@ class ModelSharder:
         return Replacement(path, layer, target, input_copy)
 
     def shard(self) -> nn.Module:
-        targets, replacements = self.plan()
+        plan = self.plan()
+        replacements = plan.replacements
         params_before, name = _numel(self.model), type(self.model).__name__
         mesh, group = build_mesh(self.shard_config)
         self.inject_model()
-        for _, module, argument in targets:
+        for _, module, argument in plan.targets:
             for attr, value in argument.attr_dict.items():
                 _set(module, attr, value)
-        self.detected.rewrite_attributes(self.model)
+        plan.detected.rewrite_attributes(self.model)
+        sequence = SequenceParallel(group) if plan.sequence is not None else None
         for index, replacement in enumerate(replacements):
-            self.replace_layer(replacement, group, seed=self.shard_config.seed + index)
-        for module, input_copy in self.input_copies:
+            self.replace_layer(replacement, group, self.shard_config.seed + index, plan.sequence, sequence)
+        for module, input_copy in plan.input_copies:
             module.register_forward_hook(_release_after_forward(input_copy))
-        leftovers = self.replace_leftover_dropout(group, seed=self.shard_config.seed + len(replacements))
-        sequence = None
-        if self.sequence_plan is not None:
-            sequence = apply_sequence_parallel(self.model, self.sequence_plan, group)
-        keep_ties(self.model, self.detected.ties)  # found in the model: binding_policy() pairs are among them
+        leftovers = self.replace_leftover_dropout(
+            group, self.shard_config.seed + len(replacements), plan.sequence, sequence
+        )
+        if sequence is not None:
+            apply_sequence_parallel(self.model, plan.sequence, sequence)
+        keep_ties(self.model, plan.detected.ties)  # found in the model: binding_policy() pairs are among them
         agree_on_rng(group)
         replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
         adapt_class(self.model)  # generate() and transformers' LM losses on vocab-parallel logits
@@ -198,10 +219,13 @@ class ModelSharder:
             if type(module) is origin:
                 module.__class__ = custom
 
-    def replace_layer(self, replacement: Replacement, group, seed: int = 0) -> nn.Module:
+    def replace_layer(self, replacement: Replacement, group, seed: int = 0, sequence_plan=None, sequence=None):
+        """Build the parallel layer of ``replacement`` with every option it takes (none is set afterwards)."""
         layer, cfg = replacement.layer, self.shard_config
         cls = layer.replace_layer
-        options: dict = {"seed": seed, "n_cast": layer.n_cast}
+        options: dict = {"seed": seed, "n_cast": layer.n_cast, "overlap_communication": cfg.overlap_communication}
+        if sequence_plan is not None:
+            options.update(layer_options(sequence_plan, sequence, replacement.path, cls))
         if isinstance(layer, Col_Layer):
             options["gather_output"] = layer.gather_output or (
                 cfg.gather_output and issubclass(cls, VocabParallelLMHead1D)
@@ -210,19 +234,20 @@ class ModelSharder:
         if issubclass(cls, (VocabParallelLMHead1D, VocabParallelEmbedding1D)):
             options["pad_to_multiple"] = cfg.vocab_pad_multiple
         new = cls.from_native(replacement.module, group, **options)
-        if isinstance(new, Linear1D_Col):
-            new.overlap_communication = cfg.overlap_communication
         new.train(replacement.module.training)  # a model sharded in eval() stays in eval()
         self.model.set_submodule(replacement.path, new)
         return new
 
-    def replace_leftover_dropout(self, group, seed: int) -> int:
+    def replace_leftover_dropout(self, group, seed: int, sequence_plan=None, sequence=None) -> int:
         """Dropout the policy did not name (classifier heads, ...) sits on replicated activations: give
         it the tensor-parallel RNG too, so ranks never drift apart through different global RNG states.
         Returns how many were replaced."""
         leftovers = [(name, m) for name, m in self.model.named_modules() if type(m) is nn.Dropout and m.p > 0]
         for index, (name, old) in enumerate(leftovers):
-            new = DropoutForReplicatedInput.from_native(old, group, seed + index).train(old.training)
+            options = (
+                {} if sequence_plan is None else layer_options(sequence_plan, sequence, name, DropoutForReplicatedInput)
+            )
+            new = DropoutForReplicatedInput.from_native(old, group, seed + index, **options).train(old.training)
             self.model.set_submodule(name, new)
         return len(leftovers)
 

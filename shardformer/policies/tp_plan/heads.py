@@ -1,17 +1,16 @@
 """Per-rank sizes a sharded attention (or MLP) reads, and fused projections cut block by block.
 
-Read from the model itself: which head-count attributes a module's ``forward`` reads (``self.X``
-or ``self.config.X``), and the block layout of a fused projection from the config's head counts.
+Read from the model itself: which head-count attributes a module's code reads (``self.X`` or
+``self.config.X``, through the sharder's one reader), and the block layout of a fused projection from the config's head counts.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
-import re
 
 import torch.nn as nn
 
+from shardformer.tensor_parallel.detect import attributes_read
 from shardformer.tensor_parallel.policy import divide
 
 # Sizes that count heads (or features made of heads): a rank runs 1/tp of them.
@@ -26,30 +25,25 @@ HEAD_COUNTS = (
 )
 
 
-def _forward_source(module: nn.Module) -> str:
-    try:
-        return inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return ""
-
-
 def per_rank_attributes(path: str, module: nn.Module, tp: int) -> dict[str, object]:
-    """``{dotted attribute: per-rank value}`` for the head counts ``module.forward`` reads.
+    """``{dotted attribute: per-rank value}`` for the head counts ``module``'s code reads (the one
+    reader: :func:`~shardformer.tensor_parallel.detect.attributes_read`).
 
     A count read through ``self.config`` gets the module its own copy of the config holding the
     per-rank values (the model's config, shared with embeddings and heads, stays global).
     """
-    source = _forward_source(module)
+    read = attributes_read(type(module))
+    reads = (lambda name: True) if read is None else read.__contains__
     attrs: dict[str, object] = {}
     for name in HEAD_COUNTS:
         value = getattr(module, name, None)
-        if isinstance(value, int) and re.search(rf"self\.{name}\b", source):
+        if isinstance(value, int) and reads(name):
             attrs[f"{path}.{name}" if path else name] = divide(value, tp, f"{path}.{name}")
-    read = set(re.findall(r"self\.config\.(\w+)", source)) & set(HEAD_COUNTS)
+    via_config = [name for name in HEAD_COUNTS if read is not None and f"config.{name}" in read]
     config = getattr(module, "config", None)
-    if read and config is not None:
+    if via_config and config is not None:
         local = copy.copy(config)
-        for name in read:
+        for name in via_config:
             setattr(local, name, divide(getattr(config, name), tp, f"config.{name} (read by {path})"))
         attrs[f"{path}.config" if path else "config"] = local
     return attrs

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from shardformer.policies.tp_plan import experts, heads, styles
 from shardformer.policies.tp_plan.lm import embedding_layer
+from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.layers import VocabParallelLMHead1D
 from shardformer.tensor_parallel.lm_head import routes_loss
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Policy, Row_Layer
@@ -72,8 +73,8 @@ class TpPlanPolicy(Policy):
 
     def set_model(self, model: nn.Module) -> None:
         super().set_model(model)
-        self.embedding_path = _path_of(model, _call(model, "get_input_embeddings"))
-        self.head_path = _path_of(model, _call(model, "get_output_embeddings"))
+        self.embedding_path = _path_of(model, call_optional(model, "get_input_embeddings"))
+        self.head_path = _path_of(model, call_optional(model, "get_output_embeddings"))
 
     def argument_policy(self, config, shard_config):
         model, tp = self.model, shard_config.tensor_parallel_size
@@ -205,10 +206,3 @@ def _check_sizes(layers: dict[str, Layer], modules, tp: int) -> None:
             make_spec(module.weight.shape, dim, 0, tp, layer.n_cast)
         except ValueError as e:
             raise ValueError(f"{path} ({'output' if dim == 0 else 'input'} features): {e}") from None
-
-
-def _call(model: nn.Module, method: str):
-    try:
-        return getattr(model, method)()
-    except (AttributeError, NotImplementedError):
-        return None

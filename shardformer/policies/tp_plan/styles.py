@@ -29,10 +29,11 @@ class PackedRow(Linear1D_Row):
     ``[a_r | b_r]`` (the matching packed column layer produced exactly that)."""
 
     @classmethod
-    def from_native(cls, module: nn.Module, process_group=None, n_cast=2, **_) -> PackedRow:
+    def from_native(cls, module: nn.Module, process_group=None, n_cast=2, **options) -> PackedRow:
         slicer = Slicer(group_rank(process_group), group_size(process_group))
         weight = make_shard_param(module.weight, slicer.spec(module.weight.shape, 1, n_cast))
-        return cls(weight, module.bias, process_group, True, False)
+        sp = {k: options[k] for k in ("sequence_parallel", "sequence_parallel_name") if k in options}
+        return cls(weight, module.bias, process_group, True, False, **sp)
 
 
 class GradAllReduce:
@@ -49,7 +50,6 @@ class GradAllReduce:
             for param in module.parameters(recurse=False):
                 if param.requires_grad:
                     param.register_hook(lambda grad: all_reduce(grad.clone(), process_group))
-        module.shardformer_grad_all_reduce = True
         return module
 
     @staticmethod

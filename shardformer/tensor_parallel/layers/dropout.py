@@ -19,12 +19,11 @@ _RANK_STRIDE = 1_000_003  # a prime: seeds of different ranks never collide for 
 class SeededDropout(nn.Module):
     parallel_input: bool
     supports_sequence_parallel = True
-    sequence_parallel = (
-        None  # set on dropout in the sequence-split region (shardformer.tensor_parallel.sequence_parallel)
-    )
 
-    def __init__(self, p: float = 0.5, seed: int = 0, process_group=None) -> None:
+    def __init__(self, p: float = 0.5, seed: int = 0, process_group=None, sequence_parallel=None) -> None:
         super().__init__()
+        # in the sequence-split region: the model's SequenceParallel state (draws the full mask, keeps its chunk)
+        self.sequence_parallel = sequence_parallel
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability p={p} must be in [0, 1)")
         self.p, self.process_group = p, process_group
@@ -33,8 +32,8 @@ class SeededDropout(nn.Module):
         self._generators: dict[torch.device, torch.Generator] = {}
 
     @classmethod
-    def from_native(cls, module: nn.Module, process_group=None, seed: int = 0, **_) -> SeededDropout:
-        return cls(module.p, seed, process_group)
+    def from_native(cls, module: nn.Module, process_group=None, seed: int = 0, sequence_parallel=None, **_):
+        return cls(module.p, seed, process_group, sequence_parallel)
 
     def generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

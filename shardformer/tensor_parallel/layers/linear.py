@@ -87,8 +87,10 @@ class Linear1D_Col(nn.Module):
     own, so every rank holds ``[Q_r | K_r | V_r]`` and the model's ``split`` keeps working.
     ``input_copy``: a :class:`SharedInputCopy` shared with the other column layers reading the same
     input, so their backward all-reduce happens once (None: this layer's own).
-    ``sequence_parallel``: set by :mod:`shardformer.tensor_parallel.sequence_parallel`; while it is active the input
-    was gathered along the sequence by the enclosing block, whose backward reduce-scatters the gradient.
+    ``sequence_parallel``: the model's :class:`~shardformer.tensor_parallel.sequence_parallel.SequenceParallel`
+    state (given by the sharder when the layer sits in a sequence-parallel block); while it is active
+    the input was gathered along the sequence by the enclosing block, whose backward reduce-scatters
+    the gradient.
     ``overlap_communication``: backward starts the input gradient's all-reduce and computes the
     weight gradient meanwhile (False: one after the other), in a layer with an input of its own:
     no ``input_copy``, or one that saw this layer read its inputs alone (from its second step on).
@@ -96,7 +98,6 @@ class Linear1D_Col(nn.Module):
     (three overlapped ones would send three times the bytes).
     """
 
-    sequence_parallel = None
     supports_sequence_parallel = True
 
     def __init__(
@@ -107,12 +108,15 @@ class Linear1D_Col(nn.Module):
         gather_output: bool = False,
         reversed: bool = False,
         input_copy: SharedInputCopy | None = None,
+        *,
+        overlap_communication: bool = True,
+        sequence_parallel=None,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.process_group, self.gather_output, self.reversed = process_group, gather_output, reversed
         self.input_copy = input_copy
-        self.overlap_communication = True
+        self.overlap_communication, self.sequence_parallel = overlap_communication, sequence_parallel
         spec = shard_spec(weight)
         self.n_cast = (spec.blocks or spec.n_cast) if spec else 1  # block sizes when they differ
         self.out_features = spec.full_size if spec else weight.shape[1 if reversed else 0]
@@ -127,13 +131,18 @@ class Linear1D_Col(nn.Module):
         n_cast: int | tuple[int, ...] = 1,
         pad_to_multiple: int | None = None,
         input_copy: SharedInputCopy | None = None,
+        overlap_communication: bool = True,
+        sequence_parallel=None,
         **_,
     ) -> Linear1D_Col:
         weight, bias, reversed = _native_parts(module)
         slicer = Slicer(group_rank(process_group), group_size(process_group))
         w = slicer.column_weight(weight, reversed, n_cast, pad_to_multiple)
         b = None if bias is None else slicer.column_bias(bias, n_cast, pad_to_multiple)
-        return cls(w, b, process_group, gather_output, reversed, input_copy)
+        return cls(
+            w, b, process_group, gather_output, reversed, input_copy,
+            overlap_communication=overlap_communication, sequence_parallel=sequence_parallel,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel is not None and self.sequence_parallel.active:
@@ -183,7 +192,6 @@ class Linear1D_Row(nn.Module):
     Under active sequence parallelism the output is reduce-scattered along the sequence instead.
     """
 
-    sequence_parallel = None
     supports_sequence_parallel = True
 
     def __init__(
@@ -193,19 +201,35 @@ class Linear1D_Row(nn.Module):
         process_group=None,
         input_is_parallel: bool = True,
         reversed: bool = False,
+        *,
+        sequence_parallel=None,
+        sequence_parallel_name: str | None = None,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.process_group, self.input_is_parallel, self.reversed = process_group, input_is_parallel, reversed
+        self.sequence_parallel = sequence_parallel  # as Linear1D_Col's; the name is for its errors
+        self.sequence_parallel_name = sequence_parallel_name or type(self).__name__
         spec = shard_spec(weight)
         self.in_features = spec.full_size if spec else weight.shape[0 if reversed else 1]
         self.out_features = weight.shape[1 if reversed else 0]
 
     @classmethod
-    def from_native(cls, module: nn.Module, process_group=None, input_is_parallel: bool = True, **_) -> Linear1D_Row:
+    def from_native(
+        cls,
+        module: nn.Module,
+        process_group=None,
+        input_is_parallel: bool = True,
+        sequence_parallel=None,
+        sequence_parallel_name: str | None = None,
+        **_,
+    ) -> Linear1D_Row:
         weight, bias, reversed = _native_parts(module)
         w = Slicer(group_rank(process_group), group_size(process_group)).row_weight(weight, reversed)
-        return cls(w, bias, process_group, input_is_parallel, reversed)
+        return cls(
+            w, bias, process_group, input_is_parallel, reversed,
+            sequence_parallel=sequence_parallel, sequence_parallel_name=sequence_parallel_name,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -213,7 +237,7 @@ class Linear1D_Row(nn.Module):
         y = _matmul(x, self.weight, None, self.reversed)
         sp = self.sequence_parallel
         if sp is not None and sp.active:
-            y = sp.reduce_scatter(y, getattr(self, "sequence_parallel_name", type(self).__name__))
+            y = sp.reduce_scatter(y, self.sequence_parallel_name)
         else:
             y = reduce_from_parallel(y, self.process_group)
         return y if self.bias is None else y + self.bias
@@ -238,9 +262,13 @@ class VocabParallelLMHead1D(Linear1D_Col):
         gather_output: bool = False,
         pad_to_multiple: int = 1,
         input_copy: SharedInputCopy | None = None,
+        overlap_communication: bool = True,
         **_,
     ) -> VocabParallelLMHead1D:
-        return super().from_native(module, process_group, gather_output, 1, pad_to_multiple, input_copy)
+        return super().from_native(
+            module, process_group, gather_output, 1, pad_to_multiple, input_copy,
+            overlap_communication=overlap_communication,
+        )  # fmt: skip
 
     @property
     def vocab_size(self) -> int:
