@@ -71,6 +71,6 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def install() -> None:
     if not any(isinstance(f, _Alias) for f in sys.meta_path):
-        sys.meta_path.append(_Alias())
+        sys.meta_path.insert(0, _Alias())  # before the path finder: an aliased package's __path__ would load copies
     # `shardformer.verify` is the function; the old module path must not replace it on the package
     sys.modules.setdefault("shardformer.verify", importlib.import_module(MOVED["shardformer.verify"]))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.api import shard_model
+from shardformer.core import comm
 from shardformer.core.config import DEFAULT_SEED, PRECISIONS, ShardConfig
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
 from shardformer.data_parallel import ZeroOptimizer
@@ -277,12 +278,8 @@ class ParallelEngine:
         mesh = self.mesh
         value = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
         value = value.reshape(1).to(self.device)
-        if mesh.pp_size > 1:
-            dist.broadcast(value, mesh.stage_rank(mesh.pp_size - 1), mesh.pp_group)
-        if mesh.dp_size > 1:
-            dist.all_reduce(value, group=mesh.dp_group)
-            value /= mesh.dp_size
-        return value.item()
+        comm.broadcast(value, mesh.pp_group, src_group_rank=mesh.pp_size - 1)  # the last stage's
+        return (comm.all_reduce(value, mesh.dp_group) / mesh.dp_size).item()
 
     def train_step(self, batch: dict) -> float:
         """Forward and backward over the micro-batches, then one optimizer step; returns the loss."""

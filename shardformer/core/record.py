@@ -39,6 +39,11 @@ class ShardedModelInfo:
     pipeline: Any = None
     sequence_parallel: Any = None  # the model's SequenceParallel state (None: plain tensor parallelism)
 
+    @classmethod
+    def unsharded(cls) -> ShardedModelInfo:
+        """The record of a model that is split into pipeline stages without tensor parallelism."""
+        return cls(ShardConfig(), policy=None, mesh=None, tp_group=None)
+
     @property
     def is_first_stage(self) -> bool:
         return self.stage == 0

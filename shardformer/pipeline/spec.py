@@ -20,7 +20,6 @@ from typing import Any
 
 import torch.nn as nn
 
-from shardformer.core.config import ShardConfig
 from shardformer.core.record import ATTRIBUTE, ShardedModelInfo, attach, sharding_of, with_stage
 
 
@@ -59,7 +58,7 @@ class PipelineSpec:
         for path in drop:
             _set_none(model, path)
         if ATTRIBUTE not in model.__dict__:
-            attach(model, unsharded_record())
+            attach(model, ShardedModelInfo.unsharded())
         with_stage(model, stage, num_stages, mine, self)
         return model
 
@@ -72,11 +71,6 @@ class PipelineSpec:
                 for p in [module] if isinstance(module, nn.Parameter) else module.parameters():
                     unique.setdefault(id(p), p)
         return list(unique.values())
-
-
-def unsharded_record() -> ShardedModelInfo:
-    """The layout of a model that was split into stages without tensor parallelism."""
-    return ShardedModelInfo(ShardConfig(), policy=None, mesh=None, tp_group=None)
 
 
 def local_layers(model: nn.Module, container) -> list:

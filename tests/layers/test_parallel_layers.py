@@ -11,7 +11,6 @@ from transformers.pytorch_utils import Conv1D
 
 from shardformer.tensor_parallel.layers import (
     CollectiveCounter,
-    Embedding1D,
     Linear1D_Col,
     Linear1D_Row,
     SharedInputCopy,
@@ -162,21 +161,6 @@ def check_vocab_parallel_embedding_odd_vocab():
             assert torch.all(layer.weight.grad[-padded:] == 0) and torch.all(layer.weight.detach()[-padded:] == 0)
 
 
-def check_hidden_parallel_embedding():
-    torch.manual_seed(0)
-    full = nn.Embedding(10, HIDDEN)
-    layer = Embedding1D.from_native(full, None)
-    ids = torch.tensor([[1, 2, 9], [0, 0, 4]])
-    y, y_ref = layer(ids), full(ids)
-    assert_close(y, y_ref, what="embedding1d output")
-    upstream = torch.randn_like(y)
-    with CollectiveCounter() as bwd:
-        y.backward(upstream)
-    y_ref.backward(upstream)
-    assert bwd.counts == {}, bwd.counts
-    assert_close(full_of(layer.weight.grad, layer.weight), full.weight.grad, what="embedding1d grad")
-
-
 def check_lm_head_gathered_logits_trim_padding():
     torch.manual_seed(0)
     full = nn.Linear(HIDDEN, 13, bias=False)
@@ -259,7 +243,6 @@ CHECKS = [
     check_row_linear_splits_input,
     check_row_conv1d,
     check_vocab_parallel_embedding_odd_vocab,
-    check_hidden_parallel_embedding,
     check_lm_head_gathered_logits_trim_padding,
 ]
 

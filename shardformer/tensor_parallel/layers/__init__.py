@@ -9,7 +9,7 @@ from shardformer.core.comm import (
     split_to_parallel,
 )
 from shardformer.tensor_parallel.layers.dropout import DropoutForParallelInput, DropoutForReplicatedInput
-from shardformer.tensor_parallel.layers.embedding import Embedding1D, VocabParallelEmbedding1D
+from shardformer.tensor_parallel.layers.embedding import VocabParallelEmbedding1D
 from shardformer.tensor_parallel.layers.linear import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
 from shardformer.tensor_parallel.layers.loss import vocab_parallel_cross_entropy
 
@@ -17,7 +17,6 @@ __all__ = [
     "CollectiveCounter",
     "DropoutForParallelInput",
     "DropoutForReplicatedInput",
-    "Embedding1D",
     "Linear1D_Col",
     "Linear1D_Row",
     "SharedInputCopy",

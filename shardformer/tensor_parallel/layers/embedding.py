@@ -1,4 +1,4 @@
-"""Embeddings split over the tensor-parallel group: by vocabulary, or by hidden dimension."""
+"""The embedding split over the tensor-parallel group by vocabulary."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardformer.core.comm import gather_from_parallel, group_rank, group_size, reduce_from_parallel
+from shardformer.core.comm import group_rank, group_size, reduce_from_parallel
 from shardformer.tensor_parallel.slicer import Slicer, shard_spec
 
 
@@ -52,26 +52,3 @@ class VocabParallelEmbedding1D(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end})"
-
-
-class Embedding1D(nn.Module):
-    """Columns (the hidden dimension) split over ranks; the output is all-gathered."""
-
-    def __init__(self, weight: nn.Parameter, process_group=None, padding_idx: int | None = None) -> None:
-        super().__init__()
-        self.weight, self.process_group, self.padding_idx = weight, process_group, padding_idx
-        spec = shard_spec(weight)
-        self.num_embeddings = weight.shape[0]
-        self.embedding_dim = spec.full_size if spec else weight.shape[1]
-
-    @classmethod
-    def from_native(cls, module: nn.Embedding, process_group=None, **_) -> Embedding1D:
-        _check_plain(module)
-        slicer = Slicer(group_rank(process_group), group_size(process_group))
-        return cls(slicer.hidden_columns(module.weight), process_group, module.padding_idx)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return gather_from_parallel(F.embedding(ids, self.weight, self.padding_idx), self.process_group)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim} (local {self.weight.shape[1]})"
