@@ -4,10 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL  # the one fp32 tolerance table
 from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
-
-ATOL, RTOL = 1e-5, 1e-4  # outputs and loss (fp32)
-GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-4
 
 
 def assert_close(actual, expected, atol=ATOL, rtol=RTOL, what=""):

@@ -15,11 +15,9 @@ import torch
 import torch.distributed as dist
 
 from shardformer.api import shard_model
+from shardformer.core.comm import gather_from_parallel
+from shardformer.core.compare import compare_params, max_error
 from shardformer.core.config import ShardConfig
-from shardformer.tensor_parallel.layers import gather_from_parallel
-from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
-
-ATOL, GRAD_ATOL, RTOL = 1e-5, 1e-4, 1e-4
 
 
 class RefusedError(Exception):
@@ -66,14 +64,6 @@ def load_pair(model_class, config, attn_implementation="eager", seed=0):
     return models
 
 
-def _diff(a, b) -> float:
-    return (a.detach().float() - b.detach().float()).abs().max().item() if a.numel() else 0.0
-
-
-def _close(a, b, atol) -> bool:
-    return bool(torch.allclose(a.detach().float(), b.detach().float(), atol=atol, rtol=RTOL))
-
-
 def compare(
     model_class, config, attn_implementation="eager", seq=8, batch=2, new_tokens=6, sequence_parallel=False
 ) -> Result:
@@ -101,27 +91,22 @@ def compare(
     out = model(input_ids=ids, labels=labels)
     result.vocab_parallel_logits = out.logits.shape[-1] < ref_out.logits.shape[-1]
     logits = gather_from_parallel(out.logits, None, vocab) if result.vocab_parallel_logits else out.logits
-    result.logits, result.loss = _diff(logits, ref_out.logits), _diff(out.loss, ref_out.loss)
-    if not _close(logits, ref_out.logits, ATOL):
+    result.logits, logits_ok = max_error(logits, ref_out.logits)
+    result.loss, loss_ok = max_error(out.loss, ref_out.loss)
+    if not logits_ok:
         result.failures.append(f"logits differ by {result.logits:.2e}")
-    if not _close(out.loss, ref_out.loss, ATOL):
+    if not loss_ok:
         result.failures.append(f"loss differs by {result.loss:.2e}")
 
     ref_out.loss.backward()
     out.loss.backward()
-    full = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        expected = full[name].grad
-        if (p.grad is None) != (expected is None):
-            result.failures.append(f"gradient of {name} is {'missing' if p.grad is None else 'unexpected'}")
+    for d in compare_params(ref, model, None, grads=True):
+        if d.only_in is not None:
+            result.failures.append(f"gradient of {d.name} is {'missing' if d.only_in == 'unsharded' else 'unexpected'}")
             continue
-        if p.grad is None:
-            continue
-        spec = shard_spec(p)
-        grad = p.grad if spec is None else gather_tensor(p.grad, spec, None)
-        result.grad = max(result.grad, _diff(grad, expected))
-        if not _close(grad, expected, GRAD_ATOL):
-            result.failures.append(f"gradient of {name} differs by {_diff(grad, expected):.2e}")
+        result.grad = max(result.grad, d.error)
+        if not d.ok:
+            result.failures.append(f"gradient of {d.name} differs by {d.error:.2e}")
 
     ref.eval()
     model.eval()

@@ -11,7 +11,6 @@ gathered back (split dim, fused blocks and padding from the layer's ShardSpec), 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,122 +19,47 @@ import torch.nn as nn
 
 from shardformer.api import shard_model
 from shardformer.core.comm import gather_from_parallel
+from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL, compare_params, gather_like, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.models import inputs_for
 from shardformer.policies.auto import get_autopolicy
-from shardformer.tensor_parallel.slicer import ShardSpec, gather_tensor, merge_shards, shard_spec
+from shardformer.tensor_parallel.slicer import shard_spec
 from shardformer.tools.model_source import build_model, load_policy
 from shardformer.tools.testing import run_on_ranks
+from shardformer.tools.verify_pipeline import verify_pipeline_on_this_rank
+from shardformer.tools.verify_report import (
+    LR,
+    Check,
+    Divergence,
+    VerifyReport,
+    broadcast_weights,
+    first_tensor,
+    merge_reports,
+    params_check,
+)
 
-ATOL, RTOL, GRAD_ATOL, GRAD_RTOL = 1e-5, 1e-4, 1e-4, 1e-4  # fp32, as the test suite
-BATCH, SEQ, NEW_TOKENS, LR = 2, 8, 4, 0.1
+__all__ = [
+    "ATOL",
+    "GRAD_ATOL",
+    "GRAD_RTOL",
+    "LR",
+    "RTOL",
+    "ActivationRecorder",
+    "Check",
+    "Divergence",
+    "VerifyReport",
+    "first_divergence",
+    "gather_like",
+    "max_error",
+    "merge_reports",
+    "verify",
+    "verify_on_this_rank",
+]
 
-
-# -- the report -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-
-
-@dataclass
-class Divergence:
-    module: str
-    cls: str
-    error: float
-    shape: tuple
-    before: str | None = None  # the submodule whose input already differed: the parent's own code is wrong
-
-    def __str__(self) -> str:
-        name = f"{self.module or '(the model)'} ({self.cls})"
-        if self.before is None:
-            return f"{name}: its output {list(self.shape)} differs by up to {self.error:.3g}; every module before it matches"
-        return (
-            f"{name}, in its own forward code: the input {list(self.shape)} it passes to {self.before} differs by "
-            f"up to {self.error:.3g}, while every submodule before it matches"
-        )
-
-
-@dataclass
-class VerifyReport:
-    model: str
-    policy: str
-    tp: int
-    checks: list[Check] = field(default_factory=list)
-    pp: int = 1
-    divergence: Divergence | None = None
-    error: str | None = None  # sharding refused or a step failed
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and all(c.ok for c in self.checks)
-
-    def format(self) -> str:
-        layout = f"tp={self.tp}" + (f" x pp={self.pp}" if self.pp > 1 else "")
-        lines = [
-            f"shardformer verify: {self.model} with {self.policy} at {layout} ({self.tp * self.pp} gloo processes)"
-        ]
-        lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<20} {c.detail}" for c in self.checks]
-        if self.divergence is not None:
-            lines.append(f"first diverging module: {self.divergence}")
-        if self.error is not None:
-            lines.append(f"error: {self.error}")
-        lines.append("PASSED" if self.ok else "FAILED")
-        return "\n".join(lines)
+BATCH, SEQ, NEW_TOKENS = 2, 8, 4
 
 
-# -- comparing --------------------------------------------------------------------------------------
-
-
-def _first_tensor(out) -> torch.Tensor | None:
-    if torch.is_tensor(out):
-        return out
-    if isinstance(out, dict):  # ModelOutput: logits first when there is a loss in front
-        if torch.is_tensor(out.get("logits")):
-            return out["logits"]
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        for item in out:
-            if torch.is_tensor(item):
-                return item
-    return None
-
-
-def _split_dim(local: torch.Size, full: torch.Size, tp: int) -> int | None:
-    """The one dimension tp split (``local * tp`` covers ``full``, padding allowed), or None."""
-    if len(local) != len(full):
-        return None
-    dims = [d for d, (a, b) in enumerate(zip(local, full)) if a != b]
-    if len(dims) == 1 and local[dims[0]] * tp >= full[dims[0]] > local[dims[0]] * (tp - 1):
-        return dims[0]
-    return None
-
-
-def gather_like(local: torch.Tensor, full_shape: torch.Size, group, n_cast=1) -> torch.Tensor | None:
-    """The full tensor behind a rank's piece of an activation (None when it cannot be told)."""
-    if local.shape == full_shape:
-        return local
-    tp = dist.get_world_size(group)
-    dim = _split_dim(local.shape, full_shape, tp)
-    if dim is None:
-        return None
-    blocks = None if isinstance(n_cast, int) else tuple(n_cast)  # fused blocks of different sizes
-    count = n_cast if blocks is None else len(blocks)
-    spec = ShardSpec(dim, tp, dist.get_rank(group), full_shape[dim], local.shape[dim] * tp, count, blocks)
-    shards = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(shards, local.contiguous(), group=group)
-    return merge_shards(shards, spec)
-
-
-def max_error(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[float, bool]:
-    a, b = a.detach().float(), b.detach().float()
-    if a.shape != b.shape:
-        return float("inf"), False
-    err = (a - b).abs()
-    return (err.max().item() if err.numel() else 0.0), bool((err <= atol + rtol * b.abs()).all())
+# -- comparing activations --------------------------------------------------------------------------
 
 
 class ActivationRecorder:
@@ -152,9 +76,9 @@ class ActivationRecorder:
         n_cast = (spec.blocks or spec.n_cast) if spec is not None else 1  # fused Q/K/V: gathered back block by block
 
         def hook(_module, inputs, output):
-            t = _first_tensor(output)
+            t = first_tensor(output)
             if t is not None and t.is_floating_point():
-                x = _first_tensor(inputs)
+                x = first_tensor(inputs)
                 x = x.detach().clone() if x is not None and x.is_floating_point() else None
                 self.calls.append((name, t.detach().clone(), n_cast, x))
 
@@ -207,7 +131,7 @@ def first_divergence(ref: ActivationRecorder, sharded: ActivationRecorder, group
 def _loss_and_output(model, inputs, weights, group, full_shape):
     """The model's loss when it returns one, else ``sum(output * weights)`` on the gathered output."""
     out = model(inputs["x"]) if "x" in inputs else model(**inputs)
-    main = _first_tensor(out)
+    main = first_tensor(out)
     loss = out.get("loss") if isinstance(out, dict) else None
     if group is not None and main.shape != full_shape:
         if main.shape[:-1] != full_shape[:-1]:
@@ -216,38 +140,6 @@ def _loss_and_output(model, inputs, weights, group, full_shape):
     if loss is None and weights is not None:
         loss = (main.float() * weights).sum()
     return loss, main
-
-
-def _compare_params(ref: nn.Module, sharded: nn.Module, group, grads: bool) -> tuple[bool, str]:
-    full = dict(ref.named_parameters())
-    worst, worst_name, bad, count = 0.0, "", None, 0
-    for name, p in sharded.named_parameters():
-        r = full.get(name)
-        t, rt = (p.grad, r.grad) if grads else (p, r)
-        if r is None or (t is None) != (rt is None):
-            bad = bad or f"{name}: {'gradient ' if grads else ''}present in only one model"
-            continue
-        if t is None:
-            continue
-        spec = shard_spec(p)
-        t = t.detach() if spec is None else gather_tensor(t.detach().contiguous(), spec, group)
-        err, ok = max_error(t, rt, GRAD_ATOL, GRAD_RTOL)
-        count += 1
-        if err > worst:
-            worst, worst_name = err, name
-        if not ok and bad is None:
-            bad = f"{name}: max |diff| {err:.3g}"
-    if bad is not None:
-        return False, f"first mismatch {bad} ({count} compared)"
-    return True, f"{count} parameters, max |diff| {worst:.2g} ({worst_name or '-'})"
-
-
-def _broadcast_weights(model: nn.Module) -> None:
-    """Rank 0's weights everywhere, whatever the model's init did with the RNG."""
-    with torch.no_grad():
-        for t in list(model.state_dict(keep_vars=True).values()):
-            if torch.is_tensor(t):
-                dist.broadcast(t.data, src=0)
 
 
 def _generate(model, inputs):
@@ -265,7 +157,7 @@ def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None 
     torch.manual_seed(seed)
     built = build_model(model, model_class)
     report = VerifyReport(type(built).__name__, "?", tp)
-    _broadcast_weights(built)
+    broadcast_weights(built)
     built.eval()  # no dropout: both models must compute the same function
     ref = copy.deepcopy(built)
     try:
@@ -295,12 +187,13 @@ def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None 
 
         step = "backward"
         ref_loss.backward(), loss.backward()
-        report.checks.append(Check("gradients", *_compare_params(ref, sharded, group, grads=True)))
+        report.checks.append(params_check("gradients", compare_params(ref, sharded, group, grads=True), True))
 
         step = "optimizer step"
         for m in (ref, sharded):
             torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR).step()
-        report.checks.append(Check("weights after step", *_compare_params(ref, sharded, group, grads=False)))
+        after_step = compare_params(ref, sharded, group, grads=False)
+        report.checks.append(params_check("weights after step", after_step, False))
         with torch.no_grad():
             _, ref_out = _loss_and_output(ref, inputs, weights, None, None)
             _, out = _loss_and_output(sharded, inputs, weights, group, ref_out.shape)
@@ -318,23 +211,6 @@ def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None 
     except Exception as e:  # noqa: BLE001 - reported, with the module that diverged if one did
         report.error = f"{step} failed: {type(e).__name__}: {e}"
     return report
-
-
-def merge_reports(reports: list[VerifyReport]) -> VerifyReport:
-    """One report for all ranks: a check passes where it passed on every rank (pipeline stages hold
-    different weights); the first failing rank's detail is kept."""
-    merged = copy.deepcopy(reports[0])
-    for rank, report in enumerate(reports[1:], start=1):
-        if merged.error is None and report.error is not None:
-            merged.error = f"rank {rank}: {report.error}"
-        mine = {c.name: c for c in merged.checks}
-        for check in report.checks:
-            if check.name not in mine:
-                merged.checks.append(check)
-            elif mine[check.name].ok and not check.ok:
-                mine[check.name].ok, mine[check.name].detail = False, f"rank {rank}: {check.detail}"
-        merged.divergence = merged.divergence or report.divergence
-    return merged
 
 
 def verify(
@@ -366,9 +242,6 @@ def verify(
     if pp == 1:
         reports = run_on_ranks(verify_on_this_rank, tp, model, policy, model_class, seed, timeout=timeout)
     else:
-        # deferred: verify_pipeline builds on this module's report and comparisons
-        from shardformer.tools.verify_pipeline import verify_pipeline_on_this_rank
-
         reports = run_on_ranks(
             verify_pipeline_on_this_rank, tp * pp, model, policy, model_class, seed, pp, pipeline, timeout=timeout
         )

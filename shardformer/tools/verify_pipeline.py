@@ -14,24 +14,12 @@ import copy
 import torch
 import torch.distributed as dist
 
+from shardformer.core.compare import ATOL, RTOL, compare_params, gather_like, max_error
 from shardformer.engine import EngineConfig, ParallelEngine
 from shardformer.models import inputs_for
 from shardformer.policies.auto import get_autopolicy
-from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 from shardformer.tools.model_source import build_model, load_policy
-from shardformer.tools.verify import (
-    ATOL,
-    GRAD_ATOL,
-    GRAD_RTOL,
-    LR,
-    RTOL,
-    Check,
-    VerifyReport,
-    _broadcast_weights,
-    _first_tensor,
-    gather_like,
-    max_error,
-)
+from shardformer.tools.verify_report import LR, Check, VerifyReport, broadcast_weights, first_tensor, params_check
 
 
 def _keep_eval(model) -> None:
@@ -49,19 +37,19 @@ def verify_pipeline_on_this_rank(
     torch.manual_seed(seed)
     built = build_model(model, model_class)
     report = VerifyReport(type(built).__name__, "?", tp, pp=pp)
-    _broadcast_weights(built)
+    broadcast_weights(built)
     built.eval()
     ref = copy.deepcopy(built)
     micro = pp  # as many micro-batches as stages (the torch schedules need it), two samples each
     inputs = inputs_for(ref, seed + 1, batch=2 * micro)
     ref_out = ref(inputs["x"]) if "x" in inputs else ref(**inputs)
-    ref_loss, ref_main = (ref_out.get("loss") if isinstance(ref_out, dict) else None), _first_tensor(ref_out)
+    ref_loss, ref_main = (ref_out.get("loss") if isinstance(ref_out, dict) else None), first_tensor(ref_out)
     # one projection for every sample, so each micro-batch's loss is its own share; the engine averages them
     weights = torch.randn((1, *ref_main.shape[1:]), generator=torch.Generator().manual_seed(seed + 2))
     loss_fn = None
     if ref_loss is None:  # no loss of its own: a fixed random projection of the output, as pp=1
         ref_loss = (ref_main.float() * weights).sum() / micro
-        loss_fn = lambda out, _batch: (_first_tensor(out).float() * weights).sum()  # noqa: E731
+        loss_fn = lambda out, _batch: (first_tensor(out).float() * weights).sum()  # noqa: E731
     ref_loss.backward()
     torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR).step()
 
@@ -85,20 +73,12 @@ def verify_pipeline_on_this_rank(
         loss = engine.train_step(inputs)
         err, ok = max_error(torch.tensor(loss), ref_loss.detach(), ATOL, RTOL)
         report.checks.append(Check("loss", ok, f"{loss:.6g} vs {ref_loss.item():.6g} (|diff| {err:.2g})"))
-        full = dict(ref.named_parameters())
-        group, bad, count, worst = engine.mesh.tp_group, None, 0, 0.0
-        for name, p in engine.model.named_parameters():
-            spec = shard_spec(p)
-            value = p.detach() if spec is None else gather_tensor(p.detach().contiguous(), spec, group)
-            err, ok = max_error(value, full[name].detach(), GRAD_ATOL, GRAD_RTOL)
-            count, worst = count + 1, max(worst, err)
-            if not ok and bad is None:
-                bad = f"first mismatch {name}: max |diff| {err:.3g} (stage {engine.mesh.pp_rank})"
-        report.checks.append(Check("weights after step", bad is None, bad or f"{count} parameters on this stage, "
-                                   f"max |diff| {worst:.2g}"))  # fmt: skip
+        group = engine.mesh.tp_group
+        diffs = compare_params(ref, engine.model, group, grads=False)
+        report.checks.append(params_check("weights after step", diffs, False, f" on stage {engine.mesh.pp_rank}"))
         step = "forward after step"
         with torch.no_grad():
-            expected = _first_tensor(ref(inputs["x"]) if "x" in inputs else ref(**inputs))
+            expected = first_tensor(ref(inputs["x"]) if "x" in inputs else ref(**inputs))
         out = engine.forward({k: v for k, v in inputs.items() if k != "labels"})
         out = gather_like(out, expected.shape, group) if tp > 1 else out
         err, ok = max_error(out, expected, ATOL, RTOL) if out is not None else (float("inf"), False)

@@ -23,7 +23,7 @@ from shardformer.tensor_parallel.layers import (
 )
 from shardformer.tensor_parallel.slicer import make_spec, merge_shards, shard_spec, slice_tensor
 from shardformer.tools.conformance import compare, load_pair
-from tests.helpers import check_table
+from tests.helpers import GRAD_ATOL, GRAD_RTOL, check_table
 
 SUBSET = {
     "LlamaForCausalLM": ("eager", "sdpa"),
@@ -108,7 +108,7 @@ def check_qwen3_norm_gradients_are_summed_once_per_backward():
     for name in ("q_norm", "k_norm"):
         got = getattr(model.model.layers[1].self_attn, name).weight.grad
         want = getattr(ref.model.layers[1].self_attn, name).weight.grad
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, want, atol=GRAD_ATOL, rtol=GRAD_RTOL)
     assert dist.get_world_size() == 2
 
 

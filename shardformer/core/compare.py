@@ -1,0 +1,94 @@
+"""Sharded against unsharded: the one tolerance table, and the comparisons that apply it.
+
+The tolerances are the README's fp32 ones, used by ``shardformer verify``, the conformance sweep and
+the tests: outputs, activations and loss within ``ATOL`` / ``RTOL``; gradients, and weights after an
+optimizer step, within ``GRAD_ATOL`` / ``GRAD_RTOL``. A value is within tolerance where
+``|sharded - unsharded| <= atol + rtol * |unsharded|`` (``torch.isclose``: equal infinities match,
+NaN never does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from shardformer.core.comm import all_gather, gather_tensor, group_rank, group_size
+from shardformer.core.shard_spec import ShardSpec, merge_shards, shard_spec
+
+ATOL, RTOL = 1e-5, 1e-4  # outputs, activations and loss (fp32)
+GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-4  # gradients, and weights after an optimizer step (fp32)
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor, atol=ATOL, rtol=RTOL) -> tuple[float, bool]:
+    """The largest ``|actual - expected|`` (inf when the shapes differ) and whether all is within tolerance."""
+    a, b = actual.detach().float(), expected.detach().float()
+    if a.shape != b.shape:
+        return float("inf"), False
+    err = torch.where(a == b, 0.0, (a - b).abs())
+    worst = err.max().item() if err.numel() else 0.0
+    return worst, bool(torch.isclose(a, b, rtol=rtol, atol=atol).all())
+
+
+def _split_dim(local: torch.Size, full: torch.Size, world: int) -> int | None:
+    """The one dimension a tp split cut (``local * world`` covers ``full``, padding allowed), or None."""
+    if len(local) != len(full):
+        return None
+    dims = [d for d, (a, b) in enumerate(zip(local, full)) if a != b]
+    if len(dims) == 1 and local[dims[0]] * world >= full[dims[0]] > local[dims[0]] * (world - 1):
+        return dims[0]
+    return None
+
+
+def gather_like(local: torch.Tensor, full_shape: torch.Size, group, n_cast=1) -> torch.Tensor | None:
+    """The full activation behind this rank's piece of it (None when the split cannot be told).
+
+    Every rank of ``group`` must call it (an all-gather) unless ``local`` already has ``full_shape``.
+    ``n_cast``: the fused blocks along the split dimension, or their sizes when they differ.
+    """
+    if local.shape == full_shape:
+        return local
+    world = group_size(group)
+    dim = _split_dim(local.shape, full_shape, world)
+    if dim is None:
+        return None
+    blocks = None if isinstance(n_cast, int) else tuple(n_cast)
+    count = n_cast if blocks is None else len(blocks)
+    spec = ShardSpec(dim, world, group_rank(group), full_shape[dim], local.shape[dim] * world, count, blocks)
+    return merge_shards(all_gather(local, group), spec)
+
+
+@dataclass
+class ParamDiff:
+    """One parameter (or its gradient) of the sharded model, gathered, against the unsharded one's."""
+
+    name: str
+    error: float  # largest |difference|; inf when only one model has it
+    ok: bool
+    only_in: str | None = None  # "sharded" or "unsharded": the one model that has it
+
+
+def compare_params(
+    ref: nn.Module, sharded: nn.Module, group, grads: bool, atol=GRAD_ATOL, rtol=GRAD_RTOL
+) -> list[ParamDiff]:
+    """Every parameter of ``sharded`` (``grads``: its gradient), gathered over ``group`` by its
+    ``shard_spec``, against ``ref``'s of the same name, in ``sharded``'s order. Gradients that
+    neither model has are left out. Every rank of ``group`` must call it (the gathers)."""
+    full = dict(ref.named_parameters())
+    diffs = []
+    for name, p in sharded.named_parameters():
+        r = full.get(name)
+        if r is None:
+            diffs.append(ParamDiff(name, float("inf"), False, "sharded"))
+            continue
+        t, rt = (p.grad, r.grad) if grads else (p, r)
+        if t is None and rt is None:
+            continue
+        if t is None or rt is None:
+            diffs.append(ParamDiff(name, float("inf"), False, "unsharded" if t is None else "sharded"))
+            continue
+        spec = shard_spec(p)
+        t = t.detach() if spec is None else gather_tensor(t.detach().contiguous(), spec, group)
+        diffs.append(ParamDiff(name, *max_error(t, rt, atol, rtol)))
+    return diffs

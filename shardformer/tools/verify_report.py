@@ -1,0 +1,128 @@
+"""What ``shardformer verify`` reports, and the pieces its tp-only and pipeline runs share.
+
+:mod:`shardformer.tools.verify` (tp) and :mod:`shardformer.tools.verify_pipeline` (tp x pp) both
+import this module; neither imports the other's internals.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardformer.core.compare import ParamDiff
+
+LR = 0.1  # the one SGD step both runs compare
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class Divergence:
+    module: str
+    cls: str
+    error: float
+    shape: tuple
+    before: str | None = None  # the submodule whose input already differed: the parent's own code is wrong
+
+    def __str__(self) -> str:
+        name = f"{self.module or '(the model)'} ({self.cls})"
+        if self.before is None:
+            return f"{name}: its output {list(self.shape)} differs by up to {self.error:.3g}; every module before it matches"
+        return (
+            f"{name}, in its own forward code: the input {list(self.shape)} it passes to {self.before} differs by "
+            f"up to {self.error:.3g}, while every submodule before it matches"
+        )
+
+
+@dataclass
+class VerifyReport:
+    model: str
+    policy: str
+    tp: int
+    checks: list[Check] = field(default_factory=list)
+    pp: int = 1
+    divergence: Divergence | None = None
+    error: str | None = None  # sharding refused or a step failed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(c.ok for c in self.checks)
+
+    def format(self) -> str:
+        layout = f"tp={self.tp}" + (f" x pp={self.pp}" if self.pp > 1 else "")
+        lines = [
+            f"shardformer verify: {self.model} with {self.policy} at {layout} ({self.tp * self.pp} gloo processes)"
+        ]
+        lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<20} {c.detail}" for c in self.checks]
+        if self.divergence is not None:
+            lines.append(f"first diverging module: {self.divergence}")
+        if self.error is not None:
+            lines.append(f"error: {self.error}")
+        lines.append("PASSED" if self.ok else "FAILED")
+        return "\n".join(lines)
+
+
+def merge_reports(reports: list[VerifyReport]) -> VerifyReport:
+    """One report for all ranks: a check passes where it passed on every rank (pipeline stages hold
+    different weights); the first failing rank's detail is kept."""
+    merged = copy.deepcopy(reports[0])
+    for rank, report in enumerate(reports[1:], start=1):
+        if merged.error is None and report.error is not None:
+            merged.error = f"rank {rank}: {report.error}"
+        mine = {c.name: c for c in merged.checks}
+        for check in report.checks:
+            if check.name not in mine:
+                merged.checks.append(check)
+            elif mine[check.name].ok and not check.ok:
+                mine[check.name].ok, mine[check.name].detail = False, f"rank {rank}: {check.detail}"
+        merged.divergence = merged.divergence or report.divergence
+    return merged
+
+
+def params_check(name: str, diffs: list[ParamDiff], grads: bool, where: str = "") -> Check:
+    """A check over :func:`~shardformer.core.compare.compare_params`' result: the first mismatch if
+    any, else the count and the largest difference. ``where`` (" on stage 1") follows the count."""
+    compared = [d for d in diffs if d.only_in is None]
+    bad = next((d for d in diffs if not d.ok), None)
+    if bad is not None:
+        what = f"max |diff| {bad.error:.3g}"
+        if bad.only_in is not None:
+            what = f"{'gradient ' if grads else ''}present in only one model"
+        return Check(name, False, f"first mismatch {bad.name}: {what} ({len(compared)} compared{where})")
+    worst, worst_name = 0.0, "-"
+    for d in compared:
+        if d.error > worst:
+            worst, worst_name = d.error, d.name
+    return Check(name, True, f"{len(compared)} parameters{where}, max |diff| {worst:.2g} ({worst_name})")
+
+
+def broadcast_weights(model: nn.Module) -> None:
+    """Rank 0's weights everywhere, whatever the model's init did with the RNG."""
+    with torch.no_grad():
+        for t in list(model.state_dict(keep_vars=True).values()):
+            if torch.is_tensor(t):
+                dist.broadcast(t.data, src=0)
+
+
+def first_tensor(out) -> torch.Tensor | None:
+    """A model's main output: the tensor itself, ``logits`` of a ModelOutput, else its first tensor."""
+    if torch.is_tensor(out):
+        return out
+    if isinstance(out, dict):  # ModelOutput: logits first when there is a loss in front
+        if torch.is_tensor(out.get("logits")):
+            return out["logits"]
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            if torch.is_tensor(item):
+                return item
+    return None
