@@ -331,13 +331,13 @@ class ParallelEngine:
             out = torch.cat([o if torch.is_tensor(o) else o["logits"] for o in outputs]).contiguous()
         if self.mesh.pp_size == 1:
             return out
-        box = [None if out is None else (tuple(out.shape), out.dtype)]
-        src = self.mesh.stage_rank(self.mesh.pp_size - 1)
-        dist.broadcast_object_list(box, src, self.mesh.pp_group)
+        last = self.mesh.pp_size - 1  # the last stage's output, on every stage
+        shape, dtype = comm.broadcast_object(
+            None if out is None else (tuple(out.shape), out.dtype), self.mesh.pp_group, last
+        )
         if out is None:
-            out = torch.empty(box[0][0], dtype=box[0][1], device=self.device)
-        dist.broadcast(out, src, self.mesh.pp_group)
-        return out
+            out = torch.empty(shape, dtype=dtype, device=self.device)
+        return comm.broadcast(out, self.mesh.pp_group, last)
 
     __call__ = forward
 
@@ -350,4 +350,4 @@ class ParallelEngine:
         for p in self.shared:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.mesh.embedding_group)
+            comm.all_reduce(p.grad, self.mesh.embedding_group)

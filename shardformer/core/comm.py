@@ -203,6 +203,18 @@ def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
+def isend(tensor: torch.Tensor, dst: int, group) -> dist.Work:
+    """Start sending ``tensor`` to global rank ``dst`` (pipeline stages); counted as a "send"."""
+    _record("send", tensor)
+    return dist.isend(tensor, dst, group)
+
+
+def irecv(out: torch.Tensor, src: int, group) -> dist.Work:
+    """Start receiving into ``out`` from global rank ``src``; counted as a "recv"."""
+    _record("recv", out)
+    return dist.irecv(out, src, group)
+
+
 def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Sum ``x`` over the group; this rank keeps its equal chunk along ``dim``."""
     world = group_size(group)

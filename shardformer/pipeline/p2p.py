@@ -15,7 +15,8 @@ order the peer sends: micro-batch order in each direction, in both schedules.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from shardformer.core import comm
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _MAX_DIMS = 8
@@ -63,7 +64,7 @@ class P2P:
         tensor = tensor.contiguous()
         dst, group = self.mesh.stage_rank(self.mesh.pp_rank + 1), self.mesh.pp_group
         header = _header(tensor)
-        self.sends.append((dist.isend(header, dst, group), header))
+        self.sends.append((comm.isend(header, dst, group), header))
         shape = (tuple(tensor.shape), tensor.dtype)
         self.grad_shapes[i] = shape
         if self.sent_shape is None:
@@ -73,15 +74,15 @@ class P2P:
             # it completes, and that stage reads the header and raises too instead of waiting. Sends
             # are finished before raising: a send dropped unfinished may never reach its receiver.
             placeholder = torch.zeros(self.sent_shape[0], dtype=self.sent_shape[1], device=tensor.device)
-            self.sends.append((dist.isend(placeholder, dst, group), placeholder))
+            self.sends.append((comm.isend(placeholder, dst, group), placeholder))
             self.wait()
             raise ValueError(_shape_error(self.mesh.pp_rank, i, shape, self.sent_shape))
-        self.sends.append((dist.isend(tensor, dst, group), tensor))
+        self.sends.append((comm.isend(tensor, dst, group), tensor))
 
     def send_grad(self, tensor: torch.Tensor) -> None:
         tensor = tensor.contiguous()
         dst = self.mesh.stage_rank(self.mesh.pp_rank - 1)
-        self.sends.append((dist.isend(tensor, dst, self.mesh.pp_group), tensor))
+        self.sends.append((comm.isend(tensor, dst, self.mesh.pp_group), tensor))
 
     def post(self, key: tuple[str, int]) -> None:
         """Post the receive ``key`` now if it is not yet posted and its shape is known."""
@@ -94,16 +95,16 @@ class P2P:
                 return  # its activation has not been sent yet
             shape, dtype = self.grad_shapes[i]
             out = torch.empty(shape, dtype=dtype, device=self.device)
-            self.receives[key] = _Receive(out=out, work=dist.irecv(out, src, group))
+            self.receives[key] = _Receive(out=out, work=comm.irecv(out, src, group))
             return
         if self.act_shape is None and any(k[0] == "act" for k in self.receives):
             return  # the earlier activation's tensor receive must be posted first, once its header is in
         header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
-        receive = _Receive(header, dist.irecv(header, src, group))
+        receive = _Receive(header, comm.irecv(header, src, group))
         if self.early_receives and self.act_shape is not None:  # the tensor too, assuming the first shape
             shape, dtype = self.act_shape
             receive.out = torch.empty(shape, dtype=dtype, device=self.device)
-            receive.work, receive.expected = dist.irecv(receive.out, src, group), self.act_shape
+            receive.work, receive.expected = comm.irecv(receive.out, src, group), self.act_shape
         self.receives[key] = receive
 
     def take(self, key: tuple[str, int]) -> torch.Tensor:
@@ -118,7 +119,7 @@ class P2P:
                 raise ValueError(_shape_error(self.mesh.pp_rank - 1, key[1], shape, receive.expected))
             if receive.out is None:
                 receive.out = torch.empty(shape[0], dtype=shape[1], device=self.device)
-                receive.work = dist.irecv(receive.out, self._peer("act"), self.mesh.pp_group)
+                receive.work = comm.irecv(receive.out, self._peer("act"), self.mesh.pp_group)
             if self.act_shape is None:
                 self.act_shape = shape
         receive.work.wait()
