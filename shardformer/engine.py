@@ -3,14 +3,14 @@
 It composes the techniques: builds the process mesh, shards the model for tensor parallelism
 (``shard_model`` with a policy), keeps this rank's pipeline stage (a pipeline spec), wraps the
 optimizer in :class:`~shardformer.data_parallel.ZeroOptimizer` over the data-parallel group, and runs a
-pipeline schedule over micro-batches.
+pipeline schedule over micro-batches. Its settings, :class:`EngineConfig`, live with ShardConfig in
+:mod:`shardformer.core.config` (imported here, so ``from shardformer.engine import EngineConfig`` works).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,11 +18,11 @@ import torch.nn as nn
 
 from shardformer.api import shard_model
 from shardformer.core import comm
-from shardformer.core.config import DEFAULT_SEED, PRECISIONS, ShardConfig
+from shardformer.core.config import PRECISIONS, EngineConfig
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.models import family_spec, layer_stack, pipeline_spec_for
-from shardformer.pipeline.schedule import SCHEDULES, run_pipeline
+from shardformer.pipeline.schedule import run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
@@ -30,83 +30,6 @@ from shardformer.policies.auto import get_autopolicy
 from shardformer.tensor_parallel.recompute import checkpoint_layers
 
 logger = logging.getLogger("shardformer")
-
-
-@dataclass
-class EngineConfig:
-    """How to train.
-
-    tp, pp, dp: tensor / pipeline / data parallel sizes (dp defaults to world // (tp * pp)).
-    zero_stage: 1 or 2 (ZeRO over the dp ranks). num_microbatches: micro-batches per step and
-    dp rank (gradient accumulation; also what fills the pipeline). schedule: "1f1b" or "gpipe".
-    precision: "fp32", "bf16" or "fp16" (fp32 master weights in the optimizer; fp16 adds dynamic
-    loss scaling). max_grad_norm: clip the global gradient norm (None: no clipping).
-    layers_per_stage: explicit split (one count per stage; default balanced).
-    seed: base seed of the tensor-parallel dropout layers (as ShardConfig.seed).
-    activation_checkpointing: recompute each transformer layer's activations in backward instead of
-    keeping them (dropout masks replayed: losses and gradients are those of the run without it).
-    sequence_parallel: Megatron sequence parallelism inside the tp group (as ShardConfig.sequence_parallel).
-    split_batch: ``train_step`` gets the global batch and each dp rank takes its 1/dp slice
-    (False: each rank passes its own dp-local batch).
-    backend: how training steps run the schedule when pp > 1: "torch" (torch.distributed.pipelining's
-    PipelineStage, ScheduleGPipe / Schedule1F1B) or "p2p" (the same schedules on our own
-    send/recv). ``eval_step`` and ``forward`` always use "p2p" (forward only).
-    compile: run each stage's forward under ``torch.compile`` (``compile_backend``: "inductor", or
-    "aot_eager" / "eager" to trace without generating code); the pipeline's sends and receives stay
-    outside the compiled graph.
-    overlap_grad_reduce: ZeRO reduces each gradient bucket during the backward of the last
-    micro-batch, as soon as its gradients are final (exact either way; False: all at the step).
-    overlap_p2p: the "p2p" schedules post each receive one schedule step early, so activations and
-    gradients arrive while the stage computes (every micro-batch of a step must give one shape).
-    """
-
-    tp: int = 1
-    pp: int = 1
-    dp: int | None = None
-    zero_stage: int = 1
-    num_microbatches: int = 1
-    schedule: str = "1f1b"
-    precision: str = "fp32"
-    max_grad_norm: float | None = None
-    layers_per_stage: list[int] | None = None
-    split_batch: bool = True
-    backend: str = "torch"
-    seed: int = DEFAULT_SEED
-    activation_checkpointing: bool = False
-    sequence_parallel: bool = False
-    compile: bool = False
-    compile_backend: str = "inductor"
-    overlap_grad_reduce: bool = True
-    overlap_p2p: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "num_microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
-        if self.zero_stage not in (1, 2):
-            raise ValueError(f"EngineConfig.zero_stage={self.zero_stage!r} must be 1 or 2")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"EngineConfig.schedule={self.schedule!r} must be one of {SCHEDULES}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"EngineConfig.precision={self.precision!r} must be one of {sorted(PRECISIONS)}")
-        if self.backend not in ("p2p", "torch"):
-            raise ValueError(f"EngineConfig.backend={self.backend!r} must be 'p2p' or 'torch'")
-        for name in ("activation_checkpointing", "sequence_parallel", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
-        if not isinstance(self.compile_backend, str) or self.compile_backend not in torch._dynamo.list_backends(None):
-            raise ValueError(
-                f"EngineConfig.compile_backend={self.compile_backend!r} is not a torch.compile backend; "
-                f"use one of {torch._dynamo.list_backends(None)}"
-            )
-        for name in ("overlap_grad_reduce", "overlap_p2p"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"EngineConfig.seed={self.seed!r} must be an integer")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")
 
 
 def _loss_from_output(output, micro_batch):
@@ -197,15 +120,7 @@ class ParallelEngine:
         ):
             raise ValueError(f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, dp={cfg.dp}")
         self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp)
-        shard_config = ShardConfig(
-            tensor_parallel_size=cfg.tp,
-            pipeline_parallel_size=cfg.pp,
-            data_parallel_size=self.mesh.dp_size,
-            seed=cfg.seed,
-            sequence_parallel=cfg.sequence_parallel,
-            mesh=self.mesh,
-        )
-        self.model = shard_model(model, shard_config, self.policy)
+        self.model = shard_model(model, cfg.shard_config(self.mesh), self.policy)
         if cfg.pp > 1:
             self.pipeline.keep_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
         self.stage_forward = self.pipeline.stage_forward if self.pipeline is not None else whole_model_forward
@@ -319,7 +234,7 @@ class ParallelEngine:
         """Inference on the whole ``batch`` (not split over dp): the last stage's outputs per
         micro-batch, concatenated (``logits`` of a ModelOutput, or the tensor itself). Returned on
         every rank (sent from the last stage over the pipeline); vocab-parallel logits stay
-        sharded over tp unless the model was built with ``gather_output``."""
+        sharded over tp unless ``EngineConfig.gather_output`` is set."""
         micro = split_batch(self._to_device(batch), self.config.num_microbatches, "num_microbatches")
         self.model.eval()
         _, outputs = run_pipeline(

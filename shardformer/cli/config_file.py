@@ -20,11 +20,12 @@ import difflib
 import inspect
 import os
 import runpy
+import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardformer.core.config import DEFAULT_SEED, PRECISIONS
+from shardformer.core.config import CHOICES, SIZE_NAMES, EngineConfig
 
 
 class ConfigError(ValueError):
@@ -47,15 +48,35 @@ class Key:
     optional: bool = False
 
 
+# Short names for the sizes, in a config file or on the command line (--set pp=2).
+_ALIASES = SIZE_NAMES
+_FIELD_OF = {long: short for short, long in SIZE_NAMES.items()}
+
+
+def _engine_key(name: str, help: str, **bounds: Any) -> Key:
+    """The key for EngineConfig's field ``name`` (a size by its long name): its type, default and choices."""
+    field = _FIELD_OF.get(name, name)
+    hint = typing.get_type_hints(EngineConfig)[field]
+    kind = next(t for t in (*typing.get_args(hint), hint) if t is not type(None))  # `int | None` -> int
+    return Key(kind, getattr(EngineConfig, field), help, choices=CHOICES.get(field), **bounds)
+
+
+# The parallel and training keys are EngineConfig's fields; the rest are the examples' own.
 BASE_KEYS: dict[str, Key] = {
-    "tensor_parallel_size": Key(int, 1, "processes that split each layer (Megatron 1D)", minimum=1),
-    "pipeline_parallel_size": Key(int, 1, "pipeline stages", minimum=1),
-    "data_parallel_size": Key(int, None, "data-parallel replicas; default: world // (tp * pp)", minimum=1),
-    "zero_stage": Key(int, 1, "ZeRO stage: 1 shards optimizer state over dp, 2 also gradients", choices=(1, 2)),
-    "precision": Key(str, "fp32", "parameter/compute precision", choices=tuple(PRECISIONS)),
-    "sequence_parallel": Key(bool, False, "Megatron sequence parallelism inside the tp group"),
-    "activation_checkpointing": Key(bool, False, "recompute each layer's activations in backward (exact)"),
-    "seed": Key(int, DEFAULT_SEED, "random seed, the same on every rank"),
+    "tensor_parallel_size": _engine_key(
+        "tensor_parallel_size", "processes that split each layer (Megatron 1D)", minimum=1
+    ),
+    "pipeline_parallel_size": _engine_key("pipeline_parallel_size", "pipeline stages", minimum=1),
+    "data_parallel_size": _engine_key(
+        "data_parallel_size", "data-parallel replicas; default: world // (tp * pp)", minimum=1
+    ),
+    "zero_stage": _engine_key("zero_stage", "ZeRO stage: 1 shards optimizer state over dp, 2 also gradients"),
+    "precision": _engine_key("precision", "parameter/compute precision"),
+    "sequence_parallel": _engine_key("sequence_parallel", "Megatron sequence parallelism inside the tp group"),
+    "activation_checkpointing": _engine_key(
+        "activation_checkpointing", "recompute each layer's activations in backward (exact)"
+    ),
+    "seed": _engine_key("seed", "random seed, the same on every rank"),
     "batch_size": Key(int, 8, "global batch size per optimizer step", minimum=1),
     "micro_batch_size": Key(
         int, None, "rows per micro-batch on each dp rank (fills the pipeline); default: one micro-batch", minimum=1
@@ -63,7 +84,7 @@ BASE_KEYS: dict[str, Key] = {
     "steps": Key(int, 20, "optimizer steps to train", minimum=0),
     "lr": Key(float, 1e-3, "learning rate", minimum=0.0),
     "weight_decay": Key(float, 0.0, "AdamW weight decay", minimum=0.0),
-    "max_grad_norm": Key(float, None, "clip gradients to this global norm; None: no clipping", minimum=0.0),
+    "max_grad_norm": _engine_key("max_grad_norm", "clip gradients to this global norm; None: no clipping", minimum=0.0),
     "log_every": Key(int, 1, "print a log line every N steps", minimum=1),
     "model_path": Key(str, None, "directory or hub name to load the model from"),
     "data_path": Key(str, None, "dataset file or directory"),
@@ -71,8 +92,6 @@ BASE_KEYS: dict[str, Key] = {
     "output_dir": Key(str, None, "where plots and other outputs go"),
 }
 _SIZE_KEYS = {"tensor": "tensor_parallel_size", "pipeline": "pipeline_parallel_size", "data": "data_parallel_size"}
-# Short names for the sizes, in a config file or on the command line (--set pp=2).
-_ALIASES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "dp": "data_parallel_size"}
 
 
 class Config(Mapping[str, Any]):

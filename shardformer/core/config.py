@@ -1,7 +1,15 @@
-"""ShardConfig: what a user says about how to shard; it checks itself and names what is wrong."""
+"""The one schema of settings and the checks on them.
+
+``ShardConfig`` says how to shard a model; ``EngineConfig`` how to train one with the engine (it
+builds the engine's ``ShardConfig``, and the CLI's config-file keys for the same settings take their
+types, defaults and choices from it). The small checkers below (positive integer, integer, bool,
+choice) are what both dataclasses, :func:`resolve_sizes`, the pipeline split, the ZeRO optimizer and
+the tools validate with: each error names the setting and its value and says what is expected.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,11 +17,89 @@ import torch
 import torch.distributed as dist
 
 from shardformer.core.comm import group_size
-from shardformer.core.mesh import resolve_sizes
 
 # The one table of training precisions (parameter dtypes) the engine, the examples and the CLI accept.
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_SEED = 1024  # base seed of the tensor-parallel dropout RNG
+ZERO_STAGES = (1, 2)  # 1: optimizer states sharded over dp; 2: also the reduced gradients
+SCHEDULES = ("gpipe", "1f1b")  # the pipeline schedules (shardformer.pipeline.schedule runs them)
+BACKENDS = ("p2p", "torch")  # how the engine runs a pipeline schedule
+# Short names of the parallel sizes (EngineConfig's fields) and their long ones (ShardConfig's, the CLI's).
+SIZE_NAMES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "dp": "data_parallel_size"}
+
+
+# -- checkers: each returns the value, or raises ValueError "<name>=<value> must be ..." -------------
+
+
+def is_positive_int(value: Any) -> bool:
+    """An int >= 1 (a bool is not a number here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_positive_int(name: str, value: Any, *, optional: bool = False, why: str = "") -> Any:
+    """``value`` if it is a positive integer (or None, when ``optional``); ``why`` ends the message."""
+    if (value is None and optional) or is_positive_int(value):
+        return value
+    expected = "a positive integer or None" if optional else "a positive integer"
+    raise ValueError(f"{name}={value!r} must be {expected}" + (f": {why}" if why else ""))
+
+
+def check_int(name: str, value: Any) -> Any:
+    """``value`` if it is an integer (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an integer")
+    return value
+
+
+def check_bool(name: str, value: Any) -> Any:
+    """``value`` if it is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    """``value`` if it is one of ``choices`` (a bool never is); the message lists numbers as
+    "0, 1 or 2" and names as "one of 'a', 'b'"."""
+    if value in choices and not isinstance(value, bool):
+        return value
+    shown = [repr(c) for c in choices]
+    if all(isinstance(c, int) for c in choices):
+        expected = " or ".join([", ".join(shown[:-1]), shown[-1]] if len(shown) > 1 else shown)
+    else:
+        expected = "one of " + ", ".join(shown)
+    raise ValueError(f"{name}={value!r} must be {expected}")
+
+
+def _check_fields(config: Any, checker: Callable[[str, Any], Any], names: tuple[str, ...]) -> None:
+    """Run ``checker`` on each named field, naming it ``<Class>.<field>`` in the message."""
+    for name in names:
+        checker(f"{type(config).__name__}.{name}", getattr(config, name))
+
+
+def resolve_sizes(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> tuple[int, int, int]:
+    """Check the parallel sizes against the world size and return (pp, dp, tp).
+
+    ``dp`` defaults to ``world_size // (tp * pp)``.
+    """
+    check_positive_int("tensor_parallel_size", tp)
+    check_positive_int("pipeline_parallel_size", pp)
+    check_positive_int("data_parallel_size", dp, optional=True)
+    if dp is None:
+        if world_size % (tp * pp) != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_parallel_size={tp} x "
+                f"pipeline_parallel_size={pp} = {tp * pp}; launch a multiple of {tp * pp} processes "
+                f"or change the sizes"
+            )
+        dp = world_size // (tp * pp)
+    if pp * dp * tp != world_size:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} x data_parallel_size={dp} x tensor_parallel_size={tp} "
+            f"= {pp * dp * tp}, but the world size is {world_size}; make the product equal the number "
+            f"of processes"
+        )
+    return pp, dp, tp
 
 
 @dataclass
@@ -65,18 +151,12 @@ class ShardConfig:
                     f"tensor_parallel_process_group; leave tensor_parallel_size out or make them equal"
                 )
             self.tensor_parallel_size = size
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "vocab_pad_multiple"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ShardConfig.{name}={value!r} must be a positive integer")
-        dp = self.data_parallel_size
-        if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
-            raise ValueError(f"ShardConfig.data_parallel_size={dp!r} must be a positive integer or None")
-        for name in ("gather_output", "sequence_parallel", "overlap_communication"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ShardConfig.{name}={getattr(self, name)!r} must be True or False")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"ShardConfig.seed={self.seed!r} must be an integer")
+        _check_fields(
+            self, check_positive_int, ("tensor_parallel_size", "pipeline_parallel_size", "vocab_pad_multiple")
+        )
+        check_positive_int("ShardConfig.data_parallel_size", self.data_parallel_size, optional=True)
+        _check_fields(self, check_bool, ("gather_output", "sequence_parallel", "overlap_communication"))
+        check_int("ShardConfig.seed", self.seed)
 
     def check_world(self) -> None:
         """Raise (before any collective) if the sizes do not fit the processes that were started."""
@@ -100,3 +180,94 @@ class ShardConfig:
                 f"ShardConfig.mesh {mesh} does not match tensor_parallel_size={self.tensor_parallel_size}, "
                 f"pipeline_parallel_size={self.pipeline_parallel_size}; give the mesh's sizes or leave mesh out"
             )
+
+
+# The EngineConfig fields with a fixed set of values, and those values.
+CHOICES = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "precision": tuple(PRECISIONS), "backend": BACKENDS}
+# The fields EngineConfig hands to ShardConfig under the same name.
+SHARD_FIELDS = ("gather_output", "vocab_pad_multiple", "seed", "sequence_parallel", "overlap_communication")
+
+
+@dataclass
+class EngineConfig:
+    """How to train (and run) a model with :class:`~shardformer.ParallelEngine`.
+
+    tp, pp, dp: tensor / pipeline / data parallel sizes (dp defaults to world // (tp * pp)).
+    zero_stage: 1 or 2 (ZeRO over the dp ranks). num_microbatches: micro-batches per step and
+    dp rank (gradient accumulation; also what fills the pipeline). schedule: "1f1b" or "gpipe".
+    precision: "fp32", "bf16" or "fp16" (fp32 master weights in the optimizer; fp16 adds dynamic
+    loss scaling). max_grad_norm: clip the global gradient norm (None: no clipping).
+    layers_per_stage: explicit split (one count per stage; default balanced).
+    seed: base seed of the tensor-parallel dropout layers (as ShardConfig.seed).
+    activation_checkpointing: recompute each transformer layer's activations in backward instead of
+    keeping them (dropout masks replayed: losses and gradients are those of the run without it).
+    sequence_parallel: Megatron sequence parallelism inside the tp group (as ShardConfig.sequence_parallel).
+    split_batch: ``train_step`` gets the global batch and each dp rank takes its 1/dp slice
+    (False: each rank passes its own dp-local batch).
+    backend: how training steps run the schedule when pp > 1: "torch" (torch.distributed.pipelining's
+    PipelineStage, ScheduleGPipe / Schedule1F1B) or "p2p" (the same schedules on our own
+    send/recv). ``eval_step`` and ``forward`` always use "p2p" (forward only).
+    compile: run each stage's forward under ``torch.compile`` (``compile_backend``: "inductor", or
+    "aot_eager" / "eager" to trace without generating code); the pipeline's sends and receives stay
+    outside the compiled graph.
+    overlap_grad_reduce: ZeRO reduces each gradient bucket during the backward of the last
+    micro-batch, as soon as its gradients are final (exact either way; False: all at the step).
+    overlap_p2p: the "p2p" schedules post each receive one schedule step early, so activations and
+    gradients arrive while the stage computes (every micro-batch of a step must give one shape).
+    gather_output, vocab_pad_multiple, overlap_communication: as ShardConfig's (same defaults);
+    :meth:`shard_config` passes them, with the sizes, seed and sequence_parallel, to the model's sharding.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    zero_stage: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    precision: str = "fp32"
+    max_grad_norm: float | None = None
+    layers_per_stage: list[int] | None = None
+    split_batch: bool = True
+    backend: str = "torch"
+    seed: int = ShardConfig.seed
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = ShardConfig.sequence_parallel
+    compile: bool = False
+    compile_backend: str = "inductor"
+    overlap_grad_reduce: bool = True
+    overlap_p2p: bool = True
+    gather_output: bool = ShardConfig.gather_output
+    vocab_pad_multiple: int = ShardConfig.vocab_pad_multiple
+    overlap_communication: bool = ShardConfig.overlap_communication
+
+    def __post_init__(self) -> None:
+        _check_fields(self, check_positive_int, ("tp", "pp", "num_microbatches", "vocab_pad_multiple"))
+        check_positive_int("EngineConfig.dp", self.dp, optional=True)
+        for name, choices in CHOICES.items():
+            check_choice(f"EngineConfig.{name}", getattr(self, name), choices)
+        _check_fields(
+            self,
+            check_bool,
+            ("activation_checkpointing", "sequence_parallel", "compile", "overlap_grad_reduce", "overlap_p2p",
+             "gather_output", "overlap_communication"),
+        )  # fmt: skip
+        backends = torch._dynamo.list_backends(None)
+        if not isinstance(self.compile_backend, str) or self.compile_backend not in backends:
+            raise ValueError(
+                f"EngineConfig.compile_backend={self.compile_backend!r} is not a torch.compile backend; "
+                f"use one of {backends}"
+            )
+        check_int("EngineConfig.seed", self.seed)
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")
+
+    def shard_config(self, mesh: Any) -> ShardConfig:
+        """The ShardConfig that shards the model over ``mesh`` (a ProcessMesh with these sizes)."""
+        shared = {name: getattr(self, name) for name in SHARD_FIELDS}
+        return ShardConfig(
+            tensor_parallel_size=self.tp,
+            pipeline_parallel_size=self.pp,
+            data_parallel_size=mesh.dp_size,
+            mesh=mesh,
+            **shared,
+        )

@@ -17,39 +17,13 @@ import torch
 import torch.distributed as dist
 
 from shardformer.core.comm import LOCAL, VirtualGroup, group_rank, group_size  # noqa: F401 - re-exported
+from shardformer.core.config import resolve_sizes  # the size check lives with the settings; imported here too
 
 DEFAULT_TIMEOUT_S = 300
 
 
 def _timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("SHARDFORMER_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
-
-
-def resolve_sizes(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> tuple[int, int, int]:
-    """Check the parallel sizes against the world size and return (pp, dp, tp).
-
-    ``dp`` defaults to ``world_size // (tp * pp)``.
-    """
-    for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-    if dp is None:
-        if world_size % (tp * pp) != 0:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tensor_parallel_size={tp} x "
-                f"pipeline_parallel_size={pp} = {tp * pp}; launch a multiple of {tp * pp} processes "
-                f"or change the sizes"
-            )
-        dp = world_size // (tp * pp)
-    if not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"data_parallel_size={dp!r} must be a positive integer")
-    if pp * dp * tp != world_size:
-        raise ValueError(
-            f"pipeline_parallel_size={pp} x data_parallel_size={dp} x tensor_parallel_size={tp} "
-            f"= {pp * dp * tp}, but the world size is {world_size}; make the product equal the number "
-            f"of processes"
-        )
-    return pp, dp, tp
 
 
 @dataclass

@@ -14,6 +14,7 @@ import random
 import torch
 
 from shardformer.core.comm import VirtualGroup, broadcast_object, group_size
+from shardformer.core.config import check_int
 
 _DP_STRIDE = 7919  # a prime: data-parallel replicas get seeds far apart
 
@@ -56,8 +57,7 @@ def seed(value: int, mesh=None) -> None:
     data-parallel replica (and pipeline stage) is offset so replicas draw different dropout masks,
     while the ranks of one tensor-parallel group stay identical.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"seed value={value!r} must be an integer")
+    check_int("seed value", value)
     if mesh is not None:
         value += _DP_STRIDE * (mesh.dp_rank * mesh.pp_size + mesh.pp_rank)
     torch.manual_seed(value)

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from shardformer.core import comm
+from shardformer.core.config import ZERO_STAGES, check_positive_int, is_positive_int
 from shardformer.data_parallel.loss_scaler import DynamicLossScaler
 
 
@@ -19,18 +20,18 @@ def check_arguments(
         )
     if hasattr(optimizer, "reducer") and hasattr(optimizer, "slots"):
         raise TypeError("this optimizer is already a ZeroOptimizer; wrap the plain torch optimizer only once")
-    if stage not in (1, 2):
+    if stage not in ZERO_STAGES:
         raise ValueError(
             f"stage={stage!r} is not supported; use stage=1 (shard optimizer states) or stage=2 (also "
             f"shard reduced gradients). Stage 3 (sharded parameters) is not implemented"
         )
-    if not isinstance(bucket_size, int) or bucket_size < 1:
+    if not is_positive_int(bucket_size):
         raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements, e.g. 2**23")
-    if isinstance(backwards_per_step, bool) or not isinstance(backwards_per_step, int) or backwards_per_step < 1:
-        raise ValueError(
-            f"backwards_per_step={backwards_per_step!r} must be a positive integer: the number of backward "
-            f"passes (micro-batches) each step accumulates, 1 without gradient accumulation"
-        )
+    check_positive_int(
+        "backwards_per_step",
+        backwards_per_step,
+        why="the number of backward passes (micro-batches) each step accumulates, 1 without gradient accumulation",
+    )
     if release_grads and stage != 2:
         raise ValueError(
             f"release_grads=True needs stage=2 (got stage={stage}): stage 1 writes the averaged "

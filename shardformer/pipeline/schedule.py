@@ -6,6 +6,7 @@ Sends are non-blocking (waited at the end of the step). With ``overlap`` (the de
 of the schedule posts its own receive and the next step's before computing, so the next input
 arrives while this one computes; without it a receive is posted only when its tensor is needed.
 Both are deadlock-free: only a tensor that is needed now is ever waited on (see :mod:`.p2p`).
+The schedule names, ``SCHEDULES``, live in :mod:`shardformer.core.config` with the settings that name them.
 """
 
 from __future__ import annotations
@@ -14,23 +15,21 @@ import contextlib
 
 import torch
 
+from shardformer.core.config import SCHEDULES, check_choice
 from shardformer.pipeline.p2p import P2P
-
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def order(schedule: str, num_microbatches: int, stage: int, num_stages: int) -> list[tuple[str, int]]:
     """The sequence of ("F", i) / ("B", i) steps this stage runs."""
+    check_choice("schedule", schedule, SCHEDULES)
     n = num_microbatches
     if schedule == "gpipe":
         return [("F", i) for i in range(n)] + [("B", i) for i in range(n)]
-    if schedule == "1f1b":
-        warmup = min(num_stages - stage - 1, n)
-        steps = [("F", i) for i in range(warmup)]
-        for i in range(n - warmup):
-            steps += [("F", warmup + i), ("B", i)]
-        return steps + [("B", i) for i in range(n - warmup, n)]
-    raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    warmup = min(num_stages - stage - 1, n)  # 1f1b
+    steps = [("F", i) for i in range(warmup)]
+    for i in range(n - warmup):
+        steps += [("F", warmup + i), ("B", i)]
+    return steps + [("B", i) for i in range(n - warmup, n)]
 
 
 def run_pipeline(

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from shardformer.core.config import check_positive_int, is_positive_int
 from shardformer.core.record import ATTRIBUTE, ShardedModelInfo, attach, sharding_of, with_stage
 
 
@@ -97,8 +98,7 @@ def balanced_split(num_layers: int, num_stages: int) -> list[int]:
 
 def check_split(num_layers: int, num_stages: int, layers_per_stage=None) -> list[int]:
     """Validate and return the layers per stage (no communication: safe before any collective)."""
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"pipeline_parallel_size={num_stages!r} must be a positive integer")
+    check_positive_int("pipeline_parallel_size", num_stages)
     if layers_per_stage is None:
         if num_layers < num_stages:
             raise ValueError(
@@ -107,7 +107,7 @@ def check_split(num_layers: int, num_stages: int, layers_per_stage=None) -> list
             )
         return balanced_split(num_layers, num_stages)
     counts = list(layers_per_stage)
-    if len(counts) != num_stages or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+    if len(counts) != num_stages or not all(map(is_positive_int, counts)):
         raise ValueError(f"layers_per_stage={counts} must list {num_stages} positive integers (one per pipeline stage)")
     if sum(counts) != num_layers:
         raise ValueError(f"layers_per_stage={counts} sums to {sum(counts)}; it must sum to the {num_layers} layers")

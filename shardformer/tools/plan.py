@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.comm import VirtualGroup
-from shardformer.core.config import PRECISIONS, ShardConfig
+from shardformer.core.config import PRECISIONS, ZERO_STAGES, ShardConfig, check_choice
 from shardformer.core.mesh import resolve_sizes
 from shardformer.models import layer_stack, pipeline_spec_for
 from shardformer.pipeline.spec import PipelineSpec, check_split
@@ -96,10 +96,8 @@ def plan_model(
     ``batch`` and ``seq`` (both or neither): estimate activation memory per rank too."""
     if (batch is None) != (seq is None):
         raise ValueError(f"batch={batch} and seq={seq}: give both (--batch and --seq) to estimate activations")
-    if zero not in (0, 1, 2):
-        raise ValueError(f"zero={zero} must be 0, 1 or 2")
-    if precision not in BYTES:
-        raise ValueError(f"precision={precision!r} must be one of {sorted(BYTES)}")
+    check_choice("zero", zero, (0, *ZERO_STAGES))
+    check_choice("precision", precision, tuple(PRECISIONS))
     resolve_sizes(tp * pp * dp, tp, pp, dp)
     if pp > 1:
         pipeline = pipeline or pipeline_spec_for(model)  # before sharding: an unknown family fails fast

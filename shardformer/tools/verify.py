@@ -20,7 +20,7 @@ import torch.nn as nn
 from shardformer.api import shard_model
 from shardformer.core.comm import gather_from_parallel
 from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL, compare_params, gather_like, max_error
-from shardformer.core.config import ShardConfig
+from shardformer.core.config import ShardConfig, check_positive_int
 from shardformer.models import inputs_for
 from shardformer.policies.auto import get_autopolicy
 from shardformer.tensor_parallel.slicer import shard_spec
@@ -234,9 +234,8 @@ def verify(
     divergence and generate are checked at ``pp=1``. Returns a :class:`VerifyReport` (``.ok``,
     ``.format()``, ``.divergence``).
     """
-    for name, value, least in (("tp", tp, 1), ("pp", pp, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+    check_positive_int("tp", tp)
+    check_positive_int("pp", pp)
     if tp * pp < 2:
         raise ValueError("tp * pp must be at least 2: one process has nothing to compare")
     if pp == 1:

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardformer import EngineConfig, ParallelEngine, PipelineSpec, shard_model
+from shardformer import EngineConfig, ParallelEngine, PipelineSpec, ShardConfig, shard_model
+from shardformer.core.config import SHARD_FIELDS
 from shardformer.engine import split_batch
 from shardformer.models import pipeline_spec_for
 from shardformer.pipeline import balanced_split, check_split, local_layers, stage_of
@@ -120,11 +121,29 @@ def test_optimizer_must_be_a_factory():
         ),
         ({"overlap_p2p": "yes"}, r"overlap_p2p='yes' must be True or False"),
         ({"overlap_grad_reduce": 1}, r"overlap_grad_reduce=1 must be True or False"),
+        ({"dp": 0}, r"EngineConfig.dp=0 must be a positive integer or None"),
+        ({"gather_output": "yes"}, r"EngineConfig.gather_output='yes' must be True or False"),
+        ({"vocab_pad_multiple": 0}, r"EngineConfig.vocab_pad_multiple=0 must be a positive integer"),
+        ({"overlap_communication": 1}, r"EngineConfig.overlap_communication=1 must be True or False"),
     ],
 )
 def test_bad_engine_config(kwargs, fix):
     with pytest.raises(ValueError, match=fix):
         EngineConfig(**kwargs)
+
+
+def test_engine_config_builds_the_shard_config():
+    class Mesh:
+        dp_size = 2
+
+    mesh = Mesh()
+    knobs = {"seed": 7, "gather_output": True, "vocab_pad_multiple": 64, "overlap_communication": False}
+    shard = EngineConfig(sequence_parallel=True, **knobs).shard_config(mesh)
+    assert (shard.tensor_parallel_size, shard.pipeline_parallel_size, shard.data_parallel_size) == (1, 1, 2)
+    assert shard.mesh is mesh and shard.sequence_parallel
+    assert all(getattr(shard, name) == value for name, value in knobs.items())
+    defaults = EngineConfig().shard_config(mesh)  # ShardConfig's own defaults
+    assert all(getattr(defaults, name) == getattr(ShardConfig(), name) for name in SHARD_FIELDS)
 
 
 def test_model_without_pipeline_spec_names_the_fix():
