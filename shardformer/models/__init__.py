@@ -14,7 +14,6 @@ Models without a record take the route derived from transformers' own plans
 
 from __future__ import annotations
 
-import functools
 import importlib
 import pkgutil
 from collections.abc import Callable
@@ -53,9 +52,9 @@ class ModelFamily:
         return f"{prefix}.{self.layers}" if prefix else self.layers
 
 
-@functools.cache
 def families() -> tuple[ModelFamily, ...]:
-    """Every ``FAMILY`` record defined in this folder."""
+    """Every ``FAMILY`` record defined in this folder (scanned on each call: a file added later counts;
+    modules already imported are not imported again)."""
     found = []
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         record = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
