@@ -43,8 +43,8 @@ from shardformer.tensor_parallel.layers.linear import Linear1D_Col, Linear1D_Row
 class SequenceParallel:
     """The state of one model's sequence parallelism, set by the first layer of every forward."""
 
-    def __init__(self, group) -> None:
-        self.group, self.world = group, group_size(group)
+    def __init__(self, group, plan: SequenceParallelPlan) -> None:
+        self.group, self.world, self.plan = group, group_size(group), plan
         self.active = False  # this forward runs split (its sequence is at least tp long)
         self.grad_active = False  # the latest forward under autograd did
         self.full_len = 0
@@ -98,6 +98,16 @@ class SequenceParallel:
         if not self.grad_active:
             return grad
         return all_reduce(grad.clone(memory_format=torch.contiguous_format), self.group)
+
+    def layer_options(self, path: str, cls: type) -> dict:
+        """What the layer the sharder builds at ``path`` (of class ``cls``) is given: the parallel
+        layers this state (and their name, for errors), dropout in the split region this state."""
+        if path in self.plan.parallel:
+            return {"sequence_parallel": self, "sequence_parallel_name": path}
+        in_stack = path.startswith(self.plan.layers + ".")
+        if in_stack and isinstance(cls, type) and issubclass(cls, DropoutForReplicatedInput):
+            return {"sequence_parallel": self}  # in the split region: its chunk of the full mask
+        return {}
 
 
 @dataclass
@@ -192,10 +202,11 @@ def _replace_hidden(args, kwargs, fn, where: str):
     raise RuntimeError(f"sequence parallelism: cannot find the hidden states among the inputs of {where}")
 
 
-def apply_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, sp: SequenceParallel) -> None:
+def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel) -> None:
     """Install the hooks of ``plan`` on the (already sharded) model: the stack's ends, the entries'
     gathers and the split-region gradient sums. (The parallel layers and the dropout of the split
     region were given ``sp`` when the sharder built them.)"""
+    plan = sp.plan
     layer_list = model.get_submodule(plan.layers)
 
     def ends() -> tuple[int, int]:  # first and last layer of this pipeline stage (of all without pp)
@@ -226,14 +237,3 @@ def apply_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, sp: Se
         model.get_submodule(path).register_forward_pre_hook(gather, with_kwargs=True)
     for path in plan.split_params:
         model.get_parameter(path).register_hook(sp.reduce_grad)
-
-
-def layer_options(plan: SequenceParallelPlan, sp: SequenceParallel, path: str, cls: type) -> dict:
-    """What the layer the sharder builds at ``path`` (of class ``cls``) is given for ``plan``: the
-    parallel layers the state (and their name, for errors), dropout in the split region the state."""
-    if path in plan.parallel:
-        return {"sequence_parallel": sp, "sequence_parallel_name": path}
-    in_stack = path.startswith(plan.layers + ".")
-    if in_stack and isinstance(cls, type) and issubclass(cls, DropoutForReplicatedInput):
-        return {"sequence_parallel": sp}  # in the split region: its chunk of the full mask
-    return {}

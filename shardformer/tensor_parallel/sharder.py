@@ -32,7 +32,6 @@ from shardformer.tensor_parallel.sequence_parallel import (
     SequenceParallel,
     SequenceParallelPlan,
     apply_sequence_parallel,
-    layer_options,
     plan_sequence_parallel,
 )
 
@@ -84,7 +83,8 @@ def _set(root: nn.Module, path: str, value) -> None:
 
 
 class ModelSharder:
-    """Shards ``model`` in place following ``policy``: inject_model, replace_layer, bind_layer.
+    """Shards ``model`` in place following ``policy``: inject_model, replace_layer, then ties kept as
+    the model has them.
 
     Everything that can be wrong with the model, the policy or the sizes is checked by
     :meth:`plan` before the first process group is created, so a bad input never leaves ranks
@@ -176,16 +176,14 @@ class ModelSharder:
             for attr, value in argument.attr_dict.items():
                 _set(module, attr, value)
         plan.detected.rewrite_attributes(self.model)
-        sequence = SequenceParallel(group) if plan.sequence is not None else None
+        sequence = SequenceParallel(group, plan.sequence) if plan.sequence is not None else None
         for index, replacement in enumerate(replacements):
-            self.replace_layer(replacement, group, self.shard_config.seed + index, plan.sequence, sequence)
+            self.replace_layer(replacement, group, self.shard_config.seed + index, sequence)
         for module, input_copy in plan.input_copies:
             module.register_forward_hook(_release_after_forward(input_copy))
-        leftovers = self.replace_leftover_dropout(
-            group, self.shard_config.seed + len(replacements), plan.sequence, sequence
-        )
+        leftovers = self.replace_leftover_dropout(group, self.shard_config.seed + len(replacements), sequence)
         if sequence is not None:
-            apply_sequence_parallel(self.model, plan.sequence, sequence)
+            apply_sequence_parallel(self.model, sequence)
         keep_ties(self.model, plan.detected.ties)  # found in the model: binding_policy() pairs are among them
         agree_on_rng(group)
         replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
@@ -219,13 +217,13 @@ class ModelSharder:
             if type(module) is origin:
                 module.__class__ = custom
 
-    def replace_layer(self, replacement: Replacement, group, seed: int = 0, sequence_plan=None, sequence=None):
+    def replace_layer(self, replacement: Replacement, group, seed: int = 0, sequence: SequenceParallel | None = None):
         """Build the parallel layer of ``replacement`` with every option it takes (none is set afterwards)."""
         layer, cfg = replacement.layer, self.shard_config
         cls = layer.replace_layer
         options: dict = {"seed": seed, "n_cast": layer.n_cast, "overlap_communication": cfg.overlap_communication}
-        if sequence_plan is not None:
-            options.update(layer_options(sequence_plan, sequence, replacement.path, cls))
+        if sequence is not None:
+            options.update(sequence.layer_options(replacement.path, cls))
         if isinstance(layer, Col_Layer):
             options["gather_output"] = layer.gather_output or (
                 cfg.gather_output and issubclass(cls, VocabParallelLMHead1D)
@@ -238,15 +236,13 @@ class ModelSharder:
         self.model.set_submodule(replacement.path, new)
         return new
 
-    def replace_leftover_dropout(self, group, seed: int, sequence_plan=None, sequence=None) -> int:
+    def replace_leftover_dropout(self, group, seed: int, sequence: SequenceParallel | None = None) -> int:
         """Dropout the policy did not name (classifier heads, ...) sits on replicated activations: give
         it the tensor-parallel RNG too, so ranks never drift apart through different global RNG states.
         Returns how many were replaced."""
         leftovers = [(name, m) for name, m in self.model.named_modules() if type(m) is nn.Dropout and m.p > 0]
         for index, (name, old) in enumerate(leftovers):
-            options = (
-                {} if sequence_plan is None else layer_options(sequence_plan, sequence, name, DropoutForReplicatedInput)
-            )
+            options = {} if sequence is None else sequence.layer_options(name, DropoutForReplicatedInput)
             new = DropoutForReplicatedInput.from_native(old, group, seed + index, **options).train(old.training)
             self.model.set_submodule(name, new)
         return len(leftovers)

@@ -127,9 +127,9 @@ class TpPlanPolicy(Policy):
                 layers[path] = Col_Layer(path, n_cast=blocks)
                 layers[rows[0]] = Row_Layer(rows[0])
 
-    def _vocab(self, layers: dict[str, Layer], modules) -> bool:
-        """Vocab-parallel input embedding and LM head (tied ones only together). True when the
-        head's logits stay vocab-parallel (the model computes its loss through loss_function)."""
+    def _vocab(self, layers: dict[str, Layer], modules) -> None:
+        """Vocab-parallel input embedding and LM head (tied ones only together). The head's
+        logits stay vocab-parallel where the model's loss can take them (``routes_loss``), else it gathers."""
         embed_cls = embedding_layer(modules[self.embedding_path]) if self.embedding_path else None
         head = modules.get(self.head_path) if self.head_path else None
         tied = (
@@ -142,12 +142,10 @@ class TpPlanPolicy(Policy):
         if not isinstance(head, nn.Linear) or (tied and self.embedding_path not in layers):
             if self.head_path in layers:
                 del layers[self.head_path]
-            return False
-        in_loss = routes_loss(self.model)  # else the head gathers: the model's own loss reads full logits
+            return
         layers[self.head_path] = Col_Layer(
-            self.head_path, replace_layer=VocabParallelLMHead1D, gather_output=not in_loss
+            self.head_path, replace_layer=VocabParallelLMHead1D, gather_output=not routes_loss(self.model)
         )
-        return in_loss
 
     def _per_rank(self, layers: dict[str, Layer], modules, tp: int, config) -> dict[str, object]:
         """Head counts read by the modules whose outputs are now split by head, as per-rank values;
