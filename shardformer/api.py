@@ -3,11 +3,15 @@ transformers' own plan) and the layer stack (the family's anatomy), then lets th
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
+from shardformer.core.record import build_mesh
 from shardformer.models import layer_stack
 from shardformer.policies.auto import get_autopolicy
+from shardformer.policies.derived import DerivedPolicy, prove
 from shardformer.tensor_parallel.policy import Policy
 from shardformer.tensor_parallel.sharder import ModelSharder
 
@@ -16,9 +20,19 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
     """Shard ``model`` in place for tensor parallelism and return it.
 
     ``policy`` defaults to the built-in policy for the model's class (BERT, GPT-2, ViT, timm ViT),
-    else one derived from the model's transformers tensor-parallel plan. The sharded model records
+    else one derived from the model's transformers tensor-parallel plan, else one derived from the
+    model's structure and proven on a tiny copy of it first (exact, or refused with the first
+    diverging module). The sharded model records
     how it was sharded in ``model.shardformer`` (a ShardedModelInfo).
     """
     shard_config = shard_config or ShardConfig()
     policy = policy or get_autopolicy(model)
+    if type(policy) is DerivedPolicy and shard_config.tensor_parallel_size > 1:
+        policy.set_model(model)
+        policy.argument_policy(model.config, shard_config)  # refusals first, before any collective
+        shard_config.check_world()
+        mesh, group = build_mesh(shard_config)
+        if mesh is not None:
+            shard_config = dataclasses.replace(shard_config, mesh=mesh)
+        prove(model, shard_config.tensor_parallel_size, group)
     return ModelSharder(model, policy, shard_config, layers=layer_stack(model)).shard()

@@ -3,6 +3,8 @@ family record, and what models without a record get."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 
@@ -10,26 +12,46 @@ SEQ = 8  # tokens per sequence
 
 
 def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
-    """Random inputs for the model's main input, with labels where the head's name says what they are."""
+    """Random inputs for the model's main input (token ids, images, audio features; both towers of a
+    two-tower model; decoder ids of an encoder-decoder), with labels where the head's name says what they are."""
     g = torch.Generator().manual_seed(seed)
     config = getattr(model, "config", None)
     name = type(model).__name__
-    if getattr(model, "main_input_name", "input_ids") == "pixel_values" or not hasattr(model, "config"):
-        size = getattr(config, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", (224,))
-        size = size[0] if isinstance(size, (tuple, list)) else size
-        channels = getattr(config, "num_channels", None) or getattr(model, "in_chans", 3)
-        images = torch.randn(batch, channels, size, size, generator=g)
-        x = {"pixel_values": images} if config is not None else {"x": images}  # timm: positional
+    main = getattr(model, "main_input_name", "input_ids")
+    if main == "pixel_values" or not hasattr(model, "config"):
+        x = _images(model, config, batch, g)
+        x = x if config is not None else {"x": x["pixel_values"]}  # timm: positional
         if name.endswith("ForImageClassification"):
             x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
         return x
-    vocab = getattr(config, "vocab_size", None) or model.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (batch, SEQ), generator=g)
-    x = {"input_ids": ids}
-    if name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
+    if main == "input_features":  # speech: log-mel frames, twice the encoder's positions (a stride-2 conv)
+        frames = 2 * getattr(config, "max_source_positions", SEQ)
+        x = {"input_features": torch.randn(batch, config.num_mel_bins, frames, generator=g)}
+    else:
+        x = {"input_ids": torch.randint(0, _vocab(model, config), (batch, SEQ), generator=g)}
+    if "pixel_values" in inspect.signature(model.forward).parameters and "input_ids" in x:  # two towers (CLIP)
+        x.update(_images(model, getattr(config, "vision_config", config), batch, g))
+    ids = x.get("input_ids")
+    text_vocab = _vocab(model, config)
+    if getattr(config, "is_encoder_decoder", False):
+        targets = torch.randint(3, text_vocab, (batch, SEQ), generator=g)
+        x["labels" if name.endswith("ForConditionalGeneration") else "decoder_input_ids"] = targets
+    elif name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
         x["labels"] = ids.clone()
     elif name.endswith("ForSequenceClassification"):
         x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
     elif name.endswith("ForTokenClassification"):
         x["labels"] = torch.randint(0, config.num_labels, (batch, SEQ), generator=g)
     return x
+
+
+def _vocab(model: nn.Module, config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "vocab_size", None) or model.get_input_embeddings().num_embeddings
+
+
+def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
+    size = getattr(config, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", (224,))
+    size = size[0] if isinstance(size, (tuple, list)) else size
+    channels = getattr(config, "num_channels", None) or getattr(model, "in_chans", 3)
+    return {"pixel_values": torch.randn(batch, channels, size, size, generator=g)}

@@ -43,11 +43,14 @@ SIZES = {
 _FIT_TWO_LAYERS = {"full_attention_interval": 2, "num_kv_shared_layers": 0}
 _MLA = {"head_dim": SIZES["qk_rope_head_dim"], "num_key_value_heads": SIZES["num_attention_heads"]}
 _DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate")
+# keys of a saved config that its class recomputes (or refuses as arguments)
+_DERIVED = ("transformers_version", "architectures", "_name_or_path", "model_type", "dtype", "torch_dtype")
 
 
-def tiny_config(config_class, **overrides):
-    """``config_class`` with small sizes (only those it knows), every dropout 0, and ``overrides``."""
-    defaults = config_class().to_dict()
+def tiny_config(config_class, base: dict | None = None, **overrides):
+    """``config_class`` with small sizes (only those it knows), every dropout 0, and ``overrides``;
+    ``base``: the values to start from (default: the class's defaults)."""
+    defaults = config_class().to_dict() if base is None else base
     aliases = getattr(config_class, "attribute_map", {})  # GPT-2 spells hidden_size n_embd
     kwargs = {aliases.get(k, k): v for k, v in SIZES.items() if aliases.get(k, k) in defaults}
     for key, value in defaults.items():
@@ -61,9 +64,70 @@ def tiny_config(config_class, **overrides):
         if key in defaults:
             kwargs[key] = value
     kwargs.update(overrides)
-    config = config_class(**kwargs)
+    config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
     types = getattr(config, "layer_types", None)
     if "layer_types" not in overrides and isinstance(types, list) and types and "full_attention" not in types:
         kwargs["layer_types"] = [*types[:-1], "full_attention"]  # a cache-holding attention layer for generate
-        config = config_class(**kwargs)
+        config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
     return config
+
+
+_ID_WORDS = ("token_id", "token_ids", "token_index")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+_VISION = {"image_size": 32, "patch_size": 8, "rotary_dim": 4}  # 16 patches; rotation inside a head of 8
+_POSITION_WORDS = ("position", "max_", "positions", "seq_len", "window")
+
+
+def tiny_copy_config(config, tp: int = 2):
+    """A small config of the same architecture as ``config`` (an instance, the user's): its own
+    choices kept (layouts, flags, activations), its sizes scaled down, heads enough for ``tp`` ranks.
+
+    Sizes the recipe knows get its values; other widths are scaled like the hidden size (an
+    ``ffn_dim`` of 4 hidden stays 4 hidden); positions become 64; token ids stay inside the vocabulary;
+    sub-configs (a vision and a text tower) are scaled the same way.
+    """
+    heads = max(4, 2 * tp)
+    sizes = dict(SIZES, num_attention_heads=heads, hidden_size=heads * SIZES["head_dim"])
+    sizes["intermediate_size"] = 2 * sizes["hidden_size"]
+    data = config.to_dict()
+    aliases = getattr(type(config), "attribute_map", {})
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    full_heads = getattr(text, "num_attention_heads", None)
+    out = {}
+    for key, value in data.items():
+        sub = getattr(config, key, None)
+        if hasattr(sub, "to_dict") and hasattr(sub, "model_type") and sub is not config:
+            out[key] = tiny_copy_config(sub, tp).to_dict()
+        elif isinstance(value, float) and any(w in key for w in _DROPOUT_WORDS):
+            out[key] = 0.0
+        elif not isinstance(value, int) or isinstance(value, bool):
+            continue
+        elif key in _KV_HEADS:
+            out[key] = heads if value == full_heads else min(value, tp)
+        elif key.endswith("heads") and value == full_heads or key.endswith("attention_heads"):
+            out[key] = heads
+        elif key.endswith("layers") and value > 2:
+            out[key] = 2
+        elif key in _VISION:
+            out[key] = min(value, _VISION[key])
+        elif key.endswith(_ID_WORDS):
+            out[key] = value if 0 <= value < VOCAB else SIZES["eos_token_id"]
+        elif any(w in key for w in _POSITION_WORDS) and value > 64:
+            out[key] = 64
+        elif value >= 128 and isinstance(hidden, int):
+            out[key] = max(SIZES["head_dim"], round(value * sizes["hidden_size"] / hidden))
+    for key, value in sizes.items():
+        name = aliases.get(key, key)
+        if name in data and not key.endswith("_id") and name not in _KV_HEADS:
+            out[name] = value
+    if "layer_types" in data:
+        out["layer_types"] = None
+    for key, value in _FIT_TWO_LAYERS.items():
+        if key in data:
+            out[key] = value
+    try:
+        return tiny_config(type(config), base=data, **out)
+    except Exception:  # noqa: BLE001 - a per-layer schedule that two layers cannot hold: keep the depth
+        depth = {k for k in data if k.endswith("layers") or k in _FIT_TWO_LAYERS or k == "layer_types"}
+        return tiny_config(type(config), base=data, **(out | {k: data[k] for k in depth}))

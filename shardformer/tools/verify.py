@@ -15,28 +15,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from shardformer.api import shard_model
 from shardformer.core.comm import gather_from_parallel
 from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL, compare_params, gather_like, max_error
 from shardformer.core.config import ShardConfig, check_positive_int
+from shardformer.core.divergence import ActivationRecorder, Divergence, first_divergence, first_tensor
 from shardformer.models import inputs_for
 from shardformer.policies.auto import get_autopolicy
-from shardformer.tensor_parallel.slicer import shard_spec
 from shardformer.tools.model_source import build_model, load_policy
 from shardformer.tools.testing import run_on_ranks
 from shardformer.tools.verify_pipeline import verify_pipeline_on_this_rank
-from shardformer.tools.verify_report import (
-    LR,
-    Check,
-    Divergence,
-    VerifyReport,
-    broadcast_weights,
-    first_tensor,
-    merge_reports,
-    params_check,
-)
+from shardformer.tools.verify_report import LR, Check, VerifyReport, broadcast_weights, merge_reports, params_check
 
 __all__ = [
     "ATOL",
@@ -62,69 +52,6 @@ BATCH, SEQ, NEW_TOKENS = 2, 8, 4
 # -- comparing activations --------------------------------------------------------------------------
 
 
-class ActivationRecorder:
-    """Forward hooks on every module: ``(name, output)`` in completion order (inner modules first)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.calls: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] = []
-        self.classes = {name: type(m).__name__ for name, m in model.named_modules()}
-        self.handles = [m.register_forward_hook(self._hook(name, m)) for name, m in model.named_modules()]
-
-    def _hook(self, name: str, module: nn.Module):
-        weight = getattr(module, "weight", None)
-        spec = shard_spec(weight) if torch.is_tensor(weight) else None
-        n_cast = (spec.blocks or spec.n_cast) if spec is not None else 1  # fused Q/K/V: gathered back block by block
-
-        def hook(_module, inputs, output):
-            t = first_tensor(output)
-            if t is not None and t.is_floating_point():
-                x = first_tensor(inputs)
-                x = x.detach().clone() if x is not None and x.is_floating_point() else None
-                self.calls.append((name, t.detach().clone(), n_cast, x))
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def first_divergence(ref: ActivationRecorder, sharded: ActivationRecorder, group) -> Divergence | None:
-    """Gather every sharded activation (the same collectives on every rank) and compare in order.
-
-    When the first diverging module's input already differs, no module computed the difference:
-    the code of its parent between submodules did, and the parent is named.
-    """
-    seen: dict[str, int] = {}
-    by_call = {}
-    for name, t, n_cast, x in sharded.calls:
-        k = seen[name] = seen.get(name, -1) + 1
-        by_call[(name, k)] = (t, n_cast, x)
-    seen.clear()
-    first = None
-    for name, expected, _, expected_in in ref.calls:
-        k = seen[name] = seen.get(name, -1) + 1
-        if (name, k) not in by_call:
-            continue
-        local, n_cast, local_in = by_call[(name, k)]
-        full = gather_like(local, expected.shape, group, n_cast)  # every rank gathers: no early exit
-        if full is None or first is not None:
-            continue
-        err, ok = max_error(full, expected, ATOL, RTOL)
-        if not ok:
-            first = Divergence(name, sharded.classes.get(name, "?"), err, tuple(expected.shape))
-            full_in = (
-                None if local_in is None or expected_in is None else gather_like(local_in, expected_in.shape, group)
-            )
-            if full_in is not None and not max_error(full_in, expected_in, ATOL, RTOL)[1]:
-                parent, _, child = name.rpartition(".")
-                first = Divergence(
-                    parent, sharded.classes.get(parent, "?"), max_error(full_in, expected_in, 0, 0)[0],
-                    tuple(expected_in.shape), before=child,
-                )  # fmt: skip
-    return first
-
-
 # -- one rank ---------------------------------------------------------------------------------------
 
 
@@ -145,8 +72,12 @@ def _loss_and_output(model, inputs, weights, group, full_shape):
 def _generate(model, inputs):
     config = model.config
     pad = next((v for v in (config.pad_token_id, config.eos_token_id, 0) if isinstance(v, int)), 0)
-    prompt = inputs["input_ids"][:, : SEQ // 2]
     kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad, "min_new_tokens": NEW_TOKENS}
+    main = getattr(model, "main_input_name", "input_ids")
+    if main != "input_ids":  # audio or images into an encoder-decoder: the decoder generates from its start token
+        with torch.no_grad():
+            return model.generate(**{main: inputs[main]}, **kwargs)
+    prompt = inputs["input_ids"][:, : SEQ // 2]
     with torch.no_grad():
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
 

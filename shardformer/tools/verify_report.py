@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.core.compare import ParamDiff
+from shardformer.core.divergence import Divergence, first_tensor  # noqa: F401 - re-exported
 
 LR = 0.1  # the one SGD step both runs compare
 
@@ -23,24 +24,6 @@ class Check:
     name: str
     ok: bool
     detail: str
-
-
-@dataclass
-class Divergence:
-    module: str
-    cls: str
-    error: float
-    shape: tuple
-    before: str | None = None  # the submodule whose input already differed: the parent's own code is wrong
-
-    def __str__(self) -> str:
-        name = f"{self.module or '(the model)'} ({self.cls})"
-        if self.before is None:
-            return f"{name}: its output {list(self.shape)} differs by up to {self.error:.3g}; every module before it matches"
-        return (
-            f"{name}, in its own forward code: the input {list(self.shape)} it passes to {self.before} differs by "
-            f"up to {self.error:.3g}, while every submodule before it matches"
-        )
 
 
 @dataclass
@@ -111,18 +94,3 @@ def broadcast_weights(model: nn.Module) -> None:
         for t in list(model.state_dict(keep_vars=True).values()):
             if torch.is_tensor(t):
                 dist.broadcast(t.data, src=0)
-
-
-def first_tensor(out) -> torch.Tensor | None:
-    """A model's main output: the tensor itself, ``logits`` of a ModelOutput, else its first tensor."""
-    if torch.is_tensor(out):
-        return out
-    if isinstance(out, dict):  # ModelOutput: logits first when there is a loss in front
-        if torch.is_tensor(out.get("logits")):
-            return out["logits"]
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        for item in out:
-            if torch.is_tensor(item):
-                return item
-    return None

@@ -1,0 +1,110 @@
+"""A model class's cut, derived once per (class, architecture, tp) from a tiny copy of it.
+
+The tiny copy is the user's config scaled down (:func:`~shardformer.models.tiny.tiny_copy_config`:
+the same layout choices, heads enough for tp). One traced forward says which projections read the
+stream and which write back (:mod:`.trace`); the in-process simulation chooses each group's fused
+blocks and per-rank attributes (:mod:`.simulate`). The result is a rule per block class: the
+user's model, whatever its depth and width, is cut by its blocks' classes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from shardformer.models.inputs import make_inputs
+from shardformer.models.tiny import tiny_copy_config
+from shardformer.policies.derived.simulate import find_cut
+from shardformer.policies.derived.trace import pair, trace
+
+logger = logging.getLogger("shardformer")
+
+
+class NotDerivableError(ValueError):
+    """The model's structure gives no exact cut (the reason says where and why)."""
+
+
+@dataclass
+class BlockRule:
+    """How every block of one class is cut (suffixes relative to the block)."""
+
+    cols: dict[str, int | tuple[str, ...]] = field(default_factory=dict)  # fused blocks per column
+    rows: set[str] = field(default_factory=set)
+    whole: set[str] = field(default_factory=set)
+    divide: set[str] = field(default_factory=set)  # int attributes (or config.X of a module) / tp
+
+
+@dataclass
+class Derivation:
+    rules: dict[type, BlockRule]
+    refused: list[str]  # groups no candidate cut computes exactly, with why
+
+
+_CACHE: dict[tuple, Derivation] = {}
+
+
+def tiny_copy(model: nn.Module, tp: int, seed: int = 0) -> nn.Module:
+    """A tiny random model of ``model``'s class and architecture (the caller's RNG left as it was)."""
+    config = tiny_copy_config(model.config, tp)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tiny = type(model)(config)
+    return tiny.eval()
+
+
+def _key(model: nn.Module, tp: int) -> tuple:
+    config = tiny_copy_config(model.config, tp)
+    return type(model), tp, json.dumps(config.to_dict(), sort_keys=True, default=str)
+
+
+def derive(model: nn.Module, tp: int) -> Derivation:
+    """The cut of ``model``'s class at ``tp`` (cached), read off a tiny copy."""
+    key = _key(model, tp)
+    if key not in _CACHE:
+        _CACHE[key] = _derive(model, tp)
+    return _CACHE[key]
+
+
+def _derive(model: nn.Module, tp: int) -> Derivation:
+    try:
+        tiny = tiny_copy(model, tp)
+    except Exception as e:  # noqa: BLE001 - any config the class refuses at small sizes
+        raise NotDerivableError(f"a tiny {type(model).__name__} cannot be built from a scaled-down config: {e}") from e
+    tiny.config.use_cache = False
+    inputs = make_inputs(tiny, seed=0)
+    inputs.pop("labels", None)
+    if "decoder_input_ids" not in inputs and getattr(tiny.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = inputs.get("input_ids", torch.ones(2, 8, dtype=torch.long))
+    try:
+        flows = trace(tiny, inputs)
+    except Exception as e:  # noqa: BLE001
+        raise NotDerivableError(f"a tiny {type(model).__name__} does not run: {type(e).__name__}: {e}") from e
+    if not flows.blocks:
+        raise NotDerivableError(f"{type(model).__name__} has no stack of repeated blocks with projections to cut")
+    rules: dict[type, BlockRule] = {}
+    refused: list[str] = []
+    for block in flows.blocks:
+        rule = rules.setdefault(type(tiny.get_submodule(block)), BlockRule())
+        reads = flows.reads.get(block, {})
+        groups, whole = pair(reads)
+        rule.whole |= set(whole) - set(rule.cols) - rule.rows
+        for group in groups:
+            if group.row in rule.rows and all(c in rule.cols for c in group.cols):
+                continue  # decided on an earlier block of this class
+            cut, why = find_cut(tiny, block, group, tp, inputs)
+            if cut is None:
+                refused.append(
+                    f"{type(tiny.get_submodule(block)).__name__}: {', '.join(group.cols)} -> {group.row}: {why}"
+                )
+                rule.whole |= {*group.cols, group.row}
+                continue
+            rule.cols.update(cut.blocks)
+            rule.rows.add(group.row)
+            rule.divide |= set(cut.divide)
+    for rule in rules.values():
+        rule.whole -= set(rule.cols) | rule.rows
+    return Derivation(rules, refused)

@@ -1,0 +1,121 @@
+"""``DerivedPolicy``: the policy of a model with neither a built-in policy nor a transformers plan.
+
+Its cut comes from the model's own structure, read off a tiny copy (:mod:`.derive`); every block
+of the user's model is cut by its class's rule. The input embedding and the LM head become
+vocab-parallel as on the plan route. ``shard_model`` proves the policy on the tiny copy, sharded
+against unsharded on the same ranks, before it cuts the user's model (:mod:`.proof`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch.nn as nn
+
+from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive
+from shardformer.policies.derived.simulate import resolve_blocks
+from shardformer.policies.derived.trace import is_projection, repeated_blocks
+from shardformer.policies.tp_plan.lm import embedding_layer
+from shardformer.policies.tp_plan.policy import TpPlanPolicy, _check_sizes
+from shardformer.tensor_parallel.detect import find_ties
+from shardformer.tensor_parallel.layers.linear import is_conv1d
+from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer, divide
+from shardformer.tensor_parallel.slicer import make_spec
+
+HOW_TO = "write a Policy for it (README: 'A custom Policy') and pass it: shard_model(model, config, policy=...)"
+
+
+class DerivedPolicy(TpPlanPolicy):
+    """Cuts any transformers model by the roles its projections play in a traced tiny copy."""
+
+    def argument_policy(self, config, shard_config):
+        model, tp = self.model, shard_config.tensor_parallel_size
+        if getattr(model, "config", None) is None:
+            raise NotDerivableError(f"{type(model).__name__} has no transformers config to build a tiny copy from")
+        derivation = derive(model, tp)
+        if derivation.refused:
+            raise NotDerivableError(
+                f"no exact cut of {type(model).__name__} at tensor_parallel_size={tp} was found for:\n  "
+                + "\n  ".join(dict.fromkeys(derivation.refused))
+                + f"\n(the rest of the model would shard, but shardformer does not leave projections whole "
+                f"without a word); {HOW_TO}"
+            )
+        modules = dict(model.named_modules())
+        layers: dict[str, Layer] = {}
+        attrs: dict[str, object] = {}
+        for block in repeated_blocks(model):
+            rule = derivation.rules.get(type(modules[block]))
+            if rule is None:
+                raise NotDerivableError(
+                    f"{block} ({type(modules[block]).__name__}) did not appear in the tiny copy of "
+                    f"{type(model).__name__}, so no cut of it was proven; {HOW_TO}"
+                )
+            self._cut_block(block, modules, rule, tp, model.config, layers, attrs)
+        if not layers:
+            raise NotDerivableError(f"no projection of {type(model).__name__} reads and writes a block's stream")
+        _check_sizes(layers, modules, tp)
+        self._vocab(layers, modules)
+        self._tied_embeddings(layers, modules)
+        found = list(layers.values())
+        return {type(model): Argument(attrs, [lambda: found])}
+
+    def _tied_embeddings(self, layers: dict[str, Layer], modules) -> None:
+        """Embeddings tied to the cut input embedding (an encoder's and a decoder's, sharing one
+        matrix) are cut alike; if one of them cannot be, the vocabulary stays whole everywhere."""
+        if self.embedding_path not in layers:
+            return
+        for names in find_ties(self.model):
+            paths = [n.rpartition(".")[0] for n in names]
+            if self.embedding_path not in paths:
+                continue
+            for path in paths:
+                if path in layers:
+                    continue
+                embed_cls = embedding_layer(modules[path])
+                if embed_cls is None:
+                    for cut in (*paths, self.head_path):
+                        layers.pop(cut, None)
+                    return
+                layers[path] = Col_Layer(path, bias=None, replace_layer=embed_cls)
+
+    @staticmethod
+    def _cut_block(block, modules, rule: BlockRule, tp, config, layers, attrs) -> None:
+        inside = {rel: m for rel, m in modules[block].named_modules() if rel and is_projection(m)}
+        unknown = sorted(set(inside) - set(rule.cols) - rule.rows - rule.whole)
+        if unknown:
+            raise NotDerivableError(
+                f"{block} ({type(modules[block]).__name__}) has projections the tiny copy did not run: {unknown}; "
+                f"{HOW_TO}"
+            )
+        for rel, spec in rule.cols.items():
+            if rel not in inside:
+                continue
+            module = inside[rel]
+            width = module.weight.shape[1 if is_conv1d(module) else 0]
+            n_cast = resolve_blocks(spec, width, config)
+            try:
+                make_spec((width,), 0, 0, tp, n_cast)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{block}.{rel}: output width {width} in blocks {n_cast}: {e}") from None
+            layers[f"{block}.{rel}"] = Col_Layer(f"{block}.{rel}", n_cast=n_cast, reversed=is_conv1d(module))
+        for rel in rule.rows:
+            if rel in inside:
+                layers[f"{block}.{rel}"] = Row_Layer(f"{block}.{rel}", reversed=is_conv1d(inside[rel]))
+        local_configs: dict[str, object] = {}
+        for dotted in sorted(rule.divide):
+            owner, _, name = dotted.rpartition(".")
+            if owner == "config" or owner.endswith(".config"):
+                module_path = f"{block}.{owner[: -len('config')].rstrip('.')}".rstrip(".")
+                key = f"{module_path}.config"
+                local = local_configs.setdefault(key, copy.copy(modules[module_path].config))
+                setattr(local, name, divide(getattr(local, name), tp, f"{key}.{name}"))
+                attrs[key] = local
+            else:
+                owner_path = f"{block}.{owner}".rstrip(".")
+                value = getattr(modules[owner_path], name)
+                attrs[f"{owner_path}.{name}"] = divide(value, tp, f"{owner_path}.{name}")
+
+
+def derived_model(model: nn.Module) -> bool:
+    """Whether ``model`` could take the derived route at all (a transformers model with blocks)."""
+    return getattr(model, "config", None) is not None and bool(repeated_blocks(model))

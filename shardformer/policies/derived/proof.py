@@ -1,0 +1,96 @@
+"""The proof a derived policy passes before it cuts the user's model.
+
+On the ranks that will hold the model, a tiny copy of its class and architecture is sharded with
+the derived policy and run against the unsharded tiny copy on the same inputs: outputs, loss and
+every gradient (gathered) must match within the one tolerance table. Every rank reaches the same
+verdict (one all-reduce), and the verdict is cached per model class, architecture and tp. A policy
+that is not exact is refused, naming the first module whose output diverges.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from shardformer.core.comm import all_reduce, gather_from_parallel
+from shardformer.core.compare import compare_params, max_error
+from shardformer.core.config import ShardConfig
+from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
+from shardformer.models.inputs import make_inputs
+from shardformer.policies.derived.derive import NotDerivableError, _key, tiny_copy
+from shardformer.policies.derived.policy import HOW_TO, DerivedPolicy
+from shardformer.tensor_parallel.sharder import ModelSharder
+
+logger = logging.getLogger("shardformer")
+
+_VERDICTS: dict[tuple, str | None] = {}  # None: proven; else why not
+
+
+class NotProvenError(NotDerivableError):
+    """The derived policy ran on the tiny copy and was not exact."""
+
+
+def prove(model: nn.Module, tp: int, group) -> None:
+    """Raise :class:`NotProvenError` on every rank unless the derived policy is exact on a tiny copy."""
+    key = _key(model, tp)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _prove(model, tp, group)
+        if _VERDICTS[key] is None:
+            logger.info(
+                "derived policy for %s proven at tp=%d on a tiny copy: outputs, loss and gradients exact",
+                type(model).__name__,
+                tp,
+            )
+    if _VERDICTS[key] is not None:
+        raise NotProvenError(_VERDICTS[key])
+
+
+def _device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return torch.device("cpu") if param is None or param.device.type == "meta" else param.device
+
+
+def _main_output(out):
+    return first_tensor(out), (out.get("loss") if isinstance(out, dict) else None)
+
+
+def _prove(model: nn.Module, tp: int, group) -> str | None:
+    device = _device(model)
+    ref, tiny = tiny_copy(model, tp).to(device), tiny_copy(model, tp).to(device)
+    ref.train(), tiny.train()  # the training path, dropout already 0 in the tiny copy
+    sharded = ModelSharder(tiny, DerivedPolicy(), ShardConfig(tensor_parallel_process_group=group)).shard()
+    inputs = {k: v.to(device) for k, v in make_inputs(ref, seed=1).items()}
+    failures: list[str] = []
+    rec_ref, rec_sh = ActivationRecorder(ref), ActivationRecorder(sharded)
+    with torch.random.fork_rng(devices=[]):
+        ref_main, ref_loss = _main_output(ref(**inputs))
+        main, loss = _main_output(sharded(**inputs))
+    rec_ref.remove(), rec_sh.remove()
+    if main.shape != ref_main.shape:
+        main = gather_from_parallel(main, group, ref_main.shape[-1])
+    weights = torch.randn(ref_main.shape, generator=torch.Generator().manual_seed(2)).to(device)
+    if ref_loss is None:  # no loss of its own: a fixed random projection of the output
+        ref_loss, loss = (ref_main.float() * weights).sum(), (main.float() * weights).sum()
+    divergence = first_divergence(rec_ref, rec_sh, group)
+    err, ok = max_error(main, ref_main)
+    if not ok:
+        failures.append(f"outputs differ by {err:.2e}")
+    err, ok = max_error(loss, ref_loss)
+    if not ok:
+        failures.append(f"loss differs by {err:.2e}")
+    ref_loss.backward(), loss.backward()
+    for diff in compare_params(ref, sharded, group, grads=True):
+        if diff.only_in is not None or not diff.ok:
+            failures.append(f"gradient of {diff.name} differs" + ("" if diff.only_in else f" by {diff.error:.2e}"))
+    verdict = torch.tensor([float(len(failures))], device=device)
+    verdict = all_reduce(verdict, group)  # every rank refuses, or none
+    if verdict.item() == 0:
+        return None
+    where = f"first diverging module: {divergence}" if divergence else "no single module diverges first"
+    listed = "; ".join(failures[:3]) or "another rank saw a difference"
+    return (
+        f"the derived policy for {type(model).__name__} is not exact on a tiny copy at tensor_parallel_size={tp} "
+        f"({listed}); {where}. shardformer refuses to shard it this way; {HOW_TO}"
+    )

@@ -1,0 +1,255 @@
+"""How a column/row group is cut, found by running each rank's share of it in this one process.
+
+For a group (column projections feeding one row projection, inside one block) the module that holds
+them all is copied once per rank; in each copy the columns keep this rank's output features, the
+row this rank's input features, and the head counts and widths the module's code reads become
+per-rank values. Run on the recorded inputs, the copies' row outputs, summed (what the row layer's
+all-reduce does), must equal the row's output in the whole model. Candidate cuts are tried from the
+simplest: every column split evenly, then fused blocks (``[Q | K | V]`` in 3, ``[gate | up]`` in 2,
+``[Q | K | V]`` sized by the head counts); the attribute set with and without the widths equal to the
+stream's. No collective runs: this only chooses; the proof on ranks (:mod:`.proof`) confirms.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from shardformer.core.compare import ATOL, RTOL, max_error
+from shardformer.core.shard_spec import make_spec, slice_tensor
+from shardformer.policies.derived.trace import Group, in_width, is_projection, out_width
+from shardformer.tensor_parallel.detect import attributes_read, is_head_count
+from shardformer.tensor_parallel.layers.linear import is_conv1d
+
+MAX_ATTRIBUTES = 6  # candidates tried in every subset: 64 sets at most
+
+
+@dataclass
+class Cut:
+    """A group's cut: fused blocks per column (1: even), and the attributes to divide by tp, all
+    relative to the block (``config.X`` for a count read through the module's config)."""
+
+    blocks: dict[str, int | tuple[str, ...]] = field(default_factory=dict)  # col -> n or ("heads",)
+    divide: tuple[str, ...] = ()
+
+
+def common_parent(paths: list[str]) -> str:
+    parts = [p.split(".")[:-1] for p in paths]
+    prefix = []
+    for items in zip(*parts):
+        if len(set(items)) != 1:
+            break
+        prefix.append(items[0])
+    return ".".join(prefix)
+
+
+def _rel(path: str, parent: str) -> str:
+    return path[len(parent) + 1 :] if parent else path
+
+
+def _weight_out_in(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    w = module.weight.detach()
+    return (w.t() if is_conv1d(module) else w), (None if module.bias is None else module.bias.detach())
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer
+
+
+def head_blocks(width: int, config) -> tuple[int, int, int] | None:
+    """``(q, k, v)`` widths of a fused projection sized by the head counts of ``config``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int) or not isinstance(kv, int) or kv == heads or not heads:
+        return None
+    if width % (heads + 2 * kv):
+        return None
+    d = width // (heads + 2 * kv)
+    return heads * d, kv * d, kv * d
+
+
+def resolve_blocks(spec, width: int, config) -> int | tuple[int, ...]:
+    return head_blocks(width, config) if spec == ("heads",) else spec
+
+
+def _fits(width: int, blocks, tp: int) -> bool:
+    if blocks is None:
+        return False
+    sizes = blocks if isinstance(blocks, tuple) else (width // blocks,) * blocks if width % blocks == 0 else None
+    return sizes is not None and all(s % tp == 0 and s >= tp for s in sizes)
+
+
+def _candidates(width: int, config, tp: int) -> list:
+    out = [n for n in (1, 3, 2) if _fits(width, n, tp)]
+    if _fits(width, head_blocks(width, config), tp):
+        out.append(("heads",))
+    return out
+
+
+def _int_attrs(obj) -> dict[str, int]:
+    return {k: v for k, v in vars(obj).items() if type(v) is int and not k.startswith("_")}
+
+
+def attribute_candidates(parent: nn.Module, widths: set[int], tp: int) -> list[str]:
+    """Ints the parent's subtree reads in forward that count heads or equal a cut width (relative
+    dotted names; ``config.X`` for the module's config)."""
+    found = []
+    for rel, module in parent.named_modules():
+        read = attributes_read(type(module))
+        prefix = f"{rel}." if rel else ""
+        for name, value in _int_attrs(module).items():
+            counts = is_head_count(name) or value in widths
+            if (read is None or name in read) and value > 1 and value % tp == 0 and counts:
+                found.append(prefix + name)
+        config = getattr(module, "config", None)
+        if config is not None and read is not None and rel == "":
+            for name in sorted(r[7:] for r in read if r.startswith("config.")):
+                value = getattr(config, name, None)
+                if type(value) is int and value > 1 and value % tp == 0 and (is_head_count(name) or value in widths):
+                    found.append(f"config.{name}")
+    return found
+
+
+def apply_attributes(parent: nn.Module, names, tp: int) -> None:
+    """Divide each named int of ``parent``'s subtree by ``tp`` (a module's config: on its own copy)."""
+    copied: set[int] = set()
+    for dotted in names:
+        owner_path, _, name = dotted.rpartition(".")
+        if owner_path.endswith("config") or owner_path == "config":
+            module_path = owner_path[: -len("config")].rstrip(".")
+            module = parent.get_submodule(module_path) if module_path else parent
+            if id(module) not in copied:
+                module.config = copy.copy(module.config)
+                copied.add(id(module))
+            setattr(module.config, name, getattr(module.config, name) // tp)
+        else:
+            owner = parent.get_submodule(owner_path) if owner_path else parent
+            setattr(owner, name, getattr(owner, name) // tp)
+
+
+def record_calls(model: nn.Module, paths: list[str], inputs: dict) -> dict[str, tuple]:
+    """``{path: (args, kwargs, output)}`` of the first call of each module in one forward."""
+    seen: dict[str, tuple] = {}
+    handles = []
+    for path in paths:
+        module = model.get_submodule(path)
+
+        def hook(_m, args, kwargs, out, path=path):
+            seen.setdefault(path, (copy.deepcopy(args), copy.deepcopy(kwargs), out))
+
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _run_ranks(parent, row_rel, col_rels, blocks, divide, tp, args, kwargs, config) -> torch.Tensor:
+    """Sum of the row's outputs over ``tp`` simulated ranks (without the row's bias)."""
+    total = None
+    for rank in range(tp):
+        local = copy.deepcopy(parent)
+        for rel in col_rels:
+            module = local.get_submodule(rel)
+            w, b = _weight_out_in(module)
+            spec = make_spec(w.shape, 0, rank, tp, resolve_blocks(blocks[rel], w.shape[0], config))
+            local.set_submodule(rel, _linear(slice_tensor(w, spec), None if b is None else slice_tensor(b, spec)))
+        row = local.get_submodule(row_rel)
+        w, _ = _weight_out_in(row)
+        local_row = _linear(slice_tensor(w, make_spec(w.shape, 1, rank, tp)), None)
+        captured: list[torch.Tensor] = []
+        local_row.register_forward_hook(lambda _m, _a, out, into=captured: into.append(out))
+        local.set_submodule(row_rel, local_row)
+        apply_attributes(local, divide, tp)
+        with torch.no_grad():
+            local(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+        if len(captured) != 1:
+            raise RuntimeError(f"the row projection ran {len(captured)} times")
+        total = captured[0] if total is None else total + captured[0]
+    return total
+
+
+def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) -> tuple[Cut | None, str]:
+    """The simplest cut under which ``tp`` simulated ranks compute the group exactly, or None and why."""
+    cols = [f"{block}.{c}" for c in group.cols]
+    row = f"{block}.{group.row}"
+    parent_path = common_parent([*cols, row])
+    parent = model.get_submodule(parent_path) if parent_path else model
+    calls = record_calls(model, [parent_path, row], inputs)
+    if parent_path not in calls or row not in calls:
+        return None, "the group did not run in the recorded forward"
+    args, kwargs, _ = calls[parent_path]
+    expected = calls[row][2]
+    row_module = model.get_submodule(row)
+    row_bias = getattr(row_module, "bias", None)
+    stream_width = out_width(row_module)  # the row writes back into the stream
+    col_modules = {c: model.get_submodule(c) for c in cols}
+    widths = {in_width(row_module)} | {out_width(m) for m in col_modules.values()}
+    per_col = []
+    for path, module in col_modules.items():
+        options = _candidates(out_width(module), model.config, tp)
+        if not options:
+            return None, f"{path}: output width {out_width(module)} does not split over tp={tp}"
+        per_col.append(options)
+        for n in options:
+            if isinstance(n, int) and n > 1:
+                widths.add(out_width(module) // n)
+    if in_width(row_module) % tp:
+        return None, f"{row}: input width {in_width(row_module)} does not split over tp={tp}"
+    names = attribute_candidates(parent, widths, tp)
+    # every subset of the candidates, the largest first, those keeping the stream's width whole first
+    subsets = [c for k in range(len(names), -1, -1) for c in itertools.combinations(names[:MAX_ATTRIBUTES], k)]
+    attr_sets = sorted(subsets, key=lambda c: (-len(c), sum(_value(parent, n) == stream_width for n in c)))
+    col_rels = [_rel(c, parent_path) for c in cols]
+    errors: list[str] = []
+    for choice in sorted(itertools.product(*per_col), key=_cost):
+        blocks = dict(zip(col_rels, choice))
+        for divide in attr_sets:
+            try:
+                got = _run_ranks(
+                    parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, model.config
+                )
+            except Exception as e:  # noqa: BLE001 - a cut the code cannot run is a rejected candidate
+                errors.append(f"{_describe(blocks, divide)}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            if row_bias is not None:
+                got = got + row_bias.detach()
+            if got.shape == expected.shape and max_error(got, expected, ATOL, RTOL)[1]:
+                by_block = {_rel(c, block): n for c, n in zip(cols, choice)}
+                prefix = _rel(parent_path, block) if parent_path != block else ""
+                return Cut(by_block, tuple(f"{prefix}.{n}" if prefix else n for n in divide)), ""
+            errors.append(f"{_describe(blocks, divide)}: the ranks' summed output differs from the group's")
+    return None, errors[0] if errors else "no candidate cut"
+
+
+def _describe(blocks: dict, divide) -> str:
+    fused = {k: v for k, v in blocks.items() if v != 1}
+    return f"cut {fused or 'evenly'}, dividing {list(divide) or 'no attributes'}"
+
+
+def _cost(choice) -> tuple:
+    return tuple(0 if n == 1 else 1 for n in choice), tuple(str(n) for n in choice)
+
+
+def _value(parent: nn.Module, dotted: str) -> int:
+    obj = parent
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def projections(module: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in module.named_modules() if name and is_projection(m)}

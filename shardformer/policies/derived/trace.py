@@ -1,0 +1,192 @@
+"""What each projection of a model does, read off one recorded forward of a tiny copy.
+
+The model's repeated blocks (the items of a ``ModuleList`` holding several modules of one class:
+encoder and decoder layers, vision and text towers) are found from its module tree. One forward
+runs under a ``TorchFunctionMode`` that follows, for every tensor inside a block, two facts: does it
+still carry the block's **stream** (a block input as wide as a projection reads) without passing
+through a projection, and which projections' outputs it was computed from (the nearest ones).
+Then, per projection (``nn.Linear`` or transformers' ``Conv1D``):
+
+- it reads the stream: **column** candidate (attention's q / k / v, an MLP's first layer, keys and
+  values of cross-attention read from the encoder's states);
+- it reads only other projections' outputs: **row** candidate, paired with those projections
+  (attention's output projection after q / k / v, an MLP's second layer);
+- it reads neither (a projection of position or time embeddings): left whole.
+
+Names never decide: a model whose projections are renamed is traced the same.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from shardformer.tensor_parallel.layers.linear import is_conv1d
+
+
+def is_projection(module: nn.Module) -> bool:
+    return type(module) is nn.Linear or is_conv1d(module)
+
+
+def in_width(module: nn.Module) -> int:
+    return module.in_features if isinstance(module, nn.Linear) else module.weight.shape[0]
+
+
+def out_width(module: nn.Module) -> int:
+    return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[1]
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Paths of the items of every ``ModuleList`` that holds at least two modules of one class with
+    projections inside, outermost lists only (experts inside a layer belong to their layer)."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or any(name.startswith(b + ".") for b in found):
+            continue
+        classes = defaultdict(list)
+        for index, item in enumerate(module):
+            if any(is_projection(m) for m in item.modules()) and list(item.children()):
+                classes[type(item)].append(f"{name}.{index}" if name else str(index))
+        found += [path for paths in classes.values() if len(paths) >= 2 for path in paths]
+    return found
+
+
+@dataclass
+class Flow:
+    """A tensor's facts: does it carry the block's stream, and from which projections it was computed."""
+
+    stream: bool = False
+    sources: frozenset[str] = frozenset()
+
+    def __or__(self, other: Flow) -> Flow:
+        return Flow(self.stream or other.stream, self.sources | other.sources)
+
+
+class FlowMode(TorchFunctionMode):
+    """Propagates :class:`Flow` through every torch function called while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flows: dict[int, Flow] = {}
+        self.alive: list[torch.Tensor] = []  # ids stay unique while the trace runs
+
+    def get(self, t) -> Flow | None:
+        return self.flows.get(id(t)) if torch.is_tensor(t) else None
+
+    def set(self, t: torch.Tensor, flow: Flow) -> None:
+        self.flows[id(t)] = flow
+        self.alive.append(t)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flows = [f for t in tree_leaves((args, kwargs)) if (f := self.get(t)) is not None]
+        if flows:
+            merged = Flow()
+            for f in flows:
+                merged = merged | f
+            for t in tree_leaves(out):
+                if torch.is_tensor(t):
+                    self.set(t, merged)
+        return out
+
+
+@dataclass
+class Trace:
+    """Per block path: each projection's input flow (relative suffix -> Flow), in call order."""
+
+    blocks: list[str]
+    reads: dict[str, dict[str, Flow]] = field(default_factory=dict)
+    leaf_reads: dict[str, dict[str, Flow]] = field(default_factory=dict)  # other leaves with parameters
+
+
+def _leaf_with_params(module: nn.Module) -> bool:
+    return not list(module.children()) and any(True for _ in module.parameters(recurse=False))
+
+
+def trace(model: nn.Module, inputs: dict) -> Trace:
+    """One forward of ``model`` on ``inputs``, following the flows inside every repeated block."""
+    blocks = repeated_blocks(model)
+    result = Trace(blocks)
+    mode = FlowMode()
+    handles = []
+    current: list[str] = []
+
+    def enter_block(path: str, block: nn.Module):
+        widths = {in_width(m) for m in block.modules() if is_projection(m)}
+
+        def hook(_m, args, kwargs):
+            mode.flows.clear()
+            current.append(path)
+            result.reads.setdefault(path, {})
+            result.leaf_reads.setdefault(path, {})
+            for t in tree_leaves((args, kwargs)):
+                if torch.is_tensor(t) and t.is_floating_point() and t.dim() >= 2 and t.shape[-1] in widths:
+                    mode.set(t, Flow(stream=True))
+
+        return hook
+
+    def leave_block(_m, _args, _out):
+        current.pop()
+
+    def leaf_hooks(block_path: str, rel: str, module: nn.Module):
+        reads = result.reads if is_projection(module) else result.leaf_reads
+
+        def before(_m, args):
+            if current and current[-1] == block_path:
+                x = next((t for t in tree_leaves(args) if torch.is_tensor(t)), None)
+                flow = mode.get(x) or Flow()
+                reads[block_path][rel] = reads[block_path].get(rel, Flow()) | flow
+
+        def after(_m, _args, out):
+            if current and current[-1] == block_path and is_projection(module):
+                for t in tree_leaves(out):
+                    if torch.is_tensor(t):
+                        mode.set(t, Flow(sources=frozenset([rel])))
+
+        return before, after
+
+    modules = dict(model.named_modules())
+    try:
+        for path in blocks:
+            block = modules[path]
+            handles.append(block.register_forward_pre_hook(enter_block(path, block), with_kwargs=True))
+            handles.append(block.register_forward_hook(leave_block))
+            for rel, m in block.named_modules():
+                if rel and (is_projection(m) or _leaf_with_params(m)):
+                    before, after = leaf_hooks(path, rel, m)
+                    handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
+        with mode, torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return result
+
+
+@dataclass
+class Group:
+    """Column projections that feed one row projection, relative to their block."""
+
+    cols: tuple[str, ...]
+    row: str
+
+
+def pair(reads: dict[str, Flow]) -> tuple[list[Group], list[str]]:
+    """The column/row groups of one block's projections, and the projections left whole (with why)."""
+    cols = {rel for rel, f in reads.items() if f.stream}
+    rows = {rel: f.sources for rel, f in reads.items() if not f.stream and f.sources}
+    groups = [Group(tuple(sorted(src)), row) for row, src in rows.items() if src <= cols]
+    used: dict[str, int] = defaultdict(int)
+    for g in groups:
+        for c in g.cols:
+            used[c] += 1
+    # a column feeding two rows, or a row fed by a non-column, is not a plain pair: left whole
+    groups = [g for g in groups if all(used[c] == 1 for c in g.cols)]
+    paired = {c for g in groups for c in g.cols} | {g.row for g in groups}
+    return groups, [rel for rel in reads if rel not in paired]
