@@ -31,8 +31,8 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
         policy.set_model(model)
         policy.argument_policy(model.config, shard_config)  # refusals first, before any collective
         shard_config.check_world()
-        mesh, group = build_mesh(shard_config)
+        mesh, _ = build_mesh(shard_config)  # once: the proof and the model use the same tp group
         if mesh is not None:
             shard_config = dataclasses.replace(shard_config, mesh=mesh)
-        prove(model, shard_config.tensor_parallel_size, group)
+        prove(model, shard_config)
     return ModelSharder(model, policy, shard_config, layers=layer_stack(model)).shard()

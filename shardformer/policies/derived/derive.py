@@ -36,6 +36,7 @@ class BlockRule:
     rows: set[str] = field(default_factory=set)
     whole: set[str] = field(default_factory=set)
     divide: set[str] = field(default_factory=set)  # int attributes (or config.X of a module) / tp
+    grad_sum: set[str] = field(default_factory=set)  # replicated leaves that run on this rank's heads only
 
 
 @dataclass
@@ -67,6 +68,18 @@ def derive(model: nn.Module, tp: int) -> Derivation:
     if key not in _CACHE:
         _CACHE[key] = _derive(model, tp)
     return _CACHE[key]
+
+
+def _between_cols_and_rows(leaf_reads, rule: BlockRule, block: nn.Module) -> set[str]:
+    """Leaves with parameters that read only split activations (a per-head norm between q and the
+    attention): their weights stay whole, and each rank's gradient covers its own heads only."""
+    found = set()
+    for rel, flow in leaf_reads.items():
+        if flow.stream or not flow.sources or not flow.sources <= set(rule.cols):
+            continue
+        if all(p.dim() <= 1 for p in block.get_submodule(rel).parameters()):
+            found.add(rel)
+    return found
 
 
 def _derive(model: nn.Module, tp: int) -> Derivation:
@@ -105,6 +118,7 @@ def _derive(model: nn.Module, tp: int) -> Derivation:
             rule.cols.update(cut.blocks)
             rule.rows.add(group.row)
             rule.divide |= set(cut.divide)
+        rule.grad_sum |= _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block))
     for rule in rules.values():
         rule.whole -= set(rule.cols) | rule.rows
     return Derivation(rules, refused)

@@ -17,6 +17,7 @@ from shardformer.policies.derived.simulate import resolve_blocks
 from shardformer.policies.derived.trace import is_projection, repeated_blocks
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy, _check_sizes
+from shardformer.policies.tp_plan.styles import GradAllReduce
 from shardformer.tensor_parallel.detect import find_ties
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer, divide
@@ -101,6 +102,9 @@ class DerivedPolicy(TpPlanPolicy):
         for rel in rule.rows:
             if rel in inside:
                 layers[f"{block}.{rel}"] = Row_Layer(f"{block}.{rel}", reversed=is_conv1d(inside[rel]))
+        for rel in rule.grad_sum:
+            if rel in dict(modules[block].named_modules()):
+                layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=GradAllReduce)
         local_configs: dict[str, object] = {}
         for dotted in sorted(rule.divide):
             owner, _, name = dotted.rpartition(".")
