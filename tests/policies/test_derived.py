@@ -1,0 +1,102 @@
+"""The derived route: models with neither a built-in policy nor a tp plan, cut by what their
+projections do in a traced tiny copy and proven on the ranks before use.
+
+One representative per layout kind: separate q/k/v (OPT, a decoder), cross-attention (BART, an
+encoder-decoder with tied scaled embeddings), a post-norm encoder with a masked-LM head (RoBERTa),
+two towers (CLIP), audio into an encoder-decoder (Whisper), and fused ``[Q | K | V]`` and
+``[gate | up]`` projections whose names lie about their roles. Each is compared with the unsharded
+model by ``verify`` (outputs, loss, gradients, weights after a step, greedy generate)."""
+
+from __future__ import annotations
+
+import torch
+
+from shardformer.policies.auto import get_autopolicy
+from shardformer.policies.derived import DerivedPolicy, derive
+from shardformer.policies.derived.trace import pair, repeated_blocks, trace
+from shardformer.tools.testing import run_on_ranks
+from tests.policies.derived_models import factory, liar, transformers_model
+
+EXACT = [
+    ("liar", {}),
+    ("liar", {"head_norm": True}),
+    ("OPTForCausalLM", {}),
+    ("BartForConditionalGeneration", {}),
+    ("RobertaForMaskedLM", {}),
+    ("CLIPModel", {}),
+    ("WhisperForConditionalGeneration", {}),
+]
+
+
+def test_roles_come_from_the_dataflow_not_the_names():
+    model = liar()
+    flows = trace(model, {"input_ids": torch.randint(0, 99, (2, 6))})
+    assert flows.blocks == ["layers.0", "layers.1", "layers.2"]
+    groups, whole = pair(flows.reads["layers.0"])
+    assert {(g.cols, g.row) for g in groups} == {(("mixer.down_proj",), "mixer.q_proj"), (("o_proj",), "up_proj")}
+    assert whole == []
+
+
+def test_fused_blocks_and_per_rank_attributes_are_found_by_simulation():
+    rule = derive(liar(), 2).rules[type(liar().layers[0])]
+    assert rule.cols == {"mixer.down_proj": 3, "o_proj": 2}  # [Q | K | V] and [gate | up]
+    assert rule.rows == {"mixer.q_proj", "up_proj"}
+    assert rule.divide == {"mixer.num_heads"}
+
+
+def test_route_order():
+    assert type(get_autopolicy(transformers_model("OPTForCausalLM"))) is DerivedPolicy
+    assert type(get_autopolicy(transformers_model("LlamaForCausalLM"))).__name__ == "TpPlanPolicy"
+    assert type(get_autopolicy(transformers_model("GPT2LMHeadModel"))).__name__ == "GPT2LMHeadPolicy"
+
+
+def test_repeated_blocks_of_two_towers_and_an_encoder_decoder():
+    clip = transformers_model("CLIPModel")
+    blocks = repeated_blocks(clip)
+    assert "text_model.encoder.layers.0" in blocks and "vision_model.encoder.layers.1" in blocks
+    bart = repeated_blocks(transformers_model("BartForConditionalGeneration"))
+    assert "model.encoder.layers.0" in bart and "model.decoder.layers.1" in bart
+
+
+def _ranks(cases, refused):
+    import torch.distributed as dist
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.policies.derived import NotDerivableError, NotProvenError
+    from shardformer.tools.verify import verify_on_this_rank
+
+    out = {}
+    for name, options in cases:
+        report = verify_on_this_rank(factory(name, **options))
+        out[f"{name}{options or ''}"] = (report.ok, report.format())
+    # sharded for real: parameters per rank near 1/tp of the blocks
+    model = factory("OPTForCausalLM")()
+    full = sum(p.numel() for p in model.parameters())
+    shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    out["ratio"] = sum(p.numel() for p in model.parameters()) / full
+    for name, options in refused:
+        try:
+            shard_model(factory(name, **options)(), ShardConfig(tensor_parallel_size=2))
+            out[f"refused {name}"] = "sharded"
+        except NotProvenError as e:
+            out[f"refused {name}"] = f"not proven: {e}"
+        except NotDerivableError as e:
+            out[f"refused {name}"] = f"not derivable: {e}"
+    return out
+
+
+def test_derived_models_are_exact_or_refused():
+    refused = [("liar", {"head_scale": True}), ("T5ForConditionalGeneration", {})]
+    results = run_on_ranks(_ranks, 2, EXACT, refused)
+    out = results[0]
+    for name, options in EXACT:
+        ok, text = out[f"{name}{options or ''}"]
+        assert ok, text
+    assert 0.5 < out["ratio"] < 0.6, out["ratio"]  # blocks and vocabulary halved; norms and positions whole
+    # a per-head parameter of the attention itself: the forward is exact, its gradient is partial
+    liar_scale = out["refused liar"]
+    assert liar_scale.startswith("not proven") and "gradient of layers.0.mixer.head_scale" in liar_scale
+    # T5's relative attention bias holds every head: no cut computes the attention exactly
+    t5 = out["refused T5ForConditionalGeneration"]
+    assert t5.startswith("not derivable") and "SelfAttention.o" in t5
+    assert [results[1][f"{n}{o or ''}"][0] for n, o in EXACT] == [True] * len(EXACT)  # rank 1 agrees
