@@ -100,3 +100,27 @@ def test_derived_models_are_exact_or_refused():
     t5 = out["refused T5ForConditionalGeneration"]
     assert t5.startswith("not derivable") and "SelfAttention.o" in t5
     assert [results[1][f"{n}{o or ''}"][0] for n, o in EXACT] == [True] * len(EXACT)  # rank 1 agrees
+
+
+def test_a_plan_that_names_no_module_is_refused_not_skipped():
+    import pytest
+    import torch.nn as nn
+
+    from shardformer import ShardConfig
+    from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError
+
+    class Wrapper(nn.Module):  # what an adapter library does to the modules a plan names
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.base_layer = inner
+
+        def forward(self, *args, **kwargs):
+            return self.base_layer(*args, **kwargs)
+
+    model = transformers_model("LlamaForCausalLM")
+    for layer in model.model.layers:
+        layer.self_attn, layer.mlp = Wrapper(layer.self_attn), Wrapper(layer.mlp)
+    policy = TpPlanPolicy()
+    policy.set_model(model)
+    with pytest.raises(UnsupportedStyleError, match="names a module of LlamaForCausalLM"):
+        policy.argument_policy(model.config, ShardConfig(tensor_parallel_size=2))

@@ -79,7 +79,9 @@ class TpPlanPolicy(Policy):
     def argument_policy(self, config, shard_config):
         model, tp = self.model, shard_config.tensor_parallel_size
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        resolved, param_styles = resolve(model, model_tp_plan(model))
+        plan = model_tp_plan(model)
+        resolved, param_styles = resolve(model, plan)
+        _check_layers_matched(model, plan, resolved, param_styles)
         modules = dict(model.named_modules())
         ours = (self.embedding_path, self.head_path)  # cut our way below, whatever the plan says
         layers = {}
@@ -191,6 +193,22 @@ class TpPlanPolicy(Policy):
                         f"not in the tp plan; shardformer cannot tell how to cut it. Pass your own Policy"
                     )
         return attrs
+
+
+def _check_layers_matched(model: nn.Module, plan: dict[str, str], resolved, param_styles) -> None:
+    """A plan whose per-layer entries name no module at all does not describe this model (a wrapped
+    one, e.g. by PEFT): refuse, instead of leaving every layer whole without a word."""
+    layer_keys = [k for k, style in plan.items() if "*" in k and style != "replicate"]
+    if not layer_keys:
+        return
+    patterns = [_pattern(k) for k in layer_keys]
+    hit = [*resolved, *(f"{owner}.{n}" for owner, named in param_styles.items() for n in named)]
+    if not any(p.match(name) for p in patterns for name in hit):
+        raise styles.UnsupportedStyleError(
+            f"none of the tp plan's per-layer entries ({', '.join(layer_keys[:3])}, ...) names a module of "
+            f"{type(model).__name__}: the model is not what its plan describes (is it wrapped, e.g. by PEFT?), "
+            f"and sharding it would leave every layer whole. Shard the model before wrapping it, or pass a Policy"
+        )
 
 
 def _check_sizes(layers: dict[str, Layer], modules, tp: int) -> None:
