@@ -205,6 +205,18 @@ def _max_diff(detail: str) -> float | None:
         return None
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _reason(row: dict, result: str, text: str, limit: int = 200) -> None:
+    """``result`` with its reason on one line: the first ``limit`` characters, the whole as ``detail``."""
+    text = _one_line(text)
+    row.update(result=result, reason=text[:limit])
+    if len(text) > limit:
+        row["detail"] = text[:4000]
+
+
 def classify(row: dict, report) -> None:
     """Fill ``row`` from a merged VerifyReport: route, result, reason, max errors, the checks."""
     row["route"] = report.policy
@@ -219,16 +231,16 @@ def classify(row: dict, report) -> None:
     bad = [c for c in report.checks if not c.ok]
     error = report.error or ""
     if "sharding refused: " in error:
-        row.update(result="refused", reason=error.split("sharding refused: ", 1)[1][:200])
+        _reason(row, "refused", error.split("sharding refused: ", 1)[1])
     elif bad:
         reason = "; ".join(f"{c.name}: {c.detail}" for c in bad)
         if report.divergence is not None:
             reason += f"; first diverging module: {report.divergence}"
         if error:
             reason += f"; then {error}"
-        row.update(result="failed", reason=reason[:400])
+        _reason(row, "failed", reason, 400)
     elif error:
-        row.update(result="error", reason=error[:300])
+        _reason(row, "error", error, 300)
     else:
         row.update(result="passed", reason="")
 
@@ -250,7 +262,7 @@ def _verify_job(rows, out_path, row_timeout):
             try:
                 tiny_config_of(row["class"])
             except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
-                row.update(result="refused", reason=f"no tiny config: {type(e).__name__}: {str(e)[:160]}")
+                _reason(row, "refused", f"no tiny config: {type(e).__name__}: {e}")
             else:
                 try:
                     report = verify_on_this_rank(functools.partial(build_tiny, row["class"]))
@@ -258,14 +270,14 @@ def _verify_job(rows, out_path, row_timeout):
                     dist.all_gather_object(reports, report)
                     classify(row, merge_reports(reports))
                 except TinyBuildError as e:
-                    row.update(result="refused", reason=str(e)[:200])
+                    _reason(row, "refused", str(e))
                 except Exception as e:  # noqa: BLE001
                     last = traceback.format_exc().strip().splitlines()[-1]
-                    row.update(result="error", reason=f"{type(e).__name__}: {last[:300]}")
+                    _reason(row, "error", f"{type(e).__name__}: {last}", 300)
                 if row["result"] == "error":  # the unsharded model itself may not run: then it is refused
                     why = unsharded_failure(row["class"])
                     if why is not None:
-                        row.update(result="refused", reason=why[:200])
+                        _reason(row, "refused", why)
             row["seconds"] = round(time.time() - start, 1)
             dist.barrier()  # ranks stay in step: a rank that fails alone shows as a timeout here
         if dist.get_rank() == 0:
@@ -337,8 +349,9 @@ def run(rows, job=_verify_job, *job_args, row_timeout=300.0, progress=None):
             )
         except Exception as e:  # noqa: BLE001
             crash = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
-            if f"exited with code {ROW_TIMEOUT_EXIT}" in str(e):
-                crash = f"no result within {row_timeout:.0f} s (--row-timeout): the ranks were stopped"
+            timed_out = f"exited with code {ROW_TIMEOUT_EXIT}" in str(e)
+            if timed_out:
+                crash = f"no result within {row_timeout:g} s (--row-timeout): the ranks were stopped"
         else:
             crash = None
         new = []
@@ -353,6 +366,8 @@ def run(rows, job=_verify_job, *job_args, row_timeout=300.0, progress=None):
         remaining = remaining[len(new) :]
         if crash and remaining:
             row = dict(remaining.pop(0), result="error", reason=crash)
+            if timed_out:
+                row["seconds"] = row_timeout
             if progress is not None:
                 progress(row)
             done.append(row)
