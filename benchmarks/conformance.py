@@ -1,14 +1,23 @@
-"""Conformance run: every transformers causal LM that ships a tensor-parallel plan, sharded at tp=2.
+"""Conformance run: every transformers model class a tiny config can build, sharded at tp=2.
 
-Walks the configuration classes of the installed transformers that have a ``base_model_tp_plan``
-and a causal-LM class, builds a tiny random model from a scaled-down config
-(``shardformer.models.tiny``), shards it with the derived policy on 2 gloo ranks and
-compares logits, loss, every gathered gradient and greedy ``generate`` with the unsharded copy
-(``shardformer.tools.conformance``). Prints one row per architecture: passed (max errors),
-failed (what differs) or refused (why: the style or sizes that stop it, or a config a tiny model
-cannot be built from).
+Walks transformers' auto mappings task by task (causal LM, masked LM, seq2seq LM, speech seq2seq,
+sequence / token classification, question answering, image classification, base models of text and
+vision encoders, image-text-to-text). For each class it scales the class's default config down
+(``shardformer.models.tiny.tiny_copy_config``), and on 2 gloo ranks runs what ``shardformer verify``
+runs (``shardformer.tools.verify.verify_on_this_rank``): the model sharded by whatever route
+``shard_model`` takes (a family policy, the model's transformers tp plan: ``TpPlanPolicy``, or its
+traced structure: ``DerivedPolicy``) against its unsharded copy on outputs, loss, every gathered
+gradient, the weights and outputs after one SGD step and greedy ``generate``. One row per class:
+passed (max errors), refused (sharding refused, or a tiny model that cannot be built or does not run
+unsharded: why), failed (which check, and by how much) or error (anything else).
 
-    make conformance          # or: .venv/bin/python benchmarks/conformance.py [--only llama,phi3] [--sdpa]
+``--plan-sweep`` (implied by ``--sdpa`` / ``--sequence-parallel``) runs the previous sweep instead:
+the causal LMs that ship a ``base_model_tp_plan``, saved and reloaded with ``from_pretrained`` and
+compared in training mode (``shardformer.tools.conformance``).
+
+    make conformance          # or: .venv/bin/python benchmarks/conformance.py [--task masked-lm,causal-lm]
+                              #     [--only llama,bert] [--limit 20] [--json out.json]
+    .venv/bin/python benchmarks/conformance.py --plan-sweep [--dense] [--sdpa] [--sequence-parallel]
 """
 
 from __future__ import annotations
@@ -17,14 +26,90 @@ import argparse
 import datetime
 import json
 import os
+import re
+import sys
 import tempfile
+import threading
 import time
 
 MOE_STYLES = ("moe_", "grouped_gemm", "ep_")
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+# task: the auto mapping(s) of transformers' modeling_auto it sweeps, in the order of the table
+TASKS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "base-model": "MODEL_MAPPING_NAMES",
+    "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+}
+# base models only of the encoders: model types that also have a masked-LM, an image-classification or
+# a two-tower (zero-shot image classification) class
+ENCODER_MAPPINGS = (
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+)
+ROW_TIMEOUT_EXIT = 75  # a rank's exit code when its row ran past --row-timeout
+
+
+# -- which classes ------------------------------------------------------------------------------------
+
+
+def _mapping(name: str) -> dict[str, tuple[str, ...]]:
+    from transformers.models.auto import modeling_auto
+
+    names = getattr(modeling_auto, name, {})
+    return {k: (v,) if isinstance(v, str) else tuple(v) for k, v in names.items()}
+
+
+def _kind(config_class) -> str:
+    """ "moe" or "dense": from the tp plan's styles when there is one, else from the default config."""
+    plan = getattr(config_class, "base_model_tp_plan", None)
+    if plan:
+        return "moe" if any(style.startswith(MOE_STYLES) for style in plan.values()) else "dense"
+    try:
+        config = config_class()
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        values = text.to_dict()
+    except Exception:  # noqa: BLE001 - reported when the row runs
+        return "dense"
+    return "moe" if any(isinstance(values.get(k), int) and values[k] > 1 for k in MOE_KEYS) else "dense"
+
+
+def task_rows(tasks=None, only=None) -> list[dict]:
+    """``[{task, model_type, class, kind}]`` of the installed transformers, each class once (under the
+    first selected task that names it); a class that cannot be imported carries ``skip`` (the reason)."""
+    import transformers as tf
+
+    encoders = set().union(*(_mapping(m) for m in ENCODER_MAPPINGS))
+    rows, seen = [], set()
+    for task, mapping in TASKS.items():
+        if tasks and task not in tasks:
+            continue
+        for model_type, class_names in _mapping(mapping).items():
+            if task == "base-model" and model_type not in encoders:
+                continue
+            for class_name in class_names:
+                if class_name in seen or (only and model_type not in only and class_name not in only):
+                    continue
+                seen.add(class_name)
+                row = {"task": task, "model_type": model_type, "class": class_name, "kind": ""}
+                try:
+                    row["kind"] = _kind(getattr(tf, class_name).config_class)
+                except Exception as e:  # noqa: BLE001 - a missing optional backend: reported as refused
+                    row["skip"] = f"class not importable: {type(e).__name__}: {str(e)[:160]}"
+                rows.append(row)
+    return rows
 
 
 def architectures(only=None):
-    """``[(model_type, config class name, causal LM class name, "dense" | "moe")]`` of the installed transformers."""
+    """The plan sweep's rows: every causal LM whose config has a ``base_model_tp_plan``."""
     import transformers as tf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -36,17 +121,172 @@ def architectures(only=None):
             config_class = getattr(tf, lm_name).config_class  # the text config of a multimodal family
         except (AttributeError, ImportError, TypeError):
             continue
-        config_name = config_class.__name__
         plan = getattr(config_class, "base_model_tp_plan", None)
         if not plan:
             continue
         kind = "moe" if any(style.startswith(MOE_STYLES) for style in plan.values()) else "dense"
-        rows.append((model_type, config_name, lm_name, kind))
+        rows.append(
+            {"task": "causal-lm", "model_type": model_type, "class": lm_name, "kind": kind, "route": "TpPlanPolicy"}
+        )
     return rows
 
 
-def _rank_job(rows, impl, out_path, sequence_parallel=False):
-    """On every rank: check each architecture in turn; rank 0 appends one JSON line per result."""
+# -- on the ranks -------------------------------------------------------------------------------------
+
+
+class _Watchdog:
+    """Ends this rank's process when a row runs past ``seconds`` (the parent restarts after the row)."""
+
+    def __init__(self, seconds: float):
+        self.timer = threading.Timer(seconds, os._exit, args=(ROW_TIMEOUT_EXIT,))
+        self.timer.daemon = True
+
+    def __enter__(self):
+        self.timer.start()
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+
+
+def tiny_config_of(class_name: str):
+    """The class's default config scaled down for tp=2."""
+    import transformers as tf
+
+    from shardformer.models.tiny import tiny_copy_config
+
+    return tiny_copy_config(getattr(tf, class_name).config_class(), 2)
+
+
+class TinyBuildError(Exception):
+    """The tiny model could not be constructed from its config (the same on every rank)."""
+
+
+def build_tiny(class_name: str):
+    """The factory handed to ``verify_on_this_rank`` (module-level: ``functools.partial(build_tiny, name)``)."""
+    import transformers as tf
+
+    config = tiny_config_of(class_name)
+    try:
+        return getattr(tf, class_name)(config)
+    except Exception as e:  # noqa: BLE001
+        raise TinyBuildError(f"a tiny {class_name} cannot be built from this config: {type(e).__name__}: {e}") from e
+
+
+def unsharded_failure(class_name: str) -> str | None:
+    """What stops the tiny model unsharded (forward, backward, generate as verify runs them), or None."""
+    import torch
+
+    from shardformer.models import inputs_for
+    from shardformer.tools.verify import _generate, _loss_and_output
+
+    step = "build"
+    try:
+        torch.manual_seed(0)
+        model = build_tiny(class_name)
+        model.eval()
+        step = "forward"
+        inputs = inputs_for(model, 1)
+        loss, out = _loss_and_output(model, inputs, None, None, None)
+        step = "backward"
+        (loss if loss is not None else out.float().sum()).backward()
+        step = "generate"
+        if callable(getattr(model, "can_generate", None)) and model.can_generate():
+            _generate(model, inputs)
+    except Exception as e:  # noqa: BLE001
+        return f"the tiny unsharded model fails in {step}: {type(e).__name__}: {e}"
+    return None
+
+
+def _max_diff(detail: str) -> float | None:
+    m = re.search(r"max \|diff\| ([-+0-9.einfa]+)", detail)
+    try:
+        return float(m.group(1)) if m else None
+    except ValueError:
+        return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _reason(row: dict, result: str, text: str, limit: int = 200) -> None:
+    """``result`` with its reason on one line: the first ``limit`` characters, the whole as ``detail``."""
+    text = _one_line(text)
+    row.update(result=result, reason=text[:limit])
+    if len(text) > limit:
+        row["detail"] = text[:4000]
+
+
+def classify(row: dict, report) -> None:
+    """Fill ``row`` from a merged VerifyReport: route, result, reason, max errors, the checks."""
+    row["route"] = report.policy
+    row["checks"] = [[c.name, c.ok, c.detail] for c in report.checks]
+    checks = {c.name: c for c in report.checks}
+    if "forward outputs" in checks:
+        row["logits"] = _max_diff(checks["forward outputs"].detail)
+    if "gradients" in checks:
+        row["grad"] = _max_diff(checks["gradients"].detail)
+    if "greedy generate" in checks:
+        row["generate_equal"] = checks["greedy generate"].ok
+    bad = [c for c in report.checks if not c.ok]
+    error = report.error or ""
+    if "sharding refused: " in error:
+        _reason(row, "refused", error.split("sharding refused: ", 1)[1])
+    elif bad:
+        reason = "; ".join(f"{c.name}: {c.detail}" for c in bad)
+        if report.divergence is not None:
+            reason += f"; first diverging module: {report.divergence}"
+        if error:
+            reason += f"; then {error}"
+        _reason(row, "failed", reason, 400)
+    elif error:
+        _reason(row, "error", error, 300)
+    else:
+        row.update(result="passed", reason="")
+
+
+def _verify_job(rows, out_path, row_timeout):
+    """On every rank: verify each class in turn; rank 0 appends one JSON line per result."""
+    import functools
+    import traceback
+
+    import torch.distributed as dist
+
+    from shardformer.tools.verify import verify_on_this_rank
+    from shardformer.tools.verify_report import merge_reports
+
+    for row in rows:
+        row = {k: v for k, v in row.items() if k != "skip"}
+        start = time.time()
+        with _Watchdog(row_timeout):
+            try:
+                tiny_config_of(row["class"])
+            except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
+                _reason(row, "refused", f"no tiny config: {type(e).__name__}: {e}")
+            else:
+                try:
+                    report = verify_on_this_rank(functools.partial(build_tiny, row["class"]))
+                    reports = [None] * dist.get_world_size()
+                    dist.all_gather_object(reports, report)
+                    classify(row, merge_reports(reports))
+                except TinyBuildError as e:
+                    _reason(row, "refused", str(e))
+                except Exception as e:  # noqa: BLE001
+                    last = traceback.format_exc().strip().splitlines()[-1]
+                    _reason(row, "error", f"{type(e).__name__}: {last}", 300)
+                if row["result"] == "error":  # the unsharded model itself may not run: then it is refused
+                    why = unsharded_failure(row["class"])
+                    if why is not None:
+                        _reason(row, "refused", why)
+            row["seconds"] = round(time.time() - start, 1)
+            dist.barrier()  # ranks stay in step: a rank that fails alone shows as a timeout here
+        if dist.get_rank() == 0:
+            with open(out_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def _plan_job(rows, out_path, row_timeout, impl, sequence_parallel=False):
+    """The plan sweep on every rank: ``tools.conformance.compare`` on each causal LM with a tp plan."""
     import traceback
 
     import torch.distributed as dist
@@ -55,50 +295,63 @@ def _rank_job(rows, impl, out_path, sequence_parallel=False):
     from shardformer.models.tiny import tiny_config
     from shardformer.tools.conformance import RefusedError, compare
 
-    for model_type, _config, lm_name, kind in rows:
-        row = {"model_type": model_type, "class": lm_name, "kind": kind}
+    for row in rows:
+        row = dict(row)
+        lm_name = row["class"]
         start = time.time()
-        try:
-            config = tiny_config(getattr(tf, lm_name).config_class)
-        except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
-            row.update(result="refused", reason=f"no tiny config: {type(e).__name__}: {str(e)[:160]}")
-        else:
+        with _Watchdog(row_timeout):
             try:
-                r = compare(getattr(tf, lm_name), config, impl, sequence_parallel=sequence_parallel)
-                row.update(
-                    result="passed" if not r.failures else "failed",
-                    logits=r.logits,
-                    loss=r.loss,
-                    grad=r.grad,
-                    generate_equal=r.generate_equal,
-                    vocab_parallel=r.vocab_parallel_logits,
-                    reason="; ".join(r.failures[:3]),
-                )
-            except RefusedError as e:
-                row.update(result="refused", reason=str(e)[:300])
-            except Exception as e:  # noqa: BLE001
-                last = traceback.format_exc().strip().splitlines()[-1]
-                row.update(result="error", reason=f"{type(e).__name__}: {last[:300]}")
-        row["seconds"] = round(time.time() - start, 1)
-        dist.barrier()  # ranks stay in step: a rank that fails alone shows as a timeout here
+                config = tiny_config(getattr(tf, lm_name).config_class)
+            except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
+                row.update(result="refused", reason=f"no tiny config: {type(e).__name__}: {str(e)[:160]}")
+            else:
+                try:
+                    r = compare(getattr(tf, lm_name), config, impl, sequence_parallel=sequence_parallel)
+                    row.update(
+                        result="passed" if not r.failures else "failed",
+                        logits=r.logits,
+                        loss=r.loss,
+                        grad=r.grad,
+                        generate_equal=r.generate_equal,
+                        vocab_parallel=r.vocab_parallel_logits,
+                        reason="; ".join(r.failures[:3]),
+                    )
+                except RefusedError as e:
+                    row.update(result="refused", reason=str(e)[:300])
+                except Exception as e:  # noqa: BLE001
+                    last = traceback.format_exc().strip().splitlines()[-1]
+                    row.update(result="error", reason=f"{type(e).__name__}: {last[:300]}")
+            row["seconds"] = round(time.time() - start, 1)
+            dist.barrier()
         if dist.get_rank() == 0:
             with open(out_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
 
-def run(rows, impl, sequence_parallel=False):
-    """Results for ``rows``; a spawn that dies (a hang past the timeout) is restarted after its row."""
+# -- in the parent ------------------------------------------------------------------------------------
+
+
+def run(rows, job=_verify_job, *job_args, row_timeout=300.0, progress=None):
+    """Results for ``rows``; a spawn that dies (a row past ``row_timeout``, a crash) is restarted after its row."""
     from shardformer.tools.testing import run_on_ranks
 
     os.environ.setdefault("SHARDFORMER_TIMEOUT_S", "120")
-    out_path = tempfile.mktemp(prefix="sf-conformance-", suffix=".jsonl")
     done: list[dict] = []
-    remaining = list(rows)
+    for row in rows:
+        if "skip" in row:
+            done.append({k: v for k, v in row.items() if k != "skip"} | {"result": "refused", "reason": row["skip"]})
+    remaining = [r for r in rows if "skip" not in r]
     while remaining:
+        out_path = tempfile.mktemp(prefix="sf-conformance-", suffix=".jsonl")
         try:
-            run_on_ranks(_rank_job, 2, remaining, impl, out_path, sequence_parallel, timeout=60 * len(remaining) + 60)
+            run_on_ranks(
+                job, 2, remaining, out_path, row_timeout, *job_args, timeout=row_timeout * len(remaining) + 120
+            )
         except Exception as e:  # noqa: BLE001
             crash = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+            timed_out = f"exited with code {ROW_TIMEOUT_EXIT}" in str(e)
+            if timed_out:
+                crash = f"no result within {row_timeout:g} s (--row-timeout): the ranks were stopped"
         else:
             crash = None
         new = []
@@ -106,37 +359,63 @@ def run(rows, impl, sequence_parallel=False):
             with open(out_path) as f:
                 new = [json.loads(line) for line in f]
             os.remove(out_path)
+        if progress is not None:
+            for r in new:
+                progress(r)
         done += new
         remaining = remaining[len(new) :]
         if crash and remaining:
-            model_type, _, lm_name, kind = remaining.pop(0)
-            done.append({"model_type": model_type, "class": lm_name, "kind": kind, "result": "error", "reason": crash})
+            row = dict(remaining.pop(0), result="error", reason=crash)
+            if timed_out:
+                row["seconds"] = row_timeout
+            if progress is not None:
+                progress(row)
+            done.append(row)
     return done
 
 
-def table(results, impl, sequence_parallel=False) -> str:
+def _progress(row: dict) -> None:
+    print(
+        f"{row.get('task', '')} {row['model_type']} {row['class']} {row.get('route', '')}: {row['result']} "
+        f"({row.get('seconds', '-')} s) {row.get('reason', '')[:120]}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def table(results, impl, sequence_parallel=False, plan_sweep=False) -> str:
+    what = "plan sweep (causal LMs with a tp plan, from_pretrained, train mode)" if plan_sweep else "verify sweep"
     lines = [
         f"conformance at tp=2{' with sequence parallelism' if sequence_parallel else ''}, {impl} attention, "
-        f"transformers {_tf_version()}, "
+        f"{what}, transformers {_tf_version()}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         "",
-        "| architecture | class | kind | result | max logits err | max grad err | generate | reason |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | architecture | class | kind | route | result | max logits err | max grad err | generate | reason "
+        "| s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(results, key=lambda r: (r["kind"], r["model_type"])):
-        errors = ("", "")
-        if "logits" in r:
-            errors = (f"{r['logits']:.1e}", f"{r['grad']:.1e}")
+    order = {t: i for i, t in enumerate(TASKS)}
+    results = sorted(results, key=lambda r: (order.get(r.get("task"), 99), r["kind"], r["model_type"], r["class"]))
+    for r in results:
+        errors = [f"{r[k]:.1e}" if isinstance(r.get(k), float) else "" for k in ("logits", "grad")]
         generate = {True: "equal", False: "differs"}.get(r.get("generate_equal"), "")
         reason = r.get("reason", "").replace("|", "/").replace("\n", " ")
         lines.append(
-            f"| {r['model_type']} | {r['class']} | {r['kind']} | {r['result']} | {errors[0]} | {errors[1]} "
-            f"| {generate} | {reason} |"
+            f"| {r.get('task', '')} | {r['model_type']} | {r['class']} | {r['kind']} | {r.get('route', '')} "
+            f"| {r['result']} | {errors[0]} | {errors[1]} | {generate} | {reason} | {r.get('seconds', '')} |"
         )
-    for kind in ("dense", "moe"):
-        rows = [r for r in results if r["kind"] == kind]
-        counts = {k: sum(r["result"] == k for r in rows) for k in ("passed", "failed", "refused", "error")}
-        lines.append(f"\n{kind}: {len(rows)} architectures: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    lines.append("")
+
+    def counts(rows):
+        c = {k: sum(r["result"] == k for r in rows) for k in ("passed", "refused", "failed", "error")}
+        return f"{len(rows)} classes: " + ", ".join(f"{v} {k}" for k, v in c.items())
+
+    for task in sorted({r.get("task", "") for r in results}, key=lambda t: order.get(t, 99)):
+        rows = [r for r in results if r.get("task", "") == task]
+        kinds = [k for k in ("dense", "moe") if any(r["kind"] == k for r in rows)]
+        by_kind = "; ".join(f"{k}: {counts([r for r in rows if r['kind'] == k])}" for k in kinds)
+        lines.append(f"- {task}: {counts(rows)}" + (f" ({by_kind})" if len(kinds) > 1 else ""))
+    lines.append(f"\ntotal: {counts(results)}")
     return "\n".join(lines)
 
 
@@ -148,17 +427,40 @@ def _tf_version() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="", help="comma-separated model types (default: all)")
+    parser.add_argument("--task", default="", help=f"comma-separated tasks (default: all): {','.join(TASKS)}")
+    parser.add_argument("--only", default="", help="comma-separated model types or class names (default: all)")
+    parser.add_argument("--limit", type=int, default=0, help="at most this many classes (after the filters)")
     parser.add_argument("--dense", action="store_true", help="dense architectures only")
-    parser.add_argument("--sdpa", action="store_true", help="sdpa attention instead of eager")
-    parser.add_argument("--sequence-parallel", action="store_true", help="shard with sequence_parallel=True")
+    parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds one class may take (default 300)")
+    parser.add_argument("--plan-sweep", action="store_true", help="the causal-LM tp-plan sweep (tools.conformance)")
+    parser.add_argument("--sdpa", action="store_true", help="sdpa attention instead of eager (plan sweep)")
+    parser.add_argument(
+        "--sequence-parallel", action="store_true", help="shard with sequence_parallel=True (plan sweep)"
+    )
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--jsonl", help="the per-row JSON lines file (default: $TMPDIR/sf-conformance-<date>.jsonl)")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
-    rows = [r for r in architectures(only) if not args.dense or r[3] == "dense"]
+    tasks = set(filter(None, args.task.split(",")))
+    if unknown := tasks - set(TASKS):
+        parser.error(f"unknown task(s) {', '.join(sorted(unknown))}; known: {', '.join(TASKS)}")
     impl = "sdpa" if args.sdpa else "eager"
-    results = run(rows, impl, args.sequence_parallel)
-    print(table(results, impl, args.sequence_parallel))
+    plan_sweep = args.plan_sweep or args.sdpa or args.sequence_parallel
+    if plan_sweep:
+        rows, job, job_args = architectures(only), _plan_job, (impl, args.sequence_parallel)
+    else:
+        rows, job, job_args = task_rows(tasks, only), _verify_job, ()
+    rows = [r for r in rows if not args.dense or r["kind"] == "dense"]
+    if args.limit:
+        rows = rows[: args.limit]
+    print(f"{len(rows)} classes to check", file=sys.stderr, flush=True)
+    results = run(rows, job, *job_args, row_timeout=args.row_timeout, progress=_progress)
+    print(table(results, impl, args.sequence_parallel, plan_sweep))
+    stamp = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d-%H%M}"
+    jsonl = args.jsonl or os.path.join(tempfile.gettempdir(), f"sf-conformance-{stamp}.jsonl")
+    with open(jsonl, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in results)
+    print(f"\nper-row results: {jsonl}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
