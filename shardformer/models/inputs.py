@@ -19,7 +19,7 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     name = type(model).__name__
     main = getattr(model, "main_input_name", "input_ids")
     if main == "pixel_values" or not hasattr(model, "config"):
-        x = _images(model, config, batch, g)
+        x = _images(model, getattr(config, "vision_config", config), batch, g)
         x = x if config is not None else {"x": x["pixel_values"]}  # timm: positional
         if name.endswith("ForImageClassification"):
             x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
@@ -33,6 +33,9 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x.update(_images(model, getattr(config, "vision_config", config), batch, g))
     ids = x.get("input_ids")
     text_vocab = _vocab(model, config)
+    eos = getattr(config, "eos_token_id", None)
+    if ids is not None and getattr(config, "is_encoder_decoder", False) and isinstance(eos, int):
+        ids[:, -1] = eos  # encoder-decoder classifiers pool at the end-of-sequence token
     if getattr(config, "is_encoder_decoder", False):
         targets = torch.randint(3, text_vocab, (batch, SEQ), generator=g)
         x["labels" if name.endswith("ForConditionalGeneration") else "decoder_input_ids"] = targets

@@ -19,7 +19,7 @@ import torch.nn as nn
 from shardformer.models.inputs import make_inputs
 from shardformer.models.tiny import tiny_copy_config
 from shardformer.policies.derived.simulate import find_cut
-from shardformer.policies.derived.trace import pair, trace
+from shardformer.policies.derived.trace import is_projection, pair, trace
 
 logger = logging.getLogger("shardformer")
 
@@ -37,6 +37,7 @@ class BlockRule:
     whole: set[str] = field(default_factory=set)
     divide: set[str] = field(default_factory=set)  # int attributes (or config.X of a module) / tp
     grad_sum: set[str] = field(default_factory=set)  # replicated leaves that run on this rank's heads only
+    idle: set[str] = field(default_factory=set)  # projections the traced forward never ran: left whole
 
 
 @dataclass
@@ -119,6 +120,11 @@ def _derive(model: nn.Module, tp: int) -> Derivation:
             rule.rows.add(group.row)
             rule.divide |= set(cut.divide)
         rule.grad_sum |= _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block))
+    for block in flows.blocks:  # projections the forward never ran (cross-attention of a decoder used
+        rule = rules[type(tiny.get_submodule(block))]  # alone) compute nothing: they stay whole
+        ran = set(flows.reads.get(block, {}))
+        rule.idle |= {rel for rel, m in tiny.get_submodule(block).named_modules() if rel and is_projection(m)} - ran
     for rule in rules.values():
         rule.whole -= set(rule.cols) | rule.rows
+        rule.idle -= set(rule.cols) | rule.rows | rule.whole
     return Derivation(rules, refused)

@@ -82,7 +82,7 @@ class DerivedPolicy(TpPlanPolicy):
     @staticmethod
     def _cut_block(block, modules, rule: BlockRule, tp, config, layers, attrs) -> None:
         inside = {rel: m for rel, m in modules[block].named_modules() if rel and is_projection(m)}
-        unknown = sorted(set(inside) - set(rule.cols) - rule.rows - rule.whole)
+        unknown = sorted(set(inside) - set(rule.cols) - rule.rows - rule.whole - rule.idle)
         if unknown:
             raise NotDerivableError(
                 f"{block} ({type(modules[block]).__name__}) has projections the tiny copy did not run: {unknown}; "
