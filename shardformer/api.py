@@ -27,12 +27,11 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
     """
     shard_config = shard_config or ShardConfig()
     policy = policy or get_autopolicy(model)
+    sharder = ModelSharder(model, policy, shard_config, layers=layer_stack(model))
     if type(policy) is DerivedPolicy and shard_config.tensor_parallel_size > 1:
-        policy.set_model(model)
-        policy.argument_policy(model.config, shard_config)  # refusals first, before any collective
-        shard_config.check_world()
+        sharder.plan()  # every refusal first, before any collective
         mesh, _ = build_mesh(shard_config)  # once: the proof and the model use the same tp group
         if mesh is not None:
-            shard_config = dataclasses.replace(shard_config, mesh=mesh)
-        prove(model, shard_config)
-    return ModelSharder(model, policy, shard_config, layers=layer_stack(model)).shard()
+            sharder.shard_config = dataclasses.replace(shard_config, mesh=mesh)
+        prove(model, sharder.shard_config)
+    return sharder.shard()

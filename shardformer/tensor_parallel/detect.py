@@ -178,7 +178,7 @@ def check_sizes(cuts: list[Cut], tp: int, config, parents: dict[str, nn.Module])
         parent = parents.get(cut.path.rpartition(".")[0])
         counts = {k: v for k, v in ints.items() if is_head_count(k) and v > 0}
         if parent is not None:
-            counts.update({k: v for k, v in _int_attrs(parent).items() if is_head_count(k) and v > 0})
+            counts.update({k: v for k, v in int_attributes(parent).items() if is_head_count(k) and v > 0})
         head_dim = _head_dim(ints, parent) if parent is not None else _head_dim(ints, cut.module)
         block = width // cut.n_cast
         if not head_dim or block % head_dim:
@@ -194,7 +194,7 @@ def check_sizes(cuts: list[Cut], tp: int, config, parents: dict[str, nn.Module])
 # -- per-rank attributes ------------------------------------------------------------------------
 
 
-def _int_attrs(module: nn.Module) -> dict[str, int]:
+def int_attributes(module: nn.Module) -> dict[str, int]:
     return {k: v for k, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool) and k[0] != "_"}
 
 
@@ -264,7 +264,7 @@ def stale_attributes(cuts: list[Cut], tp: int, parents: dict[str, nn.Module], re
             continue
         read = attributes_read(type(parent))
         block = cut.full_width // cut.n_cast
-        for name, value in _int_attrs(parent).items():
+        for name, value in int_attributes(parent).items():
             if (id(parent), name) in rewritten or (read is not None and name not in read) or value <= 1:
                 continue
             if is_head_count(name) and block % value == 0 and block // value > 1:

@@ -120,10 +120,10 @@ def _derive(model: nn.Module, tp: int) -> Derivation:
             rule.rows.add(group.row)
             rule.divide |= set(cut.divide)
         rule.grad_sum |= _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block))
-    for block in flows.blocks:  # projections the forward never ran (cross-attention of a decoder used
-        rule = rules[type(tiny.get_submodule(block))]  # alone) compute nothing: they stay whole
-        ran = set(flows.reads.get(block, {}))
-        rule.idle |= {rel for rel, m in tiny.get_submodule(block).named_modules() if rel and is_projection(m)} - ran
+        # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
+        rule.idle |= {rel for rel, m in tiny.get_submodule(block).named_modules() if rel and is_projection(m)} - set(
+            reads
+        )
     for rule in rules.values():
         rule.whole -= set(rule.cols) | rule.rows
         rule.idle -= set(rule.cols) | rule.rows | rule.whole

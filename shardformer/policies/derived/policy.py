@@ -8,20 +8,17 @@ against unsharded on the same ranks, before it cuts the user's model (:mod:`.pro
 
 from __future__ import annotations
 
-import copy
-
 import torch.nn as nn
 
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive
-from shardformer.policies.derived.simulate import resolve_blocks
-from shardformer.policies.derived.trace import is_projection, repeated_blocks
+from shardformer.policies.derived.simulate import per_rank_attributes, resolve_blocks
+from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks
 from shardformer.policies.tp_plan.lm import embedding_layer
-from shardformer.policies.tp_plan.policy import TpPlanPolicy, _check_sizes
+from shardformer.policies.tp_plan.policy import TpPlanPolicy
 from shardformer.policies.tp_plan.styles import GradAllReduce
 from shardformer.tensor_parallel.detect import find_ties
 from shardformer.tensor_parallel.layers.linear import is_conv1d
-from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer, divide
-from shardformer.tensor_parallel.slicer import make_spec
+from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer
 
 HOW_TO = "write a Policy for it (README: 'A custom Policy') and pass it: shard_model(model, config, policy=...)"
 
@@ -54,7 +51,6 @@ class DerivedPolicy(TpPlanPolicy):
             self._cut_block(block, modules, rule, tp, model.config, layers, attrs)
         if not layers:
             raise NotDerivableError(f"no projection of {type(model).__name__} reads and writes a block's stream")
-        _check_sizes(layers, modules, tp)
         self._vocab(layers, modules)
         self._tied_embeddings(layers, modules)
         found = list(layers.values())
@@ -88,36 +84,18 @@ class DerivedPolicy(TpPlanPolicy):
                 f"{block} ({type(modules[block]).__name__}) has projections the tiny copy did not run: {unknown}; "
                 f"{HOW_TO}"
             )
-        for rel, spec in rule.cols.items():
-            if rel not in inside:
-                continue
-            module = inside[rel]
-            width = module.weight.shape[1 if is_conv1d(module) else 0]
-            n_cast = resolve_blocks(spec, width, config)
-            try:
-                make_spec((width,), 0, 0, tp, n_cast)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"{block}.{rel}: output width {width} in blocks {n_cast}: {e}") from None
-            layers[f"{block}.{rel}"] = Col_Layer(f"{block}.{rel}", n_cast=n_cast, reversed=is_conv1d(module))
+        for rel, spec in rule.cols.items():  # widths are checked by the sharder's plan
+            if rel in inside:
+                module = inside[rel]
+                n_cast = resolve_blocks(spec, out_width(module), config)
+                layers[f"{block}.{rel}"] = Col_Layer(f"{block}.{rel}", n_cast=n_cast, reversed=is_conv1d(module))
         for rel in rule.rows:
             if rel in inside:
                 layers[f"{block}.{rel}"] = Row_Layer(f"{block}.{rel}", reversed=is_conv1d(inside[rel]))
         for rel in rule.grad_sum:
-            if rel in dict(modules[block].named_modules()):
+            if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=GradAllReduce)
-        local_configs: dict[str, object] = {}
-        for dotted in sorted(rule.divide):
-            owner, _, name = dotted.rpartition(".")
-            if owner == "config" or owner.endswith(".config"):
-                module_path = f"{block}.{owner[: -len('config')].rstrip('.')}".rstrip(".")
-                key = f"{module_path}.config"
-                local = local_configs.setdefault(key, copy.copy(modules[module_path].config))
-                setattr(local, name, divide(getattr(local, name), tp, f"{key}.{name}"))
-                attrs[key] = local
-            else:
-                owner_path = f"{block}.{owner}".rstrip(".")
-                value = getattr(modules[owner_path], name)
-                attrs[f"{owner_path}.{name}"] = divide(value, tp, f"{owner_path}.{name}")
+        attrs.update({f"{block}.{k}": v for k, v in per_rank_attributes(modules[block], rule.divide, tp).items()})
 
 
 def derived_model(model: nn.Module) -> bool:

@@ -9,6 +9,7 @@ that is not exact is refused, naming the first module whose output diverges.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -63,7 +64,8 @@ def _main_output(out):
 
 def _prove(model: nn.Module, shard_config: ShardConfig) -> str | None:
     device, tp = _device(model), shard_config.tensor_parallel_size
-    ref, tiny = tiny_copy(model, tp).to(device), tiny_copy(model, tp).to(device)
+    ref = tiny_copy(model, tp).to(device)
+    tiny = copy.deepcopy(ref)
     ref.train(), tiny.train()  # the training path, dropout already 0 in the tiny copy
     config = ShardConfig(
         tensor_parallel_size=tp,

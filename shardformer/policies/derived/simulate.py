@@ -22,8 +22,9 @@ import torch.nn as nn
 from shardformer.core.compare import ATOL, RTOL, max_error
 from shardformer.core.shard_spec import make_spec, slice_tensor
 from shardformer.policies.derived.trace import Group, in_width, is_projection, out_width
-from shardformer.tensor_parallel.detect import attributes_read, is_head_count
+from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count
 from shardformer.tensor_parallel.layers.linear import is_conv1d
+from shardformer.tensor_parallel.policy import divide as divide_by
 
 MAX_ATTRIBUTES = 6  # candidates tried in every subset: 64 sets at most
 
@@ -96,10 +97,6 @@ def _candidates(width: int, config, tp: int) -> list:
     return out
 
 
-def _int_attrs(obj) -> dict[str, int]:
-    return {k: v for k, v in vars(obj).items() if type(v) is int and not k.startswith("_")}
-
-
 def attribute_candidates(parent: nn.Module, widths: set[int], tp: int) -> list[str]:
     """Ints the parent's subtree reads in forward that count heads or equal a cut width (relative
     dotted names; ``config.X`` for the module's config)."""
@@ -107,7 +104,7 @@ def attribute_candidates(parent: nn.Module, widths: set[int], tp: int) -> list[s
     for rel, module in parent.named_modules():
         read = attributes_read(type(module))
         prefix = f"{rel}." if rel else ""
-        for name, value in _int_attrs(module).items():
+        for name, value in int_attributes(module).items():
             counts = is_head_count(name) or value in widths
             if (read is None or name in read) and value > 1 and value % tp == 0 and counts:
                 found.append(prefix + name)
@@ -120,21 +117,25 @@ def attribute_candidates(parent: nn.Module, widths: set[int], tp: int) -> list[s
     return found
 
 
-def apply_attributes(parent: nn.Module, names, tp: int) -> None:
-    """Divide each named int of ``parent``'s subtree by ``tp`` (a module's config: on its own copy)."""
-    copied: set[int] = set()
-    for dotted in names:
-        owner_path, _, name = dotted.rpartition(".")
-        if owner_path.endswith("config") or owner_path == "config":
-            module_path = owner_path[: -len("config")].rstrip(".")
-            module = parent.get_submodule(module_path) if module_path else parent
-            if id(module) not in copied:
-                module.config = copy.copy(module.config)
-                copied.add(id(module))
-            setattr(module.config, name, getattr(module.config, name) // tp)
+def per_rank_attributes(root: nn.Module, names, tp: int) -> dict[str, object]:
+    """``{dotted path below root: per-rank value}`` for each named int of ``root``'s subtree divided
+    by ``tp``; a count read as ``config.X`` gives its module a copy of the config (``module.config``)."""
+    values: dict[str, object] = {}
+    for dotted in sorted(names):
+        owner, _, name = dotted.rpartition(".")
+        if owner == "config" or owner.endswith(".config"):
+            module_path = owner[: -len("config")].rstrip(".")
+            local = values.setdefault(owner, copy.copy(root.get_submodule(module_path).config))
+            setattr(local, name, divide_by(getattr(local, name), tp, dotted))
         else:
-            owner = parent.get_submodule(owner_path) if owner_path else parent
-            setattr(owner, name, getattr(owner, name) // tp)
+            values[dotted] = divide_by(getattr(root.get_submodule(owner), name), tp, dotted)
+    return values
+
+
+def apply_attributes(root: nn.Module, names, tp: int) -> None:
+    for dotted, value in per_rank_attributes(root, names, tp).items():
+        owner, _, name = dotted.rpartition(".")
+        setattr(root.get_submodule(owner), name, value)
 
 
 def record_calls(model: nn.Module, paths: list[str], inputs: dict) -> dict[str, tuple]:
