@@ -340,6 +340,8 @@ def run(rows, job=_verify_job, *job_args, row_timeout=300.0, progress=None):
     for row in rows:
         if "skip" in row:
             done.append({k: v for k, v in row.items() if k != "skip"} | {"result": "refused", "reason": row["skip"]})
+            if progress is not None:
+                progress(done[-1])
     remaining = [r for r in rows if "skip" not in r]
     while remaining:
         out_path = tempfile.mktemp(prefix="sf-conformance-", suffix=".jsonl")
@@ -438,7 +440,11 @@ def main() -> None:
         "--sequence-parallel", action="store_true", help="shard with sequence_parallel=True (plan sweep)"
     )
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--jsonl", help="the per-row JSON lines file (default: $TMPDIR/sf-conformance-<date>.jsonl)")
+    parser.add_argument(
+        "--jsonl",
+        help="the per-row JSON lines file, appended as rows finish; rows already in it are not run again "
+        "(default: $TMPDIR/sf-conformance-<date>.jsonl)",
+    )
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
     tasks = set(filter(None, args.task.split(",")))
@@ -453,13 +459,25 @@ def main() -> None:
     rows = [r for r in rows if not args.dense or r["kind"] == "dense"]
     if args.limit:
         rows = rows[: args.limit]
-    print(f"{len(rows)} classes to check", file=sys.stderr, flush=True)
-    results = run(rows, job, *job_args, row_timeout=args.row_timeout, progress=_progress)
-    print(table(results, impl, args.sequence_parallel, plan_sweep))
     stamp = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d-%H%M}"
     jsonl = args.jsonl or os.path.join(tempfile.gettempdir(), f"sf-conformance-{stamp}.jsonl")
-    with open(jsonl, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in results)
+    # rows already in --jsonl (an interrupted sweep) are kept and not run again; new rows are appended
+    # as they finish, so a stopped sweep loses at most the row it was on
+    earlier = []
+    if os.path.exists(jsonl):
+        with open(jsonl) as f:
+            earlier = [json.loads(line) for line in f if line.strip()]
+    done = {r["class"] for r in earlier}
+    rows = [r for r in rows if r["class"] not in done]
+    print(f"{len(rows)} classes to check ({len(earlier)} already in {jsonl})", file=sys.stderr, flush=True)
+
+    def progress(row: dict) -> None:
+        _progress(row)
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    results = earlier + run(rows, job, *job_args, row_timeout=args.row_timeout, progress=progress)
+    print(table(results, impl, args.sequence_parallel, plan_sweep))
     print(f"\nper-row results: {jsonl}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
