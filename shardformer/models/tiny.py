@@ -123,6 +123,10 @@ def tiny_copy_config(config, tp: int = 2):
             out[name] = value
     if "layer_types" in data:
         out["layer_types"] = None
+    if data.get("is_encoder_decoder") and data.get("decoder_start_token_id") is None:
+        # generation settings live apart from the config in transformers 5; the decoder's first
+        # token is still read from the config (T5's _shift_right): the pad token, as T5's checkpoints say
+        out["decoder_start_token_id"] = out.get("pad_token_id", data.get("pad_token_id")) or 0
     for key, value in _FIT_TWO_LAYERS.items():
         if key in data:
             out[key] = value

@@ -4,7 +4,8 @@
 ``down_proj``, its attention output ``q_proj``, its fused ``[gate | up]`` ``o_proj``, its MLP output
 ``up_proj``): the derived policy must cut it by what the projections do. ``head_scale=True`` adds a
 per-head parameter owned by the attention itself, whose gradient a tp cut leaves partial: the
-proof must refuse it. ``head_norm=True`` adds a per-head norm module between q and the attention
+proof must refuse it. ``mix_heads=True`` makes each query feature depend on every head's (no cut
+over heads computes it: not derivable). ``head_norm=True`` adds a per-head norm module between q and the attention
 (a replicated leaf whose gradient the policy sums).
 """
 
@@ -25,10 +26,10 @@ class LiarConfig(tf.PretrainedConfig):
     model_type = "shardformer-liar"
 
     def __init__(self, vocab_size=99, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                 num_hidden_layers=2, head_scale=False, head_norm=False, **kwargs):  # fmt: skip
+                 num_hidden_layers=2, head_scale=False, head_norm=False, mix_heads=False, **kwargs):  # fmt: skip
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_attention_heads, self.num_hidden_layers = num_attention_heads, num_hidden_layers
-        self.head_scale, self.head_norm = head_scale, head_norm
+        self.head_scale, self.head_norm, self.mix_heads = head_scale, head_norm, mix_heads
         super().__init__(**kwargs)
 
 
@@ -41,10 +42,13 @@ class LiarAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)  # in truth: the output projection
         self.head_scale = nn.Parameter(torch.linspace(0.5, 1.5, self.head_dim)) if config.head_scale else None
         self.q_norm = nn.LayerNorm(self.head_dim) if config.head_norm else None
+        self.mix_heads = config.mix_heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.down_proj(x).chunk(3, dim=-1)
+        if self.mix_heads:  # every query feature depends on all heads': no cut over heads is exact
+            q = q - q.mean(dim=-1, keepdim=True)
         q, k, v = (t.view(b, s, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if self.q_norm is not None:
             q = self.q_norm(q)

@@ -4,7 +4,8 @@ projections do in a traced tiny copy and proven on the ranks before use.
 One representative per layout kind: separate q/k/v (OPT, a decoder), cross-attention (BART, an
 encoder-decoder with tied scaled embeddings), a post-norm encoder with a masked-LM head (RoBERTa),
 two towers (CLIP), audio into an encoder-decoder (Whisper), and fused ``[Q | K | V]`` and
-``[gate | up]`` projections whose names lie about their roles. Each is compared with the unsharded
+``[gate | up]`` projections whose names lie about their roles, T5's relative attention bias (a
+per-head parameter) and BLOOM's ALiBi (a per-head input). Each is compared with the unsharded
 model by ``verify`` (outputs, loss, gradients, weights after a step, greedy generate)."""
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ EXACT = [
     ("RobertaForMaskedLM", {}),
     ("CLIPModel", {}),
     ("WhisperForConditionalGeneration", {}),
+    ("T5ForConditionalGeneration", {}),  # relative attention bias [buckets, heads]: cut with the heads
+    ("BloomForCausalLM", {}),  # per-head interleaved fused qkv; ALiBi [batch x heads, 1, s] handed in whole
 ]
 
 
@@ -74,31 +77,42 @@ def _ranks(cases, refused):
     full = sum(p.numel() for p in model.parameters())
     shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
     out["ratio"] = sum(p.numel() for p in model.parameters()) / full
+    # T5's relative attention bias is cut with the heads: each rank holds its heads' columns
+    t5 = factory("T5ForConditionalGeneration")()
+    bias = t5.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    full_shape = tuple(bias.shape)
+    shard_model(t5, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    bias = t5.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    out["t5 bias"] = (full_shape, tuple(bias.shape))
     for name, options in refused:
+        key = f"refused {name}{options}"
         try:
             shard_model(factory(name, **options)(), ShardConfig(tensor_parallel_size=2))
-            out[f"refused {name}"] = "sharded"
+            out[key] = "sharded"
         except NotProvenError as e:
-            out[f"refused {name}"] = f"not proven: {e}"
+            out[key] = f"not proven: {e}"
         except NotDerivableError as e:
-            out[f"refused {name}"] = f"not derivable: {e}"
+            out[key] = f"not derivable: {e}"
     return out
 
 
 def test_derived_models_are_exact_or_refused():
-    refused = [("liar", {"head_scale": True}), ("T5ForConditionalGeneration", {})]
+    refused = [("liar", {"head_scale": True}), ("liar", {"mix_heads": True})]
     results = run_on_ranks(_ranks, 2, EXACT, refused)
     out = results[0]
     for name, options in EXACT:
         ok, text = out[f"{name}{options or ''}"]
         assert ok, text
     assert 0.5 < out["ratio"] < 0.6, out["ratio"]  # blocks and vocabulary halved; norms and positions whole
-    # a per-head parameter of the attention itself: the forward is exact, its gradient is partial
-    liar_scale = out["refused liar"]
+    full, local = out["t5 bias"]
+    assert local == (full[0], full[1] // 2), out["t5 bias"]
+    # a per-dimension scale of the attention itself, shared by the heads: the forward is exact, its
+    # gradient on each rank is partial
+    liar_scale = out["refused liar{'head_scale': True}"]
     assert liar_scale.startswith("not proven") and "gradient of layers.0.mixer.head_scale" in liar_scale
-    # T5's relative attention bias holds every head: no cut computes the attention exactly
-    t5 = out["refused T5ForConditionalGeneration"]
-    assert t5.startswith("not derivable") and "SelfAttention.o" in t5
+    # queries that mix every head: no cut computes the attention exactly; the refusal names the group
+    mixed = out["refused liar{'mix_heads': True}"]
+    assert mixed.startswith("not derivable") and "mixer.down_proj -> mixer.q_proj" in mixed, mixed
     assert [results[1][f"{n}{o or ''}"][0] for n, o in EXACT] == [True] * len(EXACT)  # rank 1 agrees
 
 

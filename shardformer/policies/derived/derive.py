@@ -36,8 +36,11 @@ class BlockRule:
     rows: set[str] = field(default_factory=set)
     whole: set[str] = field(default_factory=set)
     divide: set[str] = field(default_factory=set)  # int attributes (or config.X of a module) / tp
+    keep: set[str] = field(default_factory=set)  # attributes shown to keep their full value
     grad_sum: set[str] = field(default_factory=set)  # replicated leaves that run on this rank's heads only
     idle: set[str] = field(default_factory=set)  # projections the traced forward never ran: left whole
+    head_params: dict[str, dict[str, int]] = field(default_factory=dict)  # leaf -> {param: heads' dim}
+    head_inputs: dict[str, dict] = field(default_factory=dict)  # module -> {kwarg or position: HeadCut}
 
 
 @dataclass
@@ -119,12 +122,17 @@ def _derive(model: nn.Module, tp: int) -> Derivation:
             rule.cols.update(cut.blocks)
             rule.rows.add(group.row)
             rule.divide |= set(cut.divide)
+            rule.keep |= set(cut.keep)
+            rule.head_params.update(cut.head_params)
+            for module, cuts in cut.head_inputs.items():
+                rule.head_inputs.setdefault(module, {}).update(cuts)
         rule.grad_sum |= _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block))
         # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
         rule.idle |= {rel for rel, m in tiny.get_submodule(block).named_modules() if rel and is_projection(m)} - set(
             reads
         )
     for rule in rules.values():
+        rule.keep -= rule.divide
         rule.whole -= set(rule.cols) | rule.rows
         rule.idle -= set(rule.cols) | rule.rows | rule.whole
     return Derivation(rules, refused)

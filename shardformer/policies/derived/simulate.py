@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from shardformer.core.compare import ATOL, RTOL, max_error
 from shardformer.core.shard_spec import make_spec, slice_tensor
-from shardformer.policies.derived.trace import Group, in_width, is_projection, out_width
+from shardformer.policies.derived.trace import Group, in_width, inputs_from_outside, is_projection, out_width
 from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.policy import divide as divide_by
@@ -29,13 +30,75 @@ from shardformer.tensor_parallel.policy import divide as divide_by
 MAX_ATTRIBUTES = 6  # candidates tried in every subset: 64 sets at most
 
 
+@dataclass(frozen=True)
+class HeadCut:
+    """A tensor cut by heads along ``dim`` (each rank keeps its heads' contiguous share). ``heads``:
+    dim 0 holds batch × heads flattened, heads inner (BLOOM's ALiBi ``[b·H, 1, s]``); the attribute
+    (a dotted path relative to the block) that counts those heads."""
+
+    dim: int
+    heads: str = ""
+
+
 @dataclass
 class Cut:
     """A group's cut: fused blocks per column (1: even), and the attributes to divide by tp, all
-    relative to the block (``config.X`` for a count read through the module's config)."""
+    relative to the block (``config.X`` for a count read through the module's config).
+    ``head_params``: parameters beside the projections cut with the heads (T5's relative attention
+    bias ``[buckets, heads]``): ``{leaf: {name: dim}}``. ``head_inputs``: per-head tensors the
+    model computes outside the blocks and hands in whole (ALiBi): ``{module: {kwarg or position:
+    HeadCut}}``, cut on the way in."""
 
     blocks: dict[str, int | tuple[str, ...]] = field(default_factory=dict)  # col -> n or ("heads",)
     divide: tuple[str, ...] = ()
+    keep: tuple[str, ...] = ()  # candidates the simulation showed must keep their full value
+    head_params: dict[str, dict[str, int]] = field(default_factory=dict)
+    head_inputs: dict[str, dict[str | int, HeadCut]] = field(default_factory=dict)
+
+
+def slice_heads(t: torch.Tensor, cut: HeadCut, heads: int, rank: int, tp: int) -> torch.Tensor:
+    """This rank's heads of a per-head tensor (``heads``: the head count when ``cut.heads`` is set)."""
+    if cut.heads:
+        grouped = t.view(-1, heads, *t.shape[1:])
+        return grouped.narrow(1, rank * (heads // tp), heads // tp).reshape(-1, *t.shape[1:])
+    size = t.shape[cut.dim] // tp
+    return t.narrow(cut.dim, rank * size, size)
+
+
+def head_counts(parent: nn.Module, tp: int) -> dict[int, str]:
+    """``{value: dotted name}`` of the head counts the parent's subtree holds (dividing by tp)."""
+    counts: dict[int, str] = {}
+    for rel, module in parent.named_modules():
+        for name, value in int_attributes(module).items():
+            if is_head_count(name) and value > 1 and value % tp == 0:
+                counts.setdefault(value, f"{rel}.{name}" if rel else name)
+    return counts
+
+
+def _head_param_options(parent: nn.Module, counts: dict[int, str]) -> dict[str, dict[str, int]]:
+    """Parameters of non-projection leaves with exactly one dimension as long as a head count."""
+    found: dict[str, dict[str, int]] = {}
+    for rel, module in parent.named_modules():
+        if is_projection(module):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            dims = [d for d, n in enumerate(param.shape) if n in counts]
+            if len(dims) == 1:
+                found.setdefault(rel, {})[name] = dims[0]
+    return found
+
+
+def _head_input_options(args, kwargs, counts: dict[int, str], batch: int, stream_width: int) -> dict:
+    """``{kwarg or position: [HeadCut, ...]}`` for the float tensors handed in that may be per head."""
+    found = {}
+    for key, t in [*enumerate(args), *kwargs.items()]:
+        if not torch.is_tensor(t) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] == stream_width:
+            continue
+        options = [HeadCut(d) for d, n in enumerate(t.shape) if n in counts]
+        options += [HeadCut(0, name) for h, name in counts.items() if batch > 1 and t.shape[0] == batch * h]
+        if options:
+            found[key] = options
+    return found
 
 
 def common_parent(paths: list[str]) -> str:
@@ -139,16 +202,23 @@ def apply_attributes(root: nn.Module, names, tp: int) -> None:
 
 
 def record_calls(model: nn.Module, paths: list[str], inputs: dict) -> dict[str, tuple]:
-    """``{path: (args, kwargs, output)}`` of the first call of each module in one forward."""
+    """``{path: (args, kwargs, output)}`` of the first call of each module in one forward, copied as
+    they were then (the model may change them in place afterwards: Falcon's ``mlp_output += ...``)."""
+    inputs_seen: dict[str, tuple] = {}
     seen: dict[str, tuple] = {}
     handles = []
     for path in paths:
         module = model.get_submodule(path)
 
-        def hook(_m, args, kwargs, out, path=path):
-            seen.setdefault(path, (copy.deepcopy(args), copy.deepcopy(kwargs), out))
+        def before(_m, args, kwargs, path=path):
+            inputs_seen.setdefault(path, (copy.deepcopy(args), copy.deepcopy(kwargs)))
 
-        handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        def after(_m, _args, _kwargs, out, path=path):
+            if path not in seen:
+                seen[path] = (*inputs_seen[path], copy.deepcopy(out))
+
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(module.register_forward_hook(after, with_kwargs=True))
     try:
         with torch.no_grad():
             model(**inputs)
@@ -158,11 +228,23 @@ def record_calls(model: nn.Module, paths: list[str], inputs: dict) -> dict[str, 
     return seen
 
 
-def _run_ranks(parent, row_rel, col_rels, blocks, divide, tp, args, kwargs, config) -> torch.Tensor:
-    """Sum of the row's outputs over ``tp`` simulated ranks (without the row's bias)."""
+def _run_ranks(parent, row_rel, col_rels, blocks, divide, tp, args, kwargs, config, heads=None) -> torch.Tensor:
+    """Sum of the row's outputs over ``tp`` simulated ranks (without the row's bias). ``heads``:
+    ``(params {leaf: {name: dim}}, inputs {key: HeadCut})`` cut by heads, relative to the parent."""
+    head_params, head_inputs = heads or ({}, {})
     total = None
     for rank in range(tp):
         local = copy.deepcopy(parent)
+        for rel, dims in head_params.items():
+            leaf = local.get_submodule(rel)
+            for name, dim in dims.items():
+                param = getattr(leaf, name)
+                setattr(leaf, name, nn.Parameter(slice_tensor(param.detach(), make_spec(param.shape, dim, rank, tp))))
+        call_args, call_kwargs = list(copy.deepcopy(args)), copy.deepcopy(kwargs)
+        for key, cut in head_inputs.items():
+            where = call_args if isinstance(key, int) else call_kwargs
+            count = _value(parent, cut.heads) if cut.heads else 0
+            where[key] = slice_heads(where[key], cut, count, rank, tp)
         for rel in col_rels:
             module = local.get_submodule(rel)
             w, b = _weight_out_in(module)
@@ -176,7 +258,7 @@ def _run_ranks(parent, row_rel, col_rels, blocks, divide, tp, args, kwargs, conf
         local.set_submodule(row_rel, local_row)
         apply_attributes(local, divide, tp)
         with torch.no_grad():
-            local(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+            local(*call_args, **call_kwargs)
         if len(captured) != 1:
             raise RuntimeError(f"the row projection ran {len(captured)} times")
         total = captured[0] if total is None else total + captured[0]
@@ -215,25 +297,67 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     subsets = [c for k in range(len(names), -1, -1) for c in itertools.combinations(names[:MAX_ATTRIBUTES], k)]
     attr_sets = sorted(subsets, key=lambda c: (-len(c), sum(_value(parent, n) == stream_width for n in c)))
     col_rels = [_rel(c, parent_path) for c in cols]
+    prefix = _rel(parent_path, block) if parent_path != block else ""
+
+    def in_block(rel: str) -> str:
+        return f"{prefix}.{rel}" if prefix and rel else prefix or rel
+
     errors: list[str] = []
-    for choice in sorted(itertools.product(*per_col), key=_cost):
-        blocks = dict(zip(col_rels, choice))
-        for divide in attr_sets:
-            try:
-                got = _run_ranks(
-                    parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, model.config
-                )
-            except Exception as e:  # noqa: BLE001 - a cut the code cannot run is a rejected candidate
-                errors.append(f"{_describe(blocks, divide)}: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            if row_bias is not None:
-                got = got + row_bias.detach()
-            if got.shape == expected.shape and max_error(got, expected, ATOL, RTOL)[1]:
-                by_block = {_rel(c, block): n for c, n in zip(cols, choice)}
-                prefix = _rel(parent_path, block) if parent_path != block else ""
-                return Cut(by_block, tuple(f"{prefix}.{n}" if prefix else n for n in divide)), ""
-            errors.append(f"{_describe(blocks, divide)}: the ranks' summed output differs from the group's")
+    # the plain cuts first; per-head parameters and inputs only when none of them is exact
+    for heads in [None, *_head_options(parent, args, kwargs, tp, inputs, stream_width)]:
+        for choice in sorted(itertools.product(*per_col), key=_cost):
+            blocks = dict(zip(col_rels, choice))
+            for divide in attr_sets:
+                try:
+                    got = _run_ranks(
+                        parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, model.config, heads
+                    )
+                except Exception as e:  # noqa: BLE001 - a cut the code cannot run is a rejected candidate
+                    errors.append(f"{_describe(blocks, divide)}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                if row_bias is not None:
+                    got = got + row_bias.detach()
+                if got.shape == expected.shape and max_error(got, expected, ATOL, RTOL)[1]:
+                    cut = Cut({_rel(c, block): n for c, n in zip(cols, choice)}, tuple(in_block(n) for n in divide))
+                    cut.keep = tuple(in_block(n) for n in names[:MAX_ATTRIBUTES] if n not in divide)
+                    if heads is not None:
+                        params, head_inputs = heads
+                        cut.head_params = {in_block(rel): dims for rel, dims in params.items()}
+                        outside = inputs_from_outside(model, parent_path, inputs)
+                        cut.head_inputs = {
+                            prefix: {
+                                key: HeadCut(c.dim, in_block(c.heads) if c.heads else "")
+                                for key, c in head_inputs.items()
+                                if key in outside
+                            }
+                        }
+                        cut.head_inputs = {k: v for k, v in cut.head_inputs.items() if v}
+                    return cut, ""
+                errors.append(f"{_describe(blocks, divide)}: the ranks' summed output differs from the group's")
     return None, errors[0] if errors else "no candidate cut"
+
+
+MAX_HEAD_OPTIONS = 16
+
+
+def _head_options(parent, args, kwargs, tp, inputs, stream_width) -> list[tuple[dict, dict]]:
+    """Per-head parameter and input cuts to try, the fewest cut tensors first."""
+    counts = head_counts(parent, tp)
+    if not counts:
+        return []
+    params = _head_param_options(parent, counts)
+    first = next((t for t in tree_leaves(inputs) if torch.is_tensor(t)), None)
+    batch = first.shape[0] if first is not None else 0
+    per_input = _head_input_options(args, kwargs, counts, batch, stream_width)
+    keys = list(per_input)
+    combos = []
+    for picks in itertools.product(*[[None, *per_input[k]] for k in keys]):
+        chosen = {k: c for k, c in zip(keys, picks) if c is not None}
+        for with_params in [params, {}] if params else [{}]:
+            if chosen or with_params:
+                combos.append((with_params, chosen))
+    combos.sort(key=lambda c: sum(len(d) for d in c[0].values()) + len(c[1]))
+    return combos[:MAX_HEAD_OPTIONS]
 
 
 def _describe(blocks: dict, divide) -> str:

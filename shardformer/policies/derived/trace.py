@@ -30,7 +30,9 @@ from shardformer.tensor_parallel.layers.linear import is_conv1d
 
 
 def is_projection(module: nn.Module) -> bool:
-    return type(module) is nn.Linear or is_conv1d(module)
+    """``nn.Linear``, a leaf subclass of it (Falcon's ``FalconLinear``: the cut layers compute the plain
+    product in its place, which the proof confirms), or transformers' ``Conv1D``."""
+    return (isinstance(module, nn.Linear) and not list(module.children())) or is_conv1d(module)
 
 
 def in_width(module: nn.Module) -> int:
@@ -190,3 +192,54 @@ def pair(reads: dict[str, Flow]) -> tuple[list[Group], list[str]]:
     groups = [g for g in groups if all(used[c] == 1 for c in g.cols)]
     paired = {c for g in groups for c in g.cols} | {g.row for g in groups}
     return groups, [rel for rel in reads if rel not in paired]
+
+
+class _MadeInBlocks(TorchFunctionMode):
+    """Remembers every tensor computed while one of the repeated blocks runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+        self.made: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive: ids stay unique)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.depth:
+            for t in tree_leaves(out):
+                if torch.is_tensor(t):
+                    self.made[id(t)] = t
+        return out
+
+
+def inputs_from_outside(model: nn.Module, path: str, inputs: dict) -> set[str | int]:
+    """Keys (kwarg names, positions) of the tensors handed to ``path``'s first call that were not
+    computed inside a repeated block: the model computes them once and hands them to every block
+    whole (ALiBi), where a tensor an earlier block computed is already this rank's share."""
+    mode = _MadeInBlocks()
+    found: set[str | int] = set()
+    seen = []
+
+    def enter(*_):
+        mode.depth += 1
+
+    def leave(*_):
+        mode.depth -= 1
+
+    def first_call(_m, args, kwargs):
+        if not seen:
+            seen.append(True)
+            for key, t in [*enumerate(args), *kwargs.items()]:
+                if torch.is_tensor(t) and id(t) not in mode.made:
+                    found.add(key)
+
+    modules = dict(model.named_modules())
+    handles = [modules[path].register_forward_pre_hook(first_call, with_kwargs=True)]
+    for block in repeated_blocks(model):
+        handles += [modules[block].register_forward_pre_hook(enter), modules[block].register_forward_hook(leave)]
+    try:
+        with mode, torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return found

@@ -6,6 +6,8 @@ here is refused (by name, with the module path) before anything is cut.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn as nn
 
@@ -237,13 +239,14 @@ class HeadParams:
     supports_sequence_parallel = True  # per-token, per-head or no-op: exact on sequence chunks
 
     names: tuple[str, ...] = ()
+    dims: tuple[int, ...] = ()  # the heads' dimension of each (0 when not given)
 
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
         slicer = Slicer(group_rank(process_group), group_size(process_group))
-        for name in cls.names:
+        for name, dim in itertools.zip_longest(cls.names, cls.dims, fillvalue=0):
             param = getattr(module, name)
-            setattr(module, name, make_shard_param(param, slicer.spec(param.shape, 0)))
+            setattr(module, name, make_shard_param(param, slicer.spec(param.shape, dim)))
         return module
 
     @classmethod
@@ -260,3 +263,8 @@ def params_layer(path: str, module: nn.Module, named: dict[str, str]) -> type[He
                 f"not supported (only 'colwise' on a 1-D per-head parameter, or inside 'moe_tp_experts')"
             )
     return type("HeadParams", (HeadParams,), {"names": tuple(named)})
+
+
+def head_params_layer(dims: dict[str, int]) -> type[HeadParams]:
+    """A HeadParams class cutting each parameter named in ``dims`` along its heads' dimension."""
+    return type("HeadParams", (HeadParams,), {"names": tuple(dims), "dims": tuple(dims.values())})
