@@ -47,7 +47,10 @@ def spec_to_json(spec: ShardSpec | None):
 
 
 def spec_from_json(data) -> ShardSpec | None:
-    return None if data is None else ShardSpec(**data)
+    if data is None:
+        return None
+    lists = {k: tuple(v) for k in ("blocks", "splits") if isinstance(v := data.get(k), list)}
+    return ShardSpec(**(data | lists))
 
 
 class SafeFile:

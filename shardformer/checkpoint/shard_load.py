@@ -186,8 +186,8 @@ def read_shard(reader: SafetensorsReader, name: str, spec: ShardSpec | None) -> 
         return reader.read(name)
     shape = reader.shape(name)
     pieces, offset = [], 0
-    for block, per_block in zip(spec.block_sizes, spec.local_block_sizes):
-        start, offset = offset + spec.rank * per_block, offset + block
+    for index, (block, per_block) in enumerate(zip(spec.block_sizes, spec.local_block_sizes)):
+        start, offset = offset + spec.piece(index) * per_block, offset + block
         stop = min(start + per_block, spec.full_size)
         if stop > start:
             pieces.append(reader.read(name, spec.dim, start, stop))

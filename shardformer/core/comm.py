@@ -515,3 +515,17 @@ def gather_sequence_for_tp(x: torch.Tensor, group, full_len: int) -> torch.Tenso
 def reduce_scatter_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
     """Partial sums of the full sequence (a row-parallel output) -> this rank's chunk of the total."""
     return _ToChunk.apply(x, group, full_len, True)
+
+
+def sum_replicas(grad: torch.Tensor, spec: ShardSpec, group=None) -> torch.Tensor:
+    """``grad`` of a shard whose ``spec`` replicates pieces on several ranks (key/value heads fewer
+    than ranks), with each replicated piece summed over the ranks that hold it: each of them ran it
+    for its own query heads only. Pieces cut over every rank are left as they are."""
+    parts = list(grad.split(spec.local_block_sizes, dim=spec.dim))
+    for block, pieces in enumerate(spec.block_splits):
+        if pieces == spec.world_size:
+            continue
+        slots = grad.new_zeros((pieces, *parts[block].shape))
+        slots[spec.piece(block)] = parts[block]
+        parts[block] = all_reduce(slots, group)[spec.piece(block)]
+    return torch.cat(parts, dim=spec.dim)

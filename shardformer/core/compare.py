@@ -9,7 +9,7 @@ NaN never does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,9 @@ def gather_like(local: torch.Tensor, full_shape: torch.Size, group, n_cast=1) ->
     dim = _split_dim(local.shape, full_shape, world)
     if dim is None:
         return None
+    if isinstance(n_cast, ShardSpec):  # the layer's own layout (pieces replicated over ranks)
+        spec = replace(n_cast, dim=dim, full_size=full_shape[dim], padded_size=full_shape[dim])
+        return merge_shards(all_gather(local, group), spec)
     blocks = None if isinstance(n_cast, int) else tuple(n_cast)
     count = n_cast if blocks is None else len(blocks)
     spec = ShardSpec(dim, world, group_rank(group), full_shape[dim], local.shape[dim] * world, count, blocks)

@@ -58,6 +58,8 @@ class ActivationRecorder:
         weight = getattr(module, "weight", None)
         spec = shard_spec(weight) if torch.is_tensor(weight) else None
         n_cast = (spec.blocks or spec.n_cast) if spec is not None else 1  # fused Q/K/V: gathered back block by block
+        if spec is not None and spec.splits:  # replicated key/value heads: the layout itself
+            n_cast = spec
 
         def hook(_module, inputs, output):
             t = first_tensor(output)

@@ -14,6 +14,7 @@ import math
 import torch
 
 from shardformer.core import comm
+from shardformer.core.shard_spec import replica_weights
 from shardformer.data_parallel.layout import ParamSlot
 from shardformer.tensor_parallel.slicer import shard_spec
 
@@ -37,8 +38,17 @@ def global_grad_norm(
         grad = slot.master.grad
         if grad is None:
             continue
-        sq = torch.linalg.vector_norm(grad, 2, dtype=torch.float64).square()
-        if shard_spec(slot.param) is not None:
+        spec = shard_spec(slot.param)
+        weights = None if spec is None else replica_weights(spec, slot.param.shape)
+        if weights is not None:  # pieces held by several tp ranks (replicated key/value heads) count once
+            flat = weights.flatten().to(device)
+            # the master is this dp rank's piece [rank * shard_numel, ...) of the flattened parameter
+            start = comm.group_rank(dp_group) * slot.shard_numel if slot.shard_numel < slot.numel else 0
+            flat = torch.nn.functional.pad(flat, (0, max(0, start + grad.numel() - flat.numel())))
+            sq = (grad.detach().to(torch.float64).flatten().square() * flat[start : start + grad.numel()]).sum()
+        else:
+            sq = torch.linalg.vector_norm(grad, 2, dtype=torch.float64).square()
+        if spec is not None:
             sharded += sq
         else:
             replicated += sq

@@ -229,6 +229,8 @@ class ModelSharder:
                 cfg.gather_output and issubclass(cls, VocabParallelLMHead1D)
             )
             options["input_copy"] = replacement.input_copy
+            if layer.head_width is not None:
+                options["head_width"] = layer.head_width
         if issubclass(cls, (VocabParallelLMHead1D, VocabParallelEmbedding1D)):
             options["pad_to_multiple"] = cfg.vocab_pad_multiple
         new = cls.from_native(replacement.module, group, **options)

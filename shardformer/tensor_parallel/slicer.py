@@ -44,16 +44,20 @@ class Slicer:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
 
-    def spec(self, shape, dim: int, n_cast: int | tuple[int, ...] = 1, pad_to_multiple: int | None = None) -> ShardSpec:
-        return make_spec(shape, dim, self.rank, self.world_size, n_cast, pad_to_multiple)
+    def spec(
+        self, shape, dim: int, n_cast: int | tuple[int, ...] = 1, pad_to_multiple: int | None = None, head_width=None
+    ) -> ShardSpec:
+        return make_spec(shape, dim, self.rank, self.world_size, n_cast, pad_to_multiple, head_width)
 
-    def column_weight(self, weight: torch.Tensor, reversed: bool = False, n_cast=1, pad_to_multiple=None):
+    def column_weight(
+        self, weight: torch.Tensor, reversed: bool = False, n_cast=1, pad_to_multiple=None, head_width=None
+    ):
         """Output features split: dim 0 of ``[out, in]``, dim 1 of ``[in, out]``."""
-        spec = self.spec(weight.shape, 1 if reversed else 0, n_cast, pad_to_multiple)
+        spec = self.spec(weight.shape, 1 if reversed else 0, n_cast, pad_to_multiple, head_width)
         return make_shard_param(weight, spec)
 
-    def column_bias(self, bias: torch.Tensor, n_cast=1, pad_to_multiple=None):
-        return make_shard_param(bias, self.spec(bias.shape, 0, n_cast, pad_to_multiple))
+    def column_bias(self, bias: torch.Tensor, n_cast=1, pad_to_multiple=None, head_width=None):
+        return make_shard_param(bias, self.spec(bias.shape, 0, n_cast, pad_to_multiple, head_width))
 
     def row_weight(self, weight: torch.Tensor, reversed: bool = False):
         """Input features split: dim 1 of ``[out, in]``, dim 0 of ``[in, out]``."""

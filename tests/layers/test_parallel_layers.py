@@ -259,3 +259,23 @@ def test_from_native_on_one_rank_reuses_storage_and_keeps_flags():
     x = torch.randn(2, HIDDEN, dtype=torch.float64)
     assert_close(layer(x), full(x))
     assert_close(F.linear(x, layer.weight, layer.bias), full(x))
+
+
+def test_heads_fewer_than_ranks_are_replicated_in_the_spec():
+    """[Q | K | V] of 8 query and 2 key/value heads of width 3 on 4 ranks: Q is cut in 4, each K/V
+    head is held whole by 2 consecutive ranks; merging takes one copy of each and restores the tensor."""
+    import pytest
+
+    from shardformer.core.shard_spec import merge_shards, replica_weights
+
+    full = torch.arange((8 + 2 + 2) * 3 * 5, dtype=torch.float32).view(-1, 5)
+    specs = [make_spec(full.shape, 0, r, 4, (24, 6, 6), head_width=3) for r in range(4)]
+    assert specs[0].splits == (4, 2, 2) and specs[3].local_size == 6 + 3 + 3
+    shards = [slice_tensor(full, s) for s in specs]
+    assert torch.equal(shards[0][6:9], full[24:27]) and torch.equal(shards[1][6:9], full[24:27])  # K head 0
+    assert torch.equal(shards[2][6:9], full[27:30])  # K head 1
+    assert torch.equal(merge_shards(shards, specs[0]), full)
+    weights = replica_weights(specs[0], shards[0].shape)
+    assert weights[:6].eq(1).all() and weights[6:].eq(0.5).all()  # each K/V row counted once over 4 ranks
+    with pytest.raises(ValueError, match="neither splits over nor replicates"):
+        make_spec((9 * 3, 5), 0, 0, 2, (9 * 3,), head_width=3)

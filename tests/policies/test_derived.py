@@ -28,6 +28,7 @@ EXACT = [
     ("WhisperForConditionalGeneration", {}),
     ("T5ForConditionalGeneration", {}),  # relative attention bias [buckets, heads]: cut with the heads
     ("BloomForCausalLM", {}),  # per-head interleaved fused qkv; ALiBi [batch x heads, 1, s] handed in whole
+    ("FalconForCausalLM", {}),  # multi-query fused [Q | K | V] of H + 2 heads in FalconLinear: K/V replicated
 ]
 
 
@@ -138,3 +139,53 @@ def test_a_plan_that_names_no_module_is_refused_not_skipped():
     policy.set_model(model)
     with pytest.raises(UnsupportedStyleError, match="names a module of LlamaForCausalLM"):
         policy.argument_policy(model.config, ShardConfig(tensor_parallel_size=2))
+
+
+def _replicated_kv(tmp: str):
+    """Multi-query attention (one key/value head) at tp=2: each rank holds every query head's half
+    and the one key/value head whole; their gradients are summed, counted once in the norm, and
+    the export and the sharded load put the one copy back."""
+    import copy
+
+    import torch.distributed as dist
+    import transformers as tf
+
+    from shardformer import ShardConfig, shard_model, sharding_of
+    from shardformer.checkpoint import load_sharded, save_pretrained
+    from shardformer.core.compare import compare_params
+    from shardformer.data_parallel import ZeroOptimizer
+    from shardformer.models.inputs import make_inputs
+    from shardformer.tensor_parallel.slicer import shard_spec
+
+    model = factory("GPTBigCodeForCausalLM")()
+    ref = copy.deepcopy(model)
+    shard_model(model, ShardConfig(tensor_parallel_size=2))
+    group = sharding_of(model).tp_group
+    c_attn = model.transformer.h[0].attn.c_attn
+    out = {"splits": shard_spec(c_attn.weight).splits, "local": tuple(c_attn.weight.shape)}
+    inputs = make_inputs(ref, seed=3)
+    ref(**inputs).loss.backward()
+    model(**inputs).loss.backward()
+    out["grads"] = [(d.name, d.ok) for d in compare_params(ref, model, group, grads=True) if not d.ok]
+    full_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # dp = 1
+    zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), dp_group=alone, tp_group=group)
+    out["norms"] = (zero.clip_grad_norm(1e9), full_norm)
+    zero.step()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    save_pretrained(model, tmp)
+    exported = tf.GPTBigCodeForCausalLM.from_pretrained(tmp)
+    out["export"] = max((a - b).abs().max().item() for a, b in zip(exported.parameters(), ref.parameters()))
+    loaded = load_sharded("GPTBigCodeForCausalLM", tmp, ShardConfig(tensor_parallel_size=2))
+    out["load"] = max((a - b).abs().max().item() for a, b in zip(loaded.parameters(), model.parameters()))
+    out["rank"] = dist.get_rank()
+    return out
+
+
+def test_fewer_key_value_heads_than_ranks_are_replicated(tmp_path):
+    for out in run_on_ranks(_replicated_kv, 2, str(tmp_path)):
+        assert out["splits"] == (2, 1, 1) and out["local"] == (16 + 8 + 8, 32), out  # [Q_r | K | V]
+        assert out["grads"] == [], out["grads"]
+        norm, full = out["norms"]
+        assert abs(norm - full) < 1e-5 * full, out["norms"]
+        assert out["export"] < 1e-6 and out["load"] == 0.0, out

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from shardformer.core.comm import group_rank, group_size
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive
-from shardformer.policies.derived.simulate import per_rank_attributes, resolve_blocks, slice_heads
+from shardformer.policies.derived.simulate import cut_options, per_rank_attributes, slice_heads
 from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
@@ -88,8 +88,8 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, spec in rule.cols.items():  # widths are checked by the sharder's plan
             if rel in inside:
                 module = inside[rel]
-                n_cast = resolve_blocks(spec, out_width(module), config)
-                layers[f"{block}.{rel}"] = Col_Layer(f"{block}.{rel}", n_cast=n_cast, reversed=is_conv1d(module))
+                options = cut_options(spec, out_width(module), config)
+                layers[f"{block}.{rel}"] = Col_Layer(f"{block}.{rel}", reversed=is_conv1d(module), **options)
         for rel in rule.rows:
             if rel in inside:
                 layers[f"{block}.{rel}"] = Row_Layer(f"{block}.{rel}", reversed=is_conv1d(inside[rel]))

@@ -78,6 +78,24 @@ def _prove(model: nn.Module, shard_config: ShardConfig) -> str | None:
     if sum(p.numel() for p in sharded.parameters()) >= sum(p.numel() for p in ref.parameters()):
         failures.append("the tiny copy was not sharded")
     inputs = {k: v.to(device) for k, v in make_inputs(ref, seed=1).items()}
+    try:
+        _compare(ref, sharded, group, inputs, device, failures)
+    except Exception as e:  # noqa: BLE001 - the cut copy cannot run: every rank's copy fails alike
+        failures.append(f"the sharded tiny copy fails: {type(e).__name__}: {str(e)[:300]}")
+    verdict = torch.tensor([float(len(failures))], device=device)
+    verdict = all_reduce(verdict, group)  # every rank refuses, or none
+    if verdict.item() == 0:
+        return None
+    listed = "; ".join(failures[:3]) or "another rank saw a difference"
+    return (
+        f"the derived policy for {type(model).__name__} is not exact on a tiny copy at tensor_parallel_size={tp} "
+        f"({listed}). shardformer refuses to shard it this way; {HOW_TO}"
+    )
+
+
+def _compare(ref: nn.Module, sharded: nn.Module, group, inputs: dict, device, failures: list[str]) -> None:
+    """Outputs, loss and every gradient of ``sharded`` against ``ref``; what differs goes to ``failures``
+    (the first diverging module with the first failure)."""
     rec_ref, rec_sh = ActivationRecorder(ref), ActivationRecorder(sharded)
     with torch.random.fork_rng(devices=[]):
         ref_main, ref_loss = _main_output(ref(**inputs))
@@ -89,12 +107,13 @@ def _prove(model: nn.Module, shard_config: ShardConfig) -> str | None:
     if ref_loss is None:  # no loss of its own: a fixed random projection of the output
         ref_loss, loss = (ref_main.float() * weights).sum(), (main.float() * weights).sum()
     divergence = first_divergence(rec_ref, rec_sh, group)
+    where = f"first diverging module: {divergence}" if divergence else "no single module diverges first"
     err, ok = max_error(main, ref_main)
     if not ok:
-        failures.append(f"outputs differ by {err:.2e}")
+        failures.append(f"outputs differ by {err:.2e}; {where}")
     err, ok = max_error(loss, ref_loss)
     if not ok:
-        failures.append(f"loss differs by {err:.2e}")
+        failures.append(f"loss differs by {err:.2e}" + ("" if failures else f"; {where}"))
     ref_loss.backward(), loss.backward()
     ref_grads = {name: p.grad for name, p in ref.named_parameters()}
     largest = max((g.abs().max().item() for g in ref_grads.values() if g is not None and g.numel()), default=0.0)
@@ -105,13 +124,3 @@ def _prove(model: nn.Module, shard_config: ShardConfig) -> str | None:
         scale = ref_grads[diff.name].abs().max().item() if ref_grads.get(diff.name) is not None else 0.0
         if diff.only_in is not None or not diff.ok or diff.error > SCALE_RTOL * scale + floor:
             failures.append(f"gradient of {diff.name} differs" + ("" if diff.only_in else f" by {diff.error:.2e}"))
-    verdict = torch.tensor([float(len(failures))], device=device)
-    verdict = all_reduce(verdict, group)  # every rank refuses, or none
-    if verdict.item() == 0:
-        return None
-    where = f"first diverging module: {divergence}" if divergence else "no single module diverges first"
-    listed = "; ".join(failures[:3]) or "another rank saw a difference"
-    return (
-        f"the derived policy for {type(model).__name__} is not exact on a tiny copy at tensor_parallel_size={tp} "
-        f"({listed}); {where}. shardformer refuses to shard it this way; {HOW_TO}"
-    )

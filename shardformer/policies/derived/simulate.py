@@ -129,21 +129,47 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return layer
 
 
-def head_blocks(width: int, config) -> tuple[int, int, int] | None:
-    """``(q, k, v)`` widths of a fused projection sized by the head counts of ``config``."""
+def head_width(config) -> int | None:
+    """The width of one attention head from ``config`` (its text config): ``head_dim``, else hidden / heads."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    if not isinstance(heads, int) or not isinstance(kv, int) or kv == heads or not heads:
+    width = getattr(text, "head_dim", None)
+    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
+    if isinstance(width, int) and width > 0:
+        return width
+    if isinstance(heads, int) and isinstance(hidden, int) and heads and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def head_blocks(width: int, config) -> tuple[int, ...] | None:
+    """The blocks of a projection sized by the heads of ``config``, when its width is not a plain
+    multiple of the query heads: ``(q, k, v)`` of a fused projection with fewer key/value heads
+    (grouped or multi-query: ``(H + 2 kv) d``), ``(k, v)`` of a fused key/value one (``2 kv d``),
+    or ``(k,)`` of a key or value projection of fewer heads (``kv d``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads, d = getattr(text, "num_attention_heads", None), head_width(config)
+    if not isinstance(heads, int) or not d or width % d:
         return None
-    if width % (heads + 2 * kv):
-        return None
-    d = width // (heads + 2 * kv)
-    return heads * d, kv * d, kv * d
+    units = width // d
+    if units > heads and (units - heads) % 2 == 0 and (units - heads) // 2 < heads:
+        kv = (units - heads) // 2
+        return heads * d, kv * d, kv * d
+    if units < heads and units % 2 == 0 and heads % (units // 2) == 0 and units // 2 < heads:
+        return units // 2 * d, units // 2 * d
+    if units < heads and heads % units == 0:
+        return (width,)
+    return None
 
 
 def resolve_blocks(spec, width: int, config) -> int | tuple[int, ...]:
     return head_blocks(width, config) if spec == ("heads",) else spec
+
+
+def cut_options(spec, width: int, config) -> dict:
+    """``n_cast`` (and ``head_width`` for a cut by heads) of a column's cut, as the layers take them."""
+    if spec == ("heads",):
+        return {"n_cast": head_blocks(width, config), "head_width": head_width(config)}
+    return {"n_cast": spec}
 
 
 def _fits(width: int, blocks, tp: int) -> bool:
@@ -153,9 +179,17 @@ def _fits(width: int, blocks, tp: int) -> bool:
     return sizes is not None and all(s % tp == 0 and s >= tp for s in sizes)
 
 
+def _by_heads(width: int, config, tp: int) -> bool:
+    """Whether the head blocks of a projection cut over ``tp`` into whole heads or replicate evenly."""
+    blocks, d = head_blocks(width, config), head_width(config)
+    if blocks is None or not d:
+        return False
+    return all((b // d) % tp == 0 or tp % (b // d) == 0 for b in blocks)
+
+
 def _candidates(width: int, config, tp: int) -> list:
     out = [n for n in (1, 3, 2) if _fits(width, n, tp)]
-    if _fits(width, head_blocks(width, config), tp):
+    if _by_heads(width, config, tp):
         out.append(("heads",))
     return out
 
@@ -169,15 +203,32 @@ def attribute_candidates(parent: nn.Module, widths: set[int], tp: int) -> list[s
         prefix = f"{rel}." if rel else ""
         for name, value in int_attributes(module).items():
             counts = is_head_count(name) or value in widths
-            if (read is None or name in read) and value > 1 and value % tp == 0 and counts:
+            if (read is None or name in read) and value > 1 and _splits(name, value, tp) and counts:
                 found.append(prefix + name)
         config = getattr(module, "config", None)
         if config is not None and read is not None and rel == "":
             for name in sorted(r[7:] for r in read if r.startswith("config.")):
                 value = getattr(config, name, None)
-                if type(value) is int and value > 1 and value % tp == 0 and (is_head_count(name) or value in widths):
+                if (
+                    type(value) is int
+                    and value > 1
+                    and _splits(name, value, tp)
+                    and (is_head_count(name) or value in widths)
+                ):
                     found.append(f"config.{name}")
     return found
+
+
+def _splits(name: str, value: int, tp: int) -> bool:
+    """``value`` splits over tp, or counts fewer heads than ranks (replicated: one per rank)."""
+    return value % tp == 0 or (is_head_count(name) and tp % value == 0)
+
+
+def per_rank_value(name: str, value: int, tp: int, where: str) -> int:
+    """The count or width one rank holds: ``value / tp``, or one head of fewer heads than ranks."""
+    if value % tp and is_head_count(name) and tp % value == 0:
+        return 1
+    return divide_by(value, tp, where)
 
 
 def per_rank_attributes(root: nn.Module, names, tp: int) -> dict[str, object]:
@@ -189,9 +240,9 @@ def per_rank_attributes(root: nn.Module, names, tp: int) -> dict[str, object]:
         if owner == "config" or owner.endswith(".config"):
             module_path = owner[: -len("config")].rstrip(".")
             local = values.setdefault(owner, copy.copy(root.get_submodule(module_path).config))
-            setattr(local, name, divide_by(getattr(local, name), tp, dotted))
+            setattr(local, name, per_rank_value(name, getattr(local, name), tp, dotted))
         else:
-            values[dotted] = divide_by(getattr(root.get_submodule(owner), name), tp, dotted)
+            values[dotted] = per_rank_value(name, getattr(root.get_submodule(owner), name), tp, dotted)
     return values
 
 
@@ -248,7 +299,8 @@ def _run_ranks(parent, row_rel, col_rels, blocks, divide, tp, args, kwargs, conf
         for rel in col_rels:
             module = local.get_submodule(rel)
             w, b = _weight_out_in(module)
-            spec = make_spec(w.shape, 0, rank, tp, resolve_blocks(blocks[rel], w.shape[0], config))
+            options = cut_options(blocks[rel], w.shape[0], config)
+            spec = make_spec(w.shape, 0, rank, tp, options["n_cast"], head_width=options.get("head_width"))
             local.set_submodule(rel, _linear(slice_tensor(w, spec), None if b is None else slice_tensor(b, spec)))
         row = local.get_submodule(row_rel)
         w, _ = _weight_out_in(row)

@@ -7,6 +7,8 @@ weight and state-dict names and orientations are unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from shardformer.core.comm import (
     reduce_from_parallel,
     split_to_parallel,
     start_all_reduce,
+    sum_replicas,
 )
 from shardformer.tensor_parallel.slicer import Slicer, shard_spec
 
@@ -133,12 +136,16 @@ class Linear1D_Col(nn.Module):
         input_copy: SharedInputCopy | None = None,
         overlap_communication: bool = True,
         sequence_parallel=None,
+        head_width: int | None = None,
         **_,
     ) -> Linear1D_Col:
         weight, bias, reversed = _native_parts(module)
         slicer = Slicer(group_rank(process_group), group_size(process_group))
-        w = slicer.column_weight(weight, reversed, n_cast, pad_to_multiple)
-        b = None if bias is None else slicer.column_bias(bias, n_cast, pad_to_multiple)
+        w = slicer.column_weight(weight, reversed, n_cast, pad_to_multiple, head_width)
+        b = None if bias is None else slicer.column_bias(bias, n_cast, pad_to_multiple, head_width)
+        for param in (w, b):  # heads replicated over ranks (fewer key/value heads than ranks)
+            if param is not None and shard_spec(param).splits and param.requires_grad:
+                param.register_hook(functools.partial(sum_replicas, spec=shard_spec(param), group=process_group))
         return cls(
             w, b, process_group, gather_output, reversed, input_copy,
             overlap_communication=overlap_communication, sequence_parallel=sequence_parallel,
