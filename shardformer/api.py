@@ -11,7 +11,8 @@ from shardformer.core.config import ShardConfig
 from shardformer.core.record import build_mesh
 from shardformer.models import layer_stack
 from shardformer.policies.auto import get_autopolicy
-from shardformer.policies.derived import DerivedPolicy, prove
+from shardformer.policies.derived import prove
+from shardformer.policies.tp_plan import TpPlanPolicy
 from shardformer.tensor_parallel.policy import Policy
 from shardformer.tensor_parallel.sharder import ModelSharder
 
@@ -28,10 +29,13 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
     shard_config = shard_config or ShardConfig()
     policy = policy or get_autopolicy(model)
     sharder = ModelSharder(model, policy, shard_config, layers=layer_stack(model))
-    if type(policy) is DerivedPolicy and shard_config.tensor_parallel_size > 1:
+    if isinstance(policy, TpPlanPolicy) and shard_config.tensor_parallel_size > 1:
         sharder.plan()  # every refusal first, before any collective
-        mesh, _ = build_mesh(shard_config)  # once: the proof and the model use the same tp group
-        if mesh is not None:
-            sharder.shard_config = dataclasses.replace(shard_config, mesh=mesh)
-        prove(model, sharder.shard_config)
+        parts = policy.proven_parts()  # derived cuts: the whole model, or the towers a plan leaves whole
+        if parts:
+            mesh, _ = build_mesh(shard_config)  # once: the proof and the model use the same tp group
+            if mesh is not None:
+                sharder.shard_config = dataclasses.replace(shard_config, mesh=mesh)
+            for part in parts:
+                prove(model.get_submodule(part) if part else model, sharder.shard_config)
     return sharder.shard()

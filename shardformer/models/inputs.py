@@ -32,6 +32,8 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     if "pixel_values" in inspect.signature(model.forward).parameters and "input_ids" in x:  # two towers (CLIP)
         x.update(_images(model, getattr(config, "vision_config", config), batch, g))
     ids = x.get("input_ids")
+    if ids is not None and "pixel_values" in x:
+        ids = x["input_ids"] = _with_image_tokens(model, config, ids, x["pixel_values"])
     text_vocab = _vocab(model, config)
     eos = getattr(config, "eos_token_id", None)
     if ids is not None and getattr(config, "is_encoder_decoder", False) and isinstance(eos, int):
@@ -58,3 +60,25 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
     size = size[0] if isinstance(size, (tuple, list)) else size
     channels = getattr(config, "num_channels", None) or getattr(model, "in_chans", 3)
     return {"pixel_values": torch.randn(batch, channels, size, size, generator=g)}
+
+
+def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    """Token ids of an image-text model with its image placeholder token once per image feature
+    (LLaVA, Gemma 3, PaliGemma: as many as ``get_image_features`` gives for one image) before the text."""
+    token = getattr(config, "image_token_id", None)
+    token = getattr(config, "image_token_index", None) if token is None else token
+    if not isinstance(token, int) or not hasattr(model, "get_image_features"):
+        return ids
+    try:
+        with torch.no_grad():
+            out = model.get_image_features(pixel_values=pixels[:1])
+    except Exception:  # noqa: BLE001 - a model wanting more than pixels (grids, sizes): text only
+        return ids
+    features = getattr(out, "pooler_output", None)
+    features = out if features is None else features
+    first = features[0] if isinstance(features, (list, tuple)) else features
+    if not torch.is_tensor(first) or first.dim() < 2:
+        return ids
+    count = first.numel() // first.shape[-1]
+    text = ids.masked_fill(ids == token, 3 if token != 3 else 4)
+    return torch.cat([torch.full((ids.shape[0], count), token, dtype=ids.dtype), text], dim=1)

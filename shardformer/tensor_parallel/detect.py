@@ -138,6 +138,7 @@ class Cut:
     vocab: bool = False  # vocabulary splits are padded, so any size fits
     blocks: tuple[int, ...] | None = None  # fused blocks of different sizes (Phi-3's q | k | v)
     gathered: bool = False  # the output is gathered back: the module's owner sees full sizes
+    whole_heads: bool = False  # cut by whole heads, fewer than ranks replicated (the spec checks it)
 
     @property
     def full_width(self) -> int | None:
@@ -161,6 +162,8 @@ def check_sizes(cuts: list[Cut], tp: int, config, parents: dict[str, nn.Module])
         if width is None or cut.vocab:
             continue
         where = f"{cut.path} ({type(cut.module).__name__})"
+        if cut.whole_heads:
+            continue
         if cut.blocks:  # the policy sized the blocks from the head counts: each must divide
             if any(b % tp for b in cut.blocks):
                 raise PolicyMismatch(
@@ -256,7 +259,7 @@ def stale_attributes(cuts: list[Cut], tp: int, parents: dict[str, nn.Module], re
         return []
     found: dict[tuple[str, str], StaleAttribute] = {}
     for cut in cuts:
-        if cut.side != "out" or cut.vocab or cut.full_width is None or cut.blocks or cut.gathered:
+        if cut.side != "out" or cut.vocab or cut.full_width is None or cut.blocks or cut.gathered or cut.whole_heads:
             continue
         parent_path = cut.path.rpartition(".")[0]
         parent = parents.get(parent_path)
@@ -298,7 +301,10 @@ def cut_of(path: str, layer, module: nn.Module) -> Cut | None:
     if isinstance(layer, Col_Layer):
         blocks = None if isinstance(layer.n_cast, int) else tuple(layer.n_cast)
         n_cast = layer.n_cast if blocks is None else len(blocks)
-        return Cut(path, module, "out", n_cast, vocab, blocks, gathered=layer.gather_output and not vocab)
+        return Cut(
+            path, module, "out", n_cast, vocab, blocks,
+            gathered=layer.gather_output and not vocab, whole_heads=layer.head_width is not None,
+        )  # fmt: skip
     if isinstance(layer, Row_Layer):
         return Cut(path, module, "in", 1, vocab)
     return None

@@ -13,6 +13,7 @@ import torch.nn as nn
 from shardformer.core.comm import group_rank, group_size
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive
 from shardformer.policies.derived.simulate import cut_options, per_rank_attributes, slice_heads
+from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
@@ -52,10 +53,19 @@ class DerivedPolicy(TpPlanPolicy):
             self._cut_block(block, modules, rule, tp, model.config, layers, attrs)
         if not layers:
             raise NotDerivableError(f"no projection of {type(model).__name__} reads and writes a block's stream")
+        whole = uncovered_blocks(model, layers)
+        if whole:
+            raise NotDerivableError(
+                f"no projection of {', '.join(whole[:4])}{' ...' if len(whole) > 4 else ''} reads and writes its "
+                f"block's stream: the blocks would stay whole; {HOW_TO}"
+            )
         self._vocab(layers, modules)
         self._tied_embeddings(layers, modules)
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
+
+    def proven_parts(self) -> list[str]:
+        return [""]  # the whole model
 
     def _tied_embeddings(self, layers: dict[str, Layer], modules) -> None:
         """Embeddings tied to the cut input embedding (an encoder's and a decoder's, sharing one

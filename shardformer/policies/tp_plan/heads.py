@@ -25,9 +25,20 @@ HEAD_COUNTS = (
 )
 
 
-def per_rank_attributes(path: str, module: nn.Module, tp: int) -> dict[str, object]:
+KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
+def per_rank_count(name: str, value: int, tp: int, where: str) -> int:
+    """A head count on one rank: ``value / tp``; key/value heads fewer than ranks are replicated, one per rank."""
+    if name in KV_COUNTS and value < tp and tp % value == 0:
+        return 1
+    return divide(value, tp, where)
+
+
+def per_rank_attributes(path: str, module: nn.Module, tp: int, groups: int | None = None) -> dict[str, object]:
     """``{dotted attribute: per-rank value}`` for the head counts ``module``'s code reads (the one
-    reader: :func:`~shardformer.tensor_parallel.detect.attributes_read`).
+    reader: :func:`~shardformer.tensor_parallel.detect.attributes_read`). ``groups``: the query heads
+    per key/value head on a rank when key/value heads are replicated (``num_key_value_groups``).
 
     A count read through ``self.config`` gets the module its own copy of the config holding the
     per-rank values (the model's config, shared with embeddings and heads, stays global).
@@ -38,15 +49,23 @@ def per_rank_attributes(path: str, module: nn.Module, tp: int) -> dict[str, obje
     for name in HEAD_COUNTS:
         value = getattr(module, name, None)
         if isinstance(value, int) and reads(name):
-            attrs[f"{path}.{name}" if path else name] = divide(value, tp, f"{path}.{name}")
+            attrs[f"{path}.{name}" if path else name] = per_rank_count(name, value, tp, f"{path}.{name}")
+    if groups is not None and isinstance(getattr(module, "num_key_value_groups", None), int):
+        attrs[f"{path}.num_key_value_groups" if path else "num_key_value_groups"] = groups
     via_config = [name for name in HEAD_COUNTS if read is not None and f"config.{name}" in read]
     config = getattr(module, "config", None)
     if via_config and config is not None:
         local = copy.copy(config)
         for name in via_config:
-            setattr(local, name, divide(getattr(config, name), tp, f"config.{name} (read by {path})"))
+            setattr(local, name, per_rank_count(name, getattr(config, name), tp, f"config.{name} (read by {path})"))
         attrs[f"{path}.config" if path else "config"] = local
     return attrs
+
+
+def replicated_kv(config, tp: int) -> bool:
+    """Whether key/value heads are fewer than ranks (each rank then holds the one its queries use)."""
+    sizes = head_sizes(config)
+    return sizes is not None and sizes[1] < tp and tp % sizes[1] == 0
 
 
 def head_sizes(config) -> tuple[int, int, int] | None:
@@ -63,17 +82,17 @@ def head_sizes(config) -> tuple[int, int, int] | None:
 
 
 def check_heads(config, tp: int) -> None:
-    """Query and key/value heads must both split over tp (we do not replicate key/value heads)."""
+    """Query heads must split over tp; key/value heads split over it, or (fewer than ranks) replicate evenly."""
     sizes = head_sizes(config)
     if sizes is None:
         return
     heads, kv, _ = sizes
     divide(heads, tp, "num_attention_heads")
-    if kv % tp:
+    if kv % tp and tp % kv:
         raise ValueError(
-            f"num_key_value_heads={kv} is not divisible by tensor_parallel_size={tp} (num_attention_heads="
-            f"{heads}); shardformer splits key/value heads and does not replicate them: use a "
-            f"tensor_parallel_size that divides {kv}"
+            f"num_key_value_heads={kv} neither divides by tensor_parallel_size={tp} nor divides it "
+            f"(num_attention_heads={heads}): key/value heads are split over ranks, or replicated when fewer; "
+            f"use a tensor_parallel_size that {kv} divides or that divides {kv}"
         )
 
 

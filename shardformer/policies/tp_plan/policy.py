@@ -106,8 +106,20 @@ class TpPlanPolicy(Policy):
         _check_sizes(layers, modules, tp)
         self._vocab(layers, modules)
         attrs = self._per_rank(layers, modules, tp, text_config)
+        if tp > 1:  # stacks the plan leaves whole (a VLM's vision tower): derived, or refused
+            from shardformer.policies.derived.towers import tower_layers, towers
+
+            self.towers = towers(model, layers)
+            for tower in self.towers:
+                more, more_attrs = tower_layers(model, tower, shard_config)
+                layers.update({layer.suffix: layer for layer in more})
+                attrs.update(more_attrs)
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
+
+    def proven_parts(self) -> list[str]:
+        """Paths of the sub-models whose cut was derived and must be proven before use."""
+        return list(getattr(self, "towers", []))
 
     def _fuse(self, layers: dict[str, Layer], modules, config) -> None:
         """Cut fused projections block by block: a plain ``colwise`` one, and the gathered pair
@@ -163,11 +175,16 @@ class TpPlanPolicy(Policy):
         }
         sizes = heads.head_sizes(config) or (0, 0, None)
         config_head_dim = sizes[2]
+        groups = sizes[0] // tp if heads.replicated_kv(config, tp) else None
+        if groups is not None:  # fewer key/value heads than ranks: cut by whole heads, replicated
+            for path, layer in layers.items():
+                if path.rpartition(".")[0] in split_parents and isinstance(layer, Col_Layer) and sizes[2]:
+                    layer.head_width = sizes[2]
         split_widths = {sizes[0], sizes[1]} | ({sizes[0] * sizes[2], sizes[1] * sizes[2]} if sizes[2] else set())
         for parent in sorted(split_parents):
             module = modules[parent]
             head_dim = getattr(module, "head_dim", config_head_dim)  # the module's own, where layers differ
-            attrs.update(heads.per_rank_attributes(parent, module, tp))
+            attrs.update(heads.per_rank_attributes(parent, module, tp, groups))
             if isinstance(getattr(module, "attention_dropout", None), float) and parent not in layers:
                 layers[parent] = Layer(parent, replace_layer=styles.AttentionDropoutRng)
             uncut = [n for n, _ in module.named_parameters(recurse=False) if f"{parent}.{n}" not in self.cut_params]

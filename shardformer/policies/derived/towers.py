@@ -1,0 +1,72 @@
+"""Stacks a route leaves whole: handed to the derived route, or refused.
+
+A vision-language model's tp plan covers its language model only: the vision tower (LLaVA's CLIP,
+Gemma 3's SigLIP) would stay whole on every rank without a word. After a route has chosen its
+layers, every stack of repeated blocks with no cut layer inside is found; each sits in a sub-model
+of its own (a ``PreTrainedModel`` with its own config), which the derived route cuts, and which
+``shard_model`` proves on a tiny copy of that sub-model before use. A stack with no such sub-model
+around it is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+from shardformer.policies.derived.derive import NotDerivableError
+from shardformer.policies.derived.trace import repeated_blocks
+from shardformer.tensor_parallel.policy import Layer
+
+
+def _is_sub_model(module: nn.Module) -> bool:
+    return getattr(module, "config", None) is not None and hasattr(module, "post_init")
+
+
+def uncovered_blocks(model: nn.Module, cut_paths) -> list[str]:
+    """Blocks of the repeated stacks inside which no path of ``cut_paths`` lies."""
+    cut = list(cut_paths)
+    return [b for b in repeated_blocks(model) if not any(p.startswith(b + ".") for p in cut)]
+
+
+def towers(model: nn.Module, cut_paths) -> list[str]:
+    """The sub-models holding the stacks ``cut_paths`` leave whole (the innermost ``PreTrainedModel``
+    around each, with nothing cut inside it); NotDerivableError for a stack with none."""
+    cut = list(cut_paths)
+    modules = dict(model.named_modules())
+    found: list[str] = []
+    for block in uncovered_blocks(model, cut):
+        parts = block.split(".")
+        owner = None
+        for depth in range(len(parts) - 1, 0, -1):
+            path = ".".join(parts[:depth])
+            if _is_sub_model(modules[path]):
+                owner = path
+                break
+        if owner is None or any(p.startswith(owner + ".") for p in cut):
+            raise NotDerivableError(
+                f"{block} ({type(modules[block]).__name__}) is a repeated block that the "
+                f"{'plan' if cut else 'route'} leaves whole, and it sits in no sub-model of its own "
+                f"to derive a cut for; shardformer does not leave a stack unsharded without a word. "
+                f"Pass your own Policy"
+            )
+        if owner not in found:
+            found.append(owner)
+    return found
+
+
+def tower_layers(model: nn.Module, tower: str, shard_config) -> tuple[list[Layer], dict[str, object]]:
+    """The derived route's layers and per-rank attributes of the sub-model at ``tower``, as paths
+    relative to ``model``."""
+    from shardformer.policies.derived.policy import DerivedPolicy  # the policy imports the plan route
+
+    sub = model.get_submodule(tower)
+    policy = DerivedPolicy()
+    policy.set_model(sub)
+    argument = policy.argument_policy(sub.config, shard_config)[type(sub)]
+    layers = [
+        dataclasses.replace(layer, suffix=f"{tower}.{layer.suffix}")
+        for func in argument.param_funcs
+        for layer in func()
+    ]
+    return layers, {f"{tower}.{k}": v for k, v in argument.attr_dict.items()}
