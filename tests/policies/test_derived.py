@@ -29,6 +29,8 @@ EXACT = [
     ("T5ForConditionalGeneration", {}),  # relative attention bias [buckets, heads]: cut with the heads
     ("BloomForCausalLM", {}),  # per-head interleaved fused qkv; ALiBi [batch x heads, 1, s] handed in whole
     ("FalconForCausalLM", {}),  # multi-query fused [Q | K | V] of H + 2 heads in FalconLinear: K/V replicated
+    ("LlamaForCausalLM", {"num_key_value_heads": 1}),  # the plan route, one key/value head replicated
+    ("LlavaForConditionalGeneration", {}),  # the plan's language model, the derived vision tower; image tokens
 ]
 
 
@@ -78,6 +80,18 @@ def _ranks(cases, refused):
     full = sum(p.numel() for p in model.parameters())
     shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
     out["ratio"] = sum(p.numel() for p in model.parameters()) / full
+    # LLaVA: the plan cuts the language model, the derived route the CLIP vision tower (proven first)
+    llava = factory("LlavaForConditionalGeneration")()
+
+    def projection_weights():  # every projection of the tower's blocks: q, k, v, out, fc1, fc2
+        layers = llava.model.vision_tower.encoder.layers
+        return sum(
+            p.numel() for n, p in layers.named_parameters() if n.endswith(("proj.weight", "fc1.weight", "fc2.weight"))
+        )
+
+    full = projection_weights()
+    shard_model(llava, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    out["tower ratio"] = projection_weights() / full
     # T5's relative attention bias is cut with the heads: each rank holds its heads' columns
     t5 = factory("T5ForConditionalGeneration")()
     bias = t5.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
@@ -105,6 +119,7 @@ def test_derived_models_are_exact_or_refused():
         ok, text = out[f"{name}{options or ''}"]
         assert ok, text
     assert 0.5 < out["ratio"] < 0.6, out["ratio"]  # blocks and vocabulary halved; norms and positions whole
+    assert out["tower ratio"] == 0.5, out["tower ratio"]
     full, local = out["t5 bias"]
     assert local == (full[0], full[1] // 2), out["t5 bias"]
     # a per-dimension scale of the attention itself, shared by the heads: the forward is exact, its
