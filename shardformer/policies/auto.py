@@ -22,7 +22,7 @@ def get_autopolicy(model: nn.Module) -> Policy:
     if family is not None:
         return family.policies[model_class_name(model)]()
     if has_tp_plan(model):  # built-ins first; then the model's own tensor-parallel plan
-        return TpPlanPolicy()
+        return TpPlanPolicy(tower_policy=DerivedPolicy)  # a vision tower the plan leaves whole: derived
     if derived_model(model):  # then the model's own structure
         return DerivedPolicy()
     raise ValueError(

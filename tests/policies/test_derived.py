@@ -204,3 +204,17 @@ def test_fewer_key_value_heads_than_ranks_are_replicated(tmp_path):
         norm, full = out["norms"]
         assert abs(norm - full) < 1e-5 * full, out["norms"]
         assert out["export"] < 1e-6 and out["load"] == 0.0, out
+
+
+def test_a_plan_policy_with_no_tower_policy_refuses_the_tower_it_leaves_whole():
+    import pytest
+
+    from shardformer import ShardConfig
+    from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError
+
+    model = transformers_model("LlavaForConditionalGeneration")
+    policy = TpPlanPolicy()  # by hand: no tower policy (get_autopolicy gives DerivedPolicy)
+    policy.set_model(model)
+    with pytest.raises(UnsupportedStyleError, match="leaves model.vision_tower whole"):
+        policy.argument_policy(model.config, ShardConfig(tensor_parallel_size=2))
+    assert get_autopolicy(model).tower_policy is DerivedPolicy

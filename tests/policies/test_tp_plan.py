@@ -257,9 +257,9 @@ def test_unsupported_style_is_refused_with_its_name_and_path():
         shard_model(model, ShardConfig(tensor_parallel_size=2))
 
 
-def test_kv_heads_that_tp_does_not_divide_are_refused_with_sizes():
-    model = _tiny("LlamaForCausalLM", num_key_value_heads=1)
-    with pytest.raises(ValueError, match=r"num_key_value_heads=1 is not divisible by tensor_parallel_size=2"):
+def test_kv_heads_that_neither_split_nor_replicate_are_refused_with_sizes():
+    model = _tiny("LlamaForCausalLM", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=3 neither divides by tensor_parallel_size=2"):
         shard_model(model, ShardConfig(tensor_parallel_size=2))
 
 

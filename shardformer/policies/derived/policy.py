@@ -8,6 +8,8 @@ against unsharded on the same ranks, before it cuts the user's model (:mod:`.pro
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.nn as nn
 
 from shardformer.core.comm import group_rank, group_size
@@ -66,6 +68,21 @@ class DerivedPolicy(TpPlanPolicy):
 
     def proven_parts(self) -> list[str]:
         return [""]  # the whole model
+
+    @classmethod
+    def cut_tower(cls, model: nn.Module, tower: str, shard_config) -> tuple[list[Layer], dict[str, object]]:
+        """The layers and per-rank attributes of the sub-model at ``tower`` (a stack another route
+        leaves whole), as paths relative to ``model``."""
+        sub = model.get_submodule(tower)
+        policy = cls()
+        policy.set_model(sub)
+        argument = policy.argument_policy(sub.config, shard_config)[type(sub)]
+        layers = [
+            dataclasses.replace(layer, suffix=f"{tower}.{layer.suffix}")
+            for func in argument.param_funcs
+            for layer in func()
+        ]
+        return layers, {f"{tower}.{k}": v for k, v in argument.attr_dict.items()}
 
     def _tied_embeddings(self, layers: dict[str, Layer], modules) -> None:
         """Embeddings tied to the cut input embedding (an encoder's and a decoder's, sharing one

@@ -5,18 +5,15 @@ Gemma 3's SigLIP) would stay whole on every rank without a word. After a route h
 layers, every stack of repeated blocks with no cut layer inside is found; each sits in a sub-model
 of its own (a ``PreTrainedModel`` with its own config), which the derived route cuts, and which
 ``shard_model`` proves on a tiny copy of that sub-model before use. A stack with no such sub-model
-around it is refused, naming it.
+around it is refused, naming it. (``DerivedPolicy.cut_tower`` cuts one.)
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch.nn as nn
 
 from shardformer.policies.derived.derive import NotDerivableError
 from shardformer.policies.derived.trace import repeated_blocks
-from shardformer.tensor_parallel.policy import Layer
 
 
 def _is_sub_model(module: nn.Module) -> bool:
@@ -53,20 +50,3 @@ def towers(model: nn.Module, cut_paths) -> list[str]:
         if owner not in found:
             found.append(owner)
     return found
-
-
-def tower_layers(model: nn.Module, tower: str, shard_config) -> tuple[list[Layer], dict[str, object]]:
-    """The derived route's layers and per-rank attributes of the sub-model at ``tower``, as paths
-    relative to ``model``."""
-    from shardformer.policies.derived.policy import DerivedPolicy  # the policy imports the plan route
-
-    sub = model.get_submodule(tower)
-    policy = DerivedPolicy()
-    policy.set_model(sub)
-    argument = policy.argument_policy(sub.config, shard_config)[type(sub)]
-    layers = [
-        dataclasses.replace(layer, suffix=f"{tower}.{layer.suffix}")
-        for func in argument.param_funcs
-        for layer in func()
-    ]
-    return layers, {f"{tower}.{k}": v for k, v in argument.attr_dict.items()}

@@ -69,7 +69,13 @@ def _path_of(model: nn.Module, module: nn.Module | None) -> str | None:
 
 
 class TpPlanPolicy(Policy):
-    """Shards any transformers model that ships a tensor-parallel plan, exactly."""
+    """Shards any transformers model that ships a tensor-parallel plan, exactly. ``tower_policy``:
+    the policy class (``cut_tower``) that cuts stacks the plan leaves whole, such as a VLM's vision
+    tower (``get_autopolicy`` gives ``DerivedPolicy``); None refuses such stacks."""
+
+    def __init__(self, tower_policy=None) -> None:
+        super().__init__()
+        self.tower_policy = tower_policy
 
     def set_model(self, model: nn.Module) -> None:
         super().set_model(model)
@@ -107,11 +113,16 @@ class TpPlanPolicy(Policy):
         self._vocab(layers, modules)
         attrs = self._per_rank(layers, modules, tp, text_config)
         if tp > 1:  # stacks the plan leaves whole (a VLM's vision tower): derived, or refused
-            from shardformer.policies.derived.towers import tower_layers, towers
+            from shardformer.policies.derived.towers import towers
 
             self.towers = towers(model, layers)
+            if self.towers and self.tower_policy is None:
+                raise styles.UnsupportedStyleError(
+                    f"the tp plan of {type(model).__name__} leaves {', '.join(self.towers)} whole; pass no policy "
+                    f"(shard_model derives and proves a cut of it), or your own Policy"
+                )
             for tower in self.towers:
-                more, more_attrs = tower_layers(model, tower, shard_config)
+                more, more_attrs = self.tower_policy.cut_tower(model, tower, shard_config)
                 layers.update({layer.suffix: layer for layer in more})
                 attrs.update(more_attrs)
         found = list(layers.values())
