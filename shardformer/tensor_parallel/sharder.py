@@ -193,15 +193,19 @@ class ModelSharder:
             kinds = Counter(r.layer.replace_layer.__name__ for r in replacements)
             kinds.update({"DropoutForReplicatedInput (leftover)": leftovers} if leftovers else {})
             here = _numel(self.model)
+            tp = self.shard_config.tensor_parallel_size
+            towers = list(getattr(self.policy, "towers", []))  # stacks the plan left whole, derived
             logger.info(
-                "sharded %s with %s at tp=%d: %s; parameters on this rank %s of %s (%.3f)",
+                "sharded %s with %s%s at tp=%d: %s; parameters on this rank %s of %s (%.3f; 1/tp = %.3f)",
                 name,
                 type(self.policy).__name__,
-                self.shard_config.tensor_parallel_size,
+                f" (derived and proven: {', '.join(towers)})" if towers else "",
+                tp,
                 ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
                 f"{here:,}",
                 f"{params_before:,}",
                 here / max(1, params_before),
+                1 / tp,
             )
         return self.model
 
