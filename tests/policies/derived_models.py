@@ -114,8 +114,17 @@ def transformers_model(name: str, tp: int = 2, **options) -> nn.Module:
     return cls(tiny_copy_config(cls.config_class(**options), tp))
 
 
+def config_model(name: str, **config) -> nn.Module:
+    """A random ``transformers.<name>`` from exactly this config (not scaled down: the user's sizes)."""
+    cls = getattr(tf, name)
+    torch.manual_seed(0)
+    return cls(cls.config_class(**config))
+
+
 def factory(name: str, **options):
-    """A picklable factory for spawned ranks."""
-    return (
-        functools.partial(liar, **options) if name == "liar" else functools.partial(transformers_model, name, **options)
-    )
+    """A picklable factory for spawned ranks (``"sized:<Class>"``: the config as given)."""
+    if name == "liar":
+        return functools.partial(liar, **options)
+    if name.startswith("sized:"):
+        return functools.partial(config_model, name.removeprefix("sized:"), **options)
+    return functools.partial(transformers_model, name, **options)

@@ -18,6 +18,16 @@ from shardformer.policies.derived.trace import pair, repeated_blocks, trace
 from shardformer.tools.testing import run_on_ranks
 from tests.policies.derived_models import factory, liar, transformers_model
 
+T5_128 = dict(
+    d_model=128,
+    d_ff=256,
+    num_layers=2,
+    num_heads=8,
+    d_kv=16,
+    vocab_size=300,
+    feed_forward_proj="gated-gelu",
+    decoder_start_token_id=0,
+)
 EXACT = [
     ("liar", {}),
     ("liar", {"head_norm": True}),
@@ -31,6 +41,9 @@ EXACT = [
     ("FalconForCausalLM", {}),  # multi-query fused [Q | K | V] of H + 2 heads in FalconLinear: K/V replicated
     ("LlamaForCausalLM", {"num_key_value_heads": 1}),  # the plan route, one key/value head replicated
     ("LlavaForConditionalGeneration", {}),  # the plan's language model, the derived vision tower; image tokens
+    # at the user's sizes, not the tiny copy's: a count equal to a cut width by chance (max distance 128,
+    # d_model 128) stays whole as the proven rule says; gated feed-forward
+    ("sized:T5ForConditionalGeneration", T5_128),
 ]
 
 

@@ -36,7 +36,6 @@ class BlockRule:
     rows: set[str] = field(default_factory=set)
     whole: set[str] = field(default_factory=set)
     divide: set[str] = field(default_factory=set)  # int attributes (or config.X of a module) / tp
-    keep: set[str] = field(default_factory=set)  # attributes shown to keep their full value
     grad_sum: set[str] = field(default_factory=set)  # replicated leaves that run on this rank's heads only
     idle: set[str] = field(default_factory=set)  # projections the traced forward never ran: left whole
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)  # leaf -> {param: heads' dim}
@@ -122,7 +121,6 @@ def _derive(model: nn.Module, tp: int) -> Derivation:
             rule.cols.update(cut.blocks)
             rule.rows.add(group.row)
             rule.divide |= set(cut.divide)
-            rule.keep |= set(cut.keep)
             rule.head_params.update(cut.head_params)
             for module, cuts in cut.head_inputs.items():
                 rule.head_inputs.setdefault(module, {}).update(cuts)
@@ -132,7 +130,6 @@ def _derive(model: nn.Module, tp: int) -> Derivation:
             reads
         )
     for rule in rules.values():
-        rule.keep -= rule.divide
         rule.whole -= set(rule.cols) | rule.rows
         rule.idle -= set(rule.cols) | rule.rows | rule.whole
     return Derivation(rules, refused)

@@ -20,7 +20,7 @@ from shardformer.policies.derived.trace import is_projection, out_width, repeate
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
 from shardformer.policies.tp_plan.styles import GradAllReduce, head_params_layer
-from shardformer.tensor_parallel.detect import find_ties
+from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer
 
@@ -133,12 +133,15 @@ class DerivedPolicy(TpPlanPolicy):
         # a class's blocks differ inside (T5's encoder and decoder blocks): attributes of modules it has
         divide = {d for d in rule.divide if not _owner(d) or f"{block}.{_owner(d)}" in modules}
         attrs.update({f"{block}.{k}": v for k, v in per_rank_attributes(modules[block], divide, tp).items()})
-        # counts the simulation showed must stay whole (T5's 32 buckets beside 32 cut features) are
-        # named with their own value, so the sharder's check for forgotten counts passes them
-        for dotted in rule.keep:
-            owner, _, name = dotted.rpartition(".")
-            if not owner.endswith("config") and (not owner or f"{block}.{owner}" in modules):
-                attrs.setdefault(f"{block}.{dotted}", _int_at(modules[block], dotted))
+        # the proven rule says which counts become per-rank; the others of the modules owning cut
+        # columns keep their value, named so the sharder's check for forgotten counts passes them
+        # (at the user's sizes one may equal a cut width by chance: T5's max distance 128, d_model 128)
+        owners = {rel.rpartition(".")[0] for rel in rule.cols if rel in inside}
+        for owner in owners:
+            for name, value in int_attributes(modules[block].get_submodule(owner)).items():
+                dotted = f"{owner}.{name}" if owner else name
+                if dotted not in divide:
+                    attrs.setdefault(f"{block}.{dotted}", value)
 
 
 def _owner(dotted: str) -> str:

@@ -51,7 +51,6 @@ class Cut:
 
     blocks: dict[str, int | tuple[str, ...]] = field(default_factory=dict)  # col -> n or ("heads",)
     divide: tuple[str, ...] = ()
-    keep: tuple[str, ...] = ()  # candidates the simulation showed must keep their full value
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)
     head_inputs: dict[str, dict[str | int, HeadCut]] = field(default_factory=dict)
 
@@ -371,7 +370,6 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                     got = got + row_bias.detach()
                 if got.shape == expected.shape and max_error(got, expected, ATOL, RTOL)[1]:
                     cut = Cut({_rel(c, block): n for c, n in zip(cols, choice)}, tuple(in_block(n) for n in divide))
-                    cut.keep = tuple(in_block(n) for n in names[:MAX_ATTRIBUTES] if n not in divide)
                     if heads is not None:
                         params, head_inputs = heads
                         cut.head_params = {in_block(rel): dims for rel, dims in params.items()}
