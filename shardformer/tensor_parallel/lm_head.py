@@ -25,6 +25,7 @@ forward of their own from their policy (``inject_policy``), built on :func:`toke
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -34,8 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
-from shardformer.core.comm import VirtualGroup, broadcast, group_size
+from shardformer.core.comm import VirtualGroup, broadcast, gather_tensor, group_size
 from shardformer.core.record import is_sharded, sharding_of
+from shardformer.core.shard_spec import shard_spec, slice_tensor
 from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.layers import VocabParallelLMHead1D, vocab_parallel_cross_entropy
 
@@ -117,6 +119,60 @@ def routes_loss(model: nn.Module) -> bool:
     return calls and getattr(model, "loss_function", None) in _ROUTED
 
 
+def seq2seq_routable(model: nn.Module) -> bool:
+    """Whether an encoder-decoder's loss can be taken over from its inline cross-entropy: it builds
+    its decoder inputs from labels with ``prepare_decoder_input_ids_from_labels`` (T5, BART, Marian)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "is_encoder_decoder", False)) and callable(
+        getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    )
+
+
+class Seq2SeqVocabParallelLoss:
+    """Mixed into an encoder-decoder whose head stays vocab-parallel: given ``labels``, the decoder
+    inputs are built from them as the model does, the model runs without them (its inline
+    cross-entropy would take the vocabulary slice for the whole), and the loss is the vocab-parallel
+    cross-entropy of the head's logits (mean over the labels not ignored, as the model's own)."""
+
+    def forward(self, *args, labels=None, **kwargs):
+        if labels is None:
+            return super().forward(*args, **kwargs)
+        if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
+            kwargs["decoder_input_ids"] = self.prepare_decoder_input_ids_from_labels(labels=labels)
+        out = super().forward(*args, **kwargs)
+        logits = out["logits"] if isinstance(out, dict) else out[0]
+        loss = token_loss(logits, labels, self.get_output_embeddings())
+        return with_loss(out, loss, kwargs.get("return_dict"))
+
+
+def _cut_final_logits_bias(model: nn.Module, head: VocabParallelLMHead1D) -> None:
+    """BART's and Marian's ``final_logits_bias`` ``[1, vocab]``, added to the logits: this rank's
+    vocabulary slice, tagged with the head's layout (export and gathers put it back whole)."""
+    bias = getattr(model, "final_logits_bias", None)
+    spec = shard_spec(head.weight)
+    if not torch.is_tensor(bias) or spec is None or bias.shape[-1] != spec.full_size:
+        return
+    local_spec = dataclasses.replace(spec, dim=bias.dim() - 1)
+    local = slice_tensor(bias.detach(), local_spec)
+    local.shard_spec = local_spec
+    model.register_buffer("final_logits_bias", local, persistent=True)
+
+
+@contextmanager
+def _whole_final_logits_bias(model: nn.Module):
+    """The whole ``final_logits_bias`` while the head's logits are gathered (collective over tp)."""
+    bias = getattr(model, "final_logits_bias", None)
+    spec = shard_spec(bias) if torch.is_tensor(bias) else None
+    if spec is None:
+        yield
+        return
+    model.register_buffer("final_logits_bias", gather_tensor(bias, spec, tp_group_of(model)), persistent=True)
+    try:
+        yield
+    finally:
+        model.register_buffer("final_logits_bias", bias, persistent=True)
+
+
 # -- generate ---------------------------------------------------------------------------------------
 
 
@@ -157,6 +213,7 @@ class ParallelGeneration:
             for head in self.modules():
                 if isinstance(head, VocabParallelLMHead1D):
                     stack.enter_context(gathered_logits(head))
+            stack.enter_context(_whole_final_logits_bias(self))
             return super().generate(*args, **kwargs)
 
     def _get_logits_processor(self, generation_config, *args, **kwargs):
@@ -178,12 +235,15 @@ class ParallelGeneration:
 _CLASSES: dict[type, type] = {}
 
 
-def vocab_parallel_class(cls: type) -> type:
-    """``VocabParallel<Name>``: ``cls`` with :class:`ParallelGeneration` (one class per ``cls``)."""
-    if cls not in _CLASSES:
+def vocab_parallel_class(cls: type, seq2seq_loss: bool = False) -> type:
+    """``VocabParallel<Name>``: ``cls`` with :class:`ParallelGeneration` (and, for an encoder-decoder
+    whose head stays vocab-parallel, :class:`Seq2SeqVocabParallelLoss`); one class per kind."""
+    key = (cls, seq2seq_loss)
+    if key not in _CLASSES:
         name = cls.__name__ if cls.__name__.startswith("VocabParallel") else f"VocabParallel{cls.__name__}"
-        _CLASSES[cls] = type(name, (ParallelGeneration, cls), {"__module__": __name__, "__qualname__": name})
-    return _CLASSES[cls]
+        mixins = (ParallelGeneration, Seq2SeqVocabParallelLoss) if seq2seq_loss else (ParallelGeneration,)
+        _CLASSES[key] = type(name, (*mixins, cls), {"__module__": __name__, "__qualname__": name})
+    return _CLASSES[key]
 
 
 def adapt_class(model: nn.Module) -> None:
@@ -194,5 +254,8 @@ def adapt_class(model: nn.Module) -> None:
     head = call_optional(model, "get_output_embeddings")
     if isinstance(head, VocabParallelLMHead1D) and model.loss_function in _ROUTED:
         model.loss_function = partial(_ROUTED[model.loss_function], head=head)
+    seq2seq = isinstance(head, VocabParallelLMHead1D) and not head.gather_output and seq2seq_routable(model)
+    if seq2seq and not isinstance(model, Seq2SeqVocabParallelLoss):
+        _cut_final_logits_bias(model, head)
     if not issubclass(cls, ParallelGeneration) and callable(getattr(model, "_get_logits_processor", None)):
-        model.__class__ = vocab_parallel_class(cls)
+        model.__class__ = vocab_parallel_class(cls, seq2seq)

@@ -105,6 +105,29 @@ def _ranks(cases, refused):
     full = projection_weights()
     shard_model(llava, ShardConfig(tensor_parallel_size=dist.get_world_size()))
     out["tower ratio"] = projection_weights() / full
+    # BART's loss on vocab-parallel logits, with a final_logits_bias that is not zero: cut with the
+    # vocabulary, added to this rank's logits, whole again for generate and in the export
+    import copy
+
+    from shardformer.checkpoint import gather_full_state
+    from shardformer.models.inputs import make_inputs
+
+    bart = factory("BartForConditionalGeneration")()
+    bart.final_logits_bias.normal_()
+    ref_bart = copy.deepcopy(bart)
+    shard_model(bart, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    inputs = make_inputs(ref_bart, seed=4)
+    got, want = bart(**inputs), ref_bart(**inputs)
+    full_bias = gather_full_state(bart)
+    out["bart"] = (
+        tuple(got.logits.shape),
+        abs(got.loss.item() - want.loss.item()),
+        None if full_bias is None else (full_bias["final_logits_bias"] - ref_bart.final_logits_bias).abs().max().item(),
+        torch.equal(
+            bart.generate(inputs["input_ids"], max_new_tokens=3),
+            ref_bart.generate(inputs["input_ids"], max_new_tokens=3),
+        ),
+    )
     # T5's relative attention bias is cut with the heads: each rank holds its heads' columns
     t5 = factory("T5ForConditionalGeneration")()
     bias = t5.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
@@ -133,6 +156,9 @@ def test_derived_models_are_exact_or_refused():
         assert ok, text
     assert 0.5 < out["ratio"] < 0.6, out["ratio"]  # blocks and vocabulary halved; norms and positions whole
     assert out["tower ratio"] == 0.5, out["tower ratio"]
+    shape, loss_diff, bias_diff, same_tokens = out["bart"]
+    assert shape[-1] == 99 // 2 + 1 and loss_diff < 1e-5 and same_tokens, out["bart"]  # logits stay vocab-parallel
+    assert bias_diff == 0.0, out["bart"]
     full, local = out["t5 bias"]
     assert local == (full[0], full[1] // 2), out["t5 bias"]
     # a per-dimension scale of the attention itself, shared by the heads: the forward is exact, its

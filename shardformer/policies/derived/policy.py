@@ -22,6 +22,7 @@ from shardformer.policies.tp_plan.policy import TpPlanPolicy
 from shardformer.policies.tp_plan.styles import GradAllReduce, head_params_layer
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import is_conv1d
+from shardformer.tensor_parallel.lm_head import seq2seq_routable
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer
 
 HOW_TO = "write a Policy for it (README: 'A custom Policy') and pass it: shard_model(model, config, policy=...)"
@@ -62,6 +63,8 @@ class DerivedPolicy(TpPlanPolicy):
                 f"block's stream: the blocks would stay whole; {HOW_TO}"
             )
         self._vocab(layers, modules)
+        if self.head_path in layers and seq2seq_routable(model):
+            layers[self.head_path].gather_output = False  # the loss is taken over, on the vocab slices
         self._tied_embeddings(layers, modules)
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
