@@ -91,7 +91,10 @@ def _derive(model: nn.Module, tp: int) -> Derivation:
     except Exception as e:  # noqa: BLE001 - any config the class refuses at small sizes
         raise NotDerivableError(f"a tiny {type(model).__name__} cannot be built from a scaled-down config: {e}") from e
     tiny.config.use_cache = False
-    inputs = make_inputs(tiny, seed=0)
+    try:
+        inputs = make_inputs(tiny, seed=0)
+    except Exception as e:  # noqa: BLE001 - a sub-model whose inputs the test recipe cannot build
+        raise NotDerivableError(f"no inputs for a tiny {type(model).__name__}: {type(e).__name__}: {e}") from e
     inputs.pop("labels", None)
     if "decoder_input_ids" not in inputs and getattr(tiny.config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = inputs.get("input_ids", torch.ones(2, 8, dtype=torch.long))
