@@ -78,15 +78,16 @@ _VISION = {"image_size": 32, "patch_size": 8, "rotary_dim": 4}  # 16 patches; ro
 _POSITION_WORDS = ("position", "max_", "positions", "seq_len", "window")
 
 
-def tiny_copy_config(config, tp: int = 2):
+def tiny_copy_config(config, tp: int = 2, heads: int | None = None):
     """A small config of the same architecture as ``config`` (an instance, the user's): its own
-    choices kept (layouts, flags, activations), its sizes scaled down, heads enough for ``tp`` ranks.
+    choices kept (layouts, flags, activations), its sizes scaled down, heads enough for ``tp`` ranks
+    (``heads``: this many query heads instead, for layouts that group heads in fixed blocks).
 
     Sizes the recipe knows get its values; other widths are scaled like the hidden size (an
     ``ffn_dim`` of 4 hidden stays 4 hidden); positions become 64; token ids stay inside the vocabulary;
     sub-configs (a vision and a text tower) are scaled the same way.
     """
-    heads = max(4, 2 * tp)
+    heads = heads or max(4, 2 * tp)
     sizes = dict(SIZES, num_attention_heads=heads, hidden_size=heads * SIZES["head_dim"])
     sizes["intermediate_size"] = 2 * sizes["hidden_size"]
     data = config.to_dict()
@@ -98,7 +99,7 @@ def tiny_copy_config(config, tp: int = 2):
     for key, value in data.items():
         sub = getattr(config, key, None)
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type") and sub is not config:
-            out[key] = tiny_copy_config(sub, tp).to_dict()
+            out[key] = tiny_copy_config(sub, tp, heads).to_dict()
         elif isinstance(value, float) and any(w in key for w in _DROPOUT_WORDS):
             out[key] = 0.0
         elif not isinstance(value, int) or isinstance(value, bool):

@@ -44,6 +44,9 @@ EXACT = [
     # at the user's sizes, not the tiny copy's: a count equal to a cut width by chance (max distance 128,
     # d_model 128) stays whole as the proven rule says; gated feed-forward
     ("sized:T5ForConditionalGeneration", T5_128),
+    # CodeGen regroups its fused qkv into 4 fixed blocks of [q | v | k]: 12 blocks cut, the output
+    # projection's input in 4 (derived on a wider copy: 4 blocks of one head cannot split)
+    ("sized:CodeGenForCausalLM", dict(n_embd=128, n_head=16, n_layer=2, vocab_size=300, rotary_dim=4, n_positions=64)),
 ]
 
 
@@ -148,7 +151,7 @@ def _ranks(cases, refused):
 
 
 def test_derived_models_are_exact_or_refused():
-    refused = [("liar", {"head_scale": True}), ("liar", {"mix_heads": True})]
+    refused = [("liar", {"head_scale": True}), ("liar", {"mix_heads": True}), ("CodeGenForCausalLM", {})]
     results = run_on_ranks(_ranks, 2, EXACT, refused)
     out = results[0]
     for name, options in EXACT:
@@ -168,6 +171,8 @@ def test_derived_models_are_exact_or_refused():
     # queries that mix every head: no cut computes the attention exactly; the refusal names the group
     mixed = out["refused liar{'mix_heads': True}"]
     assert mixed.startswith("not derivable") and "mixer.down_proj -> mixer.q_proj" in mixed, mixed
+    few = out["refused CodeGenForCausalLM{}"]  # 4 heads in 4 fixed blocks: one head a block, nothing to cut
+    assert few.startswith("not derivable") and "this model has 4, too few" in few, few
     assert [results[1][f"{n}{o or ''}"][0] for n, o in EXACT] == [True] * len(EXACT)  # rank 1 agrees
 
 

@@ -34,6 +34,7 @@ class BlockRule:
 
     cols: dict[str, int | tuple[str, ...]] = field(default_factory=dict)  # fused blocks per column
     rows: set[str] = field(default_factory=set)
+    row_blocks: dict[str, int] = field(default_factory=dict)  # a row whose input is cut block by block
     whole: set[str] = field(default_factory=set)
     divide: set[str] = field(default_factory=set)  # int attributes (or config.X of a module) / tp
     grad_sum: set[str] = field(default_factory=set)  # replicated leaves that run on this rank's heads only
@@ -46,14 +47,18 @@ class BlockRule:
 class Derivation:
     rules: dict[type, BlockRule]
     refused: list[str]  # groups no candidate cut computes exactly, with why
+    heads: int | None = None  # the tiny copy's query heads, when not the recipe's default
+
+
+WIDER = 4  # a refused derivation is tried once more with this many times the heads (CodeGen's 4 fixed blocks)
 
 
 _CACHE: dict[tuple, Derivation] = {}
 
 
-def tiny_copy(model: nn.Module, tp: int, seed: int = 0) -> nn.Module:
+def tiny_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None) -> nn.Module:
     """A tiny random model of ``model``'s class and architecture (the caller's RNG left as it was)."""
-    config = tiny_copy_config(model.config, tp)
+    config = tiny_copy_config(model.config, tp, heads)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         tiny = type(model)(config)
@@ -69,7 +74,16 @@ def derive(model: nn.Module, tp: int) -> Derivation:
     """The cut of ``model``'s class at ``tp`` (cached), read off a tiny copy."""
     key = _key(model, tp)
     if key not in _CACHE:
-        _CACHE[key] = _derive(model, tp)
+        found = _derive(model, tp)
+        if found.refused:  # layouts that fix the heads' grouping need more heads than tp alone asks
+            wider = max(4, 2 * tp) * WIDER
+            try:
+                second = _derive(model, tp, wider)
+            except NotDerivableError:
+                second = None
+            if second is not None and not second.refused:
+                found = second
+        _CACHE[key] = found
     return _CACHE[key]
 
 
@@ -85,9 +99,9 @@ def _between_cols_and_rows(leaf_reads, rule: BlockRule, block: nn.Module) -> set
     return found
 
 
-def _derive(model: nn.Module, tp: int) -> Derivation:
+def _derive(model: nn.Module, tp: int, heads: int | None = None) -> Derivation:
     try:
-        tiny = tiny_copy(model, tp)
+        tiny = tiny_copy(model, tp, heads=heads)
     except Exception as e:  # noqa: BLE001 - any config the class refuses at small sizes
         raise NotDerivableError(f"a tiny {type(model).__name__} cannot be built from a scaled-down config: {e}") from e
     tiny.config.use_cache = False
@@ -123,6 +137,8 @@ def _derive(model: nn.Module, tp: int) -> Derivation:
                 continue
             rule.cols.update(cut.blocks)
             rule.rows.add(group.row)
+            if cut.row_blocks > 1:
+                rule.row_blocks[group.row] = cut.row_blocks
             rule.divide |= set(cut.divide)
             rule.head_params.update(cut.head_params)
             for module, cuts in cut.head_inputs.items():
@@ -135,4 +151,4 @@ def _derive(model: nn.Module, tp: int) -> Derivation:
     for rule in rules.values():
         rule.whole -= set(rule.cols) | rule.rows
         rule.idle -= set(rule.cols) | rule.rows | rule.whole
-    return Derivation(rules, refused)
+    return Derivation(rules, refused, heads)

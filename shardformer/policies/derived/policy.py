@@ -19,7 +19,7 @@ from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
-from shardformer.policies.tp_plan.styles import GradAllReduce, head_params_layer
+from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_params_layer
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
@@ -36,6 +36,14 @@ class DerivedPolicy(TpPlanPolicy):
         if getattr(model, "config", None) is None:
             raise NotDerivableError(f"{type(model).__name__} has no transformers config to build a tiny copy from")
         derivation = derive(model, tp)
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = getattr(text, "num_attention_heads", None)
+        if derivation.heads and isinstance(heads, int) and heads < derivation.heads:
+            raise NotDerivableError(
+                f"{type(model).__name__}'s cut at tensor_parallel_size={tp} was derived and proven on a copy with "
+                f"{derivation.heads} heads (its layout groups heads in fixed blocks); this model has {heads}, too "
+                f"few to cut that way; {HOW_TO}"
+            )
         if derivation.refused:
             raise NotDerivableError(
                 f"no exact cut of {type(model).__name__} at tensor_parallel_size={tp} was found for:\n  "
@@ -121,7 +129,11 @@ class DerivedPolicy(TpPlanPolicy):
                 options = cut_options(spec, out_width(module), config)
                 layers[f"{block}.{rel}"] = Col_Layer(f"{block}.{rel}", reversed=is_conv1d(module), **options)
         for rel in rule.rows:
-            if rel in inside:
+            if rel in inside and rel in rule.row_blocks:  # input features in blocks, each cut on its own
+                layers[f"{block}.{rel}"] = Row_Layer(
+                    f"{block}.{rel}", replace_layer=PackedRow, n_cast=rule.row_blocks[rel]
+                )
+            elif rel in inside:
                 layers[f"{block}.{rel}"] = Row_Layer(f"{block}.{rel}", reversed=is_conv1d(inside[rel]))
         for rel in rule.grad_sum:
             if f"{block}.{rel}" in modules:

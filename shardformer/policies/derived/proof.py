@@ -21,7 +21,7 @@ from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.record import sharding_of
 from shardformer.models.inputs import make_inputs
-from shardformer.policies.derived.derive import NotDerivableError, _key, tiny_copy
+from shardformer.policies.derived.derive import NotDerivableError, _key, derive, tiny_copy
 from shardformer.policies.derived.policy import HOW_TO, DerivedPolicy
 from shardformer.tensor_parallel.sharder import ModelSharder
 
@@ -64,7 +64,7 @@ def _main_output(out):
 
 def _prove(model: nn.Module, shard_config: ShardConfig) -> str | None:
     device, tp = _device(model), shard_config.tensor_parallel_size
-    ref = tiny_copy(model, tp).to(device)
+    ref = tiny_copy(model, tp, heads=derive(model, tp).heads).to(device)  # the copy the cut was derived on
     tiny = copy.deepcopy(ref)
     ref.train(), tiny.train()  # the training path, dropout already 0 in the tiny copy
     config = ShardConfig(

@@ -53,6 +53,7 @@ class Cut:
     divide: tuple[str, ...] = ()
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)
     head_inputs: dict[str, dict[str | int, HeadCut]] = field(default_factory=dict)
+    row_blocks: int = 1  # the row's input features in this many blocks, each cut on its own
 
 
 def slice_heads(t: torch.Tensor, cut: HeadCut, heads: int, rank: int, tp: int) -> torch.Tensor:
@@ -278,9 +279,12 @@ def record_calls(model: nn.Module, paths: list[str], inputs: dict) -> dict[str, 
     return seen
 
 
-def _run_ranks(parent, row_rel, col_rels, blocks, divide, tp, args, kwargs, config, heads=None) -> torch.Tensor:
+def _run_ranks(
+    parent, row_rel, col_rels, blocks, divide, tp, args, kwargs, config, heads=None, row_blocks=1
+) -> torch.Tensor:
     """Sum of the row's outputs over ``tp`` simulated ranks (without the row's bias). ``heads``:
-    ``(params {leaf: {name: dim}}, inputs {key: HeadCut})`` cut by heads, relative to the parent."""
+    ``(params {leaf: {name: dim}}, inputs {key: HeadCut})`` cut by heads, relative to the parent;
+    ``row_blocks``: the row's input features cut block by block."""
     head_params, head_inputs = heads or ({}, {})
     total = None
     for rank in range(tp):
@@ -303,7 +307,7 @@ def _run_ranks(parent, row_rel, col_rels, blocks, divide, tp, args, kwargs, conf
             local.set_submodule(rel, _linear(slice_tensor(w, spec), None if b is None else slice_tensor(b, spec)))
         row = local.get_submodule(row_rel)
         w, _ = _weight_out_in(row)
-        local_row = _linear(slice_tensor(w, make_spec(w.shape, 1, rank, tp)), None)
+        local_row = _linear(slice_tensor(w, make_spec(w.shape, 1, rank, tp, row_blocks)), None)
         captured: list[torch.Tensor] = []
         local_row.register_forward_hook(lambda _m, _a, out, into=captured: into.append(out))
         local.set_submodule(row_rel, local_row)
@@ -354,15 +358,26 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
         return f"{prefix}.{rel}" if prefix and rel else prefix or rel
 
     errors: list[str] = []
-    # the plain cuts first; per-head parameters and inputs only when none of them is exact
-    for heads in [None, *_head_options(parent, args, kwargs, tp, inputs, stream_width)]:
-        for choice in sorted(itertools.product(*per_col), key=_cost):
+    # the plain cuts first; per-head parameters and inputs only when none of them is exact; last,
+    # blocked cuts (CodeGen regroups its fused qkv into 4 blocks of [q | v | k]: each block cut on its
+    # own, and the row's input in as many blocks)
+    stages = [(None, 1, per_col)] + [
+        (h, 1, per_col) for h in _head_options(parent, args, kwargs, tp, inputs, stream_width)
+    ]
+    for m in BLOCKED_ROWS:
+        if in_width(row_module) % (m * tp) == 0:
+            blocked = [[n for n in (m, 3 * m) if _fits(out_width(c), n, tp)] for c in col_modules.values()]
+            if all(blocked):
+                stages.append((None, m, blocked))
+    for heads, row_blocks, options in stages:
+        for choice in sorted(itertools.product(*options), key=_cost):
             blocks = dict(zip(col_rels, choice))
             for divide in attr_sets:
                 try:
                     got = _run_ranks(
-                        parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, model.config, heads
-                    )
+                        parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, model.config, heads,
+                        row_blocks,
+                    )  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - a cut the code cannot run is a rejected candidate
                     errors.append(f"{_describe(blocks, divide)}: {type(e).__name__}: {str(e)[:200]}")
                     continue
@@ -370,6 +385,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                     got = got + row_bias.detach()
                 if got.shape == expected.shape and max_error(got, expected, ATOL, RTOL)[1]:
                     cut = Cut({_rel(c, block): n for c, n in zip(cols, choice)}, tuple(in_block(n) for n in divide))
+                    cut.row_blocks = row_blocks
                     if heads is not None:
                         params, head_inputs = heads
                         cut.head_params = {in_block(rel): dims for rel, dims in params.items()}
@@ -388,6 +404,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
 
 
 MAX_HEAD_OPTIONS = 16
+BLOCKED_ROWS = (2, 4, 8)  # blocks of a row's input tried when nothing plainer is exact
 
 
 def _head_options(parent, args, kwargs, tp, inputs, stream_width) -> list[tuple[dict, dict]]:
