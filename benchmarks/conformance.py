@@ -272,6 +272,10 @@ def _verify_job(rows, out_path, row_timeout):
             except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
                 _reason(row, "refused", f"no tiny config: {type(e).__name__}: {e}")
             else:
+                broken = unsharded_failure(row["class"])  # the tiny model itself: nothing to shard
+                if broken is not None:
+                    _reason(row, "refused", broken)
+            if "result" not in row:
                 try:
                     report = verify_on_this_rank(functools.partial(build_tiny, row["class"]))
                     reports = [None] * dist.get_world_size()
@@ -282,10 +286,6 @@ def _verify_job(rows, out_path, row_timeout):
                 except Exception as e:  # noqa: BLE001
                     last = traceback.format_exc().strip().splitlines()[-1]
                     _reason(row, "error", f"{type(e).__name__}: {last}", 300)
-                if row["result"] == "error":  # the unsharded model itself may not run: then it is refused
-                    why = unsharded_failure(row["class"])
-                    if why is not None:
-                        _reason(row, "refused", why)
             row["seconds"] = round(time.time() - start, 1)
             dist.barrier()  # ranks stay in step: a rank that fails alone shows as a timeout here
         if dist.get_rank() == 0:

@@ -369,10 +369,14 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
             blocked = [[n for n in (m, 3 * m) if _fits(out_width(c), n, tp)] for c in col_modules.values()]
             if all(blocked):
                 stages.append((None, m, blocked))
+    trials = 0
     for heads, row_blocks, options in stages:
         for choice in sorted(itertools.product(*options), key=_cost):
             blocks = dict(zip(col_rels, choice))
             for divide in attr_sets:
+                trials += 1
+                if trials > MAX_TRIALS:  # a count, not a clock: every rank stops at the same candidate
+                    return None, f"no exact cut among the first {MAX_TRIALS} candidates ({errors[0]})"
                 try:
                     got = _run_ranks(
                         parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, model.config, heads,
@@ -404,6 +408,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
 
 
 MAX_HEAD_OPTIONS = 16
+MAX_TRIALS = 200  # simulated candidates per group (many projections in one group multiply them)
 BLOCKED_ROWS = (2, 4, 8)  # blocks of a row's input tried when nothing plainer is exact
 
 
