@@ -64,7 +64,8 @@ class DerivedPolicy(TpPlanPolicy):
             self._cut_block(block, modules, rule, tp, model.config, layers, attrs)
         if not layers:
             raise NotDerivableError(f"no projection of {type(model).__name__} reads and writes a block's stream")
-        whole = uncovered_blocks(model, layers)
+        idle = [b for b in repeated_blocks(model) if _all_idle(modules[b], derivation.rules.get(type(modules[b])))]
+        whole = uncovered_blocks(model, layers, idle)
         if whole:
             raise NotDerivableError(
                 f"no projection of {', '.join(whole[:4])}{' ...' if len(whole) > 4 else ''} reads and writes its "
@@ -157,6 +158,12 @@ class DerivedPolicy(TpPlanPolicy):
                 dotted = f"{owner}.{name}" if owner else name
                 if dotted not in divide:
                     attrs.setdefault(f"{block}.{dotted}", value)
+
+
+def _all_idle(block: nn.Module, rule: BlockRule | None) -> bool:
+    """Every projection of the block never ran in the traced forward (it computes nothing here)."""
+    inside = {rel for rel, m in block.named_modules() if rel and is_projection(m)}
+    return rule is not None and bool(inside) and inside <= rule.idle
 
 
 def _owner(dotted: str) -> str:

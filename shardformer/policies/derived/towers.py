@@ -20,10 +20,19 @@ def _is_sub_model(module: nn.Module) -> bool:
     return getattr(module, "config", None) is not None and hasattr(module, "post_init")
 
 
-def uncovered_blocks(model: nn.Module, cut_paths) -> list[str]:
-    """Blocks of the repeated stacks inside which no path of ``cut_paths`` lies."""
+def uncovered_blocks(model: nn.Module, cut_paths, idle=()) -> list[str]:
+    """Blocks of the repeated stacks with no path of ``cut_paths`` inside any of their blocks (a
+    stack the route leaves whole; a hybrid's mamba or conv layers between cut attention layers are
+    the route's choice), leaving out blocks listed in ``idle`` (they never run)."""
     cut = list(cut_paths)
-    return [b for b in repeated_blocks(model) if not any(p.startswith(b + ".") for p in cut)]
+    stacks: dict[str, list[str]] = {}
+    for block in repeated_blocks(model):
+        stacks.setdefault(block.rpartition(".")[0], []).append(block)
+    whole = []
+    for blocks in stacks.values():
+        if not any(p.startswith(b + ".") for b in blocks for p in cut):
+            whole += [b for b in blocks if b not in idle]
+    return whole
 
 
 def towers(model: nn.Module, cut_paths) -> list[str]:

@@ -37,7 +37,9 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
 
 
 def has_tp_plan(model: nn.Module) -> bool:
-    return bool(model_tp_plan(model))
+    """A plan that cuts the layers (entries with the ``*`` layer wildcard), not only the LM head:
+    a head-only plan (GPT-OSS's, DiffLlama's in transformers 5.23) would leave every layer whole."""
+    return any("*" in key for key in model_tp_plan(model))
 
 
 def _pattern(key: str) -> re.Pattern:
