@@ -70,6 +70,8 @@ def test_route_order():
     assert type(get_autopolicy(transformers_model("OPTForCausalLM"))) is DerivedPolicy
     assert type(get_autopolicy(transformers_model("LlamaForCausalLM"))).__name__ == "TpPlanPolicy"
     assert type(get_autopolicy(transformers_model("GPT2LMHeadModel"))).__name__ == "GPT2LMHeadPolicy"
+    # a plan that names only the LM head would leave every layer whole: the layers are derived instead
+    assert type(get_autopolicy(transformers_model("Emu3ForCausalLM"))) is DerivedPolicy
 
 
 def test_repeated_blocks_of_two_towers_and_an_encoder_decoder():
