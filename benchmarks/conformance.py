@@ -56,6 +56,7 @@ ENCODER_MAPPINGS = (
     "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
 )
 ROW_TIMEOUT_EXIT = 75  # a rank's exit code when its row ran past --row-timeout
+ROWS_PER_SPAWN = 100
 
 
 # -- which classes ------------------------------------------------------------------------------------
@@ -353,10 +354,9 @@ def run(rows, job=_verify_job, *job_args, row_timeout=300.0, progress=None):
     remaining = [r for r in rows if "skip" not in r]
     while remaining:
         out_path = tempfile.mktemp(prefix="sf-conformance-", suffix=".jsonl")
-        try:
-            run_on_ranks(
-                job, 2, remaining, out_path, row_timeout, *job_args, timeout=row_timeout * len(remaining) + 120
-            )
+        chunk = remaining[:ROWS_PER_SPAWN]  # fresh processes now and then: hundreds of imported model
+        try:  # families and their caches grow each rank past 10 GB over the whole zoo
+            run_on_ranks(job, 2, chunk, out_path, row_timeout, *job_args, timeout=row_timeout * len(chunk) + 120)
         except Exception as e:  # noqa: BLE001
             crash = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
             timed_out = f"exited with code {ROW_TIMEOUT_EXIT}" in str(e)
