@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from contextlib import ExitStack, contextmanager
 from functools import partial
 
@@ -119,13 +120,30 @@ def routes_loss(model: nn.Module) -> bool:
     return calls and getattr(model, "loss_function", None) in _ROUTED
 
 
+def decoder_inputs_from_labels(model: nn.Module):
+    """How an encoder-decoder builds its decoder inputs from labels: its
+    ``prepare_decoder_input_ids_from_labels`` (T5, BART, Marian), else its module's
+    ``shift_tokens_right(labels, pad_token_id, decoder_start_token_id)`` (Whisper); None if neither."""
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return lambda labels: prepare(labels=labels)
+    # the model's own modeling module (the sharded class is a subclass defined here)
+    modules = (sys.modules.get(cls.__module__) for cls in type(model).__mro__)
+    shift = next((f for m in modules if callable(f := getattr(m, "shift_tokens_right", None))), None)
+    config = model.config
+    pad, start = getattr(config, "pad_token_id", None), getattr(config, "decoder_start_token_id", None)
+    if callable(shift) and list(inspect.signature(shift).parameters)[:3] == [
+        "input_ids", "pad_token_id", "decoder_start_token_id"
+    ] and isinstance(pad, int) and isinstance(start, int):  # fmt: skip
+        return lambda labels: shift(labels, pad, start)
+    return None
+
+
 def seq2seq_routable(model: nn.Module) -> bool:
     """Whether an encoder-decoder's loss can be taken over from its inline cross-entropy: it builds
-    its decoder inputs from labels with ``prepare_decoder_input_ids_from_labels`` (T5, BART, Marian)."""
+    its decoder inputs from labels in a way we can call (:func:`decoder_inputs_from_labels`)."""
     config = getattr(model, "config", None)
-    return bool(getattr(config, "is_encoder_decoder", False)) and callable(
-        getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    )
+    return bool(getattr(config, "is_encoder_decoder", False)) and decoder_inputs_from_labels(model) is not None
 
 
 class Seq2SeqVocabParallelLoss:
@@ -138,7 +156,7 @@ class Seq2SeqVocabParallelLoss:
         if labels is None:
             return super().forward(*args, **kwargs)
         if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
-            kwargs["decoder_input_ids"] = self.prepare_decoder_input_ids_from_labels(labels=labels)
+            kwargs["decoder_input_ids"] = decoder_inputs_from_labels(self)(labels)
         out = super().forward(*args, **kwargs)
         logits = out["logits"] if isinstance(out, dict) else out[0]
         loss = token_loss(logits, labels, self.get_output_embeddings())

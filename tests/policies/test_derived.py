@@ -133,6 +133,12 @@ def _ranks(cases, refused):
             ref_bart.generate(inputs["input_ids"], max_new_tokens=3),
         ),
     )
+    whisper = factory("WhisperForConditionalGeneration")()  # decoder inputs by its shift_tokens_right
+    ref_whisper = copy.deepcopy(whisper)
+    shard_model(whisper, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    inputs = make_inputs(ref_whisper, seed=4)
+    got, want = whisper(**inputs), ref_whisper(**inputs)
+    out["whisper"] = (got.logits.shape[-1], abs(got.loss.item() - want.loss.item()))
     # T5's relative attention bias is cut with the heads: each rank holds its heads' columns
     t5 = factory("T5ForConditionalGeneration")()
     bias = t5.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
@@ -164,6 +170,7 @@ def test_derived_models_are_exact_or_refused():
     shape, loss_diff, bias_diff, same_tokens = out["bart"]
     assert shape[-1] == 99 // 2 + 1 and loss_diff < 1e-5 and same_tokens, out["bart"]  # logits stay vocab-parallel
     assert bias_diff == 0.0, out["bart"]
+    assert out["whisper"][0] == 99 // 2 + 1 and out["whisper"][1] < 1e-5, out["whisper"]
     full, local = out["t5 bias"]
     assert local == (full[0], full[1] // 2), out["t5 bias"]
     # a per-dimension scale of the attention itself, shared by the heads: the forward is exact, its
