@@ -12,11 +12,11 @@ import dataclasses
 
 import torch.nn as nn
 
-from shardformer.core.comm import group_rank, group_size
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive
-from shardformer.policies.derived.simulate import cut_options, per_rank_attributes, slice_heads
+from shardformer.policies.derived.heads import head_inputs_layer
+from shardformer.policies.derived.simulate import cut_options, per_rank_attributes
 from shardformer.policies.derived.towers import uncovered_blocks
-from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks
+from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks, value_at
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
 from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_params_layer
@@ -144,7 +144,7 @@ class DerivedPolicy(TpPlanPolicy):
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims))
         for rel, cuts in rule.head_inputs.items():
             path = f"{block}.{rel}" if rel else block
-            counts = {key: _int_at(modules[block], cut.heads) for key, cut in cuts.items() if cut.heads}
+            counts = {key: value_at(modules[block], cut.heads) for key, cut in cuts.items() if cut.heads}
             layers[path] = Layer(path, replace_layer=head_inputs_layer(cuts, counts))
         # a class's blocks differ inside (T5's encoder and decoder blocks): attributes of modules it has
         divide = {d for d in rule.divide if not _owner(d) or f"{block}.{_owner(d)}" in modules}
@@ -170,43 +170,6 @@ def _owner(dotted: str) -> str:
     """The module path of an attribute path (``attn.config.n_head`` -> ``attn``; ``n_head`` -> ``""``)."""
     owner = dotted.rpartition(".")[0]
     return owner[: -len("config")].rstrip(".") if owner == "config" or owner.endswith(".config") else owner
-
-
-def _int_at(root: nn.Module, dotted: str) -> int:
-    obj = root
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-class HeadInputs:
-    """A module handed whole per-head tensors the model computes outside the blocks (ALiBi): each is
-    cut to this rank's heads on the way in. ``cuts`` ({kwarg or position: HeadCut}) and ``counts``
-    (the head count of a batch × heads dimension) are set on the subclass :func:`head_inputs_layer` makes."""
-
-    cuts: dict = {}
-    counts: dict = {}
-
-    @classmethod
-    def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
-        rank, world = group_rank(process_group), group_size(process_group)
-        cuts, counts = cls.cuts, cls.counts
-
-        def cut_inputs(_m, args, kwargs):
-            args = list(args)
-            for key, cut in cuts.items():
-                where = args if isinstance(key, int) else kwargs
-                if (key < len(where) if isinstance(key, int) else key in where) and where[key] is not None:
-                    where[key] = slice_heads(where[key], cut, counts.get(key, 0), rank, world)
-            return tuple(args), kwargs
-
-        if world > 1:
-            module.register_forward_pre_hook(cut_inputs, with_kwargs=True)
-        return module
-
-
-def head_inputs_layer(cuts: dict, counts: dict) -> type[HeadInputs]:
-    return type("HeadInputs", (HeadInputs,), {"cuts": dict(cuts), "counts": dict(counts)})
 
 
 def derived_model(model: nn.Module) -> bool:

@@ -18,26 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
 from shardformer.core.compare import ATOL, RTOL, max_error
 from shardformer.core.shard_spec import make_spec, slice_tensor
-from shardformer.policies.derived.trace import Group, in_width, inputs_from_outside, is_projection, out_width
+from shardformer.policies.derived.heads import HeadCut, head_options, slice_heads
+from shardformer.policies.derived.trace import Group, in_width, inputs_from_outside, out_width, value_at
+from shardformer.policies.tp_plan.heads import head_sizes
 from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.policy import divide as divide_by
 
 MAX_ATTRIBUTES = 6  # candidates tried in every subset: 64 sets at most
-
-
-@dataclass(frozen=True)
-class HeadCut:
-    """A tensor cut by heads along ``dim`` (each rank keeps its heads' contiguous share). ``heads``:
-    dim 0 holds batch × heads flattened, heads inner (BLOOM's ALiBi ``[b·H, 1, s]``); the attribute
-    (a dotted path relative to the block) that counts those heads."""
-
-    dim: int
-    heads: str = ""
 
 
 @dataclass
@@ -54,51 +45,6 @@ class Cut:
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)
     head_inputs: dict[str, dict[str | int, HeadCut]] = field(default_factory=dict)
     row_blocks: int = 1  # the row's input features in this many blocks, each cut on its own
-
-
-def slice_heads(t: torch.Tensor, cut: HeadCut, heads: int, rank: int, tp: int) -> torch.Tensor:
-    """This rank's heads of a per-head tensor (``heads``: the head count when ``cut.heads`` is set)."""
-    if cut.heads:
-        grouped = t.view(-1, heads, *t.shape[1:])
-        return grouped.narrow(1, rank * (heads // tp), heads // tp).reshape(-1, *t.shape[1:])
-    size = t.shape[cut.dim] // tp
-    return t.narrow(cut.dim, rank * size, size)
-
-
-def head_counts(parent: nn.Module, tp: int) -> dict[int, str]:
-    """``{value: dotted name}`` of the head counts the parent's subtree holds (dividing by tp)."""
-    counts: dict[int, str] = {}
-    for rel, module in parent.named_modules():
-        for name, value in int_attributes(module).items():
-            if is_head_count(name) and value > 1 and value % tp == 0:
-                counts.setdefault(value, f"{rel}.{name}" if rel else name)
-    return counts
-
-
-def _head_param_options(parent: nn.Module, counts: dict[int, str]) -> dict[str, dict[str, int]]:
-    """Parameters of non-projection leaves with exactly one dimension as long as a head count."""
-    found: dict[str, dict[str, int]] = {}
-    for rel, module in parent.named_modules():
-        if is_projection(module):
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            dims = [d for d, n in enumerate(param.shape) if n in counts]
-            if len(dims) == 1:
-                found.setdefault(rel, {})[name] = dims[0]
-    return found
-
-
-def _head_input_options(args, kwargs, counts: dict[int, str], batch: int, stream_width: int) -> dict:
-    """``{kwarg or position: [HeadCut, ...]}`` for the float tensors handed in that may be per head."""
-    found = {}
-    for key, t in [*enumerate(args), *kwargs.items()]:
-        if not torch.is_tensor(t) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] == stream_width:
-            continue
-        options = [HeadCut(d) for d, n in enumerate(t.shape) if n in counts]
-        options += [HeadCut(0, name) for h, name in counts.items() if batch > 1 and t.shape[0] == batch * h]
-        if options:
-            found[key] = options
-    return found
 
 
 def common_parent(paths: list[str]) -> str:
@@ -130,15 +76,9 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 def head_width(config) -> int | None:
-    """The width of one attention head from ``config`` (its text config): ``head_dim``, else hidden / heads."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    width = getattr(text, "head_dim", None)
-    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
-    if isinstance(width, int) and width > 0:
-        return width
-    if isinstance(heads, int) and isinstance(hidden, int) and heads and hidden % heads == 0:
-        return hidden // heads
-    return None
+    """The width of one attention head from ``config`` (its text config), as the plan route reads it."""
+    sizes = head_sizes(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    return sizes[2] if sizes else None
 
 
 def head_blocks(width: int, config) -> tuple[int, ...] | None:
@@ -159,10 +99,6 @@ def head_blocks(width: int, config) -> tuple[int, ...] | None:
     if units < heads and heads % units == 0:
         return (width,)
     return None
-
-
-def resolve_blocks(spec, width: int, config) -> int | tuple[int, ...]:
-    return head_blocks(width, config) if spec == ("heads",) else spec
 
 
 def cut_options(spec, width: int, config) -> dict:
@@ -297,7 +233,7 @@ def _run_ranks(
         call_args, call_kwargs = list(copy.deepcopy(args)), copy.deepcopy(kwargs)
         for key, cut in head_inputs.items():
             where = call_args if isinstance(key, int) else call_kwargs
-            count = _value(parent, cut.heads) if cut.heads else 0
+            count = value_at(parent, cut.heads) if cut.heads else 0
             where[key] = slice_heads(where[key], cut, count, rank, tp)
         for rel in col_rels:
             module = local.get_submodule(rel)
@@ -350,7 +286,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     names = attribute_candidates(parent, widths, tp)
     # every subset of the candidates, the largest first, those keeping the stream's width whole first
     subsets = [c for k in range(len(names), -1, -1) for c in itertools.combinations(names[:MAX_ATTRIBUTES], k)]
-    attr_sets = sorted(subsets, key=lambda c: (-len(c), sum(_value(parent, n) == stream_width for n in c)))
+    attr_sets = sorted(subsets, key=lambda c: (-len(c), sum(value_at(parent, n) == stream_width for n in c)))
     col_rels = [_rel(c, parent_path) for c in cols]
     prefix = _rel(parent_path, block) if parent_path != block else ""
 
@@ -362,7 +298,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     # blocked cuts (CodeGen regroups its fused qkv into 4 blocks of [q | v | k]: each block cut on its
     # own, and the row's input in as many blocks)
     stages = [(None, 1, per_col)] + [
-        (h, 1, per_col) for h in _head_options(parent, args, kwargs, tp, inputs, stream_width)
+        (h, 1, per_col) for h in head_options(parent, args, kwargs, tp, inputs, stream_width)
     ]
     for m in BLOCKED_ROWS:
         if in_width(row_module) % (m * tp) == 0:
@@ -394,42 +330,19 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                         params, head_inputs = heads
                         cut.head_params = {in_block(rel): dims for rel, dims in params.items()}
                         outside = inputs_from_outside(model, parent_path, inputs)
-                        cut.head_inputs = {
-                            prefix: {
-                                key: HeadCut(c.dim, in_block(c.heads) if c.heads else "")
-                                for key, c in head_inputs.items()
-                                if key in outside
-                            }
+                        passed_whole = {
+                            key: HeadCut(c.dim, in_block(c.heads) if c.heads else "")
+                            for key, c in head_inputs.items()
+                            if key in outside
                         }
-                        cut.head_inputs = {k: v for k, v in cut.head_inputs.items() if v}
+                        cut.head_inputs = {prefix: passed_whole} if passed_whole else {}
                     return cut, ""
                 errors.append(f"{_describe(blocks, divide)}: the ranks' summed output differs from the group's")
     return None, errors[0] if errors else "no candidate cut"
 
 
-MAX_HEAD_OPTIONS = 16
 MAX_TRIALS = 200  # simulated candidates per group (many projections in one group multiply them)
 BLOCKED_ROWS = (2, 4, 8)  # blocks of a row's input tried when nothing plainer is exact
-
-
-def _head_options(parent, args, kwargs, tp, inputs, stream_width) -> list[tuple[dict, dict]]:
-    """Per-head parameter and input cuts to try, the fewest cut tensors first."""
-    counts = head_counts(parent, tp)
-    if not counts:
-        return []
-    params = _head_param_options(parent, counts)
-    first = next((t for t in tree_leaves(inputs) if torch.is_tensor(t)), None)
-    batch = first.shape[0] if first is not None else 0
-    per_input = _head_input_options(args, kwargs, counts, batch, stream_width)
-    keys = list(per_input)
-    combos = []
-    for picks in itertools.product(*[[None, *per_input[k]] for k in keys]):
-        chosen = {k: c for k, c in zip(keys, picks) if c is not None}
-        for with_params in [params, {}] if params else [{}]:
-            if chosen or with_params:
-                combos.append((with_params, chosen))
-    combos.sort(key=lambda c: sum(len(d) for d in c[0].values()) + len(c[1]))
-    return combos[:MAX_HEAD_OPTIONS]
 
 
 def _describe(blocks: dict, divide) -> str:
@@ -439,14 +352,3 @@ def _describe(blocks: dict, divide) -> str:
 
 def _cost(choice) -> tuple:
     return tuple(0 if n == 1 else 1 for n in choice), tuple(str(n) for n in choice)
-
-
-def _value(parent: nn.Module, dotted: str) -> int:
-    obj = parent
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def projections(module: nn.Module) -> dict[str, nn.Module]:
-    return {name: m for name, m in module.named_modules() if name and is_projection(m)}

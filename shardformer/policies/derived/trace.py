@@ -43,6 +43,14 @@ def out_width(module: nn.Module) -> int:
     return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[1]
 
 
+def value_at(root: nn.Module, dotted: str):
+    """The attribute at a dotted path below ``root`` (``attn.num_heads``, ``attn.config.n_head``)."""
+    obj = root
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def repeated_blocks(model: nn.Module) -> list[str]:
     """Paths of the items of every ``ModuleList`` that holds at least two modules of one class with
     projections inside, outermost lists only (experts inside a layer belong to their layer)."""

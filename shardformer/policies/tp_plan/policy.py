@@ -78,6 +78,7 @@ class TpPlanPolicy(Policy):
     def __init__(self, tower_policy=None) -> None:
         super().__init__()
         self.tower_policy = tower_policy
+        self.towers: list[str] = []  # sub-models the plan leaves whole, cut by tower_policy
 
     def set_model(self, model: nn.Module) -> None:
         super().set_model(model)
@@ -132,7 +133,7 @@ class TpPlanPolicy(Policy):
 
     def proven_parts(self) -> list[str]:
         """Paths of the sub-models whose cut was derived and must be proven before use."""
-        return list(getattr(self, "towers", []))
+        return list(self.towers)
 
     def _fuse(self, layers: dict[str, Layer], modules, config) -> None:
         """Cut fused projections block by block: a plain ``colwise`` one, and the gathered pair
@@ -189,9 +190,13 @@ class TpPlanPolicy(Policy):
         sizes = heads.head_sizes(config) or (0, 0, None)
         config_head_dim = sizes[2]
         groups = sizes[0] // tp if heads.replicated_kv(config, tp) else None
-        if groups is not None:  # fewer key/value heads than ranks: cut by whole heads, replicated
+        if groups is not None and sizes[2]:  # fewer key/value heads than ranks: replicated, whole heads
+            kv_width = sizes[1] * sizes[2]
             for path, layer in layers.items():
-                if path.rpartition(".")[0] in split_parents and isinstance(layer, Col_Layer) and sizes[2]:
+                if path.rpartition(".")[0] not in split_parents or not isinstance(layer, Col_Layer):
+                    continue
+                fused_qkv = isinstance(layer.n_cast, tuple) and len(layer.n_cast) == 3  # [Q | K | V]
+                if fused_qkv or getattr(modules[path], "out_features", None) == kv_width:  # k_proj, v_proj
                     layer.head_width = sizes[2]
         split_widths = {sizes[0], sizes[1]} | ({sizes[0] * sizes[2], sizes[1] * sizes[2]} if sizes[2] else set())
         for parent in sorted(split_parents):

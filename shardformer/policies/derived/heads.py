@@ -1,0 +1,127 @@
+"""Per-head tensors beside a group's projections, tried when no plain cut is exact.
+
+A parameter of a leaf beside the projections with one dimension as long as a head count is cut with
+the heads (T5's relative attention bias ``[buckets, heads]``); a tensor handed to the group's module
+with such a dimension (ALiBi: BLOOM's ``[batch x heads, 1, s]``, MPT's ``[heads, 1, s]``) is cut to the
+rank's heads on the way in, when the model computes it outside the blocks (:class:`HeadInputs`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from shardformer.core.comm import group_rank, group_size
+from shardformer.policies.derived.trace import is_projection
+from shardformer.tensor_parallel.detect import int_attributes, is_head_count
+
+MAX_HEAD_OPTIONS = 16
+
+
+@dataclass(frozen=True)
+class HeadCut:
+    """A tensor cut by heads along ``dim`` (each rank keeps its heads' contiguous share). ``heads``:
+    dim 0 holds batch × heads flattened, heads inner (BLOOM's ALiBi ``[b·H, 1, s]``); the attribute
+    (a dotted path relative to the block) that counts those heads."""
+
+    dim: int
+    heads: str = ""
+
+
+def slice_heads(t: torch.Tensor, cut: HeadCut, heads: int, rank: int, tp: int) -> torch.Tensor:
+    """This rank's heads of a per-head tensor (``heads``: the head count when ``cut.heads`` is set)."""
+    if cut.heads:
+        grouped = t.view(-1, heads, *t.shape[1:])
+        return grouped.narrow(1, rank * (heads // tp), heads // tp).reshape(-1, *t.shape[1:])
+    size = t.shape[cut.dim] // tp
+    return t.narrow(cut.dim, rank * size, size)
+
+
+def head_counts(parent: nn.Module, tp: int) -> dict[int, str]:
+    """``{value: dotted name}`` of the head counts the parent's subtree holds (dividing by tp)."""
+    counts: dict[int, str] = {}
+    for rel, module in parent.named_modules():
+        for name, value in int_attributes(module).items():
+            if is_head_count(name) and value > 1 and value % tp == 0:
+                counts.setdefault(value, f"{rel}.{name}" if rel else name)
+    return counts
+
+
+def _head_param_options(parent: nn.Module, counts: dict[int, str]) -> dict[str, dict[str, int]]:
+    """Parameters of non-projection leaves with exactly one dimension as long as a head count."""
+    found: dict[str, dict[str, int]] = {}
+    for rel, module in parent.named_modules():
+        if is_projection(module):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            dims = [d for d, n in enumerate(param.shape) if n in counts]
+            if len(dims) == 1:
+                found.setdefault(rel, {})[name] = dims[0]
+    return found
+
+
+def _head_input_options(args, kwargs, counts: dict[int, str], batch: int, stream_width: int) -> dict:
+    """``{kwarg or position: [HeadCut, ...]}`` for the float tensors handed in that may be per head."""
+    found = {}
+    for key, t in [*enumerate(args), *kwargs.items()]:
+        if not torch.is_tensor(t) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] == stream_width:
+            continue
+        options = [HeadCut(d) for d, n in enumerate(t.shape) if n in counts]
+        options += [HeadCut(0, name) for h, name in counts.items() if batch > 1 and t.shape[0] == batch * h]
+        if options:
+            found[key] = options
+    return found
+
+
+def head_options(parent, args, kwargs, tp, inputs, stream_width) -> list[tuple[dict, dict]]:
+    """Per-head parameter and input cuts to try, the fewest cut tensors first."""
+    counts = head_counts(parent, tp)
+    if not counts:
+        return []
+    params = _head_param_options(parent, counts)
+    first = next((t for t in tree_leaves(inputs) if torch.is_tensor(t)), None)
+    batch = first.shape[0] if first is not None else 0
+    per_input = _head_input_options(args, kwargs, counts, batch, stream_width)
+    keys = list(per_input)
+    combos = []
+    for picks in itertools.product(*[[None, *per_input[k]] for k in keys]):
+        chosen = {k: c for k, c in zip(keys, picks) if c is not None}
+        for with_params in [params, {}] if params else [{}]:
+            if chosen or with_params:
+                combos.append((with_params, chosen))
+    combos.sort(key=lambda c: sum(len(d) for d in c[0].values()) + len(c[1]))
+    return combos[:MAX_HEAD_OPTIONS]
+
+
+class HeadInputs:
+    """A module handed whole per-head tensors the model computes outside the blocks (ALiBi): each is
+    cut to this rank's heads on the way in. ``cuts`` ({kwarg or position: HeadCut}) and ``counts``
+    (the head count of a batch × heads dimension) are set on the subclass :func:`head_inputs_layer` makes."""
+
+    cuts: dict = {}
+    counts: dict = {}
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
+        rank, world = group_rank(process_group), group_size(process_group)
+        cuts, counts = cls.cuts, cls.counts
+
+        def cut_inputs(_m, args, kwargs):
+            args = list(args)
+            for key, cut in cuts.items():
+                where = args if isinstance(key, int) else kwargs
+                if (key < len(where) if isinstance(key, int) else key in where) and where[key] is not None:
+                    where[key] = slice_heads(where[key], cut, counts.get(key, 0), rank, world)
+            return tuple(args), kwargs
+
+        if world > 1:
+            module.register_forward_pre_hook(cut_inputs, with_kwargs=True)
+        return module
+
+
+def head_inputs_layer(cuts: dict, counts: dict) -> type[HeadInputs]:
+    return type("HeadInputs", (HeadInputs,), {"cuts": dict(cuts), "counts": dict(counts)})
