@@ -520,12 +520,18 @@ def reduce_scatter_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tens
 def sum_replicas(grad: torch.Tensor, spec: ShardSpec, group=None) -> torch.Tensor:
     """``grad`` of a shard whose ``spec`` replicates pieces on several ranks (key/value heads fewer
     than ranks), with each replicated piece summed over the ranks that hold it: each of them ran it
-    for its own query heads only. Pieces cut over every rank are left as they are."""
+    for its own query heads only. Pieces cut over every rank are left as they are. One all-reduce
+    for all replicated blocks (K and V together): each rank fills its piece's slot, zeros elsewhere."""
     parts = list(grad.split(spec.local_block_sizes, dim=spec.dim))
-    for block, pieces in enumerate(spec.block_splits):
-        if pieces == spec.world_size:
-            continue
-        slots = grad.new_zeros((pieces, *parts[block].shape))
-        slots[spec.piece(block)] = parts[block]
-        parts[block] = all_reduce(slots, group)[spec.piece(block)]
+    replicated = [b for b, pieces in enumerate(spec.block_splits) if pieces < spec.world_size]
+    if not replicated:
+        return grad
+    slots = []
+    for block in replicated:
+        slot = grad.new_zeros((spec.block_splits[block], *parts[block].shape))
+        slot[spec.piece(block)] = parts[block]
+        slots.append(slot)
+    summed = all_reduce(torch.cat([slot.flatten() for slot in slots]), group)
+    for block, slot in zip(replicated, summed.split([slot.numel() for slot in slots])):
+        parts[block] = slot.view(spec.block_splits[block], *parts[block].shape)[spec.piece(block)]
     return torch.cat(parts, dim=spec.dim)
