@@ -37,5 +37,5 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
             if mesh is not None:
                 sharder.shard_config = dataclasses.replace(shard_config, mesh=mesh)
             for part in parts:
-                prove(model.get_submodule(part) if part else model, sharder.shard_config)
+                prove(model, sharder.shard_config, part)
     return sharder.shard()

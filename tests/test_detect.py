@@ -88,3 +88,23 @@ def test_plan_takes_a_custom_policy_and_a_model_class(tmp_path, capsys, monkeypa
     policy = "examples.custom_policy.llama_policy:LlamaPolicy"
     assert main(["plan", str(tmp_path), "--model-class", "LlamaForCausalLM", "--policy", policy, "--tp", "2"]) == 0
     assert "Linear -> VocabParallelLMHead1D: 1 (e.g. lm_head)" in capsys.readouterr().out
+
+
+def test_tiny_copies_keep_special_tokens_apart_and_rotary_sections_whole():
+    """A multimodal config's image, video and vision-start tokens (ids beyond the tiny vocabulary) stay
+    distinct tokens in the tiny copy, and its rotary sections (Qwen2-VL's time, height, width) fit the
+    tiny head; a tower's width holds its heads."""
+    import transformers
+
+    from shardformer.models.tiny import VOCAB, _sections, tiny_copy_config
+
+    config = transformers.Qwen2_5_VLConfig()
+    config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]
+    tiny = tiny_copy_config(config, tp=2)
+    ids = [tiny.image_token_id, tiny.video_token_id, tiny.vision_start_token_id, tiny.vision_end_token_id]
+    assert len(set(ids)) == 4 and all(0 <= i < VOCAB for i in ids), ids
+    head = tiny.text_config.hidden_size // tiny.text_config.num_attention_heads
+    assert sum(tiny.text_config.rope_parameters["mrope_section"]) == head // 2
+    vision = tiny_copy_config(transformers.Qwen2VLConfig(), tp=2).vision_config
+    assert vision.embed_dim % vision.num_heads == 0, (vision.embed_dim, vision.num_heads)
+    assert _sections([16, 24, 24], 4) == [1, 2, 1] and _sections([1, 2, 1], 2) == [0, 2, 0]

@@ -18,8 +18,9 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     config = getattr(model, "config", None)
     name = type(model).__name__
     main = getattr(model, "main_input_name", "input_ids")
-    if main == "pixel_values" or not hasattr(model, "config"):
-        x = _images(model, getattr(config, "vision_config", config), batch, g)
+    params = inspect.signature(model.forward).parameters
+    if main == "pixel_values" and "input_ids" not in params or not hasattr(model, "config"):
+        x = _images(model, config, batch, g)
         x = x if config is not None else {"x": x["pixel_values"]}  # timm: positional
         if name.endswith("ForImageClassification"):
             x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
@@ -28,12 +29,17 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         frames = 2 * getattr(config, "max_source_positions", SEQ)
         x = {"input_features": torch.randn(batch, config.num_mel_bins, frames, generator=g)}
     else:
-        x = {"input_ids": torch.randint(0, _vocab(model, config), (batch, SEQ), generator=g)}
-    if "pixel_values" in inspect.signature(model.forward).parameters and "input_ids" in x:  # two towers (CLIP)
-        x.update(_images(model, getattr(config, "vision_config", config), batch, g))
+        x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, SEQ), generator=g), config)}
+    if "pixel_values" in params and "input_ids" in x:  # two towers (CLIP), an image-text model
+        x.update(_images(model, config, batch, g))
+        x["input_ids"] = _with_image_tokens(model, config, x["input_ids"])
+        if "mm_token_type_ids" in params:  # which tokens are image features (Qwen2-VL's multimodal rotary)
+            image = _special_tokens(config).get("image_token_id")
+            x["mm_token_type_ids"] = (x["input_ids"] == image).int()
+    qformer = getattr(config, "qformer_config", None)
+    if "qformer_input_ids" in params and qformer is not None:  # InstructBLIP's instruction to its Q-Former
+        x["qformer_input_ids"] = torch.randint(3, qformer.vocab_size, (batch, SEQ), generator=g)
     ids = x.get("input_ids")
-    if ids is not None and "pixel_values" in x:
-        ids = x["input_ids"] = _with_image_tokens(model, config, ids, x["pixel_values"])
     text_vocab = _vocab(model, config)
     eos = getattr(config, "eos_token_id", None)
     if ids is not None and getattr(config, "is_encoder_decoder", False) and isinstance(eos, int):
@@ -56,29 +62,65 @@ def _vocab(model: nn.Module, config) -> int:
 
 
 def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
-    size = getattr(config, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", (224,))
+    """Random images as the model takes them: a batch of pictures; one picture per sample (Idefics2/3,
+    SmolVLM: their ``pixel_attention_mask``); or patches with their grid (Qwen2-VL: ``image_grid_thw``,
+    a 2×2 grid of merged patches per image)."""
+    vision = getattr(config, "vision_config", config)
+    size = getattr(vision, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", (224,))
     size = size[0] if isinstance(size, (tuple, list)) else size
-    channels = getattr(config, "num_channels", None) or getattr(model, "in_chans", 3)
-    return {"pixel_values": torch.randn(batch, channels, size, size, generator=g)}
+    channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None)
+    channels = channels or getattr(model, "in_chans", 3)
+    params = inspect.signature(model.forward).parameters
+    if "image_grid_thw" in params:
+        side = 2 * getattr(vision, "spatial_merge_size", 1)
+        patch = vision.patch_size * vision.patch_size * getattr(vision, "temporal_patch_size", 1)
+        return {
+            "pixel_values": torch.randn(batch * side * side, channels * patch, generator=g),
+            "image_grid_thw": torch.tensor([[1, side, side]] * batch),
+        }
+    pixels = torch.randn(batch, channels, size, size, generator=g)
+    return {"pixel_values": pixels[:, None] if "pixel_attention_mask" in params else pixels}
 
 
-def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+def _special_tokens(config) -> dict[str, int]:
+    """The config's special token ids other than bos/eos/pad (an image placeholder, a vision start)."""
+    found = {}
+    for key in dir(config):
+        if key.endswith(("_token_id", "_token_index")) and not key.startswith(("_", "bos", "eos", "pad")):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                found[key] = value
+    return found
+
+
+def _text(ids: torch.Tensor, config) -> torch.Tensor:
+    """Random text without the special tokens (a stray image placeholder or vision start would ask for
+    images the inputs do not hold)."""
+    for token in set(_special_tokens(config).values()) if config is not None else ():
+        ids = ids.masked_fill(ids == token, 3 if token != 3 else 4)
+    return ids
+
+
+def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor) -> torch.Tensor:
     """Token ids of an image-text model with its image placeholder token once per image feature
-    (LLaVA, Gemma 3, PaliGemma: as many as ``get_image_features`` gives for one image) before the text."""
-    token = getattr(config, "image_token_id", None)
-    token = getattr(config, "image_token_index", None) if token is None else token
-    if not isinstance(token, int) or not hasattr(model, "get_image_features"):
+    (as many as ``get_image_features`` gives for one image) before the text, between the vision
+    start and end tokens where the model has them (Qwen2-VL)."""
+    special = _special_tokens(config)
+    token = special.get("image_token_id", special.get("image_token_index"))
+    if token is None or not hasattr(model, "get_image_features"):
         return ids
+    one = _images(model, config, 1, torch.Generator().manual_seed(0))
     try:
         with torch.no_grad():
-            out = model.get_image_features(pixel_values=pixels[:1])
-    except Exception:  # noqa: BLE001 - a model wanting more than pixels (grids, sizes): text only
+            out = model.get_image_features(**one)
+    except Exception:  # noqa: BLE001 - a model wanting more than the recipe gives: text only
         return ids
     features = getattr(out, "pooler_output", None)
     features = out if features is None else features
     first = features[0] if isinstance(features, (list, tuple)) else features
     if not torch.is_tensor(first) or first.dim() < 2:
         return ids
-    count = first.numel() // first.shape[-1]
-    text = ids.masked_fill(ids == token, 3 if token != 3 else 4)
-    return torch.cat([torch.full((ids.shape[0], count), token, dtype=ids.dtype), text], dim=1)
+    count = first.numel() // first.shape[-1] * (len(features) if isinstance(features, (list, tuple)) else 1)
+    span = [special.get("vision_start_token_id"), *[token] * count, special.get("vision_end_token_id")]
+    span = torch.tensor([t for t in span if t is not None], dtype=ids.dtype)
+    return torch.cat([span.expand(ids.shape[0], -1), ids], dim=1)

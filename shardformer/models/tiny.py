@@ -73,20 +73,30 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
 
 
 _ID_WORDS = ("token_id", "token_ids", "token_index")
+_GENERAL_IDS = (
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+    "cls_token_id",
+)
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
 _VISION = {"image_size": 32, "patch_size": 8, "rotary_dim": 4}  # 16 patches; rotation inside a head of 8
 _POSITION_WORDS = ("position", "max_", "positions", "seq_len", "window")
 
 
-def tiny_copy_config(config, tp: int = 2, heads: int | None = None):
+def tiny_copy_config(config, tp: int = 2, heads: int | None = None, special: dict | None = None):
     """A small config of the same architecture as ``config`` (an instance, the user's): its own
     choices kept (layouts, flags, activations), its sizes scaled down, heads enough for ``tp`` ranks
     (``heads``: this many query heads instead, for layouts that group heads in fixed blocks).
 
     Sizes the recipe knows get its values; other widths are scaled like the hidden size (an
     ``ffn_dim`` of 4 hidden stays 4 hidden); positions become 64; token ids stay inside the vocabulary;
-    sub-configs (a vision and a text tower) are scaled the same way.
+    sub-configs (a vision and a text tower) are scaled the same way. Special tokens outside the
+    vocabulary (an image, a vision-start token) get distinct ids at its top (:func:`_special_ids`).
     """
+    special = _special_ids(config.to_dict()) if special is None else special
     heads = heads or max(4, 2 * tp)
     sizes = dict(SIZES, num_attention_heads=heads, hidden_size=heads * SIZES["head_dim"])
     sizes["intermediate_size"] = 2 * sizes["hidden_size"]
@@ -99,9 +109,13 @@ def tiny_copy_config(config, tp: int = 2, heads: int | None = None):
     for key, value in data.items():
         sub = getattr(config, key, None)
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type") and sub is not config:
-            out[key] = tiny_copy_config(sub, tp, heads).to_dict()
+            out[key] = tiny_copy_config(sub, tp, heads, special).to_dict()
         elif isinstance(value, float) and any(w in key for w in _DROPOUT_WORDS):
             out[key] = 0.0
+        elif isinstance(value, dict) and isinstance(value.get("mrope_section"), list):
+            out[key] = dict(value, mrope_section=_sections(value["mrope_section"], _rotary_pairs(data, value)))
+        elif key.endswith("out_hidden_size") and isinstance(value, int):  # a tower's output: the text's width
+            out[key] = sizes["hidden_size"]
         elif not isinstance(value, int) or isinstance(value, bool):
             continue
         elif key in _KV_HEADS:
@@ -113,17 +127,23 @@ def tiny_copy_config(config, tp: int = 2, heads: int | None = None):
         elif key in _VISION:
             out[key] = min(value, _VISION[key])
         elif key.endswith(_ID_WORDS):
-            out[key] = value if 0 <= value < VOCAB else SIZES["eos_token_id"]
+            out[key] = value if 0 <= value < VOCAB else special.get(value, SIZES["eos_token_id"])
         elif any(w in key for w in _POSITION_WORDS) and value > 64:
             out[key] = 64
         elif value >= 128 and isinstance(hidden, int):
-            out[key] = max(SIZES["head_dim"], round(value * sizes["hidden_size"] / hidden))
+            width = max(SIZES["head_dim"], round(value * sizes["hidden_size"] / hidden))
+            # a tower's own width (Qwen2-VL's vision embed_dim beside a wider hidden_size) holds heads too
+            out[key] = width if width % heads == 0 else -(-width // (2 * heads)) * 2 * heads
     for key, value in sizes.items():
         name = aliases.get(key, key)
         if name in data and not key.endswith("_id") and name not in _KV_HEADS:
             out[name] = value
     if "layer_types" in data:
         out["layer_types"] = None
+    rope = out.get("rope_parameters", data.get("rope_parameters"))
+    if "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()) and isinstance(rope, dict):
+        # the model's default sections (Qwen2-VL's [16, 24, 24]) fit its full head only
+        out["rope_parameters"] = {"mrope_section": _sections([1, 2, 1], _rotary_pairs(data, rope))} | rope
     if data.get("is_encoder_decoder") and data.get("decoder_start_token_id") is None:
         # generation settings live apart from the config in transformers 5; the decoder's first
         # token is still read from the config (T5's _shift_right): the pad token, as T5's checkpoints say
@@ -136,3 +156,46 @@ def tiny_copy_config(config, tp: int = 2, heads: int | None = None):
     except Exception:  # noqa: BLE001 - a per-layer schedule that two layers cannot hold: keep the depth
         depth = {k for k in data if k.endswith("layers") or k in _FIT_TWO_LAYERS or k == "layer_types"}
         return tiny_config(type(config), base=data, **(out | {k: data[k] for k in depth}))
+
+
+def _is_special(key, value) -> bool:
+    special = isinstance(key, str) and key.endswith(_ID_WORDS) and key.lstrip("_") not in _GENERAL_IDS
+    return special and isinstance(value, int) and not isinstance(value, bool)
+
+
+def _special_ids(data: dict) -> dict[int, int]:
+    """Out-of-vocabulary ids of special tokens other than bos/eos/pad (an image, a video, a
+    vision-start token), anywhere in the nested config, mapped to distinct ids at the top of the tiny
+    vocabulary: a model that tells its image placeholder from its vision-start token must see two."""
+    found: set[int] = set()
+
+    def walk(d: dict) -> None:
+        for key, value in d.items():
+            if isinstance(value, dict):
+                walk(value)
+            elif _is_special(key, value) and not 0 <= value < VOCAB:
+                found.add(value)
+
+    walk(data)
+    return {value: VOCAB - 1 - i for i, value in enumerate(sorted(found))}
+
+
+def _rotary_pairs(data: dict, rope: dict) -> int:
+    """Rotated pairs in a tiny head (fewer with a partial rotary factor)."""
+    factor = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0)) or 1.0
+    return max(1, int(SIZES["head_dim"] * factor) // 2)
+
+
+def _sections(sections: list[int], total: int) -> list[int]:
+    """Multimodal rotary sections (time, height, width: Qwen2-VL's ``mrope_section``) scaled to a head's
+    ``total`` rotary pairs, in the same proportions as far as integers allow (each at least one where
+    ``total`` allows it)."""
+    least = 1 if total >= len(sections) else 0
+    scaled = [max(least, section * total // sum(sections)) for section in sections]
+    while sum(scaled) != total:
+        for i in sorted(range(len(scaled)), key=lambda i: -sections[i]):
+            if sum(scaled) < total:
+                scaled[i] += 1
+            elif sum(scaled) > total and scaled[i] > least:
+                scaled[i] -= 1
+    return scaled

@@ -76,11 +76,13 @@ def _generate(model, inputs):
     pad = next((v for v in ids if isinstance(v, int)), 0)
     kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad, "min_new_tokens": NEW_TOKENS}
     main = getattr(model, "main_input_name", "input_ids")
-    if main != "input_ids":  # audio or images into an encoder-decoder: the decoder generates from its start token
+    if "input_ids" not in inputs:  # audio or images into an encoder-decoder: the decoder generates from its start token
         with torch.no_grad():
             return model.generate(**{main: inputs[main]}, **kwargs)
-    if "pixel_values" in inputs and inputs["input_ids"].shape[1] > SEQ:  # image tokens, then text: all of it
-        prompt, kwargs["pixel_values"] = inputs["input_ids"], inputs["pixel_values"]
+    images = {k: v for k, v in inputs.items() if k not in ("input_ids", "labels", "decoder_input_ids")}
+    if "pixel_values" in images and inputs["input_ids"].shape[1] > SEQ:  # image tokens, then text: all of it
+        prompt = inputs["input_ids"]
+        kwargs.update(images)  # with what places the images (Qwen2-VL's grid and token types)
     else:
         prompt = inputs["input_ids"][:, : SEQ // 2]
     with torch.no_grad():

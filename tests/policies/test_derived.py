@@ -41,6 +41,10 @@ EXACT = [
     ("FalconForCausalLM", {}),  # multi-query fused [Q | K | V] of H + 2 heads in FalconLinear: K/V replicated
     ("LlamaForCausalLM", {"num_key_value_heads": 1}),  # the plan route, one key/value head replicated
     ("LlavaForConditionalGeneration", {}),  # the plan's language model, the derived vision tower; image tokens
+    # towers proven on the inputs they get inside the whole model: Qwen2-VL's patches with their grid
+    # (and its multimodal rotary), Idefics3's images per sample with their attention mask
+    ("Qwen2VLForConditionalGeneration", {}),
+    ("Idefics3ForConditionalGeneration", {}),
     # at the user's sizes, not the tiny copy's: a count equal to a cut width by chance (max distance 128,
     # d_model 128) stays whole as the proven rule says; gated feed-forward
     ("sized:T5ForConditionalGeneration", T5_128),
@@ -110,6 +114,13 @@ def _ranks(cases, refused):
     full = projection_weights()
     shard_model(llava, ShardConfig(tensor_parallel_size=dist.get_world_size()))
     out["tower ratio"] = projection_weights() / full
+    qwen = factory("Qwen2VLForConditionalGeneration")()  # a tower taking patches and their grid
+    blocks = qwen.model.visual.blocks
+    full = sum(p.numel() for n, p in blocks.named_parameters() if n.endswith(".weight") and p.dim() == 2)
+    shard_model(qwen, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    out["grid tower ratio"] = (
+        sum(p.numel() for n, p in blocks.named_parameters() if n.endswith(".weight") and p.dim() == 2) / full
+    )
     # BART's loss on vocab-parallel logits, with a final_logits_bias that is not zero: cut with the
     # vocabulary, added to this rank's logits, whole again for generate and in the export
     import copy
@@ -167,6 +178,7 @@ def test_derived_models_are_exact_or_refused():
         assert ok, text
     assert 0.5 < out["ratio"] < 0.6, out["ratio"]  # blocks and vocabulary halved; norms and positions whole
     assert out["tower ratio"] == 0.5, out["tower ratio"]
+    assert out["grid tower ratio"] == 0.5, out["grid tower ratio"]
     shape, loss_diff, bias_diff, same_tokens = out["bart"]
     assert shape[-1] == 99 // 2 + 1 and loss_diff < 1e-5 and same_tokens, out["bart"]  # logits stay vocab-parallel
     assert bias_diff == 0.0, out["bart"]

@@ -9,6 +9,7 @@ user's model, whatever its depth and width, is cut by its blocks' classes.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from dataclasses import dataclass, field
@@ -65,20 +66,57 @@ def tiny_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None
     return tiny.eval()
 
 
-def _key(model: nn.Module, tp: int) -> tuple:
+def tiny_with_inputs(model: nn.Module, tp: int, tower: str = "", heads: int | None = None, seed: int = 0):
+    """The tiny copy of ``model`` (of its sub-model at ``tower``: a vision tower a plan leaves whole)
+    and inputs for it (``seed``). A tower's inputs are the ones it receives in one forward of the whole
+    tiny model (patches and their grid, an attention mask over images: what the wrapper computes), or,
+    where that forward does not reach it, the recipe's inputs for the tower alone."""
+    whole = tiny_copy(model, tp, heads=heads)
+    if not tower:
+        return whole, make_inputs(whole, seed=seed)
+    sub = whole.get_submodule(tower)
+    try:
+        recorded = _inputs_of(whole, sub, make_inputs(whole, seed=seed))
+    except Exception:  # noqa: BLE001 - a wrapper the recipe cannot run: the tower's own inputs
+        recorded = None
+    return sub, recorded if recorded is not None else make_inputs(sub, seed=seed)
+
+
+def _inputs_of(whole: nn.Module, sub: nn.Module, inputs: dict) -> dict | None:
+    """The keyword arguments ``sub`` is first called with in ``whole(**inputs)`` (tensors detached)."""
+    seen: list[dict] = []
+
+    def record(module, args, kwargs):
+        if not seen:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            seen.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in bound.items()})
+
+    handle = sub.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            whole(**inputs)
+    finally:
+        handle.remove()
+    if not seen:
+        return None
+    kwargs = seen[0].pop("kwargs", None)  # a **kwargs parameter binds as one dict
+    return seen[0] | (kwargs if isinstance(kwargs, dict) else {})
+
+
+def _key(model: nn.Module, tp: int, tower: str = "") -> tuple:
     config = tiny_copy_config(model.config, tp)
-    return type(model), tp, json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return type(model), tower, tp, json.dumps(config.to_dict(), sort_keys=True, default=str)
 
 
-def derive(model: nn.Module, tp: int) -> Derivation:
-    """The cut of ``model``'s class at ``tp`` (cached), read off a tiny copy."""
-    key = _key(model, tp)
+def derive(model: nn.Module, tp: int, tower: str = "") -> Derivation:
+    """The cut of ``model``'s class (of its sub-model at ``tower``) at ``tp`` (cached), read off a tiny copy."""
+    key = _key(model, tp, tower)
     if key not in _CACHE:
-        found = _derive(model, tp)
+        found = _derive(model, tp, tower)
         if found.refused:  # layouts that fix the heads' grouping need more heads than tp alone asks
             wider = max(4, 2 * tp) * WIDER
             try:
-                second = _derive(model, tp, wider)
+                second = _derive(model, tp, tower, wider)
             except NotDerivableError:
                 second = None
             if second is not None and not second.refused:
@@ -99,25 +137,24 @@ def _between_cols_and_rows(leaf_reads, rule: BlockRule, block: nn.Module) -> set
     return found
 
 
-def _derive(model: nn.Module, tp: int, heads: int | None = None) -> Derivation:
+def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None) -> Derivation:
+    name = type(model.get_submodule(tower)).__name__
     try:
-        tiny = tiny_copy(model, tp, heads=heads)
-    except Exception as e:  # noqa: BLE001 - any config the class refuses at small sizes
-        raise NotDerivableError(f"a tiny {type(model).__name__} cannot be built from a scaled-down config: {e}") from e
+        tiny, inputs = tiny_with_inputs(model, tp, tower, heads)
+    except Exception as e:  # noqa: BLE001 - a config the class refuses at small sizes, inputs the recipe lacks
+        raise NotDerivableError(
+            f"a tiny {name} cannot be built from a scaled-down config or given inputs: {type(e).__name__}: {e}"
+        ) from e
     tiny.config.use_cache = False
-    try:
-        inputs = make_inputs(tiny, seed=0)
-    except Exception as e:  # noqa: BLE001 - a sub-model whose inputs the test recipe cannot build
-        raise NotDerivableError(f"no inputs for a tiny {type(model).__name__}: {type(e).__name__}: {e}") from e
     inputs.pop("labels", None)
     if "decoder_input_ids" not in inputs and getattr(tiny.config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = inputs.get("input_ids", torch.ones(2, 8, dtype=torch.long))
     try:
         flows = trace(tiny, inputs)
     except Exception as e:  # noqa: BLE001
-        raise NotDerivableError(f"a tiny {type(model).__name__} does not run: {type(e).__name__}: {e}") from e
+        raise NotDerivableError(f"a tiny {name} does not run: {type(e).__name__}: {e}") from e
     if not flows.blocks:
-        raise NotDerivableError(f"{type(model).__name__} has no stack of repeated blocks with projections to cut")
+        raise NotDerivableError(f"{name} has no stack of repeated blocks with projections to cut")
     rules: dict[type, BlockRule] = {}
     refused: list[str] = []
     for block in flows.blocks:

@@ -31,11 +31,14 @@ HOW_TO = "write a Policy for it (README: 'A custom Policy') and pass it: shard_m
 class DerivedPolicy(TpPlanPolicy):
     """Cuts any transformers model by the roles its projections play in a traced tiny copy."""
 
+    tower_of: tuple[nn.Module, str] | None = None  # (the whole model, the path) when cutting a tower of it
+
     def argument_policy(self, config, shard_config):
         model, tp = self.model, shard_config.tensor_parallel_size
         if getattr(model, "config", None) is None:
             raise NotDerivableError(f"{type(model).__name__} has no transformers config to build a tiny copy from")
-        derivation = derive(model, tp)
+        whole, tower = self.tower_of or (model, "")
+        derivation = derive(whole, tp, tower)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = getattr(text, "num_attention_heads", None)
         if derivation.heads and isinstance(heads, int) and heads < derivation.heads:
@@ -87,6 +90,7 @@ class DerivedPolicy(TpPlanPolicy):
         leaves whole), as paths relative to ``model``."""
         sub = model.get_submodule(tower)
         policy = cls()
+        policy.tower_of = (model, tower)
         policy.set_model(sub)
         argument = policy.argument_policy(sub.config, shard_config)[type(sub)]
         layers = [

@@ -20,8 +20,7 @@ from shardformer.core.compare import compare_params, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.record import sharding_of
-from shardformer.models.inputs import make_inputs
-from shardformer.policies.derived.derive import NotDerivableError, _key, derive, tiny_copy
+from shardformer.policies.derived.derive import NotDerivableError, _key, derive, tiny_with_inputs
 from shardformer.policies.derived.policy import HOW_TO, DerivedPolicy
 from shardformer.tensor_parallel.sharder import ModelSharder
 
@@ -36,17 +35,18 @@ class NotProvenError(NotDerivableError):
     """The derived policy ran on the tiny copy and was not exact."""
 
 
-def prove(model: nn.Module, shard_config: ShardConfig) -> None:
-    """Raise :class:`NotProvenError` on every rank unless the derived policy is exact on a tiny copy,
-    sharded over the tp group ``shard_config`` names (its mesh's, or its process group)."""
+def prove(model: nn.Module, shard_config: ShardConfig, tower: str = "") -> None:
+    """Raise :class:`NotProvenError` on every rank unless the derived policy for ``model`` (for its
+    sub-model at ``tower``) is exact on a tiny copy, sharded over the tp group ``shard_config`` names
+    (its mesh's, or its process group)."""
     tp = shard_config.tensor_parallel_size
-    key = _key(model, tp)
+    key = _key(model, tp, tower)
     if key not in _VERDICTS:
-        _VERDICTS[key] = _prove(model, shard_config)
+        _VERDICTS[key] = _prove(model, shard_config, tower)
         if _VERDICTS[key] is None:
             logger.info(
                 "derived policy for %s proven at tp=%d on a tiny copy: outputs, loss and gradients exact",
-                type(model).__name__,
+                type(model.get_submodule(tower)).__name__,
                 tp,
             )
     if _VERDICTS[key] is not None:
@@ -62,9 +62,11 @@ def _main_output(out):
     return first_tensor(out), (out.get("loss") if isinstance(out, dict) else None)
 
 
-def _prove(model: nn.Module, shard_config: ShardConfig) -> str | None:
+def _prove(model: nn.Module, shard_config: ShardConfig, tower: str) -> str | None:
     device, tp = _device(model), shard_config.tensor_parallel_size
-    ref = tiny_copy(model, tp, heads=derive(model, tp).heads).to(device)  # the copy the cut was derived on
+    heads = derive(model, tp, tower).heads
+    ref, inputs = tiny_with_inputs(model, tp, tower, heads, seed=1)  # the copy the cut was derived on
+    ref = ref.to(device)
     tiny = copy.deepcopy(ref)
     ref.train(), tiny.train()  # the training path, dropout already 0 in the tiny copy
     config = ShardConfig(
@@ -72,12 +74,14 @@ def _prove(model: nn.Module, shard_config: ShardConfig) -> str | None:
         tensor_parallel_process_group=shard_config.tensor_parallel_process_group,
         mesh=shard_config.mesh,
     )
-    sharded = ModelSharder(tiny, DerivedPolicy(), config).shard()
+    policy = DerivedPolicy()
+    policy.tower_of = (model, tower)
+    sharded = ModelSharder(tiny, policy, config).shard()
     group = sharding_of(sharded).tp_group
     failures: list[str] = []
     if sum(p.numel() for p in sharded.parameters()) >= sum(p.numel() for p in ref.parameters()):
         failures.append("the tiny copy was not sharded")
-    inputs = {k: v.to(device) for k, v in make_inputs(ref, seed=1).items()}
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
     try:
         _compare(ref, sharded, group, inputs, device, failures)
     except Exception as e:  # noqa: BLE001 - the cut copy cannot run: every rank's copy fails alike
@@ -88,7 +92,7 @@ def _prove(model: nn.Module, shard_config: ShardConfig) -> str | None:
         return None
     listed = "; ".join(failures[:3]) or "another rank saw a difference"
     return (
-        f"the derived policy for {type(model).__name__} is not exact on a tiny copy at tensor_parallel_size={tp} "
+        f"the derived policy for {type(ref).__name__} is not exact on a tiny copy at tensor_parallel_size={tp} "
         f"({listed}). shardformer refuses to shard it this way; {HOW_TO}"
     )
 
