@@ -164,20 +164,16 @@ class TinyBuildError(Exception):
 
 def build_tiny(class_name: str):
     """The factory handed to ``verify_on_this_rank`` (module-level: ``functools.partial(build_tiny, name)``)."""
-    import torch
     import transformers as tf
+
+    from shardformer.models.tiny import fill_zero_matrices
 
     config = tiny_config_of(class_name)
     try:
         model = getattr(tf, class_name)(config)
     except Exception as e:  # noqa: BLE001
         raise TinyBuildError(f"a tiny {class_name} cannot be built from this config: {type(e).__name__}: {e}") from e
-    # a matrix initialised to zero (Gemma 3's image projector) makes everything after it zero: the
-    # comparison would test a degenerate model (and nothing of that matrix's gradient path)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1 and not param.any():
-                param.normal_(0, 0.02)
+    fill_zero_matrices(model)
     return model
 
 

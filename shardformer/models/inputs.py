@@ -30,15 +30,15 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x = {"input_features": torch.randn(batch, config.num_mel_bins, frames, generator=g)}
     else:
         x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, SEQ), generator=g), config)}
-    if "pixel_values" in params and "input_ids" in x:  # two towers (CLIP), an image-text model
-        x.update(_images(model, config, batch, g))
-        x["input_ids"] = _with_image_tokens(model, config, x["input_ids"])
-        if "mm_token_type_ids" in params:  # which tokens are image features (Qwen2-VL's multimodal rotary)
-            image = _special_tokens(config).get("image_token_id")
-            x["mm_token_type_ids"] = (x["input_ids"] == image).int()
     qformer = getattr(config, "qformer_config", None)
     if "qformer_input_ids" in params and qformer is not None:  # InstructBLIP's instruction to its Q-Former
         x["qformer_input_ids"] = torch.randint(3, qformer.vocab_size, (batch, SEQ), generator=g)
+    if "pixel_values" in params and "input_ids" in x:  # two towers (CLIP), an image-text model
+        x.update(_images(model, config, batch, g))
+        x["input_ids"] = _with_image_tokens(model, config, x["input_ids"], x.get("qformer_input_ids"))
+        if "mm_token_type_ids" in params:  # which tokens are image features (Qwen2-VL's multimodal rotary)
+            image = _special_tokens(config).get("image_token_id")
+            x["mm_token_type_ids"] = (x["input_ids"] == image).int()
     ids = x.get("input_ids")
     text_vocab = _vocab(model, config)
     eos = getattr(config, "eos_token_id", None)
@@ -101,15 +101,18 @@ def _text(ids: torch.Tensor, config) -> torch.Tensor:
     return ids
 
 
-def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor) -> torch.Tensor:
+def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor, qformer_ids=None) -> torch.Tensor:
     """Token ids of an image-text model with its image placeholder token once per image feature
     (as many as ``get_image_features`` gives for one image) before the text, between the vision
-    start and end tokens where the model has them (Qwen2-VL)."""
+    start and end tokens where the model has them (Qwen2-VL). ``qformer_ids``: InstructBLIP's
+    instruction, which its image features depend on."""
     special = _special_tokens(config)
     token = special.get("image_token_id", special.get("image_token_index"))
     if token is None or not hasattr(model, "get_image_features"):
         return ids
     one = _images(model, config, 1, torch.Generator().manual_seed(0))
+    if qformer_ids is not None:
+        one["qformer_input_ids"] = qformer_ids[:1]
     try:
         with torch.no_grad():
             out = model.get_image_features(**one)

@@ -199,3 +199,15 @@ def _sections(sections: list[int], total: int) -> list[int]:
             elif sum(scaled) > total and scaled[i] > least:
                 scaled[i] -= 1
     return scaled
+
+
+def fill_zero_matrices(model, std: float = 0.02) -> None:
+    """Random values in every matrix a model initialises to zero (Gemma 3's image projector, BLIP-2's
+    query tokens): on a tiny random copy such a matrix makes what follows it zero or degenerate (a
+    norm of zeros turns rounding into huge gradients), and a check would test nothing of its path."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1 and not param.any():
+                param.normal_(0, std)

@@ -86,7 +86,7 @@ def _generate(model, inputs):
     else:
         prompt = inputs["input_ids"][:, : SEQ // 2]
     with torch.no_grad():
-        return model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+        return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **kwargs)
 
 
 def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None = None, seed: int = 0) -> VerifyReport:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import transformers as tf
 from transformers.modeling_outputs import CausalLMOutput
 
-from shardformer.models.tiny import tiny_copy_config
+from shardformer.models.tiny import fill_zero_matrices, tiny_copy_config
 
 
 class LiarConfig(tf.PretrainedConfig):
@@ -111,7 +111,9 @@ def transformers_model(name: str, tp: int = 2, **options) -> nn.Module:
     """A small random ``transformers.<name>`` from its default config (the user's choices in ``options``)."""
     cls = getattr(tf, name)
     torch.manual_seed(0)
-    return cls(tiny_copy_config(cls.config_class(**options), tp))
+    model = cls(tiny_copy_config(cls.config_class(**options), tp))
+    fill_zero_matrices(model)  # BLIP-2's query tokens: zeros before a norm make rounding huge gradients
+    return model
 
 
 def config_model(name: str, **config) -> nn.Module:

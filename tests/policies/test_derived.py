@@ -45,6 +45,9 @@ EXACT = [
     # (and its multimodal rotary), Idefics3's images per sample with their attention mask
     ("Qwen2VLForConditionalGeneration", {}),
     ("Idefics3ForConditionalGeneration", {}),
+    # vision attention that reads its heads' width from the input's width: given one that reads it from
+    # the module; a Q-Former with cross-attention into the image; OPT as its language model
+    ("Blip2ForConditionalGeneration", {"image_token_index": 50265}),
     # at the user's sizes, not the tiny copy's: a count equal to a cut width by chance (max distance 128,
     # d_model 128) stays whole as the proven rule says; gated feed-forward
     ("sized:T5ForConditionalGeneration", T5_128),

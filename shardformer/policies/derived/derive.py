@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.models.inputs import make_inputs
-from shardformer.models.tiny import tiny_copy_config
+from shardformer.models.tiny import fill_zero_matrices, tiny_copy_config
 from shardformer.policies.derived.simulate import find_cut
 from shardformer.policies.derived.trace import is_projection, pair, trace
 
@@ -63,6 +63,7 @@ def tiny_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         tiny = type(model)(config)
+        fill_zero_matrices(tiny)
     return tiny.eval()
 
 

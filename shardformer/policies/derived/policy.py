@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive
 from shardformer.policies.derived.heads import head_inputs_layer
+from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
 from shardformer.policies.derived.simulate import cut_options, per_rank_attributes
 from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks, value_at
@@ -140,6 +141,9 @@ class DerivedPolicy(TpPlanPolicy):
                 )
             elif rel in inside:
                 layers[f"{block}.{rel}"] = Row_Layer(f"{block}.{rel}", reversed=is_conv1d(inside[rel]))
+        for rel, module in modules[block].named_modules():
+            if reads_width_from_input(module) and f"{rel}.qkv".lstrip(".") in rule.cols:
+                layers[f"{block}.{rel}".rstrip(".")] = Layer(f"{block}.{rel}".rstrip("."), replace_layer=ModuleWidth)
         for rel in rule.grad_sum:
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=GradAllReduce)

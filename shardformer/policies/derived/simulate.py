@@ -22,6 +22,7 @@ import torch.nn as nn
 from shardformer.core.compare import ATOL, RTOL, max_error
 from shardformer.core.shard_spec import make_spec, slice_tensor
 from shardformer.policies.derived.heads import HeadCut, head_options, slice_heads
+from shardformer.policies.derived.rewrites import use_module_width
 from shardformer.policies.derived.trace import Group, in_width, inputs_from_outside, out_width, value_at
 from shardformer.policies.tp_plan.heads import head_sizes
 from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count
@@ -225,6 +226,7 @@ def _run_ranks(
     total = None
     for rank in range(tp):
         local = copy.deepcopy(parent)
+        use_module_width(local)  # as the policy gives it on the ranks (an input's width is a whole width)
         for rel, dims in head_params.items():
             leaf = local.get_submodule(rel)
             for name, dim in dims.items():
