@@ -153,9 +153,12 @@ def tiny_config_of(class_name: str):
     """The class's default config scaled down for tp=2."""
     import transformers as tf
 
-    from shardformer.models.tiny import tiny_copy_config
+    from shardformer.models.tiny import VOCAB, tiny_copy_config
 
-    return tiny_copy_config(getattr(tf, class_name).config_class(), 2)
+    config = getattr(tf, class_name).config_class()
+    if hasattr(config, "num_query_tokens") and getattr(config, "image_token_index", 0) is None:
+        config.image_token_index = VOCAB + 1  # BLIP-2's checkpoints set one; its default config (None) cannot run
+    return tiny_copy_config(config, 2)
 
 
 class TinyBuildError(Exception):
