@@ -17,6 +17,7 @@ import torch.nn as nn
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 from shardformer.core.rng import agree_on_rng
+from shardformer.tensor_parallel.ddp_guard import refuse_ddp
 from shardformer.tensor_parallel.detect import Detected, detect_from_model, keep_ties
 from shardformer.tensor_parallel.layers import (
     DropoutForReplicatedInput,
@@ -189,6 +190,8 @@ class ModelSharder:
         replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
         adapt_class(self.model)  # generate() and transformers' LM losses on vocab-parallel logits
         attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group, sequence_parallel=sequence))
+        if self.shard_config.tensor_parallel_size > 1:
+            refuse_ddp(self.model)
         if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
             kinds = Counter(r.layer.replace_layer.__name__ for r in replacements)
             kinds.update({"DropoutForReplicatedInput (leftover)": leftovers} if leftovers else {})
