@@ -104,6 +104,7 @@ class ModelSharder:
                 f"{done.tensor_parallel_size}); shard the original model instead (load it again with "
                 f"from_pretrained), or use the sharded one as it is"
             )
+        _refuse_adapter_layers(self.model)
         config = getattr(self.model, "config", None)
         self.policy.set_model(self.model)
         arguments = self.policy.argument_policy(config, self.shard_config)
@@ -255,6 +256,22 @@ class ModelSharder:
             new = DropoutForReplicatedInput.from_native(old, group, seed + index, **options).train(old.training)
             self.model.set_submodule(name, new)
         return len(leftovers)
+
+
+def _refuse_adapter_layers(model: nn.Module) -> None:
+    """PEFT adapter layers (LoRA's ``lora.Linear`` around a ``base_layer``) hide the projection from
+    the policy: its plan entry would name the wrapper and the projection would stay whole, or be cut
+    without its adapter. Refused until shardformer cuts adapters with their base layer."""
+    wrapped = [
+        n for n, m in model.named_modules() if hasattr(m, "base_layer") and type(m).__module__.startswith("peft.")
+    ]
+    if wrapped:
+        raise ValueError(
+            f"{type(model).__name__} holds PEFT adapter layers ({', '.join(wrapped[:3])}"
+            f"{', ...' if len(wrapped) > 3 else ''}); shardformer cannot cut LoRA adapters with their base layers "
+            f"yet, and sharding around them would leave those projections whole. Fine-tune the sharded model "
+            f"without adapters, or train LoRA on the unsharded model"
+        )
 
 
 def _release_after_forward(input_copy: SharedInputCopy):
