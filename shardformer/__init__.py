@@ -4,7 +4,10 @@ The public API. The code is grouped by technique (core, tensor_parallel, pipelin
 and by model family (models); README's "How the code is organised" walks the folders.
 """
 
-from shardformer import _compat
+from shardformer import (
+    _compat,
+    checkpoint,  # noqa: F401 - registers the export a sharded model's save_pretrained uses
+)
 from shardformer.api import shard_model
 from shardformer.core.config import ShardConfig
 from shardformer.core.mesh import ProcessMesh, init_distributed, launch_from_torch

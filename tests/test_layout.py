@@ -21,6 +21,7 @@ ORDER = [
     "api",
     "checkpoint",
     "engine",
+    "integrations",
     "tools",
     "cli",
     "_compat",

@@ -21,6 +21,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from shardformer.checkpoint.gather import gather_full_state
+from shardformer.core.hf_save import register_export
 from shardformer.tensor_parallel.detect import names_by_tensor
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -140,3 +141,35 @@ def save_pretrained(model: nn.Module, path: str, max_shard_size: int | str = "2G
         error = box[0]
     if error is not None:
         raise RuntimeError(f"save_pretrained to {path!r} failed on rank 0: {error}")
+
+
+def save_pretrained_as_hf(
+    model: nn.Module,
+    save_directory: str,
+    is_main_process: bool = True,
+    state_dict: dict | None = None,
+    push_to_hub: bool = False,
+    max_shard_size: int | str = "50GB",
+    safe_serialization: bool = True,
+    variant: str | None = None,
+    **_ignored,
+) -> None:
+    """``model.save_pretrained(...)`` of a sharded model, with transformers' signature: the whole model
+    through :func:`save_pretrained`, collective on every rank (global rank 0 writes, whatever
+    ``is_main_process`` says). What it cannot honour is refused before any collective."""
+    unsupported = {
+        "state_dict": state_dict is not None,  # a state dict of a sharded model is one rank's slices
+        "push_to_hub": push_to_hub,
+        "variant": variant is not None,
+        "safe_serialization=False": not safe_serialization,
+    }
+    refused = [name for name, asked in unsupported.items() if asked]
+    if refused:
+        raise ValueError(
+            f"save_pretrained of a sharded {original_class(model).__name__} does not take {refused}: it gathers "
+            f"the whole model and writes safetensors; save the folder, then push or convert it"
+        )
+    save_pretrained(model, os.fspath(save_directory), max_shard_size)
+
+
+register_export(save_pretrained_as_hf)

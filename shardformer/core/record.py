@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
+from shardformer.core.hf_save import route_save_pretrained
 from shardformer.core.mesh import ProcessMesh
 
 ATTRIBUTE = "shardformer"
@@ -70,8 +71,10 @@ def build_mesh(shard_config: ShardConfig) -> tuple[ProcessMesh | None, Any]:
 
 
 def attach(model: nn.Module, info: ShardedModelInfo) -> None:
-    """Record ``info`` on ``model`` (a plain attribute: not a submodule, not in the state dict)."""
+    """Record ``info`` on ``model`` (a plain attribute: not a submodule, not in the state dict); its
+    ``save_pretrained`` now writes the whole model."""
     object.__setattr__(model, ATTRIBUTE, info)
+    route_save_pretrained(model)
 
 
 def is_sharded(model: nn.Module) -> bool:

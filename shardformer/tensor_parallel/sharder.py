@@ -17,6 +17,7 @@ import torch.nn as nn
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 from shardformer.core.rng import agree_on_rng
+from shardformer.tensor_parallel.ddp_guard import refuse_ddp
 from shardformer.tensor_parallel.detect import Detected, detect_from_model, keep_ties
 from shardformer.tensor_parallel.layers import (
     DropoutForReplicatedInput,
@@ -103,6 +104,7 @@ class ModelSharder:
                 f"{done.tensor_parallel_size}); shard the original model instead (load it again with "
                 f"from_pretrained), or use the sharded one as it is"
             )
+        _refuse_adapter_layers(self.model)
         config = getattr(self.model, "config", None)
         self.policy.set_model(self.model)
         arguments = self.policy.argument_policy(config, self.shard_config)
@@ -189,6 +191,8 @@ class ModelSharder:
         replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
         adapt_class(self.model)  # generate() and transformers' LM losses on vocab-parallel logits
         attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group, sequence_parallel=sequence))
+        if self.shard_config.tensor_parallel_size > 1:
+            refuse_ddp(self.model)
         if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
             kinds = Counter(r.layer.replace_layer.__name__ for r in replacements)
             kinds.update({"DropoutForReplicatedInput (leftover)": leftovers} if leftovers else {})
@@ -252,6 +256,22 @@ class ModelSharder:
             new = DropoutForReplicatedInput.from_native(old, group, seed + index, **options).train(old.training)
             self.model.set_submodule(name, new)
         return len(leftovers)
+
+
+def _refuse_adapter_layers(model: nn.Module) -> None:
+    """PEFT adapter layers (LoRA's ``lora.Linear`` around a ``base_layer``) hide the projection from
+    the policy: its plan entry would name the wrapper and the projection would stay whole, or be cut
+    without its adapter. Refused until shardformer cuts adapters with their base layer."""
+    wrapped = [
+        n for n, m in model.named_modules() if hasattr(m, "base_layer") and type(m).__module__.startswith("peft.")
+    ]
+    if wrapped:
+        raise ValueError(
+            f"{type(model).__name__} holds PEFT adapter layers ({', '.join(wrapped[:3])}"
+            f"{', ...' if len(wrapped) > 3 else ''}); shardformer cannot cut LoRA adapters with their base layers "
+            f"yet, and sharding around them would leave those projections whole. Fine-tune the sharded model "
+            f"without adapters, or train LoRA on the unsharded model"
+        )
 
 
 def _release_after_forward(input_copy: SharedInputCopy):

@@ -27,7 +27,7 @@ def _hf_loss(model, inputs):
     return model(**inputs).loss
 
 
-def _export_and_compare(name, max_shard_size="2GB", expect_index=False):
+def _export_and_compare(name, max_shard_size="2GB", expect_index=False, by_method=False):
     _, model = zoo.load_twice(name)
     model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
     inputs = zoo.inputs_for(name)
@@ -38,7 +38,10 @@ def _export_and_compare(name, max_shard_size="2GB", expect_index=False):
     vocab = model.config.vocab_size if not name.startswith("ViT") else logits.shape[-1]
     logits = full_logits(logits, vocab, None)
     path = shared_dir()
-    save_pretrained(model, path, max_shard_size=max_shard_size)
+    if by_method:  # what HF users type: the sharded model's own save_pretrained
+        model.save_pretrained(path, max_shard_size=max_shard_size, is_main_process=dist.get_rank() == 0)
+    else:
+        save_pretrained(model, path, max_shard_size=max_shard_size)
     if dist.get_rank() == 0:
         files = os.listdir(path)
         assert ("model.safetensors.index.json" in files) == expect_index, files
@@ -67,6 +70,25 @@ def check_gpt2_lm_head_export():
             assert f.get_slice("transformer.wte.weight").get_shape() == [zoo.VOCAB, 32]
             assert f.get_slice("transformer.h.0.attn.c_attn.weight").get_shape() == [32, 96]
     remove_dir(path) if dist.get_rank() == 0 else None
+
+
+def check_model_save_pretrained_writes_the_whole_model():
+    path, _ = _export_and_compare("BertForMaskedLM", by_method=True)
+    remove_dir(path) if dist.get_rank() == 0 else None
+    _, model = zoo.load_twice("GPT2LMHeadModel")
+    model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    for call, needle in (
+        (lambda: model.transformer.save_pretrained("unused"), "part of a sharded model"),
+        (lambda: model.save_pretrained("unused", state_dict=model.state_dict()), "state_dict"),
+        (lambda: model.save_pretrained("unused", push_to_hub=True), "push_to_hub"),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            assert needle in str(e), e
+        else:
+            raise AssertionError(f"not refused: {needle}")
+    assert not os.path.exists("unused")
 
 
 def check_gpt2_sharded_files_with_index():
@@ -248,6 +270,7 @@ def _flip_last_byte(file):
 
 CHECKS = [
     check_gpt2_lm_head_export,
+    check_model_save_pretrained_writes_the_whole_model,
     check_gpt2_sharded_files_with_index,
     check_bert_masked_lm_export,
     check_vit_export,

@@ -1,0 +1,177 @@
+"""``ShardedTrainer``: transformers' ``Trainer`` for a model sharded by shardformer, exact.
+
+A plain ``Trainer`` cannot train a tensor-parallel model right: accelerate wraps it in DDP over every
+rank (whose start-up broadcast copies rank 0's shards over the others', so sharded models refuse
+DDP), every rank gets its own batch, and ``clip_grad_norm_`` sees one rank's slices. This subclass
+changes exactly those places and leaves the rest of Trainer as it is:
+
+- batches are split over data-parallel ranks only (tp ranks of one replica get the same batch);
+- no DDP: each gradient is averaged over the dp group once per optimizer step (after the last
+  micro-batch of gradient accumulation), as DDP would, and never over tp ranks;
+- the gradient norm (for clipping and for the log) is the global one: tp slices summed, replicated
+  weights counted once;
+- ``save_model`` and checkpoints write a plain HuggingFace folder through shardformer's export, plus
+  one optimizer and RNG file per rank; ``resume_from_checkpoint`` restores model, optimizer, scheduler
+  and every RNG (the tp dropout generators too) exactly.
+
+Pipeline stages cannot run under Trainer's loop: such a model is refused before the first step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from transformers import Trainer
+
+from shardformer.checkpoint.gather import layout_of
+from shardformer.checkpoint.reload import load_pretrained_into
+from shardformer.core import comm
+from shardformer.core.record import is_sharded, sharding_of
+from shardformer.data_parallel.grad_norm import clip_master_grads, global_grad_norm
+from shardformer.data_parallel.layout import ParamSlot
+
+_OPTIMIZER = "shardformer-optimizer-rank{}-of-{}.pt"  # each rank's optimizer state holds its own slices
+_DROPOUT_RNG = "shardformer-dropout-rng-rank{}-of-{}.pt"  # the tp dropout layers' own generators
+_SCHEDULER = "scheduler.pt"  # transformers' name, so its checkpoint tools find it
+
+
+def sharded_root(model: nn.Module) -> nn.Module:
+    """The module shardformer sharded: ``model`` itself, or the one inside a PEFT wrapper."""
+    for module in model.modules():
+        if is_sharded(module):
+            return module
+    raise ValueError(
+        f"{type(model).__name__} was not sharded by shardformer; ShardedTrainer trains sharded models (use "
+        f"transformers.Trainer for an unsharded one)"
+    )
+
+
+class ShardedTrainer(Trainer):
+    """``transformers.Trainer`` for a shardformer-sharded model (tensor parallel, tensor x data parallel on
+    the model's ProcessMesh). Takes exactly Trainer's arguments; see the module docstring for what differs."""
+
+    def __init__(self, model: nn.Module | None = None, args=None, *rest, **kwargs):
+        if model is None:
+            raise ValueError("ShardedTrainer needs the sharded model itself (model_init is not supported)")
+        root = sharded_root(model)
+        info = sharding_of(root)
+        if info.num_stages > 1:
+            raise ValueError(
+                f"{type(root).__name__} is split into {info.num_stages} pipeline stages; Trainer's loop runs one "
+                f"forward per micro-batch on every rank and cannot drive a pipeline schedule; train it with "
+                f"ParallelEngine, or shard it with pipeline_parallel_size=1 for ShardedTrainer"
+            )
+        self._layout = layout_of(root)  # refuses a tp group without a mesh when dp is unknown
+        super().__init__(model, args, *rest, **kwargs)
+        for option in ("fsdp", "deepspeed", "parallelism_config"):
+            if getattr(self.args, option, None):
+                raise ValueError(f"ShardedTrainer does its own parallelism; drop TrainingArguments.{option}")
+        # The model owns its placement and gradient reduction: Trainer then prepares it without DDP,
+        # calls _sync_replicated_trainable_parameters, and saves on every rank (the export is collective).
+        self.is_distributed_loading_by_transformers = True
+        self._dp_hooks = False
+
+    # --- parallel sizes and data -------------------------------------------------------------
+
+    def get_tp_size(self) -> int:
+        return self._layout.tp
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        lay = self._layout
+        if lay.world > 1:  # accelerate splits batches over the mesh's data dimensions only
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.accelerator.state.device_mesh = init_device_mesh(
+                self.args.device.type, (lay.dp, lay.tp), mesh_dim_names=("dp_replicate", "tp")
+            )
+
+    # --- gradients ----------------------------------------------------------------------------
+
+    def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
+        """Average each gradient over the dp group at the end of each accumulation window (DDP's job)."""
+        lay = self._layout
+        if lay.dp == 1 or self._dp_hooks:
+            return
+        self._dp_hooks = True
+
+        def average(param: torch.Tensor) -> None:
+            if self.accelerator.sync_gradients and param.grad is not None:
+                dist.all_reduce(param.grad, group=lay.dp_group)
+                param.grad.div_(lay.dp)
+
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(average)
+
+    def _grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """The global gradient norm (tp slices summed, replicated weights once); clips when finite."""
+        slots = [
+            ParamSlot(i, p, p.numel(), p.numel(), p)
+            for i, p in enumerate(model.parameters())
+            if p.requires_grad and p.grad is not None
+        ]
+        if not slots:
+            return torch.tensor(0.0)
+        lay = self._layout
+        tp_group = lay.tp_group if lay.tp > 1 else comm.LOCAL
+        total, _ = global_grad_norm(slots, comm.LOCAL, tp_group, comm.LOCAL)  # dp already averaged
+        if max_norm != float("inf"):
+            clip_master_grads(slots, total, max_norm)
+        return torch.tensor(total)
+
+    def _clip_grad_norm(self, model):
+        return self._grad_norm(model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return (grad_norm if grad_norm is not None else self._grad_norm(model, float("inf"))).item()
+
+    # --- saving and resuming ------------------------------------------------------------------
+
+    def _rank_file(self, folder: str, pattern: str) -> str:
+        return os.path.join(folder, pattern.format(self._layout.rank, self._layout.world))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), self._rank_file(output_dir, _OPTIMIZER))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        file = self._rank_file(checkpoint, _OPTIMIZER)
+        if not os.path.isfile(file):
+            raise ValueError(
+                f"{checkpoint} has no {os.path.basename(file)}: it was not written by ShardedTrainer on "
+                f"{self._layout.world} ranks; resume on the world size it was saved from"
+            )
+        self.optimizer.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+        scheduler = torch.load(os.path.join(checkpoint, _SCHEDULER), weights_only=True)
+        self.lr_scheduler.load_state_dict(scheduler)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        states = {name: m.get_rng_state() for name, m in self._dropouts()}
+        torch.save(states, self._rank_file(output_dir, _DROPOUT_RNG))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        file = None if checkpoint is None else self._rank_file(checkpoint, _DROPOUT_RNG)
+        if file is not None and os.path.isfile(file):
+            states = torch.load(file, weights_only=True)
+            for name, module in self._dropouts():
+                module.set_rng_state(states[name])
+
+    def _dropouts(self):
+        return [(n, m) for n, m in self.model.named_modules() if callable(getattr(m, "get_rng_state", None))]
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        root = sharded_root(model if model is not None else self.model)
+        if hasattr(self.model, "peft_config"):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # the adapter: PEFT loads it
+            return
+        load_pretrained_into(root, resume_from_checkpoint)

@@ -1,0 +1,52 @@
+"""A tiny causal LM, its data and TrainingArguments shared by the Trainer and PEFT tests."""
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+VOCAB, SEQ, EXAMPLES = 62, 12, 32  # 62 does not divide by tp=4: the vocabulary gets padded
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def dataset() -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(EXAMPLES):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=gen)
+        labels = ids.clone()
+        labels[: int(torch.randint(1, 4, (1,), generator=gen))] = -100  # uneven token counts per example
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def shared_dir() -> str:
+    if not dist.is_initialized():
+        return tempfile.mkdtemp(prefix="sf-trainer-")
+    box = [tempfile.mkdtemp(prefix="sf-trainer-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def training_args(output_dir: str, global_batch: int, dp: int, **overrides) -> TrainingArguments:
+    """Four optimizer steps of two accumulated micro-batches, clipped, checkpointed every two steps."""
+    options = dict(
+        per_device_train_batch_size=global_batch // dp, gradient_accumulation_steps=2, max_steps=4,
+        learning_rate=1e-2, max_grad_norm=0.3, logging_steps=1, save_strategy="steps", save_steps=2,
+        report_to=[], use_cpu=True, seed=7, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1,
+    )  # fmt: skip
+    options.update(overrides)
+    return TrainingArguments(output_dir, **options)
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]

@@ -1,0 +1,116 @@
+"""ShardedTrainer against transformers' plain Trainer on the unsharded model in one process.
+
+Same weights, same data, same global batches (8 examples: 2 accumulated micro-batches of 4 per step),
+clipping active (max_grad_norm below the gradient norm). Checked at tp=2 (2 ranks) and tp=2 x dp=2
+(4 ranks): every logged loss and gradient norm, the weights after 4 steps, the folder save_model
+writes (loaded by plain from_pretrained), and a run resumed from the step-2 checkpoint.
+"""
+
+import functools
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2LMHeadModel, Trainer
+
+from shardformer import ShardConfig, shard_model
+from shardformer.checkpoint import gather_full_state
+from shardformer.engine import EngineConfig, ParallelEngine
+from shardformer.integrations import ShardedTrainer
+from shardformer.tools.testing import run_on_ranks
+from tests.helpers import assert_close
+from tests.integrations.common import dataset, logged, shared_dir, tiny_gpt2, training_args
+
+GLOBAL_BATCH = 4
+
+
+@functools.cache
+def reference():
+    out = shared_dir()
+    trainer = Trainer(model=tiny_gpt2(), args=training_args(out, GLOBAL_BATCH, 1), train_dataset=dataset())
+    trainer.train()
+    result = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
+    result["state"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def _sharded_run(tp):
+    dp = dist.get_world_size() // tp
+    out, out2 = shared_dir(), shared_dir()
+    model = shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp))
+    trainer = ShardedTrainer(model=model, args=training_args(out, GLOBAL_BATCH, dp), train_dataset=dataset())
+    trainer.train()
+    result = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
+    result["state"] = gather_full_state(model)
+    trainer.save_model(os.path.join(out, "final"))
+
+    again = shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp))
+    resumed = ShardedTrainer(model=again, args=training_args(out2, GLOBAL_BATCH, dp), train_dataset=dataset())
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    # the resumed log holds steps 1-2 from the checkpoint's trainer state, then its own steps 3-4
+    result["resumed_loss"], result["resumed_state"] = logged(resumed, "loss"), gather_full_state(again)
+
+    if dp == 1:  # once: activation checkpointing, and what is refused
+        model = shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp))
+        args = training_args(out2, GLOBAL_BATCH, dp, gradient_checkpointing=True, save_strategy="no")
+        checkpointed = ShardedTrainer(model=model, args=args, train_dataset=dataset())
+        checkpointed.train()
+        result["checkpointed_loss"] = logged(checkpointed, "loss")
+        fresh = shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp))
+        result["plain_trainer"] = _refusal(lambda: Trainer(model=fresh, args=args, train_dataset=dataset()).train())
+        staged = ParallelEngine(tiny_gpt2(), lambda p: torch.optim.SGD(p, lr=0.1), EngineConfig(tp=1, pp=2)).model
+        result["pipeline"] = _refusal(lambda: ShardedTrainer(model=staged, args=args, train_dataset=dataset()))
+    if dist.get_rank() == 0:
+        result["saved"] = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final")).state_dict()
+        result["checkpoint_files"] = sorted(os.listdir(os.path.join(out, "checkpoint-2")))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(out, ignore_errors=True), shutil.rmtree(out2, ignore_errors=True)
+    for key in ("state", "resumed_state", "saved"):  # numpy: tensors would travel as shared memory
+        if result.get(key) is not None:
+            result[key] = {k: v.detach().numpy().copy() for k, v in result[key].items()}
+    return result
+
+
+def _refusal(call):
+    try:
+        call()
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def _compare(result, ref):
+    assert_close(torch.tensor(result["loss"]), torch.tensor(ref["loss"]), what="logged losses")
+    assert_close(torch.tensor(result["grad_norm"]), torch.tensor(ref["grad_norm"]), what="logged grad norms")
+    assert ref["grad_norm"][0] > 0.3, "clipping must be active for the test to mean something"
+    worst = 0.0
+    for name, value in ref["state"].items():
+        for key, what in (("state", "after 4 steps"), ("saved", "saved"), ("resumed_state", "resumed")):
+            mine = torch.from_numpy(result[key][name])
+            worst = max(worst, (mine - value).abs().max().item())
+            assert_close(mine, value, what=f"{name} {what}")
+    print(
+        f"parity: losses {_worst(result['loss'], ref['loss']):.2e}, grad norms "
+        f"{_worst(result['grad_norm'], ref['grad_norm']):.2e}, weights {worst:.2e}"
+    )
+    assert_close(torch.tensor(result["resumed_loss"]), torch.tensor(ref["loss"]), what="resumed losses")
+    assert "config.json" in result["checkpoint_files"], result["checkpoint_files"]
+
+
+def _worst(a, b):
+    return (torch.tensor(a) - torch.tensor(b)).abs().max().item()
+
+
+def test_trainer_at_tp2_matches_one_process():
+    result = run_on_ranks(_sharded_run, 2, 2, timeout=240)[0]
+    _compare(result, reference())
+    assert_close(torch.tensor(result["checkpointed_loss"]), torch.tensor(reference()["loss"]), what="checkpointed")
+    assert "ShardedTrainer" in (result["plain_trainer"] or ""), result["plain_trainer"]
+    assert "pipeline stages" in (result["pipeline"] or ""), result["pipeline"]
+
+
+def test_trainer_at_tp2_dp2_matches_one_process():
+    _compare(run_on_ranks(_sharded_run, 4, 2, timeout=300)[0], reference())
