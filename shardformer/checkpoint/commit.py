@@ -2,7 +2,7 @@
 
 A checkpoint is a folder only shardformer writes. A save writes every file into ``<path>.tmp-<token>``;
 when every rank has finished, global rank 0 writes the manifest ``meta.json`` (each file's size and
-sha256) into it with one atomic rename: a folder holding a manifest is complete, one without it is
+sha256, and the sha256 of the manifest itself) into it with one atomic rename: a folder holding a manifest is complete, one without it is
 not. Then the folder takes the name ``path`` in two renames (the previous checkpoint to
 ``<path>.old-<token>``, the new one to ``path``) and the old one is deleted, manifest first.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -24,7 +25,9 @@ from shardformer.checkpoint import typed_json
 from shardformer.checkpoint.errors import CheckpointError
 
 META = "meta.json"
-FORMAT = "shardformer-checkpoint/2"
+FORMAT = "shardformer-checkpoint/3"  # /3: the manifest carries its own checksum
+_UNCHECKED = "shardformer-checkpoint/2"  # the same manifest, written before it had a checksum: read as it is
+CHECKSUM = "manifest_sha256"
 _LEGACY = "shardformer-checkpoint/1"  # no manifest: replaceable when it holds only its own file names
 _LEGACY_FILES = re.compile(r"(meta\.json|model-pp\d+-tp\d+\.safetensors|rank\d+\.(safetensors|json))$")
 
@@ -66,16 +69,35 @@ def describe(folder: str, names) -> dict[str, dict]:
     return out
 
 
+def manifest_digest(data: dict) -> str:
+    """sha256 of a manifest's JSON data (tags not decoded) without its checksum, in one canonical spelling."""
+    body = {k: v for k, v in data.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()).hexdigest()
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    """The manifest as written to ``meta.json``, its own checksum added."""
+    data = typed_json.encode(manifest, "the checkpoint manifest")
+    return typed_json.dumps({**manifest, CHECKSUM: manifest_digest(data)}, "the checkpoint manifest")
+
+
 def read_meta(folder: str) -> dict:
-    """The manifest of a checkpoint folder, checked to be ours and well formed."""
+    """The manifest of a checkpoint folder, checked to be ours, intact (its checksum) and well formed."""
     file = os.path.join(folder, META)
     if not os.path.isfile(file):
         raise CheckpointError(f"{folder} has no {META}: it is not a (finished) shardformer checkpoint")
-    meta = typed_json.load(file)
-    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith("shardformer-checkpoint/"):
+    data = typed_json.load(file, tagged=False)
+    if not isinstance(data, dict) or not str(data.get("format", "")).startswith("shardformer-checkpoint/"):
         raise CheckpointError(f"{file}: not a shardformer checkpoint manifest (no 'format' naming one)")
-    if meta["format"] != FORMAT:
-        raise CheckpointError(f"{file}: format {meta['format']!r}, this shardformer reads {FORMAT!r}")
+    checked = CHECKSUM in data or data["format"] == FORMAT  # a /2 manifest carries no checksum
+    if checked and data.get(CHECKSUM) != manifest_digest(data):
+        raise CheckpointError(
+            f"{file}: the manifest does not match its own sha256 ({CHECKSUM}): the file is damaged, and "
+            "its step, layout and file checksums cannot be trusted; restore the checkpoint from a copy, or save a new one"
+        )
+    if data["format"] not in (FORMAT, _UNCHECKED):  # /2 differs only in carrying no checksum
+        raise CheckpointError(f"{file}: format {data['format']!r}, this shardformer reads {FORMAT!r}")
+    meta = typed_json.decoded(data, file)
     for key in ("step", "files", "layout", "model_class", "has_optimizer", "saved_at"):
         if key not in meta:
             raise CheckpointError(f"{file}: the manifest lacks {key!r}; the file is damaged")
@@ -179,7 +201,7 @@ def _sync_dir(folder: str) -> None:
 
 def commit(tmp: str, path: str, manifest: dict) -> None:
     """Global rank 0, after every rank wrote its files into ``tmp``: mark it complete, put it at ``path``."""
-    typed_json.write_atomic(os.path.join(tmp, META), typed_json.dumps(manifest, "the checkpoint manifest"))
+    typed_json.write_atomic(os.path.join(tmp, META), manifest_bytes(manifest))
     _sync_dir(tmp)
     old = None
     if os.path.lexists(path):

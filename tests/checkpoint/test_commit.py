@@ -19,7 +19,7 @@ import torch
 import transformers as tf
 
 import shardformer.checkpoint.training as training
-from shardformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from shardformer.checkpoint import CheckpointError, commit, load_checkpoint, save_checkpoint
 from tests.checkpoint.common import scheduled_steps
 from tests.policies import zoo
 
@@ -189,6 +189,31 @@ def test_a_flipped_byte_is_detected_and_nothing_changes(tmp_path):
     assert _same(fresh, before)
 
 
+def test_a_flipped_bit_in_the_manifest_is_detected_and_nothing_changes(tmp_path):
+    """One bit turns "step": 3 into 7; the manifest's own checksum names the file."""
+    path = str(tmp_path / "ckpt")
+    model = _model(seed=0)
+    save_checkpoint(path, model, step=3)
+    meta_file = _damage(path, "meta.json", lambda b: b.replace(b'"step": 3', b'"step": 7'))
+    with open(meta_file, "rb") as f:
+        assert b'"step": 7' in f.read()
+    fresh = _model(seed=1)
+    before = _weights(fresh)
+    with pytest.raises(CheckpointError, match=f"{meta_file}: the manifest does not match its own sha256"):
+        load_checkpoint(path, fresh)
+    assert _same(fresh, before)
+
+    # A manifest written before manifests had a checksum (format /2) still loads.
+    def unchecked(raw):
+        meta = json.loads(raw)
+        meta.update(step=3, format="shardformer-checkpoint/2")
+        del meta[commit.CHECKSUM]
+        return json.dumps(meta).encode()
+
+    _damage(path, "meta.json", unchecked)
+    assert load_checkpoint(path, fresh)["step"] == 3 and _same(fresh, _weights(model))
+
+
 def test_the_config_must_match_not_only_the_shapes(tmp_path):
     path = str(tmp_path / "ckpt")
     save_checkpoint(path, _model(n_head=4))
@@ -242,9 +267,12 @@ def _damage(path, name, change):
 
 
 def _rewrite_manifest(path, change):
+    """A broken writer: the manifest changed, and checksummed again."""
+
     def rewrite(raw):
         meta = json.loads(raw)
         change(meta)
+        meta[commit.CHECKSUM] = commit.manifest_digest(meta)
         return json.dumps(meta).encode()
 
     _damage(path, "meta.json", rewrite)
