@@ -145,7 +145,7 @@ def check_replaceable(path: str) -> None:
         )
 
 
-def _siblings(path: str, kind: str) -> list[str]:
+def siblings(path: str, kind: str) -> list[str]:
     parent, base = os.path.split(path)
     pattern = re.compile(re.escape(base) + r"\." + kind + r"-[0-9a-f]{8}$")
     try:
@@ -166,7 +166,7 @@ def recover(path: str) -> str | None:
     """Finish a commit that a crash interrupted; returns the folder renamed to ``path``, if any."""
     if os.path.lexists(path):
         return None
-    complete = [(t, d) for d in _siblings(path, "tmp") + _siblings(path, "old") if (t := _saved_at(d)) is not None]
+    complete = [(t, d) for d in siblings(path, "tmp") + siblings(path, "old") if (t := _saved_at(d)) is not None]
     if not complete:
         return None
     newest = max(complete)[1]
@@ -186,7 +186,7 @@ def prepare(path: str) -> str:
     """Global rank 0, before a save: recover, refuse what must not be replaced, clear leftovers; the new tmp name."""
     recover(path)
     check_replaceable(path)
-    for leftover in _siblings(path, "tmp") + _siblings(path, "old"):
+    for leftover in siblings(path, "tmp") + siblings(path, "old"):
         discard(leftover)
     return f"{path}.tmp-{uuid.uuid4().hex[:8]}"
 
@@ -202,6 +202,11 @@ def _sync_dir(folder: str) -> None:
 def commit(tmp: str, path: str, manifest: dict) -> None:
     """Global rank 0, after every rank wrote its files into ``tmp``: mark it complete, put it at ``path``."""
     typed_json.write_atomic(os.path.join(tmp, META), manifest_bytes(manifest))
+    swap(tmp, path)
+
+
+def swap(tmp: str, path: str) -> None:
+    """Put the finished folder ``tmp`` at ``path`` (two renames), then delete what was there."""
     _sync_dir(tmp)
     old = None
     if os.path.lexists(path):

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import time
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ import transformers as tf
 
 import shardformer.checkpoint.training as training
 from shardformer.checkpoint import CheckpointError, commit, load_checkpoint, save_checkpoint
-from tests.checkpoint.common import scheduled_steps
+from tests.checkpoint.common import killed_during, scheduled_steps
 from tests.policies import zoo
 
 
@@ -103,42 +101,7 @@ _TARGETS = [(training, "save_file"), (os, "replace"), (os, "rename"), (os, "remo
 
 
 def _save_killed(where, nth, when, path, model, step) -> bool:
-    """Save in a forked child killed before/after the nth call of ``where``; True if it was killed."""
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            owner, name = where
-            real, calls = getattr(owner, name), [0]
-
-            def wrapped(*args, **kwargs):
-                calls[0] += 1
-                if calls[0] == nth and when == "before":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                out = real(*args, **kwargs)
-                if calls[0] == nth and when == "after":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return out
-
-            setattr(owner, name, wrapped)
-            save_checkpoint(path, model, step=step)
-            os._exit(0)
-        except BaseException:  # noqa: BLE001 - a failed save is not the crash asked for
-            os._exit(3)
-    deadline = time.monotonic() + 60
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise TimeoutError(f"the save killed at {where[1]} #{nth} ({when}) did not finish in 60 s")
-        time.sleep(0.02)
-    if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
-        return True
-    assert os.WEXITSTATUS(status) == 0, f"the save failed (exit {os.WEXITSTATUS(status)}) instead of crashing"
-    return False
+    return killed_during(where, nth, when, lambda: save_checkpoint(path, model, step=step))
 
 
 def test_a_save_killed_at_any_step_leaves_the_previous_or_the_new_checkpoint(tmp_path):
