@@ -214,6 +214,25 @@ def test_scheduler_and_extra_resume_exactly(tmp_path, kind):
     assert scheduled_steps(fresh, opt2, sched2, range(3, 7)) == uninterrupted
 
 
+def test_the_optimizer_kind_must_match(tmp_path):
+    """An AdamW checkpoint into SGD would load without error and drop its moments: refused."""
+    path = str(tmp_path / "ckpt")
+    model = _model()
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduled_steps(model, adamw, torch.optim.lr_scheduler.StepLR(adamw, 1), range(1))
+    save_checkpoint(path, model, adamw, step=1)
+    fresh = _model(seed=1)
+    sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    before = _weights(fresh)
+    pattern = f"{os.path.join(path, 'rank0.json')} holds AdamW optimizer state, and this optimizer is SGD; resume with torch.optim.AdamW"
+    with pytest.raises(CheckpointError, match=pattern):
+        load_checkpoint(path, fresh, sgd)
+    assert _same(fresh, before) and not sgd.state
+    again = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    load_checkpoint(path, fresh, again)
+    assert _same(fresh, _weights(model)) and set(next(iter(again.state.values()))) == {"step", "exp_avg", "exp_avg_sq"}
+
+
 def test_extra_that_would_not_come_back_is_refused_before_writing(tmp_path):
     with pytest.raises(CheckpointError, match=r"holds Tensor"):
         save_checkpoint(str(tmp_path / "ckpt"), _model(), extra={"loss": torch.tensor(1.0)})
