@@ -94,12 +94,19 @@ def _replaced(name: str) -> bool:
     return bool(_OWN_WEIGHTS.match(name)) or name == SAFE_INDEX
 
 
-def _write_config(model: nn.Module, path: str) -> None:
+def _stored_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The dtype the weights are written in: the first floating-point tensor's, as transformers reads it."""
+    return next((v.dtype for v in state.values() if v.is_floating_point()), None)
+
+
+def _write_config(model: nn.Module, path: str, dtype: torch.dtype | None) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         return
     config = copy.deepcopy(config)
     config.architectures = [original_class(model).__name__]
+    if dtype is not None:  # what from_pretrained(dtype="auto") loads in; the config may still say float32
+        config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(path)
     generation = getattr(model, "generation_config", None)
     if generation is not None and getattr(model, "can_generate", lambda: False)():
@@ -131,7 +138,7 @@ def save_pretrained(model: nn.Module, path: str, max_shard_size: int | str = "2G
                     json.dump({"architecture": original_class(model).__name__,
                                "num_classes": getattr(model, "num_classes", None)}, f, indent=2)  # fmt: skip
             else:
-                _write_config(model, tmp)
+                _write_config(model, tmp, _stored_dtype(state))
             export_folder.finish(tmp, full, _replaced)
         except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
             error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"

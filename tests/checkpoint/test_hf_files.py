@@ -46,6 +46,21 @@ def test_export_removes_only_its_own_earlier_weights(tmp_path):
         torch.testing.assert_close(tf.GPT2LMHeadModel.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
 
 
+def test_a_bf16_export_loads_as_bf16_with_dtype_auto(tmp_path):
+    """A model loaded in fp32 (its config says float32) and cast to bf16 exports bf16 weights: the
+    config must say so, or from_pretrained(dtype="auto") loads them as fp32."""
+    _gpt2().save_pretrained(tmp_path / "fp32")
+    model = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "fp32").to(torch.bfloat16).eval()
+    save_pretrained(model, str(tmp_path / "bf16"))
+    with open(tmp_path / "bf16" / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "bf16", dtype="auto").eval()
+    assert loaded.dtype == torch.bfloat16
+    ids = torch.arange(3, 3 + zoo.SEQ)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
 def _exported_weights(path):
     loaded = tf.GPT2LMHeadModel.from_pretrained(path)
     return {k: v.detach().clone() for k, v in loaded.state_dict().items()}
