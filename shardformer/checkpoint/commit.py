@@ -146,13 +146,16 @@ def check_replaceable(path: str) -> None:
 
 
 def siblings(path: str, kind: str) -> list[str]:
+    """The folders ``<path>.<kind>-<token>`` a save made. A symbolic link of that name is not one of
+    them: it is never renamed, nor deleted with what it points to."""
     parent, base = os.path.split(path)
     pattern = re.compile(re.escape(base) + r"\." + kind + r"-[0-9a-f]{8}$")
     try:
         names = os.listdir(parent)
     except FileNotFoundError:
         return []
-    return [os.path.join(parent, n) for n in sorted(names) if pattern.match(n)]
+    found = [os.path.join(parent, n) for n in sorted(names) if pattern.match(n)]
+    return [f for f in found if os.path.isdir(f) and not os.path.islink(f)]
 
 
 def _saved_at(folder: str) -> int | None:
@@ -176,7 +179,10 @@ def recover(path: str) -> str | None:
 
 
 def discard(folder: str) -> None:
-    """Delete a checkpoint folder, manifest first, so a half-deleted folder never looks complete."""
+    """Delete a checkpoint folder, manifest first, so a half-deleted folder never looks complete.
+    Links are never followed: a link in its place is left alone, links inside are removed as links."""
+    if os.path.islink(folder):
+        return
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(folder, META))
     shutil.rmtree(folder, ignore_errors=True)

@@ -31,11 +31,16 @@ def _recover(path: str) -> None:
             return
 
 
-def prepare(path) -> tuple[str, str]:
-    """Global rank 0, before an export: (the folder to replace, a new empty folder to write into)."""
+def target(path) -> str:
+    """The absolute folder an export to ``path`` replaces."""
     full = commit.checked_path(path)
     if os.path.islink(full):  # the folder the link points to is replaced; the link stays
         full = commit.checked_path(os.path.realpath(full))
+    return full
+
+
+def prepare(full: str) -> str:
+    """Global rank 0, holding the path's save lock, before an export: a new empty folder to write into."""
     _recover(full)
     if os.path.lexists(full) and not os.path.isdir(full):
         raise CheckpointError(f"{full} exists and is not a folder; export to a folder")
@@ -45,7 +50,7 @@ def prepare(path) -> tuple[str, str]:
     os.makedirs(tmp)
     if os.path.isdir(full):
         shutil.copymode(full, tmp)
-    return full, tmp
+    return tmp
 
 
 def _link_or_copy(src: str, dst: str) -> None:

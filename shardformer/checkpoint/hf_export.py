@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from shardformer.checkpoint import commit, export_folder
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.gather import gather_full_state
+from shardformer.checkpoint.save_lock import save_lock
 from shardformer.tensor_parallel.detect import names_by_tensor
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -117,6 +118,24 @@ def _is_timm(model: nn.Module) -> bool:
     return original_class(model).__module__.startswith("timm.")
 
 
+def _write_export(model: nn.Module, state: dict[str, torch.Tensor], full: str, max_shard_size) -> None:
+    """Global rank 0: the export written beside ``full``, then swapped in (or removed on failure)."""
+    tmp = export_folder.prepare(full)
+    try:
+        write_safetensors(_drop_tied(state, model), tmp, max_shard_size)
+        if _is_timm(model):
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump({"architecture": original_class(model).__name__,
+                           "num_classes": getattr(model, "num_classes", None)}, f, indent=2)  # fmt: skip
+        else:
+            _write_config(model, tmp, _stored_dtype(state))
+        export_folder.finish(tmp, full, _replaced)
+    except BaseException:
+        if os.path.isdir(tmp) and not os.path.lexists(f"{full}.old-{tmp.rsplit('-', 1)[1]}"):
+            commit.discard(tmp)  # not yet swapped: nothing else holds the new export
+        raise
+
+
 def save_pretrained(model: nn.Module, path: str, max_shard_size: int | str = "2GB") -> None:
     """Write ``model`` (sharded over any tp x pp x dp) as a plain HuggingFace folder at ``path``.
 
@@ -129,21 +148,12 @@ def save_pretrained(model: nn.Module, path: str, max_shard_size: int | str = "2G
     rank = dist.get_rank() if dist.is_initialized() else 0
     error = None
     if rank == 0:
-        tmp = None
         try:
-            full, tmp = export_folder.prepare(path)
-            write_safetensors(_drop_tied(state, model), tmp, max_shard_size)
-            if _is_timm(model):
-                with open(os.path.join(tmp, "config.json"), "w") as f:
-                    json.dump({"architecture": original_class(model).__name__,
-                               "num_classes": getattr(model, "num_classes", None)}, f, indent=2)  # fmt: skip
-            else:
-                _write_config(model, tmp, _stored_dtype(state))
-            export_folder.finish(tmp, full, _replaced)
+            full = export_folder.target(path)
+            with save_lock(full):
+                _write_export(model, state, full, max_shard_size)
         except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
             error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-            if tmp is not None and os.path.isdir(tmp):
-                commit.discard(tmp)
     if dist.is_initialized():
         box = [error]
         dist.broadcast_object_list(box, src=0)
