@@ -180,6 +180,26 @@ class ParallelEngine:
 
     # -- steps ---------------------------------------------------------------------------------------
 
+    def _forward_for(self, batch: dict):
+        """The stage forward for ``batch``. A pipeline spec's forward embeds ``input_ids`` itself, so a
+        batch of ``inputs_embeds`` runs the model's own forward (pp=1) or is refused (pp > 1)."""
+        embeds = sorted(k for k, v in batch.items() if k.endswith("inputs_embeds") and v is not None)
+        if not embeds:
+            return self.stage_forward
+        both = [k for k in embeds if batch.get(k.replace("inputs_embeds", "input_ids")) is not None]
+        if both:
+            ids = both[0].replace("inputs_embeds", "input_ids")
+            raise ValueError(
+                f"the batch holds both {ids} and {both[0]}; pass only one of them (the model itself refuses both)"
+            )
+        if self.mesh.pp_size > 1:
+            raise ValueError(
+                f"the batch holds {embeds[0]} at pipeline_parallel_size={self.mesh.pp_size}: the first stage "
+                f"embeds input_ids itself; pass input_ids, or run at pipeline_parallel_size=1, where the model's "
+                f"own forward takes {embeds[0]}"
+            )
+        return whole_model_forward
+
     def _local_batch(self, batch: dict) -> dict:
         if not self.config.split_batch or self.mesh.dp_size == 1:
             return batch
@@ -201,6 +221,7 @@ class ParallelEngine:
         cfg, mesh, zero = self.config, self.mesh, self.optimizer
         if zero is None:
             raise RuntimeError("this ParallelEngine was built without an optimizer (inference only); pass one to train")
+        forward = self._forward_for(batch)
         micro = split_batch(self._to_device(self._local_batch(batch)), cfg.num_microbatches, "num_microbatches")
         self.model.train()
         zero.zero_grad()
@@ -209,7 +230,7 @@ class ParallelEngine:
             losses = self._torch_pipeline.step(micro, self.loss_fn, schedule=cfg.schedule, scale=scale)
         else:
             losses, _ = run_pipeline(
-                self.model, self.stage_forward, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale,
+                self.model, forward, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale,
                 device=self.device, overlap=cfg.overlap_p2p,
             )  # fmt: skip
         self._sum_shared_grads()
@@ -221,10 +242,11 @@ class ParallelEngine:
     @torch.no_grad()
     def eval_step(self, batch: dict) -> float:
         """The loss of ``batch`` without updating anything (same split and averaging as train_step)."""
+        forward = self._forward_for(batch)
         micro = split_batch(self._to_device(self._local_batch(batch)), self.config.num_microbatches, "num_microbatches")
         self.model.eval()
         losses, _ = run_pipeline(
-            self.model, self.stage_forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device,
+            self.model, forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device,
             overlap=self.config.overlap_p2p,
         )  # fmt: skip
         return self._mean_loss(losses)
@@ -235,10 +257,11 @@ class ParallelEngine:
         micro-batch, concatenated (``logits`` of a ModelOutput, or the tensor itself). Returned on
         every rank (sent from the last stage over the pipeline); vocab-parallel logits stay
         sharded over tp unless ``EngineConfig.gather_output`` is set."""
+        forward = self._forward_for(batch)
         micro = split_batch(self._to_device(batch), self.config.num_microbatches, "num_microbatches")
         self.model.eval()
         _, outputs = run_pipeline(
-            self.model, self.stage_forward, self.mesh, micro, None, backward=False, device=self.device,
+            self.model, forward, self.mesh, micro, None, backward=False, device=self.device,
             overlap=self.config.overlap_p2p,
         )  # fmt: skip
         out = None

@@ -154,6 +154,24 @@ def check_sequence_parallel_gpt2_pp2_tp2_with_checkpointing():
     assert engine.model.shardformer.sequence_parallel is not None
 
 
+def check_inputs_embeds_run_the_models_own_forward_at_pp1_and_are_refused_at_pp2():
+    """A batch of inputs_embeds trains as the unsharded model trains on it (pp=1: the model's own
+    forward, not the spec's, which embeds input_ids); with input_ids too, or at pp > 1, it is refused."""
+    hidden = common.config("GPT2LMHeadModel").n_embd
+    g = torch.Generator().manual_seed(5)
+    data = [
+        {"inputs_embeds": torch.randn(common.BATCH, zoo.SEQ, hidden, generator=g), "labels": b["labels"]}
+        for b in common.batches("GPT2LMHeadModel", STEPS)
+    ]
+    engine = _check("GPT2LMHeadModel", 2, 1, 2, "1f1b", 2, 0.5, "torch", data=data)
+    with pytest.raises(ValueError, match="holds both input_ids and inputs_embeds; pass only one"):
+        engine.train_step({**data[0], "input_ids": data[0]["labels"].clamp(min=0)})
+    _, model = common.models("GPT2LMHeadModel")
+    piped = ParallelEngine(model, common.sgd, EngineConfig(tp=2, pp=2), mesh=_mesh(2, 2, 1))
+    with pytest.raises(ValueError, match=r"inputs_embeds at pipeline_parallel_size=2: .*pass input_ids"):
+        piped.train_step(data[0])
+
+
 def _timm_loss(logits, batch):
     return F.cross_entropy(logits, batch["labels"])
 
@@ -198,6 +216,7 @@ CHECKS = [
     check_activation_checkpointing_pp2_tp2,
     check_sequence_parallel_gpt2_pp2_tp2_with_checkpointing,
     check_timm_vit_pp2_tp2,
+    check_inputs_embeds_run_the_models_own_forward_at_pp1_and_are_refused_at_pp2,
     check_p2p_overlap_refuses_micro_batches_of_two_shapes,
 ]
 
