@@ -20,6 +20,7 @@ from shardformer.api import shard_model
 from shardformer.core import comm
 from shardformer.core.config import PRECISIONS, EngineConfig
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
+from shardformer.core.step_agreement import batch_fingerprint, check_agreement
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.models import family_spec, layer_stack, pipeline_spec_for
 from shardformer.pipeline.schedule import run_pipeline
@@ -150,6 +151,7 @@ class ParallelEngine:
         self.loss_fn = loss_fn or _loss_from_output
         self.device = params[0].device if params else torch.device("cpu")
         self.last_grad_norm: float | None = None
+        self._steps_run = 0  # train and eval steps: every rank must be in the same one
         self._torch_pipeline = TorchPipeline(self.model, self.stage_forward, self.mesh, self.device)
         if self.mesh.rank == 0:
             logger.info(
@@ -208,13 +210,28 @@ class ParallelEngine:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
-        """Mean of the last stage's micro-batch losses, sent to every stage and averaged over dp."""
+    def _agreed_loss(self, losses: list[torch.Tensor], batch: dict, kind: int) -> float:
+        """Mean of the last stage's micro-batch losses, averaged over dp, on every rank; the same
+        all-gather checks that the ranks are in the same step with the batches they must share."""
         mesh = self.mesh
-        value = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
-        value = value.reshape(1).to(self.device)
-        comm.broadcast(value, mesh.pp_group, src_group_rank=mesh.pp_size - 1)  # the last stage's
-        return (comm.all_reduce(value, mesh.dp_group) / mesh.dp_size).item()
+        self._steps_run += 1
+        local = torch.stack(losses).float().mean().item() if losses else 0.0
+        row = [local, batch_fingerprint(batch), self._steps_run, kind]
+        table = torch.stack(comm.all_gather(torch.tensor(row, dtype=torch.float64, device=self.device), None)).cpu()
+        check_agreement(table[:, 1:], self._batch_peers())
+        last = mesh.pp_size - 1
+        per_dp = [table[mesh.global_rank(last, d, mesh.tp_rank), 0] for d in range(mesh.dp_size)]
+        return (torch.stack(per_dp).float().sum() / mesh.dp_size).item()
+
+    def _batch_peers(self) -> list[list[int]]:
+        """Groups of ranks given the same batch: all of them when the engine splits it over dp."""
+        mesh = self.mesh
+        if self.config.split_batch or mesh.dp_size == 1:
+            return [list(range(mesh.world_size))]
+        return [
+            [mesh.global_rank(p, d, t) for p in range(mesh.pp_size) for t in range(mesh.tp_size)]
+            for d in range(mesh.dp_size)
+        ]
 
     def train_step(self, batch: dict) -> float:
         """Forward and backward over the micro-batches, then one optimizer step; returns the loss."""
@@ -233,11 +250,12 @@ class ParallelEngine:
                 self.model, forward, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale,
                 device=self.device, overlap=cfg.overlap_p2p,
             )  # fmt: skip
+        loss = self._agreed_loss(losses, batch, kind=1)  # before anything changes
         self._sum_shared_grads()
         if cfg.max_grad_norm is not None:
             self.last_grad_norm = zero.clip_grad_norm(cfg.max_grad_norm)
         zero.step()
-        return self._mean_loss(losses)
+        return loss
 
     @torch.no_grad()
     def eval_step(self, batch: dict) -> float:
@@ -249,7 +267,7 @@ class ParallelEngine:
             self.model, forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device,
             overlap=self.config.overlap_p2p,
         )  # fmt: skip
-        return self._mean_loss(losses)
+        return self._agreed_loss(losses, batch, kind=2)
 
     @torch.no_grad()
     def forward(self, batch: dict):
