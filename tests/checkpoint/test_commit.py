@@ -145,11 +145,17 @@ def test_a_flipped_byte_is_detected_and_nothing_changes(tmp_path):
     save_checkpoint(path, _model(seed=0))
     file = os.path.join(path, "model-pp0-tp0.safetensors")
     _damage(path, "model-pp0-tp0.safetensors", lambda b: b[:-3] + bytes([b[-3] ^ 1]) + b[-2:])  # a data byte
+    _refused_and_unchanged(path, f"{file}: its content does not match its sha256")
+
+
+def _refused_and_unchanged(path, pattern):
+    """Loading ``path`` into a fresh model raises ``pattern`` and leaves the model as it was; the model."""
     fresh = _model(seed=1)
     before = _weights(fresh)
-    with pytest.raises(CheckpointError, match=f"{file}: its content does not match its sha256"):
+    with pytest.raises(CheckpointError, match=pattern):
         load_checkpoint(path, fresh)
     assert _same(fresh, before)
+    return fresh
 
 
 def test_a_flipped_bit_in_the_manifest_is_detected_and_nothing_changes(tmp_path):
@@ -160,11 +166,7 @@ def test_a_flipped_bit_in_the_manifest_is_detected_and_nothing_changes(tmp_path)
     meta_file = _damage(path, "meta.json", lambda b: b.replace(b'"step": 3', b'"step": 7'))
     with open(meta_file, "rb") as f:
         assert b'"step": 7' in f.read()
-    fresh = _model(seed=1)
-    before = _weights(fresh)
-    with pytest.raises(CheckpointError, match=f"{meta_file}: the manifest does not match its own sha256"):
-        load_checkpoint(path, fresh)
-    assert _same(fresh, before)
+    fresh = _refused_and_unchanged(path, f"{meta_file}: the manifest does not match its own sha256")
 
     # A manifest written before manifests had a checksum (format /2) still loads.
     def unchecked(raw):
