@@ -20,6 +20,7 @@ from shardformer.api import shard_model
 from shardformer.core import comm
 from shardformer.core.config import PRECISIONS, EngineConfig
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
+from shardformer.core.step_agreement import batch_fingerprint, check_agreement
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.models import family_spec, layer_stack, pipeline_spec_for
 from shardformer.pipeline.schedule import run_pipeline
@@ -150,6 +151,7 @@ class ParallelEngine:
         self.loss_fn = loss_fn or _loss_from_output
         self.device = params[0].device if params else torch.device("cpu")
         self.last_grad_norm: float | None = None
+        self._steps_run = 0  # train and eval steps: every rank must be in the same one
         self._torch_pipeline = TorchPipeline(self.model, self.stage_forward, self.mesh, self.device)
         if self.mesh.rank == 0:
             logger.info(
@@ -180,6 +182,26 @@ class ParallelEngine:
 
     # -- steps ---------------------------------------------------------------------------------------
 
+    def _forward_for(self, batch: dict):
+        """The stage forward for ``batch``. A pipeline spec's forward embeds ``input_ids`` itself, so a
+        batch of ``inputs_embeds`` runs the model's own forward (pp=1) or is refused (pp > 1)."""
+        embeds = sorted(k for k, v in batch.items() if k.endswith("inputs_embeds") and v is not None)
+        if not embeds:
+            return self.stage_forward
+        both = [k for k in embeds if batch.get(k.replace("inputs_embeds", "input_ids")) is not None]
+        if both:
+            ids = both[0].replace("inputs_embeds", "input_ids")
+            raise ValueError(
+                f"the batch holds both {ids} and {both[0]}; pass only one of them (the model itself refuses both)"
+            )
+        if self.mesh.pp_size > 1:
+            raise ValueError(
+                f"the batch holds {embeds[0]} at pipeline_parallel_size={self.mesh.pp_size}: the first stage "
+                f"embeds input_ids itself; pass input_ids, or run at pipeline_parallel_size=1, where the model's "
+                f"own forward takes {embeds[0]}"
+            )
+        return whole_model_forward
+
     def _local_batch(self, batch: dict) -> dict:
         if not self.config.split_batch or self.mesh.dp_size == 1:
             return batch
@@ -188,19 +210,35 @@ class ParallelEngine:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
-        """Mean of the last stage's micro-batch losses, sent to every stage and averaged over dp."""
+    def _agreed_loss(self, losses: list[torch.Tensor], batch: dict, kind: int) -> float:
+        """Mean of the last stage's micro-batch losses, averaged over dp, on every rank; the same
+        all-gather checks that the ranks are in the same step with the batches they must share."""
         mesh = self.mesh
-        value = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
-        value = value.reshape(1).to(self.device)
-        comm.broadcast(value, mesh.pp_group, src_group_rank=mesh.pp_size - 1)  # the last stage's
-        return (comm.all_reduce(value, mesh.dp_group) / mesh.dp_size).item()
+        self._steps_run += 1
+        local = torch.stack(losses).float().mean().item() if losses else 0.0
+        row = [local, batch_fingerprint(batch), self._steps_run, kind]
+        table = torch.stack(comm.all_gather(torch.tensor(row, dtype=torch.float64, device=self.device), None)).cpu()
+        check_agreement(table[:, 1:], self._batch_peers())
+        last = mesh.pp_size - 1
+        per_dp = [table[mesh.global_rank(last, d, mesh.tp_rank), 0] for d in range(mesh.dp_size)]
+        return (torch.stack(per_dp).float().sum() / mesh.dp_size).item()
+
+    def _batch_peers(self) -> list[list[int]]:
+        """Groups of ranks given the same batch: all of them when the engine splits it over dp."""
+        mesh = self.mesh
+        if self.config.split_batch or mesh.dp_size == 1:
+            return [list(range(mesh.world_size))]
+        return [
+            [mesh.global_rank(p, d, t) for p in range(mesh.pp_size) for t in range(mesh.tp_size)]
+            for d in range(mesh.dp_size)
+        ]
 
     def train_step(self, batch: dict) -> float:
         """Forward and backward over the micro-batches, then one optimizer step; returns the loss."""
         cfg, mesh, zero = self.config, self.mesh, self.optimizer
         if zero is None:
             raise RuntimeError("this ParallelEngine was built without an optimizer (inference only); pass one to train")
+        forward = self._forward_for(batch)
         micro = split_batch(self._to_device(self._local_batch(batch)), cfg.num_microbatches, "num_microbatches")
         self.model.train()
         zero.zero_grad()
@@ -209,25 +247,27 @@ class ParallelEngine:
             losses = self._torch_pipeline.step(micro, self.loss_fn, schedule=cfg.schedule, scale=scale)
         else:
             losses, _ = run_pipeline(
-                self.model, self.stage_forward, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale,
+                self.model, forward, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale,
                 device=self.device, overlap=cfg.overlap_p2p,
             )  # fmt: skip
+        loss = self._agreed_loss(losses, batch, kind=1)  # before anything changes
         self._sum_shared_grads()
         if cfg.max_grad_norm is not None:
             self.last_grad_norm = zero.clip_grad_norm(cfg.max_grad_norm)
         zero.step()
-        return self._mean_loss(losses)
+        return loss
 
     @torch.no_grad()
     def eval_step(self, batch: dict) -> float:
         """The loss of ``batch`` without updating anything (same split and averaging as train_step)."""
+        forward = self._forward_for(batch)
         micro = split_batch(self._to_device(self._local_batch(batch)), self.config.num_microbatches, "num_microbatches")
         self.model.eval()
         losses, _ = run_pipeline(
-            self.model, self.stage_forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device,
+            self.model, forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device,
             overlap=self.config.overlap_p2p,
         )  # fmt: skip
-        return self._mean_loss(losses)
+        return self._agreed_loss(losses, batch, kind=2)
 
     @torch.no_grad()
     def forward(self, batch: dict):
@@ -235,10 +275,11 @@ class ParallelEngine:
         micro-batch, concatenated (``logits`` of a ModelOutput, or the tensor itself). Returned on
         every rank (sent from the last stage over the pipeline); vocab-parallel logits stay
         sharded over tp unless ``EngineConfig.gather_output`` is set."""
+        forward = self._forward_for(batch)
         micro = split_batch(self._to_device(batch), self.config.num_microbatches, "num_microbatches")
         self.model.eval()
         _, outputs = run_pipeline(
-            self.model, self.stage_forward, self.mesh, micro, None, backward=False, device=self.device,
+            self.model, forward, self.mesh, micro, None, backward=False, device=self.device,
             overlap=self.config.overlap_p2p,
         )  # fmt: skip
         out = None

@@ -2,7 +2,7 @@
 
 A checkpoint is a folder only shardformer writes. A save writes every file into ``<path>.tmp-<token>``;
 when every rank has finished, global rank 0 writes the manifest ``meta.json`` (each file's size and
-sha256) into it with one atomic rename: a folder holding a manifest is complete, one without it is
+sha256, and the sha256 of the manifest itself) into it with one atomic rename: a folder holding a manifest is complete, one without it is
 not. Then the folder takes the name ``path`` in two renames (the previous checkpoint to
 ``<path>.old-<token>``, the new one to ``path``) and the old one is deleted, manifest first.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -24,7 +25,9 @@ from shardformer.checkpoint import typed_json
 from shardformer.checkpoint.errors import CheckpointError
 
 META = "meta.json"
-FORMAT = "shardformer-checkpoint/2"
+FORMAT = "shardformer-checkpoint/3"  # /3: the manifest carries its own checksum
+_UNCHECKED = "shardformer-checkpoint/2"  # the same manifest, written before it had a checksum: read as it is
+CHECKSUM = "manifest_sha256"
 _LEGACY = "shardformer-checkpoint/1"  # no manifest: replaceable when it holds only its own file names
 _LEGACY_FILES = re.compile(r"(meta\.json|model-pp\d+-tp\d+\.safetensors|rank\d+\.(safetensors|json))$")
 
@@ -66,16 +69,35 @@ def describe(folder: str, names) -> dict[str, dict]:
     return out
 
 
+def manifest_digest(data: dict) -> str:
+    """sha256 of a manifest's JSON data (tags not decoded) without its checksum, in one canonical spelling."""
+    body = {k: v for k, v in data.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()).hexdigest()
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    """The manifest as written to ``meta.json``, its own checksum added."""
+    data = typed_json.encode(manifest, "the checkpoint manifest")
+    return typed_json.dumps({**manifest, CHECKSUM: manifest_digest(data)}, "the checkpoint manifest")
+
+
 def read_meta(folder: str) -> dict:
-    """The manifest of a checkpoint folder, checked to be ours and well formed."""
+    """The manifest of a checkpoint folder, checked to be ours, intact (its checksum) and well formed."""
     file = os.path.join(folder, META)
     if not os.path.isfile(file):
         raise CheckpointError(f"{folder} has no {META}: it is not a (finished) shardformer checkpoint")
-    meta = typed_json.load(file)
-    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith("shardformer-checkpoint/"):
+    data = typed_json.load(file, tagged=False)
+    if not isinstance(data, dict) or not str(data.get("format", "")).startswith("shardformer-checkpoint/"):
         raise CheckpointError(f"{file}: not a shardformer checkpoint manifest (no 'format' naming one)")
-    if meta["format"] != FORMAT:
-        raise CheckpointError(f"{file}: format {meta['format']!r}, this shardformer reads {FORMAT!r}")
+    checked = CHECKSUM in data or data["format"] == FORMAT  # a /2 manifest carries no checksum
+    if checked and data.get(CHECKSUM) != manifest_digest(data):
+        raise CheckpointError(
+            f"{file}: the manifest does not match its own sha256 ({CHECKSUM}): the file is damaged, and "
+            "its step, layout and file checksums cannot be trusted; restore the checkpoint from a copy, or save a new one"
+        )
+    if data["format"] not in (FORMAT, _UNCHECKED):  # /2 differs only in carrying no checksum
+        raise CheckpointError(f"{file}: format {data['format']!r}, this shardformer reads {FORMAT!r}")
+    meta = typed_json.decoded(data, file)
     for key in ("step", "files", "layout", "model_class", "has_optimizer", "saved_at"):
         if key not in meta:
             raise CheckpointError(f"{file}: the manifest lacks {key!r}; the file is damaged")
@@ -123,14 +145,17 @@ def check_replaceable(path: str) -> None:
         )
 
 
-def _siblings(path: str, kind: str) -> list[str]:
+def siblings(path: str, kind: str) -> list[str]:
+    """The folders ``<path>.<kind>-<token>`` a save made. A symbolic link of that name is not one of
+    them: it is never renamed, nor deleted with what it points to."""
     parent, base = os.path.split(path)
     pattern = re.compile(re.escape(base) + r"\." + kind + r"-[0-9a-f]{8}$")
     try:
         names = os.listdir(parent)
     except FileNotFoundError:
         return []
-    return [os.path.join(parent, n) for n in sorted(names) if pattern.match(n)]
+    found = [os.path.join(parent, n) for n in sorted(names) if pattern.match(n)]
+    return [f for f in found if os.path.isdir(f) and not os.path.islink(f)]
 
 
 def _saved_at(folder: str) -> int | None:
@@ -144,7 +169,7 @@ def recover(path: str) -> str | None:
     """Finish a commit that a crash interrupted; returns the folder renamed to ``path``, if any."""
     if os.path.lexists(path):
         return None
-    complete = [(t, d) for d in _siblings(path, "tmp") + _siblings(path, "old") if (t := _saved_at(d)) is not None]
+    complete = [(t, d) for d in siblings(path, "tmp") + siblings(path, "old") if (t := _saved_at(d)) is not None]
     if not complete:
         return None
     newest = max(complete)[1]
@@ -154,7 +179,10 @@ def recover(path: str) -> str | None:
 
 
 def discard(folder: str) -> None:
-    """Delete a checkpoint folder, manifest first, so a half-deleted folder never looks complete."""
+    """Delete a checkpoint folder, manifest first, so a half-deleted folder never looks complete.
+    Links are never followed: a link in its place is left alone, links inside are removed as links."""
+    if os.path.islink(folder):
+        return
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(folder, META))
     shutil.rmtree(folder, ignore_errors=True)
@@ -164,7 +192,7 @@ def prepare(path: str) -> str:
     """Global rank 0, before a save: recover, refuse what must not be replaced, clear leftovers; the new tmp name."""
     recover(path)
     check_replaceable(path)
-    for leftover in _siblings(path, "tmp") + _siblings(path, "old"):
+    for leftover in siblings(path, "tmp") + siblings(path, "old"):
         discard(leftover)
     return f"{path}.tmp-{uuid.uuid4().hex[:8]}"
 
@@ -179,7 +207,12 @@ def _sync_dir(folder: str) -> None:
 
 def commit(tmp: str, path: str, manifest: dict) -> None:
     """Global rank 0, after every rank wrote its files into ``tmp``: mark it complete, put it at ``path``."""
-    typed_json.write_atomic(os.path.join(tmp, META), typed_json.dumps(manifest, "the checkpoint manifest"))
+    typed_json.write_atomic(os.path.join(tmp, META), manifest_bytes(manifest))
+    swap(tmp, path)
+
+
+def swap(tmp: str, path: str) -> None:
+    """Put the finished folder ``tmp`` at ``path`` (two renames), then delete what was there."""
     _sync_dir(tmp)
     old = None
     if os.path.lexists(path):

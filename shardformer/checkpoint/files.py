@@ -4,7 +4,7 @@ A checkpoint folder holds
 
 - ``meta.json``: the manifest (written last, see :mod:`shardformer.checkpoint.commit`): every file's
   size and sha256, format, step, ``extra``, the layout it was saved at, the model's class and config,
-  the LR scheduler state;
+  the LR scheduler state, and the sha256 of the manifest itself;
 - ``model-pp{p}-tp{t}.safetensors``: stage ``p``'s tensors as tp rank ``t`` holds them (written by
   dp rank 0), with each tensor's ShardSpec, full shape and tied aliases in the file's metadata;
 - ``rank{r}.safetensors`` + ``rank{r}.json``: global rank ``r``'s optimizer shard and RNG states.

@@ -1,7 +1,8 @@
 """Export a sharded model to a folder that plain HuggingFace ``from_pretrained`` (or timm) loads.
 
 The tp shards are gathered by their ShardSpec (fused Q/K/V back in order, vocabulary padding cut),
-the pipeline stages are merged on global rank 0, and only global rank 0 writes: ``config.json``
+the pipeline stages are merged on global rank 0, and only global rank 0 writes, into a new folder
+swapped in as a whole (:mod:`shardformer.checkpoint.export_folder`): ``config.json``
 (``architectures`` names the original transformers class, not the sharder's subclass) and
 safetensors weights, split into ``model-0000k-of-0000n.safetensors`` plus an index above
 ``max_shard_size``. Tied weights are written once, under the name transformers expects.
@@ -20,7 +21,10 @@ import torch.nn as nn
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
+from shardformer.checkpoint import commit, export_folder
+from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.gather import gather_full_state
+from shardformer.checkpoint.save_lock import save_lock
 from shardformer.core.hf_save import register_export
 from shardformer.tensor_parallel.detect import names_by_tensor
 
@@ -77,31 +81,34 @@ def write_safetensors(state: dict[str, torch.Tensor], path: str, max_shard_size:
         state, filename_pattern="model{suffix}.safetensors", max_shard_size=_parse_size(max_shard_size)
     )
     for filename, names in split.filename_to_tensors.items():
-        part = os.path.join(path, filename + ".partial")
-        save_file({n: state[n] for n in names}, part, metadata={"format": "pt"})
-        os.replace(part, os.path.join(path, filename))
-    index_file = os.path.join(path, SAFE_INDEX)
+        save_file({n: state[n] for n in names}, os.path.join(path, filename), metadata={"format": "pt"})
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
                  "weight_map": split.tensor_to_filename}  # fmt: skip
-        with open(index_file + ".partial", "w") as f:
+        with open(os.path.join(path, SAFE_INDEX), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
-        os.replace(index_file + ".partial", index_file)
-    elif os.path.isfile(index_file):
-        os.remove(index_file)
-    # Weights of an earlier export would confuse loaders; only names this function writes are removed.
-    for old in os.listdir(path):
-        if _OWN_WEIGHTS.match(old) and old not in split.filename_to_tensors:
-            os.remove(os.path.join(path, old))
     return sorted(split.filename_to_tensors)
 
 
-def _write_config(model: nn.Module, path: str) -> None:
+def _replaced(name: str) -> bool:
+    """Files of an earlier export that a new one replaces, whether it writes them again or not
+    (stale weights would confuse loaders); any other file in the folder is kept."""
+    return bool(_OWN_WEIGHTS.match(name)) or name == SAFE_INDEX
+
+
+def _stored_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The dtype the weights are written in: the first floating-point tensor's, as transformers reads it."""
+    return next((v.dtype for v in state.values() if v.is_floating_point()), None)
+
+
+def _write_config(model: nn.Module, path: str, dtype: torch.dtype | None) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         return
     config = copy.deepcopy(config)
     config.architectures = [original_class(model).__name__]
+    if dtype is not None:  # what from_pretrained(dtype="auto") loads in; the config may still say float32
+        config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(path)
     generation = getattr(model, "generation_config", None)
     if generation is not None and getattr(model, "can_generate", lambda: False)():
@@ -110,6 +117,24 @@ def _write_config(model: nn.Module, path: str) -> None:
 
 def _is_timm(model: nn.Module) -> bool:
     return original_class(model).__module__.startswith("timm.")
+
+
+def _write_export(model: nn.Module, state: dict[str, torch.Tensor], full: str, max_shard_size) -> None:
+    """Global rank 0: the export written beside ``full``, then swapped in (or removed on failure)."""
+    tmp = export_folder.prepare(full)
+    try:
+        write_safetensors(_drop_tied(state, model), tmp, max_shard_size)
+        if _is_timm(model):
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump({"architecture": original_class(model).__name__,
+                           "num_classes": getattr(model, "num_classes", None)}, f, indent=2)  # fmt: skip
+        else:
+            _write_config(model, tmp, _stored_dtype(state))
+        export_folder.finish(tmp, full, _replaced)
+    except BaseException:
+        if os.path.isdir(tmp) and not os.path.lexists(f"{full}.old-{tmp.rsplit('-', 1)[1]}"):
+            commit.discard(tmp)  # not yet swapped: nothing else holds the new export
+        raise
 
 
 def save_pretrained(model: nn.Module, path: str, max_shard_size: int | str = "2GB") -> None:
@@ -125,16 +150,11 @@ def save_pretrained(model: nn.Module, path: str, max_shard_size: int | str = "2G
     error = None
     if rank == 0:
         try:
-            os.makedirs(path, exist_ok=True)
-            write_safetensors(_drop_tied(state, model), path, max_shard_size)
-            if _is_timm(model):
-                with open(os.path.join(path, "config.json"), "w") as f:
-                    json.dump({"architecture": original_class(model).__name__,
-                               "num_classes": getattr(model, "num_classes", None)}, f, indent=2)  # fmt: skip
-            else:
-                _write_config(model, path)
+            full = export_folder.target(path)
+            with save_lock(full):
+                _write_export(model, state, full, max_shard_size)
         except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
-            error = f"{type(e).__name__}: {e}"
+            error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
     if dist.is_initialized():
         box = [error]
         dist.broadcast_object_list(box, src=0)

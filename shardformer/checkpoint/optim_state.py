@@ -37,6 +37,26 @@ def _names_by_id(model: nn.Module) -> dict[int, list[str]]:
     return names_by_tensor(model.state_dict(keep_vars=True).items())
 
 
+def _class_name(optimizer) -> str:
+    """The optimizer's own class (AdamW, SGD, ...), inside a ZeroOptimizer or not."""
+    return type(optimizer.optim if isinstance(optimizer, ZeroOptimizer) else optimizer).__name__
+
+
+def _check_class(saved: _Saved, optimizer) -> None:
+    """Refuse another kind of optimizer: its states would load without error and mean something else
+    (AdamW's moments dropped by SGD, SGD's momentum buffers unread by AdamW)."""
+    mine = _class_name(optimizer)
+    for rank, info in saved.ranks.items():
+        theirs = info["optimizer"].get("class")  # None: saved before the class was recorded
+        if theirs not in (None, mine):
+            file = os.path.join(saved.path, rank_files(rank)[1])
+            raise CheckpointError(
+                f"{file} holds {theirs} optimizer state, and this optimizer is {mine}; resume with "
+                f"torch.optim.{theirs}(...) (or your own {theirs}), or call load_checkpoint without optimizer= "
+                "to start a fresh optimizer state"
+            )
+
+
 def _is_per_element(value, shape, key) -> bool:
     return torch.is_tensor(value) and tuple(value.shape) == tuple(shape) and not (len(shape) == 0 and key == "step")
 
@@ -64,6 +84,7 @@ def optimizer_payload(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tens
         per_element[index].append(MASTER)
     info = {
         "kind": "zero" if zero else "plain",
+        "class": _class_name(optimizer),
         "params": [
             {"names": names.get(id(p), []), "spec": spec_to_json(shard_spec(p)), "shape": list(p.shape)} for p in params
         ],
@@ -143,6 +164,7 @@ def _put_together(saved: _Saved, located, key: str, my_spec) -> torch.Tensor:
 def read_optimizer(path: str, model: nn.Module, optimizer, world: int) -> dict:
     """The state to give ``optimizer`` from the checkpoint at ``path``, at this rank's layout; changes nothing."""
     saved = _Saved(path, world)
+    _check_class(saved, optimizer)
     zero = isinstance(optimizer, ZeroOptimizer)
     names = _names_by_id(model)
     state, masters = {}, {}

@@ -15,6 +15,7 @@ is put together from the saved pieces and cut again for this rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -40,6 +41,7 @@ from shardformer.checkpoint.gather import Layout, layout_of
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
 from shardformer.checkpoint.optim_state import apply_optimizer, optimizer_payload, read_optimizer
+from shardformer.checkpoint.save_lock import save_lock
 from shardformer.tensor_parallel.slicer import shard_spec
 
 
@@ -115,8 +117,9 @@ def _write_rank(tmp: str, model, optimizer, lay: Layout) -> dict[str, dict]:
     return commit.describe(tmp, written)
 
 
-def _prepare(path) -> tuple[str, str]:
+def _prepare(path, held: contextlib.ExitStack) -> tuple[str, str]:
     full = commit.checked_path(path)
+    held.enter_context(save_lock(full))  # until the save ends: another job's save to `path` is refused
     return full, commit.prepare(full)
 
 
@@ -135,8 +138,13 @@ def save_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None,
     directory and its parents. The previous checkpoint at ``path`` is replaced only once every rank
     has written its part; a crash at any moment leaves the previous or the new one.
     """
+    with contextlib.ExitStack() as held:  # global rank 0's lock on the path
+        _save(path, model, optimizer, scheduler, step, extra, held)
+
+
+def _save(path, model, optimizer, scheduler, step, extra, held: contextlib.ExitStack) -> None:
     lay = layout_of(model)
-    full, tmp = _rank_zero_result(lay, lambda: _prepare(path))
+    full, tmp = _rank_zero_result(lay, lambda: _prepare(path, held))
     manifest, error, files = None, None, {}
     try:
         if lay.rank == 0:  # encoded before any writing: a value JSON cannot hold is refused up front

@@ -66,21 +66,35 @@ def dumps(value, where: str) -> bytes:
     return json.dumps(encode(value, where), indent=1, allow_nan=True).encode()
 
 
-def loads(raw: bytes, file: str):
-    """Decode a file's bytes; any damage is reported naming the file."""
+def _unreadable(file: str, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{file}: not a readable checkpoint JSON file ({type(e).__name__}: {e})")
+
+
+def decoded(data, file: str):
+    """:func:`decode`, with any damage reported naming the file."""
     try:
-        return decode(json.loads(raw.decode("utf-8")))
+        return decode(data)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise _unreadable(file, e) from None
+
+
+def loads(raw: bytes, file: str, tagged: bool = True):
+    """Decode a file's bytes (``tagged=False``: the plain JSON data, tags not decoded); any damage is
+    reported naming the file."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, TypeError, RecursionError) as e:
-        raise CheckpointError(f"{file}: not a readable checkpoint JSON file ({type(e).__name__}: {e})") from None
+        raise _unreadable(file, e) from None
+    return decoded(data, file) if tagged else data
 
 
-def load(file: str):
+def load(file: str, tagged: bool = True):
     try:
         with open(file, "rb") as f:
             raw = f.read()
     except OSError as e:
         raise CheckpointError(f"{file}: cannot be read ({e.strerror or e})") from None
-    return loads(raw, file)
+    return loads(raw, file, tagged)
 
 
 def write_atomic(file: str, data: bytes) -> None:

@@ -1,7 +1,10 @@
-"""Shared pieces of the checkpoint tests: a shared temporary folder, training steps, full logits."""
+"""Shared pieces of the checkpoint tests: a shared temporary folder, training steps, full logits, crashes."""
 
+import os
 import shutil
+import signal
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,3 +54,43 @@ def scheduled_steps(model, opt, sched, steps):
         sched.step()
         out.append((loss.item(), sched.get_last_lr()))
     return out
+
+
+def killed_during(where, nth, when, save) -> bool:
+    """``save()`` in a forked child killed before/after the nth call of ``where`` (an ``(owner, name)``
+    function wrapped in the child only); True if it was killed, False if it finished first."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            owner, name = where
+            real, calls = getattr(owner, name), [0]
+
+            def wrapped(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == nth and when == "before":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                out = real(*args, **kwargs)
+                if calls[0] == nth and when == "after":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return out
+
+            setattr(owner, name, wrapped)
+            save()
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 - a failed save is not the crash asked for
+            os._exit(3)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise TimeoutError(f"the save killed at {where[1]} #{nth} ({when}) did not finish in 60 s")
+        time.sleep(0.02)
+    if os.WIFSIGNALED(status):
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        return True
+    assert os.WEXITSTATUS(status) == 0, f"the save failed (exit {os.WEXITSTATUS(status)}) instead of crashing"
+    return False

@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import time
 
 import pytest
 import torch
 import transformers as tf
 
 import shardformer.checkpoint.training as training
-from shardformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from tests.checkpoint.common import scheduled_steps
+from shardformer.checkpoint import CheckpointError, commit, load_checkpoint, save_checkpoint
+from tests.checkpoint.common import killed_during, scheduled_steps
 from tests.policies import zoo
 
 
@@ -103,42 +101,7 @@ _TARGETS = [(training, "save_file"), (os, "replace"), (os, "rename"), (os, "remo
 
 
 def _save_killed(where, nth, when, path, model, step) -> bool:
-    """Save in a forked child killed before/after the nth call of ``where``; True if it was killed."""
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            owner, name = where
-            real, calls = getattr(owner, name), [0]
-
-            def wrapped(*args, **kwargs):
-                calls[0] += 1
-                if calls[0] == nth and when == "before":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                out = real(*args, **kwargs)
-                if calls[0] == nth and when == "after":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return out
-
-            setattr(owner, name, wrapped)
-            save_checkpoint(path, model, step=step)
-            os._exit(0)
-        except BaseException:  # noqa: BLE001 - a failed save is not the crash asked for
-            os._exit(3)
-    deadline = time.monotonic() + 60
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise TimeoutError(f"the save killed at {where[1]} #{nth} ({when}) did not finish in 60 s")
-        time.sleep(0.02)
-    if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
-        return True
-    assert os.WEXITSTATUS(status) == 0, f"the save failed (exit {os.WEXITSTATUS(status)}) instead of crashing"
-    return False
+    return killed_during(where, nth, when, lambda: save_checkpoint(path, model, step=step))
 
 
 def test_a_save_killed_at_any_step_leaves_the_previous_or_the_new_checkpoint(tmp_path):
@@ -182,11 +145,38 @@ def test_a_flipped_byte_is_detected_and_nothing_changes(tmp_path):
     save_checkpoint(path, _model(seed=0))
     file = os.path.join(path, "model-pp0-tp0.safetensors")
     _damage(path, "model-pp0-tp0.safetensors", lambda b: b[:-3] + bytes([b[-3] ^ 1]) + b[-2:])  # a data byte
+    _refused_and_unchanged(path, f"{file}: its content does not match its sha256")
+
+
+def _refused_and_unchanged(path, pattern):
+    """Loading ``path`` into a fresh model raises ``pattern`` and leaves the model as it was; the model."""
     fresh = _model(seed=1)
     before = _weights(fresh)
-    with pytest.raises(CheckpointError, match=f"{file}: its content does not match its sha256"):
+    with pytest.raises(CheckpointError, match=pattern):
         load_checkpoint(path, fresh)
     assert _same(fresh, before)
+    return fresh
+
+
+def test_a_flipped_bit_in_the_manifest_is_detected_and_nothing_changes(tmp_path):
+    """One bit turns "step": 3 into 7; the manifest's own checksum names the file."""
+    path = str(tmp_path / "ckpt")
+    model = _model(seed=0)
+    save_checkpoint(path, model, step=3)
+    meta_file = _damage(path, "meta.json", lambda b: b.replace(b'"step": 3', b'"step": 7'))
+    with open(meta_file, "rb") as f:
+        assert b'"step": 7' in f.read()
+    fresh = _refused_and_unchanged(path, f"{meta_file}: the manifest does not match its own sha256")
+
+    # A manifest written before manifests had a checksum (format /2) still loads.
+    def unchecked(raw):
+        meta = json.loads(raw)
+        meta.update(step=3, format="shardformer-checkpoint/2")
+        del meta[commit.CHECKSUM]
+        return json.dumps(meta).encode()
+
+    _damage(path, "meta.json", unchecked)
+    assert load_checkpoint(path, fresh)["step"] == 3 and _same(fresh, _weights(model))
 
 
 def test_the_config_must_match_not_only_the_shapes(tmp_path):
@@ -226,6 +216,25 @@ def test_scheduler_and_extra_resume_exactly(tmp_path, kind):
     assert scheduled_steps(fresh, opt2, sched2, range(3, 7)) == uninterrupted
 
 
+def test_the_optimizer_kind_must_match(tmp_path):
+    """An AdamW checkpoint into SGD would load without error and drop its moments: refused."""
+    path = str(tmp_path / "ckpt")
+    model = _model()
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduled_steps(model, adamw, torch.optim.lr_scheduler.StepLR(adamw, 1), range(1))
+    save_checkpoint(path, model, adamw, step=1)
+    fresh = _model(seed=1)
+    sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    before = _weights(fresh)
+    pattern = f"{os.path.join(path, 'rank0.json')} holds AdamW optimizer state, and this optimizer is SGD; resume with torch.optim.AdamW"
+    with pytest.raises(CheckpointError, match=pattern):
+        load_checkpoint(path, fresh, sgd)
+    assert _same(fresh, before) and not sgd.state
+    again = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    load_checkpoint(path, fresh, again)
+    assert _same(fresh, _weights(model)) and set(next(iter(again.state.values()))) == {"step", "exp_avg", "exp_avg_sq"}
+
+
 def test_extra_that_would_not_come_back_is_refused_before_writing(tmp_path):
     with pytest.raises(CheckpointError, match=r"holds Tensor"):
         save_checkpoint(str(tmp_path / "ckpt"), _model(), extra={"loss": torch.tensor(1.0)})
@@ -242,9 +251,12 @@ def _damage(path, name, change):
 
 
 def _rewrite_manifest(path, change):
+    """A broken writer: the manifest changed, and checksummed again."""
+
     def rewrite(raw):
         meta = json.loads(raw)
         change(meta)
+        meta[commit.CHECKSUM] = commit.manifest_digest(meta)
         return json.dumps(meta).encode()
 
     _damage(path, "meta.json", rewrite)

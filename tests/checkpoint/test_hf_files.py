@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 
 import pytest
@@ -15,8 +16,10 @@ import torch
 import transformers as tf
 from safetensors import safe_open
 
+import shardformer.checkpoint.hf_export as hf_export
 from shardformer import ShardConfig
 from shardformer.checkpoint import CheckpointError, load_sharded, save_pretrained
+from tests.checkpoint.common import killed_during
 from tests.policies import zoo
 
 
@@ -41,6 +44,59 @@ def test_export_removes_only_its_own_earlier_weights(tmp_path):
     ids = torch.arange(3, 3 + zoo.SEQ)[None]
     with torch.no_grad():
         torch.testing.assert_close(tf.GPT2LMHeadModel.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
+
+
+def test_a_bf16_export_loads_as_bf16_with_dtype_auto(tmp_path):
+    """A model loaded in fp32 (its config says float32) and cast to bf16 exports bf16 weights: the
+    config must say so, or from_pretrained(dtype="auto") loads them as fp32."""
+    _gpt2().save_pretrained(tmp_path / "fp32")
+    model = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "fp32").to(torch.bfloat16).eval()
+    save_pretrained(model, str(tmp_path / "bf16"))
+    with open(tmp_path / "bf16" / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "bf16", dtype="auto").eval()
+    assert loaded.dtype == torch.bfloat16
+    ids = torch.arange(3, 3 + zoo.SEQ)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def _exported_weights(path):
+    loaded = tf.GPT2LMHeadModel.from_pretrained(path)
+    return {k: v.detach().clone() for k, v in loaded.state_dict().items()}
+
+
+def test_an_export_killed_at_any_step_leaves_the_earlier_or_the_new_export_whole(tmp_path):
+    """No crash leaves a mixed folder (1 tensor file new, the rest old) that from_pretrained would load."""
+    torch.set_num_threads(1)  # forked children: no thread pool to inherit
+    path = tmp_path / "export"
+    old, new = _gpt2(), tf.GPT2LMHeadModel(zoo.gpt2_config()).eval()
+    torch.nn.init.normal_(new.transformer.wte.weight)  # seeds aside: the two exports differ in every file
+    export = lambda model: save_pretrained(model, str(path), max_shard_size="20KB")  # noqa: E731
+    export(old)
+    (path / "tokenizer.json").write_text("{}")  # the user's file: kept by every export
+    weights = {"old": _exported_weights(path), "new": None}
+    export(new)
+    weights["new"] = _exported_weights(path)
+    assert not all(torch.equal(weights["old"][k], v) for k, v in weights["new"].items())
+    seen = {}
+    for where in [(hf_export, "save_file"), (os, "link"), (os, "fsync"), (os, "rename"), (shutil, "rmtree")]:
+        for nth in range(1, 12):
+            if not any(killed_during(where, nth, when, lambda: export(old)) for when in ("before", "after")):
+                break
+            point = f"{where[1]} #{nth}"
+            if path.exists():
+                got = _exported_weights(path)
+                which = next((w for w, ref in weights.items() if all(torch.equal(got[k], ref[k]) for k in ref)), None)
+                assert which is not None, f"killed at {point}: {path} mixes the two exports"
+                assert (path / "tokenizer.json").read_text() == "{}", f"killed at {point}: the user's file is gone"
+            else:  # between the two renames: the complete new folder waits beside it
+                which = "between the renames"
+            seen[point] = which
+            export(new)  # the next export finishes what a crash interrupted and removes the leftovers
+            assert sorted(os.listdir(tmp_path)) == ["export"], f"killed at {point}: {os.listdir(tmp_path)}"
+            assert (path / "tokenizer.json").read_text() == "{}", f"after the crash at {point}: the user's file is gone"
+    assert "between the renames" in seen.values() and {"old", "new"} <= set(seen.values()), seen
 
 
 def _set_index(path, weight_map):

@@ -12,7 +12,7 @@ from shardformer.tensor_parallel.layers import (
     VocabParallelLMHead1D,
     vocab_parallel_cross_entropy,
 )
-from tests.helpers import GRAD_ATOL, assert_close, check_table, full_of, rank
+from tests.helpers import GRAD_ATOL, assert_close, check_table, full_of, rank, world
 
 HIDDEN = 8
 
@@ -78,6 +78,26 @@ def check_cross_entropy_half_precision_math_is_fp32():
         assert_close(local.grad.float(), full.grad.chunk(dist.get_world_size(), dim=-1)[rank()], 1e-2, 1e-2)
 
 
+def check_cross_entropy_refuses_labels_outside_the_vocabulary():
+    """A label no rank holds (other than the ignore index) raises on every rank, as F.cross_entropy
+    does, before the first all-reduce; the ranks then go on together."""
+    import pytest
+
+    vocab = 13  # padded: columns 13.. are padding on the last rank
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    local = F.pad(logits, (0, -vocab % world())).chunk(world(), dim=-1)[rank()]
+    for bad in (-1, -7, vocab, 1000):
+        labels = torch.tensor([1, bad, -100])
+        with pytest.raises(IndexError):
+            F.cross_entropy(logits, labels)
+        pattern = rf"labels outside the vocabulary of 13 \(\[0, 13\), or -100\): {bad} \(1 of 3\); .*-100"
+        with CollectiveCounter() as fwd, pytest.raises(IndexError, match=pattern):
+            vocab_parallel_cross_entropy(local, labels, None, vocab)
+        assert fwd.counts == {}, fwd.counts  # refused before any collective
+    labels = torch.tensor([1, 12, -100])
+    assert_close(vocab_parallel_cross_entropy(local, labels, None, vocab), F.cross_entropy(logits, labels))
+
+
 def _gather(t):
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
@@ -115,6 +135,7 @@ CHECKS = [
     check_cross_entropy_matches_torch_with_padding_and_ignore,
     check_cross_entropy_sum_and_none_reductions,
     check_cross_entropy_half_precision_math_is_fp32,
+    check_cross_entropy_refuses_labels_outside_the_vocabulary,
     check_dropout_masks,
     check_dropout_gradient_uses_the_mask,
 ]

@@ -161,6 +161,31 @@ def check_vocab_parallel_embedding_odd_vocab():
             assert torch.all(layer.weight.grad[-padded:] == 0) and torch.all(layer.weight.detach()[-padded:] == 0)
 
 
+def check_vocab_parallel_embedding_refuses_ids_outside_the_vocabulary():
+    """An id no rank holds (negative, in the padding rows, past them) raises on every rank, as the
+    unsharded embedding does, before the layer's all-reduce; the ranks then go on together."""
+    import pytest
+
+    torch.manual_seed(0)
+    full = nn.Embedding(13, HIDDEN)  # padded to 14 at tp=2, 16 at tp=4
+    layer = VocabParallelEmbedding1D.from_native(full, None)
+    for bad in (-1, 13, layer.weight.shape[0] * world() - 1, 1000):
+        ids = torch.tensor([[0, 5, bad]])
+        with pytest.raises(IndexError):
+            full(ids)
+        with (
+            CollectiveCounter() as fwd,
+            pytest.raises(
+                IndexError,
+                match=rf"input ids outside the vocabulary of 13 \(\[0, 13\)\): {bad} \(1 of 3\); .*tokenizer",
+            ),
+        ):
+            layer(ids)
+        assert fwd.counts == {}, fwd.counts  # refused before any collective
+    ids = torch.tensor([[0, 12, 5]])
+    assert_close(layer(ids), full(ids), what="in-range ids after the refusals")
+
+
 def check_lm_head_gathered_logits_trim_padding():
     torch.manual_seed(0)
     full = nn.Linear(HIDDEN, 13, bias=False)
@@ -243,6 +268,7 @@ CHECKS = [
     check_row_linear_splits_input,
     check_row_conv1d,
     check_vocab_parallel_embedding_odd_vocab,
+    check_vocab_parallel_embedding_refuses_ids_outside_the_vocabulary,
     check_lm_head_gathered_logits_trim_padding,
 ]
 
@@ -279,3 +305,14 @@ def test_heads_fewer_than_ranks_are_replicated_in_the_spec():
     assert weights[:6].eq(1).all() and weights[6:].eq(0.5).all()  # each K/V row counted once over 4 ranks
     with pytest.raises(ValueError, match="neither splits over nor replicates"):
         make_spec((9 * 3, 5), 0, 0, 2, (9 * 3,), head_width=3)
+
+
+def test_compiled_embedding_refuses_ids_outside_the_vocabulary():
+    """Compiled, the check is an assert inside the graph (no graph break): it still raises."""
+    import pytest
+
+    layer = VocabParallelEmbedding1D.from_native(nn.Embedding(13, HIDDEN))
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    assert compiled(torch.tensor([0, 12])).shape == (2, HIDDEN)
+    with pytest.raises(RuntimeError, match=r"input ids outside the vocabulary of 13"):
+        compiled(torch.tensor([0, 13]))

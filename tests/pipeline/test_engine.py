@@ -154,6 +154,45 @@ def check_sequence_parallel_gpt2_pp2_tp2_with_checkpointing():
     assert engine.model.shardformer.sequence_parallel is not None
 
 
+def check_inputs_embeds_run_the_models_own_forward_at_pp1_and_are_refused_at_pp2():
+    """A batch of inputs_embeds trains as the unsharded model trains on it (pp=1: the model's own
+    forward, not the spec's, which embeds input_ids); with input_ids too, or at pp > 1, it is refused."""
+    hidden = common.config("GPT2LMHeadModel").n_embd
+    g = torch.Generator().manual_seed(5)
+    data = [
+        {"inputs_embeds": torch.randn(common.BATCH, zoo.SEQ, hidden, generator=g), "labels": b["labels"]}
+        for b in common.batches("GPT2LMHeadModel", STEPS)
+    ]
+    engine = _check("GPT2LMHeadModel", 2, 1, 2, "1f1b", 2, 0.5, "torch", data=data)
+    with pytest.raises(ValueError, match="holds both input_ids and inputs_embeds; pass only one"):
+        engine.train_step({**data[0], "input_ids": data[0]["labels"].clamp(min=0)})
+    _, model = common.models("GPT2LMHeadModel")
+    piped = ParallelEngine(model, common.sgd, EngineConfig(tp=2, pp=2), mesh=_mesh(2, 2, 1))
+    with pytest.raises(ValueError, match=r"inputs_embeds at pipeline_parallel_size=2: .*pass input_ids"):
+        piped.train_step(data[0])
+
+
+def check_different_batches_or_a_skipped_step_raise_on_every_rank_before_the_update():
+    """tp peers given different batches, or a rank that skipped a batch: every rank raises naming the
+    ranks, and the optimizer has not stepped (the check rides in the loss's all-gather)."""
+    _, model = common.models("GPT2LMHeadModel")
+    engine = ParallelEngine(model, common.sgd, EngineConfig(tp=2, pp=1, dp=2), mesh=_mesh(2, 1, 2))
+    data = common.batches("GPT2LMHeadModel", 3, seed=9)
+    engine.train_step(data[0])
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    other = {k: v.clone() for k, v in data[1].items()}
+    if engine.mesh.tp_rank == 1:  # one token differs on the second tp rank of each group
+        other["input_ids"][0, 3] = 3 if other["input_ids"][0, 3] != 3 else 4
+    pattern = r"ranks 0, 1, 2, 3 must get the same batch .* at step #2 \(ranks 0, 2; ranks 1, 3 hold one batch each\)"
+    with pytest.raises(RuntimeError, match=pattern):
+        engine.train_step(other)
+    skipped = data[2] if engine.mesh.rank == 3 else data[1]  # rank 3 skipped data[1]
+    with pytest.raises(RuntimeError, match=r"must get the same batch .* at step #3 \(ranks 0, 1, 2; ranks 3 hold"):
+        engine.train_step(skipped)
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, before[name]), f"{name} changed in a refused step"
+
+
 def _timm_loss(logits, batch):
     return F.cross_entropy(logits, batch["labels"])
 
@@ -198,6 +237,8 @@ CHECKS = [
     check_activation_checkpointing_pp2_tp2,
     check_sequence_parallel_gpt2_pp2_tp2_with_checkpointing,
     check_timm_vit_pp2_tp2,
+    check_inputs_embeds_run_the_models_own_forward_at_pp1_and_are_refused_at_pp2,
+    check_different_batches_or_a_skipped_step_raise_on_every_rank_before_the_update,
     check_p2p_overlap_refuses_micro_batches_of_two_shapes,
 ]
 

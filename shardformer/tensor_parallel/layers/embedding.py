@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardformer.core.comm import group_rank, group_size, reduce_from_parallel
+from shardformer.tensor_parallel.layers.index_check import check_indices
 from shardformer.tensor_parallel.slicer import Slicer, shard_spec
 
 
@@ -42,6 +43,11 @@ class VocabParallelEmbedding1D(nn.Module):
         return cls(slicer.vocab_rows(module.weight, pad_to_multiple), process_group, module.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_indices(
+            ids, self.num_embeddings, "input ids",
+            "the unsharded embedding raises on them (here they would embed as zeros); use the model's own "
+            "tokenizer, or resize the vocabulary (model.resize_token_embeddings) before sharding",
+        )  # fmt: skip
         if group_size(self.process_group) == 1:
             return F.embedding(ids, self.weight[: self.num_embeddings], self._local_padding_idx)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

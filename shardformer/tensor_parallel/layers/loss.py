@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardformer.core.comm import all_reduce, group_rank, group_size
+from shardformer.tensor_parallel.layers.index_check import check_indices
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -77,6 +78,12 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree before the vocab dim")
     world = group_size(process_group)
     vocab_size = vocab_size or logits.shape[-1] * world
+    check_indices(
+        labels, vocab_size, "labels",
+        "F.cross_entropy raises on them (here they would give a wrong loss); use labels from the model's own "
+        f"tokenizer, and mark positions to skip with {ignore_index}",
+        ignore_index,
+    )  # fmt: skip
     losses = _VocabParallelCrossEntropy.apply(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), vocab_size, ignore_index, process_group
     )

@@ -1,0 +1,65 @@
+"""Ranks agree on the step they are in and on the batch they train on, checked at no extra round trip.
+
+Tensor-parallel (and pipeline) peers must run the same batch: given different ones, their collectives
+still pair up and a plausible loss comes out that no input gives. A rank that skipped a step pairs
+its next one with its peers' previous one the same way. So every step, each rank adds three numbers
+to the one small all-gather the step's loss travels in anyway: a fingerprint of the batch it was
+given, how many steps it has run, and which kind (train or eval). Ranks that should hold the same
+batch and differ, or any two ranks at different steps, make every rank raise the same error, naming
+the ranks, before the optimizer changes anything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MOD = 65521  # a prime below 2**16: products of two residues summed over 2**31 elements fit in int64
+_KINDS = {1: "train_step", 2: "eval_step"}
+
+
+def batch_fingerprint(batch: dict) -> int:
+    """A position-weighted checksum of every tensor in ``batch`` (float tensors by their bits), < 2**31."""
+    total = 0
+    for key in sorted(batch):
+        value = batch[key]
+        if not torch.is_tensor(value):
+            continue
+        flat = value.detach().reshape(-1)
+        if flat.is_floating_point():
+            flat = flat.float().view(torch.int32)
+        flat = flat.long() % _MOD
+        weights = torch.arange(flat.numel(), device=flat.device) % _MOD + 1
+        total = (total * 31 + int((flat * weights).sum()) + len(key)) % 2**31
+    return total
+
+
+def _groups(values: dict[int, float]) -> str:
+    by_value: dict[float, list[int]] = {}
+    for rank, value in values.items():
+        by_value.setdefault(value, []).append(rank)
+    return "; ".join(f"ranks {', '.join(map(str, r))}" for r in sorted(by_value.values()))
+
+
+def check_agreement(table: torch.Tensor, peers: list[list[int]]) -> None:
+    """``table[rank] = (fingerprint, steps run, kind)`` of every rank; ``peers``: the groups of ranks
+    that must hold the same batch. Raises the same error on every rank when they disagree."""
+    rows = {rank: tuple(row.tolist()) for rank, row in enumerate(table)}
+    steps = {rank: (row[1], row[2]) for rank, row in rows.items()}
+    if len(set(steps.values())) > 1:
+        where = ", ".join(
+            f"rank {r} in {_KINDS.get(int(kind), 'a step')} #{int(n)}" for r, (n, kind) in sorted(steps.items())
+        )
+        raise RuntimeError(
+            f"the ranks are not in the same step ({where}): a rank skipped or repeated a train_step or "
+            "eval_step, so its collectives paired with another step's; call them on every rank, once per batch"
+        )
+    for group in peers:
+        prints = {rank: rows[rank][0] for rank in group}
+        if len(set(prints.values())) > 1:
+            raise RuntimeError(
+                f"ranks {', '.join(map(str, group))} must get the same batch (they are tensor-/pipeline-parallel "
+                f"peers, or every rank gets the whole batch that the engine splits over dp), but got different "
+                f"ones at step #{int(rows[group[0]][1])} ({_groups(prints)} hold one batch each): give every rank "
+                "the same batch (one seeded data order), or with EngineConfig(split_batch=False) the same batch "
+                "to every rank of a data-parallel replica"
+            )
