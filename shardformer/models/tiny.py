@@ -141,7 +141,8 @@ def tiny_copy_config(config, tp: int = 2, heads: int | None = None, special: dic
     if "layer_types" in data:
         out["layer_types"] = None
     rope = out.get("rope_parameters", data.get("rope_parameters"))
-    if "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()) and isinstance(rope, dict):
+    multimodal_rope = "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ())
+    if multimodal_rope and isinstance(rope, dict) and "rope_type" in rope:  # one flat set, not one per layer type
         # the model's default sections (Qwen2-VL's [16, 24, 24]) fit its full head only
         out["rope_parameters"] = {"mrope_section": _sections([1, 2, 1], _rotary_pairs(data, rope))} | rope
     if data.get("is_encoder_decoder") and data.get("decoder_start_token_id") is None:
