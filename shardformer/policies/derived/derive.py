@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from shardformer.models.inputs import make_inputs
 from shardformer.models.tiny import fill_zero_matrices, tiny_copy_config
-from shardformer.policies.derived.simulate import find_cut
+from shardformer.policies.derived.simulate import find_cut, record_calls
 from shardformer.policies.derived.trace import is_projection, pair, trace
 
 logger = logging.getLogger("shardformer")
@@ -77,31 +77,21 @@ def tiny_with_inputs(model: nn.Module, tp: int, tower: str = "", heads: int | No
         return whole, make_inputs(whole, seed=seed)
     sub = whole.get_submodule(tower)
     try:
-        recorded = _inputs_of(whole, sub, make_inputs(whole, seed=seed))
+        recorded = _inputs_of(whole, tower, make_inputs(whole, seed=seed))
     except Exception:  # noqa: BLE001 - a wrapper the recipe cannot run: the tower's own inputs
         recorded = None
     return sub, recorded if recorded is not None else make_inputs(sub, seed=seed)
 
 
-def _inputs_of(whole: nn.Module, sub: nn.Module, inputs: dict) -> dict | None:
-    """The keyword arguments ``sub`` is first called with in ``whole(**inputs)`` (tensors detached)."""
-    seen: list[dict] = []
-
-    def record(module, args, kwargs):
-        if not seen:
-            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-            seen.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in bound.items()})
-
-    handle = sub.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            whole(**inputs)
-    finally:
-        handle.remove()
-    if not seen:
+def _inputs_of(whole: nn.Module, tower: str, inputs: dict) -> dict | None:
+    """The keyword arguments the module at ``tower`` is first called with in ``whole(**inputs)``."""
+    seen = record_calls(whole, [tower], inputs).get(tower)
+    if seen is None:
         return None
-    kwargs = seen[0].pop("kwargs", None)  # a **kwargs parameter binds as one dict
-    return seen[0] | (kwargs if isinstance(kwargs, dict) else {})
+    args, kwargs, _ = seen
+    bound = inspect.signature(whole.get_submodule(tower).forward).bind_partial(*args, **kwargs).arguments
+    extra = bound.pop("kwargs", None)  # a **kwargs parameter binds as one dict
+    return bound | (extra if isinstance(extra, dict) else {})
 
 
 def _key(model: nn.Module, tp: int, tower: str = "") -> tuple:

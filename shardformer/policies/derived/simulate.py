@@ -23,7 +23,14 @@ from shardformer.core.compare import ATOL, RTOL, max_error
 from shardformer.core.shard_spec import make_spec, slice_tensor
 from shardformer.policies.derived.heads import HeadCut, head_options, slice_heads
 from shardformer.policies.derived.rewrites import use_module_width
-from shardformer.policies.derived.trace import Group, in_width, inputs_from_outside, out_width, value_at
+from shardformer.policies.derived.trace import (
+    Group,
+    in_width,
+    inputs_from_outside,
+    out_width,
+    run_hooked,
+    value_at,
+)
 from shardformer.policies.tp_plan.heads import head_sizes
 from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count
 from shardformer.tensor_parallel.layers.linear import is_conv1d
@@ -207,12 +214,7 @@ def record_calls(model: nn.Module, paths: list[str], inputs: dict) -> dict[str, 
 
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(module.register_forward_hook(after, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, inputs, handles)
     return seen
 
 

@@ -18,6 +18,7 @@ Names never decide: a model whose projections are renamed is traced the same.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -49,6 +50,16 @@ def value_at(root: nn.Module, dotted: str):
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def run_hooked(model: nn.Module, inputs: dict, handles: list, mode=None) -> None:
+    """One forward of ``model`` without gradients (under ``mode`` if given), then its hooks removed."""
+    try:
+        with mode or contextlib.nullcontext(), torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -162,20 +173,15 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
         return before, after
 
     modules = dict(model.named_modules())
-    try:
-        for path in blocks:
-            block = modules[path]
-            handles.append(block.register_forward_pre_hook(enter_block(path, block), with_kwargs=True))
-            handles.append(block.register_forward_hook(leave_block))
-            for rel, m in block.named_modules():
-                if rel and (is_projection(m) or _leaf_with_params(m)):
-                    before, after = leaf_hooks(path, rel, m)
-                    handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
-        with mode, torch.no_grad():
-            model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    for path in blocks:
+        block = modules[path]
+        handles.append(block.register_forward_pre_hook(enter_block(path, block), with_kwargs=True))
+        handles.append(block.register_forward_hook(leave_block))
+        for rel, m in block.named_modules():
+            if rel and (is_projection(m) or _leaf_with_params(m)):
+                before, after = leaf_hooks(path, rel, m)
+                handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
+    run_hooked(model, inputs, handles, mode)
     return result
 
 
@@ -244,10 +250,5 @@ def inputs_from_outside(model: nn.Module, path: str, inputs: dict) -> set[str | 
     handles = [modules[path].register_forward_pre_hook(first_call, with_kwargs=True)]
     for block in repeated_blocks(model):
         handles += [modules[block].register_forward_pre_hook(enter), modules[block].register_forward_hook(leave)]
-    try:
-        with mode, torch.no_grad():
-            model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, inputs, handles, mode)
     return found
