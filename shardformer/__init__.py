@@ -14,6 +14,7 @@ from shardformer.core.mesh import ProcessMesh, init_distributed, launch_from_tor
 from shardformer.core.record import ShardedModelInfo, sharding_of
 from shardformer.core.rng import seed
 from shardformer.engine import EngineConfig, ParallelEngine
+from shardformer.integrations import peft as _peft  # noqa: F401 - registers LoRA support with the sharder
 from shardformer.pipeline import PipelineSpec
 from shardformer.policies import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, get_autopolicy
 from shardformer.tensor_parallel.sharder import ModelSharder

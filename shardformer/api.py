@@ -8,11 +8,12 @@ import dataclasses
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
-from shardformer.core.record import build_mesh
+from shardformer.core.record import build_mesh, sharding_of
 from shardformer.models import layer_stack
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.derived import prove
 from shardformer.policies.tp_plan import TpPlanPolicy
+from shardformer.tensor_parallel.adapters import SeenThrough
 from shardformer.tensor_parallel.policy import Policy
 from shardformer.tensor_parallel.sharder import ModelSharder
 
@@ -25,10 +26,33 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
     model's structure and proven on a tiny copy of it first (exact, or refused with the first
     diverging module). The sharded model records
     how it was sharded in ``model.shardformer`` (a ShardedModelInfo).
+
+    PEFT LoRA layers in the model (or a ``PeftModel``, whose wrapped model is sharded) are seen
+    through: their base layers are cut by the policy, and their adapters the same way.
     """
     shard_config = shard_config or ShardConfig()
+    target = _wrapped_model(model)
+    adapters = SeenThrough.unwrap(target)  # PEFT's LoRA layers: the policy sees the layers they wrap
+    try:
+        _shard(target, shard_config, policy, adapters)
+    except BaseException:
+        adapters.restore()
+        raise
+    adapters.rewrap(sharding_of(target).tp_group)  # the adapters cut like their base layers
+    return model
+
+
+def _wrapped_model(model: nn.Module) -> nn.Module:
+    """The model a PEFT model (``PeftModel``: ``get_base_model()``) wraps, which is what gets sharded;
+    any other model itself."""
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
+
+
+def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, adapters: SeenThrough) -> nn.Module:
     policy = policy or get_autopolicy(model)
-    sharder = ModelSharder(model, policy, shard_config, layers=layer_stack(model))
+    sharder = ModelSharder(model, policy, shard_config, layers=layer_stack(model), adapters=adapters)
     if isinstance(policy, TpPlanPolicy) and shard_config.tensor_parallel_size > 1:
         sharder.plan()  # every refusal first, before any collective
         parts = policy.proven_parts()  # derived cuts: the whole model, or the towers a plan leaves whole

@@ -40,8 +40,9 @@ def route_save_pretrained(model: nn.Module) -> None:
     """Point ``model.save_pretrained`` at the export and make its sub-models' refuse (bound methods, so a
     deepcopy of the model saves the copy)."""
     for name, module in model.named_modules():
-        if hasattr(module, "peft_config"):
-            continue  # PEFT's save_pretrained writes the adapter: see shardformer.integrations.peft
+        if type(module).__module__.startswith("peft."):
+            continue  # PEFT's save_pretrained writes the adapter: see shardformer.integrations.peft_layer
+        # (the model PEFT wraps holds a peft_config too, and its save_pretrained writes the whole model)
         if callable(getattr(type(module), "save_pretrained", None)):
             method = _save_whole if not name else _refuse_part
             object.__setattr__(module, "save_pretrained", types.MethodType(method, module))

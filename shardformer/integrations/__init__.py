@@ -1,9 +1,24 @@
 """The tools HuggingFace users fine-tune with, on sharded models: transformers' Trainer and PEFT LoRA.
 
-Needs the ``hf`` extra (``pip install "shardformer[hf]"``: accelerate and peft); ``import shardformer``
-does not import this package.
+Needs the ``hf`` extra (``pip install "shardformer[hf]"``: accelerate and peft). ``import shardformer``
+imports only :mod:`.peft`, which imports peft itself only when a PEFT model is in hand;
+``ShardedTrainer`` (transformers' Trainer, accelerate) is imported on first use.
 """
 
-from shardformer.integrations.trainer import ShardedTrainer
+__all__ = ["ShardedTrainer", "install_peft"]
 
-__all__ = ["ShardedTrainer"]
+
+def install_peft() -> None:
+    """Let PEFT add LoRA to (and load adapters onto) sharded models; done by ``shard_model`` already
+    when peft was imported before it."""
+    from shardformer.integrations.peft_layer import install
+
+    install()
+
+
+def __getattr__(name: str):
+    if name == "ShardedTrainer":  # transformers' Trainer and accelerate take seconds to import
+        from shardformer.integrations.trainer import ShardedTrainer
+
+        return ShardedTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ import torch.nn as nn
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 from shardformer.core.rng import agree_on_rng
+from shardformer.tensor_parallel.adapters import SeenThrough, adapter_wrappers
 from shardformer.tensor_parallel.ddp_guard import refuse_ddp
 from shardformer.tensor_parallel.detect import Detected, detect_from_model, keep_ties
 from shardformer.tensor_parallel.layers import (
@@ -92,8 +93,16 @@ class ModelSharder:
     waiting on each other.
     """
 
-    def __init__(self, model: nn.Module, policy: Policy, shard_config: ShardConfig, layers: str | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: Policy,
+        shard_config: ShardConfig,
+        layers: str | None = None,
+        adapters: SeenThrough | None = None,
+    ) -> None:
         self.model, self.policy, self.shard_config, self.layers = model, policy, shard_config, layers
+        self.adapters = adapters  # adapter wrappers shard_model took out of the model, checked here
 
     def plan(self) -> ShardPlan:
         """Resolve the policy against the model; raise on anything that does not fit."""
@@ -133,6 +142,8 @@ class ModelSharder:
                             f"layer ignore=True if the module is optional"
                         )
                     replacements.append(self._check_layer(name, module, layer, where, input_copy))
+        if self.adapters is not None:
+            self.adapters.check(replacements, self.shard_config)
         detected = detect_from_model(self.model, config, self.shard_config, targets, replacements)
         sequence = None
         if self.shard_config.sequence_parallel and self.shard_config.tensor_parallel_size > 1:
@@ -259,18 +270,15 @@ class ModelSharder:
 
 
 def _refuse_adapter_layers(model: nn.Module) -> None:
-    """PEFT adapter layers (LoRA's ``lora.Linear`` around a ``base_layer``) hide the projection from
-    the policy: its plan entry would name the wrapper and the projection would stay whole, or be cut
-    without its adapter. Refused until shardformer cuts adapters with their base layer."""
-    wrapped = [
-        n for n, m in model.named_modules() if hasattr(m, "base_layer") and type(m).__module__.startswith("peft.")
-    ]
+    """Adapter layers (PEFT's LoRA around a ``base_layer``) hide the projection from the policy; only
+    ``shard_model`` takes them out while it plans and puts them back cut (ModelSharder on its own would
+    leave those projections whole, or cut them without their adapters)."""
+    wrapped = [path for path, _, _ in adapter_wrappers(model)]
     if wrapped:
         raise ValueError(
-            f"{type(model).__name__} holds PEFT adapter layers ({', '.join(wrapped[:3])}"
-            f"{', ...' if len(wrapped) > 3 else ''}); shardformer cannot cut LoRA adapters with their base layers "
-            f"yet, and sharding around them would leave those projections whole. Fine-tune the sharded model "
-            f"without adapters, or train LoRA on the unsharded model"
+            f"{type(model).__name__} holds adapter layers ({', '.join(wrapped[:3])}"
+            f"{', ...' if len(wrapped) > 3 else ''}); shard it with shard_model(model, shard_config), which cuts "
+            f"LoRA adapters with their base layers"
         )
 
 

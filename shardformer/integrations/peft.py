@@ -1,0 +1,75 @@
+"""PEFT LoRA on sharded models, in either order, cut like the base layers.
+
+- ``shard_model(get_peft_model(model, cfg))``: the sharder takes PEFT's LoRA layers out while the
+  policy plans (see :mod:`shardformer.tensor_parallel.adapters`) and hands each back here with its
+  sharded base, to be cut (:func:`~shardformer.integrations.lora_cut.cut_adapter`).
+- ``get_peft_model(shard_model(model), cfg)`` and ``PeftModel.from_pretrained(sharded, dir)``: PEFT
+  refuses layers it does not know, so its LoRA dispatch learns ours (:mod:`.peft_layer`, installed
+  once peft is imported and a model is sharded, or when ``shardformer.integrations`` is imported).
+
+The cut: a column-parallel base's ``B`` by output features (the base's blocks and replicas), ``A``
+whole; a row-parallel base's ``A`` by input features, ``B`` whole (layers in
+:mod:`shardformer.tensor_parallel.layers.lora`). Adapters are built full size by PEFT and then cut,
+so the same seed gives the same adapter as on the unsharded model. What cannot be cut exactly is
+refused before the first step, naming the setting to change.
+
+This module imports peft only when a PEFT object is in hand (``import shardformer`` imports it).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.nn as nn
+
+from shardformer.core.config import ShardConfig
+from shardformer.integrations.lora_cut import DROP_IT, cut_adapter, lora_settings, refusal_for
+from shardformer.tensor_parallel.adapters import register_adapter_support
+from shardformer.tensor_parallel.policy import Col_Layer, Layer
+
+
+def _is_peft_module(module: nn.Module) -> bool:
+    return any(c.__module__.startswith("peft.") for c in type(module).__mro__)
+
+
+class PeftLoraSupport:
+    """PEFT's adapter layers, for :mod:`shardformer.tensor_parallel.adapters`."""
+
+    def base_of(self, module: nn.Module) -> nn.Module | None:
+        base = getattr(module, "base_layer", None)
+        return base if isinstance(base, nn.Module) and _is_peft_module(module) else None
+
+    def refusal(self, path: str, wrapper: nn.Module, layer: Layer | None, shard_config: ShardConfig) -> str | None:
+        if layer is None:
+            return None  # the base stays whole: so does its adapter
+        if self.base_of(wrapper.base_layer) is not None:
+            return "it wraps another adapter layer; add adapters after sharding, or one per layer"
+        embedding = bool(getattr(wrapper, "lora_embedding_A", None))
+        if not hasattr(wrapper, "lora_A") or embedding:
+            what = "LoRA on embeddings" if embedding else f"{type(wrapper).__name__}"
+            return f"{what} is not cut with its base layer (only LoRA on linear layers is); {DROP_IT}"
+        if getattr(wrapper, "merged", False):
+            return "its adapters are merged into the base weights; unmerge() them first"
+        sequence = shard_config.sequence_parallel and shard_config.tensor_parallel_size > 1
+        gather = isinstance(layer, Col_Layer) and layer.gather_output
+        return refusal_for(
+            layer.replace_layer, gather_output=gather, sequence_parallel=sequence, **lora_settings(wrapper)
+        )
+
+    def adopt(self, wrapper: nn.Module, base: nn.Module, process_group) -> None:
+        from shardformer.integrations.peft_layer import ShardedLoraLinear, install
+
+        install()
+        wrapper.base_layer = base
+        wrapper.__class__ = ShardedLoraLinear.for_class(type(wrapper))
+        for name in list(wrapper.lora_A):
+            cut_adapter(wrapper, name, process_group)
+
+    def after_shard(self, model: nn.Module) -> None:
+        if "peft" in sys.modules:  # a script that uses PEFT has imported it by now; others pay nothing
+            from shardformer.integrations.peft_layer import install
+
+            install()
+
+
+register_adapter_support(PeftLoraSupport())

@@ -1,0 +1,126 @@
+"""PEFT's LoRA layer around our parallel layers, and what PEFT needs to reach it (imports peft).
+
+PEFT picks a LoRA layer class by the target's type and knows nothing of ``Linear1D_Col`` /
+``Linear1D_Row``; ``LoraConfig._register_custom_module`` would teach it, but per config object, which
+a user of ``get_peft_model`` or ``PeftModel.from_pretrained`` (whose config is read from the folder)
+never gets to touch. :func:`install` therefore puts our layers first in LoRA's dispatch, and makes
+``PeftModel.save_pretrained`` on a sharded model write the adapter gathered (full shapes, global
+rank 0 writing), which plain PEFT loads on an unsharded model. Both leave unsharded models to PEFT.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch.distributed as dist
+from peft import PeftModel
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora.model import LoraModel
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from shardformer.core.comm import gather_tensor
+from shardformer.core.record import is_sharded, sharding_of
+from shardformer.integrations.lora_cut import cut_adapter, refusal_for
+from shardformer.tensor_parallel.layers import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
+from shardformer.tensor_parallel.slicer import shard_spec
+
+_PARALLEL = (Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D)
+# inits that read the base weight (a slice of it here) to build the adapter; the others are random or zero
+_WHOLE_WEIGHT_INITS = ("pissa", "corda", "olora", "mica", "loftq", "orthogonal", "lora_ga", "eva")
+
+
+class ShardedLoraLinear(LoraLinear):
+    """PEFT's ``lora.Linear`` whose base layer is one of our parallel layers: each adapter PEFT adds
+    (full size, PEFT's own init) is cut like the base right after (``update_layer``)."""
+
+    @classmethod
+    def for_class(cls, wrapper_class: type) -> type:
+        if issubclass(wrapper_class, cls):
+            return wrapper_class
+        if wrapper_class is not LoraLinear:
+            raise TypeError(f"{wrapper_class.__name__} is not PEFT's lora.Linear; only plain LoRA layers are cut")
+        return cls
+
+    def __init__(self, base_layer, adapter_name: str, config, **kwargs) -> None:
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        self.fan_in_fan_out = self.get_base_layer().reversed  # Conv1D's [in, out] layout, whatever the config says
+
+    def _get_in_out_features(self, module):
+        if isinstance(module, (Linear1D_Col, Linear1D_Row)):
+            return module.in_features, module.out_features  # the full sizes: PEFT builds the full adapter
+        return super()._get_in_out_features(module)
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs) -> None:
+        base = self.get_base_layer()
+        init = config.init_lora_weights
+        if isinstance(init, str) and init.lower().startswith(_WHOLE_WEIGHT_INITS):
+            raise ValueError(
+                f"init_lora_weights={init!r} builds the adapter from the base weight, of which this rank holds a "
+                f"slice; use init_lora_weights=True or 'gaussian', or build the adapter before sharding"
+            )
+        sequence = getattr(base, "sequence_parallel", None) is not None
+        reason = refusal_for(
+            type(base), gather_output=getattr(base, "gather_output", False), sequence_parallel=sequence,
+            variants=["use_dora"] if config.use_dora else [], bias=config.lora_bias, dropout=config.lora_dropout,
+        )  # fmt: skip
+        if reason is not None:
+            raise ValueError(f"LoRA on {kwargs.get('target_name') or type(base).__name__} cannot be sharded: {reason}")
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        cut_adapter(self, adapter_name, base.process_group)
+
+
+def _create_new_module(original, lora_config, adapter_name, target, **kwargs):
+    base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    if isinstance(base, _PARALLEL):
+        if isinstance(base, VocabParallelEmbedding1D):
+            raise ValueError(
+                f"LoRA on {kwargs.get('target_name', 'the embedding')} (a vocab-parallel embedding) is not supported "
+                f"under tensor parallelism; drop it from the LoraConfig's target_modules"
+            )
+        return ShardedLoraLinear(target, adapter_name, config=lora_config, **kwargs)
+    return original(lora_config, adapter_name, target, **kwargs)
+
+
+def _save_pretrained(original, self, save_directory, *args, **kwargs):
+    """On a sharded model: the adapter gathered over tp, written by global rank 0 (collective)."""
+    model = self.get_base_model()
+    if not is_sharded(model):
+        return original(self, save_directory, *args, **kwargs)
+    bound = inspect.signature(original).bind(self, save_directory, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    del arguments["self"]
+    options = arguments.pop("kwargs", {})
+    if options.get("state_dict") is not None:
+        raise ValueError(
+            "save_pretrained(state_dict=...) on a sharded PEFT model would write this rank's slices; leave it "
+            "out (the adapter is gathered from the model)"
+        )
+    group = sharding_of(model).tp_group
+    state = self.state_dict()
+    for name, param in self.named_parameters():
+        spec = shard_spec(param)
+        if spec is not None and "lora_" in name:
+            state[name] = gather_tensor(param.detach(), spec, group)
+    arguments["is_main_process"] &= not dist.is_initialized() or dist.get_rank() == 0
+    result = original(self, **arguments, state_dict=state, **options)
+    if dist.is_initialized():
+        dist.barrier()  # the folder is written when any rank returns
+    return result
+
+
+def install() -> None:
+    """Teach PEFT's LoRA our parallel layers, and its save_pretrained our sharded models (once)."""
+    if getattr(LoraModel._create_new_module, "shardformer", False):
+        return
+    create = functools.partial(_create_new_module, LoraModel._create_new_module)
+    create.shardformer = True
+    LoraModel._create_new_module = staticmethod(create)
+    original_save = PeftModel.save_pretrained
+
+    @functools.wraps(original_save)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        return _save_pretrained(original_save, self, save_directory, *args, **kwargs)
+
+    PeftModel.save_pretrained = save_pretrained
