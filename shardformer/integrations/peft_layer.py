@@ -92,7 +92,7 @@ def _save_pretrained(original, self, save_directory, *args, **kwargs):
     arguments = dict(bound.arguments)
     del arguments["self"]
     options = arguments.pop("kwargs", {})
-    if options.get("state_dict") is not None:
+    if options.pop("state_dict", None) is not None:  # Trainer passes state_dict=None
         raise ValueError(
             "save_pretrained(state_dict=...) on a sharded PEFT model would write this rank's slices; leave it "
             "out (the adapter is gathered from the model)"

@@ -10,6 +10,8 @@ changes exactly those places and leaves the rest of Trainer as it is:
   micro-batch of gradient accumulation), as DDP would, and never over tp ranks;
 - the gradient norm (for clipping and for the log) is the global one: tp slices summed, replicated
   weights counted once;
+- evaluation and prediction see what the unsharded model gives: logits over the whole vocabulary,
+  and each example once (gathered over dp ranks only, as tp ranks hold the same values);
 - ``save_model`` and checkpoints write a plain HuggingFace folder through shardformer's export, plus
   one optimizer and RNG file per rank; ``resume_from_checkpoint`` restores model, optimizer, scheduler
   and every RNG (the tp dropout generators too) exactly.
@@ -19,7 +21,9 @@ Pipeline stages cannot run under Trainer's loop: such a model is refused before 
 
 from __future__ import annotations
 
+import functools
 import os
+from contextlib import ExitStack
 
 import torch
 import torch.distributed as dist
@@ -32,6 +36,8 @@ from shardformer.core import comm
 from shardformer.core.record import is_sharded, sharding_of
 from shardformer.data_parallel.grad_norm import clip_master_grads, global_grad_norm
 from shardformer.data_parallel.layout import ParamSlot
+from shardformer.tensor_parallel.layers import VocabParallelLMHead1D
+from shardformer.tensor_parallel.lm_head import gathered_logits
 
 _OPTIMIZER = "shardformer-optimizer-rank{}-of-{}.pt"  # each rank's optimizer state holds its own slices
 _DROPOUT_RNG = "shardformer-dropout-rng-rank{}-of-{}.pt"  # the tp dropout layers' own generators
@@ -88,6 +94,43 @@ class ShardedTrainer(Trainer):
             self.accelerator.state.device_mesh = init_device_mesh(
                 self.args.device.type, (lay.dp, lay.tp), mesh_dim_names=("dp_replicate", "tp")
             )
+        # Evaluation gathers predictions and losses with gather_for_metrics, over every process: the tp
+        # ranks of one replica would each add the same examples again. Gather over dp only instead.
+        self.accelerator.gather_for_metrics = self._gather_for_metrics
+        self.gather_function = functools.partial(
+            self._gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
+        )
+
+    def _gather_for_metrics(self, data, use_gather_object: bool = False):
+        """accelerate's gather_for_metrics over the dp group: the same trimming of the last batch's padding."""
+        from accelerate.utils import recursively_apply
+
+        lay, state = self._layout, self.accelerator.gradient_state
+        if lay.dp > 1:
+            try:
+                recursively_apply(lambda x: x, data, error_on_other_type=True)
+            except TypeError:
+                use_gather_object = True
+            if use_gather_object:
+                parts = [None] * lay.dp
+                dist.all_gather_object(parts, data, group=lay.dp_group)
+                data = [item for part in parts for item in part]
+            else:
+                data = recursively_apply(functools.partial(_all_gather_rows, group=lay.dp_group, size=lay.dp), data)
+        if state.end_of_dataloader and state.remainder > 0:  # examples the dataloader repeated to fill the batch
+            if use_gather_object:
+                return data[: state.remainder]
+            return recursively_apply(lambda tensor: tensor[: state.remainder], data)
+        return data
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Predictions over the whole vocabulary: the vocab-parallel heads gather their logits for the call."""
+        with ExitStack() as stack:
+            if not prediction_loss_only:
+                for module in model.modules():
+                    if isinstance(module, VocabParallelLMHead1D):
+                        stack.enter_context(gathered_logits(module))
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     # --- gradients ----------------------------------------------------------------------------
 
@@ -175,3 +218,9 @@ class ShardedTrainer(Trainer):
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # the adapter: PEFT loads it
             return
         load_pretrained_into(root, resume_from_checkpoint)
+
+
+def _all_gather_rows(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)

@@ -29,6 +29,21 @@ def dataset() -> list[dict]:
     return out
 
 
+def eval_dataset() -> list[dict]:
+    """13 examples (odd: at dp=2 the last batch is padded, then trimmed), every token labelled, so an
+    example's loss is a plain mean in every layout."""
+    gen = torch.Generator().manual_seed(2)
+    return [
+        {"input_ids": (ids := torch.randint(0, VOCAB, (SEQ,), generator=gen)), "labels": ids.clone()} for _ in range(13)
+    ]
+
+
+def token_accuracy(prediction) -> dict:
+    """compute_metrics: next-token accuracy from the logits (needs them over the whole vocabulary)."""
+    logits, labels = prediction.predictions, prediction.label_ids
+    return {"accuracy": float((logits[:, :-1].argmax(-1) == labels[:, 1:]).mean()), "examples": len(logits)}
+
+
 def shared_dir() -> str:
     if not dist.is_initialized():
         return tempfile.mkdtemp(prefix="sf-trainer-")
@@ -43,6 +58,7 @@ def training_args(output_dir: str, global_batch: int, dp: int, **overrides) -> T
         per_device_train_batch_size=global_batch // dp, gradient_accumulation_steps=2, max_steps=4,
         learning_rate=1e-2, max_grad_norm=0.3, logging_steps=1, save_strategy="steps", save_steps=2,
         report_to=[], use_cpu=True, seed=7, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1,
+        per_device_eval_batch_size=1,
     )  # fmt: skip
     options.update(overrides)
     return TrainingArguments(output_dir, **options)

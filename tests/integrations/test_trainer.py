@@ -3,7 +3,9 @@
 Same weights, same data, same global batches (8 examples: 2 accumulated micro-batches of 4 per step),
 clipping active (max_grad_norm below the gradient norm). Checked at tp=2 (2 ranks) and tp=2 x dp=2
 (4 ranks): every logged loss and gradient norm, the weights after 4 steps, the folder save_model
-writes (loaded by plain from_pretrained), and a run resumed from the step-2 checkpoint.
+writes (loaded by plain from_pretrained), a run resumed from the step-2 checkpoint, and evaluate /
+predict after training (loss, logits over the whole vocabulary, each example once). At tp=2 also LoRA
+adapters under ShardedTrainer: losses, the saved adapter loaded by plain PEFT, and resume.
 """
 
 import functools
@@ -12,6 +14,7 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import GPT2LMHeadModel, Trainer
 
 from shardformer import ShardConfig, shard_model
@@ -20,6 +23,7 @@ from shardformer.engine import EngineConfig, ParallelEngine
 from shardformer.integrations import ShardedTrainer
 from shardformer.tools.testing import run_on_ranks
 from tests.helpers import assert_close
+from tests.integrations import common
 from tests.integrations.common import dataset, logged, shared_dir, tiny_gpt2, training_args
 
 GLOBAL_BATCH = 4
@@ -32,7 +36,51 @@ def reference():
     trainer.train()
     result = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
     result["state"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    result.update(_evaluated(trainer))
     shutil.rmtree(out, ignore_errors=True)
+    result["lora"] = _lora_run(Trainer, tiny_gpt2, 1)
+    return result
+
+
+def _evaluated(trainer) -> dict:
+    trainer.compute_metrics = common.token_accuracy
+    metrics = trainer.evaluate(common.eval_dataset())
+    predicted = trainer.predict(common.eval_dataset()[:5])
+    return {
+        "eval": {k: metrics[f"eval_{k}"] for k in ("loss", "accuracy", "examples")},
+        "predictions": predicted.predictions.copy(),
+        "label_ids": predicted.label_ids.copy(),
+    }
+
+
+def _lora(model):
+    torch.manual_seed(5)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True, task_type="CAUSAL_LM",
+        init_lora_weights="gaussian",
+    )  # fmt: skip
+    return get_peft_model(model, config)
+
+
+def _lora_run(trainer_class, build, dp) -> dict:
+    """LoRA adapters under (Sharded)Trainer: losses, the saved adapter (read back by plain PEFT on the
+    unsharded model), and the losses of a run resumed from the step-2 checkpoint."""
+    out, out2 = shared_dir(), shared_dir()
+    trainer = trainer_class(model=_lora(build()), args=training_args(out, GLOBAL_BATCH, dp), train_dataset=dataset())
+    trainer.train()
+    trainer.save_model(os.path.join(out, "adapter"))
+    result = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        loaded = PeftModel.from_pretrained(tiny_gpt2(), os.path.join(out, "adapter"))
+        result["adapter"] = {k: v.detach().numpy().copy() for k, v in loaded.state_dict().items() if "lora_" in k}
+    args = training_args(out2, GLOBAL_BATCH, dp)
+    resumed = trainer_class(model=_lora(build()), args=args, train_dataset=dataset())
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    result["resumed_loss"] = logged(resumed, "loss")
+    if dist.is_initialized():
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(out, ignore_errors=True), shutil.rmtree(out2, ignore_errors=True)
     return result
 
 
@@ -44,6 +92,7 @@ def _sharded_run(tp):
     trainer.train()
     result = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
     result["state"] = gather_full_state(model)
+    result.update(_evaluated(trainer))
     trainer.save_model(os.path.join(out, "final"))
 
     again = shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp))
@@ -62,6 +111,9 @@ def _sharded_run(tp):
         result["plain_trainer"] = _refusal(lambda: Trainer(model=fresh, args=args, train_dataset=dataset()).train())
         staged = ParallelEngine(tiny_gpt2(), lambda p: torch.optim.SGD(p, lr=0.1), EngineConfig(tp=1, pp=2)).model
         result["pipeline"] = _refusal(lambda: ShardedTrainer(model=staged, args=args, train_dataset=dataset()))
+        result["lora"] = _lora_run(
+            ShardedTrainer, lambda: shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp)), dp
+        )
     if dist.get_rank() == 0:
         result["saved"] = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final")).state_dict()
         result["checkpoint_files"] = sorted(os.listdir(os.path.join(out, "checkpoint-2")))
@@ -97,6 +149,12 @@ def _compare(result, ref):
         f"{_worst(result['grad_norm'], ref['grad_norm']):.2e}, weights {worst:.2e}"
     )
     assert_close(torch.tensor(result["resumed_loss"]), torch.tensor(ref["loss"]), what="resumed losses")
+    assert result["eval"]["examples"] == 13 == ref["eval"]["examples"], (result["eval"], ref["eval"])
+    assert_close(torch.tensor(result["eval"]["loss"]), torch.tensor(ref["eval"]["loss"]), what="eval loss")
+    assert result["eval"]["accuracy"] == ref["eval"]["accuracy"], (result["eval"], ref["eval"])
+    assert result["predictions"].shape == ref["predictions"].shape, result["predictions"].shape
+    assert_close(torch.from_numpy(result["predictions"]), torch.from_numpy(ref["predictions"]), what="predictions")
+    assert (result["label_ids"] == ref["label_ids"]).all()
     assert "config.json" in result["checkpoint_files"], result["checkpoint_files"]
 
 
@@ -110,6 +168,12 @@ def test_trainer_at_tp2_matches_one_process():
     assert_close(torch.tensor(result["checkpointed_loss"]), torch.tensor(reference()["loss"]), what="checkpointed")
     assert "ShardedTrainer" in (result["plain_trainer"] or ""), result["plain_trainer"]
     assert "pipeline stages" in (result["pipeline"] or ""), result["pipeline"]
+    lora, ref_lora = result["lora"], reference()["lora"]
+    for key in ("loss", "grad_norm", "resumed_loss"):
+        assert_close(torch.tensor(lora[key]), torch.tensor(ref_lora[key]), what=f"LoRA {key}")
+    assert ref_lora["adapter"] and ref_lora["adapter"].keys() == lora["adapter"].keys()
+    for name, value in ref_lora["adapter"].items():
+        assert_close(torch.from_numpy(lora["adapter"][name]), torch.from_numpy(value), what=f"saved adapter {name}")
 
 
 def test_trainer_at_tp2_dp2_matches_one_process():
