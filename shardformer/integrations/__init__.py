@@ -5,7 +5,7 @@ imports only :mod:`.peft`, which imports peft itself only when a PEFT model is i
 ``ShardedTrainer`` (transformers' Trainer, accelerate) is imported on first use.
 """
 
-__all__ = ["ShardedTrainer", "install_peft"]
+__all__ = ["ShardedSFTTrainer", "ShardedTrainer", "install_peft"]
 
 
 def install_peft() -> None:
@@ -21,4 +21,8 @@ def __getattr__(name: str):
         from shardformer.integrations.trainer import ShardedTrainer
 
         return ShardedTrainer
+    if name == "ShardedSFTTrainer":  # needs TRL (not part of the hf extra's minimum: pip install trl)
+        from shardformer.integrations.sft import ShardedSFTTrainer
+
+        return ShardedSFTTrainer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,6 +33,7 @@ from transformers import Trainer
 from shardformer.checkpoint.gather import layout_of
 from shardformer.checkpoint.reload import load_pretrained_into
 from shardformer.core import comm
+from shardformer.core.comm import gather_from_parallel
 from shardformer.core.record import is_sharded, sharding_of
 from shardformer.data_parallel.grad_norm import clip_master_grads, global_grad_norm
 from shardformer.data_parallel.layout import ParamSlot
@@ -75,6 +76,9 @@ class ShardedTrainer(Trainer):
         for option in ("fsdp", "deepspeed", "parallelism_config"):
             if getattr(self.args, option, None):
                 raise ValueError(f"ShardedTrainer does its own parallelism; drop TrainingArguments.{option}")
+        self._split_heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead1D) and not m.gather_output]
+        if self._split_heads:
+            _refuse_readers_of_split_logits(self)
         # The model owns its placement and gradient reduction: Trainer then prepares it without DDP,
         # calls _sync_replicated_trainable_parameters, and saves on every rank (the export is collective).
         self.is_distributed_loading_by_transformers = True
@@ -122,6 +126,23 @@ class ShardedTrainer(Trainer):
                 return data[: state.remainder]
             return recursively_apply(lambda tensor: tensor[: state.remainder], data)
         return data
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Trainer's; outputs handed back to a caller (TRL's SFTTrainer logs entropy and accuracy from them)
+        carry logits over the whole vocabulary, gathered without gradient."""
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if not return_outputs or not self._split_heads:
+            return result
+        loss, outputs = result
+        head = self._split_heads[-1]
+        logits = outputs.get("logits") if hasattr(outputs, "get") else None
+        if head.gather_output or logits is None or logits.shape[-1] != head.weight.shape[0]:
+            return result  # gathered already (prediction_step), or not this head's logits
+        with torch.no_grad():
+            outputs["logits"] = gather_from_parallel(logits.detach(), head.process_group, head.out_features, 1)
+        return loss, outputs
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Predictions over the whole vocabulary: the vocab-parallel heads gather their logits for the call."""
@@ -221,6 +242,24 @@ class ShardedTrainer(Trainer):
 
 
 def _all_gather_rows(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+    tensor = tensor[None] if tensor.dim() == 0 else tensor  # as accelerate's gather: scalars become rows
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts)
+
+
+def _refuse_readers_of_split_logits(trainer: Trainer) -> None:
+    """What computes a loss from the logits inside the step would see this rank's slice of the vocabulary."""
+    args, fix = trainer.args, "or shard the model with ShardConfig(gather_output=True) (whole logits on every rank)"
+    reasons = []
+    if trainer.compute_loss_func is not None:
+        reasons.append("compute_loss_func computes the loss from the logits")
+    if getattr(args, "label_smoothing_factor", 0):
+        reasons.append(f"label_smoothing_factor={args.label_smoothing_factor} smooths the loss over the logits")
+    if getattr(args, "use_liger_kernel", False):
+        reasons.append("use_liger_kernel=True fuses the head with its own loss")
+    if reasons:
+        raise ValueError(
+            f"the model's LM head is vocab-parallel (each rank holds logits over 1/{trainer._layout.tp} of the "
+            f"vocabulary), but {'; '.join(reasons)}: drop it, {fix}"
+        )

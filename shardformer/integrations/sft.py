@@ -1,0 +1,54 @@
+"""``ShardedSFTTrainer``: TRL's ``SFTTrainer`` on a model sharded by shardformer.
+
+TRL's trainers are subclasses of transformers' ``Trainer``; this one puts :class:`ShardedTrainer` under
+``SFTTrainer``, so every change ShardedTrainer makes to Trainer (batches over dp only, no DDP, the
+global gradient norm, exports, exact resume, whole-vocabulary logits for what reads them) holds for
+SFT too, and TRL's own logic (dataset preparation, completion-only and assistant-only losses, entropy
+and token-accuracy logs, ``peft_config``) runs unchanged on top. What reads the LM head's weight or the
+logits inside the loss (``loss_type="dft"``, Liger kernels) is refused by ShardedTrainer unless the
+model gathers its logits. TRL's default ``loss_type="chunked_nll"`` replaces the model's forward with
+one that multiplies by the LM head's weight itself (this rank's slice of it): it runs as ``"nll"``,
+the same loss, computed by the model's vocab-parallel cross-entropy (which never holds logits over
+the whole vocabulary either).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+from transformers import TrainingArguments
+from trl import SFTConfig, SFTTrainer
+
+from shardformer.integrations.trainer import ShardedTrainer
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedSFTTrainer(SFTTrainer, ShardedTrainer):
+    """``trl.SFTTrainer`` for a shardformer-sharded model; takes exactly SFTTrainer's arguments (the model
+    itself, sharded: ShardedTrainer refuses a name or path)."""
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *rest, **kwargs):
+        if isinstance(model, (str, os.PathLike)):
+            raise ValueError(
+                f"ShardedSFTTrainer trains a sharded model; load {model!r} and shard it with shard_model first"
+            )
+        super().__init__(model, _nll_args(model, args), *rest, **kwargs)
+
+
+def _nll_args(model, args: TrainingArguments | None) -> SFTConfig:
+    """SFTConfig as SFTTrainer would build it, with loss_type "chunked_nll" (TRL's default) run as "nll"."""
+    if args is None:
+        name = os.path.basename(str(getattr(getattr(model, "config", None), "_name_or_path", "") or "model"))
+        args = SFTConfig(f"{name}-SFT")
+    elif not isinstance(args, SFTConfig):
+        options = args.to_dict()
+        options["hub_token"] = args.hub_token  # to_dict hides it
+        args = SFTConfig(**options)
+    if args.loss_type == "chunked_nll":
+        args = copy.copy(args)
+        args.loss_type = "nll"
+        logger.info("ShardedSFTTrainer: loss_type 'chunked_nll' runs as 'nll' (same loss, vocab-parallel)")
+    return args
