@@ -61,16 +61,25 @@ def _held_bytes(model, ids) -> int:
     return sum(storages.values())
 
 
+# tp > 1 also with sequence parallelism, re-gathering the column layers' inputs (the default) or keeping them
+SEQUENCE_PARALLEL = {
+    "": {},
+    " + sequence parallel": {"sequence_parallel": True},
+    " + sequence parallel (keep gathered)": {"sequence_parallel": True, "sequence_parallel_regather": False},
+}
+
+
 def _held_and_estimated(tp):
     ids = torch.randint(3, 99, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     out = {}
-    for model in _activation_models():
-        if tp > 1:
-            model = shard_model(model, ShardConfig(tensor_parallel_size=tp))
-        out[model.config.model_type] = (
-            _held_bytes(model, ids),
-            estimate_activations(model.config, BATCH, SEQ, tp).total,
-        )
+    for suffix, options in SEQUENCE_PARALLEL.items() if tp > 1 else [("", {})]:
+        for model in _activation_models():
+            if tp > 1:
+                model = shard_model(model, ShardConfig(tensor_parallel_size=tp, **options))
+            out[model.config.model_type + suffix] = (
+                _held_bytes(model, ids),
+                estimate_activations(model.config, BATCH, SEQ, tp, **options).total,
+            )
     return out
 
 
@@ -88,9 +97,11 @@ def test_activation_estimate_structure():
     est = lambda tp=2, seq=SEQ, **kw: estimate_activations(config, BATCH, seq, tp, sharded=True, **kw)  # noqa: E731
     one, two = est(tp=1), est()
     assert two.layer_split * 2 == one.layer_split and two.layer_whole == one.layer_whole  # tp splits the interior
-    sp = est(sequence_parallel=True)
-    entry_inputs = 2 * BATCH * SEQ * config.n_embd * 4  # the norm outputs column layers keep: whole under SP too
-    assert sp.layer_whole - entry_inputs == (two.layer_whole - entry_inputs) // 2 and sp.layer_split == two.layer_split
+    sp = est(sequence_parallel=True)  # the column layers' inputs re-gathered in backward: all of it split
+    assert sp.layer_whole == two.layer_whole // 2 and sp.layer_split == two.layer_split
+    keep = est(sequence_parallel=True, sequence_parallel_regather=False)
+    entry_inputs = 2 * BATCH * SEQ * config.n_embd * 4  # the gathered norm outputs the column layers keep
+    assert keep.layer_whole - entry_inputs == (two.layer_whole - entry_inputs) // 2
     ckpt = est(checkpointing=True)
     assert ckpt.parts["layer inputs (checkpointed)"] == config.n_layer * BATCH * SEQ * config.n_embd * 4
     assert ckpt.recompute == two.layer_whole + two.layer_split and ckpt.total < two.total

@@ -3,9 +3,13 @@
 Every family at tp=2 and tp=4: outputs, loss, every gradient (the replicated norm weights included:
 their gradients are sums over the ranks' chunks, the classic bug in this area) and weights after a
 step. Sequence lengths that tp does not divide (ViT's 17 tokens, a 7-token prompt) are padded.
-Dropout in the split region draws plain tp's masks; communication volume is plain tp's.
+Dropout in the split region draws plain tp's masks; communication volume is plain tp's, plus one
+all-gather per block where the column layers re-gather their inputs in backward (the default), which
+keeps 1/tp of those inputs (checked with and without).
 pp x tp x ZeRO with sequence parallelism runs in tests/pipeline/test_engine_from_plan.py.
 """
+
+from collections import Counter
 
 import pytest
 import torch
@@ -84,26 +88,92 @@ def _gpt2_step(model, inputs, seed=0):
 
 
 def check_dropout_masks_and_communication_volume_are_plain_tps():
-    """With dropout on, sequence parallelism computes what plain tp computes; it moves the same
-    bytes inside the layers, plus one all-gather of the hidden states at each end of the stack and
-    the norms' (and row biases') gradient sums."""
+    """With dropout on, sequence parallelism computes what plain tp computes. Keeping the gathered
+    block inputs (``sequence_parallel_regather=False``) it moves the same bytes inside the layers,
+    plus one all-gather of the hidden states at each end of the stack and the norms' (and row
+    biases') gradient sums; re-gathering them (the default) adds one all-gather per block."""
     name, world = "GPT2LMHeadModel", dist.get_world_size()
     config = _dropout_gpt2_config()
     _, plain = zoo.load_twice(name, config=config)
-    _, split = zoo.load_twice(name, config=config)
     plain = shard_model(plain, ShardConfig(tensor_parallel_size=world))
-    split = shard_model(split, _sp())
     inputs = zoo.inputs_for(name)
     loss_plain, plain_comm = _gpt2_step(plain, inputs)
-    loss_split, split_comm = _gpt2_step(split, inputs)
-    assert_close(loss_split, loss_plain, what="loss with dropout")
-    _same_local_grads(split, plain, "with dropout")
     hidden = inputs["input_ids"].numel() * config.n_embd * 4  # bytes of [batch, seq, hidden] fp32
     share = (world - 1) / world
-    norm_bytes = sum(4 * split.get_parameter(p).numel() for p in _split_params(split))
-    expected = plain_comm.wire_bytes(world) + 2 * share * hidden + 2 * share * norm_bytes
-    assert split_comm.wire_bytes(world) == pytest.approx(expected, rel=1e-9), (split_comm.counts, plain_comm.counts)
-    assert split_comm.counts["reduce_scatter"] == 4 * config.n_layer  # attention and MLP, forward and backward
+    for regather in (False, True):
+        _, split = zoo.load_twice(name, config=config)
+        split = shard_model(split, _sp(sequence_parallel_regather=regather))
+        loss_split, split_comm = _gpt2_step(split, inputs)
+        assert_close(loss_split, loss_plain, what=f"loss with dropout, regather={regather}")
+        _same_local_grads(split, plain, f"with dropout, regather={regather}")
+        norm_bytes = sum(4 * split.get_parameter(p).numel() for p in _split_params(split))
+        blocks = 2 * config.n_layer if regather else 0  # attention and MLP re-gather their input in backward
+        expected = plain_comm.wire_bytes(world) + (2 + blocks) * share * hidden + 2 * share * norm_bytes
+        assert split_comm.wire_bytes(world) == pytest.approx(expected, rel=1e-9), (split_comm.counts, regather)
+        assert split_comm.counts["reduce_scatter"] == 4 * config.n_layer  # attention and MLP, forward and backward
+        # the stack's ends, the blocks' inputs (forward) and the row layers' (backward), and the re-gathers
+        assert split_comm.counts["all_gather"] == 2 + 4 * config.n_layer + blocks
+
+
+def _held_bytes(model, inputs) -> int:
+    """Bytes of the tensors a training forward saves for the backward (parameters aside), each storage once."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**inputs).loss
+    return loss, sum(storages.values())
+
+
+def _regather_models(name):
+    """(unsharded, keeping the gathered inputs, re-gathering them) of GPT-2 or a tp-plan Llama, same weights."""
+    if name == "GPT2LMHeadModel":
+        ref, keep = zoo.load_twice(name, "sdpa")
+        _, again = zoo.load_twice(name, "sdpa")
+        ids = zoo.inputs_for(name)["input_ids"][:, :8]
+        layers, hidden = ref.config.n_layer, ref.config.n_embd
+    else:
+        config = tiny_config(tf.LlamaConfig, num_key_value_heads=4)
+        ref, keep = load_pair(tf.LlamaForCausalLM, config, "sdpa")
+        _, again = load_pair(tf.LlamaForCausalLM, config, "sdpa")
+        ids = torch.randint(3, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4))
+        layers, hidden = config.num_hidden_layers, config.hidden_size
+    keep = shard_model(keep, _sp(sequence_parallel_regather=False))
+    again = shard_model(again, _sp())  # the default
+    return ref, keep, again, {"input_ids": ids, "labels": ids}, layers, hidden
+
+
+def check_regathered_inputs_are_exact_and_kept_as_chunks():
+    """Re-gathering the column layers' inputs in backward computes what keeping them computes (and
+    the unsharded model); the step saves 1/tp of each block's gathered input, and sends one more
+    all-gather per block, in backward."""
+    world = dist.get_world_size()
+    for name in ("GPT2LMHeadModel", "LlamaForCausalLM"):
+        ref, keep, again, inputs, layers, hidden = _regather_models(name)
+        counts = {}
+        for variant, model in (("keep", keep), ("regather", again)):
+            model.zero_grad(set_to_none=True)
+            with CollectiveCounter() as forward:
+                loss, held = _held_bytes(model, inputs)
+            with CollectiveCounter() as backward:
+                loss.backward()
+            counts[variant] = (loss.detach(), held, forward.counts, backward.counts)
+        _same_local_grads(again, keep, f"{name}: re-gathered vs kept inputs")
+        (loss_keep, held_keep, fwd_keep, bwd_keep), (loss_again, held_again, fwd_again, bwd_again) = counts.values()
+        assert_close(loss_again, loss_keep, what=f"{name}: loss, re-gathered vs kept")
+        blocks = 2 * layers  # attention and MLP
+        assert fwd_again == fwd_keep, (name, fwd_again, fwd_keep)
+        assert bwd_again - bwd_keep == Counter(all_gather=blocks) and not bwd_keep - bwd_again, (bwd_again, bwd_keep)
+        chunk = inputs["input_ids"].numel() // world * hidden * 4  # 8 tokens: chunks of 8 / tp
+        assert held_keep - held_again == blocks * (world - 1) * chunk, (name, held_keep, held_again, chunk)
+        again.zero_grad(set_to_none=True)
+        odd = {k: v[:, :7] for k, v in inputs.items()}  # 7 tokens: the last chunk is padded
+        parity(ref, again, odd, f"{name} sequence parallel, re-gathered inputs")
 
 
 def _same_local_grads(model, other, what):
@@ -154,6 +224,7 @@ TP2 = [
     check_timm_vit,
     check_llama_and_qwen3_from_plans,
     check_dropout_masks_and_communication_volume_are_plain_tps,
+    check_regathered_inputs_are_exact_and_kept_as_chunks,
     check_activation_checkpointing_replays_split_dropout,
     check_refusals_name_the_fix,
 ]
@@ -163,6 +234,7 @@ TP4 = [  # 17 ViT tokens in chunks of 5, 5, 5, 2; a 7-token prompt in chunks of 
     check_vit_classifier_pads_17_tokens,
     check_timm_vit,
     check_llama_and_qwen3_from_plans,
+    check_regathered_inputs_are_exact_and_kept_as_chunks,
 ]
 test_tp2 = check_table(TP2, 2)
 test_tp4 = check_table(TP4, 4)

@@ -20,6 +20,9 @@ and along the sequence (dim 1 of ``[batch, seq, hidden]``), for sequence paralle
     gather_sequence_for_tp    forward: all-gather        backward: reduce-scatter
     reduce_scatter_sequence   forward: reduce-scatter    backward: all-gather
 
+(:class:`GatheredSequence` lets the layers reading a ``gather_sequence_for_tp`` output keep the chunk
+for their backward and all-gather it again there.)
+
 Split and gather take a :class:`~shardformer.core.shard_spec.ShardSpec` for the last dimension, so
 fused blocks (``n_cast``) and vocabulary padding come back in the original order and size. A
 sequence of ``full_len`` tokens is cut into chunks of ``ceil(full_len / world)``; the padding of the
@@ -515,6 +518,72 @@ def gather_sequence_for_tp(x: torch.Tensor, group, full_len: int) -> torch.Tenso
 def reduce_scatter_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tensor:
     """Partial sums of the full sequence (a row-parallel output) -> this rank's chunk of the total."""
     return _ToChunk.apply(x, group, full_len, True)
+
+
+class _SequenceGathering:
+    """A started all-gather along the sequence: :meth:`wait` returns the full tensor."""
+
+    def __init__(self, parts: list[torch.Tensor] | None, work, full_len: int, full: torch.Tensor | None = None):
+        self.parts, self.work, self.full_len, self.full = parts, work, full_len, full
+
+    def wait(self) -> torch.Tensor:
+        if self.full is None:
+            if self.work is not None:
+                self.work.wait()
+            self.full = torch.cat(self.parts, dim=SEQ_DIM).narrow(SEQ_DIM, 0, self.full_len)
+            self.parts = self.work = None
+        return self.full
+
+
+def start_gather_sequence(x: torch.Tensor, group, full_len: int) -> _SequenceGathering:
+    """Start the all-gather of every rank's chunk (what :func:`gather_sequence` does, without autograd):
+    compute that does not need the result may run before ``wait()``. Compiling: done at once."""
+    x = x.contiguous()
+    world = group_size(group)
+    if world == 1 or torch.compiler.is_compiling():
+        return _SequenceGathering(all_gather(x, group), None, full_len)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    _record("all_gather", x)
+    return _SequenceGathering(parts, dist.all_gather(parts, x, group=group, async_op=True), full_len)
+
+
+class GatheredSequence:
+    """One all-gathered sequence (:func:`gather_sequence_for_tp`'s output) and the chunk it came from,
+    for column-parallel layers that keep this rank's chunk for their backward instead of the gathered
+    tensor, and all-gather it again there (Megatron-LM's sequence parallelism: ``1/world`` of the
+    memory, one more all-gather). The readers of one gathered tensor (q, k and v; gate and up) share
+    one re-gather: it is kept from the first of their backwards to the last.
+
+    Only weak references to the two tensors are held: the readers save the chunk themselves (so
+    autograd checks its version, and activation checkpointing can drop and recompute it)."""
+
+    def __init__(self, full: torch.Tensor, chunk: torch.Tensor, group, full_len: int) -> None:
+        self._full, self._full_version = weakref.ref(full), full._version
+        self._chunk, self._chunk_version = weakref.ref(chunk), chunk._version
+        self.group, self.full_len = group, full_len
+        self._pending = 0  # readers whose backward has not run yet
+        self._regathered: torch.Tensor | None = None
+
+    def chunk_of(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The chunk ``x`` was gathered from, if ``x`` is that gathered tensor, both unchanged."""
+        if self._full() is not x or x._version != self._full_version:
+            return None
+        chunk = self._chunk()
+        return chunk if chunk is not None and chunk._version == self._chunk_version else None
+
+    def add_reader(self) -> None:
+        self._pending += 1
+
+    def start(self, chunk: torch.Tensor) -> _SequenceGathering:
+        """Start re-gathering ``chunk`` (this rank's, as saved); nothing is sent if another reader did."""
+        if self._regathered is not None:
+            return _SequenceGathering(None, None, self.full_len, self._regathered)
+        return start_gather_sequence(chunk, self.group, self.full_len)
+
+    def done(self, full: torch.Tensor) -> None:
+        """A reader's backward ran with ``full``: keep it for the others, drop it after the last."""
+        self._pending -= 1
+        self._regathered = full if self._pending > 0 else None
 
 
 def sum_replicas(grad: torch.Tensor, spec: ShardSpec, group=None) -> torch.Tensor:

@@ -122,6 +122,12 @@ class ShardConfig:
         ``1/tp`` of the sequence (norms, dropout, residuals), for less activation memory at the
         same communication volume. Needs a model whose layer stack is known (the built-in
         families and models with transformers' plans); a no-op at tp=1.
+    sequence_parallel_regather:
+        with ``sequence_parallel``, the column-parallel layers keep only this rank's chunk of their
+        all-gathered input for the backward and all-gather it again there, as Megatron-LM does (the
+        default: the gathered inputs take ``1/tp`` of the memory, for one more all-gather per
+        attention / MLP block and step). False keeps the gathered inputs: plain tp's communication
+        volume, more memory (measured in benchmarks/long_context.py).
     overlap_communication:
         a column-parallel layer's backward starts its input-gradient all-reduce and computes its
         weight gradient meanwhile (same result; False runs them one after the other, for comparison).
@@ -138,6 +144,7 @@ class ShardConfig:
     vocab_pad_multiple: int = 1
     seed: int = DEFAULT_SEED
     sequence_parallel: bool = False
+    sequence_parallel_regather: bool = True
     overlap_communication: bool = True
     mesh: Any = field(default=None, repr=False)
 
@@ -155,7 +162,11 @@ class ShardConfig:
             self, check_positive_int, ("tensor_parallel_size", "pipeline_parallel_size", "vocab_pad_multiple")
         )
         check_positive_int("ShardConfig.data_parallel_size", self.data_parallel_size, optional=True)
-        _check_fields(self, check_bool, ("gather_output", "sequence_parallel", "overlap_communication"))
+        _check_fields(
+            self,
+            check_bool,
+            ("gather_output", "sequence_parallel", "sequence_parallel_regather", "overlap_communication"),
+        )
         check_int("ShardConfig.seed", self.seed)
 
     def check_world(self) -> None:
@@ -185,7 +196,14 @@ class ShardConfig:
 # The EngineConfig fields with a fixed set of values, and those values.
 CHOICES = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "precision": tuple(PRECISIONS), "backend": BACKENDS}
 # The fields EngineConfig hands to ShardConfig under the same name.
-SHARD_FIELDS = ("gather_output", "vocab_pad_multiple", "seed", "sequence_parallel", "overlap_communication")
+SHARD_FIELDS = (
+    "gather_output",
+    "vocab_pad_multiple",
+    "seed",
+    "sequence_parallel",
+    "sequence_parallel_regather",
+    "overlap_communication",
+)
 
 
 @dataclass
@@ -201,7 +219,8 @@ class EngineConfig:
     seed: base seed of the tensor-parallel dropout layers (as ShardConfig.seed).
     activation_checkpointing: recompute each transformer layer's activations in backward instead of
     keeping them (dropout masks replayed: losses and gradients are those of the run without it).
-    sequence_parallel: Megatron sequence parallelism inside the tp group (as ShardConfig.sequence_parallel).
+    sequence_parallel: Megatron sequence parallelism inside the tp group (as ShardConfig.sequence_parallel;
+    ``sequence_parallel_regather`` as ShardConfig's).
     split_batch: ``train_step`` gets the global batch and each dp rank takes its 1/dp slice
     (False: each rank passes its own dp-local batch).
     backend: how training steps run the schedule when pp > 1: "torch" (torch.distributed.pipelining's
@@ -232,6 +251,7 @@ class EngineConfig:
     seed: int = ShardConfig.seed
     activation_checkpointing: bool = False
     sequence_parallel: bool = ShardConfig.sequence_parallel
+    sequence_parallel_regather: bool = ShardConfig.sequence_parallel_regather
     compile: bool = False
     compile_backend: str = "inductor"
     overlap_grad_reduce: bool = True
@@ -248,8 +268,8 @@ class EngineConfig:
         _check_fields(
             self,
             check_bool,
-            ("activation_checkpointing", "sequence_parallel", "compile", "overlap_grad_reduce", "overlap_p2p",
-             "gather_output", "overlap_communication"),
+            ("activation_checkpointing", "sequence_parallel", "sequence_parallel_regather", "compile",
+             "overlap_grad_reduce", "overlap_p2p", "gather_output", "overlap_communication"),
         )  # fmt: skip
         backends = torch._dynamo.list_backends(None)
         if not isinstance(self.compile_backend, str) or self.compile_backend not in backends:

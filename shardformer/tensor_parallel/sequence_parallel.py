@@ -8,7 +8,10 @@ full ``[batch, seq, hidden]`` activations on every rank. With sequence paralleli
   one all-gathers its output: embeddings, final norm and heads run as in plain tp, because
   transformers' forwards read positions and masks from the full length;
 - an *entry* (a block holding column-parallel layers: attention, MLP) all-gathers its input, and the
-  gradient is reduce-scattered; the column layers skip their own all-reduce;
+  gradient is reduce-scattered; the column layers skip their own all-reduce. With ``regather`` (the
+  default) they keep only this rank's chunk of the gathered input for the backward and all-gather
+  it again there, as Megatron-LM does (one more all-gather per entry and step, for 1/tp of the
+  memory of the gathered inputs); without, they keep the gathered input;
 - row-parallel layers reduce-scatter their output instead of all-reducing it;
 - parameters in the split region (norms, row biases, layer scales) see a chunk of the sequence: a
   hook sums their gradients over the tp ranks;
@@ -26,6 +29,7 @@ import torch.nn as nn
 
 from shardformer.core.comm import (
     SEQ_DIM,
+    GatheredSequence,
     all_reduce,
     chunk_length,
     gather_sequence,
@@ -43,11 +47,12 @@ from shardformer.tensor_parallel.layers.linear import Linear1D_Col, Linear1D_Row
 class SequenceParallel:
     """The state of one model's sequence parallelism, set by the first layer of every forward."""
 
-    def __init__(self, group, plan: SequenceParallelPlan) -> None:
-        self.group, self.world, self.plan = group, group_size(group), plan
+    def __init__(self, group, plan: SequenceParallelPlan, regather: bool = True) -> None:
+        self.group, self.world, self.plan, self.regather = group, group_size(group), plan, regather
         self.active = False  # this forward runs split (its sequence is at least tp long)
         self.grad_active = False  # the latest forward under autograd did
         self.full_len = 0
+        self._gathered: GatheredSequence | None = None  # the latest entry input, while regathering
 
     @property
     def local_len(self) -> int:
@@ -75,7 +80,20 @@ class SequenceParallel:
                 f"along dim {SEQ_DIM}, got {tuple(x.shape)}; the model passes it something the policy did not "
                 f"expect, shard it with sequence_parallel=False"
             )
-        return gather_sequence_for_tp(x, self.group, self.full_len)
+        full = gather_sequence_for_tp(x, self.group, self.full_len)
+        if self.regather and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._gathered = GatheredSequence(full, x, self.group, self.full_len)
+        return full
+
+    def regather_source(self, x: torch.Tensor) -> tuple[GatheredSequence | None, torch.Tensor | None]:
+        """For a column layer reading ``x``: where to re-gather it from in backward and the chunk to keep,
+        if ``x`` is the latest entry input, unchanged, and regathering is on (else ``(None, None)``:
+        the layer keeps ``x``)."""
+        gathered = self._gathered
+        if gathered is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None, None
+        chunk = gathered.chunk_of(x)
+        return (gathered, chunk) if chunk is not None else (None, None)
 
     def reduce_scatter(self, y: torch.Tensor, where: str) -> torch.Tensor:
         if y.dim() <= SEQ_DIM or y.shape[SEQ_DIM] != self.full_len:

@@ -189,7 +189,9 @@ class ModelSharder:
             for attr, value in argument.attr_dict.items():
                 _set(module, attr, value)
         plan.detected.rewrite_attributes(self.model)
-        sequence = SequenceParallel(group, plan.sequence) if plan.sequence is not None else None
+        sequence = None
+        if plan.sequence is not None:
+            sequence = SequenceParallel(group, plan.sequence, self.shard_config.sequence_parallel_regather)
         for index, replacement in enumerate(replacements):
             self.replace_layer(replacement, group, self.shard_config.seed + index, sequence)
         for module, input_copy in plan.input_copies:

@@ -42,11 +42,13 @@ not kept).
 Under tensor parallelism the attention and MLP interiors (q/k/v, scores, attention output, MLP
 activations) and the logits are split by t; norms, column-layer inputs, residual dropout and the
 embedding stay whole on every rank. With Megatron sequence parallelism the norms and residual
-dropout masks are split by t too; the column-layer inputs stay whole (each block all-gathers its
-input and its first linears keep the gathered tensor for the backward); embeddings and the head run
-as in plain tp. With activation checkpointing a layer keeps only its input (bsh, / t under sequence
-parallelism) and transformers turns the cache off; one layer's activations come back during the
-backward (``recompute``).
+dropout masks are split by t too, and so are the column-layer inputs: each block all-gathers its
+input, and its first linears keep only this rank's chunk of it for the backward, which all-gathers
+it again (``sequence_parallel_regather``, the default); with ``sequence_parallel_regather=False``
+they keep the gathered tensor (whole). Embeddings, the final norm and the head run as in plain tp.
+With activation checkpointing a layer keeps only its input (bsh, / t under sequence parallelism)
+and transformers turns the cache off; one layer's activations come back during the backward
+(``recompute``).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def estimate_activations(
     *,
     dtype_bytes: int = 4,
     sequence_parallel: bool = False,
+    sequence_parallel_regather: bool = True,
     checkpointing: bool = False,
     device: str = "cpu",
     use_cache: bool | None = None,
@@ -95,7 +98,8 @@ def estimate_activations(
     """Estimate activation bytes per tensor-parallel rank (see the module docstring for the formula).
 
     ``sharded``: the model went through ``shard_model`` (its dropout modules keep bool masks);
-    default: ``tp > 1``. ``use_cache``: default the config's, as transformers does."""
+    default: ``tp > 1``. ``use_cache``: default the config's, as transformers does.
+    ``sequence_parallel_regather``: as ShardConfig's (only read with ``sequence_parallel``)."""
     kind = config.model_type
     if kind not in GPT2_LIKE + LLAMA_LIKE:
         raise NotImplementedError(
@@ -139,9 +143,10 @@ def estimate_activations(
         mlp = 4 * bs * i * w
         final_norm, embd_drop = bs * h * (4 + w), 0
 
-    entry_inputs = 2 * bs * h * w  # the norm outputs the column layers keep: whole even under sequence parallelism
+    entry_inputs = 2 * bs * h * w  # the norm outputs the column layers keep (gathered, or a chunk re-gathered)
     split = (attn + bs * h * w + mlp) // t  # + the attention output the row layer keeps
-    whole = entry_inputs + (norms + drop) // (t if sequence_parallel else 1)
+    chunked = sequence_parallel and sequence_parallel_regather
+    whole = entry_inputs // (t if chunked else 1) + (norms + drop) // (t if sequence_parallel else 1)
     layers = config.num_hidden_layers
     est = ActivationEstimate(layer_whole=whole, layer_split=split)
     if checkpointing:

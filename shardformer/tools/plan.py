@@ -164,6 +164,7 @@ def activation_lines(config, batch: int, seq: int, tp: int, precision: str, devi
     variants = [("tensor parallel" if tp > 1 else "unsharded", {})]
     if tp > 1:
         variants.append(("+ sequence parallel", {"sequence_parallel": True}))
+        variants.append(("  (keep gathered)", {"sequence_parallel": True, "sequence_parallel_regather": False}))
     for name, options in variants:
         full, ckpt = estimate(**options), estimate(checkpointing=True, **options)
         lines.append(f"  {name:<22}{mib(full.total):>18}  {mib(ckpt.total)} (+ {mib(ckpt.recompute)})")

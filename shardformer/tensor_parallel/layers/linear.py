@@ -73,6 +73,40 @@ class _ColumnLinearOverlapped(torch.autograd.Function):
         return None if grad_x is None else grad_x.view(x.shape), grad_w, grad_b, None, None, None
 
 
+class _ColumnLinearRegathered(torch.autograd.Function):
+    """``_matmul`` of an input all-gathered along the sequence that saves this rank's ``chunk`` of it
+    instead of the gathered ``x`` (Megatron-LM's sequence parallelism): backward starts re-gathering
+    the chunk (``source``, a :class:`~shardformer.core.comm.GatheredSequence`), computes the input
+    gradient meanwhile and the weight gradient from the re-gathered input. The same products as
+    autograd's backward of ``_matmul``; the input gradient is a partial sum that the gather's own
+    backward reduce-scatters. ``chunk`` only rides along: its gradient comes through ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, chunk, weight, bias, reversed, source):
+        ctx.save_for_backward(chunk, weight)
+        ctx.reversed, ctx.source, ctx.has_bias, ctx.x_shape = reversed, source, bias is not None, x.shape
+        source.add_reader()
+        return _matmul(x, weight, bias, reversed)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        chunk, weight = ctx.saved_tensors
+        gathering = ctx.source.start(chunk)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = flat_grad.mm(weight.t() if ctx.reversed else weight).view(ctx.x_shape)
+        x = gathering.wait()
+        ctx.source.done(x)
+        if ctx.needs_input_grad[2]:
+            flat_x = x.reshape(-1, x.shape[-1])
+            grad_w = flat_x.t().mm(flat_grad) if ctx.reversed else flat_grad.t().mm(flat_x)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_b = flat_grad.sum(0)
+        return grad_x, None, grad_w, grad_b, None, None
+
+
 def _native_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     if isinstance(module, nn.Linear):
         return module.weight, module.bias, False
@@ -93,7 +127,9 @@ class Linear1D_Col(nn.Module):
     ``sequence_parallel``: the model's :class:`~shardformer.tensor_parallel.sequence_parallel.SequenceParallel`
     state (given by the sharder when the layer sits in a sequence-parallel block); while it is active
     the input was gathered along the sequence by the enclosing block, whose backward reduce-scatters
-    the gradient.
+    the gradient; with the state's ``regather`` this layer keeps only this rank's chunk of the
+    gathered input for its backward and all-gathers it again there (not under autocast or
+    ``torch.compile``, which keep the gathered input).
     ``overlap_communication``: backward starts the input gradient's all-reduce and computes the
     weight gradient meanwhile (False: one after the other), in a layer with an input of its own:
     no ``input_copy``, or one that saw this layer read its inputs alone (from its second step on).
@@ -154,7 +190,11 @@ class Linear1D_Col(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel is not None and self.sequence_parallel.active:
             # the input gradient is reduce-scattered where the sequence was gathered: nothing to reduce here
-            y = _matmul(x, self.weight, self.bias, self.reversed)
+            source, chunk = self.sequence_parallel.regather_source(x)
+            if source is not None and not torch.is_autocast_enabled(x.device.type):
+                y = _ColumnLinearRegathered.apply(x, chunk, self.weight, self.bias, self.reversed, source)
+            else:  # keep the gathered input for the backward
+                y = _matmul(x, self.weight, self.bias, self.reversed)
         elif self._overlaps(x):
             # Sharers and loners run the same function (it saves the same tensors), so activation
             # checkpointing's recompute matches the forward even if reads_alone changed in between.
