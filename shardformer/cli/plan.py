@@ -15,7 +15,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "each rank's parameter shapes, the pipeline stage split and estimated bytes per rank.",
         epilog="examples:\n  shardformer plan gpt2 --tp 2\n  shardformer plan path/to/model --tp 4 --dp 2 --zero 1 "
         "--precision bf16\n  shardformer plan timm:vit_base_patch16_224 --tp 2 --summary\n"
-        "  shardformer plan gpt2 --tp 2 --summary --batch 2 --seq 1024",
+        "  shardformer plan gpt2 --tp 2 --summary --batch 2 --seq 1024\n"
+        "  shardformer plan llama3-405b --tp 8 --pp 16 --dp 8 --simulate",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", metavar="MODEL", help="folder with config.json, a built-in name (gpt2, bert-base, "
@@ -26,8 +27,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
-    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (default 0)")
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0; with "
+                        "--simulate 1; 3: bytes by formula)")  # fmt: skip
+    parser.add_argument("--simulate", action="store_true", help="build one rank of every kind for real on the "
+                        "meta device in a fake process group of the whole world and read its bytes and one "
+                        "training step's collectives (default precision bf16)")  # fmt: skip
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default fp32 (bf16 with --simulate)")
     parser.add_argument("--summary", action="store_true", help="leave out the per-parameter list")
     parser.add_argument("--batch", type=int, help="with --seq: estimate activation memory per rank for this batch")
     parser.add_argument("--seq", type=int, help="with --batch: sequence length of the activation estimate")
@@ -43,6 +48,9 @@ def plan_command(args: argparse.Namespace) -> int:
     from shardformer.tools.plan import build_meta_model, format_plan, plan_model
 
     sys.path.insert(0, os.getcwd())  # --policy module:Class from the current folder
+    if args.simulate:
+        return simulate_command(args)
+    args.precision = args.precision or "fp32"
     try:
         policy = load_policy(args.policy)
         model = build_meta_model(args.model, args.model_class)
@@ -55,4 +63,22 @@ def plan_command(args: argparse.Namespace) -> int:
         print(f"shardformer plan: error: {message}", file=sys.stderr)
         return 2
     print(format_plan(plan, show_params=not args.summary))
+    return 0
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    from shardformer.tools.simulate import format_simulation, simulate_job
+
+    if args.policy or args.batch or args.seq:
+        print("shardformer plan: error: --simulate takes no --policy, --batch or --seq", file=sys.stderr)
+        return 2
+    try:
+        job = simulate_job(
+            args.model, args.tp, args.pp, args.dp, args.zero or 1, args.precision or "bf16",
+            model_class=args.model_class,
+        )  # fmt: skip
+    except (ValueError, NotImplementedError) as e:
+        print(f"shardformer plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_simulation(job))
     return 0

@@ -94,10 +94,12 @@ _active_counters: list[CollectiveCounter] = []
 
 
 class CollectiveCounter:
-    """Context manager recording ``(op, numel, bytes)`` for each collective issued inside it."""
+    """Context manager recording ``(op, numel, bytes)`` for each collective issued inside it, and in
+    ``groups`` (same order) the process group each went over (what a simulated job sorts them by)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, int]] = []
+        self.groups: list = []
 
     def __enter__(self) -> CollectiveCounter:
         _active_counters.append(self)
@@ -124,11 +126,13 @@ class CollectiveCounter:
 
     def reset(self) -> None:
         self.calls.clear()
+        self.groups.clear()
 
 
-def _record(op: str, tensor: torch.Tensor) -> None:
+def _record(op: str, tensor: torch.Tensor, group) -> None:
     for counter in _active_counters:
         counter.calls.append((op, tensor.numel(), tensor.numel() * tensor.element_size()))
+        counter.groups.append(group)
 
 
 # -- primitives -------------------------------------------------------------------------------------
@@ -160,7 +164,7 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
         return tensor
     if torch.compiler.is_compiling():
         return funcol.all_reduce(tensor, "max" if op == dist.ReduceOp.MAX else "sum", _functional_group(group))
-    _record("all_reduce", tensor)
+    _record("all_reduce", tensor, group)
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
@@ -171,14 +175,14 @@ def start_all_reduce(tensor: torch.Tensor, group) -> tuple[torch.Tensor, Handle]
     is already asynchronous in the graph (its wait sits at the first use), so the handle is empty."""
     if group_size(group) == 1 or torch.compiler.is_compiling():
         return all_reduce(tensor, group), Handle()
-    _record("all_reduce", tensor)
+    _record("all_reduce", tensor, group)
     return tensor, Handle(dist.all_reduce(tensor, group=group, async_op=True))
 
 
 def broadcast(tensor: torch.Tensor, group, src_group_rank: int = 0) -> torch.Tensor:
     """In-place broadcast from the group's ``src_group_rank`` (a no-op on one rank)."""
     if group_size(group) > 1:
-        _record("broadcast", tensor)
+        _record("broadcast", tensor, group)
         dist.broadcast(tensor, src=global_rank(group, src_group_rank), group=group)
     return tensor
 
@@ -201,20 +205,20 @@ def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     if torch.compiler.is_compiling():
         return list(funcol.all_gather_single(tensor, 0, _functional_group(group)).chunk(world))
     out = [torch.empty_like(tensor) for _ in range(world)]
-    _record("all_gather", tensor)
+    _record("all_gather", tensor, group)
     dist.all_gather(out, tensor, group=group)
     return out
 
 
 def isend(tensor: torch.Tensor, dst: int, group) -> dist.Work:
     """Start sending ``tensor`` to global rank ``dst`` (pipeline stages); counted as a "send"."""
-    _record("send", tensor)
+    _record("send", tensor, group)
     return dist.isend(tensor, dst, group)
 
 
 def irecv(out: torch.Tensor, src: int, group) -> dist.Work:
     """Start receiving into ``out`` from global rank ``src``; counted as a "recv"."""
-    _record("recv", out)
+    _record("recv", out, group)
     return dist.irecv(out, src, group)
 
 
@@ -227,7 +231,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, _functional_group(group))
     chunks = [c.contiguous() for c in x.chunk(world, dim=dim)]
     out = torch.empty_like(chunks[0])
-    _record("reduce_scatter", x)
+    _record("reduce_scatter", x, group)
     dist.reduce_scatter(out, chunks, group=group)
     return out
 
@@ -258,7 +262,7 @@ def start_reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, per_r
     if group_size(group) == 1:
         out.view(-1).copy_(inp.view(-1))
         return Handle()
-    _record("reduce_scatter", inp)
+    _record("reduce_scatter", inp, group)
     if not per_rank:
         return Handle(_reduce_scatter_single(out, inp, group=group, async_op=True))
     size, rank = group_size(group), group_rank(group)
@@ -274,7 +278,7 @@ def start_all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, per_rank:
         if inp.data_ptr() != out.data_ptr():
             out.view(-1).copy_(inp.view(-1))
         return Handle()
-    _record("all_gather", out)
+    _record("all_gather", out, group)
     if not per_rank:
         return Handle(_all_gather_single(out, inp, group=group, async_op=True))
     rows = out.view(size, -1)

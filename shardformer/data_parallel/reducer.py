@@ -194,7 +194,9 @@ class GradientReducer:
 
     def _agree_on_flags(self) -> tuple[list[bool], bool]:
         """Who has a gradient, and whether any rank saw a stale one: one small all-reduce, every rank."""
-        flags = torch.tensor([*self._has_grad, int(self._stale)], dtype=torch.int32, device=self.slots[0].master.device)
+        device = self.slots[0].master.device
+        device = "cpu" if device.type == "meta" else device  # a job simulated on meta (tools/simulate)
+        flags = torch.tensor([*self._has_grad, int(self._stale)], dtype=torch.int32, device=device)
         if self.dp > 1:
             comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)
         values = [bool(flag) for flag in flags.tolist()]

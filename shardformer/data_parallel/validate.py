@@ -87,7 +87,8 @@ def check_same_on_all_ranks(model_params, stage, bucket_size, overlap, backwards
         "overlap_communication": int(overlap),
         "backwards_per_step": backwards_per_step,
     }
-    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=flat[0].device)
+    device = flat[0].device if flat[0].device.type != "meta" else "cpu"  # a job simulated on meta (tools/simulate)
+    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
     both = torch.cat([mine, -mine])
     comm.all_reduce(both, dp_group, op=dist.ReduceOp.MAX)
     high, low = both[: len(fields)].tolist(), (-both[len(fields) :]).tolist()

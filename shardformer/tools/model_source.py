@@ -24,7 +24,31 @@ PLAN_DERIVED = {
     "llama-7b": lambda: tf.LlamaForCausalLM(tf.LlamaConfig()),
     "phi3-mini": lambda: tf.Phi3ForCausalLM(tf.Phi3Config()),
     "mixtral-8x7b": lambda: tf.MixtralForCausalLM(tf.MixtralConfig()),
+    # published sizes of larger models, for `shardformer plan --simulate` (configs only, no weights)
+    "llama3-8b": lambda: tf.LlamaForCausalLM(_llama3(4096, 32, 32, 14336)),
+    "llama3-70b": lambda: tf.LlamaForCausalLM(_llama3(8192, 80, 64, 28672)),
+    "llama3-405b": lambda: tf.LlamaForCausalLM(_llama3(16384, 126, 128, 53248)),
+    "mixtral-8x22b": lambda: tf.MixtralForCausalLM(
+        tf.MixtralConfig(
+            hidden_size=6144,
+            num_hidden_layers=56,
+            num_attention_heads=48,
+            num_key_value_heads=8,
+            intermediate_size=16384,
+            vocab_size=32768,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        )
+    ),  # fmt: skip
+    "deepseek-v3": lambda: tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config()),  # transformers' default is V3's size
 }
+
+
+def _llama3(hidden: int, layers: int, heads: int, ffn: int):
+    return tf.LlamaConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8,
+        intermediate_size=ffn, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False,
+    )  # fmt: skip
 
 
 def model_class_for(config, folder: str, model_class: str | None = None) -> type:

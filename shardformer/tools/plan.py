@@ -45,6 +45,7 @@ class Plan:
     params: list[tuple[str, tuple, tuple]] = field(default_factory=list)  # (name, full shape, rank shape)
     stages: list[tuple[range, int]] = field(default_factory=list)  # (layers, parameters per rank), pp > 1
     activations: list[str] = field(default_factory=list)  # lines of the activation estimate (batch and seq given)
+    largest_layer: int = 0  # parameters per rank of the largest transformer layer (ZeRO-3's gathered unit)
 
     @property
     def rank_numel(self) -> int:
@@ -54,20 +55,41 @@ class Plan:
     def full_numel(self) -> int:
         return sum(_numel(full) for _, full, _ in self.params)
 
-    def bytes_per_rank(self) -> dict[str, int]:
-        """Parameters, gradients and Adam state (+ fp32 master) per rank, over all pipeline stages.
+    def bytes_per_rank(self, numel: int | None = None) -> dict[str, int]:
+        """Bytes per rank for ``numel`` parameters (default: the largest pipeline stage's, or the model's)."""
+        if numel is None:
+            numel = max(n for _, n in self.stages) if self.stages else self.rank_numel
+        return model_state_bytes(numel, self.precision, self.dp, self.zero, self.largest_layer)
 
-        With pp > 1 these are for the largest stage (the rank that needs the most).
-        """
-        n = max(numel for _, numel in self.stages) if self.stages else self.rank_numel
-        width = BYTES[self.precision]
-        master = 4 if self.precision != "fp32" else 0  # fp32 masters for half precision; fp32 is stepped in place
-        state_and_master = (8 + master) * n
+
+def model_state_bytes(n: int, precision: str, dp: int, zero: int, largest_layer: int = 0) -> dict[str, int]:
+    """Parameters, gradients and Adam state of ``n`` parameters on one rank, as this library lays them out.
+
+    ZeRO-1/2 (:mod:`shardformer.data_parallel`): backward writes every ``param.grad`` in the model's
+    dtype, kept until the next ``zero_grad``; the reduction copies them into fp32 ``[dp, row]`` bucket
+    buffers (ZeRO-1 keeps them between steps; ZeRO-2 holds them all at the end of backward and keeps
+    only its 1/dp row after the reduce-scatter); the fp32 master shard and Adam's two moments are 1/dp.
+    An fp32 model is stepped in place (no master). ZeRO-3 (formula only: PyTorch FSDP2, fp32 shards,
+    bf16 all-gathers, fp32 reduce-scatter): parameters, gradients and Adam state all 1/dp, plus the
+    gathered parameters of two layers (the one computing and the one prefetched) and one layer's
+    unsharded gradient. zero=0: no ZeRO (every rank steps the whole model).
+    """
+    width = BYTES[precision]
+    master = 4 if precision != "fp32" else 0
+    shard = -(-n // dp)
+    if zero == 3:
         return {
-            "parameters": int(n * width),
-            "gradients": int(n * width / (self.dp if self.zero >= 2 else 1)),
-            "optimizer (Adam + master)": int(state_and_master / (self.dp if self.zero >= 1 else 1)),
+            "parameters": 4 * shard + 2 * width * largest_layer,
+            "gradients": 4 * shard + 4 * largest_layer,
+            "optimizer (Adam + master)": 8 * shard,
         }
+    out = {"parameters": n * width, "gradients": n * width}
+    if zero == 1:
+        out["gradient buffers (fp32)"] = 4 * dp * shard
+    elif zero == 2:  # at the end of backward: every bucket's buffer and its reduce-scatter output
+        out["gradient buffers (fp32)"] = 4 * dp * shard + 4 * shard
+    out["optimizer (Adam + master)"] = (8 + master) * (shard if zero >= 1 else n)
+    return out
 
 
 def _numel(shape) -> int:
@@ -89,14 +111,15 @@ def plan_model(
     batch: int | None = None,
     seq: int | None = None,
     device: str = "cpu",
+    tp_rank: int = 0,
 ) -> Plan:
-    """Shard ``model`` (build it on the meta device) for tp rank 0 of ``tp`` and describe the result.
+    """Shard ``model`` (build it on the meta device) for tp rank ``tp_rank`` of ``tp`` and describe the result.
 
     ``policy`` / ``pipeline``: a custom Policy / PipelineSpec (default: the model family's).
     ``batch`` and ``seq`` (both or neither): estimate activation memory per rank too."""
     if (batch is None) != (seq is None):
         raise ValueError(f"batch={batch} and seq={seq}: give both (--batch and --seq) to estimate activations")
-    check_choice("zero", zero, (0, *ZERO_STAGES))
+    check_choice("zero", zero, tuple(sorted({0, *ZERO_STAGES, 3})))  # 3: bytes by formula until it is merged
     check_choice("precision", precision, tuple(PRECISIONS))
     resolve_sizes(tp * pp * dp, tp, pp, dp)
     if pp > 1:
@@ -107,7 +130,7 @@ def plan_model(
     )  # before sharding: a bad size fails before the slow part
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     before = {name: type(m).__name__ for name, m in model.named_modules()}
-    config = ShardConfig(tensor_parallel_process_group=VirtualGroup(0, tp), pipeline_parallel_size=1)
+    config = ShardConfig(tensor_parallel_process_group=VirtualGroup(tp_rank, tp), pipeline_parallel_size=1)
     policy = policy or get_autopolicy(model)
     model = ModelSharder(model, policy, config, layers=layer_stack(model)).shard()
     plan = Plan(tp, pp, dp, zero, precision, activations=plan_activations)
@@ -117,9 +140,23 @@ def plan_model(
     for name, p in model.named_parameters():
         spec = shard_spec(p)
         plan.params.append((name, full_shapes[name], tuple(p.shape) if spec else full_shapes[name]))
+    numels = {name: _numel(local) for name, _, local in plan.params}
     if pp > 1:
-        plan.stages = stage_split(pipeline, model, pp, {name: _numel(local) for name, _, local in plan.params})
+        plan.stages = stage_split(pipeline, model, pp, numels)
+    plan.largest_layer = largest_layer(numels, layer_stack(model))
     return plan
+
+
+def largest_layer(numels: dict[str, int], layers_path: str | None) -> int:
+    """Parameters per rank of the largest layer of the stack at ``layers_path`` (0 without one)."""
+    if layers_path is None:
+        return 0
+    per_layer: dict[str, int] = {}
+    for name, n in numels.items():
+        if name.startswith(layers_path + "."):
+            index = name[len(layers_path) + 1 :].split(".")[0]
+            per_layer[index] = per_layer.get(index, 0) + n
+    return max(per_layer.values(), default=0)
 
 
 def stage_split(spec: PipelineSpec, model: nn.Module, pp: int, numels: dict[str, int]) -> list[tuple[range, int]]:
@@ -200,6 +237,8 @@ def format_plan(plan: Plan, show_params: bool = True) -> str:
     for what, b in per_rank.items():
         lines.append(f"  {what}: {mib(b)}")
     lines.append(f"  total: {mib(sum(per_rank.values()))} (activations not included)")
+    if plan.zero == 3:
+        lines.append("  (ZeRO-3: a formula for PyTorch FSDP2's layout, not read from a built optimizer)")
     if plan.stages:
         lines += ["", f"pipeline stages (pp={plan.pp}; the bytes above are for the largest):"]
         for s, (layers, numel) in enumerate(plan.stages):

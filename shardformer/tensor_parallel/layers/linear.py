@@ -220,7 +220,7 @@ class Linear1D_Col(nn.Module):
             and group_size(self.process_group) > 1
             and torch.is_grad_enabled()
             and x.requires_grad
-            and not torch.is_autocast_enabled(x.device.type)
+            and not (not x.is_meta and torch.is_autocast_enabled(x.device.type))  # meta: tools/simulate, no autocast
         )
 
     def extra_repr(self) -> str:

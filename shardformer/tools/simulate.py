@@ -1,0 +1,339 @@
+"""Simulate a large job in this one process: each distinct kind of rank built for real on the meta device.
+
+:func:`simulate_job` starts PyTorch's fake process group (the ``"fake"`` backend: every collective
+returns at once and moves nothing) with the job's whole world size, this process being one rank of
+it, and runs the library's own path for that rank on a model built on the meta device (shapes, no
+storage): :class:`~shardformer.ProcessMesh`, :class:`~shardformer.ParallelEngine` (``shard_model``,
+the pipeline stage it keeps, :class:`~shardformer.data_parallel.ZeroOptimizer` over the dp group),
+then two training steps of one micro-batch: the first creates Adam's state, the second is measured.
+It does this for one rank of every kind of pipeline stage (first, last, and middle stages of each
+layer count), at tp rank 0; the last tp rank is checked to hold the same shapes by sharding at its
+rank through :func:`~shardformer.tools.plan.plan_model` (vocabulary padding and replicated key/value
+heads could make them differ; a fake group cannot run a tp rank other than 0 for real, as the RNG
+state tp rank 0 broadcasts never arrives). Data-parallel ranks hold equal padded shards by construction.
+
+Bytes are read at the end of the measured backward, the peak of the model state: the parameters of
+the rank's module tree, their ``.grad``, the ZeRO reducer's bucket buffers, and the optimizer's
+master shards and states (its layout). Activations are not counted (``shardformer
+plan --batch --seq`` estimates them). Collectives are the ones the step issues through
+:mod:`shardformer.core.comm`, recorded with their group (tp, dp, ...). Pipeline sends and receives
+are counted from the p2p schedule (a fake group delivers no data, so the receiving stage cannot
+read an activation's shape header); they are marked as such.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shardformer.core.comm import CollectiveCounter
+from shardformer.models import layer_stack
+from shardformer.tools.plan import BYTES, model_state_bytes, plan_model
+
+CATEGORIES = ("parameters", "gradients", "gradient buffers (fp32)", "optimizer (Adam + master)")
+
+
+@dataclass
+class RankSimulation:
+    """One simulated rank: its place, what it holds and what one training step sends."""
+
+    rank: int
+    coords: tuple[int, int, int]  # (pp, dp, tp)
+    layers: tuple[int, ...]  # indices of the transformer layers this rank holds
+    numel: int  # parameters on this rank
+    measured: dict[str, int]  # bytes per category, read from the built rank at the end of backward
+    formula: dict[str, int]  # plan's formula for this rank's parameters
+    collectives: dict[tuple[str, str], tuple[int, int]]  # (group, op) -> (calls, bytes), one step
+    minimum: dict[str, int]  # Megatron's minimum calls per group for one micro-batch
+
+    @property
+    def total(self) -> int:
+        return sum(self.measured.values())
+
+    def calls(self, group: str) -> int:
+        return sum(n for (g, _), (n, _) in self.collectives.items() if g == group)
+
+
+@dataclass
+class JobSimulation:
+    model: str
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    precision: str
+    ranks: list[RankSimulation] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def largest(self) -> RankSimulation:
+        return max(self.ranks, key=lambda r: r.total)
+
+
+def simulate_job(
+    model,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    zero_stage: int = 1,
+    precision: str = "bf16",
+    *,
+    model_class: str | None = None,
+    batch: int = 1,
+    seq: int = 16,
+) -> JobSimulation:
+    """Build every distinct kind of rank of a ``tp x pp x dp`` job for real, on the meta device, in one process.
+
+    ``model``: a transformers config (``PretrainedConfig``), a model factory, or any name ``shardformer
+    plan`` takes (a folder with config.json, a built-in name such as ``llama3-405b``). ``zero_stage``
+    1 or 2 is simulated; 3 builds the rank with ZeRO-1 for its module tree and collectives and reports
+    its bytes from the formula (ZeRO-3's layout, marked as such). ``batch`` x ``seq``: the micro-batch
+    of the simulated steps (meta: no compute, any size is free).
+
+    Runs in this process when torch.distributed is not initialised (the fake group is destroyed
+    afterwards), else in a fresh subprocess, so an existing default group is never touched.
+    """
+    args = (model, tp, pp, dp, zero_stage, precision, model_class, batch, seq)
+    if not dist.is_initialized():
+        return _simulate(*args)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_simulate, args)
+
+
+def _factory(model, model_class):
+    from transformers import PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return lambda: _from_config(model, model_class)
+    from shardformer.tools.model_source import build_model
+
+    return lambda: build_model(model, model_class, weights=False)
+
+
+def _from_config(config, model_class):
+    import transformers as tf
+
+    name = model_class or (config.architectures or [None])[0]
+    if name is not None:
+        return getattr(tf, name)(config)
+    return tf.AutoModelForCausalLM.from_config(config)
+
+
+def _simulate(model, tp, pp, dp, zero_stage, precision, model_class, batch, seq) -> JobSimulation:
+    factory = _factory(model, model_class)
+    with torch.device("meta"):
+        probe = factory()
+    name = model if isinstance(model, str) else type(probe).__name__
+    plan = plan_model(probe, tp, pp, dp, zero_stage, precision)  # also every size check, before any group
+    del probe  # its meta tensors would count as another rank's
+    job = JobSimulation(name, tp, pp, dp, zero_stage, precision)
+    if tp > 1:
+        job.notes.append(_compare_tp_ranks(factory, plan, tp))
+    for stage in _stage_kinds(plan, pp):
+        rank = stage * dp * tp  # dp rank 0, tp rank 0
+        job.ranks.append(_simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq))
+    if zero_stage == 3:
+        job.notes.append("ZeRO-3 bytes are the formula of PyTorch FSDP2's layout, not read from a built optimizer")
+    job.notes.append(
+        "pp sends/receives are counted from the p2p schedule (a fake group delivers no shape header): each "
+        "activation is a shape header and the tensor, each gradient the tensor alone"
+    )
+    return job
+
+
+def _compare_tp_ranks(factory, plan, tp: int) -> str:
+    """Whether the last tp rank holds tp rank 0's shapes, from the plan's sharding at that rank: where
+    ranks differ (vocabulary padding, the last of replicated key/value heads) the last one differs.
+    A fake group cannot run it for real: it would receive tp rank 0's RNG state, and gets no data."""
+    with torch.device("meta"):
+        last = plan_model(factory(), tp, 1, 1, 0, plan.precision, tp_rank=tp - 1)
+    if [shape for _, _, shape in last.params] != [shape for _, _, shape in plan.params]:
+        raise NotImplementedError(f"tp rank {tp - 1} holds other parameter shapes than tp rank 0")
+    return f"tp rank {tp - 1} holds tp rank 0's parameter shapes (sharded at that rank)"
+
+
+def _stage_kinds(plan, pp: int) -> list[int]:
+    """One stage of each kind: first, last, and the first middle stage of each layer count."""
+    if pp == 1:
+        return [0]
+    counts = [len(layers) for layers, _ in plan.stages]
+    kinds: dict[tuple, int] = {}
+    for s, count in enumerate(counts):
+        kinds.setdefault((s == 0, s == pp - 1, count), s)
+    return sorted(kinds.values())
+
+
+def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSimulation:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardformer.core.config import EngineConfig
+    from shardformer.engine import ParallelEngine
+
+    tp, pp, dp = plan.tp, plan.pp, plan.dp
+    excepthook = sys.excepthook  # init_process_group wraps it to prefix tracebacks with the rank
+    dist.init_process_group("fake", rank=rank, world_size=tp * pp * dp, store=FakeStore())
+    try:
+        with torch.device("meta"):
+            model = factory()
+        config = EngineConfig(tp=tp, pp=pp, dp=dp, zero_stage=min(zero_stage, 2), precision=plan.precision)
+        engine = ParallelEngine(model, lambda p: torch.optim.AdamW(p, lr=1e-4), config)
+        hidden_size = model.config.hidden_size
+        _step(engine, batch, seq, hidden_size)  # Adam creates its state in the first step
+        engine.optimizer.zero_grad()
+        with CollectiveCounter() as counter:
+            measured = _step(engine, batch, seq, hidden_size)
+        mesh = engine.mesh
+        names = {id(mesh.tp_group): "tp", id(mesh.dp_group): "dp", id(mesh.pp_group): "pp"}
+        names[id(mesh.embedding_group)] = "embedding"
+        collectives: Counter = Counter()
+        volume: Counter = Counter()
+        for (op, _, nbytes), group in zip(counter.calls, counter.groups):
+            key = (names.get(id(group), "world" if group is None else "other"), op)
+            collectives[key] += 1
+            volume[key] += nbytes
+        numel = sum(p.numel() for p in engine.model.parameters())
+        layers = engine.model.shardformer.layers
+        if layers is None:  # pp=1: every layer
+            layers = range(len(engine.model.get_submodule(layer_stack(engine.model))))
+        layers = tuple(layers)
+        first, last = stage == 0, stage == pp - 1
+        for key, (n, nbytes) in _pipeline_messages(first, last, batch, seq, hidden_size, plan.precision).items():
+            collectives[key], volume[key] = n, nbytes
+        formula = model_state_bytes(numel, plan.precision, dp, zero_stage, plan.largest_layer)
+        if zero_stage == 3:
+            measured = dict(formula)
+        return RankSimulation(
+            rank=rank,
+            coords=mesh.coords,
+            layers=layers,
+            numel=numel,
+            measured=measured,
+            formula=formula,
+            collectives={k: (collectives[k], volume[k]) for k in sorted(collectives)},
+            minimum=_megatron_minimum(len(layers), first, last, tp, pp),
+        )
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = excepthook
+
+
+def _step(engine, batch: int, seq: int, hidden_size: int) -> dict[str, int]:
+    """One training step of one micro-batch through the engine's stage; the bytes held at the end of backward."""
+    mesh, model, zero = engine.mesh, engine.model, engine.optimizer
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    inputs = {
+        "input_ids": ids,
+        "labels": ids,
+        # given whole, so transformers builds no mask from values (a meta tensor has none)
+        "attention_mask": torch.ones(batch, 1, seq, seq, dtype=torch.bool, device="meta"),
+        "position_ids": torch.zeros(batch, seq, dtype=torch.long, device="meta"),
+    }
+    hidden = None
+    if not mesh.is_first_stage:
+        dtype = next(model.parameters()).dtype
+        hidden = torch.empty(batch, seq, hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    model.train()
+    out = engine.stage_forward(model, hidden, inputs)
+    if mesh.is_last_stage:
+        engine.loss_fn(out, inputs).backward()
+    else:
+        out.backward(torch.empty_like(out))
+    engine._sum_shared_grads()  # tied weights over the first and last stage, as train_step does
+    held = _held_bytes(model, zero)
+    zero.step()
+    return held
+
+
+def _held_bytes(model, zero) -> dict[str, int]:
+    """Bytes of the parameters, their gradients, the reducer's bucket buffers and the optimizer's
+    masters and states, each storage counted once (a master that views a buffer is not counted twice)."""
+    seen: set[int] = set()
+
+    def size(tensors) -> int:
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage._cdata not in seen:
+                seen.add(storage._cdata)
+                total += storage.nbytes()
+        return total
+
+    params = list(model.parameters())
+    held = {"parameters": size(params), "gradients": size(p.grad for p in params if p.grad is not None)}
+    # the [dp, row] buffers and reduce-scatter outputs the reducer holds now (its own fields: no API lists them)
+    buffers = [*zero.reducer._buffers.values(), *zero.reducer._outputs.values()]
+    if buffers:
+        held["gradient buffers (fp32)"] = size(buffers)
+    states = [v for st in zero.optim.state.values() for v in st.values() if torch.is_tensor(v)]
+    held["optimizer (Adam + master)"] = size([s.master for s in zero.slots] + states)
+    return held
+
+
+def _pipeline_messages(first, last, batch, seq, hidden, precision) -> dict[tuple[str, str], tuple[int, int]]:
+    """Sends and receives of one micro-batch under the p2p schedule: (calls, bytes) per op."""
+    act = batch * seq * hidden * BYTES[precision]
+    header = 10 * 8  # int64 [ndim, dtype, up to 8 sizes]
+    sends = recvs = (0, 0)
+    if not last:  # the activation forward (header + tensor), its gradient back
+        sends, recvs = (2, header + act), (1, act)
+    if not first:  # the activation in (header + tensor), its gradient out
+        recvs = (recvs[0] + 2, recvs[1] + header + act)
+        sends = (sends[0] + 1, sends[1] + act)
+    out = {}
+    if sends[0]:
+        out[("pp", "send")] = sends
+    if recvs[0]:
+        out[("pp", "recv")] = recvs
+    return out
+
+
+def _megatron_minimum(layers: int, first: bool, last: bool, tp: int, pp: int) -> dict[str, int]:
+    """Megatron's collectives for one micro-batch: per layer 2 all-reduces forward (attention and MLP
+    outputs) and 2 backward (their inputs); the vocab-parallel embedding 1 forward, the LM head's
+    input 1 backward and the vocab-parallel loss 3 forward; one send and one receive per neighbour."""
+    out = {}
+    if tp > 1:
+        out["tp"] = 4 * layers + (1 if first else 0) + (4 if last else 0)
+    if pp > 1:
+        out["pp"] = 2 * ((not first) + (not last))
+    return out
+
+
+def format_simulation(job: JobSimulation) -> str:
+    gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
+    lines = [
+        f"simulated: {job.model} at tp={job.tp} x pp={job.pp} x dp={job.dp} = {job.world} ranks, "
+        f"ZeRO-{job.zero}, {job.precision} (fake process group, meta device; activations not included)",
+    ]
+    for r in job.ranks:
+        pp_rank, _, tp_rank = r.coords
+        lines += [
+            "",
+            f"rank {r.rank} (stage {pp_rank}, tp rank {tp_rank}; layers {r.layers[0]}..{r.layers[-1]}): "
+            f"{r.numel:,} parameters",
+            f"  {'':<28}{'simulated':>12}{'formula':>12}",
+        ]
+        for what in CATEGORIES:
+            if what in r.measured or what in r.formula:
+                a, b = r.measured.get(what, 0), r.formula.get(what, 0)
+                lines.append(f"  {what:<28}{gib(a):>12}{gib(b):>12}")
+        diff = abs(r.total - sum(r.formula.values())) / max(r.total, 1)
+        lines.append(f"  {'total':<28}{gib(r.total):>12}{gib(sum(r.formula.values())):>12}  ({diff:.2%} apart)")
+        per_group: dict[str, list[str]] = {}
+        for (group, op), (n, nbytes) in r.collectives.items():
+            per_group.setdefault(group, []).append(f"{n} {op} ({nbytes / 2**20:,.1f} MiB)")
+        lines.append("  collectives of one training step (one micro-batch):")
+        for group, ops in per_group.items():
+            minimum = r.minimum.get(group)
+            tail = f"  [Megatron minimum {minimum}]" if minimum is not None else ""
+            lines.append(f"    {group}: {', '.join(ops)}{tail}")
+    lines += ["", *job.notes]
+    return "\n".join(lines)

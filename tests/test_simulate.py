@@ -1,0 +1,79 @@
+"""`simulate_job`: each kind of rank of a 1024-rank job built for real on the meta device in a fake
+process group; its bytes equal plan's formula and a hand count, its tp collectives Megatron's minimum."""
+
+import pytest
+import torch.distributed as dist
+import transformers as tf
+
+from shardformer.cli.main import main
+from shardformer.tools.simulate import simulate_job
+
+GIB = 2**30
+
+
+def _adam_bytes(n, dp):
+    return 12 * n // dp  # fp32 master + two fp32 moments of this rank's 1/dp shard
+
+
+def test_llama3_405b_like_on_1024_ranks_matches_formula_and_hand_count():
+    config = tf.LlamaConfig(
+        hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+        intermediate_size=53248, vocab_size=128256, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    job = simulate_job(config, tp=8, pp=16, dp=8, zero_stage=1, precision="bf16")
+    h, kv, ffn, vocab = 16384, 8 * 128, 53248, 128256
+    layer = (2 * h * h + 2 * h * kv + 3 * h * ffn) // 8 + 2 * h  # q, o, k, v, gate/up/down cut over 8; norms whole
+    embed = vocab // 8 * h
+    by_stage = {r.coords[0]: r for r in job.ranks}
+    assert sorted(by_stage) == [0, 1, 15]  # first (7 layers), a middle one (8 layers), last (7 layers)
+    hand = {0: 7 * layer + embed, 1: 8 * layer, 15: 7 * layer + h + embed}
+    for stage, rank in by_stage.items():
+        n = hand[stage]
+        assert rank.numel == n, stage
+        expected = {"parameters": 2 * n, "gradients": 2 * n, "gradient buffers (fp32)": 4 * n}
+        expected["optimizer (Adam + master)"] = _adam_bytes(n, 8)
+        measured = dict(rank.measured)
+        # + Adam's step counters: one 4-byte scalar per parameter tensor
+        assert 0 <= measured.pop("optimizer (Adam + master)") - expected.pop("optimizer (Adam + master)") < 4096, stage
+        assert measured == expected, stage
+        assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total, stage
+        assert rank.calls("tp") == rank.minimum["tp"], (stage, rank.collectives)
+    assert by_stage[1].total / GIB == pytest.approx(28.21, abs=0.01)  # the table in README
+
+
+def test_mixtral_8x22b_like_moe_bytes_and_one_extra_all_reduce_per_moe_layer():
+    config = tf.MixtralConfig(
+        hidden_size=6144, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
+        intermediate_size=16384, vocab_size=32768, num_local_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    job = simulate_job(config, tp=8, pp=8, dp=16, zero_stage=2, precision="bf16")
+    h, kv, ffn, experts = 6144, 8 * 128, 16384, 8
+    layer = (2 * h * h + 2 * h * kv + experts * 3 * h * ffn) // 8 + experts * h + 2 * h  # + router, norms
+    for rank in job.ranks:
+        n = rank.numel
+        assert n == 7 * layer + (32768 // 8 * h if rank.coords[0] == 0 else 0) + (
+            h + 32768 // 8 * h if rank.coords[0] == 7 else 0
+        )
+        # ZeRO-2 at the end of backward: every bucket's fp32 buffer and this rank's reduced row
+        assert rank.measured["gradient buffers (fp32)"] == 4 * n + 4 * n // 16
+        assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total
+        # the replicated routing weights' partial gradient: one all-reduce more per MoE layer in backward
+        assert rank.calls("tp") == rank.minimum["tp"] + len(rank.layers)
+
+
+def test_deepseek_v3_like_mla_and_moe_simulate(capsys):
+    config = tf.DeepseekV3Config(num_hidden_layers=8, first_k_dense_replace=1, n_routed_experts=32)
+    job = simulate_job(config, tp=8, pp=4, dp=32, zero_stage=1, precision="bf16")
+    assert [r.coords[0] for r in job.ranks] == [0, 1, 3]
+    for rank in job.ranks:
+        assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total
+        assert rank.measured["parameters"] == 2 * rank.numel
+        assert rank.calls("tp") > 0  # MLA's replicated low-rank projections: not the dense minimum's shape
+    assert not dist.is_initialized()  # the fake group is gone
+
+
+def test_cli_simulate_and_its_size_check(capsys):
+    assert main(["plan", "llama3-8b", "--tp", "8", "--pp", "2", "--dp", "4", "--simulate"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated: llama3-8b at tp=8 x pp=2 x dp=4 = 64 ranks" in out and "(0.00% apart)" in out
+    assert main(["plan", "llama3-8b", "--tp", "3", "--simulate"]) == 2
