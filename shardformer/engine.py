@@ -124,7 +124,9 @@ class ParallelEngine:
         self.model = shard_model(model, cfg.shard_config(self.mesh), self.policy)
         if cfg.pp > 1:
             self.pipeline.keep_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
-        self.stage_forward = self.pipeline.stage_forward if self.pipeline is not None else whole_model_forward
+        # Context parallelism splits the sequence in the model's own forward (pp is 1 then).
+        whole = self.pipeline is None or cfg.cp > 1
+        self.stage_forward = whole_model_forward if whole else self.pipeline.stage_forward
         if cfg.compile:  # the stage forward, not the model: a spec's stage forward calls submodules directly
             self.stage_forward = torch.compile(self.stage_forward, backend=cfg.compile_backend)
         if cfg.activation_checkpointing:
