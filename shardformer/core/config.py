@@ -308,6 +308,11 @@ class EngineConfig:
                 f"use one of {backends}"
             )
         check_int("EngineConfig.seed", self.seed)
+        if self.cp > 1 and self.compile:
+            raise ValueError(
+                f"EngineConfig.cp={self.cp} with compile=True is not supported: ring and all-to-all attention "
+                f"communicate from inside attention, which torch.compile does not trace; use compile=False"
+            )
         if self.cp > 1 and self.pp > 1:
             raise ValueError(
                 f"EngineConfig.cp={self.cp} with pp={self.pp} is not supported: pipeline stages run parts of the "

@@ -117,5 +117,7 @@ def test_config_is_checked():
 
     with pytest.raises(ValueError, match="EngineConfig.cp=2 with pp=2"):
         EngineConfig(cp=2, pp=2)
+    with pytest.raises(ValueError, match="compile=True is not supported"):
+        EngineConfig(cp=2, compile=True)
     with pytest.raises(ValueError, match="EngineConfig.cp_mode='x'"):
         EngineConfig(cp=2, cp_mode="x")
