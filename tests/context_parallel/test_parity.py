@@ -10,6 +10,7 @@ import torch.distributed as dist
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
+from shardformer.checkpoint.training import save_checkpoint
 from shardformer.core.comm import CollectiveCounter
 from shardformer.models.tiny import tiny_config
 from shardformer.tools.conformance import load_pair
@@ -88,6 +89,8 @@ def check_refusals_before_any_collective():
     model = shard_model(model, _cp("ring"))
     with pytest.raises(ValueError, match="logits_to_keep=1"):
         model(input_ids=common.batch(8)["input_ids"], logits_to_keep=1)
+    with pytest.raises(ValueError, match="a resumable training checkpoint does not support context parallelism"):
+        save_checkpoint("/nonexistent-cp-checkpoint", model)
 
 
 test_cp2 = check_table(
