@@ -5,14 +5,35 @@ training the unsharded model on the same batches. One spawn.
 """
 
 import torch
+import torch.distributed as dist
 
-from shardformer import EngineConfig, ParallelEngine, ShardConfig, shard_model
+from shardformer import EngineConfig, ParallelEngine, ProcessMesh, ShardConfig, shard_model
 from shardformer.core.comm import CollectiveCounter
 from tests.context_parallel import common
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common as engine_common
 
 STEPS = 2
+
+
+def _ranks(group):
+    out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, torch.tensor([dist.get_rank()]), group=group)
+    return [int(t) for t in out]
+
+
+def check_mesh_layout_with_cp():
+    """rank = ((pp * dp + d) * cp + c) * tp + t: tp innermost, then cp."""
+    rank = dist.get_rank()
+    mesh = ProcessMesh(tp_size=2, cp_size=2)
+    assert (mesh.cp_rank, mesh.tp_rank, mesh.dp_size) == (rank // 2, rank % 2, 1)
+    assert _ranks(mesh.tp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert _ranks(mesh.cp_group) == [rank % 2, rank % 2 + 2]
+    mesh = ProcessMesh(cp_size=2)  # dp = 4 // 2
+    assert (mesh.dp_rank, mesh.cp_rank) == divmod(rank, 2)
+    assert _ranks(mesh.cp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert _ranks(mesh.dp_group) == [rank % 2, rank % 2 + 2]
+    assert mesh.global_rank(0, 1, 0, 1) == 3
 
 
 def check_llama_tp2_cp2_ring():
@@ -56,6 +77,7 @@ def check_engine_tp2_cp2_sequence_parallel():
 
 test_cp_4_ranks = check_table(
     [
+        check_mesh_layout_with_cp,
         check_llama_tp2_cp2_ring,
         check_qwen3_tp2_cp2_all_to_all,
         check_engine_cp2_dp2_zero2_checkpointing,
