@@ -109,7 +109,7 @@ class ParallelEngine:
             )
         # Every check that can fail runs before the first collective.
         world = dist.get_world_size() if dist.is_initialized() else 1
-        resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp)
+        resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
         self.policy = policy or get_autopolicy(model)
         self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
         if cfg.pp > 1:  # the split's sizes, paths and ties, before any process waits
@@ -117,14 +117,16 @@ class ParallelEngine:
         if cfg.activation_checkpointing:
             self._checkpoint_activations(model, check_only=True)  # before any collective
         if mesh is not None and (
-            (mesh.tp_size, mesh.pp_size) != (cfg.tp, cfg.pp) or cfg.dp not in (None, mesh.dp_size)
+            (mesh.tp_size, mesh.pp_size, mesh.cp_size) != (cfg.tp, cfg.pp, cfg.cp) or cfg.dp not in (None, mesh.dp_size)
         ):
-            raise ValueError(f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, dp={cfg.dp}")
-        self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp)
+            raise ValueError(f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, cp={cfg.cp}, dp={cfg.dp}")
+        self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp)
         self.model = shard_model(model, cfg.shard_config(self.mesh), self.policy)
         if cfg.pp > 1:
             self.pipeline.keep_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
-        self.stage_forward = self.pipeline.stage_forward if self.pipeline is not None else whole_model_forward
+        # Context parallelism splits the sequence in the model's own forward (pp is 1 then).
+        whole = self.pipeline is None or cfg.cp > 1
+        self.stage_forward = whole_model_forward if whole else self.pipeline.stage_forward
         if cfg.compile:  # the stage forward, not the model: a spec's stage forward calls submodules directly
             self.stage_forward = torch.compile(self.stage_forward, backend=cfg.compile_backend)
         if cfg.activation_checkpointing:
@@ -155,9 +157,9 @@ class ParallelEngine:
         self._torch_pipeline = TorchPipeline(self.model, self.stage_forward, self.mesh, self.device)
         if self.mesh.rank == 0:
             logger.info(
-                "ParallelEngine: tp=%d pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
+                "ParallelEngine: tp=%d cp=%d (%s) pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
                 "rank 0 holds %s and %s trainable parameters",
-                cfg.tp, cfg.pp, self.mesh.dp_size, cfg.zero_stage, cfg.precision, cfg.num_microbatches,
+                cfg.tp, cfg.cp, cfg.cp_mode, cfg.pp, self.mesh.dp_size, cfg.zero_stage, cfg.precision, cfg.num_microbatches,
                 cfg.schedule, cfg.backend,
                 "every layer" if self.model.shardformer.layers is None else f"layers {list(self.model.shardformer.layers)}",
                 f"{sum(p.numel() for p in params):,}",
@@ -229,7 +231,12 @@ class ParallelEngine:
         if self.config.split_batch or mesh.dp_size == 1:
             return [list(range(mesh.world_size))]
         return [
-            [mesh.global_rank(p, d, t) for p in range(mesh.pp_size) for t in range(mesh.tp_size)]
+            [
+                mesh.global_rank(p, d, t, c)
+                for p in range(mesh.pp_size)
+                for c in range(mesh.cp_size)
+                for t in range(mesh.tp_size)
+            ]
             for d in range(mesh.dp_size)
         ]
 

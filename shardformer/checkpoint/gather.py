@@ -34,6 +34,7 @@ class Layout:
     tp_group: object = None
     dp_group: object = None
     pp_group: object = None
+    cp: int = 1  # context-parallel replicas of this (tp, pp, dp) place
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -56,7 +57,7 @@ def layout_of(model: nn.Module) -> Layout:
     if mesh is not None:
         return Layout(
             mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.tp_rank, mesh.pp_rank, mesh.dp_rank, rank, world,
-            mesh.tp_group, mesh.dp_group, mesh.pp_group,
+            mesh.tp_group, mesh.dp_group, mesh.pp_group, mesh.cp_size,
         )  # fmt: skip
     # No mesh: one process, or a tp group given directly. Only a group spanning the whole world
     # says where every rank sits; otherwise the data-parallel place is unknown, and guessing it
@@ -69,6 +70,16 @@ def layout_of(model: nn.Module) -> Layout:
             f"or through ParallelEngine"
         )
     return Layout(tp, 1, 1, tp_rank, 0, 0, rank, world, info.tp_group)
+
+
+def refuse_context_parallel(lay: Layout, what: str) -> None:
+    """Raise (before any collective) where ``what`` does not handle context-parallel ranks yet."""
+    if lay.cp > 1:
+        raise ValueError(
+            f"{what} does not support context parallelism yet (context_parallel_size={lay.cp}): its ranks hold "
+            f"the same shards as their cp peers; save the model with save_pretrained (exported from rank 0), or "
+            f"train with context_parallel_size=1"
+        )
 
 
 def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from shardformer.checkpoint.files import (
     model_tensors,
     rank_files,
 )
-from shardformer.checkpoint.gather import Layout, layout_of
+from shardformer.checkpoint.gather import Layout, layout_of, refuse_context_parallel
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
 from shardformer.checkpoint.optim_state import apply_optimizer, optimizer_payload, read_optimizer
@@ -144,6 +144,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None,
 
 def _save(path, model, optimizer, scheduler, step, extra, held: contextlib.ExitStack) -> None:
     lay = layout_of(model)
+    refuse_context_parallel(lay, "a resumable training checkpoint")
     full, tmp = _rank_zero_result(lay, lambda: _prepare(path, held))
     manifest, error, files = None, None, {}
     try:
@@ -313,6 +314,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None)
     only at the layout they were saved at.
     """
     lay = layout_of(model)
+    refuse_context_parallel(lay, "a resumable training checkpoint")
     full, found = _rank_zero_result(lay, lambda: _recovered(path))
     if not found:  # its own type, so that "resume if there is a checkpoint" can tell it apart
         raise FileNotFoundError(f"no checkpoint at {full}")

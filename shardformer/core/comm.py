@@ -222,6 +222,35 @@ def irecv(out: torch.Tensor, src: int, group) -> dist.Work:
     return dist.irecv(out, src, group)
 
 
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` of shape ``[world, ...]``: row ``r`` goes to rank ``r``; returns the rows every rank sent
+    here, in rank order (context parallelism's Ulysses exchange)."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.all_to_all_single(x, None, None, _functional_group(group))
+    out = torch.empty_like(x)
+    _record("all_to_all", x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def start_ring_shift(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], Handle]:
+    """Start sending ``tensors`` to the next rank of ``group`` and receiving the previous rank's
+    (same shapes); the received tensors are valid once the handle is waited on (ring attention)."""
+    world, rank = group_size(group), group_rank(group)
+    nxt, prev = global_rank(group, (rank + 1) % world), global_rank(group, (rank - 1) % world)
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    ops = []
+    for t, r in zip(tensors, received):
+        _record("send", t)
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), nxt, group))
+        ops.append(dist.P2POp(dist.irecv, r, prev, group))
+    return received, Handle(*dist.batch_isend_irecv(ops))
+
+
 def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Sum ``x`` over the group; this rank keeps its equal chunk along ``dim``."""
     world = group_size(group)

@@ -25,7 +25,14 @@ ZERO_STAGES = (1, 2)  # 1: optimizer states sharded over dp; 2: also the reduced
 SCHEDULES = ("gpipe", "1f1b")  # the pipeline schedules (shardformer.pipeline.schedule runs them)
 BACKENDS = ("p2p", "torch")  # how the engine runs a pipeline schedule
 # Short names of the parallel sizes (EngineConfig's fields) and their long ones (ShardConfig's, the CLI's).
-SIZE_NAMES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "dp": "data_parallel_size"}
+SIZE_NAMES = {
+    "tp": "tensor_parallel_size",
+    "pp": "pipeline_parallel_size",
+    "dp": "data_parallel_size",
+    "cp": "context_parallel_size",
+}
+# How context parallelism computes attention over the whole sequence (shardformer.context_parallel).
+CP_MODES = ("ring", "all_to_all")
 
 
 # -- checkers: each returns the value, or raises ValueError "<name>=<value> must be ..." -------------
@@ -77,26 +84,29 @@ def _check_fields(config: Any, checker: Callable[[str, Any], Any], names: tuple[
         checker(f"{type(config).__name__}.{name}", getattr(config, name))
 
 
-def resolve_sizes(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> tuple[int, int, int]:
+def resolve_sizes(
+    world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1
+) -> tuple[int, int, int]:
     """Check the parallel sizes against the world size and return (pp, dp, tp).
 
-    ``dp`` defaults to ``world_size // (tp * pp)``.
+    ``dp`` defaults to ``world_size // (tp * cp * pp)``.
     """
     check_positive_int("tensor_parallel_size", tp)
     check_positive_int("pipeline_parallel_size", pp)
     check_positive_int("data_parallel_size", dp, optional=True)
+    check_positive_int("context_parallel_size", cp)
+    named = f"tensor_parallel_size={tp} x " + (f"context_parallel_size={cp} x " if cp > 1 else "")
     if dp is None:
-        if world_size % (tp * pp) != 0:
+        if world_size % (tp * cp * pp) != 0:
             raise ValueError(
-                f"world size {world_size} is not divisible by tensor_parallel_size={tp} x "
-                f"pipeline_parallel_size={pp} = {tp * pp}; launch a multiple of {tp * pp} processes "
-                f"or change the sizes"
+                f"world size {world_size} is not divisible by {named}pipeline_parallel_size={pp} = "
+                f"{tp * cp * pp}; launch a multiple of {tp * cp * pp} processes or change the sizes"
             )
-        dp = world_size // (tp * pp)
-    if pp * dp * tp != world_size:
+        dp = world_size // (tp * cp * pp)
+    if pp * dp * cp * tp != world_size:
         raise ValueError(
-            f"pipeline_parallel_size={pp} x data_parallel_size={dp} x tensor_parallel_size={tp} "
-            f"= {pp * dp * tp}, but the world size is {world_size}; make the product equal the number "
+            f"pipeline_parallel_size={pp} x data_parallel_size={dp} x {named.removesuffix(' x ')} "
+            f"= {pp * dp * cp * tp}, but the world size is {world_size}; make the product equal the number "
             f"of processes"
         )
     return pp, dp, tp
@@ -117,6 +127,15 @@ class ShardConfig:
         pad the vocabulary to a multiple of ``vocab_pad_multiple * tp`` (1: just enough to divide).
     seed:
         base seed of the tensor-parallel dropout layers (each layer adds its index).
+    context_parallel_size:
+        split every sequence over this many ranks (each holds ``1/cp`` of every activation); every
+        cp rank passes the same full batch and the library splits it (load-balanced for causal
+        attention). Attention runs over the whole sequence through transformers' attention
+        interface (see :mod:`shardformer.context_parallel`); the loss is the full-sequence loss.
+    context_parallel_mode:
+        "ring" (keys and values passed around the cp ranks, blockwise attention with an online
+        softmax: any head count) or "all_to_all" (Ulysses: the sequence-split activations become
+        head-split for attention and back: heads must divide by tp * cp).
     sequence_parallel:
         Megatron sequence parallelism: between attention and MLP blocks each tp rank keeps its
         ``1/tp`` of the sequence (norms, dropout, residuals), for less activation memory at the
@@ -146,6 +165,8 @@ class ShardConfig:
     sequence_parallel: bool = False
     sequence_parallel_regather: bool = True
     overlap_communication: bool = True
+    context_parallel_size: int = 1
+    context_parallel_mode: str = "ring"
     mesh: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -159,7 +180,9 @@ class ShardConfig:
                 )
             self.tensor_parallel_size = size
         _check_fields(
-            self, check_positive_int, ("tensor_parallel_size", "pipeline_parallel_size", "vocab_pad_multiple")
+            self,
+            check_positive_int,
+            ("tensor_parallel_size", "pipeline_parallel_size", "vocab_pad_multiple", "context_parallel_size"),
         )
         check_positive_int("ShardConfig.data_parallel_size", self.data_parallel_size, optional=True)
         _check_fields(
@@ -168,33 +191,56 @@ class ShardConfig:
             ("gather_output", "sequence_parallel", "sequence_parallel_regather", "overlap_communication"),
         )
         check_int("ShardConfig.seed", self.seed)
+        check_choice("ShardConfig.context_parallel_mode", self.context_parallel_mode, CP_MODES)
+        if self.context_parallel_size > 1:
+            if group is not None:
+                raise ValueError(
+                    f"context_parallel_size={self.context_parallel_size} needs a process mesh, but "
+                    f"tensor_parallel_process_group was given; leave it out (a mesh is built from the sizes) "
+                    f"or pass mesh=ProcessMesh(..., cp_size={self.context_parallel_size})"
+                )
+            if self.pipeline_parallel_size > 1:
+                raise ValueError(
+                    f"context_parallel_size={self.context_parallel_size} with pipeline_parallel_size="
+                    f"{self.pipeline_parallel_size} is not supported: pipeline stages run parts of the model "
+                    f"without its forward, where the sequence is split; use pipeline_parallel_size=1"
+                )
 
     def check_world(self) -> None:
         """Raise (before any collective) if the sizes do not fit the processes that were started."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if self.tensor_parallel_process_group is not None:
             return
-        if not dist.is_initialized() and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+        cp = self.context_parallel_size
+        if not dist.is_initialized() and self.tensor_parallel_size * self.pipeline_parallel_size * cp > 1:
             raise RuntimeError(
                 f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
-                f"{self.pipeline_parallel_size} needs that many processes, but torch.distributed is not "
-                f"initialised; start the script with `shardformer run --nproc_per_node N` and call "
-                f"shardformer.init_distributed()"
+                f"{self.pipeline_parallel_size} x context_parallel_size={cp} needs that many processes, but "
+                f"torch.distributed is not initialised; start the script with `shardformer run "
+                f"--nproc_per_node N` and call shardformer.init_distributed()"
             )
-        resolve_sizes(world, self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
+        resolve_sizes(world, self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size, cp)
         mesh = self.mesh
-        if mesh is not None and (mesh.tp_size, mesh.pp_size) != (
+        if mesh is not None and (mesh.tp_size, mesh.pp_size, mesh.cp_size) != (
             self.tensor_parallel_size,
             self.pipeline_parallel_size,
+            cp,
         ):
             raise ValueError(
                 f"ShardConfig.mesh {mesh} does not match tensor_parallel_size={self.tensor_parallel_size}, "
-                f"pipeline_parallel_size={self.pipeline_parallel_size}; give the mesh's sizes or leave mesh out"
+                f"pipeline_parallel_size={self.pipeline_parallel_size}, context_parallel_size={cp}; give the "
+                f"mesh's sizes or leave mesh out"
             )
 
 
 # The EngineConfig fields with a fixed set of values, and those values.
-CHOICES = {"zero_stage": ZERO_STAGES, "schedule": SCHEDULES, "precision": tuple(PRECISIONS), "backend": BACKENDS}
+CHOICES = {
+    "zero_stage": ZERO_STAGES,
+    "schedule": SCHEDULES,
+    "precision": tuple(PRECISIONS),
+    "backend": BACKENDS,
+    "cp_mode": CP_MODES,
+}
 # The fields EngineConfig hands to ShardConfig under the same name.
 SHARD_FIELDS = (
     "gather_output",
@@ -210,7 +256,9 @@ SHARD_FIELDS = (
 class EngineConfig:
     """How to train (and run) a model with :class:`~shardformer.ParallelEngine`.
 
-    tp, pp, dp: tensor / pipeline / data parallel sizes (dp defaults to world // (tp * pp)).
+    tp, pp, dp: tensor / pipeline / data parallel sizes (dp defaults to world // (tp * cp * pp)).
+    cp, cp_mode: context parallelism (as ShardConfig's context_parallel_size / _mode): every cp rank
+    gets the same batch and the sequence is split over them.
     zero_stage: 1 or 2 (ZeRO over the dp ranks). num_microbatches: micro-batches per step and
     dp rank (gradient accumulation; also what fills the pipeline). schedule: "1f1b" or "gpipe".
     precision: "fp32", "bf16" or "fp16" (fp32 master weights in the optimizer; fp16 adds dynamic
@@ -240,6 +288,8 @@ class EngineConfig:
     tp: int = 1
     pp: int = 1
     dp: int | None = None
+    cp: int = ShardConfig.context_parallel_size
+    cp_mode: str = ShardConfig.context_parallel_mode
     zero_stage: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
@@ -261,7 +311,7 @@ class EngineConfig:
     overlap_communication: bool = ShardConfig.overlap_communication
 
     def __post_init__(self) -> None:
-        _check_fields(self, check_positive_int, ("tp", "pp", "num_microbatches", "vocab_pad_multiple"))
+        _check_fields(self, check_positive_int, ("tp", "pp", "cp", "num_microbatches", "vocab_pad_multiple"))
         check_positive_int("EngineConfig.dp", self.dp, optional=True)
         for name, choices in CHOICES.items():
             check_choice(f"EngineConfig.{name}", getattr(self, name), choices)
@@ -278,6 +328,16 @@ class EngineConfig:
                 f"use one of {backends}"
             )
         check_int("EngineConfig.seed", self.seed)
+        if self.cp > 1 and self.compile:
+            raise ValueError(
+                f"EngineConfig.cp={self.cp} with compile=True is not supported: ring and all-to-all attention "
+                f"communicate from inside attention, which torch.compile does not trace; use compile=False"
+            )
+        if self.cp > 1 and self.pp > 1:
+            raise ValueError(
+                f"EngineConfig.cp={self.cp} with pp={self.pp} is not supported: pipeline stages run parts of the "
+                f"model without its forward, where the sequence is split; use pp=1 with context parallelism"
+            )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")
 
@@ -288,6 +348,8 @@ class EngineConfig:
             tensor_parallel_size=self.tp,
             pipeline_parallel_size=self.pp,
             data_parallel_size=mesh.dp_size,
+            context_parallel_size=self.cp,
+            context_parallel_mode=self.cp_mode,
             mesh=mesh,
             **shared,
         )

@@ -1,10 +1,12 @@
-"""Process groups for (pp, dp, tp) over the world, and process-group start-up from torchrun.
+"""Process groups for (pp, dp, cp, tp) over the world, and process-group start-up from torchrun.
 
-Ranks are laid out with tp innermost, then dp, then pp:
+Ranks are laid out with tp innermost, then cp (context parallelism), then dp, then pp:
 
-    rank = (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
+    rank = ((pp_rank * dp_size + dp_rank) * cp_size + cp_rank) * tp_size + tp_rank
 
-so tensor-parallel peers are neighbours (on one node they share the fastest links).
+so tensor-parallel peers are neighbours (on one node they share the fastest links), and context-
+parallel peers (which exchange keys and values every layer) come next. At cp=1 this is the
+(pp, dp, tp) layout the library always had.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def _timeout() -> timedelta:
 
 @dataclass
 class ProcessMesh:
-    """This rank's place in a (pp, dp, tp) grid and the process groups along each axis.
+    """This rank's place in a (pp, dp, cp, tp) grid and the process groups along each axis.
 
     Every rank must build the mesh with the same sizes (group creation is collective).
     ``embedding_group`` joins the first and last pipeline stage of this rank's (dp, tp) column:
@@ -39,6 +41,7 @@ class ProcessMesh:
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int | None = None
+    cp_size: int = 1
     rank: int = field(init=False)
     world_size: int = field(init=False)
 
@@ -51,11 +54,12 @@ class ProcessMesh:
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.pp_size, self.dp_size, self.tp_size = resolve_sizes(
-            self.world_size, self.tp_size, self.pp_size, self.dp_size
+            self.world_size, self.tp_size, self.pp_size, self.dp_size, self.cp_size
         )
-        pp, dp, tp = self.pp_size, self.dp_size, self.tp_size
-        self.pp_rank, rest = divmod(self.rank, dp * tp)
-        self.dp_rank, self.tp_rank = divmod(rest, tp)
+        pp, dp, cp, tp = self.pp_size, self.dp_size, self.cp_size, self.tp_size
+        self.pp_rank, rest = divmod(self.rank, dp * cp * tp)
+        self.dp_rank, rest = divmod(rest, cp * tp)
+        self.cp_rank, self.tp_rank = divmod(rest, tp)
 
         timeout = _timeout()
 
@@ -68,15 +72,28 @@ class ProcessMesh:
                     mine = group
             return mine
 
-        self.tp_group = build([[self.global_rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)])
-        self.dp_group = build([[self.global_rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)])
-        self.pp_group = build([[self.global_rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)])
-        self.embedding_group = build(
-            [sorted({self.global_rank(0, d, t), self.global_rank(pp - 1, d, t)}) for d in range(dp) for t in range(tp)]
-        )
+        rank = self.global_rank
+        cells = [(p, d, c, t) for p in range(pp) for d in range(dp) for c in range(cp) for t in range(tp)]
 
-    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
+        def along(axis: int) -> list[list[int]]:  # the groups that vary only the coordinate ``axis``
+            lines: dict[tuple, list[int]] = {}
+            for cell in cells:
+                lines.setdefault(cell[:axis] + cell[axis + 1 :], []).append(rank(cell[0], cell[1], cell[3], cell[2]))
+            return list(lines.values())
+
+        # Groups are created in the order they always were (tp, dp, pp), then cp's when there is one.
+        self.tp_group = build(along(3))
+        self.dp_group = build(along(1))
+        self.pp_group = build(along(0))
+        self.embedding_group = build(
+            [sorted({rank(0, d, t, c), rank(pp - 1, d, t, c)}) for d in range(dp) for c in range(cp) for t in range(tp)]
+        )
+        self.cp_group = build(along(2)) if cp > 1 else LOCAL  # None would mean the whole world
+
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int | None = None) -> int:
+        """The global rank at these coordinates (``cp_rank`` None: this rank's own)."""
+        cp_rank = self.cp_rank if cp_rank is None else cp_rank
+        return ((pp_rank * self.dp_size + dp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -98,7 +115,9 @@ class ProcessMesh:
     def __repr__(self) -> str:
         return (
             f"ProcessMesh(rank={self.rank}/{self.world_size}, pp={self.pp_rank}/{self.pp_size}, "
-            f"dp={self.dp_rank}/{self.dp_size}, tp={self.tp_rank}/{self.tp_size})"
+            f"dp={self.dp_rank}/{self.dp_size}, "
+            + (f"cp={self.cp_rank}/{self.cp_size}, " if self.cp_size > 1 else "")
+            + f"tp={self.tp_rank}/{self.tp_size})"
         )
 
 

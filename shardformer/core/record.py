@@ -39,6 +39,7 @@ class ShardedModelInfo:
     layers: tuple[int, ...] | None = None
     pipeline: Any = None
     sequence_parallel: Any = None  # the model's SequenceParallel state (None: plain tensor parallelism)
+    context_parallel: Any = None  # the model's ContextParallel state (None: the sequence is not split)
 
     @classmethod
     def unsharded(cls) -> ShardedModelInfo:
@@ -65,7 +66,10 @@ def build_mesh(shard_config: ShardConfig) -> tuple[ProcessMesh | None, Any]:
     if not dist.is_initialized():
         return None, None
     mesh = shard_config.mesh or ProcessMesh(
-        shard_config.tensor_parallel_size, shard_config.pipeline_parallel_size, shard_config.data_parallel_size
+        shard_config.tensor_parallel_size,
+        shard_config.pipeline_parallel_size,
+        shard_config.data_parallel_size,
+        shard_config.context_parallel_size,
     )
     return mesh, mesh.tp_group
 

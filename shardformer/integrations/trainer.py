@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from transformers import Trainer
 
-from shardformer.checkpoint.gather import layout_of
+from shardformer.checkpoint.gather import layout_of, refuse_context_parallel
 from shardformer.checkpoint.reload import load_pretrained_into
 from shardformer.core import comm
 from shardformer.core.comm import gather_from_parallel
@@ -72,6 +72,7 @@ class ShardedTrainer(Trainer):
                 f"ParallelEngine, or shard it with pipeline_parallel_size=1 for ShardedTrainer"
             )
         self._layout = layout_of(root)  # refuses a tp group without a mesh when dp is unknown
+        refuse_context_parallel(self._layout, "ShardedTrainer")  # its data split knows dp and tp only
         super().__init__(model, args, *rest, **kwargs)
         for option in ("fsdp", "deepspeed", "parallelism_config"):
             if getattr(self.args, option, None):

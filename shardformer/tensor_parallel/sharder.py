@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardformer.context_parallel import apply_context_parallel, check_context_parallel
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 from shardformer.core.rng import agree_on_rng
@@ -51,6 +52,7 @@ class ShardPlan:
     input_copies: list[tuple[nn.Module, SharedInputCopy]]
     detected: Detected
     sequence: SequenceParallelPlan | None
+    attention: str | None = None  # the attention implementation context parallelism falls back to
 
 
 @dataclass
@@ -118,6 +120,9 @@ class ModelSharder:
         self.policy.set_model(self.model)
         arguments = self.policy.argument_policy(config, self.shard_config)
         self.shard_config.check_world()
+        attention = None
+        if self.shard_config.context_parallel_size > 1:
+            attention = check_context_parallel(self.model, self.shard_config)
         targets = [(name, m, arguments[type(m)]) for name, m in self.model.named_modules() if type(m) in arguments]
         if not targets:
             raise ValueError(
@@ -155,7 +160,7 @@ class ModelSharder:
                 )
             entries = self.policy.sequence_parallel_entries()
             sequence = plan_sequence_parallel(self.model, self.layers, replacements, entries)
-        return ShardPlan(targets, replacements, input_copies, detected, sequence)
+        return ShardPlan(targets, replacements, input_copies, detected, sequence, attention)
 
     def _check_layer(self, parent_path: str, parent: nn.Module, layer: Layer, where: str, input_copy) -> Replacement:
         target = _get(parent, layer.suffix)
@@ -203,7 +208,16 @@ class ModelSharder:
         agree_on_rng(group)
         replay_in_hf_checkpointing(self.model)  # activation checkpointing replays the dropout masks
         adapt_class(self.model)  # generate() and transformers' LM losses on vocab-parallel logits
-        attach(self.model, ShardedModelInfo(self.shard_config, self.policy, mesh, group, sequence_parallel=sequence))
+        context = None
+        if plan.attention is not None:
+            cfg = self.shard_config
+            context = apply_context_parallel(
+                self.model, mesh.cp_group, cfg.context_parallel_mode, plan.attention, cfg.gather_output
+            )
+        info = ShardedModelInfo(
+            self.shard_config, self.policy, mesh, group, sequence_parallel=sequence, context_parallel=context
+        )
+        attach(self.model, info)
         if self.shard_config.tensor_parallel_size > 1:
             refuse_ddp(self.model)
         if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):

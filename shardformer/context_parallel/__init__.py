@@ -1,0 +1,21 @@
+"""Context parallelism: the sequence split over cp ranks, attention over the whole sequence through
+transformers' attention interface, by Ulysses all-to-all or ring attention.
+
+``ShardConfig(context_parallel_size=C, context_parallel_mode="ring" | "all_to_all")``; see
+:mod:`.model` for what happens to a forward, :mod:`.attention` for how attention is reached,
+:mod:`.ring` and :mod:`.ulysses` for the two ways it is computed, and :mod:`.checks` for what is refused.
+"""
+
+from shardformer.context_parallel.attention import IMPLEMENTATION
+from shardformer.context_parallel.checks import check_context_parallel
+from shardformer.context_parallel.layout import ZigzagLayout, gather_split
+from shardformer.context_parallel.model import ContextParallel, apply_context_parallel
+
+__all__ = [
+    "IMPLEMENTATION",
+    "ContextParallel",
+    "ZigzagLayout",
+    "apply_context_parallel",
+    "check_context_parallel",
+    "gather_split",
+]

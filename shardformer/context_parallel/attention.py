@@ -1,0 +1,184 @@
+"""Context parallelism through transformers' attention interface: one attention implementation and
+one mask implementation, registered under :data:`IMPLEMENTATION`, reach every model that uses the
+interface, with no per-family code.
+
+A model under context parallelism has ``config._attn_implementation = IMPLEMENTATION`` and
+remembers its original implementation (``"sdpa"``, ``"eager"``, ...):
+
+- the mask function: in a split forward, transformers' ``create_*_mask`` hands it the model's own
+  mask pattern (causal, sliding window, chunked, bidirectional, with overlays) and the 2D padding
+  mask; it returns a :class:`SplitMask` holding them, which the layers pass on to attention
+  untouched. Masks are evaluated on GLOBAL positions with transformers' own ``sdpa_mask``, so
+  they are the model's own masks, exactly (no "causal" assumed). Otherwise it is the original
+  implementation's mask function.
+- the attention function: given a :class:`SplitMask`, ring or Ulysses attention over the whole
+  sequence; given anything else in a forward that was not split (generate, decode), the
+  original implementation; given anything else in a split forward (a model that builds its own
+  4D mask, or none), a clear refusal - the same on every rank, before attention communicates.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from shardformer.context_parallel.layout import ZigzagLayout
+from shardformer.context_parallel.ring import ring_attention
+from shardformer.context_parallel.ulysses import ulysses_attention
+
+IMPLEMENTATION = "shardformer_context_parallel"
+# kwargs of the attention interface the ring cannot honour (they change the softmax itself)
+_RING_UNSUPPORTED = ("softcap", "s_aux", "sinks")
+
+# id(config) -> (config, ContextParallel): configs are not hashable, and an attribute on them
+# would be written out by save_pretrained.
+_STATES: dict[int, tuple[Any, Any]] = {}
+
+
+def attach_state(configs, state) -> None:
+    for config in configs:
+        _STATES[id(config)] = (config, state)
+
+
+def _state_for(config):
+    found = _STATES.get(id(config)) if config is not None else None
+    return found[1] if found is not None and found[0] is config else None
+
+
+def original_attention(module, implementation: str):
+    """The attention function ``module`` would use under ``implementation`` (eager's lives in the
+    model's own modeling file)."""
+    if implementation == "eager":
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager
+        implementation = "sdpa"
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+@dataclass(eq=False)
+class SplitMask:
+    """The model's mask in a split forward: its pattern, the padding, and where the tokens are."""
+
+    layout: ZigzagLayout
+    group: Any
+    mode: str
+    mask_function: Any
+    padding: torch.Tensor  # [batch, padded_len] bool, False past the true length
+    mask_kwargs: dict  # what create_*_mask passed (use_vmap, dtype, config, local_size, ...)
+    original: str
+    forward: Any  # the split forward this mask belongs to (counts the attention calls)
+    _cache: dict = field(default_factory=dict)
+
+    def _block(self, q_start: int, kv_start: int, q_len: int, kv_len: int) -> torch.Tensor:
+        return sdpa_mask(
+            batch_size=self.padding.shape[0],
+            q_length=q_len,
+            kv_length=kv_len,
+            q_offset=q_start,
+            kv_offset=kv_start,
+            mask_function=self.mask_function,
+            attention_mask=self.padding,
+            allow_is_causal_skip=False,
+            use_vmap=self.mask_kwargs.get("use_vmap", False),
+            device=self.padding.device,
+        )
+
+    def ring_block(self, source: int) -> torch.Tensor | None:
+        """This rank's queries against ``source``'s keys: ``[b, 1, n, n]`` bool (None: all True)."""
+        if source not in self._cache:
+            c, layout = self.layout.chunk, self.layout
+            rows = [
+                torch.cat([self._block(q, k, c, c) for k in layout.starts(source)], dim=-1)
+                for q in layout.starts(layout.rank)
+            ]
+            mask = torch.cat(rows, dim=-2)
+            self._cache[source] = None if bool(mask.all()) else mask
+        return self._cache[source]
+
+    def full(self):
+        """The original implementation's mask over the whole padded sequence, in order (Ulysses)."""
+        if "full" not in self._cache:
+            n = self.layout.padded_len
+            kwargs = {**self.mask_kwargs, "batch_size": self.padding.shape[0], "q_length": n, "kv_length": n}
+            kwargs.update(q_offset=0, kv_offset=0, mask_function=self.mask_function, attention_mask=self.padding)
+            self._cache["full"] = ALL_MASK_ATTENTION_FUNCTIONS[self.original](**kwargs)
+        return self._cache["full"]
+
+    def attend(self, module, query, key, value, scaling, dropout, kwargs):
+        self.forward.attention_calls += 1
+        n = self.layout.local_len
+        if query.shape[2] != n or key.shape[2] != n:
+            raise ValueError(
+                f"context parallelism: {type(module).__name__} attends {query.shape[2]} queries to {key.shape[2]} "
+                f"keys, but this rank holds {n} tokens of the split sequence; attention over other inputs (cross "
+                f"attention, shared or cached keys) cannot be split: shard with context_parallel_size=1"
+            )
+        if self.mode == "all_to_all":
+            attend = original_attention(module, self.original)
+            out = ulysses_attention(
+                module, query, key, value, self.full(), attend, self.layout, self.group,
+                scaling=scaling, dropout=dropout, **kwargs,
+            )  # fmt: skip
+            return out, None
+        bad = [name for name in _RING_UNSUPPORTED if kwargs.get(name) is not None]
+        if dropout:
+            bad.append(f"dropout={dropout}")
+        if bad:
+            raise ValueError(
+                f"context_parallel_mode='ring' cannot compute {type(module).__name__}'s attention with "
+                f"{', '.join(bad)} exactly; use context_parallel_mode='all_to_all' (or no attention dropout)"
+            )
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = ring_attention(query, key, value, self.ring_block, scale, self.group)
+        return out.transpose(1, 2).contiguous(), None
+
+
+def context_parallel_mask(*, config=None, mask_function=None, attention_mask=None, **kwargs):
+    """The mask interface under :data:`IMPLEMENTATION` (see the module's docstring)."""
+    state = _state_for(config)
+    if state is None:
+        raise RuntimeError(
+            f"attention implementation {IMPLEMENTATION!r} is set on a model that shardformer did not shard with "
+            f"context parallelism; set the model's attn_implementation back (e.g. 'sdpa')"
+        )
+    current = state.current
+    if current is None:
+        return ALL_MASK_ATTENTION_FUNCTIONS[state.original](
+            config=config, mask_function=mask_function, attention_mask=attention_mask, **kwargs
+        )
+    kwargs = {
+        k: v for k, v in kwargs.items() if k not in ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset")
+    }
+    return SplitMask(
+        current.layout, state.group, state.mode, mask_function, current.padding,
+        {**kwargs, "config": config}, state.original, current,
+    )  # fmt: skip
+
+
+def context_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention interface under :data:`IMPLEMENTATION` (see the module's docstring)."""
+    if isinstance(attention_mask, SplitMask):
+        return attention_mask.attend(module, query, key, value, scaling, dropout, kwargs)
+    state = _state_for(getattr(module, "config", None))
+    if state is not None and state.current is not None:
+        what = "no mask" if attention_mask is None else f"a {type(attention_mask).__name__} mask it built itself"
+        raise ValueError(
+            f"context parallelism: {type(module).__name__} gets {what}, not one from transformers' create_*_mask "
+            f"functions, so its mask over the split sequence is unknown; shard this model with context_parallel_size=1"
+        )
+    implementation = state.original if state is not None else "sdpa"
+    return original_attention(module, implementation)(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
+
+
+def register() -> None:
+    """Register the implementation with transformers (idempotent)."""
+    ALL_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, context_parallel_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, context_parallel_mask)

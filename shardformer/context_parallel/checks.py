@@ -1,0 +1,60 @@
+"""What context parallelism can split exactly, checked before anything is cut or any group exists."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from transformers import PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+# attention layer kinds whose masks transformers' create_*_mask functions describe
+MASKED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+ORIGINAL_IMPLEMENTATIONS = ("sdpa", "eager")
+_CAUSAL_LM_CLASSES = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    return any(cls.__name__ in _CAUSAL_LM_CLASSES for cls in type(model).__mro__)
+
+
+def check_context_parallel(model: nn.Module, shard_config) -> str:
+    """Raise if ``model`` cannot run with the config's context parallelism; return the model's
+    attention implementation (the one attention falls back to when a forward is not split)."""
+    cp, mode = shard_config.context_parallel_size, shard_config.context_parallel_mode
+    name = type(model).__name__
+    why = None
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None else None
+    if not isinstance(model, PreTrainedModel):
+        why = "it is not a transformers model, and attention is split through transformers' attention interface"
+    elif not getattr(model, "_supports_attention_backend", False):
+        why = (
+            "its attention does not go through transformers' attention interface (_supports_attention_backend is False)"
+        )
+    elif getattr(config, "is_encoder_decoder", False):
+        why = "it is an encoder-decoder model (cross attention reads another sequence)"
+    elif not (is_causal_lm(model) or model.base_model is model):
+        why = (
+            "only causal language models and base models are split: the loss or head of this class reads "
+            "tokens across the sequence (pooling, spans, choices)"
+        )
+    elif getattr(text, "output_router_logits", False):
+        why = "its router auxiliary loss is computed over the whole batch at once (output_router_logits=True)"
+    elif set(getattr(text, "layer_types", None) or ()) - MASKED_LAYER_TYPES:
+        kinds = sorted(set(text.layer_types) - MASKED_LAYER_TYPES)
+        why = f"its layers of type {kinds} mix tokens outside attention (recurrent or convolutional state)"
+    elif config._attn_implementation not in ORIGINAL_IMPLEMENTATIONS:
+        why = (
+            f"it was loaded with attn_implementation={config._attn_implementation!r}; load it with "
+            f"attn_implementation='sdpa' or 'eager'"
+        )
+    if why is not None:
+        raise ValueError(f"context_parallel_size={cp}: {name} cannot be split over the sequence: {why}")
+    heads = getattr(text, "num_attention_heads", None)
+    tp = shard_config.tensor_parallel_size
+    if mode == "all_to_all" and isinstance(heads, int) and heads % (tp * cp) != 0:
+        raise ValueError(
+            f"context_parallel_mode='all_to_all' gives every rank whole attention heads, but {name} has "
+            f"{heads} heads, which tensor_parallel_size={tp} x context_parallel_size={cp} = {tp * cp} does not "
+            f"divide; use context_parallel_mode='ring' (any head count) or other sizes"
+        )
+    return config._attn_implementation

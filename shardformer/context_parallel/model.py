@@ -1,0 +1,194 @@
+"""Context parallelism on a (sharded) transformers model: its forward takes the full batch on every
+cp rank and runs on this rank's tokens.
+
+A forward pre-hook splits the sequence inputs (:mod:`~shardformer.context_parallel.layout`), gives
+position ids from the GLOBAL positions (rotary and absolute embeddings see the true positions),
+passes the whole padding mask (the attention masks are evaluated on global positions), and takes
+the labels out: they are shifted on the full sequence first (token ``t`` predicts ``t + 1`` even
+across a chunk boundary), then split. A forward hook computes the model's own loss on this rank's
+tokens, divided by the token count of the whole batch, and sums it over the cp ranks: every rank
+returns the full-sequence loss. Logits stay split (this rank's tokens, in the layout's order)
+unless ``gather_output``.
+
+Parameters see only this rank's tokens, so their gradients are summed over the cp ranks (a hook
+per parameter, in backward). A forward that continues a cache or asks for one (``generate``) is
+not split: every cp rank computes it whole, with the model's original attention.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.masking_utils import find_packed_sequence_indices
+
+from shardformer.context_parallel.attention import IMPLEMENTATION, attach_state, register
+from shardformer.context_parallel.checks import is_causal_lm
+from shardformer.context_parallel.layout import ZigzagLayout, gather_split, layout_for, split_replicated
+from shardformer.core.comm import all_reduce, group_size, reduce_from_parallel
+
+IGNORE = -100
+_SPLIT_IDS = ("input_ids", "token_type_ids")  # [batch, seq] inputs taken like input_ids
+
+
+@dataclass
+class SplitForward:
+    """One split forward: where the tokens are, the padding mask, this rank's labels."""
+
+    layout: ZigzagLayout
+    padding: torch.Tensor
+    labels: torch.Tensor | None
+    num_items: torch.Tensor | int | None
+    attention_calls: int = 0
+
+
+class ContextParallel:
+    """The context-parallel state of one model (``sharding_of(model).context_parallel``)."""
+
+    def __init__(self, model: nn.Module, group, mode: str, original: str, gather_output: bool) -> None:
+        self.group, self.mode, self.original, self.gather_output = group, mode, original, gather_output
+        self.world = group_size(group)
+        self.causal_lm = is_causal_lm(model)
+        self.current: SplitForward | None = None  # set while a split forward runs
+        self.grad_split = False  # the latest forward under autograd was split
+        self._hooked: set[int] = set()
+        self._signature = inspect.signature(model.forward)
+
+    # -- forward hooks ------------------------------------------------------------------------------
+
+    def before(self, model: nn.Module, args, kwargs):
+        self.current = None
+        bound = self._signature.bind_partial(*args, **kwargs).arguments
+        for name, p in self._signature.parameters.items():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                bound.update(bound.pop(name, {}))
+        split = bound.get("past_key_values") is None and not bound.get("use_cache")
+        if torch.is_grad_enabled():
+            self.grad_split = split
+            self._hook_new_parameters(model)
+        if not split:
+            return (), bound
+        return (), self._split(bound)
+
+    def after(self, model: nn.Module, _args, _kwargs, output):
+        current, self.current = self.current, None
+        if current is None:
+            return None
+        if current.attention_calls == 0:
+            raise ValueError(
+                f"context parallelism: {type(model).__name__}'s forward ran on a split sequence without calling "
+                f"transformers' attention interface, so its attention saw only this rank's tokens; shard it with "
+                f"context_parallel_size=1"
+            )
+        logits = output.get("logits") if self.causal_lm else None
+        if current.labels is not None:
+            local = model.loss_function(
+                logits=logits,
+                labels=current.labels,
+                vocab_size=model.config.get_text_config().vocab_size,
+                num_items_in_batch=current.num_items,
+                shift_labels=current.labels,
+            )
+            output["loss"] = reduce_from_parallel(local.contiguous(), self.group)  # backward: each rank its tokens
+        if self.gather_output and logits is not None:
+            output["logits"] = gather_split(logits, current.layout, self.group)
+        return output
+
+    def gather(self, x: torch.Tensor, full_len: int) -> torch.Tensor:
+        """The whole sequence (in order) of a split output ``x`` of a ``full_len``-token forward."""
+        return gather_split(x, layout_for(full_len, self.group), self.group)
+
+    # -- the split ---------------------------------------------------------------------------------
+
+    def _split(self, kw: dict) -> dict:
+        ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
+        source = ids if ids is not None else embeds
+        name = type(self).__name__
+        if source is None:
+            raise ValueError(f"{name}: context parallelism splits input_ids or inputs_embeds; the forward got neither")
+        batch, length = source.shape[:2]
+        refused = {
+            "return_dict=False": kw.get("return_dict") is False,
+            "output_attentions=True": bool(kw.get("output_attentions")),
+            f"logits_to_keep={kw.get('logits_to_keep')!r}": kw.get("logits_to_keep") not in (None, 0),
+            "shift_labels": kw.get("shift_labels") is not None,
+        }
+        for key, value in kw.items():
+            if torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (batch, length):
+                refused[key] = key not in (*_SPLIT_IDS, "inputs_embeds", "attention_mask", "position_ids", "labels")
+        bad = [k for k, v in refused.items() if v]
+        if bad:
+            raise ValueError(
+                f"context parallelism cannot split a forward with {', '.join(bad)}; pass the batch's input_ids "
+                f"(or inputs_embeds), attention_mask, position_ids and labels only"
+            )
+        layout = layout_for(length, self.group)
+        device = source.device
+        mask = kw.get("attention_mask")
+        if mask is not None and tuple(mask.shape) != (batch, length):
+            raise ValueError(
+                f"context parallelism takes a 2D attention_mask [batch, seq] = {(batch, length)}, got "
+                f"{tuple(mask.shape)}; a custom 4D mask cannot be split"
+            )
+        positions = kw.get("position_ids")
+        if positions is not None and mask is None and find_packed_sequence_indices(positions) is not None:
+            raise ValueError(
+                "context parallelism: position_ids restart inside a row (packed sequences) without an attention_mask; "
+                "the packed-sequence mask transformers infers from them cannot be split, pass unpacked rows"
+            )
+        padding = torch.ones(batch, length, dtype=torch.bool, device=device) if mask is None else mask.bool()
+        padding = layout.pad(padding, False)
+        if positions is None:
+            positions = torch.arange(length, device=device).unsqueeze(0)
+        kw["position_ids"] = layout.take(positions)
+        kw["attention_mask"] = padding  # whole: masks are evaluated at global positions
+        for key in _SPLIT_IDS:
+            if kw.get(key) is not None:
+                kw[key] = layout.take(kw[key])
+        if embeds is not None:
+            kw["inputs_embeds"] = split_replicated(embeds, layout, self.group)
+        labels, num_items = kw.pop("labels", None), kw.pop("num_items_in_batch", None)
+        if labels is not None:
+            if not self.causal_lm:
+                raise ValueError("context parallelism computes the loss of causal language models only")
+            shifted = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]  # on the whole sequence, before the split
+            if num_items is None:
+                num_items = (shifted != IGNORE).sum()
+            labels = layout.take(shifted, IGNORE)
+        if "use_cache" in self._signature.parameters or _takes_kwargs(self._signature):
+            kw["use_cache"] = False
+        self.current = SplitForward(layout, padding, labels, num_items)
+        return kw
+
+    # -- gradients ---------------------------------------------------------------------------------
+
+    def _hook_new_parameters(self, model: nn.Module) -> None:
+        """Every trainable parameter (adapters added after sharding too) sums its gradient over cp."""
+        for p in model.parameters():
+            if p.requires_grad and id(p) not in self._hooked:
+                p.register_hook(self._reduce_grad)
+                self._hooked.add(id(p))
+
+    def _reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self.grad_split:
+            return grad
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), self.group)
+
+
+def _takes_kwargs(signature: inspect.Signature) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+
+
+def apply_context_parallel(model: nn.Module, group, mode: str, original: str, gather_output: bool) -> ContextParallel:
+    """Install context parallelism on ``model`` (already sharded for tensor parallelism)."""
+    register()
+    state = ContextParallel(model, group, mode, original, gather_output)
+    model.set_attn_implementation(IMPLEMENTATION)
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")}
+    attach_state(configs.values(), state)
+    model.register_forward_pre_hook(state.before, with_kwargs=True)
+    model.register_forward_hook(state.after, with_kwargs=True)
+    return state

@@ -1,0 +1,87 @@
+"""Context parallelism on 4 ranks: tp=2 x cp=2 against the unsharded model (both modes), and
+ParallelEngine with cp composed with ZeRO, data parallelism, activation checkpointing, tensor and
+sequence parallelism: every step's loss and the weights after the steps equal one process
+training the unsharded model on the same batches. One spawn.
+"""
+
+import torch
+import torch.distributed as dist
+
+from shardformer import EngineConfig, ParallelEngine, ProcessMesh, ShardConfig, shard_model
+from shardformer.core.comm import CollectiveCounter
+from tests.context_parallel import common
+from tests.helpers import assert_close, check_table
+from tests.pipeline import common as engine_common
+
+STEPS = 2
+
+
+def _ranks(group):
+    out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, torch.tensor([dist.get_rank()]), group=group)
+    return [int(t) for t in out]
+
+
+def check_mesh_layout_with_cp():
+    """rank = ((pp * dp + d) * cp + c) * tp + t: tp innermost, then cp."""
+    rank = dist.get_rank()
+    mesh = ProcessMesh(tp_size=2, cp_size=2)
+    assert (mesh.cp_rank, mesh.tp_rank, mesh.dp_size) == (rank // 2, rank % 2, 1)
+    assert _ranks(mesh.tp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert _ranks(mesh.cp_group) == [rank % 2, rank % 2 + 2]
+    mesh = ProcessMesh(cp_size=2)  # dp = 4 // 2
+    assert (mesh.dp_rank, mesh.cp_rank) == divmod(rank, 2)
+    assert _ranks(mesh.cp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert _ranks(mesh.dp_group) == [rank % 2, rank % 2 + 2]
+    assert mesh.global_rank(0, 1, 0, 1) == 3
+
+
+def check_llama_tp2_cp2_ring():
+    ref, model = common.pair("llama")
+    model = shard_model(model, ShardConfig(tensor_parallel_size=2, context_parallel_size=2))
+    common.parity(ref, model, common.batch(13), "llama tp=2 cp=2 ring")
+
+
+def check_qwen3_tp2_cp2_all_to_all():
+    # 2 query heads and 1 key/value head per tp rank: keys/values are repeated for the all-to-all
+    ref, model = common.pair("qwen3", "eager")
+    config = ShardConfig(tensor_parallel_size=2, context_parallel_size=2, context_parallel_mode="all_to_all")
+    common.parity(ref, shard_model(model, config), common.batch(16), "qwen3 tp=2 cp=2 all_to_all")
+
+
+def _engine_run(name, cfg, rows, *collectives):
+    ref, model = common.pair(name)
+    data = [common.batch(13, rows=rows, seed=s) for s in range(STEPS)]
+    engine = ParallelEngine(model, engine_common.sgd, cfg)
+    with CollectiveCounter() as counter:
+        got = [engine.train_step(b) for b in data]
+    assert all(counter.counts[c] > 0 for c in collectives), f"{collectives} did not all run: {counter.counts}"
+    assert engine.model.is_gradient_checkpointing == cfg.activation_checkpointing
+    expected = engine_common.reference_run(ref, data, engine.mesh.dp_size * cfg.num_microbatches)
+    what = f"{name} {cfg}"
+    assert_close(torch.tensor(got), torch.tensor(expected), what=f"{what}: losses")
+    weights, _ = engine_common.gathered_weights(engine.model, engine.mesh.tp_group)
+    for key, value in ref.named_parameters():
+        assert_close(weights[key], value.detach(), what=f"{what}: {key} after {STEPS} steps")
+
+
+def check_engine_cp2_dp2_zero2_checkpointing():
+    cfg = EngineConfig(cp=2, zero_stage=2, activation_checkpointing=True, num_microbatches=2)
+    _engine_run("llama", cfg, 4, "send", "reduce_scatter")  # the ring; ZeRO-2's gradients
+
+
+def check_engine_tp2_cp2_sequence_parallel():
+    cfg = EngineConfig(tp=2, cp=2, cp_mode="all_to_all", sequence_parallel=True)
+    _engine_run("gpt2", cfg, 2, "all_to_all", "reduce_scatter")  # Ulysses; sequence parallelism
+
+
+test_cp_4_ranks = check_table(
+    [
+        check_mesh_layout_with_cp,
+        check_llama_tp2_cp2_ring,
+        check_qwen3_tp2_cp2_all_to_all,
+        check_engine_cp2_dp2_zero2_checkpointing,
+        check_engine_tp2_cp2_sequence_parallel,
+    ],
+    4,
+)

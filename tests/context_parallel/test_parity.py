@@ -1,0 +1,126 @@
+"""Context parallelism at cp=2 against the unsharded model: Llama, Qwen3, Mistral (sliding window
+of 4 over 13 tokens) and GPT-2 (absolute positions), in both modes, eager and sdpa, with a
+right-padded batch; 13 tokens (2 * cp does not divide: padded internally, exactly) and 16.
+Logits, loss, every gradient, weights after a step; greedy generate; refusals. One spawn.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers as tf
+
+from shardformer import ShardConfig, shard_model
+from shardformer.checkpoint.training import save_checkpoint
+from shardformer.core.comm import CollectiveCounter
+from shardformer.models.tiny import tiny_config
+from shardformer.tools.conformance import load_pair
+from tests.context_parallel import common
+from tests.helpers import check_table
+
+
+def _cp(mode, **kw):
+    return ShardConfig(context_parallel_size=dist.get_world_size(), context_parallel_mode=mode, **kw)
+
+
+def _check(name, mode, impl, seq, **overrides):
+    ref, model = common.pair(name, impl, **overrides)
+    model = shard_model(model, _cp(mode))
+    with CollectiveCounter() as counter:
+        common.parity(ref, model, common.batch(seq), f"{name}/{impl} cp=2 {mode} seq={seq}")
+    kind = "all_to_all" if mode == "all_to_all" else "send"
+    assert counter.counts[kind] > 0, f"{name}: {mode} attention did not run: {counter.counts}"
+
+
+def check_llama_ring_sdpa_13():
+    _check("llama", "ring", "sdpa", 13)
+
+
+def check_llama_all_to_all_eager_16():
+    _check("llama", "all_to_all", "eager", 16)
+
+
+def check_qwen3_ring_eager_16():
+    _check("qwen3", "ring", "eager", 16)
+
+
+def check_qwen3_all_to_all_sdpa_13():
+    _check("qwen3", "all_to_all", "sdpa", 13)
+
+
+def check_mistral_sliding_window_both_modes():
+    ref, _ = common.pair("mistral")
+    no_window, _ = common.pair("mistral", sliding_window=None)
+    ids = common.batch(13)["input_ids"]
+    assert not torch.allclose(ref(input_ids=ids).logits, no_window(input_ids=ids).logits), "the window is not active"
+    _check("mistral", "ring", "sdpa", 13)
+    _check("mistral", "all_to_all", "eager", 13)
+
+
+def check_gpt2_ring_eager_13():
+    _check("gpt2", "ring", "eager", 13)
+
+
+def check_gpt2_all_to_all_sdpa_16():
+    _check("gpt2", "all_to_all", "sdpa", 16)
+
+
+def check_generate_and_gathered_logits():
+    """generate() runs unsplit (a cache is passed); gather_output gives whole, in-order logits."""
+    ref, model = common.pair("llama")
+    model = shard_model(model, _cp("ring", gather_output=True)).eval()
+    prompt = common.batch(7)["input_ids"]
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(prompt, **kwargs), ref.eval().generate(prompt, **kwargs))
+    with torch.no_grad():
+        got, expected = model(input_ids=prompt).logits, ref(input_ids=prompt).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def check_refusals_before_any_collective():
+    _, model = common.pair("gpt2")
+    classifier = tf.GPT2ForSequenceClassification(model.config)
+    with pytest.raises(ValueError, match="only causal language models and base models"):
+        shard_model(classifier, _cp("ring"))
+    config = tiny_config(tf.LlamaConfig, hidden_size=24, num_attention_heads=3, num_key_value_heads=3, head_dim=8)
+    _, odd_heads = load_pair(tf.LlamaForCausalLM, config, "sdpa")
+    with pytest.raises(ValueError, match="use context_parallel_mode='ring'"):
+        shard_model(odd_heads, _cp("all_to_all"))
+    _, model = common.pair("llama")
+    model = shard_model(model, _cp("ring"))
+    with pytest.raises(ValueError, match="logits_to_keep=1"):
+        model(input_ids=common.batch(8)["input_ids"], logits_to_keep=1)
+    with pytest.raises(ValueError, match="a resumable training checkpoint does not support context parallelism"):
+        save_checkpoint("/nonexistent-cp-checkpoint", model)
+
+
+test_cp2 = check_table(
+    [
+        check_llama_ring_sdpa_13,
+        check_llama_all_to_all_eager_16,
+        check_qwen3_ring_eager_16,
+        check_qwen3_all_to_all_sdpa_13,
+        check_mistral_sliding_window_both_modes,
+        check_gpt2_ring_eager_13,
+        check_gpt2_all_to_all_sdpa_16,
+        check_generate_and_gathered_logits,
+        check_refusals_before_any_collective,
+    ],
+    2,
+)
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="context_parallel_mode='zigzag' must be one of 'ring', 'all_to_all'"):
+        ShardConfig(context_parallel_size=2, context_parallel_mode="zigzag")
+    with pytest.raises(ValueError, match="context_parallel_size=0 must be a positive integer"):
+        ShardConfig(context_parallel_size=0)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
+        ShardConfig(context_parallel_size=2, pipeline_parallel_size=2)
+    from shardformer import EngineConfig
+
+    with pytest.raises(ValueError, match="EngineConfig.cp=2 with pp=2"):
+        EngineConfig(cp=2, pp=2)
+    with pytest.raises(ValueError, match="compile=True is not supported"):
+        EngineConfig(cp=2, compile=True)
+    with pytest.raises(ValueError, match="EngineConfig.cp_mode='x'"):
+        EngineConfig(cp=2, cp_mode="x")
