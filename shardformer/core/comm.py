@@ -232,7 +232,7 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return funcol.all_to_all_single(x, None, None, _functional_group(group))
     out = torch.empty_like(x)
-    _record("all_to_all", x)
+    _record("all_to_all", x, group)
     dist.all_to_all_single(out, x, group=group)
     return out
 
@@ -245,7 +245,7 @@ def start_ring_shift(tensors: list[torch.Tensor], group) -> tuple[list[torch.Ten
     received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = []
     for t, r in zip(tensors, received):
-        _record("send", t)
+        _record("send", t, group)
         ops.append(dist.P2POp(dist.isend, t.contiguous(), nxt, group))
         ops.append(dist.P2POp(dist.irecv, r, prev, group))
     return received, Handle(*dist.batch_isend_irecv(ops))
@@ -576,7 +576,7 @@ def start_gather_sequence(x: torch.Tensor, group, full_len: int) -> _SequenceGat
     if world == 1 or torch.compiler.is_compiling():
         return _SequenceGathering(all_gather(x, group), None, full_len)
     parts = [torch.empty_like(x) for _ in range(world)]
-    _record("all_gather", x)
+    _record("all_gather", x, group)
     return _SequenceGathering(parts, dist.all_gather(parts, x, group=group, async_op=True), full_len)
 
 
