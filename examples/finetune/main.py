@@ -1,13 +1,18 @@
 """Fine-tune a sharded GPT-2 with transformers' Trainer (shardformer's ShardedTrainer), tp=2 on 2 CPU processes.
 
-    shardformer run --nproc_per_node 2 examples/finetune/main.py [--output_dir DIR]
+    shardformer run --nproc_per_node 2 examples/finetune/main.py [--output_dir DIR] [--lora] [--sft]
 
 A tiny GPT-2 is built from a config and saved, so the example needs no download; put your own
 folder (with config.json and weights) in its place. With 4 processes the same script trains at
 tp=2 x dp=2: batches are split over the two data-parallel replicas only.
+
+--lora   trains PEFT LoRA adapters (cut like the layers they adapt) instead of the whole model; the
+         saved folder is a standard adapter that plain PEFT loads on the unsharded model.
+--sft    trains with TRL's SFTTrainer (ShardedSFTTrainer) on text, instead of Trainer on token ids.
 """
 
 import argparse
+import json
 import os
 import tempfile
 
@@ -16,13 +21,14 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 from shardformer import ShardConfig, init_distributed, shard_model
-from shardformer.integrations import ShardedTrainer
+
+VOCAB, SEQ = 128, 32
 
 
 def tiny_folder(path: str) -> str:
     if dist.get_rank() == 0:
         config = GPT2Config(
-            vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=1
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=1
         )
         torch.manual_seed(0)
         GPT2LMHeadModel(config).save_pretrained(path)
@@ -30,31 +36,83 @@ def tiny_folder(path: str) -> str:
     return path
 
 
+def token_patterns() -> list[dict]:
+    """Shifted copies of one pattern: something a tiny model learns in a few steps."""
+    gen = torch.Generator().manual_seed(1)
+    pattern = torch.arange(SEQ) % 16
+    data = [{"input_ids": (pattern + int(torch.randint(0, 8, (1,), generator=gen))) % VOCAB} for _ in range(64)]
+    for example in data:
+        example["labels"] = example["input_ids"].clone()
+    return data
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the words w0 .. w127 (SFTTrainer tokenises text itself)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w2"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="w0", eos_token="w1", unk_token="w2", pad_token="w3"
+    )
+
+
+def text_patterns():
+    import datasets
+
+    rows = [" ".join(f"w{int(i)}" for i in example["input_ids"][: SEQ - 1]) for example in token_patterns()]
+    return datasets.Dataset.from_list([{"text": row} for row in rows])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir", default=os.path.join(tempfile.gettempdir(), "shardformer-finetune"))
-    out = parser.parse_args().output_dir
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters instead of the whole model")
+    parser.add_argument("--sft", action="store_true", help="train with TRL's SFTTrainer on text")
+    options = parser.parse_args()
+    out = options.output_dir
     init_distributed()
     model = GPT2LMHeadModel.from_pretrained(tiny_folder(os.path.join(out, "base")))
     model = shard_model(model, ShardConfig(tensor_parallel_size=2))
 
-    gen = torch.Generator().manual_seed(1)
-    pattern = torch.arange(32) % 16  # something learnable
-    data = [{"input_ids": (pattern + int(torch.randint(0, 8, (1,), generator=gen))) % 128} for _ in range(64)]
-    for example in data:
-        example["labels"] = example["input_ids"].clone()
+    lora = None
+    if options.lora:
+        from peft import LoraConfig
 
-    args = TrainingArguments(
-        os.path.join(out, "run"), per_device_train_batch_size=8 // (dist.get_world_size() // 2), max_steps=20,
-        learning_rate=3e-3, logging_steps=5, save_strategy="steps", save_steps=10, report_to=[], use_cpu=True,
-        disable_tqdm=True,
+        # c_attn (fused Q|K|V) and c_fc are column-parallel here: lora_B is cut like them, lora_A stays whole
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
+    dp = dist.get_world_size() // 2
+    settings = dict(
+        per_device_train_batch_size=8 // dp, max_steps=20, learning_rate=3e-2 if lora else 3e-3, logging_steps=5,
+        save_strategy="steps", save_steps=10, report_to=[], use_cpu=True, disable_tqdm=True,
     )  # fmt: skip
-    trainer = ShardedTrainer(model=model, args=args, train_dataset=data)
+    if options.sft:
+        from trl import SFTConfig
+
+        from shardformer.integrations import ShardedSFTTrainer
+
+        args = SFTConfig(os.path.join(out, "run"), max_length=SEQ, bf16=False, **settings)
+        trainer = ShardedSFTTrainer(
+            model=model, args=args, train_dataset=text_patterns(), processing_class=word_tokenizer(), peft_config=lora
+        )
+    else:
+        from peft import get_peft_model
+
+        from shardformer.integrations import ShardedTrainer
+
+        model = get_peft_model(model, lora) if lora else model
+        args = TrainingArguments(os.path.join(out, "run"), **settings)
+        trainer = ShardedTrainer(model=model, args=args, train_dataset=token_patterns())
     trainer.train()
-    trainer.save_model(os.path.join(out, "final"))  # a plain HF folder: GPT2LMHeadModel.from_pretrained loads it
+    # a plain HF folder (or, with --lora, a standard adapter): from_pretrained / PeftModel.from_pretrained load it
+    trainer.save_model(os.path.join(out, "final"))
     if dist.get_rank() == 0:
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+        with open(os.path.join(out, "metrics.json"), "w") as file:
+            json.dump({"losses": losses}, file)
         print(f"losses {losses}; saved {os.path.join(out, 'final')}")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -93,3 +93,21 @@ def test_vit_timm_short_train(tmp_path, backbone):
     stdout = launch("vit", "train", tmp_path, f"backbone={backbone}", *settings)
     check_training(tmp_path / backbone, stdout)
     assert sorted(os.listdir(tmp_path / backbone / "checkpoint")) == ["meta.json", "model.safetensors"]
+
+
+def test_finetune_lora_with_trl_sft(tmp_path):
+    """examples/finetune with --sft --lora: TRL's SFTTrainer on the sharded model trains LoRA adapters;
+    the saved adapter is a standard one that plain PEFT loads on the unsharded base model."""
+    from peft import PeftModel
+    from transformers import GPT2LMHeadModel
+
+    argv = [sys.executable, "-m", "shardformer.cli.main", "run", "--nproc_per_node", "2"]
+    argv += [os.path.join(EXAMPLES, "finetune", "main.py"), "--output_dir", str(tmp_path), "--sft", "--lora"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=LIMIT_S, env=ENV, cwd=ROOT)
+    assert result.returncode == 0, f"finetune failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    with open(tmp_path / "metrics.json") as file:
+        losses = json.load(file)["losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    model = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(tmp_path / "base"), tmp_path / "final")
+    adapted = [name for name, _ in model.named_parameters() if "lora_B" in name]
+    assert len(adapted) == 4, adapted  # c_attn and c_fc in both layers, full shapes (the load checks them)
