@@ -36,12 +36,22 @@ class PeftLoraSupport:
     """PEFT's adapter layers, for :mod:`shardformer.tensor_parallel.adapters`."""
 
     def base_of(self, module: nn.Module) -> nn.Module | None:
+        if not _is_peft_module(module):
+            return None
         base = getattr(module, "base_layer", None)
-        return base if isinstance(base, nn.Module) and _is_peft_module(module) else None
+        if not isinstance(base, nn.Module):  # modules_to_save / trainable_token_indices wrap an original_module
+            auxiliary = any(c.__name__ == "AuxiliaryTrainingWrapper" for c in type(module).__mro__)
+            base = getattr(module, "original_module", None) if auxiliary else None
+        return base if isinstance(base, nn.Module) else None
 
     def refusal(self, path: str, wrapper: nn.Module, layer: Layer | None, shard_config: ShardConfig) -> str | None:
         if layer is None:
             return None  # the base stays whole: so does its adapter
+        if not hasattr(wrapper, "base_layer"):  # modules_to_save, trainable_token_indices
+            return (
+                f"PEFT's {type(wrapper).__name__} keeps a trainable copy of a layer tensor parallelism cuts, which "
+                f"would hold and save this rank's slice; leave it out of modules_to_save / trainable_token_indices"
+            )
         if self.base_of(wrapper.base_layer) is not None:
             return "it wraps another adapter layer; add adapters after sharding, or one per layer"
         embedding = bool(getattr(wrapper, "lora_embedding_A", None))

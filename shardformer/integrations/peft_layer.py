@@ -15,6 +15,7 @@ import inspect
 
 import torch.distributed as dist
 from peft import PeftModel
+from peft.tuners import tuners_utils
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora.model import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -22,7 +23,12 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from shardformer.core.comm import gather_tensor
 from shardformer.core.record import is_sharded, sharding_of
 from shardformer.integrations.lora_cut import cut_adapter, refusal_for
-from shardformer.tensor_parallel.layers import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
+from shardformer.tensor_parallel.layers import (
+    Linear1D_Col,
+    Linear1D_Row,
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+)
 from shardformer.tensor_parallel.slicer import shard_spec
 
 _PARALLEL = (Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D)
@@ -110,6 +116,61 @@ def _save_pretrained(original, self, save_directory, *args, **kwargs):
     return result
 
 
+def _all_linear(original, peft_config, model):
+    """``target_modules="all-linear"``: PEFT picks the modules that are ``nn.Linear`` or Conv1D, which our
+    parallel layers are not; on a sharded model they are picked too, as their originals would be (the
+    vocab-parallel LM head stays out, as PEFT leaves out the output layer)."""
+    target = getattr(peft_config, "target_modules", None)
+    chosen = isinstance(target, str) and target.lower() == tuners_utils.INCLUDE_LINEAR_LAYERS_SHORTHAND
+    sharded = any(is_sharded(m) for m in model.modules())
+    if sharded:  # PEFT's first look at the model: refuse what it would get wrong, before it changes anything
+        _refuse_whole_copies(peft_config, model)
+    peft_config = original(peft_config, model)
+    if not chosen or not sharded:
+        return peft_config
+    inside_adapters = {
+        f"{prefix}.{suffix}"
+        for prefix, module in model.named_modules()
+        if isinstance(module, BaseTunerLayer)
+        for suffix, _ in module.named_modules()
+        if suffix
+    }
+    parallel = {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, (Linear1D_Col, Linear1D_Row)) and not isinstance(module, VocabParallelLMHead1D)
+    }
+    peft_config.target_modules = set(peft_config.target_modules) | (parallel - inside_adapters)
+    return peft_config
+
+
+def _holds_slices(module) -> bool:
+    return any(shard_spec(p) is not None for p in module.parameters()) or any(
+        isinstance(m, _PARALLEL) for m in module.modules()
+    )
+
+
+def _refuse_whole_copies(peft_config, model) -> None:
+    """``modules_to_save`` trains and saves a copy of a module, ``trainable_token_indices`` rows of an
+    embedding: on a module tensor parallelism cuts, both would hold and write this rank's slice."""
+    wanted = getattr(peft_config, "modules_to_save", None) or []
+    for name, module in model.named_modules():
+        hits = [key for key in wanted if name == key or name.endswith(f".{key}")]
+        if hits and _holds_slices(module):
+            raise ValueError(
+                f"modules_to_save={hits} names {name} ({type(module).__name__}), which tensor parallelism cuts: "
+                f"PEFT's trainable copy would hold and save this rank's slice; train it through LoRA "
+                f"(target_modules) or leave it out of modules_to_save"
+            )
+    if getattr(peft_config, "trainable_token_indices", None) and any(
+        isinstance(m, VocabParallelEmbedding1D) for m in model.modules()
+    ):
+        raise ValueError(
+            "trainable_token_indices on a vocab-parallel embedding is not supported: each rank holds a slice of "
+            "the vocabulary's rows; leave it out of the LoraConfig (or shard with tensor_parallel_size=1)"
+        )
+
+
 def install() -> None:
     """Teach PEFT's LoRA our parallel layers, and its save_pretrained our sharded models (once)."""
     if getattr(LoraModel._create_new_module, "shardformer", False):
@@ -124,3 +185,6 @@ def install() -> None:
         return _save_pretrained(original_save, self, save_directory, *args, **kwargs)
 
     PeftModel.save_pretrained = save_pretrained
+    tuners_utils._maybe_include_all_linear_layers = functools.partial(
+        _all_linear, tuners_utils._maybe_include_all_linear_layers
+    )

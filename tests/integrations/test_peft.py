@@ -197,9 +197,34 @@ def check_what_cannot_be_cut_is_refused_before_the_first_step():
     _refused(lambda: get_peft_model(sharded(), lora_config("llama", init_lora_weights="pissa")), "pissa")
     sp = ShardConfig(tensor_parallel_size=TP, sequence_parallel=True)
     _refused(lambda: shard_model(with_lora("llama", None), sp), "sequence_parallel=False")
+    for extra in ({"modules_to_save": ["lm_head"]}, {"trainable_token_indices": [3]}):  # whole copies of cut layers
+        config = LoraConfig(target_modules=["q_proj"], **extra)
+        _refused(lambda c=config: get_peft_model(sharded(), c), next(iter(extra)))
+        _refused(lambda c=config: shard_model(get_peft_model(tiny_llama(), c), ShardConfig(tensor_parallel_size=TP)),
+                 "modules_to_save / trainable_token_indices")  # fmt: skip
     model = get_peft_model(tiny_gpt2(), lora_config("gpt2"))
     _refused(lambda: ModelSharder(model, get_autopolicy(tiny_gpt2()), ShardConfig(tensor_parallel_size=TP)).shard(),
              "c_attn", "shard_model")  # fmt: skip
+
+
+def _adapted(model) -> list[str]:
+    return sorted(n.split(".lora_A.")[0].removeprefix("base_model.model.") for n, _ in model.named_parameters()
+                  if ".lora_A." in n)  # fmt: skip
+
+
+def check_all_linear_and_a_replicated_module_to_save_in_both_orders():
+    """target_modules="all-linear" picks the parallel layers as PEFT picks their originals (the head left
+    out); modules_to_save on a layer tp does not cut (the final norm) trains as on the unsharded model."""
+    for kind in ("llama", "gpt2"):
+        overrides = dict(target_modules="all-linear", modules_to_save=["norm"] if kind == "llama" else ["ln_f"])
+        reference = with_lora(kind, None, **overrides)
+        expected = _adapted(reference)
+        assert len(expected) == (14 if kind == "llama" else 8), expected
+        losses = train(reference)
+        for order in ("peft_first", "shard_first"):
+            model = with_lora(kind, order, **overrides)
+            assert _adapted(model) == expected, (order, _adapted(model))
+            assert_close(torch.tensor(train(model)), torch.tensor(losses), what=f"{kind} all-linear {order} losses")
 
 
 test_peft_at_tp2 = check_table(
@@ -209,6 +234,7 @@ test_peft_at_tp2 = check_table(
         check_llama_saved_adapter_loads_in_plain_peft_and_merges,
         check_gpt2_saved_adapter_loads_in_plain_peft_and_merges,
         check_what_cannot_be_cut_is_refused_before_the_first_step,
+        check_all_linear_and_a_replicated_module_to_save_in_both_orders,
     ],
     TP,
 )
