@@ -21,6 +21,7 @@ from shardformer.checkpoint import typed_json
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import SafeFile, rank_files, reshard_local, spec_from_json, spec_to_json
 from shardformer.data_parallel import ZeroOptimizer
+from shardformer.data_parallel.fsdp_optimizer import FullyShardedOptimizer
 from shardformer.tensor_parallel.detect import names_by_tensor
 from shardformer.tensor_parallel.slicer import shard_spec
 
@@ -38,8 +39,23 @@ def _names_by_id(model: nn.Module) -> dict[int, list[str]]:
 
 
 def _class_name(optimizer) -> str:
-    """The optimizer's own class (AdamW, SGD, ...), inside a ZeroOptimizer or not."""
-    return type(optimizer.optim if isinstance(optimizer, ZeroOptimizer) else optimizer).__name__
+    """The optimizer's own class (AdamW, SGD, ...), inside a ZeroOptimizer (or ZeRO-3's wrapper) or not."""
+    return type(
+        optimizer.optim if isinstance(optimizer, (ZeroOptimizer, FullyShardedOptimizer)) else optimizer
+    ).__name__
+
+
+def _packed_groups(optimizer) -> list[dict]:
+    """torch's state-dict param groups (hyper-parameters, params numbered in order) without asking the
+    optimizer for its state (at ZeRO-3 that gathers every state over dp)."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))}
+        )
+        start += count
+    return groups
 
 
 def _check_class(saved: _Saved, optimizer) -> None:
@@ -195,7 +211,7 @@ def read_optimizer(path: str, model: nn.Module, optimizer, world: int) -> dict:
             if key is not None and key not in entry and key != MASTER:
                 entry[key] = saved.tensor(rank0, full_key)  # scalars such as Adam's step
         state[index] = entry
-    groups = optimizer.state_dict()["param_groups"]
+    groups = _packed_groups(optimizer)
     saved_groups = reference["param_groups"] if reference else []
     if reference is not None and len(saved_groups) != len(groups):
         raise CheckpointError(
