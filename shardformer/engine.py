@@ -2,7 +2,9 @@
 
 It composes the techniques: builds the process mesh, shards the model for tensor parallelism
 (``shard_model`` with a policy), keeps this rank's pipeline stage (a pipeline spec), wraps the
-optimizer in :class:`~shardformer.data_parallel.ZeroOptimizer` over the data-parallel group, and runs a
+optimizer in :class:`~shardformer.data_parallel.ZeroOptimizer` over the data-parallel group (at
+``zero_stage=3``: FSDP2 over the dp group shards the model itself, and
+:class:`~shardformer.data_parallel.fsdp_optimizer.FullyShardedOptimizer` steps), and runs a
 pipeline schedule over micro-batches. Its settings, :class:`EngineConfig`, live with ShardConfig in
 :mod:`shardformer.core.config` (imported here, so ``from shardformer.engine import EngineConfig`` works).
 """

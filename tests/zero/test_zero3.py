@@ -180,8 +180,12 @@ test_zero3_tp2_dp2 = check_table(
 )
 
 
-def check_dp2_parity():
-    _trained(GPT2, 1, 2, 3)
+def check_dp2_parity_and_eval_step():
+    engine, _, reference, batches = _trained(GPT2, 1, 2, 3)
+    with torch.no_grad():
+        parts = split_batch(batches[3], 2, "chunks")
+        expected = sum(reference.model.eval()(**p).loss for p in parts).item() / 2
+    assert_close(torch.tensor(engine.eval_step(batches[3])), torch.tensor(expected), what="eval_step")
 
 
 def check_dp2_bf16_compute_from_fp32_shards():
@@ -196,7 +200,7 @@ def check_dp2_bf16_compute_from_fp32_shards():
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in engine.model.parameters())
 
 
-test_zero3_dp2 = check_table([check_dp2_parity, check_dp2_bf16_compute_from_fp32_shards], 2)
+test_zero3_dp2 = check_table([check_dp2_parity_and_eval_step, check_dp2_bf16_compute_from_fp32_shards], 2)
 
 
 @pytest.mark.parametrize(
