@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from shardformer.api import shard_model
 from shardformer.core import comm
@@ -146,8 +147,10 @@ class ParallelEngine:
         self.optimizer = None
         if optimizer is not None and cfg.zero_stage == 3:
             self.optimizer = FullyShardedOptimizer(
-                optimizer(params), self.model, self.mesh.dp_group, tp_group=self.mesh.tp_group, grad_hooks=grad_hooks
-            )
+                optimizer(params), self.model, self.mesh.dp_group, tp_group=self.mesh.tp_group,
+                pp_group=self.mesh.pp_group, grad_hooks=grad_hooks,
+                counted_elsewhere=self.shared if last and not first else (),  # tied weights count once
+            )  # fmt: skip
         elif optimizer is not None:
             self.optimizer = ZeroOptimizer(
                 optimizer(params),
@@ -326,4 +329,5 @@ class ParallelEngine:
         for p in self.shared:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, self.mesh.embedding_group)
+            # at ZeRO-3 both stages hold the same dp shard of the tied weight: sum the shards
+            comm.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, self.mesh.embedding_group)

@@ -195,8 +195,8 @@ class EngineConfig:
 
     tp, pp, dp: tensor / pipeline / data parallel sizes (dp defaults to world // (tp * pp)).
     zero_stage: 1 or 2 (our ZeRO over the dp ranks: optimizer states, then also gradients), or 3
-    (parameters too: each transformer layer on PyTorch FSDP2 over the dp ranks; pp=1, precision "fp32"
-    or "bf16", no compile). num_microbatches: micro-batches per step and
+    (parameters too: each transformer layer on PyTorch FSDP2 over the dp ranks; precision "fp32" or
+    "bf16", no compile). num_microbatches: micro-batches per step and
     dp rank (gradient accumulation; also what fills the pipeline). schedule: "1f1b" or "gpipe".
     precision: "fp32", "bf16" or "fp16" (fp32 master weights in the optimizer; fp16 adds dynamic
     loss scaling). max_grad_norm: clip the global gradient norm (None: no clipping).
@@ -269,7 +269,6 @@ class EngineConfig:
     def _check_zero3(self) -> None:
         """What ZeRO-3 (FSDP2) is not proven with here is refused, naming the fix."""
         refused = {
-            "pp": (self.pp > 1, "pipeline stages are not combined with FSDP2 here; use pp=1 or zero_stage=1 or 2"),
             "precision": (
                 self.precision == "fp16",
                 "fp16 needs loss scaling, which stage 3 does not offer; use precision='bf16' (FSDP2 computes in "

@@ -38,6 +38,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         dp_group, tp_group, pp_group: the groups the gradient norm is summed over (tp / pp omitted:
             that dimension is absent).
         grad_hooks: what :func:`fully_shard_model` returned: hooks to run on the sharded gradients.
+        counted_elsewhere: parameters another pipeline stage also holds and counts in the gradient
+            norm (a tied embedding on the last stage): left out here so they count once.
 
     FSDP2 averages gradients over dp in backward; ``step`` steps each rank's shards.
     """
@@ -55,6 +57,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         tp_group=None,
         pp_group=None,
         grad_hooks: GradHooks = (),
+        counted_elsewhere=(),
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"FullyShardedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -69,6 +72,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self.tp_group = comm.LOCAL if tp_group is None else tp_group
         self.pp_group = comm.LOCAL if pp_group is None else pp_group
         self.grad_hooks = list(grad_hooks)
+        elsewhere = {id(p) for p in counted_elsewhere}  # held and counted in the norm by another stage too
+        self._norm_params = [p for p in self._params() if id(p) not in elsewhere]
         self._synced = False
         self._grad_stats: tuple[float, bool] | None = None
         # The torch.optim.Optimizer surface, shared with the wrapped optimizer (LR schedulers edit these dicts).
@@ -120,7 +125,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             device = self._params()[0].device
             sums = {True: torch.zeros((), dtype=torch.float64, device=device)}
             sums[False] = torch.zeros((), dtype=torch.float64, device=device)
-            for p in self._params():
+            for p in self._norm_params:
                 if p.grad is not None:  # each dp rank holds its disjoint rows: the dp sum is the whole
                     local = p.grad.to_local()
                     sums[shard_spec(p) is not None] += torch.linalg.vector_norm(local, 2, dtype=torch.float64).square()
