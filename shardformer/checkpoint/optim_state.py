@@ -1,12 +1,12 @@
 """Optimizer state in training checkpoints: each rank's shard out, any layout's shard back in.
 
-Saved per rank: every tensor state of this rank's optimizer (a ZeroOptimizer's dp shards or a
-plain optimizer's states), named ``opt.<index>.<key>``, plus JSON saying which parameter (all its
+Saved per rank: every tensor state of this rank's optimizer (a ZeroOptimizer's dp shards, ZeRO-3's
+dp row shards or a plain optimizer's states), named ``opt.<index>.<key>``, plus JSON saying which parameter (all its
 names, its ShardSpec and local shape) each index is, which states are per-element, the scalars,
 the param groups and the loss scaler. Loading puts each per-element state of a parameter back
 together like the parameter itself (dp pieces concatenated, tp shards merged), cuts this rank's
-tp shard and hands the optimizer a dp-unsharded state (``ZeroOptimizer.load_full_state_dict``
-shards it over dp). Reading (:func:`read_optimizer`) checks every state against this rank's
+tp shard and hands the optimizer a dp-unsharded state (``ZeroOptimizer.load_full_state_dict`` and
+``FullyShardedOptimizer.load_state_dict`` shard it over dp). Reading (:func:`read_optimizer`) checks every state against this rank's
 parameters and changes nothing; :func:`apply_optimizer` then cannot fail on the checkpoint's account.
 """
 
@@ -21,6 +21,7 @@ from shardformer.checkpoint import typed_json
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import SafeFile, rank_files, reshard_local, spec_from_json, spec_to_json
 from shardformer.data_parallel import ZeroOptimizer
+from shardformer.data_parallel.fsdp import local_shape
 from shardformer.data_parallel.fsdp_optimizer import FullyShardedOptimizer
 from shardformer.tensor_parallel.detect import names_by_tensor
 from shardformer.tensor_parallel.slicer import shard_spec
@@ -80,12 +81,13 @@ def _is_per_element(value, shape, key) -> bool:
 def optimizer_payload(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     """This rank's optimizer state as (tensors for safetensors, JSON-able description)."""
     zero = isinstance(optimizer, ZeroOptimizer)
-    state_dict = optimizer.state_dict()
+    fsdp = isinstance(optimizer, FullyShardedOptimizer)  # dp shards too: rows of dim 0, in dp order
+    state_dict = optimizer.local_state_dict() if fsdp else optimizer.state_dict()
     params = _params_of(optimizer)
     names = _names_by_id(model)
     tensors, per_element, scalars = {}, {}, {}
     for index, param in enumerate(params):
-        shape = optimizer.slots[index].master.shape if zero else param.shape
+        shape = optimizer.slots[index].master.shape if zero else local_shape(param) if fsdp else param.shape
         per_element[index], scalars[index] = [], {}  # int keys: typed JSON keeps them
         for key, value in state_dict["state"].get(index, {}).items():
             if torch.is_tensor(value):
@@ -99,7 +101,7 @@ def optimizer_payload(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tens
         tensors[f"opt.{index}.{MASTER}"] = master.detach().cpu()
         per_element[index].append(MASTER)
     info = {
-        "kind": "zero" if zero else "plain",
+        "kind": "zero" if zero or fsdp else "plain",
         "class": _class_name(optimizer),
         "params": [
             {"names": names.get(id(p), []), "spec": spec_to_json(shard_spec(p)), "shape": list(p.shape)} for p in params
@@ -169,7 +171,9 @@ def _put_together(saved: _Saved, located, key: str, my_spec) -> torch.Tensor:
         spec = spec_from_json(param["spec"])
         shape = param["shape"]
         numel = int(torch.Size(shape).numel())
-        if opt["kind"] == "zero":  # dp pieces of the flattened (padded) param, in dp order
+        # dp pieces of the flattened param in dp order: ZeroOptimizer's padded flat pieces, or ZeRO-3's
+        # dim-0 row chunks (contiguous, so flattened they are consecutive pieces too)
+        if opt["kind"] == "zero":
             flat = torch.cat([saved.tensor(r, f"opt.{i}.{key}").reshape(-1) for r, i in replicas])
             pieces[tp_rank] = flat[:numel].view(shape)
         else:

@@ -42,7 +42,7 @@ from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
 from shardformer.checkpoint.optim_state import apply_optimizer, optimizer_payload, read_optimizer
 from shardformer.checkpoint.save_lock import save_lock
-from shardformer.data_parallel.fsdp import copy_full_into
+from shardformer.data_parallel.fsdp import copy_full_into, reshard
 from shardformer.tensor_parallel.slicer import shard_spec
 
 
@@ -291,6 +291,7 @@ def _apply_rng(model: nn.Module, rng: dict) -> None:
 
 
 def _read_all(path: str, model: nn.Module, optimizer, scheduler, lay: Layout) -> dict:
+    reshard(model)  # ZeRO-3: the dp shards, not a root a forward left gathered, are what loading fills
     meta = commit.read_meta(path)
     _verify_files(path, meta, lay)
     if optimizer is not None and not meta["has_optimizer"]:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardformer.core.shard_spec import shard_spec
@@ -98,14 +98,25 @@ def through_root(stage_forward: Callable) -> Callable:
         saved = model.__dict__.get("forward")
         model.forward = lambda **kwargs: stage_forward(model, hidden, kwargs)
         try:
-            return model(**inputs)
+            out = model(**inputs)
         finally:
             if saved is None:
                 del model.forward
             else:
                 model.forward = saved
+        if not torch.is_grad_enabled():  # no backward will reshard the root: its gathered weights go now
+            reshard(model)
+        return out
 
     return run
+
+
+def reshard(model: nn.Module) -> None:
+    """Drop every gathered parameter of ``model``'s FSDP2 units, so the model holds (and its state
+    dict shows) its dp shards again: the root stays gathered after a forward without backward."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def full_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,6 +140,11 @@ def copy_full_into(tensor: torch.Tensor, value: torch.Tensor) -> None:
             value.to(tensor.device, tensor.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None
         )
     tensor.copy_(value)
+
+
+def local_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape of what this rank stores for ``tensor`` (a DTensor's local shard)."""
+    return tensor.to_local().shape if isinstance(tensor, DTensor) else tensor.shape
 
 
 def local_numel(tensor: torch.Tensor) -> int:

@@ -203,6 +203,16 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         # torch's load gave the wrapped optimizer new param-group dicts: share them again (LR schedulers)
         self.param_groups, self.state = self.optim.param_groups, self.optim.state
 
+    def local_state_dict(self) -> dict:
+        """This rank's dp shard of the state (torch's format, DTensor states as their local rows):
+        what a training checkpoint saves, without gathering anything."""
+        state_dict = self.optim.state_dict()
+        state = {
+            index: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
+            for index, entry in state_dict["state"].items()
+        }
+        return {"state": state, "param_groups": state_dict["param_groups"]}
+
     full_state_dict = state_dict
     load_full_state_dict = load_state_dict
 

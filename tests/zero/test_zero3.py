@@ -195,12 +195,24 @@ test_zero3_world4 = check_table(
 )
 
 
-def check_dp2_parity_and_eval_step():
-    engine, _, reference, batches = _trained(GPT2, 1, 2, 3)
+def check_dp2_parity_eval_step_and_reshard():
+    engine, sched, reference, batches = _trained(GPT2, 1, 2, 3)
     with torch.no_grad():
         parts = split_batch(batches[3], 2, "chunks")
         expected = sum(reference.model.eval()(**p).loss for p in parts).item() / 2
     assert_close(torch.tensor(engine.eval_step(batches[3])), torch.tensor(expected), what="eval_step")
+    # the vocabulary (99 rows, no tp padding) splits unevenly over dp: 50 + 49 rows of wte and its states
+    assert engine.model.transformer.wte.weight.to_local().shape[0] == (50 if dist.get_rank() == 0 else 49)
+    path = shared_dir("sf-zero3-ckpt-")
+    save_checkpoint(path, engine.model, engine.optimizer, sched, step=3)
+    reference.model.train()
+    expected = [reference.step(b) for b in batches[3:]]
+    _, other = common.models(GPT2)
+    zero1, sched1 = _engine(other, 2, 1, zero_stage=1)  # ZeRO-3 dp=2 -> ZeRO-1 tp=2
+    load_checkpoint(path, zero1.model, zero1.optimizer, sched1)
+    assert_close(torch.tensor(_train(zero1, sched1, batches[3:])), torch.tensor(expected), what="ZeRO-1 tp=2")
+    _assert_weights(zero1, reference.model, "ZeRO-3 dp=2 -> ZeRO-1 tp=2: weights")
+    remove_dir(path)
 
 
 def check_dp2_bf16_compute_from_fp32_shards():
@@ -215,7 +227,7 @@ def check_dp2_bf16_compute_from_fp32_shards():
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in engine.model.parameters())
 
 
-test_zero3_dp2 = check_table([check_dp2_parity_and_eval_step, check_dp2_bf16_compute_from_fp32_shards], 2)
+test_zero3_dp2 = check_table([check_dp2_parity_eval_step_and_reshard, check_dp2_bf16_compute_from_fp32_shards], 2)
 
 
 @pytest.mark.parametrize(
