@@ -62,7 +62,7 @@ class Reference:
         loss = sum(self.model(**p).loss for p in split_batch(batch, self.chunks, "chunks")) / self.chunks
         loss.backward()
         if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            self.norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip).item()
         self.opt.step()
         self.sched.step()
         return loss.item()
@@ -113,6 +113,9 @@ def _trained(name, tp, dp, steps, **options):
     expected = [reference.step(b) for b in batches[:steps]]
     got = _train(engine, sched, batches[:steps])
     assert_close(torch.tensor(got), torch.tensor(expected), what=f"{name} tp={tp} dp={dp} {options}: losses")
+    # the global norm over tp x dp (x pp) is the unsharded model's, and large enough that clipping acts
+    assert_close(torch.tensor(engine.last_grad_norm), torch.tensor(reference.norm), what="gradient norm")
+    assert reference.norm > CLIP, reference.norm
     _assert_weights(engine, ref, f"{name} tp={tp} dp={dp} {options}: weights after {steps} steps")
     return engine, sched, reference, batches
 
