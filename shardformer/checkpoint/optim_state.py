@@ -1,13 +1,14 @@
 """Optimizer state in training checkpoints: each rank's shard out, any layout's shard back in.
 
 Saved per rank: every tensor state of this rank's optimizer (a ZeroOptimizer's dp shards, ZeRO-3's
-dp row shards or a plain optimizer's states), named ``opt.<index>.<key>``, plus JSON saying which parameter (all its
-names, its ShardSpec and local shape) each index is, which states are per-element, the scalars,
-the param groups and the loss scaler. Loading puts each per-element state of a parameter back
-together like the parameter itself (dp pieces concatenated, tp shards merged), cuts this rank's
-tp shard and hands the optimizer a dp-unsharded state (``ZeroOptimizer.load_full_state_dict`` and
-``FullyShardedOptimizer.load_state_dict`` shard it over dp). Reading (:func:`read_optimizer`) checks every state against this rank's
-parameters and changes nothing; :func:`apply_optimizer` then cannot fail on the checkpoint's account.
+dp row shards or a plain optimizer's states), named ``opt.<index>.<key>``, plus JSON saying which
+parameter (all its names, its ShardSpec and local shape) each index is, which states are
+per-element, the scalars, the param groups and the loss scaler. Loading puts each per-element state
+of a parameter back together like the parameter itself (dp pieces concatenated, tp shards merged),
+cuts this rank's tp shard and hands the optimizer a dp-unsharded state
+(``ZeroOptimizer.load_full_state_dict`` and ``FullyShardedOptimizer.load_state_dict`` shard it over
+dp). Reading (:func:`read_optimizer`) checks every state against this rank's parameters and changes
+nothing; :func:`apply_optimizer` then cannot fail on the checkpoint's account.
 """
 
 from __future__ import annotations

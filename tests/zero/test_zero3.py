@@ -198,8 +198,23 @@ test_zero3_world4 = check_table(
 )
 
 
+def _assert_full_optimizer_state(engine, reference):
+    """``optimizer.state_dict()`` is the full state: the reference AdamW's, parameter by parameter."""
+    full = engine.optimizer.state_dict()
+    names = [n for n, _ in engine.model.named_parameters()]
+    ref_index = {n: i for i, (n, _) in enumerate(reference.model.named_parameters())}
+    ref_state = reference.opt.state_dict()["state"]
+    assert sorted(full["state"]) == list(range(len(names)))
+    for index, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            got, expected = full["state"][index][key], ref_state[ref_index[name]][key]
+            assert not isinstance(got, DTensor) and got.shape == expected.shape, (name, key)
+            assert_close(got, expected, atol=1e-7, what=f"full optimizer state {key} of {name}")
+
+
 def check_dp2_parity_eval_step_and_reshard():
     engine, sched, reference, batches = _trained(GPT2, 1, 2, 3)
+    _assert_full_optimizer_state(engine, reference)
     with torch.no_grad():
         parts = split_batch(batches[3], 2, "chunks")
         expected = sum(reference.model.eval()(**p).loss for p in parts).item() / 2
