@@ -20,7 +20,9 @@ from torch.distributed.tensor import DTensor
 
 from shardformer import EngineConfig, ParallelEngine, ProcessMesh
 from shardformer.checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from shardformer.core.shard_spec import ShardSpec
 from shardformer.data_parallel import ZeroOptimizer
+from shardformer.data_parallel.fsdp import check_fully_shardable
 from shardformer.engine import split_batch
 from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 from tests.checkpoint.common import remove_dir, shared_dir
@@ -260,3 +262,16 @@ def test_zero3_refuses_what_it_does_not_offer(options, named):
 def test_zero_optimizer_points_stage3_to_fsdp2():
     with pytest.raises(ValueError, match="EngineConfig\\(zero_stage=3\\)"):
         ZeroOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1), stage=3)
+
+
+def test_fully_shard_refuses_replicated_kv_heads_and_half_precision():
+    layer = torch.nn.Linear(4, 8)
+    # 2 key/value blocks of 2 rows each cut into 1 piece per block: held whole by both tp ranks
+    layer.weight.shard_spec = ShardSpec(
+        dim=0, world_size=2, rank=0, full_size=4, padded_size=4, n_cast=2, splits=(1, 1)
+    )
+    with pytest.raises(ValueError, match="weight holds key/value heads replicated over 2 tensor-parallel ranks"):
+        check_fully_shardable(layer)
+    with pytest.raises(ValueError, match="weight is torch.bfloat16; the sharded parameters are the fp32 master"):
+        check_fully_shardable(torch.nn.Linear(4, 4).to(torch.bfloat16))
+    check_fully_shardable(torch.nn.Linear(4, 4))  # a plain fp32 module is fine
