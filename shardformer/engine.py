@@ -2,7 +2,9 @@
 
 It composes the techniques: builds the process mesh, shards the model for tensor parallelism
 (``shard_model`` with a policy), keeps this rank's pipeline stage (a pipeline spec), wraps the
-optimizer in :class:`~shardformer.data_parallel.ZeroOptimizer` over the data-parallel group, and runs a
+optimizer in :class:`~shardformer.data_parallel.ZeroOptimizer` over the data-parallel group (at
+``zero_stage=3``: FSDP2 over the dp group shards the model itself, and
+:class:`~shardformer.data_parallel.fsdp_optimizer.FullyShardedOptimizer` steps), and runs a
 pipeline schedule over micro-batches. Its settings, :class:`EngineConfig`, live with ShardConfig in
 :mod:`shardformer.core.config` (imported here, so ``from shardformer.engine import EngineConfig`` works).
 """
@@ -15,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from shardformer.api import shard_model
 from shardformer.core import comm
@@ -22,6 +25,8 @@ from shardformer.core.config import PRECISIONS, EngineConfig
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
 from shardformer.core.step_agreement import batch_fingerprint, check_agreement
 from shardformer.data_parallel import ZeroOptimizer
+from shardformer.data_parallel.fsdp import fully_shard_model, local_numel, through_root
+from shardformer.data_parallel.fsdp_optimizer import FullyShardedOptimizer
 from shardformer.models import family_spec, layer_stack, pipeline_spec_for
 from shardformer.pipeline.schedule import run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
@@ -131,12 +136,24 @@ class ParallelEngine:
             self.stage_forward = torch.compile(self.stage_forward, backend=cfg.compile_backend)
         if cfg.activation_checkpointing:
             self._checkpoint_activations(self.model)
-        self.model.to(PRECISIONS[cfg.precision])
+        grad_hooks = []
+        if cfg.zero_stage == 3:  # fp32 shards stay the master weights; FSDP2 casts them for compute
+            device = next(self.model.parameters()).device
+            grad_hooks = fully_shard_model(self.model, self._layer_list(self.model), self.mesh, device, cfg.precision)
+            self.stage_forward = through_root(self.stage_forward)
+        else:
+            self.model.to(PRECISIONS[cfg.precision])
         first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
         self.shared = self.pipeline.shared_parameters(self.model) if cfg.pp > 1 and (first or last) else []
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = None
-        if optimizer is not None:
+        if optimizer is not None and cfg.zero_stage == 3:
+            self.optimizer = FullyShardedOptimizer(
+                optimizer(params), self.model, self.mesh.dp_group, tp_group=self.mesh.tp_group,
+                pp_group=self.mesh.pp_group, grad_hooks=grad_hooks,
+                counted_elsewhere=self.shared if last and not first else (),  # tied weights count once
+            )  # fmt: skip
+        elif optimizer is not None:
             self.optimizer = ZeroOptimizer(
                 optimizer(params),
                 self.mesh.dp_group,
@@ -162,8 +179,14 @@ class ParallelEngine:
                 cfg.tp, cfg.cp, cfg.cp_mode, cfg.pp, self.mesh.dp_size, cfg.zero_stage, cfg.precision, cfg.num_microbatches,
                 cfg.schedule, cfg.backend,
                 "every layer" if self.model.shardformer.layers is None else f"layers {list(self.model.shardformer.layers)}",
-                f"{sum(p.numel() for p in params):,}",
+                f"{sum(local_numel(p) for p in params):,}",
             )  # fmt: skip
+
+    def _layer_list(self, model: nn.Module) -> nn.Module | None:
+        """The repeated layers (each is one FSDP2 unit at zero_stage=3): the pipeline spec's, else the
+        family's or transformers' plan's; None when neither names them (the model is one unit)."""
+        path = self.pipeline.layers if self.pipeline is not None else layer_stack(model)
+        return model.get_submodule(path) if path is not None else None
 
     def _checkpoint_activations(self, model: nn.Module, check_only: bool = False) -> None:
         """transformers models use their own per-layer checkpointing (the sharder made it replay the
@@ -313,4 +336,5 @@ class ParallelEngine:
         for p in self.shared:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, self.mesh.embedding_group)
+            # at ZeRO-3 both stages hold the same dp shard of the tied weight: sum the shards
+            comm.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, self.mesh.embedding_group)

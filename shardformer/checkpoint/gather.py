@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from shardformer.core.comm import group_rank, group_size
 from shardformer.core.record import is_sharded, sharding_of
+from shardformer.data_parallel.fsdp import full_of, reshard
 from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 
 
@@ -83,8 +84,17 @@ def refuse_context_parallel(lay: Layout, what: str) -> None:
 
 
 def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer by its state-dict name (tied names all listed)."""
-    return dict(model.state_dict(keep_vars=True))
+    """Every parameter and persistent buffer by its state-dict name (tied names all listed), ZeRO-3
+    (FSDP2) shards gathered over dp: a collective over the dp group for such a model; tied names
+    keep pointing at one tensor."""
+    reshard(model)  # a ZeRO-3 root gathered by a forward without backward holds plain tensors until then
+    full: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in full:
+            full[id(tensor)] = full_of(tensor)
+        out[name] = full[id(tensor)]
+    return out
 
 
 def full_local_state(model: nn.Module, group=None) -> dict[str, torch.Tensor]:

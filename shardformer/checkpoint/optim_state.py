@@ -1,13 +1,14 @@
 """Optimizer state in training checkpoints: each rank's shard out, any layout's shard back in.
 
-Saved per rank: every tensor state of this rank's optimizer (a ZeroOptimizer's dp shards or a
-plain optimizer's states), named ``opt.<index>.<key>``, plus JSON saying which parameter (all its
-names, its ShardSpec and local shape) each index is, which states are per-element, the scalars,
-the param groups and the loss scaler. Loading puts each per-element state of a parameter back
-together like the parameter itself (dp pieces concatenated, tp shards merged), cuts this rank's
-tp shard and hands the optimizer a dp-unsharded state (``ZeroOptimizer.load_full_state_dict``
-shards it over dp). Reading (:func:`read_optimizer`) checks every state against this rank's
-parameters and changes nothing; :func:`apply_optimizer` then cannot fail on the checkpoint's account.
+Saved per rank: every tensor state of this rank's optimizer (a ZeroOptimizer's dp shards, ZeRO-3's
+dp row shards or a plain optimizer's states), named ``opt.<index>.<key>``, plus JSON saying which
+parameter (all its names, its ShardSpec and local shape) each index is, which states are
+per-element, the scalars, the param groups and the loss scaler. Loading puts each per-element state
+of a parameter back together like the parameter itself (dp pieces concatenated, tp shards merged),
+cuts this rank's tp shard and hands the optimizer a dp-unsharded state
+(``ZeroOptimizer.load_full_state_dict`` and ``FullyShardedOptimizer.load_state_dict`` shard it over
+dp). Reading (:func:`read_optimizer`) checks every state against this rank's parameters and changes
+nothing; :func:`apply_optimizer` then cannot fail on the checkpoint's account.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from shardformer.checkpoint import typed_json
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import SafeFile, rank_files, reshard_local, spec_from_json, spec_to_json
 from shardformer.data_parallel import ZeroOptimizer
+from shardformer.data_parallel.fsdp import local_shape
+from shardformer.data_parallel.fsdp_optimizer import FullyShardedOptimizer
 from shardformer.tensor_parallel.detect import names_by_tensor
 from shardformer.tensor_parallel.slicer import shard_spec
 
@@ -38,8 +41,23 @@ def _names_by_id(model: nn.Module) -> dict[int, list[str]]:
 
 
 def _class_name(optimizer) -> str:
-    """The optimizer's own class (AdamW, SGD, ...), inside a ZeroOptimizer or not."""
-    return type(optimizer.optim if isinstance(optimizer, ZeroOptimizer) else optimizer).__name__
+    """The optimizer's own class (AdamW, SGD, ...), inside a ZeroOptimizer (or ZeRO-3's wrapper) or not."""
+    return type(
+        optimizer.optim if isinstance(optimizer, (ZeroOptimizer, FullyShardedOptimizer)) else optimizer
+    ).__name__
+
+
+def _packed_groups(optimizer) -> list[dict]:
+    """torch's state-dict param groups (hyper-parameters, params numbered in order) without asking the
+    optimizer for its state (at ZeRO-3 that gathers every state over dp)."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))}
+        )
+        start += count
+    return groups
 
 
 def _check_class(saved: _Saved, optimizer) -> None:
@@ -64,12 +82,13 @@ def _is_per_element(value, shape, key) -> bool:
 def optimizer_payload(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     """This rank's optimizer state as (tensors for safetensors, JSON-able description)."""
     zero = isinstance(optimizer, ZeroOptimizer)
-    state_dict = optimizer.state_dict()
+    fsdp = isinstance(optimizer, FullyShardedOptimizer)  # dp shards too: rows of dim 0, in dp order
+    state_dict = optimizer.local_state_dict() if fsdp else optimizer.state_dict()
     params = _params_of(optimizer)
     names = _names_by_id(model)
     tensors, per_element, scalars = {}, {}, {}
     for index, param in enumerate(params):
-        shape = optimizer.slots[index].master.shape if zero else param.shape
+        shape = optimizer.slots[index].master.shape if zero else local_shape(param) if fsdp else param.shape
         per_element[index], scalars[index] = [], {}  # int keys: typed JSON keeps them
         for key, value in state_dict["state"].get(index, {}).items():
             if torch.is_tensor(value):
@@ -83,7 +102,7 @@ def optimizer_payload(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tens
         tensors[f"opt.{index}.{MASTER}"] = master.detach().cpu()
         per_element[index].append(MASTER)
     info = {
-        "kind": "zero" if zero else "plain",
+        "kind": "zero" if zero or fsdp else "plain",
         "class": _class_name(optimizer),
         "params": [
             {"names": names.get(id(p), []), "spec": spec_to_json(shard_spec(p)), "shape": list(p.shape)} for p in params
@@ -153,7 +172,9 @@ def _put_together(saved: _Saved, located, key: str, my_spec) -> torch.Tensor:
         spec = spec_from_json(param["spec"])
         shape = param["shape"]
         numel = int(torch.Size(shape).numel())
-        if opt["kind"] == "zero":  # dp pieces of the flattened (padded) param, in dp order
+        # dp pieces of the flattened param in dp order: ZeroOptimizer's padded flat pieces, or ZeRO-3's
+        # dim-0 row chunks (contiguous, so flattened they are consecutive pieces too)
+        if opt["kind"] == "zero":
             flat = torch.cat([saved.tensor(r, f"opt.{i}.{key}").reshape(-1) for r, i in replicas])
             pieces[tp_rank] = flat[:numel].view(shape)
         else:
@@ -195,7 +216,7 @@ def read_optimizer(path: str, model: nn.Module, optimizer, world: int) -> dict:
             if key is not None and key not in entry and key != MASTER:
                 entry[key] = saved.tensor(rank0, full_key)  # scalars such as Adam's step
         state[index] = entry
-    groups = optimizer.state_dict()["param_groups"]
+    groups = _packed_groups(optimizer)
     saved_groups = reference["param_groups"] if reference else []
     if reference is not None and len(saved_groups) != len(groups):
         raise CheckpointError(

@@ -37,11 +37,12 @@ from shardformer.checkpoint.files import (
     model_tensors,
     rank_files,
 )
-from shardformer.checkpoint.gather import Layout, layout_of, refuse_context_parallel
+from shardformer.checkpoint.gather import Layout, layout_of, named_tensors, refuse_context_parallel
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
 from shardformer.checkpoint.optim_state import apply_optimizer, optimizer_payload, read_optimizer
 from shardformer.checkpoint.save_lock import save_lock
+from shardformer.data_parallel.fsdp import copy_full_into, reshard
 from shardformer.tensor_parallel.slicer import shard_spec
 
 
@@ -99,8 +100,9 @@ def _rng_payload(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
 def _write_rank(tmp: str, model, optimizer, lay: Layout) -> dict[str, dict]:
     """This rank's files, written into ``tmp``; returns their sizes and checksums."""
     written = []
+    named = named_tensors(model)  # on every rank: gathering ZeRO-3 shards is a collective over dp
     if lay.dp_rank == 0:  # dp replicas hold the same model shard: one writes it
-        tensors, info = model_tensors(dict(model.state_dict(keep_vars=True)))
+        tensors, info = model_tensors(named)
         name = model_file(lay.pp_rank, lay.tp_rank)
         save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt", "shardformer": json.dumps(info)})
         written.append(name)
@@ -290,6 +292,7 @@ def _apply_rng(model: nn.Module, rng: dict) -> None:
 
 
 def _read_all(path: str, model: nn.Module, optimizer, scheduler, lay: Layout) -> dict:
+    reshard(model)  # ZeRO-3: the dp shards, not a root a forward left gathered, are what loading fills
     meta = commit.read_meta(path)
     _verify_files(path, meta, lay)
     if optimizer is not None and not meta["has_optimizer"]:
@@ -328,7 +331,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None)
         raise CheckpointError(f"loading the checkpoint {full} failed; nothing was changed:\n  {_report(errors)}")
     with torch.no_grad():
         for tensor, value in staged["model"]:
-            tensor.copy_(value)
+            copy_full_into(tensor, value)  # a ZeRO-3 parameter keeps its dp shard of the value
     if optimizer is not None:
         apply_optimizer(optimizer, staged["optimizer"])
     if scheduler is not None:

@@ -70,7 +70,9 @@ BASE_KEYS: dict[str, Key] = {
     "data_parallel_size": _engine_key(
         "data_parallel_size", "data-parallel replicas; default: world // (tp * pp)", minimum=1
     ),
-    "zero_stage": _engine_key("zero_stage", "ZeRO stage: 1 shards optimizer state over dp, 2 also gradients"),
+    "zero_stage": _engine_key(
+        "zero_stage", "ZeRO stage: 1 shards optimizer state over dp, 2 also gradients, 3 also parameters (FSDP2)"
+    ),
     "precision": _engine_key("precision", "parameter/compute precision"),
     "sequence_parallel": _engine_key("sequence_parallel", "Megatron sequence parallelism inside the tp group"),
     "activation_checkpointing": _engine_key(

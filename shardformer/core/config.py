@@ -21,7 +21,8 @@ from shardformer.core.comm import group_size
 # The one table of training precisions (parameter dtypes) the engine, the examples and the CLI accept.
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_SEED = 1024  # base seed of the tensor-parallel dropout RNG
-ZERO_STAGES = (1, 2)  # 1: optimizer states sharded over dp; 2: also the reduced gradients
+ZERO_STAGES = (1, 2)  # ZeroOptimizer's own: 1 optimizer states sharded over dp; 2 also the reduced gradients
+ENGINE_ZERO_STAGES = (*ZERO_STAGES, 3)  # 3: parameters too, on PyTorch FSDP2 (shardformer.data_parallel.fsdp)
 SCHEDULES = ("gpipe", "1f1b")  # the pipeline schedules (shardformer.pipeline.schedule runs them)
 BACKENDS = ("p2p", "torch")  # how the engine runs a pipeline schedule
 # Short names of the parallel sizes (EngineConfig's fields) and their long ones (ShardConfig's, the CLI's).
@@ -235,7 +236,7 @@ class ShardConfig:
 
 # The EngineConfig fields with a fixed set of values, and those values.
 CHOICES = {
-    "zero_stage": ZERO_STAGES,
+    "zero_stage": ENGINE_ZERO_STAGES,
     "schedule": SCHEDULES,
     "precision": tuple(PRECISIONS),
     "backend": BACKENDS,
@@ -259,7 +260,9 @@ class EngineConfig:
     tp, pp, dp: tensor / pipeline / data parallel sizes (dp defaults to world // (tp * cp * pp)).
     cp, cp_mode: context parallelism (as ShardConfig's context_parallel_size / _mode): every cp rank
     gets the same batch and the sequence is split over them.
-    zero_stage: 1 or 2 (ZeRO over the dp ranks). num_microbatches: micro-batches per step and
+    zero_stage: 1 or 2 (our ZeRO over the dp ranks: optimizer states, then also gradients), or 3
+    (parameters too: each transformer layer on PyTorch FSDP2 over the dp ranks; precision "fp32" or
+    "bf16", no compile). num_microbatches: micro-batches per step and
     dp rank (gradient accumulation; also what fills the pipeline). schedule: "1f1b" or "gpipe".
     precision: "fp32", "bf16" or "fp16" (fp32 master weights in the optimizer; fp16 adds dynamic
     loss scaling). max_grad_norm: clip the global gradient norm (None: no clipping).
@@ -340,6 +343,30 @@ class EngineConfig:
             )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")
+        if self.zero_stage == 3:
+            self._check_zero3()
+
+    def _check_zero3(self) -> None:
+        """What ZeRO-3 (FSDP2) is not proven with here is refused, naming the fix."""
+        refused = {
+            "precision": (
+                self.precision == "fp16",
+                "fp16 needs loss scaling, which stage 3 does not offer; use precision='bf16' (FSDP2 computes in "
+                "bf16 from fp32 shards and reduces gradients in fp32) or zero_stage=1 or 2",
+            ),
+            "compile": (
+                self.compile,
+                "torch.compile is not tested with FSDP2 here; use compile=False or zero_stage=1 or 2",
+            ),
+            "cp": (
+                self.cp > 1,
+                "context parallelism sums gradients over cp with hooks on the parameters FSDP2 replaces; not "
+                "proven together yet: use zero_stage=1 or 2 with cp, or cp=1",
+            ),
+        }
+        for name, (bad, fix) in refused.items():
+            if bad:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} with zero_stage=3: {fix}")
 
     def shard_config(self, mesh: Any) -> ShardConfig:
         """The ShardConfig that shards the model over ``mesh`` (a ProcessMesh with these sizes)."""

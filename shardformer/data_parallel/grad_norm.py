@@ -52,6 +52,13 @@ def global_grad_norm(
             sharded += sq
         else:
             replicated += sq
+    return reduce_norm_stats(sharded, replicated, dp_group, tp_group, pp_group)
+
+
+def reduce_norm_stats(sharded: torch.Tensor, replicated: torch.Tensor, dp_group, tp_group, pp_group):
+    """``(norm, found_inf)`` from this rank's squared sums over its dp shards of tp-sharded and of
+    tp-replicated gradients (float64 scalars): summed over dp, over tp (replicated ones from tp
+    rank 0 only) and over the pipeline stages. A collective on the three groups."""
     # [tp-sharded sum, replicated sum, non-finite count]; inf/NaN can also arise from a
     # non-finite replicated gradient on a tp rank other than 0, so it is counted separately.
     nonfinite = (~torch.isfinite(sharded + replicated)).to(torch.float64)

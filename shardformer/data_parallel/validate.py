@@ -23,7 +23,8 @@ def check_arguments(
     if stage not in ZERO_STAGES:
         raise ValueError(
             f"stage={stage!r} is not supported; use stage=1 (shard optimizer states) or stage=2 (also "
-            f"shard reduced gradients). Stage 3 (sharded parameters) is not implemented"
+            f"shard reduced gradients). Stage 3 (sharded parameters) runs on FSDP2: EngineConfig(zero_stage=3), "
+            f"or shardformer.data_parallel.fsdp.fully_shard_model with FullyShardedOptimizer"
         )
     if not is_positive_int(bucket_size):
         raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements, e.g. 2**23")

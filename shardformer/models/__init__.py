@@ -65,9 +65,9 @@ def families() -> tuple[ModelFamily, ...]:
 
 def model_class_name(model: nn.Module) -> str:
     """The name a model's family knows it by: its class, or the class it was built as when sharding
-    swapped in a subclass of ours (injected forwards, the vocab-parallel head)."""
-    for cls in type(model).__mro__:
-        if not cls.__module__.startswith("shardformer."):
+    swapped in a subclass of ours (injected forwards, the vocab-parallel head) or FSDP2's."""
+    for cls in type(model).__mro__:  # FSDP2's fully_shard also swaps in a class (FSDP<name>): skip it
+        if not cls.__module__.startswith(("shardformer.", "torch.distributed.")):
             return cls.__name__
     return type(model).__name__
 

@@ -6,7 +6,7 @@ import pytest
 
 from shardformer.cli import BASE_KEYS, Config, ConfigError, Key, load_config, parse_example_args
 from shardformer.cli.example_args import find_config_args, parse_overrides
-from shardformer.core.config import PRECISIONS, ZERO_STAGES, EngineConfig
+from shardformer.core.config import ENGINE_ZERO_STAGES, PRECISIONS, EngineConfig
 
 
 def write(tmp_path, text, name="config.py"):
@@ -42,7 +42,7 @@ def test_engine_keys_take_defaults_and_choices_from_engine_config():
     engine = EngineConfig()
     assert BASE_KEYS["tensor_parallel_size"].default == engine.tp and BASE_KEYS["data_parallel_size"].default is None
     assert BASE_KEYS["seed"].default == engine.seed and BASE_KEYS["max_grad_norm"].type is float
-    assert BASE_KEYS["zero_stage"].choices == ZERO_STAGES and BASE_KEYS["precision"].choices == tuple(PRECISIONS)
+    assert BASE_KEYS["zero_stage"].choices == ENGINE_ZERO_STAGES and BASE_KEYS["precision"].choices == tuple(PRECISIONS)
 
 
 def test_short_size_names_in_the_file_and_on_the_command_line(tmp_path):

@@ -1,0 +1,158 @@
+"""ZeRO-3 on PyTorch's FSDP2: parameters, gradients and optimizer state sharded over data parallelism.
+
+``fully_shard`` (torch.distributed.fsdp) wraps each transformer layer of the stack and then the
+model itself over the data-parallel sub-mesh (a 1-D DeviceMesh over this rank's dp group of the
+ProcessMesh). Every parameter becomes a DTensor sharded on dim 0 over dp; a layer's parameters are
+all-gathered just before its forward (and again for its backward), dropped afterwards, and its
+gradients are reduce-scattered (averaged over dp, as DDP and our ZeRO-1/2 do). FSDP2 prefetches the
+next layer's all-gather while the current one computes.
+
+Tensor parallelism composes: our tp layers hold plain local-shard tensors, so FSDP2 shards those
+local tensors over dp. Two things the sharder attached to the original parameters do not survive
+``fully_shard`` replacing them, and are carried over here:
+
+- ``param.shard_spec`` (how the tensor is cut over tp): set again on the new DTensor parameter, whose
+  (global) shape is the tp-local shape, so checkpoints, export and the gradient norm read it as before;
+- gradient hooks that sum a gradient over the tp group (sequence parallelism's split-region sums,
+  per-head norms replicated over tp): FSDP2 computes gradients on new unsharded tensors that the hooks
+  never see, so they run on the dp-reduced shard instead, once per step. A sum over tp commutes with
+  the reduce-scatter over dp (tp peers hold the same rows of the same parameter), so this is exact.
+  Key/value heads replicated over tp ranks (``ShardSpec.splits``) sum pieces at tp-local offsets that
+  a dp shard does not keep; they are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from shardformer.core.shard_spec import shard_spec
+
+GradHooks = list[tuple[nn.Parameter, list[Callable]]]
+
+
+def dp_device_mesh(mesh, device: torch.device) -> DeviceMesh:
+    """The 1-D DeviceMesh over this rank's data-parallel group of ``mesh`` (a ProcessMesh)."""
+    return DeviceMesh.from_group(mesh.dp_group, device.type, mesh_dim_names=("dp",))
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """bf16: layers compute in bf16 from the fp32 sharded parameters, gradients are reduced in fp32."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def check_fully_shardable(model: nn.Module) -> None:
+    """Refuse, before any collective, what ZeRO-3 here cannot shard exactly."""
+    for name, p in model.named_parameters():
+        spec = shard_spec(p)
+        if spec is not None and spec.splits and p.requires_grad:
+            raise ValueError(
+                f"zero_stage=3: {name} holds key/value heads replicated over {spec.world_size} tensor-parallel "
+                f"ranks (fewer heads than tp), whose gradient sum cannot run on a data-parallel shard; use a "
+                f"tensor_parallel_size that divides the number of key/value heads, or zero_stage=1 or 2"
+            )
+        if p.dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"zero_stage=3: {name} is {p.dtype}; the sharded parameters are the fp32 master weights (FSDP2 "
+                f"casts them for compute): load the model in fp32 and pick the compute dtype with precision="
+            )
+
+
+def fully_shard_model(
+    model: nn.Module, layers: nn.Module | None, mesh, device: torch.device, precision: str = "fp32"
+) -> GradHooks:
+    """Apply FSDP2 to each module of ``layers`` (the repeated layer stack; None: the model as one unit)
+    and to ``model``, over ``mesh``'s dp group. Returns the gradient hooks to run on the sharded
+    gradients (see the module docstring); ``shard_spec`` is carried to the new parameters."""
+    check_fully_shardable(model)
+    specs = {name: shard_spec(p) for name, p in model.named_parameters()}
+    hooks = {name: list(p._backward_hooks.values()) for name, p in model.named_parameters() if p._backward_hooks}
+    dp_mesh = dp_device_mesh(mesh, device)
+    policy = mixed_precision(precision)
+    for layer in layers if layers is not None else ():
+        if layer is not None:
+            fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    out: GradHooks = []
+    for name, p in model.named_parameters():
+        if specs[name] is not None:
+            p.shard_spec = specs[name]
+        if name in hooks:
+            out.append((p, hooks[name]))
+    return out
+
+
+def through_root(stage_forward: Callable) -> Callable:
+    """``stage_forward(model, hidden, inputs)`` run as the call of ``model`` itself: a stage forward
+    calls submodules directly, but FSDP2's root hooks (lazy set-up, gathering the root's own
+    parameters, the end-of-backward reshard and gradient wait) run only when the root is called."""
+
+    def run(model: nn.Module, hidden, inputs: dict):
+        saved = model.__dict__.get("forward")
+        model.forward = lambda **kwargs: stage_forward(model, hidden, kwargs)
+        try:
+            out = model(**inputs)
+        finally:
+            if saved is None:
+                del model.forward
+            else:
+                model.forward = saved
+        if not torch.is_grad_enabled():  # no backward will reshard the root: its gathered weights go now
+            reshard(model)
+        return out
+
+    return run
+
+
+def reshard(model: nn.Module) -> None:
+    """Drop every gathered parameter of ``model``'s FSDP2 units, so the model holds (and its state
+    dict shows) its dp shards again: the root stays gathered after a forward without backward."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def full_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A ZeRO-3 (DTensor) parameter gathered over dp, with its ``shard_spec``; other tensors as they are.
+    Collective over the dp group for a DTensor."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    full = tensor.detach().full_tensor()
+    spec = shard_spec(tensor)
+    if spec is not None:
+        full.shard_spec = spec
+    return full
+
+
+@torch.no_grad()
+def copy_full_into(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """``tensor.copy_(value)`` where ``value`` is the full (dp-gathered) tensor; a DTensor takes its
+    own shard of it, locally (every rank holds the same ``value``)."""
+    if isinstance(tensor, DTensor):
+        value = distribute_tensor(
+            value.to(tensor.device, tensor.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None
+        )
+    tensor.copy_(value)
+
+
+def local_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape of what this rank stores for ``tensor`` (a DTensor's local shard)."""
+    return tensor.to_local().shape if isinstance(tensor, DTensor) else tensor.shape
+
+
+def local_numel(tensor: torch.Tensor) -> int:
+    """Elements this rank stores for ``tensor`` (a DTensor's local shard only)."""
+    return tensor.to_local().numel() if isinstance(tensor, DTensor) else tensor.numel()
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank stores for ``tensor`` (a DTensor's local shard only)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
