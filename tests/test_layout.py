@@ -13,6 +13,7 @@ ROOT = pathlib.Path(shardformer.__file__).parent
 # lowest first: a package imports only packages before it (and itself)
 ORDER = [
     "core",
+    "context_parallel",
     "tensor_parallel",
     "pipeline",
     "data_parallel",

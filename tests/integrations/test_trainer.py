@@ -107,6 +107,10 @@ def _sharded_run(tp):
         checkpointed = ShardedTrainer(model=model, args=args, train_dataset=dataset())
         checkpointed.train()
         result["checkpointed_loss"] = logged(checkpointed, "loss")
+        model = shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp, sequence_parallel=True))
+        sequence_parallel = ShardedTrainer(model=model, args=args, train_dataset=dataset())
+        sequence_parallel.train()
+        result["sequence_parallel_loss"] = logged(sequence_parallel, "loss")
         fresh = shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp))
         result["plain_trainer"] = _refusal(lambda: Trainer(model=fresh, args=args, train_dataset=dataset()).train())
         staged = ParallelEngine(tiny_gpt2(), lambda p: torch.optim.SGD(p, lr=0.1), EngineConfig(tp=1, pp=2)).model
@@ -166,6 +170,8 @@ def test_trainer_at_tp2_matches_one_process():
     result = run_on_ranks(_sharded_run, 2, 2, timeout=240)[0]
     _compare(result, reference())
     assert_close(torch.tensor(result["checkpointed_loss"]), torch.tensor(reference()["loss"]), what="checkpointed")
+    sequence_parallel = torch.tensor(result["sequence_parallel_loss"])
+    assert_close(sequence_parallel, torch.tensor(reference()["loss"]), what="sequence parallel")
     assert "ShardedTrainer" in (result["plain_trainer"] or ""), result["plain_trainer"]
     assert "pipeline stages" in (result["pipeline"] or ""), result["pipeline"]
     lora, ref_lora = result["lora"], reference()["lora"]

@@ -110,7 +110,7 @@ def test_optimizer_must_be_a_factory():
 @pytest.mark.parametrize(
     ("kwargs", "fix"),
     [
-        ({"zero_stage": 3}, "must be 1 or 2"),
+        ({"zero_stage": 4}, "must be 1, 2 or 3"),
         ({"schedule": "interleaved"}, "must be one of"),
         ({"num_microbatches": 0}, "positive integer"),
         ({"precision": "fp8"}, "must be one of"),
