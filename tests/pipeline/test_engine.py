@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers as tf
 
 from shardformer import EngineConfig, ParallelEngine, ProcessMesh
 from shardformer.pipeline import stage_of
@@ -193,6 +194,42 @@ def check_different_batches_or_a_skipped_step_raise_on_every_rank_before_the_upd
         assert torch.equal(p, before[name]), f"{name} changed in a refused step"
 
 
+def check_resume_at_pp2_with_dropout_under_the_torch_backend_is_exact():
+    """Save an engine's model, optimizer and scheduler at step 2; a fresh engine loading it continues
+    with the losses of the run that never stopped, with dropout on, under torch.distributed.pipelining
+    (whose shape inference at a new stage's first step must not move any RNG)."""
+    from shardformer.checkpoint import load_checkpoint, save_checkpoint
+    from tests.checkpoint.common import remove_dir, shared_dir
+
+    def build(seed):
+        cfg = common.config("GPT2LMHeadModel")
+        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.2
+        torch.manual_seed(seed)
+        engine = ParallelEngine(
+            tf.GPT2LMHeadModel(cfg), common.sgd, EngineConfig(tp=2, pp=2, num_microbatches=2), mesh=_mesh(2, 2, 1)
+        )
+        return engine, torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+
+    def train(engine, sched, steps):
+        out = []
+        for batch in steps:
+            out.append(engine.train_step(batch))
+            sched.step()
+        return out
+
+    data = common.batches("GPT2LMHeadModel", 4, seed=3)
+    path = shared_dir()
+    engine, sched = build(0)
+    train(engine, sched, data[:2])
+    save_checkpoint(f"{path}/ckpt", engine.model, engine.optimizer, sched, step=2)
+    expected = train(engine, sched, data[2:])
+    fresh, fresh_sched = build(5)
+    torch.manual_seed(77)  # disturb the global RNG: the checkpoint restores it
+    load_checkpoint(f"{path}/ckpt", fresh.model, fresh.optimizer, fresh_sched)
+    torch.testing.assert_close(train(fresh, fresh_sched, data[2:]), expected, atol=1e-6, rtol=0)
+    remove_dir(path)
+
+
 def _timm_loss(logits, batch):
     return F.cross_entropy(logits, batch["labels"])
 
@@ -240,6 +277,7 @@ CHECKS = [
     check_inputs_embeds_run_the_models_own_forward_at_pp1_and_are_refused_at_pp2,
     check_different_batches_or_a_skipped_step_raise_on_every_rank_before_the_update,
     check_p2p_overlap_refuses_micro_batches_of_two_shapes,
+    check_resume_at_pp2_with_dropout_under_the_torch_backend_is_exact,
 ]
 
 test_engine_4_ranks = check_table(CHECKS, 4)
