@@ -276,7 +276,7 @@ class ParallelEngine:
         every rank (sent from the last stage over the pipeline); vocab-parallel logits stay
         sharded over tp unless ``EngineConfig.gather_output`` is set."""
         forward = self._forward_for(batch)
-        micro = split_batch(self._to_device(batch), self.config.num_microbatches, "num_microbatches")
+        micro = split_batch(self._to_device(batch), self._inference_chunks(batch), "num_microbatches")
         self.model.eval()
         _, outputs = run_pipeline(
             self.model, forward, self.mesh, micro, None, backward=False, device=self.device,
@@ -296,6 +296,15 @@ class ParallelEngine:
         return comm.broadcast(out, self.mesh.pp_group, last)
 
     __call__ = forward
+
+    def _inference_chunks(self, batch: dict) -> int:
+        """Micro-batches for ``forward``: up to ``num_microbatches``, as many as divide the batch (in
+        inference they only pipeline the stages; any count gives the same outputs)."""
+        sizes = {v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.ndim > 0}
+        if len(sizes) != 1:
+            return self.config.num_microbatches  # split_batch names the sizes
+        size = sizes.pop()
+        return max(n for n in range(1, min(size, self.config.num_microbatches) + 1) if size % n == 0)
 
     # -- gradients ----------------------------------------------------------------------------------
 

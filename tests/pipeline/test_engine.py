@@ -101,7 +101,7 @@ class _ComboCheck:
 
 def check_gpt2_stage_contents():
     ref, model = common.models("GPT2LMHeadModel")
-    engine = ParallelEngine(model, common.sgd, EngineConfig(tp=1, pp=4), mesh=_mesh(1, 4, 1))
+    engine = ParallelEngine(model, common.sgd, EngineConfig(tp=1, pp=4, num_microbatches=4), mesh=_mesh(1, 4, 1))
     m, stage = engine.model, engine.mesh.pp_rank
     assert stage_of(m) == (stage, 4) and m.shardformer.layers == (stage,)
     assert [i for i, b in enumerate(m.transformer.h) if b is not None] == [stage]
@@ -116,6 +116,11 @@ def check_gpt2_stage_contents():
     with torch.no_grad():
         expected = ref.eval()(**inputs).logits
     assert_close(engine.forward(inputs), expected, what="inference logits under pp=4")
+    # a batch of 1 (or one num_microbatches does not divide) runs in fewer micro-batches, same outputs
+    assert_close(engine.forward({"input_ids": inputs["input_ids"][:1]}), expected[:1], what="a batch of 1")
+    assert_close(engine.forward({"input_ids": inputs["input_ids"][:6]}), expected[:6], what="a batch of 6")
+    with pytest.raises(RuntimeError, match=r"generate\(\) on pipeline stage \d of 4: .*pipeline_parallel_size=1"):
+        engine.model.generate(inputs["input_ids"][:1, :4], max_new_tokens=2)
 
 
 def check_eval_step_and_zero2_with_pp():
