@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -282,12 +283,32 @@ def _failure_time(failure) -> tuple[int, int]:
     return stopped, int(extra.get("time_ns", failure.timestamp * 1_000_000_000))
 
 
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def _stuck_line(rank: int, error: str, exc, world_size: int) -> str | None:
+    """When the first failure is a collective's timeout, the ranks still running then (stopped by
+    torchrun, not failed on their own) are the ones it waited for: name them, not the waiting rank."""
+    if not _TIMEOUT.search(error):
+        return None
+    running = sorted(r for r, f in exc.failures.items() if f.exitcode == -signal.SIGTERM)
+    if not running:
+        return None
+    who = f"rank {running[0]}" if len(running) == 1 else f"one of ranks {', '.join(map(str, running))}"
+    return (
+        f"{PROG}: {who} of {world_size} stopped making progress: rank {rank} timed out waiting for it in a "
+        f"collective ({error})"
+    )
+
+
 def summarize_failure(exc, world_size: int) -> tuple[str, int]:
-    """A few lines naming the first rank that failed and its error, and the exit status to return."""
+    """A few lines naming the first rank that failed and its error (or, when it timed out waiting in a
+    collective, the ranks it waited for), and the exit status to return."""
     rank = min(exc.failures, key=lambda r: _failure_time(exc.failures[r]) + (r,))
     failure = exc.failures[rank]
     error = _error_text(failure)
-    lines = [f"{PROG}: rank {rank} of {world_size} failed ({_how(failure)})" + (f": {error}" if error else "")]
+    stuck = _stuck_line(rank, error, exc, world_size)
+    lines = [stuck or f"{PROG}: rank {rank} of {world_size} failed ({_how(failure)})" + (f": {error}" if error else "")]
     for other in sorted(r for r in exc.failures if r != rank):
         f = exc.failures[other]
         if f.exitcode == -signal.SIGTERM:
