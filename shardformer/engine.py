@@ -28,6 +28,7 @@ from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
 from shardformer.policies.auto import get_autopolicy
+from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.recompute import checkpoint_layers
 
 logger = logging.getLogger("shardformer")
@@ -170,7 +171,17 @@ class ParallelEngine:
         layers = self.pipeline.layers if self.pipeline is not None else layer_stack(model)
         if getattr(model, "supports_gradient_checkpointing", False):
             if not check_only:  # transformers 5.23 renamed gradient_checkpointing_enable
-                (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+                enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+                if call_optional(model, "get_input_embeddings") is not None:
+                    enable()
+                    return
+                # a later pipeline stage: no embedding to hook (transformers would log that it "does not
+                # expose input embeddings"), and its input arrives from the previous stage requiring grad
+                model.enable_input_require_grads = lambda: None
+                try:
+                    enable()
+                finally:
+                    del model.enable_input_require_grads
         elif layers is not None:
             if not check_only:
                 checkpoint_layers(model.get_submodule(layers))

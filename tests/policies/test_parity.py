@@ -205,6 +205,26 @@ def check_attention_probability_dropout_is_per_rank_and_seeded():
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2]), "timm: masks not from the seed"
 
 
+def check_sharded_gpt2_does_not_log_the_loss_type_warning():
+    """transformers warns once per process that GPT2LMHeadModel's loss_type=None is unrecognised when
+    its loss_function is read; sharding resolves it quietly (make demo printed it once per rank)."""
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    hf_logger = logging.getLogger("transformers")
+    logging.Logger.warning_once.cache_clear()  # an earlier check may have logged it in this process
+    hf_logger.addHandler(handler)
+    try:
+        _, model = zoo.load_twice("GPT2LMHeadModel")
+        model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+        model(**zoo.inputs_for("GPT2LMHeadModel")).loss.backward()
+    finally:
+        hf_logger.removeHandler(handler)
+    assert not [m for m in seen if "loss_type" in m], seen
+
+
 def _hf_checks(names, impls):
     checks = []
     for n in names:
@@ -229,6 +249,7 @@ TP2 = [
     check_return_dict_false_puts_loss_first,
     check_sizes_that_do_not_fit_the_world_fail_clearly,
     check_attention_probability_dropout_is_per_rank_and_seeded,
+    check_sharded_gpt2_does_not_log_the_loss_type_warning,
 ]
 TP4 = [
     *_hf_checks(["GPT2LMHeadModel", "BertForMaskedLM", "ViTForImageClassification"], ("eager", "sdpa")),
