@@ -9,6 +9,7 @@ so tensor-parallel peers are neighbours (on one node they share the fastest link
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -125,7 +126,16 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else _timeout()
         dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"), timeout=timeout)
+        atexit.register(_tear_down)
     return device
+
+
+def _tear_down() -> None:
+    """At exit, the process groups this module started (a script need not call destroy_process_group):
+    left to the interpreter's teardown, their threads can be destroyed still running, and the process
+    ends with SIGABRT ("terminate called without an active exception") after the script succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 launch_from_torch = init_distributed
