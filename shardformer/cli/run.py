@@ -164,7 +164,7 @@ def _check(args: argparse.Namespace) -> None:
     preflight.check_script(args.script)
     config = preflight.load_script_config(args.script_args)
     if config is not None:
-        preflight.check_sizes(config, args.nnodes, args.nproc_per_node)
+        preflight.check_sizes(config, args.nnodes, args.nproc_per_node, preflight.sizes_from_set(args.script_args))
     port = rendezvous_port(args)
     if port is not None and args.node_rank == 0:
         preflight.check_port(port, args.nnodes)

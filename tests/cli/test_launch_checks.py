@@ -67,12 +67,18 @@ def test_port_in_use(capsys):
             ["--set", "pipeline_parallel_size=4"],
             "= 8, but --nnodes 2 x --nproc_per_node 1 start 2 processes, not a multiple of 8; use --nproc_per_node 4",
         ),
+        (
+            ["--nproc_per_node", "2"],
+            ["--set", "tp=4"],
+            "tiny_config.py with --set tp=4 sets tensor_parallel_size=4 x pipeline_parallel_size=1 = 4, but",
+        ),
     ],
 )
 def test_nproc_must_fit_the_config_sizes(capsys, launch, script_args, expected):
     code, _, err = run_cli(capsys, *launch, JOB, "--config", CONFIG, "--mode", "train", *script_args)
     assert code == 2
-    assert expected in err and "tiny_config.py sets" in err
+    source = "tiny_config.py with --set " if script_args else "tiny_config.py sets"  # what gave the sizes
+    assert expected in err and source in err
 
 
 def test_bad_config_value_is_caught_before_start(capsys, tmp_path):
