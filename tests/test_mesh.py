@@ -109,3 +109,8 @@ def test_init_distributed_tears_its_process_group_down_at_exit(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["initialised: True", "initialised at exit: False"], result.stdout
+    # after an uncaught exception it leaves the group alone: peers may wait on this rank, which must end now
+    script.write_text(script.read_text() + "raise RuntimeError('deliberate')\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1 and "deliberate" in result.stderr, result.stderr
+    assert result.stdout.split("\n")[:2] == ["initialised: True", "initialised at exit: True"], result.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -133,7 +134,11 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
 def _tear_down() -> None:
     """At exit, the process groups this module started (a script need not call destroy_process_group):
     left to the interpreter's teardown, their threads can be destroyed still running, and the process
-    ends with SIGABRT ("terminate called without an active exception") after the script succeeded."""
+    ends with SIGABRT ("terminate called without an active exception") after the script succeeded.
+    After an uncaught exception it does nothing: peers may still wait in a collective on this rank,
+    and the process must end at once so the launcher sees this rank's failure first."""
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return
     if dist.is_initialized():
         dist.destroy_process_group()
 
