@@ -33,6 +33,7 @@ from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
 from shardformer.policies.auto import get_autopolicy
+from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.recompute import checkpoint_layers
 
 logger = logging.getLogger("shardformer")
@@ -195,7 +196,17 @@ class ParallelEngine:
         layers = self.pipeline.layers if self.pipeline is not None else layer_stack(model)
         if getattr(model, "supports_gradient_checkpointing", False):
             if not check_only:  # transformers 5.23 renamed gradient_checkpointing_enable
-                (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+                enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+                if call_optional(model, "get_input_embeddings") is not None:
+                    enable()
+                    return
+                # a later pipeline stage: no embedding to hook (transformers would log that it "does not
+                # expose input embeddings"), and its input arrives from the previous stage requiring grad
+                model.enable_input_require_grads = lambda: None
+                try:
+                    enable()
+                finally:
+                    del model.enable_input_require_grads
         elif layers is not None:
             if not check_only:
                 checkpoint_layers(model.get_submodule(layers))
@@ -306,7 +317,7 @@ class ParallelEngine:
         every rank (sent from the last stage over the pipeline); vocab-parallel logits stay
         sharded over tp unless ``EngineConfig.gather_output`` is set."""
         forward = self._forward_for(batch)
-        micro = split_batch(self._to_device(batch), self.config.num_microbatches, "num_microbatches")
+        micro = split_batch(self._to_device(batch), self._inference_chunks(batch), "num_microbatches")
         self.model.eval()
         _, outputs = run_pipeline(
             self.model, forward, self.mesh, micro, None, backward=False, device=self.device,
@@ -326,6 +337,15 @@ class ParallelEngine:
         return comm.broadcast(out, self.mesh.pp_group, last)
 
     __call__ = forward
+
+    def _inference_chunks(self, batch: dict) -> int:
+        """Micro-batches for ``forward``: up to ``num_microbatches``, as many as divide the batch (in
+        inference they only pipeline the stages; any count gives the same outputs)."""
+        sizes = {v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.ndim > 0}
+        if len(sizes) != 1:
+            return self.config.num_microbatches  # split_batch names the sizes
+        size = sizes.pop()
+        return max(n for n in range(1, min(size, self.config.num_microbatches) + 1) if size % n == 0)
 
     # -- gradients ----------------------------------------------------------------------------------
 

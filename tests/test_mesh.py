@@ -86,3 +86,31 @@ def test_bad_sizes_name_the_numbers(kwargs, message):
 def test_mesh_needs_a_process_group():
     with pytest.raises(RuntimeError, match="init_distributed"):
         ProcessMesh(tp_size=1)
+
+
+def test_init_distributed_tears_its_process_group_down_at_exit(tmp_path):
+    """A script that never calls destroy_process_group: the group is destroyed by the library's exit
+    handler, before the interpreter's teardown (where its threads could end the process with SIGABRT)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit\nimport torch.distributed as dist\nfrom shardformer import init_distributed\n"
+        "atexit.register(lambda: print('initialised at exit:', dist.is_initialized()))  # runs after ours\n"
+        "init_distributed()\nprint('initialised:', dist.is_initialized())\n"
+    )
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["initialised: True", "initialised at exit: False"], result.stdout
+    # after an uncaught exception it leaves the group alone: peers may wait on this rank, which must end now
+    script.write_text(script.read_text() + "raise RuntimeError('deliberate')\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1 and "deliberate" in result.stderr, result.stderr
+    assert result.stdout.split("\n")[:2] == ["initialised: True", "initialised at exit: True"], result.stdout

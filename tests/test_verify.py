@@ -5,6 +5,7 @@ All multi-rank checks share one spawn of 2 gloo ranks; each asserts on every ran
 
 import torch
 import torch.distributed as dist
+import transformers as tf
 
 import shardformer
 from examples.custom_policy.llama_policy import LlamaPolicy
@@ -82,10 +83,14 @@ def check_functional_dropout_agrees_on_every_rank():  # trap 4: OPT calls F.drop
 
 def check_verify_with_pipeline_stages():  # tp=1 x pp=2 on the same two ranks
     from shardformer.tools.verify_pipeline import verify_pipeline_on_this_rank
+    from shardformer.tools.verify_report import merge_reports
     from tests.pipeline.test_spec_check import TIED_NOT_SHARED
 
-    report = verify_pipeline_on_this_rank("gpt2-tiny", pp=2)
-    assert report.ok and [c.name for c in report.checks] == ["loss", "weights after step", "outputs after step"]
+    reports = [None, None]
+    dist.all_gather_object(reports, verify_pipeline_on_this_rank("gpt2-tiny", pp=2))
+    report = merge_reports(reports)
+    names = ["loss", "outputs after step", "weights of stage 0", "weights of stage 1"]  # every stage named
+    assert report.ok and [c.name for c in report.checks] == names, report.format()
     report = verify_pipeline_on_this_rank("gpt2-tiny", pp=2, pipeline=TIED_NOT_SHARED)  # trap 6: refused, nothing waits
     assert report.error.startswith("sharding refused: transformer.wte.weight (first), lm_head.weight (last)")
 
@@ -106,6 +111,39 @@ test_tp2 = check_table(
     ],
     2,
 )
+
+
+def test_cli_verify_refuses_a_bad_model_in_one_line_before_starting_processes(tmp_path, capsys, monkeypatch):
+    import shardformer.tools.verify as verify_module
+
+    def no_processes(*args, **kwargs):
+        raise AssertionError("processes were started")
+
+    monkeypatch.setattr(verify_module, "run_on_ranks", no_processes)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "gpt2", ')
+    bare = tmp_path / "bare"
+    tf.GPT2Config(n_layer=1).save_pretrained(bare)
+    cases = [
+        ([str(tmp_path / "missing")], "is not a folder with config.json, module:function"),
+        ([str(bad)], "config.json is not valid JSON (Expecting"),
+        ([str(bare)], "has no 'architectures'; name the model class with --model-class (e.g. GPT2LMHeadModel)"),
+        (
+            [str(bare), "--model-class", "GPT2ForCausalLM"],
+            "'GPT2ForCausalLM' (from --model-class) is not a transformers",
+        ),
+        (["no_such_module:build"], "cannot import it"),
+    ]
+    for argv, message in cases:
+        assert main(["verify", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("shardformer verify: error: ") and message in err and err.count("\n") == 1, err
+    # plan reads the same way, and its hint names a class that exists
+    assert main(["plan", str(bare)]) == 2
+    assert "(e.g. GPT2LMHeadModel)" in capsys.readouterr().err
+    assert main(["plan", str(bad)]) == 2
+    assert "config.json is not valid JSON" in capsys.readouterr().err
 
 
 def test_cli_verify_fails_on_a_broken_policy_naming_the_module(capsys):

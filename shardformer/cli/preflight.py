@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from shardformer.cli.config_file import Config, ConfigError, load_config
 from shardformer.cli.example_args import find_config_args
+from shardformer.core.config import SIZE_NAMES
 
 
 class LaunchError(Exception):
@@ -75,19 +76,33 @@ def load_script_config(script_args: Sequence[str]) -> Config | None:
         raise LaunchError(str(exc)) from None
 
 
+def sizes_from_set(script_args: Sequence[str]) -> dict[str, str]:
+    """The parallel sizes the script's ``--set`` overrides give: ``{long name: the KEY=VALUE as typed}``."""
+    _, overrides = find_config_args(script_args)
+    out = {}
+    for key, value in overrides.items():
+        long = SIZE_NAMES.get(key.lower(), key.lower())
+        if long in SIZE_NAMES.values():
+            out[long] = f"{key}={value}"
+    return out
+
+
 def _launched(nnodes: int, nproc_per_node: int) -> str:
     if nnodes == 1:
         return f"--nproc_per_node {nproc_per_node} starts {nproc_per_node} processes"
     return f"--nnodes {nnodes} x --nproc_per_node {nproc_per_node} start {nnodes * nproc_per_node} processes"
 
 
-def check_sizes(config: Config, nnodes: int, nproc_per_node: int) -> None:
-    """The config's parallel sizes must fit the number of processes: world = tp * pp * dp."""
+def check_sizes(config: Config, nnodes: int, nproc_per_node: int, from_set: dict[str, str] | None = None) -> None:
+    """The config's parallel sizes must fit the number of processes: world = tp * pp * dp.
+    ``from_set``: sizes given by ``--set`` (:func:`sizes_from_set`), named as the source of their values."""
     tp = config.get("tensor_parallel_size") or 1
     pp = config.get("pipeline_parallel_size") or 1
     dp = config.get("data_parallel_size")
     world = nnodes * nproc_per_node
     where = config.source or "the config"
+    if from_set:
+        where = f"{where} with --set {' --set '.join(from_set.values())}"
     sizes = f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}"
     if dp is not None:
         need = tp * pp * dp

@@ -33,6 +33,9 @@ def main() -> None:
             tb = tb.tb_next
         tb = tb or exc.__traceback__
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb  # as for an uncaught exception
+        if sys.version_info >= (3, 12):
+            sys.last_exc = exc
         raise SystemExit(1) from None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -163,7 +164,7 @@ def _check(args: argparse.Namespace) -> None:
     preflight.check_script(args.script)
     config = preflight.load_script_config(args.script_args)
     if config is not None:
-        preflight.check_sizes(config, args.nnodes, args.nproc_per_node)
+        preflight.check_sizes(config, args.nnodes, args.nproc_per_node, preflight.sizes_from_set(args.script_args))
     port = rendezvous_port(args)
     if port is not None and args.node_rank == 0:
         preflight.check_port(port, args.nnodes)
@@ -274,23 +275,54 @@ def _how(failure) -> str:
     return f"exit code {failure.exitcode}"
 
 
-def _failure_time(failure) -> tuple[int, int]:
-    """Sort key: when it failed (ns when rank_entry recorded it); ranks stopped by torchrun come last."""
-    info = failure.error_file_data.get("message", {})
+def _recorded_ns(failure) -> int | None:
+    """When the rank's own exception was recorded (by rank_entry), in ns, or None."""
+    info = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
     extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
-    stopped = 1 if failure.exitcode == -signal.SIGTERM else 0
-    return stopped, int(extra.get("time_ns", failure.timestamp * 1_000_000_000))
+    return int(extra["time_ns"]) if "time_ns" in extra else None
+
+
+def _stopped(failure) -> bool:
+    """Stopped by torchrun (SIGTERM) before failing on its own (no exception recorded)."""
+    return failure.exitcode == -signal.SIGTERM and _recorded_ns(failure) is None
+
+
+def _failure_time(failure) -> tuple[int, int]:
+    """Sort key: when it failed (ns when rank_entry recorded it); ranks stopped by torchrun come last
+    (one that recorded its own exception and was stopped while exiting failed when it recorded it)."""
+    recorded = _recorded_ns(failure)
+    return int(_stopped(failure)), recorded if recorded is not None else int(failure.timestamp * 1_000_000_000)
+
+
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def _stuck_line(rank: int, error: str, exc, world_size: int) -> str | None:
+    """When the first failure is a collective's timeout, the ranks still running then (stopped by
+    torchrun, not failed on their own) are the ones it waited for: name them, not the waiting rank."""
+    if not _TIMEOUT.search(error):
+        return None
+    running = sorted(r for r, f in exc.failures.items() if _stopped(f))
+    if not running:
+        return None
+    who = f"rank {running[0]}" if len(running) == 1 else f"one of ranks {', '.join(map(str, running))}"
+    return (
+        f"{PROG}: {who} of {world_size} stopped making progress: rank {rank} timed out waiting for it in a "
+        f"collective ({error})"
+    )
 
 
 def summarize_failure(exc, world_size: int) -> tuple[str, int]:
-    """A few lines naming the first rank that failed and its error, and the exit status to return."""
+    """A few lines naming the first rank that failed and its error (or, when it timed out waiting in a
+    collective, the ranks it waited for), and the exit status to return."""
     rank = min(exc.failures, key=lambda r: _failure_time(exc.failures[r]) + (r,))
     failure = exc.failures[rank]
     error = _error_text(failure)
-    lines = [f"{PROG}: rank {rank} of {world_size} failed ({_how(failure)})" + (f": {error}" if error else "")]
+    stuck = _stuck_line(rank, error, exc, world_size)
+    lines = [stuck or f"{PROG}: rank {rank} of {world_size} failed ({_how(failure)})" + (f": {error}" if error else "")]
     for other in sorted(r for r in exc.failures if r != rank):
         f = exc.failures[other]
-        if f.exitcode == -signal.SIGTERM:
+        if _stopped(f):
             continue  # stopped by torchrun because of the first failure
         text = _error_text(f, limit=120)
         lines.append(f"{PROG}: rank {other} also failed ({_how(f)})" + (f": {text}" if text else ""))

@@ -11,7 +11,9 @@ parallel peers (which exchange keys and values every layer) come next. At cp=1 t
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -144,7 +146,20 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else _timeout()
         dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"), timeout=timeout)
+        atexit.register(_tear_down)
     return device
+
+
+def _tear_down() -> None:
+    """At exit, the process groups this module started (a script need not call destroy_process_group):
+    left to the interpreter's teardown, their threads can be destroyed still running, and the process
+    ends with SIGABRT ("terminate called without an active exception") after the script succeeded.
+    After an uncaught exception it does nothing: peers may still wait in a collective on this rank,
+    and the process must end at once so the launcher sees this rank's failure first."""
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 launch_from_torch = init_distributed

@@ -117,6 +117,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.per_rank,
             backwards_per_step,
             late_grads,
+            names=None if model is None else {id(p): n for n, p in model.named_parameters()},
         )
         if loss_scaler == "auto":
             loss_scaler = DynamicLossScaler() if any(s.param.dtype == torch.float16 for s in self.slots) else None

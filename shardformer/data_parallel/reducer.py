@@ -11,6 +11,12 @@ on every rank: collectives match by issue order, so a bucket whose params got no
 rank (a skipped layer) is simply sent later, at :meth:`GradientReducer.sync`, filled with zeros,
 and no rank ever waits on a different collective than its peers.
 
+A gradient edited after backward (a user's own ``clip_grad_norm_``, ``grad.mul_``, a new
+``param.grad``) after its bucket was copied would be ignored: each copy records the gradient
+tensor and its version counter (every in-place op bumps it), and ``sync`` compares them before it
+uses the reduction. Any rank that sees an edit makes every rank raise, naming a parameter and the
+fixes, before the optimizer changes anything.
+
 A gradient that changes after its bucket was sent (one backward more than announced) makes the
 reduction stale. It is never used: ``sync`` finishes that round on every rank, and when any rank
 saw a stale gradient, all ranks reduce every bucket again from ``param.grad`` (exact, at the cost
@@ -29,6 +35,14 @@ import torch.distributed as dist
 from shardformer.core import comm
 from shardformer.data_parallel.layout import Bucket, ParamSlot, copy_rows_into, write_rows
 
+EDITED_ERROR = (
+    "ZeroOptimizer: the gradient of {name} was changed after backward, once its bucket had been reduced "
+    "during backward (overlap_communication=True), so the change would be ignored{where}. Clip with "
+    "optimizer.clip_grad_norm(max_norm) (the global norm over every rank) instead of "
+    "torch.nn.utils.clip_grad_norm_, change gradients inside backward with a tensor hook, or pass "
+    "overlap_communication=False (EngineConfig(overlap_grad_reduce=False)) to reduce param.grad as it "
+    "is at step()"
+)
 STALE_WARNING = (
     "ZeroOptimizer: a gradient changed after its bucket was reduced during backward (more backward passes "
     "per step than backwards_per_step={n}); every bucket was reduced again at step(), which is exact but "
@@ -50,12 +64,14 @@ class GradientReducer:
         per_rank: bool,
         backwards_per_step: int = 1,
         late_grads=(),
+        names: dict[int, str] | None = None,
     ) -> None:
         self.slots, self.buckets, self.group, self.stage = slots, buckets, group, stage
         self.per_rank = per_rank
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.reduce_dtype, self.overlap, self.release_grads = reduce_dtype, overlap, release_grads
         self.backwards_per_step = backwards_per_step
+        self.names = names or {}  # id(param) -> its name in the model, for errors
         self.accumulating = False
         # Only params that can receive a gradient count towards "bucket complete". A late param
         # (its caller still changes .grad after backward) gets no hook, so its bucket waits for sync.
@@ -87,6 +103,7 @@ class GradientReducer:
             if work is not None:
                 work.wait()
         self._copied: list[set[int]] = [set() for _ in self.buckets]
+        self._copied_grads: dict[int, tuple] = {}  # slot -> (the gradient tensor or None, its version)
         self._has_grad = [0] * len(self.slots)  # a list: hooks must not launch device ops one flag at a time
         self._backwards = [0] * len(self.slots)  # backward passes that reached each param this step
         self._pending = []
@@ -132,6 +149,16 @@ class GradientReducer:
         self._copied[slot.bucket].add(slot.index)
         if self.release_grads:
             slot.param.grad = None  # the bucket holds it now; this is what saves memory in stage 2
+        kept = slot.param.grad
+        self._copied_grads[slot.index] = (kept, None if kept is None else kept._version)
+
+    def _edited(self) -> int | None:
+        """The first slot whose gradient changed since its copy (another tensor, or an in-place op)."""
+        for index, (grad, version) in self._copied_grads.items():
+            now = self.slots[index].param.grad
+            if now is not grad or (now is not None and now._version != version):
+                return index
+        return None
 
     def _on_grad(self, slot: ParamSlot, param: torch.Tensor) -> None:
         if self.accumulating:
@@ -192,15 +219,16 @@ class GradientReducer:
                     self._copy(slot)
             self._launch(bucket)
 
-    def _agree_on_flags(self) -> tuple[list[bool], bool]:
-        """Who has a gradient, and whether any rank saw a stale one: one small all-reduce, every rank."""
+    def _agree_on_flags(self, edited: bool = False) -> tuple[list[bool], bool, bool]:
+        """Who has a gradient, whether any rank saw a stale one, and whether any rank's gradient was
+        edited after its copy: one small all-reduce, every rank."""
         device = self.slots[0].master.device
         device = "cpu" if device.type == "meta" else device  # a job simulated on meta (tools/simulate)
-        flags = torch.tensor([*self._has_grad, int(self._stale)], dtype=torch.int32, device=device)
+        flags = torch.tensor([*self._has_grad, int(self._stale), int(edited)], dtype=torch.int32, device=device)
         if self.dp > 1:
             comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)
         values = [bool(flag) for flag in flags.tolist()]
-        return values[:-1], values[-1]
+        return values[:-2], values[-2], values[-1]
 
     # -- finishing --------------------------------------------------------------------------------
 
@@ -216,13 +244,20 @@ class GradientReducer:
             return
         # Remaining buckets in bucket order, then the flags: the same sequence of collectives on
         # every rank, whatever each rank's backward produced.
+        edited = None if self._stale else self._edited()  # stale: everything is copied again from param.grad
         self._launch_the_rest()
-        has_grad, stale = self._agree_on_flags()
+        has_grad, stale, edited_anywhere = self._agree_on_flags(edited is not None)
+        if edited_anywhere and not stale:
+            self._new_round()  # waits for this round (the same collectives on every rank) and drops it
+            slot = self.slots[edited] if edited is not None else None
+            name = "a parameter" if slot is None else self.names.get(id(slot.param), f"parameter {slot.index}")
+            where = "" if edited is not None else " (on another data-parallel rank)"
+            raise RuntimeError(EDITED_ERROR.format(name=name, where=where))
         if stale:
             warnings.warn(STALE_WARNING.format(n=self.backwards_per_step), stacklevel=3)
             self._new_round()  # waits for the stale round and drops it
             self._launch_the_rest()
-            has_grad, _ = self._agree_on_flags()
+            has_grad, _, _ = self._agree_on_flags()
         for bucket, work, out in self._pending:
             if work is not None:
                 work.wait()

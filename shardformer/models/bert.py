@@ -14,8 +14,9 @@ from shardformer.models import ModelFamily
 from shardformer.models.tiny import tiny_config
 from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
 from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
+from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng
 from shardformer.tensor_parallel.lm_head import token_loss, with_loss
-from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Policy, Row_Layer, divide
+from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, divide
 
 
 class VocabParallelBertForMaskedLM(hf.BertForMaskedLM):
@@ -66,6 +67,8 @@ class BertPolicy(Policy):
             Col_Layer("attention.self.key"),
             Col_Layer("attention.self.value"),
             Dropout_Layer("attention.self.dropout", parallel_input=True),
+            # eager/sdpa attention read only dropout.p: the per-rank stream around the attention
+            Layer("attention.self", replace_layer=attention_dropout_rng("dropout.p")),
         ]
 
     @staticmethod

@@ -15,8 +15,9 @@ from shardformer.models import ModelFamily
 from shardformer.models.tiny import tiny_config
 from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
 from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
+from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng
 from shardformer.tensor_parallel.lm_head import token_loss, with_loss
-from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Policy, Row_Layer, divide
+from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, divide
 
 
 class GPT2Policy(Policy):
@@ -44,6 +45,8 @@ class GPT2Policy(Policy):
         return [
             Col_Layer("attn.c_attn", reversed=True, n_cast=3),
             Dropout_Layer("attn.attn_dropout", parallel_input=True),
+            # eager/sdpa attention read only attn_dropout.p: the per-rank stream around the attention
+            Layer("attn", replace_layer=attention_dropout_rng("attn_dropout.p")),
         ]
 
     @staticmethod

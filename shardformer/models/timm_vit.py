@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from shardformer.models import ModelFamily
 from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
-from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Policy, Row_Layer, divide
+from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng
+from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, divide
 
 
 class TimmViTPolicy(Policy):
@@ -42,7 +43,12 @@ class TimmViTPolicy(Policy):
 
     @staticmethod
     def attn_in():
-        return [Col_Layer("attn.qkv", n_cast=3), Dropout_Layer("attn.attn_drop", parallel_input=True)]
+        return [
+            Col_Layer("attn.qkv", n_cast=3),
+            Dropout_Layer("attn.attn_drop", parallel_input=True),
+            # the fused (sdpa) path reads only attn_drop.p: the per-rank stream around the attention
+            Layer("attn", replace_layer=attention_dropout_rng("attn_drop.p")),
+        ]
 
     @staticmethod
     def attn_out():

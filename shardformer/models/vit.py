@@ -13,7 +13,8 @@ from transformers.models.vit import modeling_vit as hf
 from shardformer.models import ModelFamily
 from shardformer.models.tiny import tiny_config
 from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
-from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Policy, Row_Layer, divide
+from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng
+from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, divide
 
 
 class ViTPolicy(Policy):
@@ -33,7 +34,13 @@ class ViTPolicy(Policy):
 
     @staticmethod
     def attn_in():
-        return [Col_Layer("attention.q_proj"), Col_Layer("attention.k_proj"), Col_Layer("attention.v_proj")]
+        return [
+            Col_Layer("attention.q_proj"),
+            Col_Layer("attention.k_proj"),
+            Col_Layer("attention.v_proj"),
+            # eager/sdpa attention read attention_dropout (a float): the per-rank stream around it
+            Layer("attention", replace_layer=attention_dropout_rng("attention_dropout")),
+        ]
 
     @staticmethod
     def attn_out():

@@ -9,7 +9,10 @@ so rotary position embeddings and the causal (or sliding-window) masks are built
 the model builds them; while it runs, the layers of other stages are pass-throughs (layer indices
 stay global, as per-layer attention types need) and the modules dropped from this stage (final
 norm before the last stage, embedding dropout after the first) are identities. The last stage runs
-the whole causal LM forward, head and loss included.
+the whole model's forward, head and loss included, on ``input_ids`` (its embedding answering with
+the received hidden states), so a head that reads the ids (a classifier pooling the last real
+token of a padded batch) sees what the unsharded model sees. The head's modules beside the base
+model (``lm_head``, ``score``, ``qa_outputs``, ...) are on the last stage.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ def spec_from_pp_plan(model: nn.Module) -> PipelineSpec | None:
     path = lambda name: f"{prefix}.{name}" if prefix else name  # noqa: E731
     first = [path(n) for n in names[:at]]
     last = [path(n) for n in names[at + 1 :]] + list(getattr(type(model), "_pp_plan", None) or {})
+    # the head's own modules beside the base model (a classifier's score, a QA head): on the last stage
+    base = getattr(model, "base_model", model)
+    last += [name for name, child in model.named_children() if child is not base and name not in last]
     shared = []
     embed, head = call_optional(model, "get_input_embeddings"), call_optional(model, "get_output_embeddings")
     if embed is not None and head is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0):
@@ -59,6 +65,41 @@ def spec_from_pp_plan(model: nn.Module) -> PipelineSpec | None:
         last=tuple(last),
         shared=tuple(shared),
     )
+
+
+class _Received(nn.Module):
+    """Stands in for the input embedding on the last stage: ``input_ids`` in, the hidden states the
+    previous stage sent out. The model then runs on the ids it was given (a classifier pools the last
+    token that is not padding, found from ``input_ids``) and on the hidden states of its stages."""
+
+    def __init__(self, hidden) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, input_ids, *args, **kwargs):
+        if input_ids.shape != self.hidden.shape[:-1]:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} do not match the hidden states received")
+        return self.hidden
+
+
+def _embedding_path(model: nn.Module) -> str | None:
+    """The base model's child that turns ``input_ids`` into embeddings, per its pp plan."""
+    plan = getattr(model.config, "base_model_pp_plan", None) or {}
+    names = [n for n, (inputs, _) in plan.items() if "input_ids" in inputs]
+    prefix = _prefix(model)
+    return None if len(names) != 1 else (f"{prefix}.{names[0]}" if prefix else names[0])
+
+
+@contextmanager
+def _stand_in(model: nn.Module, path: str, module: nn.Module):
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    kept = parent._modules[name]
+    parent._modules[name] = module
+    try:
+        yield
+    finally:
+        parent._modules[name] = kept
 
 
 @contextmanager
@@ -92,6 +133,11 @@ def plan_stage_forward(model: nn.Module, hidden, inputs: dict):
     extra = {k: inputs[k] for k in ("attention_mask", "position_ids") if inputs.get(k) is not None}
     feed = {"input_ids": inputs["input_ids"]} if stage == 0 else {"inputs_embeds": hidden}
     with _stage_view(model, spec):
-        if stage == num_stages - 1:
+        if stage < num_stages - 1:
+            return model.base_model(**feed, **extra, use_cache=False).last_hidden_state
+        embedding = _embedding_path(model)
+        if stage == 0 or embedding is None or inputs.get("input_ids") is None:
             return model(**feed, **extra, labels=inputs.get("labels"), use_cache=False)
-        return model.base_model(**feed, **extra, use_cache=False).last_hidden_state
+        # the last stage runs on input_ids too, its embedding answering with the received hidden states
+        with _stand_in(model, embedding, _Received(hidden)):
+            return model(input_ids=inputs["input_ids"], **extra, labels=inputs.get("labels"), use_cache=False)

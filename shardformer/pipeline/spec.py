@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch.nn as nn
@@ -61,6 +62,8 @@ class PipelineSpec:
         if ATTRIBUTE not in model.__dict__:
             attach(model, ShardedModelInfo.unsharded())
         with_stage(model, stage, num_stages, mine, self)
+        if num_stages > 1 and callable(getattr(model, "generate", None)):
+            model.generate = partial(_refuse_generate, type(model).__name__, stage, num_stages)
         return model
 
     def shared_parameters(self, model: nn.Module) -> list[nn.Parameter]:
@@ -72,6 +75,15 @@ class PipelineSpec:
                 for p in [module] if isinstance(module, nn.Parameter) else module.parameters():
                     unique.setdefault(id(p), p)
         return list(unique.values())
+
+
+def _refuse_generate(name: str, stage: int, num_stages: int, *args, **kwargs):
+    raise RuntimeError(
+        f"generate() on pipeline stage {stage} of {num_stages}: this {name} holds only its stage's layers, and "
+        f"generation runs the whole model in one process. Generate with pipeline_parallel_size=1 (tensor "
+        f"parallelism shards generate), or export it with shardformer.checkpoint.save_pretrained and generate "
+        f"from the exported folder; ParallelEngine.forward gives the logits of a batch at any pipeline size"
+    )
 
 
 def local_layers(model: nn.Module, container) -> list:

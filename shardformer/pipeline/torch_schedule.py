@@ -8,7 +8,11 @@ schedule's loss function only passes it on.
 
 ``PipelineStage`` infers shapes at its first step by running each stage once on uninitialised
 tensors (a real forward, tensor-parallel collectives included), so the index it sees then is
-garbage: it is clamped, and the loss of that call is overwritten by the real one. Stage and
+garbage: it is clamped, and the loss of that call is overwritten by the real one. That extra
+forward would draw dropout masks (on stage 0 from the first micro-batch's real input), shifting
+every later mask by when the stage was built (a resumed run, new micro-batch shapes): it runs with
+every RNG the model draws from (global, seeded dropout layers, attention streams) put back after it.
+A build step must see exactly one forward more than its micro-batches, or it is refused. Stage and
 schedule are kept by a :class:`TorchPipeline` (one per engine) and rebuilt only when the
 micro-batch shapes change.
 """
@@ -19,6 +23,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from shardformer.core.rng import get_rng_state, set_rng_state
+from shardformer.tensor_parallel.recompute import seeded_dropouts
+
 
 class _Stage(nn.Module):
     def __init__(self, model, stage_forward, loss_of, last) -> None:
@@ -28,8 +35,24 @@ class _Stage(nn.Module):
         self.micro: list[dict] = []
         self.scale = 1.0
         self.losses: dict[int, torch.Tensor] = {}
+        self.shape_probe = True  # the first call of a new PipelineStage infers shapes
+        self.calls = 0
 
     def forward(self, *args):
+        self.calls += 1
+        if not self.shape_probe:
+            return self._run(*args)
+        self.shape_probe = False
+        dropouts = seeded_dropouts(self.model)
+        kept, streams = get_rng_state(), [d.rng_snapshot() for d in dropouts]
+        try:
+            return self._run(*args)
+        finally:
+            set_rng_state(kept)
+            for d, state in zip(dropouts, streams):
+                d.rng_restore(state)
+
+    def _run(self, *args):
         index = args[-1]
         hidden = args[0] if len(args) > 1 else None
         value = torch.nan_to_num(index.detach().reshape(-1)[:1].double(), nan=0.0, posinf=0.0, neginf=0.0)
@@ -76,5 +99,12 @@ class TorchPipeline:
             kwargs["arg_mbs"] = [(torch.full((1,), float(i), device=device),) for i in range(n)]
         if mesh.is_last_stage:
             kwargs["target_mbs"] = [torch.zeros(1, device=device) for _ in range(n)]
+        module.calls, built = 0, module.shape_probe
         sched.step(**kwargs)
+        if module.calls != n + built:
+            raise RuntimeError(
+                f"torch.distributed.pipelining ran stage {mesh.pp_rank}'s forward {module.calls} times for {n} "
+                f"micro-batches{' on its first step (one shape inference expected)' if built else ''}; dropout masks "
+                f"would not be those of EngineConfig(backend='p2p'): use backend='p2p'"
+            )
         return [module.losses[i] for i in range(n)] if mesh.is_last_stage else []

@@ -34,7 +34,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
+from transformers import PreTrainedModel
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss
 
 from shardformer.core.comm import VirtualGroup, broadcast, gather_tensor, group_size
 from shardformer.core.record import is_sharded, sharding_of
@@ -109,6 +110,18 @@ def masked_lm_loss(
 _ROUTED = {ForCausalLMLoss: causal_lm_loss, ForMaskedLMLoss: masked_lm_loss}
 
 
+def loss_function_of(model: nn.Module):
+    """``model.loss_function`` as transformers resolves it, without the warning its property logs
+    (once per process, so once per rank) when the class name names no loss (``GPT2LMHeadModel``:
+    ``loss_type=None``, the causal-LM default). A class with its own property is asked directly."""
+    if getattr(type(model), "loss_function", None) is not PreTrainedModel.loss_function:
+        return getattr(model, "loss_function", None)
+    own = model.__dict__.get("_loss_function")
+    if own is not None:
+        return own
+    return LOSS_MAPPING.get(getattr(model, "loss_type", None)) or LOSS_MAPPING["ForCausalLM"]
+
+
 def routes_loss(model: nn.Module) -> bool:
     """Whether :func:`adapt_class` can route ``model``'s loss through a vocab-parallel head: its
     forward computes the loss through ``self.loss_function``, and that is transformers' causal-LM or
@@ -117,7 +130,7 @@ def routes_loss(model: nn.Module) -> bool:
         calls = "self.loss_function(" in inspect.getsource(type(model).forward)
     except (OSError, TypeError):
         return False
-    return calls and getattr(model, "loss_function", None) in _ROUTED
+    return calls and loss_function_of(model) in _ROUTED
 
 
 def decoder_inputs_from_labels(model: nn.Module):
@@ -270,8 +283,9 @@ def adapt_class(model: nn.Module) -> None:
     if not hasattr(cls, "loss_function"):
         return
     head = call_optional(model, "get_output_embeddings")
-    if isinstance(head, VocabParallelLMHead1D) and model.loss_function in _ROUTED:
-        model.loss_function = partial(_ROUTED[model.loss_function], head=head)
+    loss_function = loss_function_of(model)
+    if isinstance(head, VocabParallelLMHead1D) and loss_function in _ROUTED:
+        model.loss_function = partial(_ROUTED[loss_function], head=head)
     seq2seq = isinstance(head, VocabParallelLMHead1D) and not head.gather_output and seq2seq_routable(model)
     if seq2seq and not isinstance(model, Seq2SeqVocabParallelLoss):
         _cut_final_logits_bias(model, head)

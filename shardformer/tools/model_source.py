@@ -10,6 +10,7 @@ A policy: None (the model's own), a Policy instance or class, or ``module:Class`
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from typing import Any
 
@@ -51,18 +52,38 @@ def _llama3(hidden: int, layers: int, heads: int, ffn: int):
     )  # fmt: skip
 
 
+_HINT_MAPPINGS = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_MAPPING_NAMES",
+)
+
+
+def class_hint(config) -> str:
+    """A transformers class that exists for ``config``'s model type (its causal LM, masked LM, image
+    classifier or base model, as transformers' auto classes map it), for error messages."""
+    from transformers.models.auto import modeling_auto
+
+    for mapping in _HINT_MAPPINGS:
+        name = getattr(modeling_auto, mapping, {}).get(getattr(config, "model_type", None))
+        if isinstance(name, str) and isinstance(getattr(tf, name, None), type):
+            return name
+    return "LlamaForCausalLM"
+
+
 def model_class_for(config, folder: str, model_class: str | None = None) -> type:
     """The transformers class named by ``model_class``, else by the config's ``architectures``."""
     names = [model_class] if model_class else (getattr(config, "architectures", None) or [])
     if not names:
-        guess = type(config).__name__.replace("Config", "ForCausalLM")
         raise ValueError(
-            f"{folder}/config.json has no 'architectures'; name the model class with --model-class (e.g. {guess})"
+            f"{folder}/config.json has no 'architectures'; name the model class with --model-class "
+            f"(e.g. {class_hint(config)})"
         )
     cls = getattr(tf, names[0], None)
     if not isinstance(cls, type):
         source = "--model-class" if model_class else f"{folder}/config.json 'architectures'"
-        raise ValueError(f"{names[0]!r} (from {source}) is not a transformers model class")
+        raise ValueError(f"{names[0]!r} (from {source}) is not a transformers model class (e.g. {class_hint(config)})")
     return cls
 
 
@@ -107,8 +128,41 @@ def build_model(model: Any, model_class: str | None = None, weights: bool = True
     return named[model]()
 
 
+def check_model_source(model: Any, model_class: str | None = None) -> None:
+    """What :func:`build_model` would refuse, found without building anything (a launcher calls it
+    before starting processes): a missing path, an unknown name, a config.json that is not JSON or
+    names no class, an unknown ``model_class``, a ``module:function`` that does not import."""
+    if isinstance(model, nn.Module):
+        raise TypeError("pass a factory or a name, not a model: every process builds its own copy")
+    if callable(model) or model.startswith("timm:"):
+        return
+    if os.path.isdir(model):
+        model_class_for(read_config(model), model, model_class)
+    elif ":" in model:
+        _import(model, "MODEL")
+    elif model not in {**builds(), **PLAN_DERIVED}:
+        build_model(model)  # raises: the message lists what MODEL can be
+
+
+def read_config(folder: str):
+    """The folder's config, or a ValueError naming config.json and what is wrong with it."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{folder} has no config.json (a model folder holds config.json and maybe weights)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); write it with config.save_pretrained(folder)") from None
+    try:
+        return tf.AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: transformers cannot read it: {first}") from None
+
+
 def _from_folder(folder: str, model_class: str | None, weights: bool) -> nn.Module:
-    config = tf.AutoConfig.from_pretrained(folder)
+    config = read_config(folder)
     cls = model_class_for(config, folder, model_class)
     has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder))
     return cls.from_pretrained(folder) if weights and has_weights else cls(config)

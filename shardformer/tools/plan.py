@@ -126,7 +126,7 @@ def plan_model(
         pipeline = pipeline or pipeline_spec_for(model)  # before sharding: an unknown family fails fast
     config = getattr(model, "config", None)
     plan_activations = (
-        activation_lines(config, batch, seq, tp, precision, device) if batch is not None else []
+        activation_lines(config, batch, seq, tp, precision, device, pp) if batch is not None else []
     )  # before sharding: a bad size fails before the slow part
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     before = {name: type(m).__name__ for name, m in model.named_modules()}
@@ -185,11 +185,17 @@ def stage_split(spec: PipelineSpec, model: nn.Module, pp: int, numels: dict[str,
     return [(range(starts[s], starts[s] + counts[s]), per_stage[s]) for s in range(pp)]
 
 
-def activation_lines(config, batch: int, seq: int, tp: int, precision: str, device: str) -> list[str]:
+def activation_lines(config, batch: int, seq: int, tp: int, precision: str, device: str, pp: int = 1) -> list[str]:
     """The activation estimate as printed lines: with and without checkpointing and sequence parallelism."""
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
     head = f"activations per rank, batch {batch} x seq {seq}, {impl} attention, {precision} (kept for the backward):"
+    if pp > 1:  # the estimate is of one forward through every layer: say so, not a per-stage number
+        head = (
+            f"activations per tensor-parallel rank of the whole model (all layers, not one of the {pp} pipeline "
+            f"stages; a stage keeps its layers' share for each micro-batch in flight), batch {batch} x seq {seq}, "
+            f"{impl} attention, {precision}:"
+        )
     try:
         estimate = lambda **kw: estimate_activations(  # noqa: E731
             config, batch, seq, tp, dtype_bytes=BYTES[precision], device=device, **kw

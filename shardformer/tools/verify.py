@@ -23,7 +23,7 @@ from shardformer.core.config import ShardConfig, check_positive_int
 from shardformer.core.divergence import ActivationRecorder, Divergence, first_divergence, first_tensor
 from shardformer.models import inputs_for
 from shardformer.policies.auto import get_autopolicy
-from shardformer.tools.model_source import build_model, load_policy
+from shardformer.tools.model_source import build_model, check_model_source, load_policy
 from shardformer.tools.testing import run_on_ranks
 from shardformer.tools.verify_pipeline import verify_pipeline_on_this_rank
 from shardformer.tools.verify_report import LR, Check, VerifyReport, broadcast_weights, merge_reports, params_check
@@ -177,6 +177,7 @@ def verify(
     check_positive_int("pp", pp)
     if tp * pp < 2:
         raise ValueError("tp * pp must be at least 2: one process has nothing to compare")
+    check_model_source(model, model_class)  # a wrong name or path: one error here, no processes started
     if pp == 1:
         reports = run_on_ranks(verify_on_this_rank, tp, model, policy, model_class, seed, timeout=timeout)
     else:

@@ -68,21 +68,26 @@ def verify_pipeline_on_this_rank(
         report.error = f"sharding refused: {e}"
         return report
     _keep_eval(engine.model)
-    step = "train step"
+    step, weights = "train step", None
     try:
         loss = engine.train_step(inputs)
         err, ok = max_error(torch.tensor(loss), ref_loss.detach(), ATOL, RTOL)
-        report.checks.append(Check("loss", ok, f"{loss:.6g} vs {ref_loss.item():.6g} (|diff| {err:.2g})"))
+        detail = f"{loss:.6g} vs {ref_loss.item():.6g} (|diff| {err:.2g}; the last stage's, on every rank)"
+        report.checks.append(Check("loss", ok, detail))
         group = engine.mesh.tp_group
         diffs = compare_params(ref, engine.model, group, grads=False)
-        report.checks.append(params_check("weights after step", diffs, False, f" on stage {engine.mesh.pp_rank}"))
+        # one line per stage (each holds its own weights): ranks of one stage merge into its line
+        stage = f"weights of stage {engine.mesh.pp_rank}"
+        weights = params_check(stage, diffs, False, " after one step")  # listed last, stage by stage
         step = "forward after step"
         with torch.no_grad():
             expected = first_tensor(ref(inputs["x"]) if "x" in inputs else ref(**inputs))
         out = engine.forward({k: v for k, v in inputs.items() if k != "labels"})
         out = gather_like(out, expected.shape, group) if tp > 1 else out
         err, ok = max_error(out, expected, ATOL, RTOL) if out is not None else (float("inf"), False)
-        report.checks.append(Check("outputs after step", ok, f"max |diff| {err:.2g}"))
+        report.checks.append(Check("outputs after step", ok, f"max |diff| {err:.2g} (the last stage's, on every rank)"))
     except Exception as e:  # noqa: BLE001 - reported
         report.error = f"{step} failed: {type(e).__name__}: {e}"
+    if weights is not None:
+        report.checks.append(weights)
     return report

@@ -19,6 +19,7 @@ from shardformer.checkpoint import CheckpointError, layout_of, load_checkpoint, 
 from shardformer.core.record import with_stage
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.models import pipeline_spec_for
+from shardformer.models.tiny import tiny_config
 from tests.checkpoint.common import full_logits, remove_dir, sgd_steps, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.policies import zoo
@@ -69,21 +70,37 @@ def _train(model, opt, sched, steps):
     return losses
 
 
-def check_resume_equals_uninterrupted():
-    path = shared_dir()
-    model = _gpt2(2, dropout=0.1)
-    opt, sched = _trainer(model, "adamw")
-    first = _train(model, opt, sched, range(1, 6))
-    save_checkpoint(os.path.join(path, "ckpt"), model, opt, sched, step=5, extra={"sample": 20})
-    reference = _train(model, opt, sched, range(6, 11))
+def _llama(attention_dropout, seed=0):
+    """A model whose policy comes from transformers' tp plan (its attention dropout on a per-rank stream)."""
+    torch.manual_seed(seed)
+    config = tiny_config(tf.LlamaConfig, vocab_size=zoo.VOCAB, attention_dropout=attention_dropout)
+    return shard_model(tf.LlamaForCausalLM(config), ShardConfig(tensor_parallel_size=2))
 
-    fresh = _gpt2(2, dropout=0.1, seed=7)
+
+def check_resume_equals_uninterrupted():
+    _resume_equals_uninterrupted(lambda seed: _gpt2(2, dropout=0.1, seed=seed), 5)
+
+
+def check_resume_with_attention_dropout_of_a_plan_derived_model():
+    _resume_equals_uninterrupted(lambda seed: _llama(0.3, seed=seed), 2)
+
+
+def _resume_equals_uninterrupted(build, steps):
+    path = shared_dir()
+    model = build(0)
+    opt, sched = _trainer(model, "adamw")
+    first = _train(model, opt, sched, range(1, steps + 1))
+    save_checkpoint(os.path.join(path, "ckpt"), model, opt, sched, step=steps, extra={"sample": 20})
+    reference = _train(model, opt, sched, range(steps + 1, 2 * steps + 1))
+
+    fresh = build(7)
     opt2, sched2 = _trainer(fresh, "adamw")
     torch.manual_seed(1234)  # disturb the global RNG: the checkpoint must restore it
+    _train(fresh, opt2, sched2, range(90, 91))  # move every RNG (the checkpoint must restore them all)
     info = load_checkpoint(os.path.join(path, "ckpt"), fresh, opt2, sched2)
-    assert info["step"] == 5 and info["extra"] == {"sample": 20} and info["rng_restored"], info
-    resumed = _train(fresh, opt2, sched2, range(6, 11))
-    assert len(first) == 5
+    assert info["step"] == steps and info["extra"] == {"sample": 20} and info["rng_restored"], info
+    resumed = _train(fresh, opt2, sched2, range(steps + 1, 2 * steps + 1))
+    assert len(first) == steps
     torch.testing.assert_close(resumed, reference, atol=1e-6, rtol=0)
     remove_dir(path)
 
@@ -240,6 +257,7 @@ def check_real_pipeline_split_export():
 
 CHECKS = [
     check_resume_equals_uninterrupted,
+    check_resume_with_attention_dropout_of_a_plan_derived_model,
     check_reshard_tp2_dp2_to_tp1_dp4,
     check_reshard_tp2_dp2_to_tp4_dp1,
     check_failed_save_keeps_previous_checkpoint,

@@ -67,12 +67,18 @@ def test_port_in_use(capsys):
             ["--set", "pipeline_parallel_size=4"],
             "= 8, but --nnodes 2 x --nproc_per_node 1 start 2 processes, not a multiple of 8; use --nproc_per_node 4",
         ),
+        (
+            ["--nproc_per_node", "2"],
+            ["--set", "tp=4"],
+            "tiny_config.py with --set tp=4 sets tensor_parallel_size=4 x pipeline_parallel_size=1 = 4, but",
+        ),
     ],
 )
 def test_nproc_must_fit_the_config_sizes(capsys, launch, script_args, expected):
     code, _, err = run_cli(capsys, *launch, JOB, "--config", CONFIG, "--mode", "train", *script_args)
     assert code == 2
-    assert expected in err and "tiny_config.py sets" in err
+    source = "tiny_config.py with --set " if script_args else "tiny_config.py sets"  # what gave the sizes
+    assert expected in err and source in err
 
 
 def test_bad_config_value_is_caught_before_start(capsys, tmp_path):
@@ -130,3 +136,39 @@ def test_help_and_real_command_exit_status():
     run_help = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
     for text in ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port", "examples:"):
         assert text in run_help
+
+
+def _failure(exitcode, message="", time_ns=0):
+    from types import SimpleNamespace
+
+    data = {"message": {"message": message, "extraInfo": {"time_ns": str(time_ns)}}} if message else {}
+    return SimpleNamespace(exitcode=exitcode, message=message, error_file_data=data, timestamp=time_ns // 10**9)
+
+
+def test_a_timeout_names_the_stuck_rank_not_the_waiting_one():
+    """Rank 0 timed out in a collective while ranks 1 and 3 were still running (torchrun stopped them):
+    the summary names those, as torchrun's own first failure (the waiting rank) does not."""
+    import signal
+    from types import SimpleNamespace
+
+    from shardformer.cli.run import summarize_failure
+
+    timeout = "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"
+    failures = {0: _failure(1, timeout, 5), 1: _failure(-signal.SIGTERM), 2: _failure(1, timeout, 9)}
+    summary, code = summarize_failure(SimpleNamespace(failures=failures), 3)
+    assert summary.splitlines()[0] == (
+        f"shardformer run: rank 1 of 3 stopped making progress: rank 0 timed out waiting for it in a collective "
+        f"({timeout})"
+    ), summary
+    assert code == 1
+    failures[3] = _failure(-signal.SIGTERM)
+    summary, _ = summarize_failure(SimpleNamespace(failures=failures), 4)
+    assert summary.startswith("shardformer run: one of ranks 1, 3 of 4 stopped making progress"), summary
+    # a rank stopped while exiting after its own exception failed when it recorded it, not last
+    crashed = {0: _failure(1, "RuntimeError: Connection closed by peer", 9), 1: _failure(-signal.SIGTERM, "E: mine", 3)}
+    summary, _ = summarize_failure(SimpleNamespace(failures=crashed), 2)
+    assert summary.startswith("shardformer run: rank 1 of 2 failed (killed by SIGTERM): E: mine"), summary
+    # any other first failure is named as it is
+    failures[0] = _failure(1, "ValueError: bad value", 5)
+    summary, _ = summarize_failure(SimpleNamespace(failures=failures), 4)
+    assert summary.startswith("shardformer run: rank 0 of 4 failed (exit code 1): ValueError: bad value"), summary

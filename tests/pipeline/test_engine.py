@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers as tf
 
 from shardformer import EngineConfig, ParallelEngine, ProcessMesh
 from shardformer.pipeline import stage_of
@@ -100,7 +101,7 @@ class _ComboCheck:
 
 def check_gpt2_stage_contents():
     ref, model = common.models("GPT2LMHeadModel")
-    engine = ParallelEngine(model, common.sgd, EngineConfig(tp=1, pp=4), mesh=_mesh(1, 4, 1))
+    engine = ParallelEngine(model, common.sgd, EngineConfig(tp=1, pp=4, num_microbatches=4), mesh=_mesh(1, 4, 1))
     m, stage = engine.model, engine.mesh.pp_rank
     assert stage_of(m) == (stage, 4) and m.shardformer.layers == (stage,)
     assert [i for i, b in enumerate(m.transformer.h) if b is not None] == [stage]
@@ -115,6 +116,11 @@ def check_gpt2_stage_contents():
     with torch.no_grad():
         expected = ref.eval()(**inputs).logits
     assert_close(engine.forward(inputs), expected, what="inference logits under pp=4")
+    # a batch of 1 (or one num_microbatches does not divide) runs in fewer micro-batches, same outputs
+    assert_close(engine.forward({"input_ids": inputs["input_ids"][:1]}), expected[:1], what="a batch of 1")
+    assert_close(engine.forward({"input_ids": inputs["input_ids"][:6]}), expected[:6], what="a batch of 6")
+    with pytest.raises(RuntimeError, match=r"generate\(\) on pipeline stage \d of 4: .*pipeline_parallel_size=1"):
+        engine.model.generate(inputs["input_ids"][:1, :4], max_new_tokens=2)
 
 
 def check_eval_step_and_zero2_with_pp():
@@ -193,6 +199,42 @@ def check_different_batches_or_a_skipped_step_raise_on_every_rank_before_the_upd
         assert torch.equal(p, before[name]), f"{name} changed in a refused step"
 
 
+def check_resume_at_pp2_with_dropout_under_the_torch_backend_is_exact():
+    """Save an engine's model, optimizer and scheduler at step 2; a fresh engine loading it continues
+    with the losses of the run that never stopped, with dropout on, under torch.distributed.pipelining
+    (whose shape inference at a new stage's first step must not move any RNG)."""
+    from shardformer.checkpoint import load_checkpoint, save_checkpoint
+    from tests.checkpoint.common import remove_dir, shared_dir
+
+    def build(seed):
+        cfg = common.config("GPT2LMHeadModel")
+        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.2
+        torch.manual_seed(seed)
+        engine = ParallelEngine(
+            tf.GPT2LMHeadModel(cfg), common.sgd, EngineConfig(tp=2, pp=2, num_microbatches=2), mesh=_mesh(2, 2, 1)
+        )
+        return engine, torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+
+    def train(engine, sched, steps):
+        out = []
+        for batch in steps:
+            out.append(engine.train_step(batch))
+            sched.step()
+        return out
+
+    data = common.batches("GPT2LMHeadModel", 4, seed=3)
+    path = shared_dir()
+    engine, sched = build(0)
+    train(engine, sched, data[:2])
+    save_checkpoint(f"{path}/ckpt", engine.model, engine.optimizer, sched, step=2)
+    expected = train(engine, sched, data[2:])
+    fresh, fresh_sched = build(5)
+    torch.manual_seed(77)  # disturb the global RNG: the checkpoint restores it
+    load_checkpoint(f"{path}/ckpt", fresh.model, fresh.optimizer, fresh_sched)
+    torch.testing.assert_close(train(fresh, fresh_sched, data[2:]), expected, atol=1e-6, rtol=0)
+    remove_dir(path)
+
+
 def _timm_loss(logits, batch):
     return F.cross_entropy(logits, batch["labels"])
 
@@ -240,6 +282,7 @@ CHECKS = [
     check_inputs_embeds_run_the_models_own_forward_at_pp1_and_are_refused_at_pp2,
     check_different_batches_or_a_skipped_step_raise_on_every_rank_before_the_update,
     check_p2p_overlap_refuses_micro_batches_of_two_shapes,
+    check_resume_at_pp2_with_dropout_under_the_torch_backend_is_exact,
 ]
 
 test_engine_4_ranks = check_table(CHECKS, 4)

@@ -3,6 +3,7 @@ policy and pipeline spec derived from transformers' own tp / pp plans, against o
 the unsharded model on the same batches (loss of every step, weights after the steps). One spawn.
 """
 
+import torch
 import transformers as tf
 
 from shardformer.models.tiny import tiny_config
@@ -19,8 +20,20 @@ def _run(name, combo, zero_stage=1, engine_options=None, **config):
     _check(name, *combo, zero_stage=zero_stage, model_pair=pair, data=data, **(engine_options or {}))
 
 
-def check_llama_tp2_pp2_zero1():
-    _run("LlamaForCausalLM", (2, 2, 1, "1f1b", 2, 0.5, "torch"))
+def check_llama_tp2_pp2_zero1_with_activation_checkpointing():
+    """Exact with checkpointing; the last stage (no embedding) logs nothing about input embeddings."""
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.Logger.warning_once.cache_clear()  # an earlier check may have logged it in this process
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        _run("LlamaForCausalLM", (2, 2, 1, "1f1b", 2, 0.5, "torch"), engine_options={"activation_checkpointing": True})
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [m for m in seen if "input embeddings" in m], seen
 
 
 def check_tied_llama_tp2_pp2_zero2():
@@ -41,8 +54,29 @@ def check_sequence_parallel_llama_tp2_pp2_zero2():  # norm gradients summed over
     )
 
 
+def check_llama_sequence_classification_pp2_on_right_padded_batches():
+    """The head pools the last real token: the last stage finds it from input_ids, as the model does."""
+    cls = tf.LlamaForSequenceClassification
+    pair = load_pair(cls, tiny_config(cls.config_class, num_hidden_layers=common.LAYERS, num_labels=3, pad_token_id=0))
+    data = []
+    g = torch.Generator().manual_seed(0)
+    for _ in range(STEPS):
+        ids = torch.randint(3, 99, (common.BATCH, 8), generator=g)
+        lengths = torch.randint(3, 9, (common.BATCH,), generator=g)
+        mask = (torch.arange(8) < lengths[:, None]).long()  # right-padded with the pad token
+        data.append(
+            {
+                "input_ids": ids * mask,
+                "attention_mask": mask,
+                "labels": torch.randint(0, 3, (common.BATCH,), generator=g),
+            }
+        )
+    _check(cls.__name__, 2, 2, 1, "1f1b", 2, None, "torch", model_pair=pair, data=data)
+
+
 CHECKS = [
-    check_llama_tp2_pp2_zero1,
+    check_llama_sequence_classification_pp2_on_right_padded_batches,
+    check_llama_tp2_pp2_zero1_with_activation_checkpointing,
     check_tied_llama_tp2_pp2_zero2,
     check_mixtral_tp2_pp2_zero1,
     check_qwen3_tp2_pp2_zero1,

@@ -149,6 +149,82 @@ def check_sizes_that_do_not_fit_the_world_fail_clearly():
         raise AssertionError("expected a ValueError")
 
 
+_ATTENTION_DROPOUT = {
+    "GPT2LMHeadModel": ("attn_pdrop", lambda m: m.transformer.h[0].attn),
+    "BertForMaskedLM": ("attention_probs_dropout_prob", lambda m: m.bert.encoder.layer[0].attention.self),
+    "ViTModel": ("attention_probs_dropout_prob", lambda m: m.layers[0].attention),
+}
+
+
+def _attention_masks(name, impl, seed, p=0.5):
+    """The attention-dropout masks layer 0 drew on this rank (eager: from its returned weights; sdpa:
+    None), the output, and whether the caller's global RNG stream moved."""
+    attr, attention = _ATTENTION_DROPOUT[name]
+    ref, model = zoo.load_twice(
+        name, impl, config=type(zoo.config_for(name))(**{**zoo.config_for(name).to_dict(), attr: p})
+    )
+    model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size(), seed=seed)).train()
+    seen = {}
+    attention(model).register_forward_hook(lambda _m, _a, out: seen.update(weights=out[1]))
+    inputs = {k: v for k, v in zoo.inputs_for(name).items() if k in ("input_ids", "pixel_values")}
+    before = torch.get_rng_state()
+    out = model(**inputs)[0].detach()
+    moved = not torch.equal(torch.get_rng_state(), before)
+    weights = seen["weights"]
+    return (None if weights is None else weights.detach() == 0), out, moved, (ref, model, inputs)
+
+
+def check_attention_probability_dropout_is_per_rank_and_seeded():
+    """transformers' attention reads only the dropout's probability: the masks still differ per tp
+    rank (different heads, different positions), come from ShardConfig.seed, and leave the caller's
+    RNG alone; in eval the model stays exact."""
+    for name in _ATTENTION_DROPOUT:
+        for impl in ("eager", "sdpa"):
+            masks, out, moved, (ref, model, inputs) = _attention_masks(name, impl, seed=11)
+            assert not moved, f"{name}/{impl}: the caller's global RNG stream moved"
+            again, out_again, _, _ = _attention_masks(name, impl, seed=11)
+            assert torch.equal(out, out_again), f"{name}/{impl}: the same ShardConfig.seed gave other masks"
+            other, out_other, _, _ = _attention_masks(name, impl, seed=12)
+            assert not torch.equal(out, out_other), f"{name}/{impl}: another seed gave the same masks"
+            if masks is not None:
+                gathered = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, masks)
+                assert masks.any() and not torch.equal(gathered[0], gathered[1]), f"{name}: ranks dropped alike"
+            with torch.no_grad():
+                expected = ref.eval()(**inputs)[0]
+                got = _as_full(model.eval()(**inputs)[0], expected)
+                assert_close(got, expected, what=f"{name}/{impl} in eval")
+    # timm's fused attention passes attn_drop.p to sdpa: the same stream around it
+    outs = []
+    for seed in (11, 11, 12):
+        _, model = zoo.timm_pair(attn_drop_rate=0.5)
+        model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size(), seed=seed)).train()
+        before = torch.get_rng_state()
+        outs.append(model(torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))).detach())
+        assert torch.equal(torch.get_rng_state(), before), "timm: the caller's global RNG stream moved"
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2]), "timm: masks not from the seed"
+
+
+def check_sharded_gpt2_does_not_log_the_loss_type_warning():
+    """transformers warns once per process that GPT2LMHeadModel's loss_type=None is unrecognised when
+    its loss_function is read; sharding resolves it quietly (make demo printed it once per rank)."""
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    hf_logger = logging.getLogger("transformers")
+    logging.Logger.warning_once.cache_clear()  # an earlier check may have logged it in this process
+    hf_logger.addHandler(handler)
+    try:
+        _, model = zoo.load_twice("GPT2LMHeadModel")
+        model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+        model(**zoo.inputs_for("GPT2LMHeadModel")).loss.backward()
+    finally:
+        hf_logger.removeHandler(handler)
+    assert not [m for m in seen if "loss_type" in m], seen
+
+
 def _hf_checks(names, impls):
     checks = []
     for n in names:
@@ -172,6 +248,8 @@ TP2 = [
     check_tied_weights_stay_one_parameter,
     check_return_dict_false_puts_loss_first,
     check_sizes_that_do_not_fit_the_world_fail_clearly,
+    check_attention_probability_dropout_is_per_rank_and_seeded,
+    check_sharded_gpt2_does_not_log_the_loss_type_warning,
 ]
 TP4 = [
     *_hf_checks(["GPT2LMHeadModel", "BertForMaskedLM", "ViTForImageClassification"], ("eager", "sdpa")),

@@ -127,14 +127,14 @@ def inputs_for(name, seed=1):
     return x
 
 
-def timm_pair(seed=0):
+def timm_pair(seed=0, **kw):
     import timm
 
     def make():
         torch.manual_seed(seed)
         return timm.create_model(
             "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=32, depth=2,
-            num_heads=4, num_classes=LABELS,
+            num_heads=4, num_classes=LABELS, **kw,
         )  # fmt: skip
 
     return make(), make()

@@ -284,6 +284,40 @@ def lr_scheduler_drives_the_wrapper():
     assert zero.optim.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**4)
 
 
+def gradients_edited_after_backward_are_refused_on_every_rank_before_the_step():
+    """With overlap the buckets are reduced during backward: a later edit (torch's clip_grad_norm_, an
+    in-place op on one rank, a new .grad) would be ignored, so step() raises everywhere first."""
+    rank = dist.get_rank()
+    x, y = batch(0)
+    edits = {
+        "fc2.weight": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3),
+        "out.bias": lambda m: m.out.bias.grad.mul_(2.0) if rank == 1 else None,
+        "gain": lambda m: setattr(m.gain, "grad", torch.zeros_like(m.gain)) if rank == 0 else None,
+    }
+    for stage in (1, 2):
+        for name, edit in edits.items():
+            model = Net()
+            zero = ZeroOptimizer(OPTIMIZERS["sgd"](model.parameters()), stage=stage, model=model)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            zero.backward(loss_of(model, local_rows(x, rank, 2), local_rows(y, rank, 2)))
+            edit(model)
+            edited_here = name in ("fc2.weight",) or (name == "out.bias") == (rank == 1)
+            expected = r"the gradient of \S+ was changed after backward" if edited_here else "another data-parallel"
+            with pytest.raises(RuntimeError, match=expected):
+                zero.step()
+            for n, p in model.named_parameters():
+                assert torch.equal(p.detach(), before[n]), f"stage {stage} {name}: {n} changed in a refused step"
+            zero.zero_grad()  # the optimizer is usable again
+            zero.backward(loss_of(model, local_rows(x, rank, 2), local_rows(y, rank, 2)))
+            zero.step()
+    # without overlap param.grad is reduced as it is at step(): the edit counts, nothing is refused
+    model = Net()
+    zero = ZeroOptimizer(OPTIMIZERS["sgd"](model.parameters()), overlap_communication=False)
+    zero.backward(loss_of(model, local_rows(x, rank, 2), local_rows(y, rank, 2)))
+    edits["fc2.weight"](model)
+    zero.step()
+
+
 def errors_name_the_value_and_the_fix():
     model = Net()
     with pytest.raises(ValueError, match=r"stage=3 is not supported; use stage=1"):
@@ -324,6 +358,7 @@ test_dp2 = check_table(
         optimizer_state_per_rank_is_one_over_dp,
         lr_scheduler_drives_the_wrapper,
         errors_name_the_value_and_the_fix,
+        gradients_edited_after_backward_are_refused_on_every_rank_before_the_step,
     ],
     2,
 )

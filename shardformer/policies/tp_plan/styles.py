@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from shardformer.core.comm import all_reduce, copy_to_parallel, group_rank, group_size, reduce_from_parallel
 from shardformer.tensor_parallel.layers import Linear1D_Row, VocabParallelEmbedding1D
-from shardformer.tensor_parallel.layers.dropout import SeededDropout
+from shardformer.tensor_parallel.layers.attention_dropout import AttentionDropoutRng  # noqa: F401 - a style's layer
 from shardformer.tensor_parallel.policy import Col_Layer, Layer, Row_Layer
 from shardformer.tensor_parallel.slicer import Slicer, make_shard_param
 
@@ -133,79 +133,6 @@ def descriptor(style: str, path: str, module: nn.Module) -> Layer:
             f"tp plan style {style!r} at {path} needs {needs}, but the module is {type(module).__name__}"
         )
     return make(path)
-
-
-class AttentionDropoutRng:
-    """Attention-probability dropout runs inside transformers' attention functions, on the global
-    RNG. With heads split over ranks, the same global state would drop the same positions of
-    different heads on every rank. Around the module's forward (in training, with
-    ``attention_dropout`` > 0) the global RNG is swapped for the module's own stream, seeded per rank,
-    and put back after: masks differ across ranks, the caller's RNG stream is untouched and equal
-    on every rank, and a seed replays the same masks. The stream is a :class:`SeededDropout` child
-    (no parameters), so activation checkpointing replays it like the other dropout layers."""
-
-    supports_sequence_parallel = True  # per-token, per-head or no-op: exact on sequence chunks
-
-    @classmethod
-    def from_native(cls, module: nn.Module, process_group=None, seed: int = 0, **_) -> nn.Module:
-        stream = AttentionRngStream(0.0, seed, process_group)
-        module.shardformer_attention_rng = stream
-        module.register_forward_pre_hook(stream.enter, with_kwargs=True)
-        module.register_forward_hook(stream.leave)
-        return module
-
-
-class AttentionRngStream(SeededDropout):
-    """The global CPU (and accelerator) RNG states an attention module draws its dropout from."""
-
-    parallel_input = True  # seeded per rank
-
-    def __init__(self, p: float = 0.0, seed: int = 0, process_group=None) -> None:
-        super().__init__(p, seed, process_group)
-        self.states: dict[torch.device, tuple] = {}
-        self.saved = None
-
-    def rng_snapshot(self) -> dict:
-        return dict(self.states)
-
-    def rng_restore(self, snapshot: dict) -> None:
-        self.states = dict(snapshot)
-
-    @staticmethod
-    def _device(args, kwargs):
-        tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
-        return tensors[0].device if tensors else torch.device("cpu")
-
-    def enter(self, module, args, kwargs):
-        if not (module.training and getattr(module, "attention_dropout", 0.0)):
-            return
-        device = self._device(args, kwargs)
-        accel = None if device.type == "cpu" else torch.get_device_module(device.type)
-        self.saved = (device, accel, torch.get_rng_state(), accel.get_rng_state(device) if accel else None)
-        if device not in self.states:
-            cpu = torch.Generator().manual_seed(self.seed).get_state()
-            dev = torch.Generator(device=device).manual_seed(self.seed).get_state() if accel else None
-            self.states[device] = (cpu, dev)
-        cpu, dev = self.states[device]
-        torch.set_rng_state(cpu)
-        if accel:
-            accel.set_rng_state(dev, device)
-
-    def leave(self, module, args, output):
-        if self.saved is None:
-            return
-        device, accel, cpu, dev = self.saved
-        self.states[device] = (torch.get_rng_state(), accel.get_rng_state(device) if accel else None)
-        torch.set_rng_state(cpu)
-        if accel:
-            accel.set_rng_state(dev, device)
-        self.saved = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x  # never called: the attention's hooks use the stream
-
-    def extra_repr(self) -> str:
-        return f"attention dropout stream, seed={self.seed}"
 
 
 class MlaKvAProj:

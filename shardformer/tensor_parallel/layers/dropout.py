@@ -46,6 +46,8 @@ class SeededDropout(nn.Module):
         return {str(d): g.get_state() for d, g in self._generators.items()}
 
     def set_rng_state(self, states: dict[str, torch.Tensor]) -> None:
+        """Back to :meth:`get_rng_state`'s states (a device not listed starts again from the seed)."""
+        self._generators.clear()
         for device, state in states.items():
             self.generator(torch.device(device)).set_state(state)
 
