@@ -18,7 +18,7 @@ not split: every cp rank computes it whole, with the model's original attention.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -43,6 +43,7 @@ class SplitForward:
     labels: torch.Tensor | None
     num_items: torch.Tensor | int | None
     attention_calls: int = 0
+    masks: list = field(default_factory=list)  # the SplitMasks this forward built (released at its end)
 
 
 class ContextParallel:
@@ -77,6 +78,8 @@ class ContextParallel:
         current, self.current = self.current, None
         if current is None:
             return None
+        for mask in current.masks:
+            mask.release()
         if current.attention_calls == 0:
             raise ValueError(
                 f"context parallelism: {type(model).__name__}'s forward ran on a split sequence without calling "

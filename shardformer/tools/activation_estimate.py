@@ -57,10 +57,9 @@ attention differs by mode (checked in fp32 against a real forward at cp=2, tests
 
 - ring: whatever the model's implementation, the ring keeps q, k, v, its output and a log-sum-exp
   (b a n, fp32). Its output is fp32 and laid out like q ([b, n, a, d] in memory): in fp32 it is the
-  output projection's input (already counted), in half precision one more b n h x 4 bytes. The
-  block masks of this rank's queries against every rank's keys stay alive until backward too (c
-  blocks of b n^2 bools, shared by all layers; not a saved tensor, so the test does not see them).
-  Attention dropout is refused (as the library does).
+  output projection's input (already counted), in half precision one more b n h x 4 bytes. Its
+  block masks (b n^2 bools per rank) are shared by the forward's layers and dropped at its end
+  (backward evaluates them again). Attention dropout is refused (as the library does).
 - all_to_all: the model's own attention on a / c heads over the whole (padded) sequence S = c n:
   q, k, v as above but head-split (the same bytes; k/v repeated to a heads first when k does not
   divide by c); sdpa also keeps its output (b n h, it no longer is the output projection's input);
@@ -198,8 +197,6 @@ def estimate_activations(
     est.parts["embedding dropout"] = embd_drop
     est.parts["final norm + head input"] = final_norm + bs * h * w
     est.parts["loss softmax"] = bs * vocab // t * 4
-    if ring:  # causal: every block of this rank's queries against a rank's keys is partly masked
-        est.parts["ring block masks"] = c * batch * n * n
     return est
 
 
