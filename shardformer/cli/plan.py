@@ -30,6 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size: the sequence split over this many "
                         "ranks (default 1; world = tp x cp x pp x dp)")  # fmt: skip
+    # core.config.CP_MODES, spelled out: importing it would import torch for `shardformer --help`
     parser.add_argument("--cp-mode", default="ring", choices=("ring", "all_to_all"), help="how attention spans the "
                         "split sequence (default ring)")  # fmt: skip
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0; with "
