@@ -47,12 +47,14 @@ class Env:
 
 
 def setup(cfg) -> Env:
-    """Join the job started by ``shardformer run``, build the (pp, dp, tp) mesh and seed every RNG."""
+    """Join the job started by ``shardformer run``, build the (pp, dp, cp, tp) mesh and seed every RNG."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the training bar is the one to watch
     device = init_distributed()
-    mesh = ProcessMesh(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.data_parallel_size)
+    mesh = ProcessMesh(
+        cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.data_parallel_size, cfg.context_parallel_size
+    )
     seed_everything(cfg.seed)
     return Env(device, mesh, PRECISIONS[cfg.precision])
 
@@ -113,6 +115,8 @@ def build_engine(model: torch.nn.Module, cfg, env: Env, *, train: bool = True, l
         tp=mesh.tp_size,
         pp=mesh.pp_size,
         dp=mesh.dp_size,
+        cp=mesh.cp_size,
+        cp_mode=cfg.context_parallel_mode,
         zero_stage=cfg.zero_stage,
         num_microbatches=per_rank // micro if train else 1,
         precision=cfg.precision,

@@ -167,7 +167,11 @@ class ParallelEngine:
                 overlap_communication=cfg.overlap_grad_reduce,
                 backwards_per_step=cfg.num_microbatches,  # one backward per micro-batch
                 late_grads=self.shared,  # summed over the stages after backward
+                # cp ranks computed parts of the same sequences: ZeRO sums their gradients bucket by bucket
+                sum_group=self.mesh.cp_group if cfg.cp > 1 else None,
             )
+            if cfg.cp > 1:
+                self.model.shardformer.context_parallel.sum_grads_elsewhere(params)
         self.loss_fn = loss_fn or _loss_from_output
         self.device = params[0].device if params else torch.device("cpu")
         self.last_grad_norm: float | None = None

@@ -1,5 +1,6 @@
 """`shardformer plan` gives exactly the parameter shapes a real tensor-parallel shard has, and an
-activation estimate equal to the bytes a real forward keeps for the backward."""
+activation estimate equal to the bytes a real forward keeps for the backward (tensor, sequence and
+context parallelism)."""
 
 import pytest
 import torch
@@ -16,14 +17,21 @@ from tests.policies import zoo
 NAMES = ["GPT2LMHeadModel", "BertForMaskedLM", "ViTForImageClassification"]
 
 
-def _real_shapes():
+def _on_two_ranks():
     out = {}
     for name in NAMES:
         _, model = zoo.load_twice(name)
         model = shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
         out[name] = {n: (tuple(p.shape), p.numel() * p.element_size()) for n, p in model.named_parameters()}
     out["held vs estimate"] = _held_and_estimated(dist.get_world_size())
+    out["cp: held vs estimate"] = _held_and_estimated_cp(dist.get_world_size())
     return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One spawn of 2 ranks: real tp=2 shards, and what tp=2 / cp=2 forwards keep for the backward."""
+    return run_on_ranks(_on_two_ranks, 2)
 
 
 # -- activation memory: the estimate against what a forward really keeps ------------------------
@@ -31,10 +39,10 @@ def _real_shapes():
 BATCH, SEQ = 2, 64
 
 
-def _activation_models():
+def _activation_models(attn_pdrop=0.1):
     gpt2 = tf.GPT2Config(
         vocab_size=99, n_embd=128, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.1, embd_pdrop=0.1,
-        attn_pdrop=0.1, bos_token_id=1, eos_token_id=2,
+        attn_pdrop=attn_pdrop, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     llama = tf.LlamaConfig(
         vocab_size=99, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
@@ -83,13 +91,30 @@ def _held_and_estimated(tp):
     return out
 
 
-def _assert_estimates(held_and_estimated, tp):
+def _held_and_estimated_cp(cp):
+    """cp ranks split the sequence; each keeps its tokens' activations and the attention's own tensors
+    (ring: q, k, v, its output, a log-sum-exp; all-to-all: the model's attention on cp-th of the heads
+    over the whole sequence). GPT-2 keeps its residual and embedding dropout (seeded bool masks); the
+    ring refuses attention dropout, so its GPT-2 has none, while the all-to-all's keeps eager
+    attention probabilities with dropout."""
+    ids = torch.randint(3, 99, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for mode in ("ring", "all_to_all"):
+        for model in _activation_models(attn_pdrop=0.0 if mode == "ring" else 0.1):
+            options = {"context_parallel_size": cp, "context_parallel_mode": mode}
+            estimate = estimate_activations(model.config, BATCH, SEQ, **options).total  # before: cp changes the config
+            model = shard_model(model, ShardConfig(**options))
+            out[f"{model.config.model_type} cp={cp} {mode}"] = (_held_bytes(model, ids), estimate)
+    return out
+
+
+def _assert_estimates(held_and_estimated, where):
     for kind, (held, estimate) in held_and_estimated.items():
-        assert abs(estimate / held - 1) < 0.02, f"{kind} at tp={tp}: estimated {estimate:,} bytes, held {held:,}"
+        assert abs(estimate / held - 1) < 0.02, f"{kind} at {where}: estimated {estimate:,} bytes, held {held:,}"
 
 
 def test_activation_estimate_equals_what_a_forward_keeps_unsharded():
-    _assert_estimates(_held_and_estimated(1), 1)
+    _assert_estimates(_held_and_estimated(1), "tp=1")
 
 
 def test_activation_estimate_structure():
@@ -125,10 +150,25 @@ def _saved(name, folder):
     return str(folder)
 
 
-def test_plan_matches_a_real_tp2_shard_byte_for_byte(tmp_path):
-    real = run_on_ranks(_real_shapes, 2)
-    _assert_estimates(real[0].pop("held vs estimate"), 2)
-    real[1].pop("held vs estimate")
+def test_activation_estimate_with_context_parallelism(two_ranks):
+    """Within 2% of what each cp=2 rank keeps (ring and all-to-all), and about half of cp=1's."""
+    for rank in two_ranks:
+        _assert_estimates(rank["cp: held vs estimate"], "tp=1")
+    config = next(_activation_models(attn_pdrop=0.0)).config
+    one = estimate_activations(config, BATCH, SEQ, sharded=True).total
+    for mode in ("ring", "all_to_all"):
+        two = estimate_activations(config, BATCH, SEQ, context_parallel_size=2, context_parallel_mode=mode)
+        assert 0.45 < two.total / one < 0.55, (mode, two.total, one)
+        # a length 2 x cp does not divide is padded: the estimate counts the padded tokens
+        padded = estimate_activations(config, BATCH, SEQ - 3, context_parallel_size=2, context_parallel_mode=mode)
+        assert padded.total == two.total
+    with pytest.raises(ValueError, match="context_parallel_mode='ring' refuses attention dropout"):
+        estimate_activations(next(_activation_models()).config, BATCH, SEQ, context_parallel_size=2)
+
+
+def test_plan_matches_a_real_tp2_shard_byte_for_byte(tmp_path, two_ranks):
+    real = [{k: v for k, v in rank.items() if "held vs estimate" not in k} for rank in two_ranks]
+    _assert_estimates(two_ranks[0]["held vs estimate"], "tp=2")
     for name in NAMES:
         folder = _saved(name, tmp_path / name)
         plan = plan_model(build_meta_model(folder), tp=2)
@@ -162,3 +202,30 @@ def test_cli_prints_the_plan_and_refuses_sizes_that_do_not_fit(tmp_path, capsys)
     assert "give both (--batch and --seq)" in capsys.readouterr().err
     assert main(["plan", "no-such-model"]) == 2
     assert "built-in name" in capsys.readouterr().err
+
+
+def test_cli_plans_context_parallelism(tmp_path, capsys):
+    folder = _saved("GPT2LMHeadModel", tmp_path / "gpt2")
+    tp2 = plan_model(build_meta_model(folder), tp=2)
+    cp2 = plan_model(build_meta_model(folder), tp=2, cp=2, dp=2)
+    assert cp2.params == tp2.params and cp2.world == 8  # cp does not split parameters; world = tp x cp x pp x dp
+    assert cp2.bytes_per_rank() == plan_model(build_meta_model(folder), tp=2, dp=2).bytes_per_rank()
+    assert main(["plan", folder, "--tp", "2", "--cp", "2", "--summary", "--batch", "2", "--seq", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "tp=2 x cp=2 (ring) x pp=1 x dp=1 = 4 processes" in out
+    assert "batch 2 x seq 16, the sequence split over cp=2 (ring)" in out and "tensor + context par." in out
+    assert (
+        main(["plan", folder, "--cp", "2", "--cp-mode", "all_to_all", "--summary", "--batch", "2", "--seq", "16"]) == 0
+    )
+    assert "split over cp=2 (all_to_all)" in capsys.readouterr().out
+    for argv, message in [
+        (["--tp", "2", "--cp", "4", "--cp-mode", "all_to_all"], "4 heads, which tensor_parallel_size=2 x context_"),
+        (["--cp", "2", "--pp", "2"], "cp=2 with pp=2 is not supported"),
+        (["--cp", "0"], "context_parallel_size=0"),
+        (["--cp", "2", "--simulate"], "--simulate takes no --policy, --batch, --seq or --cp"),
+    ]:
+        assert main(["plan", folder, *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    bert = _saved("BertForMaskedLM", tmp_path / "bert")
+    assert main(["plan", bert, "--cp", "2"]) == 2
+    assert "BertForMaskedLM cannot be split over the sequence" in capsys.readouterr().err

@@ -9,9 +9,10 @@ A config file is plain Python; its module-level names are the settings, in lower
 
 Names starting with ``_``, imported modules, functions and classes are not settings. ColossalAI's
 ``parallel = dict(tensor=dict(size=2, mode="1d"), pipeline=1, data=1)`` is accepted as another
-spelling of the three ``*_parallel_size`` keys. Every key must be in the schema (``BASE_KEYS`` plus
-the caller's ``extra_keys``): an unknown key or a value of the wrong type raises ``ConfigError``
-naming the key, the value and what was expected.
+spelling of three ``*_parallel_size`` keys. The sizes and the context-parallel mode also go by
+EngineConfig's short names (``tp``, ``pp``, ``dp``, ``cp``, ``cp_mode``). Every key must be in the
+schema (``BASE_KEYS`` plus the caller's ``extra_keys``): an unknown key or a value of the wrong
+type raises ``ConfigError`` naming the key, the value and what was expected.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class Key:
     optional: bool = False
 
 
-# Short names for the sizes, in a config file or on the command line (--set pp=2).
-_ALIASES = SIZE_NAMES
-_FIELD_OF = {long: short for short, long in SIZE_NAMES.items()}
+# Short names (EngineConfig's fields) for the sizes and the cp mode, in a config file or on the
+# command line (--set pp=2, --set cp_mode=all_to_all).
+_ALIASES = {**SIZE_NAMES, "cp_mode": "context_parallel_mode"}
+_FIELD_OF = {long: short for short, long in _ALIASES.items()}
 
 
 def _engine_key(name: str, help: str, **bounds: Any) -> Key:
@@ -68,7 +70,13 @@ BASE_KEYS: dict[str, Key] = {
     ),
     "pipeline_parallel_size": _engine_key("pipeline_parallel_size", "pipeline stages", minimum=1),
     "data_parallel_size": _engine_key(
-        "data_parallel_size", "data-parallel replicas; default: world // (tp * pp)", minimum=1
+        "data_parallel_size", "data-parallel replicas; default: world // (tp * cp * pp)", minimum=1
+    ),
+    "context_parallel_size": _engine_key(
+        "context_parallel_size", "processes that split each sequence (context parallelism)", minimum=1
+    ),
+    "context_parallel_mode": _engine_key(
+        "context_parallel_mode", "how attention spans the split sequence: 'ring' or 'all_to_all' (Ulysses)"
     ),
     "zero_stage": _engine_key(
         "zero_stage", "ZeRO stage: 1 shards optimizer state over dp, 2 also gradients, 3 also parameters (FSDP2)"

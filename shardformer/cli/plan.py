@@ -16,6 +16,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         epilog="examples:\n  shardformer plan gpt2 --tp 2\n  shardformer plan path/to/model --tp 4 --dp 2 --zero 1 "
         "--precision bf16\n  shardformer plan timm:vit_base_patch16_224 --tp 2 --summary\n"
         "  shardformer plan gpt2 --tp 2 --summary --batch 2 --seq 1024\n"
+        "  shardformer plan path/to/llama --tp 2 --cp 2 --cp-mode all_to_all --summary --batch 1 --seq 32768\n"
         "  shardformer plan llama3-405b --tp 8 --pp 16 --dp 8 --simulate",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -27,6 +28,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size: the sequence split over this many "
+                        "ranks (default 1; world = tp x cp x pp x dp)")  # fmt: skip
+    # core.config.CP_MODES, spelled out: importing it would import torch for `shardformer --help`
+    parser.add_argument("--cp-mode", default="ring", choices=("ring", "all_to_all"), help="how attention spans the "
+                        "split sequence (default ring)")  # fmt: skip
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0; with "
                         "--simulate 1; 3: bytes by formula)")  # fmt: skip
     parser.add_argument("--simulate", action="store_true", help="build one rank of every kind for real on the "
@@ -56,7 +62,7 @@ def plan_command(args: argparse.Namespace) -> int:
         model = build_meta_model(args.model, args.model_class)
         plan = plan_model(
             model, args.tp, args.pp, args.dp, args.zero, args.precision, policy=policy, batch=args.batch,
-            seq=args.seq, device=args.device,
+            seq=args.seq, device=args.device, cp=args.cp, cp_mode=args.cp_mode,
         )  # fmt: skip
     except (ValueError, NotImplementedError) as e:
         message = str(e).replace("pass it: shard_model(model, config, policy=MyPolicy())", "pass --policy module:Class")
@@ -69,8 +75,8 @@ def plan_command(args: argparse.Namespace) -> int:
 def simulate_command(args: argparse.Namespace) -> int:
     from shardformer.tools.simulate import format_simulation, simulate_job
 
-    if args.policy or args.batch or args.seq:
-        print("shardformer plan: error: --simulate takes no --policy, --batch or --seq", file=sys.stderr)
+    if args.policy or args.batch or args.seq or args.cp != 1:
+        print("shardformer plan: error: --simulate takes no --policy, --batch, --seq or --cp", file=sys.stderr)
         return 2
     try:
         job = simulate_job(

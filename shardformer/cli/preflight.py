@@ -94,18 +94,20 @@ def _launched(nnodes: int, nproc_per_node: int) -> str:
 
 
 def check_sizes(config: Config, nnodes: int, nproc_per_node: int, from_set: dict[str, str] | None = None) -> None:
-    """The config's parallel sizes must fit the number of processes: world = tp * pp * dp.
+    """The config's parallel sizes must fit the number of processes: world = tp * cp * pp * dp.
     ``from_set``: sizes given by ``--set`` (:func:`sizes_from_set`), named as the source of their values."""
     tp = config.get("tensor_parallel_size") or 1
     pp = config.get("pipeline_parallel_size") or 1
+    cp = config.get("context_parallel_size") or 1
     dp = config.get("data_parallel_size")
     world = nnodes * nproc_per_node
     where = config.source or "the config"
     if from_set:
         where = f"{where} with --set {' --set '.join(from_set.values())}"
-    sizes = f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}"
+    sizes = f"tensor_parallel_size={tp} x " + (f"context_parallel_size={cp} x " if cp > 1 else "")
+    sizes += f"pipeline_parallel_size={pp}"
     if dp is not None:
-        need = tp * pp * dp
+        need = tp * cp * pp * dp
         if world == need:
             return
         if need % nnodes == 0:
@@ -116,7 +118,7 @@ def check_sizes(config: Config, nnodes: int, nproc_per_node: int, from_set: dict
             f"{where} sets {sizes} x data_parallel_size={dp} = {need} processes, "
             f"but {_launched(nnodes, nproc_per_node)}; {fix}"
         )
-    block = tp * pp
+    block = tp * cp * pp
     if world % block == 0:
         return
     # The smallest per-node count whose total is a multiple of tp * pp.

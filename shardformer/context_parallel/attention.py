@@ -74,6 +74,13 @@ class SplitMask:
     original: str
     forward: Any  # the split forward this mask belongs to (counts the attention calls)
     _cache: dict = field(default_factory=dict)
+    _caching: bool = True  # the forward's layers share the block masks; backward recomputes them
+
+    def release(self) -> None:
+        """End of the forward: keep no mask for backward (the ring's blocks are c x batch x n^2 bools,
+        alive as long as the autograd graph holds this object); backward evaluates each again."""
+        self._caching = False
+        self._cache.clear()
 
     def _block(self, q_start: int, kv_start: int, q_len: int, kv_len: int) -> torch.Tensor:
         return sdpa_mask(
@@ -91,15 +98,18 @@ class SplitMask:
 
     def ring_block(self, source: int) -> torch.Tensor | None:
         """This rank's queries against ``source``'s keys: ``[b, 1, n, n]`` bool (None: all True)."""
-        if source not in self._cache:
-            c, layout = self.layout.chunk, self.layout
-            rows = [
-                torch.cat([self._block(q, k, c, c) for k in layout.starts(source)], dim=-1)
-                for q in layout.starts(layout.rank)
-            ]
-            mask = torch.cat(rows, dim=-2)
-            self._cache[source] = None if bool(mask.all()) else mask
-        return self._cache[source]
+        if source in self._cache:
+            return self._cache[source]
+        c, layout = self.layout.chunk, self.layout
+        rows = [
+            torch.cat([self._block(q, k, c, c) for k in layout.starts(source)], dim=-1)
+            for q in layout.starts(layout.rank)
+        ]
+        mask = torch.cat(rows, dim=-2)
+        mask = None if bool(mask.all()) else mask
+        if self._caching:
+            self._cache[source] = mask
+        return mask
 
     def full(self):
         """The original implementation's mask over the whole padded sequence, in order (Ulysses)."""
@@ -155,10 +165,12 @@ def context_parallel_mask(*, config=None, mask_function=None, attention_mask=Non
     kwargs = {
         k: v for k, v in kwargs.items() if k not in ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset")
     }
-    return SplitMask(
+    mask = SplitMask(
         current.layout, state.group, state.mode, mask_function, current.padding,
         {**kwargs, "config": config}, state.original, current,
     )  # fmt: skip
+    current.masks.append(mask)
+    return mask
 
 
 def context_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -10,15 +10,19 @@ tokens, divided by the token count of the whole batch, and sums it over the cp r
 returns the full-sequence loss. Logits stay split (this rank's tokens, in the layout's order)
 unless ``gather_output``.
 
-Parameters see only this rank's tokens, so their gradients are summed over the cp ranks (a hook
-per parameter, in backward). A forward that continues a cache or asks for one (``generate``) is
-not split: every cp rank computes it whole, with the model's original attention.
+Parameters see only this rank's tokens, so their gradients are summed over the cp ranks: by a hook
+per parameter, in backward, unless an optimizer sums them itself (:meth:`ContextParallel.
+sum_grads_elsewhere`: ParallelEngine's ZeroOptimizer folds the sum into its gradient buckets, one
+all-reduce over cp per bucket and step instead of one per parameter and backward). A forward that
+continues a cache or asks for one (``generate``) is not split: every cp rank computes it whole,
+with the model's original attention.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -43,6 +47,7 @@ class SplitForward:
     labels: torch.Tensor | None
     num_items: torch.Tensor | int | None
     attention_calls: int = 0
+    masks: list = field(default_factory=list)  # the SplitMasks this forward built (released at its end)
 
 
 class ContextParallel:
@@ -55,7 +60,14 @@ class ContextParallel:
         self.current: SplitForward | None = None  # set while a split forward runs
         self.grad_split = False  # the latest forward under autograd was split
         self._hooked: set[int] = set()
+        self._summed_elsewhere: set[int] = set()  # ids of parameters an optimizer sums over cp itself
         self._signature = inspect.signature(model.forward)
+
+    def sum_grads_elsewhere(self, params) -> None:
+        """The caller sums these parameters' gradients over the cp group itself (after backward, in
+        buckets); their hooks leave them as this rank computed them. Such a model refuses a forward
+        under autograd that is not split (each rank's gradient would be whole, and summed cp times)."""
+        self._summed_elsewhere.update(id(p) for p in params)
 
     # -- forward hooks ------------------------------------------------------------------------------
 
@@ -67,6 +79,13 @@ class ContextParallel:
                 bound.update(bound.pop(name, {}))
         split = bound.get("past_key_values") is None and not bound.get("use_cache")
         if torch.is_grad_enabled():
+            if not split and self._summed_elsewhere:
+                raise ValueError(
+                    "context parallelism: a forward with a cache (past_key_values or use_cache=True) is not split, "
+                    "so every cp rank computes the whole gradient, but this model's optimizer sums gradients over "
+                    "the cp ranks (ParallelEngine); train without a cache (use_cache=False), or run it under "
+                    "torch.no_grad()"
+                )
             self.grad_split = split
             self._hook_new_parameters(model)
         if not split:
@@ -77,6 +96,8 @@ class ContextParallel:
         current, self.current = self.current, None
         if current is None:
             return None
+        for mask in current.masks:
+            mask.release()
         if current.attention_calls == 0:
             raise ValueError(
                 f"context parallelism: {type(model).__name__}'s forward ran on a split sequence without calling "
@@ -169,11 +190,11 @@ class ContextParallel:
         """Every trainable parameter (adapters added after sharding too) sums its gradient over cp."""
         for p in model.parameters():
             if p.requires_grad and id(p) not in self._hooked:
-                p.register_hook(self._reduce_grad)
+                p.register_hook(partial(self._reduce_grad, id(p)))
                 self._hooked.add(id(p))
 
-    def _reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        if not self.grad_split:
+    def _reduce_grad(self, param_id: int, grad: torch.Tensor) -> torch.Tensor:
+        if not self.grad_split or param_id in self._summed_elsewhere:
             return grad
         return all_reduce(grad.clone(memory_format=torch.contiguous_format), self.group)
 

@@ -59,6 +59,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             summed over pipeline stages): with overlap their buckets wait for ``step``.
         native_collectives: use the backend's own reduce-scatter / all-gather (default: except on
             gloo, where per-rank reduce / broadcast are faster; results are identical).
+        sum_group: a group whose ranks hold the same parameters and computed parts of the same
+            batch (context parallelism's cp group): each bucket is summed over it before the dp
+            average (the model's own per-parameter cp reduction must then be off:
+            ``ContextParallel.sum_grads_elsewhere``).
 
     Gradients are averaged over dp (as DDP does): the result equals one process running
     ``optimizer`` on the concatenated batch with a mean loss.
@@ -82,6 +86,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         counted_elsewhere=(),
         late_grads=(),
         native_collectives: bool | None = None,
+        sum_group=None,
     ) -> None:
         check_arguments(
             optimizer, stage, bucket_size, release_grads, reduce_dtype, loss_scaler, model, backwards_per_step
@@ -117,6 +122,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.per_rank,
             backwards_per_step,
             late_grads,
+            sum_group,
             names=None if model is None else {id(p): n for n, p in model.named_parameters()},
         )
         if loss_scaler == "auto":

@@ -17,6 +17,9 @@ tensor and its version counter (every in-place op bumps it), and ``sync`` compar
 uses the reduction. Any rank that sees an edit makes every rank raise, naming a parameter and the
 fixes, before the optimizer changes anything.
 
+With a ``sum_group`` (context parallelism: its ranks hold the same parameters and computed parts
+of the same sequences) each bucket is first summed over it, then averaged over dp.
+
 A gradient that changes after its bucket was sent (one backward more than announced) makes the
 reduction stale. It is never used: ``sync`` finishes that round on every rank, and when any rank
 saw a stale gradient, all ranks reduce every bucket again from ``param.grad`` (exact, at the cost
@@ -64,9 +67,11 @@ class GradientReducer:
         per_rank: bool,
         backwards_per_step: int = 1,
         late_grads=(),
+        sum_group=None,
         names: dict[int, str] | None = None,
     ) -> None:
         self.slots, self.buckets, self.group, self.stage = slots, buckets, group, stage
+        self.sum_group = sum_group  # summed over first (context parallelism's cp ranks), then averaged over dp
         self.per_rank = per_rank
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.reduce_dtype, self.overlap, self.release_grads = reduce_dtype, overlap, release_grads
@@ -195,6 +200,8 @@ class GradientReducer:
         for slot in bucket.slots:
             if slot.index not in self._copied[bucket.index]:
                 buf[:, slot.offset : slot.offset + slot.shard_numel].zero_()  # no gradient here: adds nothing
+        if self.sum_group is not None:  # every rank of it holds the same slots: one sum of the whole bucket
+            comm.all_reduce(buf, self.sum_group)
         work = None
         if self.stage == 2:
             out = self._outputs.get(bucket.index)

@@ -49,11 +49,29 @@ they keep the gathered tensor (whole). Embeddings, the final norm and the head r
 With activation checkpointing a layer keeps only its input (bsh, / t under sequence parallelism)
 and transformers turns the cache off; one layer's activations come back during the backward
 (``recompute``).
+
+Under context parallelism (cp = c) each rank holds n = 2 * ceil(s / 2c) tokens (the load-balanced
+split, :mod:`shardformer.context_parallel.layout`), so every per-token term above counts n tokens
+instead of s (tensor and sequence parallelism then split them as above) and the cache is off. The
+attention differs by mode (checked in fp32 against a real forward at cp=2, tests/test_plan.py):
+
+- ring: whatever the model's implementation, the ring keeps q, k, v, its output and a log-sum-exp
+  (b a n, fp32). Its output is fp32 and laid out like q ([b, n, a, d] in memory): in fp32 it is the
+  output projection's input (already counted), in half precision one more b n h x 4 bytes. Its
+  block masks (b n^2 bools per rank) are shared by the forward's layers and dropped at its end
+  (backward evaluates them again). Attention dropout is refused (as the library does).
+- all_to_all: the model's own attention on a / c heads over the whole (padded) sequence S = c n:
+  q, k, v as above but head-split (the same bytes; k/v repeated to a heads first when k does not
+  divide by c); sdpa also keeps its output (b n h, it no longer is the output projection's input);
+  eager keeps b (a / c) S^2 probabilities, i.e. b a n S. Assumed: no padding mask and a length 2c
+  divides; otherwise sdpa gets a mask and takes a path that keeps more (+4% measured at hidden 128).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from shardformer.core.config import CP_MODES
 
 GPT2_LIKE = ("gpt2",)
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
@@ -94,51 +112,72 @@ def estimate_activations(
     device: str = "cpu",
     use_cache: bool | None = None,
     sharded: bool | None = None,
+    context_parallel_size: int = 1,
+    context_parallel_mode: str = "ring",
 ) -> ActivationEstimate:
-    """Estimate activation bytes per tensor-parallel rank (see the module docstring for the formula).
+    """Estimate activation bytes per rank (see the module docstring for the formula).
 
     ``sharded``: the model went through ``shard_model`` (its dropout modules keep bool masks);
-    default: ``tp > 1``. ``use_cache``: default the config's, as transformers does.
-    ``sequence_parallel_regather``: as ShardConfig's (only read with ``sequence_parallel``)."""
+    default: ``tp > 1`` or context parallelism. ``use_cache``: default the config's, as transformers
+    does. ``sequence_parallel_regather``: as ShardConfig's (only read with ``sequence_parallel``).
+    ``context_parallel_size`` / ``_mode``: as ShardConfig's; ``seq`` is then the whole sequence."""
     kind = config.model_type
     if kind not in GPT2_LIKE + LLAMA_LIKE:
         raise NotImplementedError(
             f"no activation estimate for model_type={kind!r}; it is derived for {', '.join(GPT2_LIKE + LLAMA_LIKE)}"
         )
-    for name, value in (("batch", batch), ("seq", seq), ("tp", tp)):
+    c, mode = context_parallel_size, context_parallel_mode
+    for name, value in (("batch", batch), ("seq", seq), ("tp", tp), ("context_parallel_size", c)):
         if value < 1:
             raise ValueError(f"{name}={value} must be at least 1")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r} must be 'cpu' or 'cuda' (it sets the size of dropout masks)")
+    if mode not in CP_MODES:
+        raise ValueError(f"context_parallel_mode={mode!r} is not one of {', '.join(map(repr, CP_MODES))}")
     w, torch_mask = dtype_bytes, (dtype_bytes if device == "cpu" else 1)
-    m = 1 if (tp > 1 if sharded is None else sharded) else torch_mask  # mask bytes of nn.Dropout modules
-    cache = not checkpointing and (config.use_cache if use_cache is None else use_cache)
+    m = 1 if (tp * c > 1 if sharded is None else sharded) else torch_mask  # mask bytes of nn.Dropout modules
+    cache = c == 1 and not checkpointing and (config.use_cache if use_cache is None else use_cache)
     h, a, k, d = _heads(config)
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    bs, t = batch * seq, tp
+    n = seq if c == 1 else 2 * -(-seq // (2 * c))  # this rank's tokens (the split pads to 2c chunks)
+    bs, t = batch * n, tp
     vocab = -(-config.vocab_size // t) * t
+    ring, ulysses = c > 1 and mode == "ring", c > 1 and mode == "all_to_all"
+    if ring and _attention_dropout(config) > 0:
+        raise ValueError(
+            f"context_parallel_mode='ring' refuses attention dropout ({_attention_dropout(config)}); "
+            f"use context_parallel_mode='all_to_all' (or no attention dropout)"
+        )
+    full = n * c  # the whole (padded) sequence the all-to-all's attention sees
 
     if kind in GPT2_LIKE:
         i = config.n_inner or 4 * h
         resid, attn_p, embd = config.resid_pdrop, config.attn_pdrop, config.embd_pdrop
         norms = 2 * bs * h * w  # LayerNorm inputs
         drop = 2 * bs * h * m if resid > 0 else 0
-        if impl == "sdpa" and attn_p == 0:
-            attn = 3 * bs * h * w + (2 * bs * h * w if cache else 0) + batch * a * seq * 4
+        lse = batch * a * n * 4
+        if ring:  # its fp32 output, laid out as q, is the output projection's input in fp32 (a copy otherwise)
+            attn = 3 * bs * h * w + lse + (bs * h * 4 if w != 4 else 0)
+        elif impl == "sdpa" and attn_p == 0:
+            attn = 3 * bs * h * w + (2 * bs * h * w if cache else 0) + lse + (bs * h * w if ulysses else 0)
         else:  # eager, or sdpa's math path (dropout): torch's dropout on the probabilities
-            attn = 3 * bs * h * w + _probs(batch, a, seq, w, torch_mask, attn_p)
+            attn = 3 * bs * h * w + _probs(batch, a, n, full if ulysses else n, w, torch_mask, attn_p)
         mlp = (GELU_SAVES.get(config.activation_function, 1) + 1) * bs * i * w
         final_norm, embd_drop = bs * h * w, (bs * h * m if embd > 0 else 0)
     else:
         i = config.intermediate_size
         attn_p = getattr(config, "attention_dropout", 0.0)
         norms, drop = 2 * bs * h * (4 + w), 0  # RMSNorm keeps its input upcast to fp32
-        q, kv = bs * a * d * w, 2 * bs * k * d * w
-        if impl == "sdpa" and attn_p == 0:
-            attn = q + kv + batch * a * seq * 4
+        q, kv, lse = bs * a * d * w, 2 * bs * k * d * w, batch * a * n * 4
+        if ulysses and (k // t) % c != 0:  # key/value heads repeated for their query heads before the all-to-all
+            kv = 2 * bs * a * d * w
+        if ring:
+            attn = q + kv + lse + (bs * a * d * 4 if w != 4 else 0)
+        elif impl == "sdpa" and attn_p == 0:
+            attn = q + kv + lse + (bs * a * d * w if ulysses else 0)
         else:
             repeated = 2 * bs * a * d * w if k < a else kv
-            probs = _probs(batch, a, seq, w, torch_mask, attn_p, softmax_bytes=4)  # Llama's softmax runs in fp32
+            probs = _probs(batch, a, n, full if ulysses else n, w, torch_mask, attn_p, softmax_bytes=4)  # fp32 softmax
             attn = q + repeated + probs
         mlp = 4 * bs * i * w
         final_norm, embd_drop = bs * h * (4 + w), 0
@@ -161,10 +200,16 @@ def estimate_activations(
     return est
 
 
-def _probs(batch: int, heads: int, seq: int, w: int, m: int, dropout: float, softmax_bytes: int | None = None) -> int:
+def _attention_dropout(config) -> float:
+    return getattr(config, "attn_pdrop", None) or getattr(config, "attention_dropout", 0.0) or 0.0
+
+
+def _probs(
+    batch: int, heads: int, q_len: int, kv_len: int, w: int, m: int, dropout: float, softmax_bytes: int | None = None
+) -> int:
     """Attention probabilities kept by the eager / math path: the softmax output (in fp32 where the model
     upcasts it, then also its cast back), with dropout its mask and the dropped probabilities (which
     the value matmul keeps)."""
-    scores = batch * heads * seq * seq
+    scores = batch * heads * q_len * kv_len
     softmax = w if softmax_bytes in (None, w) else softmax_bytes + w
     return scores * softmax if dropout == 0 else scores * (softmax + m + w)

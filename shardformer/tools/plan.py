@@ -4,17 +4,21 @@
 :class:`~shardformer.core.mesh.VirtualGroup`, so the parameter shapes are exactly those a real
 shard produces, and estimates bytes per rank for parameters, gradients and optimizer state, and,
 given a batch and sequence length, activations (:mod:`shardformer.tools.activation_estimate`).
+Context parallelism (``cp``) leaves every rank's parameters as tensor parallelism cuts them and
+splits the sequence: it changes the activations and the number of processes (tp x cp x pp x dp).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 
+from shardformer.context_parallel.checks import check_context_parallel
 from shardformer.core.comm import VirtualGroup
-from shardformer.core.config import PRECISIONS, ZERO_STAGES, ShardConfig, check_choice
+from shardformer.core.config import CP_MODES, PRECISIONS, ZERO_STAGES, ShardConfig, check_choice
 from shardformer.core.mesh import resolve_sizes
 from shardformer.models import layer_stack, pipeline_spec_for
 from shardformer.pipeline.spec import PipelineSpec, check_split
@@ -46,6 +50,12 @@ class Plan:
     stages: list[tuple[range, int]] = field(default_factory=list)  # (layers, parameters per rank), pp > 1
     activations: list[str] = field(default_factory=list)  # lines of the activation estimate (batch and seq given)
     largest_layer: int = 0  # parameters per rank of the largest transformer layer (ZeRO-3's gathered unit)
+    cp: int = 1
+    cp_mode: str = "ring"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def rank_numel(self) -> int:
@@ -112,28 +122,41 @@ def plan_model(
     seq: int | None = None,
     device: str = "cpu",
     tp_rank: int = 0,
+    cp: int = 1,
+    cp_mode: str = "ring",
 ) -> Plan:
     """Shard ``model`` (build it on the meta device) for tp rank ``tp_rank`` of ``tp`` and describe the result.
 
     ``policy`` / ``pipeline``: a custom Policy / PipelineSpec (default: the model family's).
-    ``batch`` and ``seq`` (both or neither): estimate activation memory per rank too."""
+    ``batch`` and ``seq`` (both or neither): estimate activation memory per rank too (``seq``: the
+    whole sequence; with ``cp`` > 1 each rank holds its share). ``cp`` / ``cp_mode``: context
+    parallelism, refused where the library refuses it (the same checks, before any collective)."""
     if (batch is None) != (seq is None):
         raise ValueError(f"batch={batch} and seq={seq}: give both (--batch and --seq) to estimate activations")
     check_choice("zero", zero, tuple(sorted({0, *ZERO_STAGES, 3})))  # 3: bytes by formula until it is merged
     check_choice("precision", precision, tuple(PRECISIONS))
-    resolve_sizes(tp * pp * dp, tp, pp, dp)
+    check_choice("cp_mode", cp_mode, CP_MODES)
+    resolve_sizes(tp * cp * pp * dp, tp, pp, dp, cp)
+    if cp > 1:
+        if pp > 1:
+            raise ValueError(
+                f"cp={cp} with pp={pp} is not supported: pipeline stages run parts of the model without its "
+                f"forward, where the sequence is split; use pp=1 with context parallelism"
+            )
+        sizes = SimpleNamespace(context_parallel_size=cp, context_parallel_mode=cp_mode, tensor_parallel_size=tp)
+        check_context_parallel(model, sizes)
     if pp > 1:
         pipeline = pipeline or pipeline_spec_for(model)  # before sharding: an unknown family fails fast
     config = getattr(model, "config", None)
     plan_activations = (
-        activation_lines(config, batch, seq, tp, precision, device, pp) if batch is not None else []
+        activation_lines(config, batch, seq, tp, precision, device, cp, cp_mode, pp) if batch is not None else []
     )  # before sharding: a bad size fails before the slow part
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     before = {name: type(m).__name__ for name, m in model.named_modules()}
     config = ShardConfig(tensor_parallel_process_group=VirtualGroup(tp_rank, tp), pipeline_parallel_size=1)
     policy = policy or get_autopolicy(model)
     model = ModelSharder(model, policy, config, layers=layer_stack(model)).shard()
-    plan = Plan(tp, pp, dp, zero, precision, activations=plan_activations)
+    plan = Plan(tp, pp, dp, zero, precision, activations=plan_activations, cp=cp, cp_mode=cp_mode)
     for name, m in model.named_modules():
         if name in before and before[name] != type(m).__name__:
             plan.replaced.append((name, before[name], type(m).__name__))
@@ -185,26 +208,34 @@ def stage_split(spec: PipelineSpec, model: nn.Module, pp: int, numels: dict[str,
     return [(range(starts[s], starts[s] + counts[s]), per_stage[s]) for s in range(pp)]
 
 
-def activation_lines(config, batch: int, seq: int, tp: int, precision: str, device: str, pp: int = 1) -> list[str]:
+def activation_lines(
+    config, batch: int, seq: int, tp: int, precision: str, device: str, cp: int = 1, cp_mode: str = "ring", pp: int = 1
+) -> list[str]:
     """The activation estimate as printed lines: with and without checkpointing and sequence parallelism."""
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    head = f"activations per rank, batch {batch} x seq {seq}, {impl} attention, {precision} (kept for the backward):"
+    split = f", the sequence split over cp={cp} ({cp_mode})" if cp > 1 else ""
+    head = (
+        f"activations per rank, batch {batch} x seq {seq}{split}, {impl} attention, {precision} "
+        f"(kept for the backward):"
+    )
     if pp > 1:  # the estimate is of one forward through every layer: say so, not a per-stage number
         head = (
             f"activations per tensor-parallel rank of the whole model (all layers, not one of the {pp} pipeline "
             f"stages; a stage keeps its layers' share for each micro-batch in flight), batch {batch} x seq {seq}, "
             f"{impl} attention, {precision}:"
         )
+    cp_options = {"context_parallel_size": cp, "context_parallel_mode": cp_mode}
     try:
         estimate = lambda **kw: estimate_activations(  # noqa: E731
-            config, batch, seq, tp, dtype_bytes=BYTES[precision], device=device, **kw
+            config, batch, seq, tp, dtype_bytes=BYTES[precision], device=device, **cp_options, **kw
         )
         plain = estimate()
     except NotImplementedError as e:
         return [head, f"  not estimated: {e}"]
     lines = [head, f"  {'':<22}{'no checkpointing':>18}  activation checkpointing (+ one layer while it recomputes)"]
-    variants = [("tensor parallel" if tp > 1 else "unsharded", {})]
+    first = "tensor parallel" if tp > 1 else "unsharded"
+    variants = [(first if cp == 1 else ("tensor + context par." if tp > 1 else "context parallel"), {})]
     if tp > 1:
         variants.append(("+ sequence parallel", {"sequence_parallel": True}))
         variants.append(("  (keep gathered)", {"sequence_parallel": True, "sequence_parallel_regather": False}))
@@ -218,8 +249,9 @@ def activation_lines(config, batch: int, seq: int, tp: int, precision: str, devi
 def format_plan(plan: Plan, show_params: bool = True) -> str:
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     lines = [
-        f"layout: tp={plan.tp} x pp={plan.pp} x dp={plan.dp} = {plan.tp * plan.pp * plan.dp} processes, "
-        f"zero stage {plan.zero}, {plan.precision}",
+        f"layout: tp={plan.tp} x "
+        + (f"cp={plan.cp} ({plan.cp_mode}) x " if plan.cp > 1 else "")
+        + f"pp={plan.pp} x dp={plan.dp} = {plan.world} processes, zero stage {plan.zero}, {plan.precision}",
         "",
         f"replaced modules ({len(plan.replaced)}):",
     ]
@@ -236,7 +268,7 @@ def format_plan(plan: Plan, show_params: bool = True) -> str:
     lines += [
         "",
         f"parameters: {plan.full_numel:,} unsharded, {plan.rank_numel:,} per tensor-parallel rank "
-        f"({plan.rank_numel / plan.full_numel:.3f})",
+        f"({plan.rank_numel / plan.full_numel:.3f})" + (" (cp does not split parameters)" if plan.cp > 1 else ""),
         "estimated bytes per rank:",
     ]
     per_rank = plan.bytes_per_rank()

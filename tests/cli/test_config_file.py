@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from shardformer.cli import BASE_KEYS, Config, ConfigError, Key, load_config, parse_example_args
 from shardformer.cli.example_args import find_config_args, parse_overrides
-from shardformer.core.config import ENGINE_ZERO_STAGES, PRECISIONS, EngineConfig
+from shardformer.cli.preflight import LaunchError, check_sizes
+from shardformer.core.config import CP_MODES, ENGINE_ZERO_STAGES, PRECISIONS, EngineConfig
 
 
 def write(tmp_path, text, name="config.py"):
@@ -51,6 +54,37 @@ def test_short_size_names_in_the_file_and_on_the_command_line(tmp_path):
     assert (cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.data_parallel_size) == (2, 2, 1)
     with pytest.raises(ConfigError, match="both tp= and tensor_parallel_size= are set"):
         load_config(write(tmp_path, "tp = 2\ntensor_parallel_size = 2\n", "both.py"))
+
+
+def test_context_parallel_keys(tmp_path):
+    """cp / cp_mode (EngineConfig's names) or context_parallel_size / _mode (ShardConfig's), with
+    EngineConfig's defaults and choices; the launcher counts cp in the world size."""
+    engine = EngineConfig()
+    cfg = load_config(write(tmp_path, "tp = 2\n"))
+    assert (cfg.context_parallel_size, cfg.context_parallel_mode) == (engine.cp, engine.cp_mode) == (1, "ring")
+    assert BASE_KEYS["context_parallel_mode"].choices == CP_MODES
+    cfg = load_config(write(tmp_path, "cp = 2\ncp_mode = 'all_to_all'\n", "short.py"))
+    assert (cfg.context_parallel_size, cfg.context_parallel_mode) == (2, "all_to_all")
+    path = write(tmp_path, "context_parallel_size = 4\ncontext_parallel_mode = 'ring'\n", "long.py")
+    cfg = load_config(path, overrides={"cp_mode": "all_to_all"})
+    assert (cfg.context_parallel_size, cfg.context_parallel_mode) == (4, "all_to_all")
+    assert EngineConfig(cp=cfg.context_parallel_size, cp_mode=cfg.context_parallel_mode).cp == 4
+    for text, expected in [
+        ("cp_mode = 'zigzag'\n", "context_parallel_mode='zigzag' is not one of 'ring', 'all_to_all'"),
+        ("context_parallel_size = 0\n", "context_parallel_size=0 must be at least 1"),
+        ("cp = 2.0\n", "context_parallel_size=2.0 has type float, expected int"),
+        ("cp = 2\ncontext_parallel_size = 2\n", "both cp= and context_parallel_size= are set; keep one"),
+        ("context_paralel_size = 2\n", "did you mean 'context_parallel_size'"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            load_config(write(tmp_path, text, "bad.py"))
+    with pytest.raises(ConfigError, match=re.escape("--set: context_parallel_mode='Ring' is not one of")):
+        load_config(path, overrides={"cp_mode": "Ring"})
+    cfg = load_config(write(tmp_path, "tp = 2\ncp = 2\n", "tp_cp.py"))
+    with pytest.raises(LaunchError, match=re.escape("tensor_parallel_size=2 x context_parallel_size=2 x pipeline_")):
+        check_sizes(cfg, 1, 2)
+    check_sizes(cfg, 1, 4)
+    check_sizes(cfg.replace(data_parallel_size=2), 2, 4)  # 2 nodes x 4 = tp 2 x cp 2 x dp 2
 
 
 def test_unknown_key_names_it_lists_known_and_suggests(tmp_path):

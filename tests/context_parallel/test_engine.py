@@ -1,9 +1,11 @@
 """Context parallelism on 4 ranks: tp=2 x cp=2 against the unsharded model (both modes), and
 ParallelEngine with cp composed with ZeRO, data parallelism, activation checkpointing, tensor and
 sequence parallelism: every step's loss and the weights after the steps equal one process
-training the unsharded model on the same batches. One spawn.
+training the unsharded model on the same batches, with the gradients summed over cp in ZeRO's
+buckets (one all-reduce per bucket and step). One spawn.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -56,6 +58,10 @@ def _engine_run(name, cfg, rows, *collectives):
     with CollectiveCounter() as counter:
         got = [engine.train_step(b) for b in data]
     assert all(counter.counts[c] > 0 for c in collectives), f"{collectives} did not all run: {counter.counts}"
+    # gradients summed over cp in ZeRO's buckets: one all-reduce per bucket and step (not per parameter)
+    cp_group = engine.mesh.cp_group
+    sums = [n for (op, n, _), g in zip(counter.calls, counter.groups) if op == "all_reduce" and g is cp_group and n > 1]
+    assert len(sums) == STEPS * len(engine.optimizer.buckets), (len(sums), len(engine.optimizer.buckets))
     assert engine.model.is_gradient_checkpointing == cfg.activation_checkpointing
     expected = engine_common.reference_run(ref, data, engine.mesh.dp_size * cfg.num_microbatches)
     what = f"{name} {cfg}"
@@ -63,6 +69,7 @@ def _engine_run(name, cfg, rows, *collectives):
     weights, _ = engine_common.gathered_weights(engine.model, engine.mesh.tp_group)
     for key, value in ref.named_parameters():
         assert_close(weights[key], value.detach(), what=f"{what}: {key} after {STEPS} steps")
+    return engine
 
 
 def check_engine_cp2_dp2_zero2_checkpointing():
@@ -72,7 +79,10 @@ def check_engine_cp2_dp2_zero2_checkpointing():
 
 def check_engine_tp2_cp2_sequence_parallel():
     cfg = EngineConfig(tp=2, cp=2, cp_mode="all_to_all", sequence_parallel=True)
-    _engine_run("gpt2", cfg, 2, "all_to_all", "reduce_scatter")  # Ulysses; sequence parallelism
+    engine = _engine_run("gpt2", cfg, 2, "all_to_all", "reduce_scatter")  # Ulysses; sequence parallelism
+    # a forward with a cache is not split: under autograd its whole gradient would be summed over cp
+    with pytest.raises(ValueError, match="train without a cache"):
+        engine.model(input_ids=common.batch(8)["input_ids"], use_cache=True)
 
 
 test_cp_4_ranks = check_table(

@@ -4,6 +4,8 @@ right-padded batch; 13 tokens (2 * cp does not divide: padded internally, exactl
 Logits, loss, every gradient, weights after a step; greedy generate; refusals. One spawn.
 """
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,11 +13,12 @@ import transformers as tf
 
 from shardformer import ShardConfig, shard_model
 from shardformer.checkpoint.training import save_checkpoint
+from shardformer.context_parallel.attention import SplitMask
 from shardformer.core.comm import CollectiveCounter
 from shardformer.models.tiny import tiny_config
 from shardformer.tools.conformance import load_pair
 from tests.context_parallel import common
-from tests.helpers import check_table
+from tests.helpers import assert_grads_match, check_table
 
 
 def _cp(mode, **kw):
@@ -76,6 +79,21 @@ def check_generate_and_gathered_logits():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
+def check_ring_keeps_no_block_masks_for_backward():
+    """The ring's block masks (cp x batch x n^2 bools) are shared by the forward's layers, then dropped:
+    the autograd graph holds the mask object until backward, which evaluates each block again."""
+    ref, model = common.pair("llama")
+    model = shard_model(model, _cp("ring"))
+    inputs = common.batch(16)
+    out = model(**inputs)
+    masks = [o for o in gc.get_objects() if isinstance(o, SplitMask)]  # the graph holds this forward's
+    assert masks and all(not m._cache for m in masks), [len(m._cache) for m in masks]
+    out.loss.backward()
+    expected = ref(**inputs).loss
+    expected.backward()
+    assert_grads_match(model, ref, None)
+
+
 def check_refusals_before_any_collective():
     _, model = common.pair("gpt2")
     classifier = tf.GPT2ForSequenceClassification(model.config)
@@ -103,6 +121,7 @@ test_cp2 = check_table(
         check_gpt2_ring_eager_13,
         check_gpt2_all_to_all_sdpa_16,
         check_generate_and_gathered_logits,
+        check_ring_keeps_no_block_masks_for_backward,
         check_refusals_before_any_collective,
     ],
     2,
