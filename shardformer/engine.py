@@ -166,6 +166,7 @@ class ParallelEngine:
                 overlap_communication=cfg.overlap_grad_reduce,
                 backwards_per_step=cfg.num_microbatches,  # one backward per micro-batch
                 late_grads=self.shared,  # summed over the stages after backward
+                release_grads=cfg.zero_stage == 2,  # ZeRO-2 keeps only its 1/dp row of each reduced gradient
             )
         self.loss_fn = loss_fn or _loss_from_output
         self.device = params[0].device if params else torch.device("cpu")

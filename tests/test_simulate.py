@@ -39,6 +39,14 @@ def test_llama3_405b_like_on_1024_ranks_matches_formula_and_hand_count():
         assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total, stage
         assert rank.calls("tp") == rank.minimum["tp"], (stage, rank.collectives)
     assert by_stage[1].total / GIB == pytest.approx(28.21, abs=0.01)  # the table in README
+    # ZeRO-2: each gradient released into its bucket, each bucket freed once reduce-scattered
+    zero2 = {r.coords[0]: r for r in simulate_job(config, tp=8, pp=16, dp=8, zero_stage=2, precision="bf16").ranks}
+    for stage, rank in zero2.items():
+        n = hand[stage]
+        assert rank.measured["gradients"] == 0 and rank.measured["gradient buffers (fp32)"] == 4 * n // 8, stage
+        assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total, stage
+        assert rank.total < by_stage[stage].total / 2, stage
+    assert zero2[1].total / GIB == pytest.approx(11.88, abs=0.01)  # the table in README
 
 
 def test_mixtral_8x22b_like_moe_bytes_and_one_extra_all_reduce_per_moe_layer():
@@ -54,8 +62,9 @@ def test_mixtral_8x22b_like_moe_bytes_and_one_extra_all_reduce_per_moe_layer():
         assert n == 7 * layer + (32768 // 8 * h if rank.coords[0] == 0 else 0) + (
             h + 32768 // 8 * h if rank.coords[0] == 7 else 0
         )
-        # ZeRO-2 at the end of backward: every bucket's fp32 buffer and this rank's reduced row
-        assert rank.measured["gradient buffers (fp32)"] == 4 * n + 4 * n // 16
+        # ZeRO-2 at the end of backward: gradients released, buckets freed, only this rank's reduced row
+        assert rank.measured["gradients"] == 0
+        assert rank.measured["gradient buffers (fp32)"] == 4 * n // 16
         assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total
         # the replicated routing weights' partial gradient: one all-reduce more per MoE layer in backward
         assert rank.calls("tp") == rank.minimum["tp"] + len(rank.layers)

@@ -65,10 +65,12 @@ class Plan:
 def model_state_bytes(n: int, precision: str, dp: int, zero: int, largest_layer: int = 0) -> dict[str, int]:
     """Parameters, gradients and Adam state of ``n`` parameters on one rank, as this library lays them out.
 
-    ZeRO-1/2 (:mod:`shardformer.data_parallel`): backward writes every ``param.grad`` in the model's
-    dtype, kept until the next ``zero_grad``; the reduction copies them into fp32 ``[dp, row]`` bucket
-    buffers (ZeRO-1 keeps them between steps; ZeRO-2 holds them all at the end of backward and keeps
-    only its 1/dp row after the reduce-scatter); the fp32 master shard and Adam's two moments are 1/dp.
+    ZeRO-1 (:mod:`shardformer.data_parallel`): backward writes every ``param.grad`` in the model's
+    dtype, kept until the next ``zero_grad``, and the reduction copies them into fp32 ``[dp, row]``
+    bucket buffers kept between steps. ZeRO-2 frees each ``param.grad`` once copied into its bucket
+    and each bucket once reduce-scattered: after backward it holds only its fp32 1/dp row (during
+    backward, at most two buckets more are in flight). The fp32 master shard and Adam's two moments
+    are 1/dp.
     An fp32 model is stepped in place (no master). ZeRO-3 (formula only: PyTorch FSDP2, fp32 shards,
     bf16 all-gathers, fp32 reduce-scatter): parameters, gradients and Adam state all 1/dp, plus the
     gathered parameters of two layers (the one computing and the one prefetched) and one layer's
@@ -86,8 +88,9 @@ def model_state_bytes(n: int, precision: str, dp: int, zero: int, largest_layer:
     out = {"parameters": n * width, "gradients": n * width}
     if zero == 1:
         out["gradient buffers (fp32)"] = 4 * dp * shard
-    elif zero == 2:  # at the end of backward: every bucket's buffer and its reduce-scatter output
-        out["gradient buffers (fp32)"] = 4 * dp * shard + 4 * shard
+    elif zero == 2:  # at the end of backward: gradients released, only this rank's reduced row
+        out["gradients"] = 0
+        out["gradient buffers (fp32)"] = 4 * shard
     out["optimizer (Adam + master)"] = (8 + master) * (shard if zero >= 1 else n)
     return out
 

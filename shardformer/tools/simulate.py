@@ -268,8 +268,7 @@ def _held_bytes(model, zero) -> dict[str, int]:
 
     params = list(model.parameters())
     held = {"parameters": size(params), "gradients": size(p.grad for p in params if p.grad is not None)}
-    # the [dp, row] buffers and reduce-scatter outputs the reducer holds now (its own fields: no API lists them)
-    buffers = [*zero.reducer._buffers.values(), *zero.reducer._outputs.values()]
+    buffers = zero.reducer.held_buffers()  # the [dp, row] buffers and reduce-scatter outputs held now
     if buffers:
         held["gradient buffers (fp32)"] = size(buffers)
     states = [v for st in zero.optim.state.values() for v in st.values() if torch.is_tensor(v)]
