@@ -26,6 +26,8 @@ from shardformer.tools.activation_estimate import estimate_activations
 from shardformer.tools.model_source import build_model
 
 BYTES = {name: dtype.itemsize for name, dtype in PRECISIONS.items()}
+# ZeRO-3's transient: two layers' gathered parameters and one layer's unsharded gradient (FSDP2)
+GATHERED = "gathered layers (FSDP2)"
 
 
 def build_meta_model(spec: str, model_class: str | None = None) -> nn.Module:
@@ -71,19 +73,20 @@ def model_state_bytes(n: int, precision: str, dp: int, zero: int, largest_layer:
     and each bucket once reduce-scattered: after backward it holds only its fp32 1/dp row (during
     backward, at most two buckets more are in flight). The fp32 master shard and Adam's two moments
     are 1/dp.
-    An fp32 model is stepped in place (no master). ZeRO-3 (formula only: PyTorch FSDP2, fp32 shards,
-    bf16 all-gathers, fp32 reduce-scatter): parameters, gradients and Adam state all 1/dp, plus the
-    gathered parameters of two layers (the one computing and the one prefetched) and one layer's
-    unsharded gradient. zero=0: no ZeRO (every rank steps the whole model).
+    An fp32 model is stepped in place (no master). ZeRO-3 (PyTorch FSDP2, fp32 shards, bf16
+    all-gathers, fp32 reduce-scatter): parameters, gradients and Adam state all 1/dp, plus, while a
+    layer computes, the gathered parameters of two layers (the one computing and the one prefetched)
+    and one layer's unsharded gradient. zero=0: no ZeRO (every rank steps the whole model).
     """
     width = BYTES[precision]
     master = 4 if precision != "fp32" else 0
     shard = -(-n // dp)
     if zero == 3:
         return {
-            "parameters": 4 * shard + 2 * width * largest_layer,
-            "gradients": 4 * shard + 4 * largest_layer,
+            "parameters": 4 * shard,
+            "gradients": 4 * shard,
             "optimizer (Adam + master)": 8 * shard,
+            GATHERED: 2 * width * largest_layer + 4 * largest_layer,
         }
     out = {"parameters": n * width, "gradients": n * width}
     if zero == 1:
