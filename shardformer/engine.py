@@ -172,7 +172,9 @@ class ParallelEngine:
         self.device = params[0].device if params else torch.device("cpu")
         self.last_grad_norm: float | None = None
         self._steps_run = 0  # train and eval steps: every rank must be in the same one
-        self._torch_pipeline = TorchPipeline(self.model, self.stage_forward, self.mesh, self.device)
+        self._torch_pipeline = TorchPipeline(
+            self.model, self.stage_forward, self.mesh, self.device, before_backward=self._before_backward
+        )
         if self.mesh.rank == 0:
             logger.info(
                 "ParallelEngine: tp=%d cp=%d (%s) pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
@@ -279,7 +281,7 @@ class ParallelEngine:
         else:
             losses, _ = run_pipeline(
                 self.model, forward, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale,
-                device=self.device, overlap=cfg.overlap_p2p,
+                device=self.device, overlap=cfg.overlap_p2p, before_backward=self._before_backward,
             )  # fmt: skip
         loss = self._agreed_loss(losses, batch, kind=1)  # before anything changes
         self._sum_shared_grads()
@@ -329,6 +331,13 @@ class ParallelEngine:
     __call__ = forward
 
     # -- gradients ----------------------------------------------------------------------------------
+
+    def _before_backward(self, last: bool) -> None:
+        """ZeRO-3 with micro-batches: FSDP2 accumulates the unsharded gradients of all but the stage's
+        last micro-batch and reduce-scatters once, in the last backward (ZeRO-1/2 count backward passes
+        themselves: ``backwards_per_step``)."""
+        if self.config.zero_stage == 3 and self.config.num_microbatches > 1:
+            self.model.set_requires_gradient_sync(last)
 
     def _sum_shared_grads(self) -> None:
         """Tied weights on the first and last stage: sum their gradients over the two stages."""
