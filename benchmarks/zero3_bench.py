@@ -1,7 +1,7 @@
 """ZeRO-3 (FSDP2) against ZeRO-1, ZeRO-2, a DDP-like replicated run and the unsharded model: bytes per rank
 and step time, all in one spawn.
 
-    .venv/bin/python benchmarks/zero3_bench.py            # tp=2 x dp=2 on 4 gloo ranks, ~2 minutes here
+    .venv/bin/python benchmarks/zero3_bench.py            # tp=2 x dp=2 on 4 gloo ranks, ~1 minute here
 
 Every method trains the same GPT-2 (built from a config, same seed) through the same global batches
 with AdamW, at tensor parallelism ``--tp`` and data parallelism ``--dp``:
@@ -11,9 +11,11 @@ with AdamW, at tensor parallelism ``--tp`` and data parallelism ``--dp``:
   (what DDP holds; DDP itself refuses a tensor-parallel model);
 - ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3``: ``ParallelEngine`` with ``EngineConfig(zero_stage=...)``.
 
-Bytes are read from the tensors each rank holds after a step: parameters (a DTensor's local shard),
-gradients (``param.grad``; ZeRO-1/2 keep the whole tp-local gradient there, ZeRO-3 its dp shard) and
-the optimizer (states plus fp32 master copies). Ratios are against the replicated run (= the
+Bytes are read from the tensors each rank holds: parameters (a DTensor's local shard) and the
+optimizer (states plus fp32 master copies) after a step; gradients as the optimizer steps (after
+backward and the reduction): ``param.grad`` (ZeRO-3: its dp shard) plus ZeRO-1/2's fp32 reduction
+buffers (``ZeroOptimizer.gradient_bytes()``: ZeRO-1 keeps its full-size buckets, ZeRO-2 only its
+1/dp rows, having released ``param.grad``). Ratios are against the replicated run (= the
 unsharded model per tp shard) measured in the same spawn. Step time: the methods take turns step by
 step (order reversed every other step), median over the steps; ratio against ZeRO-2.
 """
@@ -63,13 +65,18 @@ def _local_bytes(t) -> int:
     return local_bytes(t)
 
 
-def measure(model, optimizer_bytes: int) -> dict[str, int]:
+def grad_bytes(model, optimizer=None) -> int:
+    """Gradient bytes this rank holds now: ``param.grad`` (local shards), or a ZeroOptimizer's count
+    of ``param.grad`` and its fp32 reduction buffers."""
+    if hasattr(optimizer, "gradient_bytes"):
+        return sum(optimizer.gradient_bytes().values())
     params = {id(p): p for p in model.parameters()}.values()
-    return {
-        "params": sum(_local_bytes(p) for p in params),
-        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": optimizer_bytes,
-    }
+    return sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+
+
+def measure(model, optimizer_bytes: int, grads: int) -> dict[str, int]:
+    params = {id(p): p for p in model.parameters()}.values()
+    return {"params": sum(_local_bytes(p) for p in params), "grads": grads, "optimizer": optimizer_bytes}
 
 
 def state_bytes(optim) -> int:
@@ -95,13 +102,14 @@ class Replicated:
         for p in self.model.parameters():
             dist.all_reduce(p.grad, group=mesh.dp_group)
             p.grad.div_(mesh.dp_size)
+        self.grads = grad_bytes(self.model)
         self.opt.step()
         value = loss.detach().clone()
         dist.all_reduce(value, group=mesh.dp_group)
         return value.item() / mesh.dp_size
 
     def bytes(self):
-        return measure(self.model, state_bytes(self.opt))
+        return measure(self.model, state_bytes(self.opt), self.grads)
 
 
 class Engine:
@@ -110,20 +118,28 @@ class Engine:
 
         cfg = EngineConfig(tp=args.tp, dp=args.dp, zero_stage=stage)
         self.engine = ParallelEngine(build_model(args), adamw, cfg, mesh=mesh)
+        optimizer, step = self.engine.optimizer, self.engine.optimizer.step
+
+        def counted_step(*args, **kwargs):  # the gradients as the optimizer steps: after the reduction
+            self.grads = grad_bytes(self.engine.model, optimizer)
+            return step(*args, **kwargs)
+
+        optimizer.step = counted_step
 
     def train_step(self, batch):
         return self.engine.train_step(batch)
 
     def bytes(self):
-        return measure(self.engine.model, sum(self.engine.optimizer.state_bytes().values()))
+        return measure(self.engine.model, sum(self.engine.optimizer.state_bytes().values()), self.grads)
 
 
 def unsharded_bytes(args, batch) -> dict[str, int]:
     model = build_model(args)
     opt = adamw(model.parameters())
     model(**batch).loss.backward()
+    grads = grad_bytes(model)
     opt.step()
-    return measure(model, state_bytes(opt))
+    return measure(model, state_bytes(opt), grads)
 
 
 def run(args):

@@ -169,6 +169,7 @@ class ParallelEngine:
                 late_grads=self.shared,  # summed over the stages after backward
                 # cp ranks computed parts of the same sequences: ZeRO sums their gradients bucket by bucket
                 sum_group=self.mesh.cp_group if cfg.cp > 1 else None,
+                release_grads=cfg.zero_stage == 2,  # ZeRO-2 keeps only its 1/dp row of each reduced gradient
             )
             if cfg.cp > 1:
                 self.model.shardformer.context_parallel.sum_grads_elsewhere(params)
@@ -176,7 +177,9 @@ class ParallelEngine:
         self.device = params[0].device if params else torch.device("cpu")
         self.last_grad_norm: float | None = None
         self._steps_run = 0  # train and eval steps: every rank must be in the same one
-        self._torch_pipeline = TorchPipeline(self.model, self.stage_forward, self.mesh, self.device)
+        self._torch_pipeline = TorchPipeline(
+            self.model, self.stage_forward, self.mesh, self.device, before_backward=self._before_backward
+        )
         if self.mesh.rank == 0:
             logger.info(
                 "ParallelEngine: tp=%d cp=%d (%s) pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
@@ -293,7 +296,7 @@ class ParallelEngine:
         else:
             losses, _ = run_pipeline(
                 self.model, forward, mesh, micro, self.loss_fn, schedule=cfg.schedule, scale=scale,
-                device=self.device, overlap=cfg.overlap_p2p,
+                device=self.device, overlap=cfg.overlap_p2p, before_backward=self._before_backward,
             )  # fmt: skip
         loss = self._agreed_loss(losses, batch, kind=1)  # before anything changes
         self._sum_shared_grads()
@@ -352,6 +355,13 @@ class ParallelEngine:
         return max(n for n in range(1, min(size, self.config.num_microbatches) + 1) if size % n == 0)
 
     # -- gradients ----------------------------------------------------------------------------------
+
+    def _before_backward(self, last: bool) -> None:
+        """ZeRO-3 with micro-batches: FSDP2 accumulates the unsharded gradients of all but the stage's
+        last micro-batch and reduce-scatters once, in the last backward (ZeRO-1/2 count backward passes
+        themselves: ``backwards_per_step``)."""
+        if self.config.zero_stage == 3 and self.config.num_microbatches > 1:
+            self.model.set_requires_gradient_sync(last)
 
     def _sum_shared_grads(self) -> None:
         """Tied weights on the first and last stage: sum their gradients over the two stages."""

@@ -15,11 +15,14 @@ def _adam_bytes(n, dp):
     return 12 * n // dp  # fp32 master + two fp32 moments of this rank's 1/dp shard
 
 
+LLAMA_405B = tf.LlamaConfig(
+    hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+    intermediate_size=53248, vocab_size=128256, architectures=["LlamaForCausalLM"],
+)  # fmt: skip
+
+
 def test_llama3_405b_like_on_1024_ranks_matches_formula_and_hand_count():
-    config = tf.LlamaConfig(
-        hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
-        intermediate_size=53248, vocab_size=128256, architectures=["LlamaForCausalLM"],
-    )  # fmt: skip
+    config = LLAMA_405B
     job = simulate_job(config, tp=8, pp=16, dp=8, zero_stage=1, precision="bf16")
     h, kv, ffn, vocab = 16384, 8 * 128, 53248, 128256
     layer = (2 * h * h + 2 * h * kv + 3 * h * ffn) // 8 + 2 * h  # q, o, k, v, gate/up/down cut over 8; norms whole
@@ -39,6 +42,31 @@ def test_llama3_405b_like_on_1024_ranks_matches_formula_and_hand_count():
         assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total, stage
         assert rank.calls("tp") == rank.minimum["tp"], (stage, rank.collectives)
     assert by_stage[1].total / GIB == pytest.approx(28.21, abs=0.01)  # the table in README
+    # ZeRO-2: each gradient released into its bucket, each bucket freed once reduce-scattered
+    zero2 = {r.coords[0]: r for r in simulate_job(config, tp=8, pp=16, dp=8, zero_stage=2, precision="bf16").ranks}
+    for stage, rank in zero2.items():
+        n = hand[stage]
+        assert rank.measured["gradients"] == 0 and rank.measured["gradient buffers (fp32)"] == 4 * n // 8, stage
+        assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total, stage
+        assert rank.total < by_stage[stage].total / 2, stage
+    assert zero2[1].total / GIB == pytest.approx(11.88, abs=0.01)  # the table in README
+
+
+def test_llama3_405b_like_at_zero3_is_built_with_fsdp2_and_read():
+    """ZeRO-3: the rank built with FSDP2's fully_shard over the fake group's dp sub-mesh; its sharded
+    parameters, gradients and AdamW state read from the DTensors' local shards."""
+    job = simulate_job(LLAMA_405B, tp=8, pp=16, dp=8, zero_stage=3, precision="bf16")
+    by_stage = {r.coords[0]: r for r in job.ranks}
+    assert sorted(by_stage) == [0, 1, 15]
+    for stage, rank in by_stage.items():
+        measured, shard = rank.measured, rank.numel / 8
+        # fp32 dp shards: each parameter's rows cut over 8 (padded per parameter: within 0.1%)
+        assert measured["parameters"] == measured["gradients"] == pytest.approx(4 * shard, rel=1e-3), stage
+        assert 0 <= measured["optimizer (Adam + master)"] - 2 * measured["parameters"] < 4096, stage  # + step counters
+        assert rank.apart <= 0.01, stage
+        assert "gathered layers (FSDP2)" in rank.formula_only and rank.total > sum(measured.values())
+    assert by_stage[1].total / GIB == pytest.approx(8.91, abs=0.01)  # the table in README
+    assert any("fully_shard" in note for note in job.notes)
 
 
 def test_mixtral_8x22b_like_moe_bytes_and_one_extra_all_reduce_per_moe_layer():
@@ -54,8 +82,9 @@ def test_mixtral_8x22b_like_moe_bytes_and_one_extra_all_reduce_per_moe_layer():
         assert n == 7 * layer + (32768 // 8 * h if rank.coords[0] == 0 else 0) + (
             h + 32768 // 8 * h if rank.coords[0] == 7 else 0
         )
-        # ZeRO-2 at the end of backward: every bucket's fp32 buffer and this rank's reduced row
-        assert rank.measured["gradient buffers (fp32)"] == 4 * n + 4 * n // 16
+        # ZeRO-2 at the end of backward: gradients released, buckets freed, only this rank's reduced row
+        assert rank.measured["gradients"] == 0
+        assert rank.measured["gradient buffers (fp32)"] == 4 * n // 16
         assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total
         # the replicated routing weights' partial gradient: one all-reduce more per MoE layer in backward
         assert rank.calls("tp") == rank.minimum["tp"] + len(rank.layers)

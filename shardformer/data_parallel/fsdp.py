@@ -37,8 +37,11 @@ GradHooks = list[tuple[nn.Parameter, list[Callable]]]
 
 
 def dp_device_mesh(mesh, device: torch.device) -> DeviceMesh:
-    """The 1-D DeviceMesh over this rank's data-parallel group of ``mesh`` (a ProcessMesh)."""
-    return DeviceMesh.from_group(mesh.dp_group, device.type, mesh_dim_names=("dp",))
+    """The 1-D DeviceMesh over this rank's data-parallel group of ``mesh`` (a ProcessMesh). A model on
+    the meta device (a simulated job, tools/simulate) gets a CPU mesh: FSDP2 takes its device from the
+    mesh and has no device handle for "meta"; the parameters stay on meta."""
+    device_type = "cpu" if device.type == "meta" else device.type
+    return DeviceMesh.from_group(mesh.dp_group, device_type, mesh_dim_names=("dp",))
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:

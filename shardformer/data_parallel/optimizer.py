@@ -49,7 +49,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             still exact (every bucket is reduced again at ``step``, with a warning) unless
             ``release_grads``, where they are an error; ``no_sync()`` passes do not count.
         reduce_dtype: dtype the gradients are summed in (default: the master dtype, fp32).
-        release_grads: stage 2 only: free each ``param.grad`` once copied into its bucket.
+        release_grads: stage 2 only: free each ``param.grad`` once copied into its bucket (with the
+            buckets freed once reduce-scattered, a rank then holds only its 1/dp rows after backward;
+            ``ParallelEngine`` sets it at ``zero_stage=2``).
         tp_group, pp_group: tensor / pipeline groups, for the global grad norm and the fp16
             overflow flag (omitted: no such parallelism; dp_group None is the default group).
         loss_scaler: a :class:`DynamicLossScaler`; ``"auto"`` makes one when any param is fp16.
@@ -296,6 +298,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         masters = sum(s.master.numel() * s.master.element_size() for s in self.slots if s.master.dtype != s.param.dtype)
         return {"optimizer_states": states, "master_params": masters}
+
+    def gradient_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for gradients now: the model's ``param.grad`` and the reduction's fp32
+        buffers (bucket buffers and this rank's reduced rows), each storage counted once."""
+        seen: set[int] = set()
+
+        def size(tensors) -> int:
+            total = 0
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage._cdata not in seen:
+                    seen.add(storage._cdata)
+                    total += storage.nbytes()
+            return total
+
+        grads = size(s.param.grad for s in self.slots if s.param.grad is not None)
+        return {"gradients": grads, "gradient buffers": size(self.reducer.held_buffers())}
 
     def state_dict(self) -> dict:
         """This rank's shard of the state; loads back at the same dp size on the same dp rank."""

@@ -20,6 +20,12 @@ fixes, before the optimizer changes anything.
 With a ``sum_group`` (context parallelism: its ranks hold the same parameters and computed parts
 of the same sequences) each bucket is first summed over it, then averaged over dp.
 
+Stage 2 holds what ZeRO-2 promises: with ``release_grads`` each ``param.grad`` is freed once copied
+into its bucket, and a bucket's ``[dp, row]`` buffer is freed once its reduce-scatter is done, keeping
+only this rank's row. At most ``IN_FLIGHT`` buckets are in flight (older ones are waited on), and the
+end of the backward that sent them waits for the rest, so after backward a rank holds its 1/dp rows
+and no full-size gradient.
+
 A gradient that changes after its bucket was sent (one backward more than announced) makes the
 reduction stale. It is never used: ``sync`` finishes that round on every rank, and when any rank
 saw a stale gradient, all ranks reduce every bucket again from ``param.grad`` (exact, at the cost
@@ -52,6 +58,10 @@ STALE_WARNING = (
     "wastes that communication. Run all but the last backward of an accumulation inside "
     "`with optimizer.no_sync():`, or pass backwards_per_step=<backward passes per step>"
 )
+
+# Stage 2: buckets whose reduce-scatter may still be running. A newer launch waits for the older ones
+# and frees their buffers, so backward holds at most this many full-size fp32 buckets, plus the one filling.
+IN_FLIGHT = 2
 
 
 class GradientReducer:
@@ -88,6 +98,8 @@ class GradientReducer:
                 if slot.param.requires_grad and id(slot.param) not in late:
                     self._hooks.append(slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, slot)))
         self._pending: list[tuple[Bucket, dist.Work | None, torch.Tensor]] = []
+        self._reduced: list[tuple[Bucket, torch.Tensor]] = []  # stage 2: waited on, buffer freed
+        self._drain_queued = False
         # Stage 1 keeps its communication buffers from step to step: allocating ~the model's size
         # afresh every step costs page faults (large CPU blocks are mmapped). Stage 2 is about memory:
         # it frees the [dp, row] buffers once reduced and its rows after each step.
@@ -111,7 +123,7 @@ class GradientReducer:
         self._copied_grads: dict[int, tuple] = {}  # slot -> (the gradient tensor or None, its version)
         self._has_grad = [0] * len(self.slots)  # a list: hooks must not launch device ops one flag at a time
         self._backwards = [0] * len(self.slots)  # backward passes that reached each param this step
-        self._pending = []
+        self._pending, self._reduced = [], []
         self._next_launch = 0
 
     def remove_hooks(self) -> None:
@@ -184,16 +196,35 @@ class GradientReducer:
                     f"parameter {slot.index} received a gradient after its bucket was already reduced and its "
                     f"gradient released (release_grads=True): a backward more than backwards_per_step="
                     f"{self.backwards_per_step}. Run every backward but the last of an accumulation inside "
-                    f"`with optimizer.no_sync():`, pass backwards_per_step=, or call optimizer.step()/zero_grad() "
-                    f"in between"
+                    f"`with optimizer.no_sync():`, pass backwards_per_step=, call optimizer.step()/zero_grad() "
+                    f"in between, or reduce everything at step (overlap_communication=False; in ParallelEngine "
+                    f"EngineConfig(overlap_grad_reduce=False))"
                 )
             self._stale = True  # sync reduces everything again from param.grad
             return
         self._copy(slot)
+        launched = self._next_launch
         while self._next_launch < len(self.buckets) and (
             len(self._copied[self._next_launch]) >= self._expected[self._next_launch]
         ):
             self._launch(self.buckets[self._next_launch])
+        if self.stage == 2 and self._next_launch > launched and not self._drain_queued:
+            # at the end of this backward, wait for the buckets still in flight and free their buffers
+            self._drain_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_queued = False
+        while self._pending:
+            self._retire_oldest()
+
+    def _retire_oldest(self) -> None:
+        """Stage 2: wait for the oldest bucket in flight; keep its row, free its ``[dp, row]`` buffer."""
+        bucket, work, out = self._pending.pop(0)
+        if work is not None:
+            work.wait()
+        self._buffers.pop(bucket.index, None)
+        self._reduced.append((bucket, out))
 
     def _launch(self, bucket: Bucket) -> None:
         buf = self._buffer(bucket)
@@ -217,6 +248,9 @@ class GradientReducer:
                 _, work = comm.start_all_reduce(buf, self.group)
         self._pending.append((bucket, work, out))
         self._next_launch += 1
+        if self.stage == 2:
+            while len(self._pending) > IN_FLIGHT:
+                self._retire_oldest()
 
     def _launch_the_rest(self) -> None:
         """Copy the gradients no hook has copied, then launch every bucket not yet sent, in order."""
@@ -265,14 +299,20 @@ class GradientReducer:
             self._new_round()  # waits for the stale round and drops it
             self._launch_the_rest()
             has_grad, _, _ = self._agree_on_flags()
+        for bucket, out in self._reduced:
+            self._finish(bucket, out, has_grad, grad_scale)
         for bucket, work, out in self._pending:
             if work is not None:
                 work.wait()
             self._finish(bucket, out, has_grad, grad_scale)
-        self._pending = []
+        self._pending, self._reduced = [], []
         if self.stage == 2:
             self._buffers = {}
         self.synced = True
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The fp32 tensors the reduction holds now: ``[dp, row]`` bucket buffers and reduced rows."""
+        return [*self._buffers.values(), *self._outputs.values()]
 
     def spare_buffer(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:
         """The bucket's ``[dp, row]`` buffer, free between ``sync`` and the next backward (the

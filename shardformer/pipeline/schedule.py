@@ -44,6 +44,7 @@ def run_pipeline(
     scale=1.0,
     device=None,
     overlap=True,
+    before_backward=None,
 ):
     """Run one step over ``micro_batches`` on this stage.
 
@@ -51,6 +52,8 @@ def run_pipeline(
     each micro-batch's loss times ``scale`` is back-propagated (gradients accumulate in
     ``param.grad``). ``overlap`` posts receives one schedule step early. Returns ``(losses,
     outputs)`` on the last stage (detached; ``outputs`` only without backward), ``([], [])`` elsewhere.
+    ``before_backward(last)`` runs before each micro-batch's backward, ``last`` for this stage's last
+    one (ZeRO-3 reduces gradients only then).
     """
     stage, num_stages = mesh.pp_rank, mesh.pp_size
     first, last = stage == 0, stage == num_stages - 1
@@ -81,6 +84,8 @@ def run_pipeline(
 
     def backward_step(i):
         hidden, out = saved.pop(i)
+        if before_backward is not None:
+            before_backward(i == last_backward)
         if last:
             out.backward()
         else:
@@ -90,6 +95,7 @@ def run_pipeline(
 
     n = len(micro_batches)
     steps = order(schedule, n, stage, num_stages) if backward else [("F", i) for i in range(n)]
+    last_backward = next((i for kind, i in reversed(steps) if kind == "B"), None)  # this stage's last backward
     # What each step receives: its micro-batch's activation (F) or gradient (B), if from a neighbour.
     receives = [("act", i) if kind == "F" else ("grad", i) for kind, i in steps]
     receives = [None if (key[0] == "act" and first) or (key[0] == "grad" and last) else key for key in receives]

@@ -66,6 +66,18 @@ class _Stage(nn.Module):
         return (loss * self.scale).reshape(1)
 
 
+def _announcing(backward_one_chunk, before_backward):
+    """``PipelineStage.backward_one_chunk`` calling ``before_backward(last_backward)`` first: the
+    schedules say which micro-batch's backward is the stage's last (its own FSDP2 handling applies
+    only when the stage module itself is the FSDP2 root, and ours wraps it)."""
+
+    def run(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        before_backward(last_backward)
+        return backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    return run
+
+
 def _signature(micro_batches) -> tuple:
     return tuple((k, tuple(v.shape), v.dtype) for k, v in micro_batches[0].items() if torch.is_tensor(v)), len(
         micro_batches
@@ -76,9 +88,10 @@ class TorchPipeline:
     """Runs training steps of one model's stage on torch.distributed.pipelining, keeping its
     PipelineStage and schedule between steps of the same micro-batch shapes."""
 
-    def __init__(self, model: nn.Module, stage_forward, mesh, device=None) -> None:
+    def __init__(self, model: nn.Module, stage_forward, mesh, device=None, before_backward=None) -> None:
         self.model, self.stage_forward, self.mesh = model, stage_forward, mesh
         self.device = device or torch.device("cpu")
+        self.before_backward = before_backward  # (last: bool) -> None, before each micro-batch's backward
         self._built = None  # (key, stage module, schedule)
 
     def step(self, micro_batches, loss_of, *, schedule="1f1b", scale=1.0) -> list[torch.Tensor]:
@@ -88,6 +101,8 @@ class TorchPipeline:
         if self._built is None or self._built[0] != key:
             module = _Stage(self.model, self.stage_forward, loss_of, mesh.is_last_stage)
             stage = PipelineStage(module, mesh.pp_rank, mesh.pp_size, device, group=mesh.pp_group)
+            if self.before_backward is not None:
+                stage.backward_one_chunk = _announcing(stage.backward_one_chunk, self.before_backward)
             cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
             # scale_grads=False: ``scale`` already divides by the number of micro-batches
             sched = cls(stage, n_microbatches=n, loss_fn=lambda out, _: out.sum(), scale_grads=False)

@@ -30,6 +30,8 @@ from shardformer.tools.activation_estimate import estimate_activations
 from shardformer.tools.model_source import build_model
 
 BYTES = {name: dtype.itemsize for name, dtype in PRECISIONS.items()}
+# ZeRO-3's transient: two layers' gathered parameters and one layer's unsharded gradient (FSDP2)
+GATHERED = "gathered layers (FSDP2)"
 
 
 def build_meta_model(spec: str, model_class: str | None = None) -> nn.Module:
@@ -75,29 +77,33 @@ class Plan:
 def model_state_bytes(n: int, precision: str, dp: int, zero: int, largest_layer: int = 0) -> dict[str, int]:
     """Parameters, gradients and Adam state of ``n`` parameters on one rank, as this library lays them out.
 
-    ZeRO-1/2 (:mod:`shardformer.data_parallel`): backward writes every ``param.grad`` in the model's
-    dtype, kept until the next ``zero_grad``; the reduction copies them into fp32 ``[dp, row]`` bucket
-    buffers (ZeRO-1 keeps them between steps; ZeRO-2 holds them all at the end of backward and keeps
-    only its 1/dp row after the reduce-scatter); the fp32 master shard and Adam's two moments are 1/dp.
-    An fp32 model is stepped in place (no master). ZeRO-3 (formula only: PyTorch FSDP2, fp32 shards,
-    bf16 all-gathers, fp32 reduce-scatter): parameters, gradients and Adam state all 1/dp, plus the
-    gathered parameters of two layers (the one computing and the one prefetched) and one layer's
-    unsharded gradient. zero=0: no ZeRO (every rank steps the whole model).
+    ZeRO-1 (:mod:`shardformer.data_parallel`): backward writes every ``param.grad`` in the model's
+    dtype, kept until the next ``zero_grad``, and the reduction copies them into fp32 ``[dp, row]``
+    bucket buffers kept between steps. ZeRO-2 frees each ``param.grad`` once copied into its bucket
+    and each bucket once reduce-scattered: after backward it holds only its fp32 1/dp row (during
+    backward, at most two buckets more are in flight). The fp32 master shard and Adam's two moments
+    are 1/dp.
+    An fp32 model is stepped in place (no master). ZeRO-3 (PyTorch FSDP2, fp32 shards, bf16
+    all-gathers, fp32 reduce-scatter): parameters, gradients and Adam state all 1/dp, plus, while a
+    layer computes, the gathered parameters of two layers (the one computing and the one prefetched)
+    and one layer's unsharded gradient. zero=0: no ZeRO (every rank steps the whole model).
     """
     width = BYTES[precision]
     master = 4 if precision != "fp32" else 0
     shard = -(-n // dp)
     if zero == 3:
         return {
-            "parameters": 4 * shard + 2 * width * largest_layer,
-            "gradients": 4 * shard + 4 * largest_layer,
+            "parameters": 4 * shard,
+            "gradients": 4 * shard,
             "optimizer (Adam + master)": 8 * shard,
+            GATHERED: 2 * width * largest_layer + 4 * largest_layer,
         }
     out = {"parameters": n * width, "gradients": n * width}
     if zero == 1:
         out["gradient buffers (fp32)"] = 4 * dp * shard
-    elif zero == 2:  # at the end of backward: every bucket's buffer and its reduce-scatter output
-        out["gradient buffers (fp32)"] = 4 * dp * shard + 4 * shard
+    elif zero == 2:  # at the end of backward: gradients released, only this rank's reduced row
+        out["gradients"] = 0
+        out["gradient buffers (fp32)"] = 4 * shard
     out["optimizer (Adam + master)"] = (8 + master) * (shard if zero >= 1 else n)
     return out
 

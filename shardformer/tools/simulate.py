@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from shardformer.core.comm import CollectiveCounter
 from shardformer.models import layer_stack
-from shardformer.tools.plan import BYTES, model_state_bytes, plan_model
+from shardformer.tools.plan import BYTES, GATHERED, model_state_bytes, plan_model
 
-CATEGORIES = ("parameters", "gradients", "gradient buffers (fp32)", "optimizer (Adam + master)")
+CATEGORIES = ("parameters", "gradients", "gradient buffers (fp32)", "optimizer (Adam + master)", GATHERED)
 
 
 @dataclass
@@ -47,13 +47,22 @@ class RankSimulation:
     layers: tuple[int, ...]  # indices of the transformer layers this rank holds
     numel: int  # parameters on this rank
     measured: dict[str, int]  # bytes per category, read from the built rank at the end of backward
-    formula: dict[str, int]  # plan's formula for this rank's parameters
+    formula: dict[str, int]  # plan's formula for this rank's parameters, every category
     collectives: dict[tuple[str, str], tuple[int, int]]  # (group, op) -> (calls, bytes), one step
     minimum: dict[str, int]  # Megatron's minimum calls per group for one micro-batch
+    # ZeRO-3: FSDP2's layers gathered while they compute, from the formula (no step runs on meta)
+    formula_only: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
-        return sum(self.measured.values())
+        return sum(self.measured.values()) + sum(self.formula_only.values())
+
+    @property
+    def apart(self) -> float:
+        """Relative difference of the measured categories from the formula's for them."""
+        measured = sum(self.measured.values())
+        formula = sum(v for k, v in self.formula.items() if k not in self.formula_only)
+        return abs(measured - formula) / max(measured, 1)
 
     def calls(self, group: str) -> int:
         return sum(n for (g, _), (n, _) in self.collectives.items() if g == group)
@@ -94,9 +103,11 @@ def simulate_job(
 
     ``model``: a transformers config (``PretrainedConfig``), a model factory, or any name ``shardformer
     plan`` takes (a folder with config.json, a built-in name such as ``llama3-405b``). ``zero_stage``
-    1 or 2 is simulated; 3 builds the rank with ZeRO-1 for its module tree and collectives and reports
-    its bytes from the formula (ZeRO-3's layout, marked as such). ``batch`` x ``seq``: the micro-batch
-    of the simulated steps (meta: no compute, any size is free).
+    1 or 2 is simulated with two steps. 3 is built for real (FSDP2's ``fully_shard`` over the dp
+    sub-mesh of the fake group) and its sharded parameters, gradients and AdamW state read, but runs
+    no step: FSDP2 refuses to run forward on meta parameters. Its collectives are then those of the
+    same rank at ZeRO-2 and the layers gathered during compute come from the formula (both marked).
+    ``batch`` x ``seq``: the micro-batch of the simulated steps (meta: no compute, any size is free).
 
     Runs in this process when torch.distributed is not initialised (the fake group is destroyed
     afterwards), else in a fresh subprocess, so an existing default group is never touched.
@@ -141,7 +152,12 @@ def _simulate(model, tp, pp, dp, zero_stage, precision, model_class, batch, seq)
         rank = stage * dp * tp  # dp rank 0, tp rank 0
         job.ranks.append(_simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq))
     if zero_stage == 3:
-        job.notes.append("ZeRO-3 bytes are the formula of PyTorch FSDP2's layout, not read from a built optimizer")
+        job.notes.append(
+            "ZeRO-3: shards read from the rank built with FSDP2's fully_shard on the fake group; FSDP2 runs no "
+            "forward on meta parameters, so the layers it gathers while computing are the formula's, and the "
+            "collectives are the same rank's at ZeRO-2 (ZeRO-3 gathers and reduce-scatters per layer over dp "
+            "instead of per bucket, and gathers again in backward)"
+        )
     job.notes.append(
         "pp sends/receives are counted from the p2p schedule (a fake group delivers no shape header): each "
         "activation is a shape header and the tensor, each gradient the tensor alone"
@@ -208,8 +224,10 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
         for key, (n, nbytes) in _pipeline_messages(first, last, batch, seq, hidden_size, plan.precision).items():
             collectives[key], volume[key] = n, nbytes
         formula = model_state_bytes(numel, plan.precision, dp, zero_stage, plan.largest_layer)
+        formula_only = {}
         if zero_stage == 3:
-            measured = dict(formula)
+            measured = _zero3_bytes(factory, EngineConfig(tp=tp, pp=pp, dp=dp, zero_stage=3, precision=plan.precision))
+            formula_only = {GATHERED: formula[GATHERED]}
         return RankSimulation(
             rank=rank,
             coords=mesh.coords,
@@ -219,10 +237,45 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
             formula=formula,
             collectives={k: (collectives[k], volume[k]) for k in sorted(collectives)},
             minimum=_megatron_minimum(len(layers), first, last, tp, pp),
+            formula_only=formula_only,
         )
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook
+
+
+def _zero3_bytes(factory, config) -> dict[str, int]:
+    """This rank at ZeRO-3 built for real: ``ParallelEngine`` shards the meta model over tp and applies
+    FSDP2's ``fully_shard`` per layer over the dp sub-mesh of the fake group. FSDP2 refuses to run
+    forward on meta parameters (its lazy init wants them materialised), so each sharded parameter is
+    given the gradient FSDP2's reduce-scatter leaves (its own DTensor layout: this rank's dp rows) and
+    AdamW steps once, creating its state. Bytes are the local shards, each storage once."""
+    from shardformer.engine import ParallelEngine
+
+    with torch.device("meta"):
+        model = factory()
+    engine = ParallelEngine(model, lambda p: torch.optim.AdamW(p, lr=1e-4), config)
+    params = list({id(p): p for p in engine.model.parameters()}.values())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    engine.optimizer.step()
+    seen: set[int] = set()
+
+    def size(tensors) -> int:
+        total = 0
+        for t in tensors:
+            storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+            if storage._cdata not in seen:
+                seen.add(storage._cdata)
+                total += storage.nbytes()
+        return total
+
+    states = [v for st in engine.optimizer.optim.state.values() for v in st.values() if torch.is_tensor(v)]
+    return {
+        "parameters": size(params),
+        "gradients": size(p.grad for p in params),
+        "optimizer (Adam + master)": size(states),
+    }
 
 
 def _step(engine, batch: int, seq: int, hidden_size: int) -> dict[str, int]:
@@ -268,8 +321,7 @@ def _held_bytes(model, zero) -> dict[str, int]:
 
     params = list(model.parameters())
     held = {"parameters": size(params), "gradients": size(p.grad for p in params if p.grad is not None)}
-    # the [dp, row] buffers and reduce-scatter outputs the reducer holds now (its own fields: no API lists them)
-    buffers = [*zero.reducer._buffers.values(), *zero.reducer._outputs.values()]
+    buffers = zero.reducer.held_buffers()  # the [dp, row] buffers and reduce-scatter outputs held now
     if buffers:
         held["gradient buffers (fp32)"] = size(buffers)
     states = [v for st in zero.optim.state.values() for v in st.values() if torch.is_tensor(v)]
@@ -322,11 +374,15 @@ def format_simulation(job: JobSimulation) -> str:
             f"  {'':<28}{'simulated':>12}{'formula':>12}",
         ]
         for what in CATEGORIES:
-            if what in r.measured or what in r.formula:
+            if what in r.formula_only:
+                lines.append(f"  {what:<28}{'formula':>12}{gib(r.formula[what]):>12}")
+            elif what in r.measured or what in r.formula:
                 a, b = r.measured.get(what, 0), r.formula.get(what, 0)
                 lines.append(f"  {what:<28}{gib(a):>12}{gib(b):>12}")
-        diff = abs(r.total - sum(r.formula.values())) / max(r.total, 1)
-        lines.append(f"  {'total':<28}{gib(r.total):>12}{gib(sum(r.formula.values())):>12}  ({diff:.2%} apart)")
+        lines.append(
+            f"  {'total':<28}{gib(r.total):>12}{gib(sum(r.formula.values())):>12}  "
+            f"({r.apart:.2%} apart{' where measured' if r.formula_only else ''})"
+        )
         per_group: dict[str, list[str]] = {}
         for (group, op), (n, nbytes) in r.collectives.items():
             per_group.setdefault(group, []).append(f"{n} {op} ({nbytes / 2**20:,.1f} MiB)")

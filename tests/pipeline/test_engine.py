@@ -147,6 +147,16 @@ def check_eval_step_and_zero2_with_pp():
     assert_close(torch.tensor(engine.eval_step(data[0])), torch.tensor(expected), what="eval_step")
 
 
+def check_zero2_pp2_dp2_releases_every_gradient():
+    """ZeRO-2 as the engine runs it (gradients released into buckets, buckets freed once reduced) with
+    overlap, 2 micro-batches, clipping and GPT-2's embedding tied across the two stages: exact, and
+    no full-size gradient is left after the step."""
+    engine = _check("GPT2LMHeadModel", 1, 2, 2, "1f1b", 2, 0.5, "p2p", zero_stage=2)
+    assert engine.optimizer.reducer.release_grads
+    assert all(p.grad is None for p in engine.model.parameters())
+    assert engine.optimizer.gradient_bytes()["gradients"] == 0
+
+
 def check_activation_checkpointing_pp2_tp2():
     engine = _check("GPT2LMHeadModel", 2, 2, 1, "1f1b", 2, 1.0, "torch", activation_checkpointing=True)
     layers = [b for b in engine.model.transformer.h if b is not None]
@@ -276,6 +286,7 @@ CHECKS = [
     _ComboCheck("BertForMaskedLM", (1, 4, 1, "gpipe", 4, 0.5, "torch")),
     check_gpt2_stage_contents,
     check_eval_step_and_zero2_with_pp,
+    check_zero2_pp2_dp2_releases_every_gradient,
     check_activation_checkpointing_pp2_tp2,
     check_sequence_parallel_gpt2_pp2_tp2_with_checkpointing,
     check_timm_vit_pp2_tp2,

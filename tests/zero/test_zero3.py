@@ -10,12 +10,14 @@ activation checkpointing and micro-batches, and pp=2 x dp=2 on both pipeline bac
 and bf16 compute from fp32 shards. What stage 3 does not offer is refused up front.
 """
 
+import contextlib
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import transformers as tf
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardformer import EngineConfig, ParallelEngine, ProcessMesh
@@ -178,15 +180,49 @@ def check_tp2_dp2_parity_export_and_checkpoints():
     remove_dir(path)
 
 
+@contextlib.contextmanager
+def _dp_reduce_scatters():
+    """Every reduce-scatter FSDP2 issues (torch.distributed.reduce_scatter_single), with its group."""
+    groups, original = [], dist.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        groups.append(kwargs.get("group"))
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting
+    try:
+        yield groups
+    finally:
+        dist.reduce_scatter_single = original
+
+
+def _assert_one_reduce_scatter_per_unit_and_step(engine, groups, steps):
+    """Gradient accumulation: FSDP2 reduce-scatters each unit once per step (in the last micro-batch's
+    backward), not once per micro-batch."""
+    dp = engine.mesh.dp_group
+    on_dp = [g for g in groups if g is not None and g.group_name == dp.group_name]
+    units = sum(isinstance(m, FSDPModule) for m in engine.model.modules())
+    assert units > 1 and len(on_dp) == steps * units, (len(on_dp), steps, units)
+
+
 def check_tp2_dp2_sequence_parallel_checkpointing_microbatches():
-    _trained(GPT2, 2, 2, 2, sequence_parallel=True, activation_checkpointing=True, num_microbatches=2)
+    with _dp_reduce_scatters() as groups:
+        engine, *_ = _trained(
+            GPT2, 2, 2, 2, sequence_parallel=True, activation_checkpointing=True, num_microbatches=2
+        )  # fmt: skip
+    _assert_one_reduce_scatter_per_unit_and_step(engine, groups, 2)
 
 
 def check_pp2_dp2_both_backends_and_export():
     """Pipeline stages of FSDP2 units: the tied embedding's dp shards summed over the first and last
-    stage, the gradient norm over pp x dp, on torch's schedules and on our send/recv."""
-    for backend, schedule in (("torch", "1f1b"), ("p2p", "gpipe")):
-        engine, _, reference, _ = _trained(GPT2, 1, 2, 3, pp=2, num_microbatches=2, backend=backend, schedule=schedule)
+    stage, the gradient norm over pp x dp, on torch's schedules and on our send/recv; each stage's
+    units reduce-scattered once per step of 2 micro-batches."""
+    for backend, schedule in (("torch", "1f1b"), ("p2p", "gpipe"), ("p2p", "1f1b")):
+        with _dp_reduce_scatters() as groups:
+            engine, _, reference, _ = _trained(
+                GPT2, 1, 2, 3, pp=2, num_microbatches=2, backend=backend, schedule=schedule
+            )  # fmt: skip
+        _assert_one_reduce_scatter_per_unit_and_step(engine, groups, 3)
     _export_matches(engine, reference.model)
 
 

@@ -47,10 +47,19 @@ def weights_match_for_every_optimizer_and_stage():
 def clipping_matches_torch_clip_grad_norm():
     make_opt = OPTIMIZERS["adamw"]
     ref, _, ref_norms = reference_run(make_opt, clip=0.05)
-    runs = [zero_run(make_opt, stage=stage, clip=0.05) for stage in (1, 2)]
+    # ZeRO-2 as the engine runs it: gradients released into small buckets, with and without overlap
+    options = {
+        "stage 1": {"stage": 1},
+        "stage 2": {"stage": 2},
+        "stage 2 release_grads": {"stage": 2, "release_grads": True, "bucket_size": 64},
+        "stage 2 release_grads, no overlap": {
+            "stage": 2, "release_grads": True, "bucket_size": 64, "overlap_communication": False,
+        },
+    }  # fmt: skip
+    runs = [zero_run(make_opt, clip=0.05, **kw) for kw in options.values()]
     assert min(ref_norms) > 0.05, "the clip must be active for this check to mean anything"
-    for stage, (model, _, norms) in zip((1, 2), runs):
-        assert_same_weights(model, ref, what=f"stage {stage}")
+    for stage, (model, _, norms) in zip(options, runs):
+        assert_same_weights(model, ref, what=stage)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), atol=1e-5, rtol=1e-4)
 
 
@@ -225,6 +234,49 @@ def grads_are_readable_after_backward():
         assert seen[(2, True)][0][name] is None, "release_grads frees param.grad once bucketed"
 
 
+def zero2_holds_only_its_rows_after_backward():
+    """Bytes of ``param.grad`` and of the reduction's buffers, read from the real tensors: after backward
+    ZeRO-1 holds the full gradient and full-size fp32 buckets, ZeRO-2 (release_grads, as the engine runs
+    it) only this rank's 1/dp rows; during backward at most two buckets are in flight."""
+    torch.manual_seed(5)
+    width, layers = 64, 10
+    x = torch.randn(8, width)
+    make = lambda: torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])  # noqa: E731
+    numels = [p.numel() for p in make().parameters()]
+    n, rows = sum(numels), sum(-(-k // 2) for k in numels)
+    bucket = width * width + width  # elements, both dp rows together: one layer per bucket
+    held, largest_in_backward = {}, {}
+    for what, kw in {
+        "ZeRO-1": {"stage": 1},
+        "ZeRO-2": {"stage": 2, "release_grads": True},
+        "ZeRO-2 no overlap": {"stage": 2, "release_grads": True, "overlap_communication": False},
+    }.items():
+        model = make()
+        zero = ZeroOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), stage=kw.pop("stage"), bucket_size=bucket, **kw
+        )
+        assert len(zero.buckets) == layers
+        seen = []
+        for p in model.parameters():  # after the optimizer's own hook: what the rank holds as backward goes on
+            p.register_post_accumulate_grad_hook(
+                lambda _, seen=seen, zero=zero: seen.append(zero.gradient_bytes()["gradient buffers"])
+            )
+        zero.backward(model(x).square().mean())
+        held[what] = zero.gradient_bytes()
+        largest_in_backward[what] = max(seen)
+        zero.step()
+    assert held["ZeRO-1"] == {"gradients": 4 * n, "gradient buffers": 4 * 2 * rows}, held
+    assert held["ZeRO-2"] == {"gradients": 0, "gradient buffers": 4 * rows}, held
+    # without overlap nothing is reduced during backward: the gradients wait in param.grad
+    assert held["ZeRO-2 no overlap"] == {"gradients": 4 * n, "gradient buffers": 0}, held
+    for what in held:
+        assert sum(held[what].values()) <= sum(held["ZeRO-1"].values())
+    assert sum(held["ZeRO-2"].values()) < sum(held["ZeRO-1"].values()) / 2
+    # the bucket filling, two in flight and the rows reduced so far: never every bucket at once
+    assert largest_in_backward["ZeRO-2"] <= 4 * (3 * bucket + rows) < 4 * 2 * rows, largest_in_backward
+    return held
+
+
 def state_dict_round_trip_and_full_state_match_the_plain_optimizer():
     make_opt = OPTIMIZERS["adam"]
     _, ref_opt5, _ = reference_run(make_opt, steps=5)
@@ -354,6 +406,7 @@ test_dp2 = check_table(
         fp16_overflow_on_one_rank_skips_the_step_everywhere,
         bf16_matches_mixed_precision_reference,
         grads_are_readable_after_backward,
+        zero2_holds_only_its_rows_after_backward,
         state_dict_round_trip_and_full_state_match_the_plain_optimizer,
         optimizer_state_per_rank_is_one_over_dp,
         lr_scheduler_drives_the_wrapper,
