@@ -9,8 +9,6 @@ full (dp-gathered) state in torch's own format, which every layout loads.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -24,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from shardformer.core import comm
 from shardformer.data_parallel.fsdp import GradHooks, local_bytes
 from shardformer.data_parallel.grad_norm import reduce_norm_stats
+from shardformer.data_parallel.optimizer_surface import share_surface
 from shardformer.tensor_parallel.slicer import shard_spec
 
 _FULL = StateDictOptions(full_state_dict=True)
@@ -77,19 +76,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self._synced = False
         self._grad_stats: tuple[float, bool] | None = None
         # The torch.optim.Optimizer surface, shared with the wrapped optimizer (LR schedulers edit these dicts).
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        for name in (
-            "_optimizer_step_pre_hooks",
-            "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks",
-            "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks",
-            "_optimizer_load_state_dict_post_hooks",
-        ):
-            setattr(self, name, OrderedDict())
-        self._patch_step_function()
+        share_surface(self, optimizer)
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.optim.param_groups for p in g["params"]]

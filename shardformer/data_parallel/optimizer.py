@@ -9,16 +9,18 @@ back into the model's parameters, which stay in their own dtype (fp32, bf16 or f
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from shardformer.core import comm
+from shardformer.core.memory import StorageBytes
 from shardformer.data_parallel.grad_norm import clip_master_grads, global_grad_norm
 from shardformer.data_parallel.layout import build_buckets, build_slots, copy_rows_into, shard_of
 from shardformer.data_parallel.loss_scaler import DynamicLossScaler
+from shardformer.data_parallel.optimizer_surface import share_surface
 from shardformer.data_parallel.reducer import GradientReducer
 from shardformer.data_parallel.state import (
     gather_full_state_dict,
@@ -139,19 +141,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         # The torch.optim.Optimizer surface, shared with the wrapped optimizer, so LR schedulers and
         # step hooks work on the wrapper: param_groups are the very same dicts.
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        for name in (
-            "_optimizer_step_pre_hooks",
-            "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks",
-            "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks",
-            "_optimizer_load_state_dict_post_hooks",
-        ):
-            setattr(self, name, OrderedDict())
-        self._patch_step_function()
+        share_surface(self, optimizer)
 
     # -- the training loop ------------------------------------------------------------------------
 
@@ -302,17 +292,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def gradient_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for gradients now: the model's ``param.grad`` and the reduction's fp32
         buffers (bucket buffers and this rank's reduced rows), each storage counted once."""
-        seen: set[int] = set()
-
-        def size(tensors) -> int:
-            total = 0
-            for t in tensors:
-                storage = t.untyped_storage()
-                if storage._cdata not in seen:
-                    seen.add(storage._cdata)
-                    total += storage.nbytes()
-            return total
-
+        size = StorageBytes()
         grads = size(s.param.grad for s in self.slots if s.param.grad is not None)
         return {"gradients": grads, "gradient buffers": size(self.reducer.held_buffers())}
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from shardformer.core.comm import CollectiveCounter
+from shardformer.core.memory import StorageBytes
 from shardformer.models import layer_stack
 from shardformer.tools.plan import BYTES, GATHERED, model_state_bytes, plan_model
 
@@ -259,17 +260,7 @@ def _zero3_bytes(factory, config) -> dict[str, int]:
     for p in params:
         p.grad = torch.zeros_like(p)
     engine.optimizer.step()
-    seen: set[int] = set()
-
-    def size(tensors) -> int:
-        total = 0
-        for t in tensors:
-            storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
-            if storage._cdata not in seen:
-                seen.add(storage._cdata)
-                total += storage.nbytes()
-        return total
-
+    size = StorageBytes()
     states = [v for st in engine.optimizer.optim.state.values() for v in st.values() if torch.is_tensor(v)]
     return {
         "parameters": size(params),
@@ -308,17 +299,7 @@ def _step(engine, batch: int, seq: int, hidden_size: int) -> dict[str, int]:
 def _held_bytes(model, zero) -> dict[str, int]:
     """Bytes of the parameters, their gradients, the reducer's bucket buffers and the optimizer's
     masters and states, each storage counted once (a master that views a buffer is not counted twice)."""
-    seen: set[int] = set()
-
-    def size(tensors) -> int:
-        total = 0
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage._cdata not in seen:
-                seen.add(storage._cdata)
-                total += storage.nbytes()
-        return total
-
+    size = StorageBytes()
     params = list(model.parameters())
     held = {"parameters": size(params), "gradients": size(p.grad for p in params if p.grad is not None)}
     buffers = zero.reducer.held_buffers()  # the [dp, row] buffers and reduce-scatter outputs held now
