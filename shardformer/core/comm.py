@@ -592,17 +592,30 @@ class GatheredSequence:
 
     def __init__(self, full: torch.Tensor, chunk: torch.Tensor, group, full_len: int) -> None:
         self._full, self._full_version = weakref.ref(full), full._version
+        # what a view of it must match to read exactly its elements (``full`` itself may be gone by then:
+        # ``hidden.view(shape)`` keeps only the storage's base alive)
+        self._root = weakref.ref(full._base if full._base is not None else full)
+        self._layout = (full.shape, full.stride(), full.storage_offset(), full.dtype, full.requires_grad)
         self._chunk, self._chunk_version = weakref.ref(chunk), chunk._version
         self.group, self.full_len = group, full_len
         self._pending = 0  # readers whose backward has not run yet
         self._regathered: torch.Tensor | None = None
 
     def chunk_of(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The chunk ``x`` was gathered from, if ``x`` is that gathered tensor, both unchanged."""
-        if self._full() is not x or x._version != self._full_version:
+        """The chunk ``x`` was gathered from, if ``x`` is that gathered tensor (or a view of it with the same
+        elements in the same places, as ``hidden[:, slice(0, None)]`` or ``.view(same shape)`` give), both
+        unchanged."""
+        if not (x is self._full() or self._is_whole_view(x)) or x._version != self._full_version:
             return None
         chunk = self._chunk()
         return chunk if chunk is not None and chunk._version == self._chunk_version else None
+
+    def _is_whole_view(self, x: torch.Tensor) -> bool:
+        """A view of the gathered tensor's storage base through autograd (not a ``detach()``ed alias: its
+        gradient must flow into the same history) with exactly its elements in the same places."""
+        root = self._root()
+        layout = (x.shape, x.stride(), x.storage_offset(), x.dtype, x.requires_grad)
+        return root is not None and x._base is root and layout == self._layout
 
     def add_reader(self) -> None:
         self._pending += 1
@@ -612,6 +625,11 @@ class GatheredSequence:
         if self._regathered is not None:
             return _SequenceGathering(None, None, self.full_len, self._regathered)
         return start_gather_sequence(chunk, self.group, self.full_len)
+
+    def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of the sum over ranks of ``grad``, partial gradients of the full sequence
+        (no autograd: for a backward)."""
+        return _reduce_scatter_sequence(grad, self.group, self.full_len)
 
     def done(self, full: torch.Tensor) -> None:
         """A reader's backward ran with ``full``: keep it for the others, drop it after the last."""
