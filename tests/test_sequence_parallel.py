@@ -256,6 +256,19 @@ def check_refusals_name_the_fix():
         assert "experts" in str(e) and "sequence_parallel=False" in str(e), e
     else:
         raise AssertionError("a mixture of experts was sharded with sequence parallelism")
+    _, gpt2 = zoo.load_twice("GPT2LMHeadModel", "sdpa")
+    gpt2 = shard_model(gpt2, _sp())
+    base, ids = gpt2.transformer, zoo.inputs_for("GPT2LMHeadModel")["input_ids"]
+
+    def skips_final_norm(input_ids=None, **_):  # a forward that never reaches ln_f, which ends the region
+        hidden = base.wte(input_ids) + base.wpe(torch.arange(input_ids.shape[1]))
+        for block in base.h:
+            hidden = block(hidden)
+        return tf.modeling_outputs.BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
+
+    base.forward = skips_final_norm
+    with pytest.raises(RuntimeError, match="ran its last layer but not its final norm"):
+        gpt2(input_ids=ids)
 
 
 TP2 = [
