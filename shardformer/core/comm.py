@@ -20,8 +20,9 @@ and along the sequence (dim 1 of ``[batch, seq, hidden]``), for sequence paralle
     gather_sequence_for_tp    forward: all-gather        backward: reduce-scatter
     reduce_scatter_sequence   forward: reduce-scatter    backward: all-gather
 
-(:class:`GatheredSequence` lets the layers reading a ``gather_sequence_for_tp`` output keep the chunk
-for their backward and all-gather it again there.)
+(:class:`GatheredSequence` lets the layers reading a ``gather_sequence_for_tp`` output, or the LM head
+reading the final norm's ``gather_sequence`` output, keep the chunk for their backward and all-gather
+it again there.)
 
 Split and gather take a :class:`~shardformer.core.shard_spec.ShardSpec` for the last dimension, so
 fused blocks (``n_cast``) and vocabulary padding come back in the original order and size. A
@@ -581,7 +582,8 @@ def start_gather_sequence(x: torch.Tensor, group, full_len: int) -> _SequenceGat
 
 
 class GatheredSequence:
-    """One all-gathered sequence (:func:`gather_sequence_for_tp`'s output) and the chunk it came from,
+    """One all-gathered sequence (:func:`gather_sequence_for_tp`'s output, or :func:`gather_sequence`'s
+    at the end of the region, read by the LM head) and the chunk it came from,
     for column-parallel layers that keep this rank's chunk for their backward instead of the gathered
     tensor, and all-gather it again there (Megatron-LM's sequence parallelism: ``1/world`` of the
     memory, one more all-gather). The readers of one gathered tensor (q, k and v; gate and up) share
