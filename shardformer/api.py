@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import build_mesh, sharding_of
-from shardformer.models import layer_stack
+from shardformer.models import final_norm, layer_stack
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.derived import prove
 from shardformer.policies.tp_plan import TpPlanPolicy
@@ -52,7 +52,9 @@ def _wrapped_model(model: nn.Module) -> nn.Module:
 
 def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, adapters: SeenThrough) -> nn.Module:
     policy = policy or get_autopolicy(model)
-    sharder = ModelSharder(model, policy, shard_config, layers=layer_stack(model), adapters=adapters)
+    sharder = ModelSharder(
+        model, policy, shard_config, layers=layer_stack(model), adapters=adapters, final_norm=final_norm(model)
+    )
     if isinstance(policy, TpPlanPolicy) and shard_config.tensor_parallel_size > 1:
         sharder.plan()  # every refusal first, before any collective
         parts = policy.proven_parts()  # derived cuts: the whole model, or the towers a plan leaves whole

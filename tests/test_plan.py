@@ -127,6 +127,10 @@ def test_activation_estimate_structure():
     keep = est(sequence_parallel=True, sequence_parallel_regather=False)
     entry_inputs = 2 * BATCH * SEQ * config.n_embd * 4  # the gathered norm outputs the column layers keep
     assert keep.layer_whole - entry_inputs == (two.layer_whole - entry_inputs) // 2
+    outside = lambda e: e.parts["final norm + head input"]  # noqa: E731
+    assert outside(sp) * 2 == outside(two)  # the final norm runs on the chunk, the head keeps the chunk
+    head_input = BATCH * SEQ * config.n_embd * 4  # kept gathered by the head without re-gathering
+    assert (outside(keep) - head_input) * 2 == outside(two) - head_input
     ckpt = est(checkpointing=True)
     assert ckpt.parts["layer inputs (checkpointed)"] == config.n_layer * BATCH * SEQ * config.n_embd * 4
     assert ckpt.recompute == two.layer_whole + two.layer_split and ckpt.total < two.total

@@ -20,9 +20,9 @@ from shardformer import ShardConfig, shard_model
 from shardformer.core.comm import CollectiveCounter
 from shardformer.models.tiny import tiny_config
 from shardformer.tools.conformance import compare, load_pair
-from tests.helpers import assert_close, check_table
+from tests.helpers import assert_close, assert_grads_match, check_table
 from tests.policies import zoo
-from tests.policies.test_parity import parity
+from tests.policies.test_parity import _as_full, parity
 
 
 def _dropout_gpt2_config():
@@ -90,8 +90,10 @@ def _gpt2_step(model, inputs, seed=0):
 def check_dropout_masks_and_communication_volume_are_plain_tps():
     """With dropout on, sequence parallelism computes what plain tp computes. Keeping the gathered
     block inputs (``sequence_parallel_regather=False``) it moves the same bytes inside the layers,
-    plus one all-gather of the hidden states at each end of the stack and the norms' (and row
-    biases') gradient sums; re-gathering them (the default) adds one all-gather per block."""
+    plus one all-gather of the hidden states at each end of the region (the first layer's input,
+    the final norm's output) and the norms' (and row biases') gradient sums; re-gathering them (the
+    default) adds one all-gather per block, and the LM head re-gathers the final norm's output and
+    reduce-scatters its input gradient instead of all-reducing it (the same bytes)."""
     name, world = "GPT2LMHeadModel", dist.get_world_size()
     config = _dropout_gpt2_config()
     _, plain = zoo.load_twice(name, config=config)
@@ -110,9 +112,11 @@ def check_dropout_masks_and_communication_volume_are_plain_tps():
         blocks = 2 * config.n_layer if regather else 0  # attention and MLP re-gather their input in backward
         expected = plain_comm.wire_bytes(world) + (2 + blocks) * share * hidden + 2 * share * norm_bytes
         assert split_comm.wire_bytes(world) == pytest.approx(expected, rel=1e-9), (split_comm.counts, regather)
-        assert split_comm.counts["reduce_scatter"] == 4 * config.n_layer  # attention and MLP, forward and backward
-        # the stack's ends, the blocks' inputs (forward) and the row layers' (backward), and the re-gathers
-        assert split_comm.counts["all_gather"] == 2 + 4 * config.n_layer + blocks
+        head = 1 if regather else 0  # the head: re-gather + reduce-scatter in place of plain tp's all-reduce
+        # attention and MLP, forward and backward, and the head's input gradient
+        assert split_comm.counts["reduce_scatter"] == 4 * config.n_layer + head, (split_comm.counts, regather)
+        # the region's ends, the blocks' inputs (forward) and the row layers' (backward), and the re-gathers
+        assert split_comm.counts["all_gather"] == 2 + 4 * config.n_layer + blocks + head
 
 
 def _held_bytes(model, inputs) -> int:
@@ -150,8 +154,9 @@ def _regather_models(name):
 
 def check_regathered_inputs_are_exact_and_kept_as_chunks():
     """Re-gathering the column layers' inputs in backward computes what keeping them computes (and
-    the unsharded model); the step saves 1/tp of each block's gathered input, and sends one more
-    all-gather per block, in backward."""
+    the unsharded model); the step saves 1/tp of each block's gathered input and of the LM head's
+    (the final norm's output), and sends one more all-gather per block in backward; the head
+    re-gathers its input too and reduce-scatters its input gradient instead of all-reducing it."""
     world = dist.get_world_size()
     for name in ("GPT2LMHeadModel", "LlamaForCausalLM"):
         ref, keep, again, inputs, layers, hidden = _regather_models(name)
@@ -168,12 +173,48 @@ def check_regathered_inputs_are_exact_and_kept_as_chunks():
         assert_close(loss_again, loss_keep, what=f"{name}: loss, re-gathered vs kept")
         blocks = 2 * layers  # attention and MLP
         assert fwd_again == fwd_keep, (name, fwd_again, fwd_keep)
-        assert bwd_again - bwd_keep == Counter(all_gather=blocks) and not bwd_keep - bwd_again, (bwd_again, bwd_keep)
+        assert bwd_again - bwd_keep == Counter(all_gather=blocks + 1, reduce_scatter=1), (bwd_again, bwd_keep)
+        assert bwd_keep - bwd_again == Counter(all_reduce=1), (bwd_again, bwd_keep)  # the head's, in plain tp
         chunk = inputs["input_ids"].numel() // world * hidden * 4  # 8 tokens: chunks of 8 / tp
-        assert held_keep - held_again == blocks * (world - 1) * chunk, (name, held_keep, held_again, chunk)
+        readers = blocks + 1  # the blocks' first linears and the head
+        assert held_keep - held_again == readers * (world - 1) * chunk, (name, held_keep, held_again, chunk)
         again.zero_grad(set_to_none=True)
         odd = {k: v[:, :7] for k, v in inputs.items()}  # 7 tokens: the last chunk is padded
         parity(ref, again, odd, f"{name} sequence parallel, re-gathered inputs")
+
+
+def check_returned_hidden_states_are_whole_and_carry_gradients():
+    """The region ends after the final norm, whose chunk the LM head reads (re-gathered in backward):
+    the hidden states the model returns are still the whole sequence (gathered where transformers
+    recorded chunks), and a loss on them and on the logits gives the unsharded gradients, the
+    head's (reduce-scattered into the chunk) and the hidden states' (replicated) summed right; a
+    head reading a slice (``logits_to_keep``) runs as plain tp. 7 tokens: the last chunk is padded."""
+    llama = tiny_config(tf.LlamaConfig, num_key_value_heads=4)
+    pairs = {"GPT2LMHeadModel": zoo.load_twice("GPT2LMHeadModel", "sdpa"), "LlamaForCausalLM": None}
+    pairs["LlamaForCausalLM"] = load_pair(tf.LlamaForCausalLM, llama, "sdpa")
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(3, 90, (2, 7), generator=g)
+    for name, (ref, model) in pairs.items():
+        model = shard_model(model, _sp())
+        for keep in (0, 3):
+            results = []
+            for m in (ref, model):
+                m.train().zero_grad(set_to_none=True)
+                out = m(input_ids=ids, output_hidden_states=True, logits_to_keep=keep)
+                logits = _as_full(out.logits, results[0][0] if results else out.logits)
+                states = out.hidden_states
+                weights = torch.Generator().manual_seed(7)
+                loss = (torch.randn(logits.shape, generator=weights) * logits).sum()
+                loss = loss + sum((torch.randn(h.shape, generator=weights) * h).sum() for h in states)
+                loss.backward()
+                results.append((logits.detach(), [h.detach() for h in states]))
+            (ref_logits, ref_states), (logits, states) = results
+            what = f"{name}, logits_to_keep={keep}"
+            assert_close(logits, ref_logits, what=f"{what}: logits")
+            assert len(states) == len(ref_states) == model.config.num_hidden_layers + 1, what
+            for i, (h, r) in enumerate(zip(states, ref_states)):
+                assert_close(h, r, what=f"{what}: hidden state {i}")
+            assert_grads_match(model, ref)
 
 
 def _same_local_grads(model, other, what):
@@ -185,7 +226,7 @@ def _same_local_grads(model, other, what):
 def _split_params(model):
     layer = [f"transformer.h.{i}." for i in range(len(model.transformer.h))]
     names = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias", "mlp.c_proj.bias")
-    return [p + n for p in layer for n in names]
+    return [p + n for p in layer for n in names] + ["transformer.ln_f.weight", "transformer.ln_f.bias"]
 
 
 def check_activation_checkpointing_replays_split_dropout():
@@ -215,6 +256,19 @@ def check_refusals_name_the_fix():
         assert "experts" in str(e) and "sequence_parallel=False" in str(e), e
     else:
         raise AssertionError("a mixture of experts was sharded with sequence parallelism")
+    _, gpt2 = zoo.load_twice("GPT2LMHeadModel", "sdpa")
+    gpt2 = shard_model(gpt2, _sp())
+    base, ids = gpt2.transformer, zoo.inputs_for("GPT2LMHeadModel")["input_ids"]
+
+    def skips_final_norm(input_ids=None, **_):  # a forward that never reaches ln_f, which ends the region
+        hidden = base.wte(input_ids) + base.wpe(torch.arange(input_ids.shape[1]))
+        for block in base.h:
+            hidden = block(hidden)
+        return tf.modeling_outputs.BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
+
+    base.forward = skips_final_norm
+    with pytest.raises(RuntimeError, match="ran its last layer but not its final norm"):
+        gpt2(input_ids=ids)
 
 
 TP2 = [
@@ -225,6 +279,7 @@ TP2 = [
     check_llama_and_qwen3_from_plans,
     check_dropout_masks_and_communication_volume_are_plain_tps,
     check_regathered_inputs_are_exact_and_kept_as_chunks,
+    check_returned_hidden_states_are_whole_and_carry_gradients,
     check_activation_checkpointing_replays_split_dropout,
     check_refusals_name_the_fix,
 ]
@@ -235,6 +290,7 @@ TP4 = [  # 17 ViT tokens in chunks of 5, 5, 5, 2; a 7-token prompt in chunks of 
     check_timm_vit,
     check_llama_and_qwen3_from_plans,
     check_regathered_inputs_are_exact_and_kept_as_chunks,
+    check_returned_hidden_states_are_whole_and_carry_gradients,
 ]
 test_tp2 = check_table(TP2, 2)
 test_tp4 = check_table(TP4, 4)

@@ -20,8 +20,9 @@ and along the sequence (dim 1 of ``[batch, seq, hidden]``), for sequence paralle
     gather_sequence_for_tp    forward: all-gather        backward: reduce-scatter
     reduce_scatter_sequence   forward: reduce-scatter    backward: all-gather
 
-(:class:`GatheredSequence` lets the layers reading a ``gather_sequence_for_tp`` output keep the chunk
-for their backward and all-gather it again there.)
+(:class:`GatheredSequence` lets the layers reading a ``gather_sequence_for_tp`` output, or the LM head
+reading the final norm's ``gather_sequence`` output, keep the chunk for their backward and all-gather
+it again there.)
 
 Split and gather take a :class:`~shardformer.core.shard_spec.ShardSpec` for the last dimension, so
 fused blocks (``n_cast``) and vocabulary padding come back in the original order and size. A
@@ -581,7 +582,8 @@ def start_gather_sequence(x: torch.Tensor, group, full_len: int) -> _SequenceGat
 
 
 class GatheredSequence:
-    """One all-gathered sequence (:func:`gather_sequence_for_tp`'s output) and the chunk it came from,
+    """One all-gathered sequence (:func:`gather_sequence_for_tp`'s output, or :func:`gather_sequence`'s
+    at the end of the region, read by the LM head) and the chunk it came from,
     for column-parallel layers that keep this rank's chunk for their backward instead of the gathered
     tensor, and all-gather it again there (Megatron-LM's sequence parallelism: ``1/world`` of the
     memory, one more all-gather). The readers of one gathered tensor (q, k and v; gate and up) share
@@ -592,17 +594,30 @@ class GatheredSequence:
 
     def __init__(self, full: torch.Tensor, chunk: torch.Tensor, group, full_len: int) -> None:
         self._full, self._full_version = weakref.ref(full), full._version
+        # what a view of it must match to read exactly its elements (``full`` itself may be gone by then:
+        # ``hidden.view(shape)`` keeps only the storage's base alive)
+        self._root = weakref.ref(full._base if full._base is not None else full)
+        self._layout = (full.shape, full.stride(), full.storage_offset(), full.dtype, full.requires_grad)
         self._chunk, self._chunk_version = weakref.ref(chunk), chunk._version
         self.group, self.full_len = group, full_len
         self._pending = 0  # readers whose backward has not run yet
         self._regathered: torch.Tensor | None = None
 
     def chunk_of(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The chunk ``x`` was gathered from, if ``x`` is that gathered tensor, both unchanged."""
-        if self._full() is not x or x._version != self._full_version:
+        """The chunk ``x`` was gathered from, if ``x`` is that gathered tensor (or a view of it with the same
+        elements in the same places, as ``hidden[:, slice(0, None)]`` or ``.view(same shape)`` give), both
+        unchanged."""
+        if not (x is self._full() or self._is_whole_view(x)) or x._version != self._full_version:
             return None
         chunk = self._chunk()
         return chunk if chunk is not None and chunk._version == self._chunk_version else None
+
+    def _is_whole_view(self, x: torch.Tensor) -> bool:
+        """A view of the gathered tensor's storage base through autograd (not a ``detach()``ed alias: its
+        gradient must flow into the same history) with exactly its elements in the same places."""
+        root = self._root()
+        layout = (x.shape, x.stride(), x.storage_offset(), x.dtype, x.requires_grad)
+        return root is not None and x._base is root and layout == self._layout
 
     def add_reader(self) -> None:
         self._pending += 1
@@ -612,6 +627,11 @@ class GatheredSequence:
         if self._regathered is not None:
             return _SequenceGathering(None, None, self.full_len, self._regathered)
         return start_gather_sequence(chunk, self.group, self.full_len)
+
+    def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of the sum over ranks of ``grad``, partial gradients of the full sequence
+        (no autograd: for a backward)."""
+        return _reduce_scatter_sequence(grad, self.group, self.full_len)
 
     def done(self, full: torch.Tensor) -> None:
         """A reader's backward ran with ``full``: keep it for the others, drop it after the last."""

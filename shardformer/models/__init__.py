@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from shardformer.models.inputs import make_inputs
-from shardformer.pipeline.from_plan import spec_from_pp_plan
+from shardformer.pipeline.from_plan import final_norm_from_pp_plan, spec_from_pp_plan
 from shardformer.pipeline.spec import PipelineSpec
 
 
@@ -35,7 +35,9 @@ class ModelFamily:
     the model itself when it has no ``base_model``). pipelines: ``{model class name: PipelineSpec}``
     for the heads that train in pipeline stages. builds: ``{name: () -> model}``, a tiny copy named
     ``<family>-tiny`` first, then full sizes by name. inputs: ``(model, seed, batch) -> batch dict``
-    for checks (default: from the model's main input and head, :func:`make_inputs`).
+    for checks (default: from the model's main input and head, :func:`make_inputs`). final_norm: the
+    norm the base model applies to the layer stack's output and nothing else before it (a path below
+    the base model, like ``layers``; None: none): sequence parallelism runs it on the sequence chunk.
     """
 
     name: str
@@ -44,12 +46,20 @@ class ModelFamily:
     pipelines: dict[str, PipelineSpec] = field(default_factory=dict)
     builds: dict[str, Callable[[], nn.Module]] = field(default_factory=dict)
     inputs: Callable[..., dict] = make_inputs
+    final_norm: str | None = None
 
     def layers_path(self, model: nn.Module) -> str:
         """The layer stack's path in ``model`` (below its base model, when it has one)."""
+        return self._below_base(model, self.layers)
+
+    def final_norm_path(self, model: nn.Module) -> str | None:
+        return None if self.final_norm is None else self._below_base(model, self.final_norm)
+
+    @staticmethod
+    def _below_base(model: nn.Module, path: str) -> str:
         base = getattr(model, "base_model", model)
         prefix = getattr(model, "base_model_prefix", "") if base is not model else ""
-        return f"{prefix}.{self.layers}" if prefix else self.layers
+        return f"{prefix}.{path}" if prefix else path
 
 
 def families() -> tuple[ModelFamily, ...]:
@@ -126,3 +136,13 @@ def layer_stack(model: nn.Module) -> str | None:
         return family.layers_path(model)
     spec = spec_from_pp_plan(model)
     return spec.layers if spec is not None else None
+
+
+def final_norm(model: nn.Module) -> str | None:
+    """The path of the norm ``model`` applies to its layer stack's output before anything else reads
+    it: its family's, else the child that follows ``layers`` in transformers' ``base_model_pp_plan``
+    and maps the hidden states to the hidden states; None when neither says."""
+    family = family_of(model)
+    if family is not None:
+        return family.final_norm_path(model)
+    return final_norm_from_pp_plan(model)

@@ -151,6 +151,7 @@ FAMILY = ModelFamily(
         "GPT2DoubleHeadsModel": GPT2DoubleHeadsPolicy,
     },
     layers="h",
+    final_norm="ln_f",
     pipelines={
         # wte is tied to lm_head: on both end stages
         "GPT2LMHeadModel": PipelineSpec(

@@ -93,6 +93,7 @@ FAMILY = ModelFamily(
     name="timm ViT",
     policies={"VisionTransformer": TimmViTPolicy},
     layers="blocks",
+    final_norm="norm",
     pipelines={
         "VisionTransformer": PipelineSpec(
             layers="blocks",

@@ -82,6 +82,7 @@ FAMILY = ModelFamily(
     name="ViT",
     policies=dict.fromkeys(("ViTModel", "ViTForImageClassification", "ViTForMaskedImageModeling"), ViTPolicy),
     layers="layers",
+    final_norm="layernorm",
     pipelines={
         "ViTForImageClassification": PipelineSpec(
             layers="vit.layers",

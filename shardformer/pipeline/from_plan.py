@@ -102,6 +102,24 @@ def _stand_in(model: nn.Module, path: str, module: nn.Module):
         parent._modules[name] = kept
 
 
+def final_norm_from_pp_plan(model: nn.Module) -> str | None:
+    """The child right after ``layers`` in the model's ``base_model_pp_plan``, if the plan says it reads
+    and returns the hidden states (the final norm, which reads the last layer's output as it is)."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_pp_plan", None) if config is not None else None
+    if not plan or "layers" not in plan:
+        return None
+    names = list(plan)
+    at = names.index("layers")
+    if at + 1 == len(names):
+        return None
+    name = names[at + 1]
+    if tuple(map(tuple, plan[name])) != (("hidden_states",), ("hidden_states",)):
+        return None
+    prefix = _prefix(model)
+    return f"{prefix}.{name}" if prefix else name
+
+
 @contextmanager
 def _stage_view(model: nn.Module, spec: PipelineSpec):
     """Other stages' layers as pass-throughs and dropped modules as identities, while a stage runs."""

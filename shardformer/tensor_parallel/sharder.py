@@ -1,7 +1,7 @@
 """ModelSharder: carries out a Policy on a model (``shardformer.shard_model`` is the one-liner around it).
 
-It is given everything it needs: the policy, the config and, for sequence parallelism, the path of
-the model's layer stack (model anatomy, from its family record).
+It is given everything it needs: the policy, the config and, for sequence parallelism, the paths of
+the model's layer stack and final norm (model anatomy, from its family record).
 """
 
 from __future__ import annotations
@@ -102,8 +102,10 @@ class ModelSharder:
         shard_config: ShardConfig,
         layers: str | None = None,
         adapters: SeenThrough | None = None,
+        final_norm: str | None = None,
     ) -> None:
         self.model, self.policy, self.shard_config, self.layers = model, policy, shard_config, layers
+        self.final_norm = final_norm  # where sequence parallelism ends (None: after the last layer)
         self.adapters = adapters  # adapter wrappers shard_model took out of the model, checked here
 
     def plan(self) -> ShardPlan:
@@ -159,7 +161,7 @@ class ModelSharder:
                     f"it with sequence_parallel=False"
                 )
             entries = self.policy.sequence_parallel_entries()
-            sequence = plan_sequence_parallel(self.model, self.layers, replacements, entries)
+            sequence = plan_sequence_parallel(self.model, self.layers, replacements, entries, self.final_norm)
         return ShardPlan(targets, replacements, input_copies, detected, sequence, attention)
 
     def _check_layer(self, parent_path: str, parent: nn.Module, layer: Layer, where: str, input_copy) -> Replacement:

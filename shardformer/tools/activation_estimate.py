@@ -45,7 +45,9 @@ embedding stay whole on every rank. With Megatron sequence parallelism the norms
 dropout masks are split by t too, and so are the column-layer inputs: each block all-gathers its
 input, and its first linears keep only this rank's chunk of it for the backward, which all-gathers
 it again (``sequence_parallel_regather``, the default); with ``sequence_parallel_regather=False``
-they keep the gathered tensor (whole). Embeddings, the final norm and the head run as in plain tp.
+they keep the gathered tensor (whole). The final norm runs on the chunk too (the region ends after
+it), and the LM head keeps only this rank's chunk of its input, which it re-gathers in backward
+(whole with ``sequence_parallel_regather=False``). Embeddings run as in plain tp.
 With activation checkpointing a layer keeps only its input (bsh, / t under sequence parallelism)
 and transformers turns the cache off; one layer's activations come back during the backward
 (``recompute``).
@@ -195,7 +197,9 @@ def estimate_activations(
         est.parts["layers, whole on every rank"] = layers * whole
         est.parts["layers, split over tp"] = layers * split
     est.parts["embedding dropout"] = embd_drop
-    est.parts["final norm + head input"] = final_norm + bs * h * w
+    est.parts["final norm + head input"] = final_norm // (t if sequence_parallel else 1) + bs * h * w // (
+        t if chunked else 1
+    )
     est.parts["loss softmax"] = bs * vocab // t * 4
     return est
 

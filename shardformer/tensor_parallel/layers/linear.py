@@ -78,13 +78,19 @@ class _ColumnLinearRegathered(torch.autograd.Function):
     instead of the gathered ``x`` (Megatron-LM's sequence parallelism): backward starts re-gathering
     the chunk (``source``, a :class:`~shardformer.core.comm.GatheredSequence`), computes the input
     gradient meanwhile and the weight gradient from the re-gathered input. The same products as
-    autograd's backward of ``_matmul``; the input gradient is a partial sum that the gather's own
-    backward reduce-scatters. ``chunk`` only rides along: its gradient comes through ``x``."""
+    autograd's backward of ``_matmul``.
+
+    ``to_chunk`` False (the blocks' column layers): the input gradient, a partial sum, goes to ``x``,
+    whose gather reduce-scatters it; ``chunk`` only rides along. ``to_chunk`` True (the LM head after
+    the sequence-parallel region's end): ``x`` is a replicated copy whose other readers (the model's
+    returned hidden states) need no sum, so the head reduce-scatters its own partial input gradient
+    straight into ``chunk`` (Megatron's sequence-parallel head) and ``x`` only rides along."""
 
     @staticmethod
-    def forward(ctx, x, chunk, weight, bias, reversed, source):
+    def forward(ctx, x, chunk, weight, bias, reversed, source, to_chunk=False):
         ctx.save_for_backward(chunk, weight)
         ctx.reversed, ctx.source, ctx.has_bias, ctx.x_shape = reversed, source, bias is not None, x.shape
+        ctx.to_chunk = to_chunk
         source.add_reader()
         return _matmul(x, weight, bias, reversed)
 
@@ -95,7 +101,7 @@ class _ColumnLinearRegathered(torch.autograd.Function):
         gathering = ctx.source.start(chunk)
         flat_grad = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[1 if ctx.to_chunk else 0]:
             grad_x = flat_grad.mm(weight.t() if ctx.reversed else weight).view(ctx.x_shape)
         x = gathering.wait()
         ctx.source.done(x)
@@ -104,7 +110,10 @@ class _ColumnLinearRegathered(torch.autograd.Function):
             grad_w = flat_x.t().mm(flat_grad) if ctx.reversed else flat_grad.t().mm(flat_x)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_b = flat_grad.sum(0)
-        return grad_x, None, grad_w, grad_b, None, None
+        if ctx.to_chunk:
+            grad_chunk = None if grad_x is None else ctx.source.reduce_scatter(grad_x)
+            return None, grad_chunk, grad_w, grad_b, None, None, None
+        return grad_x, None, grad_w, grad_b, None, None, None
 
 
 def _native_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -299,7 +308,17 @@ class VocabParallelLMHead1D(Linear1D_Col):
 
     Logits stay vocab-parallel for :func:`~shardformer.tensor_parallel.layers.loss.vocab_parallel_cross_entropy`
     unless ``gather_output``, which returns logits of the true vocabulary size.
+
+    ``sequence_parallel_end``: the model's sequence-parallel state, when the region ends at the final
+    norm that this head reads. If the head's input is that norm's all-gathered output (unchanged, the
+    whole of it), it keeps only this rank's chunk for the backward, re-gathers it there and
+    reduce-scatters its input gradient into the chunk (Megatron's sequence-parallel output layer);
+    anything else (a slice for ``logits_to_keep``, autocast, ``torch.compile``) runs as plain tp.
     """
+
+    def __init__(self, *args, sequence_parallel_end=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sequence_parallel_end = sequence_parallel_end
 
     @classmethod
     def from_native(
@@ -310,12 +329,25 @@ class VocabParallelLMHead1D(Linear1D_Col):
         pad_to_multiple: int = 1,
         input_copy: SharedInputCopy | None = None,
         overlap_communication: bool = True,
+        sequence_parallel_end=None,
         **_,
     ) -> VocabParallelLMHead1D:
-        return super().from_native(
+        head = super().from_native(
             module, process_group, gather_output, 1, pad_to_multiple, input_copy,
             overlap_communication=overlap_communication,
         )  # fmt: skip
+        head.sequence_parallel_end = sequence_parallel_end
+        return head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        end = self.sequence_parallel_end
+        source, chunk = (None, None) if end is None else end.head_source(x)
+        if source is None or torch.is_autocast_enabled(x.device.type):
+            return super().forward(x)
+        y = _ColumnLinearRegathered.apply(x, chunk, self.weight, self.bias, self.reversed, source, True)
+        if self.gather_output:
+            y = gather_from_parallel(y, self.process_group, self.out_features, self.n_cast)
+        return y
 
     @property
     def vocab_size(self) -> int:
