@@ -47,6 +47,10 @@ def spec_from_pp_plan(model: nn.Module) -> PipelineSpec | None:
     names = list(plan)
     at = names.index("layers")
     path = lambda name: f"{prefix}.{name}" if prefix else name  # noqa: E731
+    try:  # a plan may name children the model does not have (HRM's "layers"): then it says nothing
+        model.get_submodule(path("layers"))
+    except AttributeError:
+        return None
     first = [path(n) for n in names[:at]]
     last = [path(n) for n in names[at + 1 :]] + list(getattr(type(model), "_pp_plan", None) or {})
     # the head's own modules beside the base model (a classifier's score, a QA head): on the last stage
@@ -117,7 +121,12 @@ def final_norm_from_pp_plan(model: nn.Module) -> str | None:
     if tuple(map(tuple, plan[name])) != (("hidden_states",), ("hidden_states",)):
         return None
     prefix = _prefix(model)
-    return f"{prefix}.{name}" if prefix else name
+    path = lambda child: f"{prefix}.{child}" if prefix else child  # noqa: E731
+    try:  # a plan may name children the model does not have (HRM's "layers"): then it says nothing
+        model.get_submodule(path("layers")), model.get_submodule(path(name))
+    except AttributeError:
+        return None
+    return path(name)
 
 
 @contextmanager

@@ -53,3 +53,14 @@ def test_stages_in_sequence_equal_the_model(name, config):
     if config.get("tie_word_embeddings"):
         assert spec.shared == ("model.embed_tokens",) and stages[2].model.embed_tokens is not None
     assert stages[1].model.layers[0] is None if name != "GPTNeoXForCausalLM" else stages[1].gpt_neox.layers[0] is None
+
+
+def test_a_plan_naming_children_the_model_lacks_gives_no_spec():
+    """HRM's pp plan names ``layers``, which its model does not have: no spec and no final norm (sequence
+    parallelism then refuses for want of a layer stack instead of failing with an AttributeError)."""
+    from shardformer.pipeline.from_plan import final_norm_from_pp_plan, spec_from_pp_plan
+
+    model_class = tf.HrmTextForCausalLM
+    model = model_class(tiny_config(model_class.config_class))
+    assert "layers" in model.config.base_model_pp_plan
+    assert spec_from_pp_plan(model) is None and final_norm_from_pp_plan(model) is None
