@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from shardformer.api import shard_model
+from shardformer.context_parallel import context_parallel_stage_forward
 from shardformer.core import comm
 from shardformer.core.config import PRECISIONS, EngineConfig
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
@@ -130,9 +131,11 @@ class ParallelEngine:
         self.model = shard_model(model, cfg.shard_config(self.mesh), self.policy)
         if cfg.pp > 1:
             self.pipeline.keep_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
-        # Context parallelism splits the sequence in the model's own forward (pp is 1 then).
-        whole = self.pipeline is None or cfg.cp > 1
+        # Context parallelism splits the sequence in the model's own forward at pp=1, in each stage's at pp > 1.
+        whole = self.pipeline is None or (cfg.cp > 1 and cfg.pp == 1)
         self.stage_forward = whole_model_forward if whole else self.pipeline.stage_forward
+        if cfg.cp > 1 and cfg.pp > 1:
+            self.stage_forward = context_parallel_stage_forward(self.stage_forward)
         if cfg.compile:  # the stage forward, not the model: a spec's stage forward calls submodules directly
             self.stage_forward = torch.compile(self.stage_forward, backend=cfg.compile_backend)
         if cfg.activation_checkpointing:

@@ -222,9 +222,11 @@ def test_cli_plans_context_parallelism(tmp_path, capsys):
         main(["plan", folder, "--cp", "2", "--cp-mode", "all_to_all", "--summary", "--batch", "2", "--seq", "16"]) == 0
     )
     assert "split over cp=2 (all_to_all)" in capsys.readouterr().out
+    assert main(["plan", folder, "--cp", "2", "--pp", "2", "--summary", "--batch", "2", "--seq", "16"]) == 0
+    out = capsys.readouterr().out  # ParallelEngine trains cp with pipeline stages
+    assert "cp=2 (ring) x pp=2 x dp=1 = 4 processes" in out and "seq 16, the sequence split over cp=2 (ring)" in out
     for argv, message in [
         (["--tp", "2", "--cp", "4", "--cp-mode", "all_to_all"], "4 heads, which tensor_parallel_size=2 x context_"),
-        (["--cp", "2", "--pp", "2"], "cp=2 with pp=2 is not supported"),
         (["--cp", "0"], "context_parallel_size=0"),
         (["--cp", "2", "--simulate"], "--simulate takes no --policy, --batch, --seq or --cp"),
     ]:

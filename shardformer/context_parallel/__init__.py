@@ -9,7 +9,7 @@ transformers' attention interface, by Ulysses all-to-all or ring attention.
 from shardformer.context_parallel.attention import IMPLEMENTATION
 from shardformer.context_parallel.checks import check_context_parallel
 from shardformer.context_parallel.layout import ZigzagLayout, gather_split
-from shardformer.context_parallel.model import ContextParallel, apply_context_parallel
+from shardformer.context_parallel.model import ContextParallel, apply_context_parallel, context_parallel_stage_forward
 
 __all__ = [
     "IMPLEMENTATION",
@@ -17,5 +17,6 @@ __all__ = [
     "ZigzagLayout",
     "apply_context_parallel",
     "check_context_parallel",
+    "context_parallel_stage_forward",
     "gather_split",
 ]

@@ -16,11 +16,16 @@ sum_grads_elsewhere`: ParallelEngine's ZeroOptimizer folds the sum into its grad
 all-reduce over cp per bucket and step instead of one per parameter and backward). A forward that
 continues a cache or asks for one (``generate``) is not split: every cp rank computes it whole,
 with the model's original attention.
+
+Pipeline stages run parts of the model, mostly without its forward: there each stage's forward is
+wrapped (:func:`context_parallel_stage_forward`, ParallelEngine at pp > 1) to split its micro-batch
+the same way, and the hooks stand by while it runs.
 """
 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -33,6 +38,7 @@ from shardformer.context_parallel.attention import IMPLEMENTATION, attach_state,
 from shardformer.context_parallel.checks import is_causal_lm
 from shardformer.context_parallel.layout import ZigzagLayout, gather_split, layout_for, split_replicated
 from shardformer.core.comm import all_reduce, group_size, reduce_from_parallel
+from shardformer.core.record import sharding_of
 
 IGNORE = -100
 _SPLIT_IDS = ("input_ids", "token_type_ids")  # [batch, seq] inputs taken like input_ids
@@ -59,6 +65,7 @@ class ContextParallel:
         self.causal_lm = is_causal_lm(model)
         self.current: SplitForward | None = None  # set while a split forward runs
         self.grad_split = False  # the latest forward under autograd was split
+        self.stage_split = False  # a pipeline stage split its micro-batch itself (split_stage): hooks stand by
         self._hooked: set[int] = set()
         self._summed_elsewhere: set[int] = set()  # ids of parameters an optimizer sums over cp itself
         self._signature = inspect.signature(model.forward)
@@ -72,6 +79,8 @@ class ContextParallel:
     # -- forward hooks ------------------------------------------------------------------------------
 
     def before(self, model: nn.Module, args, kwargs):
+        if self.stage_split:  # the last stage's model forward, on inputs split_stage split already
+            return None
         self.current = None
         bound = self._signature.bind_partial(*args, **kwargs).arguments
         for name, p in self._signature.parameters.items():
@@ -93,18 +102,44 @@ class ContextParallel:
         return (), self._split(bound)
 
     def after(self, model: nn.Module, _args, _kwargs, output):
+        if self.stage_split:
+            return None
         current, self.current = self.current, None
         if current is None:
             return None
         for mask in current.masks:
             mask.release()
-        if current.attention_calls == 0:
+        _check_attention_ran(model, current)
+        return self._finish(model, output, current)
+
+    @contextmanager
+    def split_stage(self, model: nn.Module, inputs: dict):
+        """A pipeline stage on this rank's tokens of a micro-batch: yields the split inputs (the stage
+        forward runs on them; received hidden states are already this rank's tokens) and a function
+        that turns the last stage's output into the full-sequence loss, as a model forward does.
+        Every stage of a cp rank splits the same way, so the hidden states between stages match."""
+        if torch.is_grad_enabled():
+            self.grad_split = True
+            self._hook_new_parameters(model)
+        kw = self._split(dict(inputs))
+        current = self.current
+        self.stage_split = True
+        try:
+            yield kw, partial(self._finish, model, current=current)
+            _check_attention_ran(model, current)
+        finally:
+            self.stage_split, self.current = False, None
+            for mask in current.masks:
+                mask.release()
+
+    def _finish(self, model: nn.Module, output, current: SplitForward):
+        """The loss over the whole batch from this rank's logits; the logits gathered if asked."""
+        logits = output.get("logits") if self.causal_lm and hasattr(output, "get") else None
+        if current.labels is not None and logits is None:
             raise ValueError(
-                f"context parallelism: {type(model).__name__}'s forward ran on a split sequence without calling "
-                f"transformers' attention interface, so its attention saw only this rank's tokens; shard it with "
-                f"context_parallel_size=1"
+                f"context parallelism: {type(model).__name__}'s last stage returned no logits to compute the "
+                f"loss of its labels on"
             )
-        logits = output.get("logits") if self.causal_lm else None
         if current.labels is not None:
             local = model.loss_function(
                 logits=logits,
@@ -199,8 +234,30 @@ class ContextParallel:
         return all_reduce(grad.clone(memory_format=torch.contiguous_format), self.group)
 
 
+def _check_attention_ran(model: nn.Module, current: SplitForward) -> None:
+    if current.attention_calls == 0:
+        raise ValueError(
+            f"context parallelism: {type(model).__name__}'s forward ran on a split sequence without calling "
+            f"transformers' attention interface, so its attention saw only this rank's tokens; shard it with "
+            f"context_parallel_size=1"
+        )
+
+
 def _takes_kwargs(signature: inspect.Signature) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+
+
+def context_parallel_stage_forward(stage_forward):
+    """A pipeline spec's stage forward on this cp rank's tokens (every stage splits the micro-batch
+    the same way; the last one's loss is the full-sequence loss of :meth:`ContextParallel.after`)."""
+
+    def forward(model: nn.Module, hidden, inputs: dict):
+        info = sharding_of(model)
+        with info.context_parallel.split_stage(model, inputs) as (split, finish):
+            out = stage_forward(model, hidden, split)
+            return finish(out) if info.is_last_stage else out
+
+    return forward
 
 
 def apply_context_parallel(model: nn.Module, group, mode: str, original: str, gather_output: bool) -> ContextParallel:

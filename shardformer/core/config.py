@@ -193,19 +193,12 @@ class ShardConfig:
         )
         check_int("ShardConfig.seed", self.seed)
         check_choice("ShardConfig.context_parallel_mode", self.context_parallel_mode, CP_MODES)
-        if self.context_parallel_size > 1:
-            if group is not None:
-                raise ValueError(
-                    f"context_parallel_size={self.context_parallel_size} needs a process mesh, but "
-                    f"tensor_parallel_process_group was given; leave it out (a mesh is built from the sizes) "
-                    f"or pass mesh=ProcessMesh(..., cp_size={self.context_parallel_size})"
-                )
-            if self.pipeline_parallel_size > 1:
-                raise ValueError(
-                    f"context_parallel_size={self.context_parallel_size} with pipeline_parallel_size="
-                    f"{self.pipeline_parallel_size} is not supported: pipeline stages run parts of the model "
-                    f"without its forward, where the sequence is split; use pipeline_parallel_size=1"
-                )
+        if self.context_parallel_size > 1 and group is not None:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} needs a process mesh, but "
+                f"tensor_parallel_process_group was given; leave it out (a mesh is built from the sizes) "
+                f"or pass mesh=ProcessMesh(..., cp_size={self.context_parallel_size})"
+            )
 
     def check_world(self) -> None:
         """Raise (before any collective) if the sizes do not fit the processes that were started."""
@@ -335,11 +328,6 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.cp={self.cp} with compile=True is not supported: ring and all-to-all attention "
                 f"communicate from inside attention, which torch.compile does not trace; use compile=False"
-            )
-        if self.cp > 1 and self.pp > 1:
-            raise ValueError(
-                f"EngineConfig.cp={self.cp} with pp={self.pp} is not supported: pipeline stages run parts of the "
-                f"model without its forward, where the sequence is split; use pp=1 with context parallelism"
             )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")

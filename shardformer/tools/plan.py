@@ -144,11 +144,6 @@ def plan_model(
     check_choice("cp_mode", cp_mode, CP_MODES)
     resolve_sizes(tp * cp * pp * dp, tp, pp, dp, cp)
     if cp > 1:
-        if pp > 1:
-            raise ValueError(
-                f"cp={cp} with pp={pp} is not supported: pipeline stages run parts of the model without its "
-                f"forward, where the sequence is split; use pp=1 with context parallelism"
-            )
         sizes = SimpleNamespace(context_parallel_size=cp, context_parallel_mode=cp_mode, tensor_parallel_size=tp)
         check_context_parallel(model, sizes)
     if pp > 1:
@@ -228,7 +223,7 @@ def activation_lines(
     if pp > 1:  # the estimate is of one forward through every layer: say so, not a per-stage number
         head = (
             f"activations per tensor-parallel rank of the whole model (all layers, not one of the {pp} pipeline "
-            f"stages; a stage keeps its layers' share for each micro-batch in flight), batch {batch} x seq {seq}, "
+            f"stages; a stage keeps its layers' share for each micro-batch in flight), batch {batch} x seq {seq}{split}, "
             f"{impl} attention, {precision}:"
         )
     cp_options = {"context_parallel_size": cp, "context_parallel_mode": cp_mode}

@@ -1,6 +1,6 @@
 """Context parallelism on 4 ranks: tp=2 x cp=2 against the unsharded model (both modes), and
 ParallelEngine with cp composed with ZeRO, data parallelism, activation checkpointing, tensor and
-sequence parallelism: every step's loss and the weights after the steps equal one process
+sequence parallelism, and pipeline stages: every step's loss and the weights after the steps equal one process
 training the unsharded model on the same batches, with the gradients summed over cp in ZeRO's
 buckets (one all-reduce per bucket and step). One spawn.
 """
@@ -85,6 +85,19 @@ def check_engine_tp2_cp2_sequence_parallel():
         engine.model(input_ids=common.batch(8)["input_ids"], use_cache=True)
 
 
+def check_engine_cp2_pp2_zero1_both_backends():
+    # every stage of a cp rank splits the micro-batch the same way; chunk-sized hidden states between stages
+    # llama: transformers' pp plan (the model's own forward per stage); gpt2: a hand-written stage forward
+    runs = [("llama", "p2p", "1f1b", False), ("llama", "torch", "gpipe", True), ("gpt2", "p2p", "1f1b", False)]
+    for name, backend, schedule, checkpointing in runs:
+        cfg = EngineConfig(
+            cp=2, pp=2, backend=backend, schedule=schedule, zero_stage=1, num_microbatches=2,
+            activation_checkpointing=checkpointing,
+        )  # fmt: skip
+        engine = _engine_run(name, cfg, 2, "send")  # the ring (and p2p between stages)
+        assert engine.mesh.pp_size == 2 and len(list(engine.model.shardformer.layers)) == 1
+
+
 test_cp_4_ranks = check_table(
     [
         check_mesh_layout_with_cp,
@@ -92,6 +105,7 @@ test_cp_4_ranks = check_table(
         check_qwen3_tp2_cp2_all_to_all,
         check_engine_cp2_dp2_zero2_checkpointing,
         check_engine_tp2_cp2_sequence_parallel,
+        check_engine_cp2_pp2_zero1_both_backends,
     ],
     4,
 )
