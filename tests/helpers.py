@@ -59,3 +59,19 @@ def world():
 
 def rank():
     return dist.get_rank()
+
+
+def saved_for_backward(model: torch.nn.Module, run):
+    """``run()``'s result and the bytes autograd saves for the backward while it runs: every saved
+    tensor, parameters aside, each storage counted once."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    return result, sum(storages.values())

@@ -12,6 +12,7 @@ from shardformer.cli.main import main
 from shardformer.tools.activation_estimate import estimate_activations
 from shardformer.tools.plan import build_meta_model, plan_model
 from shardformer.tools.testing import run_on_ranks
+from tests.helpers import saved_for_backward
 from tests.policies import zoo
 
 NAMES = ["GPT2LMHeadModel", "BertForMaskedLM", "ViTForImageClassification"]
@@ -54,19 +55,8 @@ def _activation_models(attn_pdrop=0.1):
 
 
 def _held_bytes(model, ids) -> int:
-    """Bytes of the tensors a training forward keeps for the backward: every tensor autograd saved
-    (parameters aside), each storage counted once."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids).loss  # noqa: B018 - the step keeps the loss and drops the rest
-    return sum(storages.values())
+    """Bytes a training forward keeps for the backward (see tests.helpers.saved_for_backward)."""
+    return saved_for_backward(model, lambda: model(input_ids=ids, labels=ids).loss)[1]
 
 
 # tp > 1 also with sequence parallelism, re-gathering the column layers' inputs (the default) or keeping them

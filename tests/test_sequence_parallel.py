@@ -20,7 +20,7 @@ from shardformer import ShardConfig, shard_model
 from shardformer.core.comm import CollectiveCounter
 from shardformer.models.tiny import tiny_config
 from shardformer.tools.conformance import compare, load_pair
-from tests.helpers import assert_close, assert_grads_match, check_table
+from tests.helpers import assert_close, assert_grads_match, check_table, saved_for_backward
 from tests.policies import zoo
 from tests.policies.test_parity import _as_full, parity
 
@@ -119,19 +119,9 @@ def check_dropout_masks_and_communication_volume_are_plain_tps():
         assert split_comm.counts["all_gather"] == 2 + 4 * config.n_layer + blocks + head
 
 
-def _held_bytes(model, inputs) -> int:
-    """Bytes of the tensors a training forward saves for the backward (parameters aside), each storage once."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(**inputs).loss
-    return loss, sum(storages.values())
+def _held_bytes(model, inputs):
+    """The loss and the bytes its forward saves for the backward."""
+    return saved_for_backward(model, lambda: model(**inputs).loss)
 
 
 def _regather_models(name):
