@@ -11,6 +11,7 @@ token counted once). The reference runs TRL's default loss ("chunked_nll"); the 
 import functools
 
 import datasets
+import pytest
 import torch
 import torch.distributed as dist
 from peft import LoraConfig
@@ -97,3 +98,13 @@ def test_sft_trainer_at_tp2_dp2_matches_one_process():
         for key in LOGGED:
             assert_close(torch.tensor(result[kind][key]), torch.tensor(ref[key]), what=f"{kind} {key}")
     assert "compute_loss_func" in result.get("dft", ""), result.get("dft")
+
+
+def test_an_unproven_trl_release_is_refused(monkeypatch):
+    import trl
+
+    from shardformer.integrations.sft import ShardedSFTTrainer
+
+    monkeypatch.setattr(trl, "__version__", "1.16.0")  # gave losses 15% off in the parity test above
+    with pytest.raises(RuntimeError, match="this is TRL 1.16.0"):
+        ShardedSFTTrainer(model=None)
