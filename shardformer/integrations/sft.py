@@ -26,8 +26,9 @@ from shardformer.integrations.trainer import ShardedTrainer
 
 logger = logging.getLogger(__name__)
 
-# The TRL releases the parity test has proven (tests/integrations/test_sft.py). TRL 1.16 gave losses 15%
-# off on the sharded model in that test: a release not listed here is refused, not trusted.
+# The TRL releases the parity test has proven (tests/integrations/test_sft.py). TRL 1.16 computes the loss
+# from the LM head's weight itself (fused_lm_head: one rank's vocabulary slice here), 15% off in that
+# test: a release not listed here is refused, not trusted.
 PROVEN_TRL = ("1.13.",)
 
 
