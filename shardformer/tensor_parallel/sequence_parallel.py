@@ -32,19 +32,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from shardformer.core.comm import (
+from shardformer.core.comm import all_reduce, group_size
+from shardformer.core.record import sharding_of
+from shardformer.core.sequence_comm import (
     SEQ_DIM,
     GatheredSequence,
-    all_reduce,
     chunk_length,
     gather_sequence,
     gather_sequence_for_tp,
-    group_size,
     own_chunk,
     reduce_scatter_sequence,
     split_sequence,
 )
-from shardformer.core.record import sharding_of
 from shardformer.tensor_parallel.layers.dropout import DropoutForReplicatedInput
 from shardformer.tensor_parallel.layers.linear import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
 

@@ -76,7 +76,7 @@ class _ColumnLinearOverlapped(torch.autograd.Function):
 class _ColumnLinearRegathered(torch.autograd.Function):
     """``_matmul`` of an input all-gathered along the sequence that saves this rank's ``chunk`` of it
     instead of the gathered ``x`` (Megatron-LM's sequence parallelism): backward starts re-gathering
-    the chunk (``source``, a :class:`~shardformer.core.comm.GatheredSequence`), computes the input
+    the chunk (``source``, a :class:`~shardformer.core.sequence_comm.GatheredSequence`), computes the input
     gradient meanwhile and the weight gradient from the re-gathered input. The same products as
     autograd's backward of ``_matmul``.
 
