@@ -121,7 +121,7 @@ class ShardedTrainer(Trainer):
                 dist.all_gather_object(parts, data, group=lay.dp_group)
                 data = [item for part in parts for item in part]
             else:
-                data = recursively_apply(functools.partial(_all_gather_rows, group=lay.dp_group, size=lay.dp), data)
+                data = recursively_apply(functools.partial(_all_gather_rows, group=lay.dp_group), data)
         if state.end_of_dataloader and state.remainder > 0:  # examples the dataloader repeated to fill the batch
             if use_gather_object:
                 return data[: state.remainder]
@@ -242,11 +242,9 @@ class ShardedTrainer(Trainer):
         load_pretrained_into(root, resume_from_checkpoint)
 
 
-def _all_gather_rows(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+def _all_gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:
     tensor = tensor[None] if tensor.dim() == 0 else tensor  # as accelerate's gather: scalars become rows
-    parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts)
+    return torch.cat(comm.all_gather(tensor, group))
 
 
 def _refuse_readers_of_split_logits(trainer: Trainer) -> None:
