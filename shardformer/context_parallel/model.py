@@ -86,7 +86,7 @@ class ContextParallel:
         for name, p in self._signature.parameters.items():
             if p.kind is inspect.Parameter.VAR_KEYWORD:
                 bound.update(bound.pop(name, {}))
-        split = bound.get("past_key_values") is None and not bound.get("use_cache")
+        split = splits(bound)
         if torch.is_grad_enabled():
             if not split and self._summed_elsewhere:
                 raise ValueError(
@@ -232,6 +232,12 @@ class ContextParallel:
         if not self.grad_split or param_id in self._summed_elsewhere:
             return grad
         return all_reduce(grad.clone(memory_format=torch.contiguous_format), self.group)
+
+
+def splits(arguments: dict) -> bool:
+    """Whether a forward with these arguments (by keyword) runs split: it neither continues a cache
+    nor asks for one (a forward that does runs whole on every cp rank)."""
+    return arguments.get("past_key_values") is None and not arguments.get("use_cache")
 
 
 def _check_attention_ran(model: nn.Module, current: SplitForward) -> None:

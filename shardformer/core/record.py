@@ -40,6 +40,7 @@ class ShardedModelInfo:
     pipeline: Any = None
     sequence_parallel: Any = None  # the model's SequenceParallel state (None: plain tensor parallelism)
     context_parallel: Any = None  # the model's ContextParallel state (None: the sequence is not split)
+    forward_agreement: Any = None  # the check that tp/cp peers run one batch (core/forward_agreement.py)
 
     @classmethod
     def unsharded(cls) -> ShardedModelInfo:
