@@ -15,8 +15,9 @@ inputs all-gather those two numbers: a fixed-size collective, so ranks whose inp
 still meet in it, before any collective of the forward. Other forwards cost a counter
 (benchmarks/forward_agreement_bench.py measures it). On a difference every rank of the group raises
 the same error naming the inputs that differ, the ranks and the fix. A forward that runs whole on
-every cp rank (one with a cache: ``generate``) is checked over the tp group only; under
-ParallelEngine, which checks every step's batch itself, only the shapes are compared here.
+every cp rank (one with a cache: ``generate``) is checked over the tp group only. ParallelEngine,
+which compares every step's batch itself after the step, has its local batch's shapes compared
+here before the step (its stage forwards need not call the model's forward).
 """
 
 from __future__ import annotations
@@ -40,33 +41,37 @@ class ForwardAgreement:
     """The check of one sharded model (``model.shardformer.forward_agreement``).
 
     ``tp_group``: checked on every forward; ``block_group``: the tp x cp ranks, checked instead on a
-    forward that context parallelism splits (``splits(arguments)``). ``compare_values``: False under
-    ParallelEngine (its step agreement compares the values; shapes are compared here)."""
+    forward that context parallelism splits (``splits(arguments)``). ParallelEngine, whose stage
+    forwards may not call the model's forward, calls :meth:`check_inputs` itself before each step
+    (``in_forward`` off) and compares shapes only (``compare_values`` off): its step agreement
+    compares the values."""
 
     def __init__(self, model: nn.Module, tp_group, block_group=None, splits: Callable[[dict], bool] | None = None):
         self.tp_group = tp_group if _checkable(tp_group) else None
         self.block_group = block_group if _checkable(block_group) else None
         self.splits = splits
+        self.in_forward = True
         self.compare_values = True
         self.calls: dict[str, int] = {"tp": 0, "block": 0}  # forwards over each group (checked or not)
         self._signature = inspect.signature(model.forward)
 
     def before(self, model: nn.Module, args, kwargs):
-        if torch.compiler.is_compiling() or (self.tp_group is None and self.block_group is None):
-            return None
-        group, which = self.tp_group, "tp"
-        arguments = None
-        if self.block_group is not None:  # whether context parallelism splits this forward
+        """The forward pre-hook."""
+        if self.in_forward and not torch.compiler.is_compiling():
             arguments = self._arguments(args, kwargs)
-            if self.splits(arguments):
-                group, which = self.block_group, "block"
+            self.check_inputs(model, arguments, self.block_group is not None and self.splits(arguments))
+        return None
+
+    def check_inputs(self, model: nn.Module, inputs: dict, split: bool) -> None:
+        """Count a forward on ``inputs`` (split by context parallelism or not); compare the peers'
+        inputs on the first FIRST_CALLS and every EVERY-th."""
+        group, which = (self.block_group, "block") if split else (self.tp_group, "tp")
         if group is None:  # a whole forward on cp ranks without tp: no collective pairs the ranks
-            return None
+            return
         self.calls[which] += 1
         count = self.calls[which]
         if count <= FIRST_CALLS or count % EVERY == 0:
-            self.check(model, arguments if arguments is not None else self._arguments(args, kwargs), group, count)
-        return None
+            self.check(model, inputs, group, count)
 
     def _arguments(self, args, kwargs) -> dict:
         bound = self._signature.bind_partial(*args, **kwargs).arguments
