@@ -24,9 +24,11 @@ import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from shardformer import ShardConfig, shard_model  # noqa: E402
+from shardformer.core.forward_agreement import FIRST_CALLS  # noqa: E402
 from shardformer.tools.testing import run_on_ranks  # noqa: E402
 
 VARIANTS = ("off", "default schedule", "every forward")
+FIRST = FIRST_CALLS + 1
 
 
 def _run(parallel: str, layers: int, seq: int, batch: int, steps: int) -> dict:
@@ -58,7 +60,20 @@ def _run(parallel: str, layers: int, seq: int, batch: int, steps: int) -> dict:
             elapsed = time.perf_counter() - start
             if step >= 2:
                 times[variant].append(elapsed)
-    return {v: statistics.median(t) for v, t in times.items()}
+    result = {v: statistics.median(t) for v, t in times.items()}
+    # the pieces alone: one comparison, and the hook on a forward that is not compared (bind + count)
+    agreement.in_forward = True
+    for name, call in (("one comparison", lambda: agreement.check(model, inputs, group, count=1)),
+                       ("hook, not compared", lambda: agreement.before(model, (), inputs))):  # fmt: skip
+        pieces = []
+        for _ in range(50):
+            agreement.calls.update(tp=FIRST, block=FIRST)  # past the first calls, before the next 100th
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            pieces.append(time.perf_counter() - start)
+        result[name] = statistics.median(pieces)
+    return result
 
 
 def main() -> None:
@@ -77,6 +92,9 @@ def main() -> None:
         for variant in VARIANTS:
             ratio = median[variant] / median["off"]
             print(f"| {parallel}=2 | {variant} | {median[variant] * 1e3:.1f} | {ratio:.3f} |")
+        for piece in ("one comparison", "hook, not compared"):
+            slowest = max(r[piece] for r in result)
+            print(f"| {parallel}=2 | {piece}, alone | {slowest * 1e3:.3f} | {slowest / median['off']:.4f} |")
 
 
 if __name__ == "__main__":
