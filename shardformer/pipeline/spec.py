@@ -7,7 +7,9 @@ are summed over the two stages). Its ``stage_forward(model, hidden, inputs)`` ru
 micro-batch: ``hidden`` is the previous stage's output (None on the first stage), ``inputs`` the
 micro-batch (every stage sees it: masks and labels come from it); it returns the hidden states for
 the next stage, or on the last stage the model's output (a ModelOutput with ``loss`` when labels are
-given, or a tensor of logits). It loops over :func:`local_layers`.
+given, or a tensor of logits). The built-in ones run the model's own forward while
+:func:`~shardformer.pipeline.stage_view.stage_view` fills the holes of the stage; a custom one may
+loop over :func:`local_layers`.
 
 Keeping a stage sets every module of other stages to None in place, so parameter names never change.
 """
