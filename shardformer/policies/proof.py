@@ -98,10 +98,16 @@ def _two_blocks(model: nn.Module) -> nn.Module:
                 type(stack)(*list(stack)[:2]) if isinstance(stack, nn.Sequential) else nn.ModuleList(stack[:2]),
             )
     try:
-        return copy.deepcopy(model)
+        tiny = copy.deepcopy(model)
     finally:
         for path, stack in saved.items():
             _set(model, path, stack)
+    for module in tiny.modules():  # no dropout, as in a config's tiny copy: both copies compute one function
+        if "Drop" in type(module).__name__:
+            for name in ("p", "drop_prob"):
+                if isinstance(getattr(module, name, None), float):
+                    setattr(module, name, 0.0)
+    return tiny
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -75,6 +75,16 @@ def route_of(policy: Policy, model: nn.Module) -> Route:
     return Route(CUSTOM, fresh)
 
 
+def no_route_error(model: nn.Module) -> ValueError:
+    from shardformer.models import supported_models
+
+    return ValueError(
+        f"no built-in policy for {type(model).__name__}; supported: {', '.join(supported_models())}, and any "
+        f"transformers model whose config has a base_model_tp_plan or whose blocks can be traced. For another model, "
+        f"write a Policy subclass and pass it: shard_model(model, config, policy=MyPolicy())"
+    )
+
+
 class NoExactRouteError(NotProvenError):
     """No route cuts the model exactly (each route's reason is in the message)."""
 
@@ -85,9 +95,7 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
     :class:`NoExactRouteError`. A single route the user chose is proven and refused, never replaced."""
     tp = shard_config.tensor_parallel_size
     if not routes:
-        raise NoExactRouteError(
-            f"no route can cut {type(model).__name__}: it has no built-in policy, no tp plan and no repeated blocks; {HOW_TO}"
-        )
+        raise no_route_error(model)
     reasons = []
     mesh_config = None
     for route in routes:
