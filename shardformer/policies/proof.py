@@ -31,6 +31,7 @@ from shardformer.core.record import sharding_of
 from shardformer.models import inputs_for
 from shardformer.policies.derived.derive import tiny_copy
 from shardformer.policies.derived.trace import repeated_blocks
+from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy
 from shardformer.tensor_parallel.sharder import ModelSharder
 
@@ -52,7 +53,10 @@ def prove(
         tiny = _tiny(model, tp, heads)
     except Exception as e:  # noqa: BLE001 - a config the class refuses at small sizes: the same on every rank
         return f"a tiny copy of {type(model).__name__} cannot be built to prove it on: {type(e).__name__}: {e}"
-    key = (route, type(model), tp, heads, _architecture(tiny), _versions())
+    plan = model_tp_plan(model)
+    if plan:  # the user's model's plan, as it is (changed by hand, or not): the one to prove
+        tiny.tp_plan = plan
+    key = (route, type(model), tp, heads, _architecture(tiny), json.dumps(plan, sort_keys=True), _versions())
     if key not in _VERDICTS:
         _VERDICTS[key] = _prove(tiny, shard_config, make_policy, _device(model))
     return _VERDICTS[key]
