@@ -30,7 +30,7 @@ from shardformer.core.divergence import ActivationRecorder, first_divergence, fi
 from shardformer.core.record import sharding_of
 from shardformer.models import inputs_for
 from shardformer.policies.derived.derive import tiny_copy
-from shardformer.policies.derived.trace import repeated_blocks
+from shardformer.policies.derived.trace import is_projection
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy
 from shardformer.tensor_parallel.sharder import ModelSharder
@@ -89,18 +89,23 @@ def _tiny(model: nn.Module, tp: int, heads: int | None) -> nn.Module:
 
 
 def _two_blocks(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose repeated stacks (ModuleList / Sequential of like blocks) keep two blocks."""
-    stacks = {block.rpartition(".")[0] for block in repeated_blocks(model)}
+    """A copy of ``model`` whose repeated stacks (outermost ModuleList / Sequential of like blocks with
+    projections inside) keep two blocks."""
     saved = {}
-    for path in stacks:
-        stack = model.get_submodule(path)
-        if len(stack) > 2:
+    for path, stack in model.named_modules():
+        if (
+            not path
+            or not isinstance(stack, (nn.ModuleList, nn.Sequential))
+            or any(path.startswith(p + ".") for p in saved)
+        ):
+            continue
+        items = list(stack)
+        if len(items) > 2 and len({type(m) for m in items}) == 1 and any(is_projection(m) for m in items[0].modules()):
             saved[path] = stack
-            _set(
-                model,
-                path,
-                type(stack)(*list(stack)[:2]) if isinstance(stack, nn.Sequential) else nn.ModuleList(stack[:2]),
-            )
+    for path, stack in saved.items():
+        _set(
+            model, path, type(stack)(*list(stack)[:2]) if isinstance(stack, nn.Sequential) else nn.ModuleList(stack[:2])
+        )
     try:
         tiny = copy.deepcopy(model)
     finally:

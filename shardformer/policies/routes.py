@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -27,6 +27,7 @@ from shardformer.policies.derived import DerivedPolicy, NotDerivableError, NotPr
 from shardformer.policies.derived.policy import HOW_TO
 from shardformer.policies.proof import prove
 from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError, has_tp_plan
+from shardformer.policies.tp_plan.policy import plan_leaves_whole
 from shardformer.tensor_parallel.policy import Policy
 from shardformer.tensor_parallel.sharder import ModelSharder
 
@@ -42,6 +43,7 @@ _ROUTE_ERRORS = (NotDerivableError, UnsupportedStyleError, NotImplementedError)
 class Route:
     name: str
     make: Callable[[], Policy]  # a fresh policy (one for the user's model, one for the tiny copy)
+    leaves_whole: list[str] = field(default_factory=list)  # projections inside cut blocks a plan does not name
 
     def heads(self, model: nn.Module, tp: int) -> int | None:
         """The tiny copy's query heads (the derived route may have found its cut on a wider copy)."""
@@ -54,10 +56,15 @@ def candidate_routes(model: nn.Module) -> list[Route]:
     family = family_of(model)
     if family is not None:
         routes.append(Route(BUILT_IN, family.policies[model_class_name(model)]))
-    if has_tp_plan(model):  # a vision tower the plan leaves whole is derived
-        routes.append(Route(PLAN, lambda: TpPlanPolicy(tower_policy=DerivedPolicy)))
+    plan = Route(PLAN, lambda: TpPlanPolicy(tower_policy=DerivedPolicy)) if has_tp_plan(model) else None
+    if plan is not None:  # a vision tower the plan leaves whole is derived
+        plan.leaves_whole = plan_leaves_whole(model)
+    if plan is not None and not plan.leaves_whole:
+        routes.append(plan)
     if derived_model(model):
         routes.append(Route(DERIVED, DerivedPolicy))
+    if plan is not None and plan.leaves_whole:  # a plan for part of each block: the derived cut first
+        routes.append(plan)
     return routes
 
 
@@ -116,6 +123,7 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
                 type(model).__name__,
                 route.name,
             )
+            _warn_partial(model, route, reasons)
             return sharder, route, False
         if mesh_config is None:  # once: the proofs and the model use the same tp group
             mesh, _ = build_mesh(shard_config)
@@ -134,6 +142,7 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
                 route.name,
                 tp,
             )
+            _warn_partial(model, route, reasons)
             return sharder, route, True
         reasons.append(f"{route.name}: not exact on a tiny copy at tensor_parallel_size={tp} ({why})")
         logger.info(
@@ -153,3 +162,18 @@ def _info(message: str, *args) -> None:
     """An INFO line from the first rank only (every rank reaches the same verdict)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(message, *args)
+
+
+def _warn_partial(model: nn.Module, route: Route, reasons: list[str]) -> None:
+    """A plan that leaves projections inside its blocks whole is used: say which."""
+    whole = route.leaves_whole
+    if whole and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning(
+            "%s: its tp plan cuts only part of each block: %d projections stay whole on every rank (%s%s); the "
+            "derived route could not cut the model (%s). Exact, but those weights are not split",
+            type(model).__name__,
+            len(whole),
+            ", ".join(whole[:3]),
+            " ..." if len(whole) > 3 else "",
+            "; ".join(reasons) or "not tried",
+        )

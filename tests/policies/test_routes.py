@@ -91,6 +91,13 @@ def _ranks():
         heads.fused_blocks = real
         proof._VERDICTS.clear()
 
+    # a plan for the attention only (by hand) would leave every MLP whole: the derived cut goes first
+    llama = tf.LlamaForCausalLM(tiny_config(tf.LlamaConfig)).eval()
+    llama.tp_plan = {k: v for k, v in llama.tp_plan.items() if ".mlp." not in k}
+    ref = copy.deepcopy(llama)
+    shard_model(llama, cfg)
+    out["partial"] = (llama.shardformer.route, *_loss_and_grads(llama, ref, ids))
+
     # verdicts are cached per library version: a new transformers release proves again
     calls = []
     real_prove = proof._prove
@@ -123,6 +130,8 @@ def test_every_route_is_proven_and_a_wrong_plan_gives_way():
         assert loss > 1e-3 and bad, out["unproven"]  # what the proof protects from
         assert any("WITHOUT proof" in w and "prove=False" in w for w in warned), warned
         assert out["proofs"] == 2, out["proofs"]
+        route, loss, bad = out["partial"]
+        assert route == "derived" and loss < 1e-5 and bad == [], out["partial"]
 
 
 def test_routes_are_tried_in_order():
@@ -134,3 +143,5 @@ def test_routes_are_tried_in_order():
     assert [r.name for r in candidate_routes(gpt2)] == ["built-in policy", "derived"]
     assert [r.name for r in candidate_routes(llama)] == ["tp plan", "derived"]
     assert [r.name for r in candidate_routes(opt)] == ["derived"]
+    moe = tf.Qwen2MoeForCausalLM(tiny_config(tf.Qwen2MoeConfig))  # its plan leaves the shared expert whole,
+    assert [r.name for r in candidate_routes(moe)] == ["tp plan", "derived"]  # but only it cuts the experts
