@@ -29,6 +29,10 @@ class NotDerivableError(ValueError):
     """The model's structure gives no exact cut (the reason says where and why)."""
 
 
+class NotProvenError(NotDerivableError):
+    """A route ran on a tiny copy and was not exact (or no route was)."""
+
+
 @dataclass
 class BlockRule:
     """How every block of one class is cut (suffixes relative to the block)."""
