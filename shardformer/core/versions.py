@@ -24,6 +24,7 @@ from packaging.version import InvalidVersion, Version
 # "Tested versions").
 TESTED = {
     "torch": "2.14.1",
+    "torchvision": "0.29.1",
     "transformers": "5.24.0",
     "timm": "1.0.31",
     "safetensors": "0.8.0",
