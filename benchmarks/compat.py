@@ -143,9 +143,10 @@ def run_logged(log: Path, *args) -> tuple[int, list[str]]:
 
 def run_suite(extra: str) -> str:
     log = VENV / "pytest.log"
-    code, lines = run_logged(log, PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shlex.split(extra))
+    code, lines = run_logged(log, PY, "-m", "pytest", "-p", "no:cacheprovider", *shlex.split(extra))
     summary = next((line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)), "")
-    return f"{'passed' if code == 0 else 'FAILED'}: {summary or 'no summary line'} (exit {code}; {log})"
+    what = extra or "the whole suite"
+    return f"{'passed' if code == 0 else 'FAILED'}: {summary or 'no summary line'} ({what}; exit {code}; {log})"
 
 
 def run_conformance(extra: str) -> tuple[str, bool]:
