@@ -11,7 +11,7 @@ download that this machine's pip caps at the release on its disk (/etc/xdg/pip: 
 torchvision must be the build for the same torch (timm imports it). Moving torch is a change of its own:
 both pins in constraints.txt, then ``make test``.
 
-    python3 benchmarks/compat.py                  # install, suite, full sweep (an hour or more on 2 cores)
+    python3 benchmarks/compat.py                  # install, suite, full sweep (half an hour or more on 2 cores)
     python3 benchmarks/compat.py --diff-only      # resolve the newest releases (pip --dry-run), print what moved
     python3 benchmarks/compat.py --conformance-args="--task causal-lm"   # a shorter sweep
     python3 benchmarks/compat.py --no-conformance --pytest-args="tests/test_versions.py"   # a smoke run

@@ -7,7 +7,7 @@ pyproject.toml states ranges: a user may run any release in them.
 transformers and timm ship every few weeks, and a release can change a tp plan, a forward or a helper a
 route relies on. ``shard_model`` proves the cut it takes on a tiny copy before it cuts the user's model,
 so a change that breaks a route gives a refusal, not a wrong number; the warning says that the releases
-differ, once per process and package. It fires at ``shard_model``, not at import: tools that import
+differ, once per process for each package and release. It fires at ``shard_model``, not at import: tools that import
 shardformer without cutting a model (``shardformer plan``, ``--version``) have nothing to warn about.
 Older releases than the tested ones are warned about too: the suite did not run on them either.
 """
