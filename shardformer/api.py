@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import attach, sharding_of
+from shardformer.core.versions import warn_if_untested
 from shardformer.models import final_norm, layer_stack
 from shardformer.policies.routes import candidate_routes, choose, route_of
 from shardformer.tensor_parallel.adapters import SeenThrough
@@ -32,6 +33,7 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
     PEFT LoRA layers in the model (or a ``PeftModel``, whose wrapped model is sharded) are seen
     through: their base layers are cut by the policy, and their adapters the same way.
     """
+    warn_if_untested()  # once per process: a transformers or timm release the suite did not run on
     shard_config = shard_config or ShardConfig()
     target = _wrapped_model(model)
     adapters = SeenThrough.unwrap(target)  # PEFT's LoRA layers: the policy sees the layers they wrap
