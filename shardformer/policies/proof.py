@@ -149,21 +149,18 @@ def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device) -> s
     inputs = inputs_for(ref, seed=1)
     sharded = copy.deepcopy(ref)
     ref.train(), sharded.train()  # the training path (the recipe's dropout is 0)
-    config = ShardConfig(
-        tensor_parallel_size=tp,
-        tensor_parallel_process_group=shard_config.tensor_parallel_process_group,
-        mesh=shard_config.mesh,
-        seed=shard_config.seed,
-    )
+    group = shard_config.tensor_parallel_process_group
+    if group is None and shard_config.mesh is not None:
+        group = shard_config.mesh.tp_group  # the tp group alone: the copy has no cp, pp or dp of its own
+    config = ShardConfig(tensor_parallel_size=tp, tensor_parallel_process_group=group, seed=shard_config.seed)
     failures: list[str] = []
-    group = None
     try:
         with _quiet():  # the tiny copy's "sharded ..." line would read like the user's model's
             sharded = ModelSharder(sharded, make_policy(), config).shard()
-        group = sharding_of(sharded).tp_group
     except Exception as e:  # noqa: BLE001 - the route cannot cut the tiny copy: the same on every rank
         failures.append(f"the tiny copy cannot be cut: {type(e).__name__}: {str(e)[:300]}")
-    if group is not None:
+    if not failures:
+        group = sharding_of(sharded).tp_group
         if sum(p.numel() for p in sharded.parameters()) >= sum(p.numel() for p in ref.parameters()):
             failures.append("the tiny copy was not sharded")
         inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
