@@ -144,7 +144,7 @@ class ParallelEngine:
         if cfg.zero_stage == 3:  # fp32 shards stay the master weights; FSDP2 casts them for compute
             device = next(self.model.parameters()).device
             grad_hooks = fully_shard_model(self.model, self._layer_list(self.model), self.mesh, device, cfg.precision)
-            self.stage_forward = through_root(self.stage_forward)
+            self.stage_forward = through_root(self.stage_forward, calls_the_model=whole)
         else:
             self.model.to(PRECISIONS[cfg.precision])
         first, last = self.mesh.is_first_stage, self.mesh.is_last_stage

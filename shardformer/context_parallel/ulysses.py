@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from shardformer.core.comm import all_to_all, group_size
+from shardformer.core.comm import all_to_all, group_rank, group_size
+
+PER_HEAD_ARGUMENTS = ("s_aux",)  # attention arguments with one value per query head (GPT-OSS's sinks)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -50,17 +52,18 @@ def _heads_to_seq(y: torch.Tensor, layout, group) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, cp * hl, n, d)
 
 
-class _EveryHeadItsOwn:
-    """The attention module as the attention function sees it once key/value heads were repeated
-    for the query heads: one key/value head per query head (nothing left to repeat)."""
+class _SeenAs:
+    """The attention module as the attention function sees it on this rank, with some attributes
+    changed: one key/value head per query head once they were repeated (nothing left to repeat),
+    this rank's heads' sinks (GPT-OSS's eager attention reads ``module.sinks``)."""
 
-    num_key_value_groups = 1
-
-    def __init__(self, module) -> None:
+    def __init__(self, module, **changed) -> None:
         object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_changed", changed)
 
     def __getattr__(self, name):
-        return getattr(self._module, name)
+        changed = object.__getattribute__(self, "_changed")
+        return changed[name] if name in changed else getattr(self._module, name)
 
 
 def ulysses_attention(module, q, k, v, full_mask, attend, layout, group, **kwargs):
@@ -75,10 +78,20 @@ def ulysses_attention(module, q, k, v, full_mask, attend, layout, group, **kwarg
             f"{type(module).__name__} has {heads} query heads on this rank (after tensor parallelism); use "
             f"context_parallel_mode='ring', or sizes with heads divisible by tensor_parallel_size x context_parallel_size"
         )
+    changed = {}
     if kv_heads % cp != 0:
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-        module = _EveryHeadItsOwn(module)
+        changed["num_key_value_groups"] = 1
     q, k, v = (_seq_to_heads(t, layout, group) for t in (q, k, v))
-    out, _ = attend(module, q, k, v, full_mask, **kwargs)
+    # per-head values (GPT-OSS's sinks) narrowed to this rank's heads; the other heads' gradient is
+    # zero here, and the cp ranks' gradients are summed as for every parameter
+    first, local = group_rank(group) * (heads // cp), heads // cp
+    for name in PER_HEAD_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = kwargs[name].narrow(0, first, local)
+    sinks = getattr(module, "sinks", None)
+    if torch.is_tensor(sinks) and sinks.dim() == 1 and sinks.shape[0] == heads:
+        changed["sinks"] = sinks.narrow(0, first, local)
+    out, _ = attend(_SeenAs(module, **changed) if changed else module, q, k, v, full_mask, **kwargs)
     out = _heads_to_seq(out.transpose(1, 2), layout, group)
     return out.transpose(1, 2).contiguous()

@@ -94,6 +94,17 @@ def check_ring_keeps_no_block_masks_for_backward():
     assert_grads_match(model, ref, None)
 
 
+def check_gpt_oss_at_tp1_with_attention_sinks():
+    """tp=1 derives no cut (it failed dividing a count by tp); all-to-all hands each rank its heads' sinks
+    (GPT-OSS's eager attention reads them off the module); the ring refuses them by name."""
+    ref, model = load_pair(tf.GptOssForCausalLM, tiny_config(tf.GptOssConfig), "eager")
+    common.parity(ref, shard_model(model, _cp("all_to_all")), common.batch(16), "gpt-oss/eager cp=2 all_to_all")
+    _, model = load_pair(tf.GptOssForCausalLM, tiny_config(tf.GptOssConfig), "eager")
+    model = shard_model(model, _cp("ring"))
+    with pytest.raises(ValueError, match="context_parallel_mode='ring' cannot compute GptOssAttention's attention"):
+        model(**common.batch(16))
+
+
 def check_refusals_before_any_collective():
     _, model = common.pair("gpt2")
     classifier = tf.GPT2ForSequenceClassification(model.config)
@@ -122,6 +133,7 @@ test_cp2 = check_table(
         check_gpt2_all_to_all_sdpa_16,
         check_generate_and_gathered_logits,
         check_ring_keeps_no_block_masks_for_backward,
+        check_gpt_oss_at_tp1_with_attention_sinks,
         check_refusals_before_any_collective,
     ],
     2,

@@ -288,3 +288,24 @@ def test_a_plan_policy_with_no_tower_policy_refuses_the_tower_it_leaves_whole():
     with pytest.raises(UnsupportedStyleError, match="leaves model.vision_tower whole"):
         policy.argument_policy(model.config, ShardConfig(tensor_parallel_size=2))
     assert get_autopolicy(model).tower_policy is DerivedPolicy
+
+
+def test_nothing_is_derived_at_tp1(monkeypatch):
+    """At tensor_parallel_size=1 (dp- or cp-only) a derived-route model is not cut, not even derived: GPT-OSS
+    failed dividing a count that is None by tp. It computes what the unsharded model computes."""
+    import copy
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.models.inputs import make_inputs
+    from shardformer.policies.derived import policy as derived_policy
+
+    calls = []
+    monkeypatch.setattr(derived_policy, "derive", lambda *a, **k: calls.append(a) or derive(*a, **k))
+    model = transformers_model("GptOssForCausalLM")
+    assert type(get_autopolicy(model)) is DerivedPolicy
+    ref = copy.deepcopy(model)
+    model = shard_model(model, ShardConfig(tensor_parallel_size=1))
+    assert not calls
+    inputs = make_inputs(ref, seed=2)
+    got, want = model(**inputs), ref(**inputs)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
