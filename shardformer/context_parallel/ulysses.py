@@ -11,6 +11,7 @@ first, and the attention function is told every query head has its own.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from shardformer.core.comm import all_to_all, group_size
 
@@ -66,7 +67,7 @@ class _EveryHeadItsOwn:
 def ulysses_attention(module, q, k, v, full_mask, attend, layout, group, **kwargs):
     """Attention of this rank's tokens over the whole sequence (transformers' output layout
     ``[b, n, h, d]``). ``attend`` is the model's own attention function, ``full_mask`` its mask over
-    the whole (padded) sequence in order."""
+    the whole sequence in order (its true length)."""
     cp = group_size(group)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % cp != 0:
@@ -78,7 +79,9 @@ def ulysses_attention(module, q, k, v, full_mask, attend, layout, group, **kwarg
     if kv_heads % cp != 0:
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         module = _EveryHeadItsOwn(module)
-    q, k, v = (_seq_to_heads(t, layout, group) for t in (q, k, v))
+    # the split's padding at the end is cut: the model's attention sees the sequence it would see
+    q, k, v = (_seq_to_heads(t, layout, group).narrow(2, 0, layout.full_len) for t in (q, k, v))
     out, _ = attend(module, q, k, v, full_mask, **kwargs)
-    out = _heads_to_seq(out.transpose(1, 2), layout, group)
+    out = F.pad(out.transpose(1, 2), (0, 0, 0, layout.padded_len - layout.full_len))
+    out = _heads_to_seq(out, layout, group)
     return out.transpose(1, 2).contiguous()
