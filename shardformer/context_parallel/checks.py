@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch.nn as nn
 from dataclasses import dataclass
 
+import torch.nn as nn
 from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
