@@ -1,7 +1,8 @@
 """Context parallelism at cp=2 against the unsharded model: Llama, Qwen3, Mistral (sliding window
 of 4 over 13 tokens) and GPT-2 (absolute positions), in both modes, eager and sdpa, with a
 right-padded batch; 13 tokens (2 * cp does not divide: padded internally, exactly) and 16.
-Logits, loss, every gradient, weights after a step; greedy generate; refusals. One spawn.
+Logits, loss, every gradient, weights after a step; greedy generate; refusals; and trust.py's
+checks (left padding, derived positions, dynamic rotary, Phi-3, dropout per cp rank). One spawn.
 """
 
 import gc
@@ -17,7 +18,7 @@ from shardformer.context_parallel.attention import SplitMask
 from shardformer.core.comm import CollectiveCounter
 from shardformer.models.tiny import tiny_config
 from shardformer.tools.conformance import load_pair
-from tests.context_parallel import common
+from tests.context_parallel import common, trust
 from tests.helpers import assert_grads_match, check_table
 
 
@@ -105,8 +106,6 @@ def check_refusals_before_any_collective():
         shard_model(odd_heads, _cp("all_to_all"))
     _, model = common.pair("llama")
     model = shard_model(model, _cp("ring"))
-    with pytest.raises(ValueError, match="logits_to_keep=1"):
-        model(input_ids=common.batch(8)["input_ids"], logits_to_keep=1)
     with pytest.raises(ValueError, match="a resumable training checkpoint does not support context parallelism"):
         save_checkpoint("/nonexistent-cp-checkpoint", model)
 
@@ -123,6 +122,7 @@ test_cp2 = check_table(
         check_generate_and_gathered_logits,
         check_ring_keeps_no_block_masks_for_backward,
         check_refusals_before_any_collective,
+        *trust.CHECKS,
     ],
     2,
 )
