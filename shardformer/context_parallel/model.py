@@ -2,7 +2,8 @@
 cp rank and runs on this rank's tokens.
 
 A forward pre-hook splits the sequence inputs (:mod:`~shardformer.context_parallel.layout`), gives
-position ids from the GLOBAL positions (rotary and absolute embeddings see the true positions),
+position ids from the GLOBAL positions (the caller's, or those the model derives for the whole
+sequence: :mod:`~shardformer.context_parallel.positions`; rotary and absolute embeddings see the true positions),
 passes the whole padding mask (the attention masks are evaluated on global positions), and takes
 the labels out: they are shifted on the full sequence first (token ``t`` predicts ``t + 1`` even
 across a chunk boundary), then split. A forward hook computes the model's own loss on this rank's
@@ -14,8 +15,10 @@ Parameters see only this rank's tokens, so their gradients are summed over the c
 per parameter, in backward, unless an optimizer sums them itself (:meth:`ContextParallel.
 sum_grads_elsewhere`: ParallelEngine's ZeroOptimizer folds the sum into its gradient buckets, one
 all-reduce over cp per bucket and step instead of one per parameter and backward). A forward that
-continues a cache or asks for one (``generate``) is not split: every cp rank computes it whole,
-with the model's original attention.
+continues a cache or asks for one (``generate``), or keeps only the last logits (``logits_to_keep``:
+``generate(use_cache=False)``), is not split: every cp rank computes it whole, with the model's
+original attention. In training, a split forward's functional dropout draws from this cp rank's own
+stream (:mod:`~shardformer.context_parallel.rng`).
 
 Pipeline stages run parts of the model, mostly without its forward: there each stage's forward is
 wrapped (:func:`context_parallel_stage_forward`, ParallelEngine at pp > 1) to split its micro-batch

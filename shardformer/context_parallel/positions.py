@@ -86,12 +86,17 @@ def pad_id(model: nn.Module) -> int | None:
 def whole_positions(rule: str | None, name: str, pad: int | None, ids, mask, batch: int, length: int, device):
     """The position ids ``[batch, length]`` model ``name`` would derive for the whole batch (rule:
     from :func:`position_rule`, pad: :func:`pad_id`); a clear refusal where they are not known."""
-    if rule is None or rule == "ids" and (ids is None or pad is None):
-        what = "inputs_embeds and no position_ids" if rule == "ids" else "no position_ids"
+    if rule is None:
         raise ValueError(
-            f"context parallelism: {name} derives its position ids itself, in a way not known here "
-            f"(or not from {what}), so the tokens of a split forward given {what} would get wrong positions; pass "
-            f"position_ids (the positions the model gives the whole sequence), or shard with context_parallel_size=1"
+            f"context parallelism: {name} derives its position ids itself by no rule known here (0, 1, 2, ...; "
+            f"counted over the attention mask; from the ids and the padding index), so the tokens of a split forward "
+            f"without position_ids would get wrong positions; pass position_ids (the positions the model gives the "
+            f"whole sequence), or shard with context_parallel_size=1"
+        )
+    if rule == "ids" and (ids is None or pad is None):
+        raise ValueError(
+            f"context parallelism: {name} derives its position ids from input_ids and its pad_token_id, and this "
+            f"forward has {'no input_ids' if ids is None else 'no pad_token_id'}; pass position_ids"
         )
     mask = torch.ones(batch, length, dtype=torch.long, device=device) if mask is None else mask.long()
     return RULES[rule](ids, mask, pad)
@@ -131,5 +136,8 @@ def _own_rows(state, module, _args, output):
         return None
     current.rotary_whole.discard(id(module))
     layout = current.layout
-    take = lambda t: layout.take(t) if torch.is_tensor(t) and t.dim() >= 2 and t.shape[1] == layout.padded_len else t  # noqa: E731
-    return tuple(take(t) for t in output) if isinstance(output, tuple) else take(output)
+
+    def own(t):  # cos/sin [batch, padded_len, dim] -> this rank's rows
+        return layout.take(t) if torch.is_tensor(t) and t.dim() >= 2 and t.shape[1] == layout.padded_len else t
+
+    return tuple(own(t) for t in output) if isinstance(output, tuple) else own(output)

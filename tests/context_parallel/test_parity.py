@@ -14,6 +14,7 @@ import transformers as tf
 
 from shardformer import ShardConfig, shard_model
 from shardformer.checkpoint.training import save_checkpoint
+from shardformer.context_parallel import check_context_parallel
 from shardformer.context_parallel.attention import SplitMask
 from shardformer.core.comm import CollectiveCounter
 from shardformer.models.tiny import tiny_config
@@ -141,3 +142,27 @@ def test_config_is_checked():
         EngineConfig(cp=2, compile=True)
     with pytest.raises(ValueError, match="EngineConfig.cp_mode='x'"):
         EngineConfig(cp=2, cp_mode="x")
+
+
+class _NoPositions(tf.LlamaForCausalLM):
+    def forward(self, input_ids=None, attention_mask=None, labels=None):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def test_positions_refused_where_unknown():
+    from shardformer.context_parallel.positions import whole_positions
+
+    model = _NoPositions(tiny_config(tf.LlamaConfig))
+    with pytest.raises(ValueError, match="its forward takes no position_ids"):
+        check_context_parallel(model, ShardConfig(context_parallel_size=2))
+
+    ids = torch.arange(6).view(1, 6)
+    with pytest.raises(ValueError, match="by no rule known here.*pass position_ids"):
+        whole_positions(None, "Custom", 0, ids, None, 1, 6, "cpu")
+    with pytest.raises(ValueError, match="from input_ids and its pad_token_id, and this forward has no input_ids"):
+        whole_positions("ids", "RobertaForCausalLM", 1, None, None, 1, 6, "cpu")
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    assert whole_positions("mask", "OPT", None, ids, mask, 1, 6, "cpu").tolist() == [[-1, -1, 0, 1, 2, 3]]
+    assert whole_positions("ids", "Roberta", 1, torch.tensor([[1, 1, 5, 6]]), None, 1, 4, "cpu").tolist() == [
+        [1, 1, 2, 3]
+    ]
