@@ -11,6 +11,7 @@ first, and the attention function is told every query head has its own.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from shardformer.core.comm import all_to_all, group_rank, group_size
 
@@ -69,7 +70,7 @@ class _SeenAs:
 def ulysses_attention(module, q, k, v, full_mask, attend, layout, group, **kwargs):
     """Attention of this rank's tokens over the whole sequence (transformers' output layout
     ``[b, n, h, d]``). ``attend`` is the model's own attention function, ``full_mask`` its mask over
-    the whole (padded) sequence in order."""
+    the whole sequence in order (its true length)."""
     cp = group_size(group)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % cp != 0:
@@ -82,7 +83,8 @@ def ulysses_attention(module, q, k, v, full_mask, attend, layout, group, **kwarg
     if kv_heads % cp != 0:
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         changed["num_key_value_groups"] = 1
-    q, k, v = (_seq_to_heads(t, layout, group) for t in (q, k, v))
+    # the split's padding at the end is cut: the model's attention sees the sequence it would see
+    q, k, v = (_seq_to_heads(t, layout, group).narrow(2, 0, layout.full_len) for t in (q, k, v))
     # per-head values (GPT-OSS's sinks) narrowed to this rank's heads; the other heads' gradient is
     # zero here, and the cp ranks' gradients are summed as for every parameter
     first, local = group_rank(group) * (heads // cp), heads // cp
@@ -93,5 +95,6 @@ def ulysses_attention(module, q, k, v, full_mask, attend, layout, group, **kwarg
     if torch.is_tensor(sinks) and sinks.dim() == 1 and sinks.shape[0] == heads:
         changed["sinks"] = sinks.narrow(0, first, local)
     out, _ = attend(_SeenAs(module, **changed) if changed else module, q, k, v, full_mask, **kwargs)
-    out = _heads_to_seq(out.transpose(1, 2), layout, group)
+    out = F.pad(out.transpose(1, 2), (0, 0, 0, layout.padded_len - layout.full_len))
+    out = _heads_to_seq(out, layout, group)
     return out.transpose(1, 2).contiguous()
