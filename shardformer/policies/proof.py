@@ -48,6 +48,12 @@ def prove(
     """None when ``make_policy()`` shards a tiny copy of ``model`` exactly over the tp group
     ``shard_config`` names (its mesh's, or its process group), else why not (the same on every
     rank). ``heads``: the tiny copy's query heads where the route was found on a wider copy."""
+    # the training path is proven, whatever the caller's grad mode (shard_model under no_grad)
+    with torch.inference_mode(False), torch.enable_grad():
+        return _proven(model, shard_config, route, make_policy, heads)
+
+
+def _proven(model, shard_config, route, make_policy, heads) -> str | None:
     tp = shard_config.tensor_parallel_size
     try:
         tiny = _tiny(model, tp, heads)

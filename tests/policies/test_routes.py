@@ -98,6 +98,13 @@ def _ranks():
     shard_model(llama, cfg)
     out["partial"] = (llama.shardformer.route, *_loss_and_grads(llama, ref, ids))
 
+    # sharded for inference (under no_grad / inference_mode): the proof still runs the training path
+    with torch.no_grad():
+        gpt2 = shard_model(tf.GPT2LMHeadModel(tiny_config(tf.GPT2Config)), cfg)
+    with torch.inference_mode():
+        bert = shard_model(tf.BertForMaskedLM(tiny_config(tf.BertConfig)), cfg)
+    out["no grad"] = [(m.shardformer.route, m.shardformer.proven) for m in (gpt2, bert)]
+
     # verdicts are cached per library version: a new transformers release proves again
     calls = []
     real_prove = proof._prove
@@ -130,6 +137,7 @@ def test_every_route_is_proven_and_a_wrong_plan_gives_way():
         assert loss > 1e-3 and bad, out["unproven"]  # what the proof protects from
         assert any("WITHOUT proof" in w and "prove=False" in w for w in warned), warned
         assert out["proofs"] == 2, out["proofs"]
+        assert out["no grad"] == [("built-in policy", True)] * 2, out["no grad"]
         route, loss, bad = out["partial"]
         assert route == "derived" and loss < 1e-5 and bad == [], out["partial"]
 
