@@ -150,15 +150,19 @@ class _Watchdog:
 
 
 def tiny_config_of(class_name: str):
-    """The class's default config scaled down for tp=2."""
+    """The class's default config scaled down for tp=2: the recipe's first scaling whose model runs
+    (``shardformer.models.tiny_run``); ``TinyCopyError`` when none does."""
     import transformers as tf
 
-    from shardformer.models.tiny import VOCAB, tiny_copy_config
+    from shardformer.models import inputs_for
+    from shardformer.models.tiny import VOCAB
+    from shardformer.models.tiny_run import runnable_tiny_config
 
-    config = getattr(tf, class_name).config_class()
+    model_class = getattr(tf, class_name)
+    config = model_class.config_class()
     if hasattr(config, "num_query_tokens") and getattr(config, "image_token_index", 0) is None:
         config.image_token_index = VOCAB + 1  # BLIP-2's checkpoints set one; its default config (None) cannot run
-    return tiny_copy_config(config, 2)
+    return runnable_tiny_config(model_class, config, 2, inputs=inputs_for)
 
 
 class TinyBuildError(Exception):
