@@ -13,7 +13,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 
-from shardformer.models.tiny_layers import kept_layers, layer_overrides
+from shardformer.models.tiny_layers import depth_keys, depth_of, kept_layers, layer_overrides
 
 VOCAB = 99
 SIZES = {
@@ -73,7 +73,13 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
     kwargs.update(overrides)
     config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
     types = getattr(config, "layer_types", None)
-    if "layer_types" not in overrides and _settable(config_class, "layer_types") and isinstance(types, list) and types and "full_attention" not in types:
+    if (
+        "layer_types" not in overrides
+        and _settable(config_class, "layer_types")
+        and isinstance(types, list)
+        and types
+        and "full_attention" not in types
+    ):
         kwargs["layer_types"] = [*types[:-1], "full_attention"]  # a cache-holding attention layer for generate
         config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
     return config
@@ -187,6 +193,9 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[key] = heads if value == full_heads else min(value, tp)
         elif key.endswith("heads") and value == full_heads or key.endswith("attention_heads"):
             out[key] = heads
+        elif key.endswith("heads") and isinstance(full_heads, int) and value > heads:
+            # other head counts (LaraMini's linear-attention key heads) keep their ratio to the heads
+            out[key] = max(1, value * heads // full_heads)
         elif key in _VISION:
             out[key] = min(value, _VISION[key])
         elif value == hidden and any(w in key for w in _WIDTH_WORDS):  # a pooler's, a projection's width
@@ -201,9 +210,12 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[name] = value
     if "layer_types" in data and settable("layer_types"):
         out["layer_types"] = None
-    keep = None if scaling.keep_depth else kept_layers(data, aliases, settable)
+    parts = _depth_parts(data, aliases)
+    if parts and not scaling.keep_depth:  # Dory's input, recurrent and output layers add up to the depth
+        out.update(parts)
+    keep = None if scaling.keep_depth else kept_layers(data, aliases, settable, sum(parts.values()) or None)
     if keep is not None:
-        out.update(layer_overrides(data, aliases, keep, settable, lambda d: _scale_dict(d, sizes, hidden)))
+        out.update(layer_overrides(data, aliases, keep, settable, lambda d: _scale_dict(d, sizes, data)))
     rope = out.get("rope_parameters", data.get("rope_parameters"))
     multimodal_rope = "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())
     if multimodal_rope and isinstance(rope, dict) and "rope_type" in rope and not scaling.keep_widths:
@@ -249,6 +261,20 @@ _WIDTH_WORDS = ("size", "dim", "embd", "width", "d_model", "channels")
 _LAYER_LISTS = ("layer_types", "per_layer_config")
 
 
+def _depth_parts(data: dict, aliases: dict) -> dict[str, int]:
+    """Layer counts that add up to the depth (Dory's ``n_input_layers + n_recurrent_layers +
+    n_output_layers``), each cut to at most two; empty when the config has none."""
+    depth = depth_of(data, aliases)
+    parts = {
+        k: v
+        for k, v in data.items()
+        if k.endswith("layers") and k not in depth_keys(aliases) and isinstance(v, int) and not isinstance(v, bool)
+    }
+    if not depth or len(parts) < 2 or sum(parts.values()) != depth:
+        return {}
+    return {k: min(v, 2) for k, v in parts.items()}
+
+
 def _read(config, key):
     """``config.key``, or None (a per-layer attribute of a heterogeneous config raises on a global read)."""
     try:
@@ -276,16 +302,14 @@ def _derived_fields(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.default is None or f.default == "auto"}
 
 
-def _scale_dict(values: dict, sizes: dict, hidden) -> dict:
-    """A per-layer override (Gemma 4's wider global heads) with the recipe's sizes."""
-    out = {}
+def _scale_dict(values: dict, sizes: dict, data: dict) -> dict:
+    """A per-layer override (Gemma 4's global layers with heads twice as wide) scaled as the global
+    value it overrides was: still twice the tiny head."""
+    out = dict(values)
     for key, value in values.items():
-        if key in sizes and _scalar(value):
-            out[key] = sizes[key]
-        elif isinstance(value, int) and not isinstance(value, bool) and value >= 128 and isinstance(hidden, int):
-            out[key] = max(SIZES["head_dim"], round(value * sizes.get("hidden_size", hidden) / hidden))
-        else:
-            out[key] = value
+        full, tiny = data.get(key), sizes.get(key)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, full, tiny)) and full > 0:
+            out[key] = max(1, round(value * tiny / full))
     return out
 
 

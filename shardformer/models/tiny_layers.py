@@ -43,9 +43,10 @@ def _index_lists(data: dict, depth: int, settable) -> dict[str, list[int]]:
     return found
 
 
-def kept_layers(data: dict, aliases: dict, settable=lambda key: True) -> list[int] | None:
-    """The original indices of the layers a tiny copy keeps (at least two), or None when the model
-    has no per-layer schedule (then the first two layers are as good as any)."""
+def kept_layers(data: dict, aliases: dict, settable=lambda key: True, count: int | None = None) -> list[int] | None:
+    """The original indices of the layers a tiny copy keeps (at least two; ``count`` exactly, where
+    the config fixes the depth, filled with the first layers not kept yet), or None when the model has
+    no per-layer schedule (then the first two layers are as good as any)."""
     depth = depth_of(data, aliases)
     if not depth or depth <= 2:
         return None
@@ -59,9 +60,10 @@ def kept_layers(data: dict, aliases: dict, settable=lambda key: True) -> list[in
         kind = (*(str(v[i]) for v in lists), *(i in s for s in indexed), i in overridden)
         kinds.setdefault(kind, i)
     keep = sorted(kinds.values())
-    if len(keep) < 2:
-        keep = sorted({*keep, next(i for i in range(depth) if i not in keep)})
-    return keep
+    rest = (i for i in range(depth) if i not in keep)
+    while len(keep) < (count or 2):
+        keep = sorted({*keep, next(rest)})
+    return keep[:count] if count else keep
 
 
 def layer_overrides(data: dict, aliases: dict, keep: list[int], settable, scale) -> dict:
