@@ -26,7 +26,6 @@ FORMERLY_BROKEN = {
     "Qwen3NextForCausalLM": None,  # the first full-attention layer is the fourth
     "MambaForCausalLM": None,  # layer_types is a read-only property
     "XLNetForSequenceClassification": None,  # d_head computed from d_model // n_head
-    "ConvNextModel": None,  # num_hidden_layers is an alias of num_stages, the length of its stage lists
     "Gemma4ForCausalLM": None,  # heterogeneous per-layer config: head_dim per layer
 }
 

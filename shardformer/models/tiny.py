@@ -193,7 +193,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[key] = heads if value == full_heads else min(value, tp)
         elif key.endswith("heads") and value == full_heads or key.endswith("attention_heads"):
             out[key] = heads
-        elif key.endswith("heads") and isinstance(full_heads, int) and value > heads:
+        elif key.endswith("heads") and isinstance(full_heads, int) and heads < value < full_heads:
             # other head counts (LaraMini's linear-attention key heads) keep their ratio to the heads
             out[key] = max(1, value * heads // full_heads)
         elif key in _VISION:
@@ -208,6 +208,11 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         name = aliases.get(key, key)
         if name in data and not key.endswith("_id") and name not in _KV_HEADS and _scalar(data[name]):
             out[name] = value
+    if scaling.keep_widths:  # the recipe's own sizes (tiny_config's) give way to the user's widths
+        for key in SIZES.keys() - _COUNTS:
+            name = aliases.get(key, key)
+            if name in data and not key.endswith("_id") and settable(name) and name not in out:
+                out[name] = data[name]
     if "layer_types" in data and settable("layer_types"):
         out["layer_types"] = None
     parts = _depth_parts(data, aliases)
