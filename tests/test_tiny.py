@@ -48,7 +48,7 @@ def test_tiny_copy_runs(name):
     assert type(tiny) is type(config)
     _run(model_class, tiny)
     with torch.device("meta"):
-        assert sum(p.numel() for p in model_class(tiny).parameters()) <= MAX_PARAMS
+        assert sum(p.numel() for p in model_class(tiny).parameters()) <= MAX_PARAMS  # small, whichever scaling ran
 
 
 def test_one_layer_of_each_kind_is_kept():

@@ -17,7 +17,7 @@ import torch
 from shardformer.models.inputs import make_inputs
 from shardformer.models.tiny import fill_zero_matrices, tiny_copy_configs
 
-MAX_PARAMS = 40_000_000  # a scaling that keeps the user's widths is used only while the copy stays small
+MAX_PARAMS = 40_000_000  # the scalings that keep the user's widths are used only while the copy stays small
 
 
 class TinyCopyError(ValueError):
@@ -46,21 +46,21 @@ def _first_that_runs(model_class, config, tp, heads, inputs):
     except Exception as e:  # noqa: BLE001 - no small config the class accepts
         return TinyCopyError(f"a tiny {model_class.__name__} cannot be configured: {type(e).__name__}: {_short(e)}")
     for scaling, tiny in candidates:
-        error = run_error(model_class, tiny, inputs)
+        error = run_error(model_class, tiny, inputs, MAX_PARAMS if scaling.keep_widths else None)
         if error is None:
             return tiny
         tried.append(f"{scaling}: {error}")
     return TinyCopyError(f"a tiny {model_class.__name__} does not run ({'; '.join(tried)})")
 
 
-def run_error(model_class, config, inputs=make_inputs) -> str | None:
-    """Why ``model_class(config)`` cannot be built or run forward on ``inputs(model, seed)``, or None
-    (the caller's RNG left as it was)."""
+def run_error(model_class, config, inputs=make_inputs, max_params: int | None = None) -> str | None:
+    """Why ``model_class(config)`` cannot be built (or has more than ``max_params`` parameters) or run
+    forward on ``inputs(model, seed)``, or None (the caller's RNG left as it was)."""
     step = "build"
     try:
-        count = _meta_params(model_class, config)
-        if count > MAX_PARAMS:
-            return f"{count / 1e6:.0f}M parameters, more than a tiny copy may have ({MAX_PARAMS / 1e6:.0f}M)"
+        count = _meta_params(model_class, config) if max_params else 0
+        if max_params and count > max_params:
+            return f"{count / 1e6:.0f}M parameters, more than a copy that keeps the widths may have"
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = model_class(config)
