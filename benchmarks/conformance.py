@@ -8,8 +8,9 @@ runs (``shardformer.tools.verify.verify_on_this_rank``): the model sharded by wh
 ``shard_model`` takes (a family policy, the model's transformers tp plan: ``TpPlanPolicy``, or its
 traced structure: ``DerivedPolicy``) against its unsharded copy on outputs, loss, every gathered
 gradient, the weights and outputs after one SGD step and greedy ``generate``. One row per class:
-passed (max errors), refused (sharding refused, or a tiny model that cannot be built or does not run
-unsharded: why), failed (which check, and by how much) or error (anything else).
+passed (max errors), refused (sharding refused: why), failed (which check, and by how much), not
+tested (the tiny model cannot be built, does not run unsharded, or its class cannot be imported: why;
+no scaling of the recipe gave one that runs, ``shardformer.models.tiny_run``) or error (anything else).
 
 ``--plan-sweep`` (implied by ``--sdpa`` / ``--sequence-parallel``) runs the previous sweep instead:
 the causal LMs that ship a ``base_model_tp_plan``, saved and reloaded with ``from_pretrained`` and
@@ -55,6 +56,10 @@ ENCODER_MAPPINGS = (
     "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
 )
+# what a row's result can be; "not tested": no tiny copy of the class builds and runs unsharded (a
+# limit of the recipe, not a refusal of the library), counted apart from the library's refusals
+NOT_TESTED = "not tested"
+RESULTS = ("passed", "refused", "failed", NOT_TESTED, "error")
 ROW_TIMEOUT_EXIT = 75  # a rank's exit code when its row ran past --row-timeout
 ROWS_PER_SPAWN = 100
 
@@ -103,7 +108,7 @@ def task_rows(tasks=None, only=None) -> list[dict]:
                 row = {"task": task, "model_type": model_type, "class": class_name, "kind": ""}
                 try:
                     row["kind"] = _kind(getattr(tf, class_name).config_class)
-                except Exception as e:  # noqa: BLE001 - a missing optional backend: reported as refused
+                except Exception as e:  # noqa: BLE001 - a missing optional backend: reported as not tested
                     row["skip"] = f"class not importable: {type(e).__name__}: {str(e)[:160]}"
                 rows.append(row)
     return rows
@@ -150,15 +155,19 @@ class _Watchdog:
 
 
 def tiny_config_of(class_name: str):
-    """The class's default config scaled down for tp=2."""
+    """The class's default config scaled down for tp=2: the recipe's first scaling whose model runs
+    (``shardformer.models.tiny_run``); ``TinyCopyError`` when none does."""
     import transformers as tf
 
-    from shardformer.models.tiny import VOCAB, tiny_copy_config
+    from shardformer.models import inputs_for
+    from shardformer.models.tiny import VOCAB
+    from shardformer.models.tiny_run import runnable_tiny_config
 
-    config = getattr(tf, class_name).config_class()
+    model_class = getattr(tf, class_name)
+    config = model_class.config_class()
     if hasattr(config, "num_query_tokens") and getattr(config, "image_token_index", 0) is None:
         config.image_token_index = VOCAB + 1  # BLIP-2's checkpoints set one; its default config (None) cannot run
-    return tiny_copy_config(config, 2)
+    return runnable_tiny_config(model_class, config, 2, inputs=inputs_for)
 
 
 class TinyBuildError(Exception):
@@ -270,11 +279,11 @@ def _verify_job(rows, out_path, row_timeout):
             try:
                 tiny_config_of(row["class"])
             except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
-                _reason(row, "refused", f"no tiny config: {type(e).__name__}: {e}")
+                _reason(row, NOT_TESTED, f"no tiny copy that runs: {type(e).__name__}: {e}")
             else:
                 broken = unsharded_failure(row["class"])  # the tiny model itself: nothing to shard
                 if broken is not None:
-                    _reason(row, "refused", broken)
+                    _reason(row, NOT_TESTED, broken)
             if "result" not in row:
                 try:
                     report = verify_on_this_rank(functools.partial(build_tiny, row["class"]))
@@ -282,7 +291,7 @@ def _verify_job(rows, out_path, row_timeout):
                     dist.all_gather_object(reports, report)
                     classify(row, merge_reports(reports))
                 except TinyBuildError as e:
-                    _reason(row, "refused", str(e))
+                    _reason(row, NOT_TESTED, str(e))
                 except Exception as e:  # noqa: BLE001
                     last = traceback.format_exc().strip().splitlines()[-1]
                     _reason(row, "error", f"{type(e).__name__}: {last}", 300)
@@ -300,8 +309,7 @@ def _plan_job(rows, out_path, row_timeout, impl, sequence_parallel=False):
     import torch.distributed as dist
     import transformers as tf
 
-    from shardformer.models.tiny import tiny_config
-    from shardformer.tools.conformance import RefusedError, compare
+    from shardformer.tools.conformance import NotTestedError, RefusedError, compare
 
     for row in rows:
         row = dict(row)
@@ -309,9 +317,9 @@ def _plan_job(rows, out_path, row_timeout, impl, sequence_parallel=False):
         start = time.time()
         with _Watchdog(row_timeout):
             try:
-                config = tiny_config(getattr(tf, lm_name).config_class)
+                config = tiny_config_of(lm_name)  # the verify sweep's recipe: a tiny copy that runs
             except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
-                row.update(result="refused", reason=f"no tiny config: {type(e).__name__}: {str(e)[:160]}")
+                row.update(result=NOT_TESTED, reason=f"no tiny copy that runs: {type(e).__name__}: {str(e)[:300]}")
             else:
                 try:
                     r = compare(getattr(tf, lm_name), config, impl, sequence_parallel=sequence_parallel)
@@ -324,6 +332,8 @@ def _plan_job(rows, out_path, row_timeout, impl, sequence_parallel=False):
                         vocab_parallel=r.vocab_parallel_logits,
                         reason="; ".join(r.failures[:3]),
                     )
+                except NotTestedError as e:
+                    row.update(result=NOT_TESTED, reason=str(e)[:300])
                 except RefusedError as e:
                     row.update(result="refused", reason=str(e)[:300])
                 except Exception as e:  # noqa: BLE001
@@ -347,7 +357,7 @@ def run(rows, job=_verify_job, *job_args, row_timeout=300.0, progress=None):
     done: list[dict] = []
     for row in rows:
         if "skip" in row:
-            done.append({k: v for k, v in row.items() if k != "skip"} | {"result": "refused", "reason": row["skip"]})
+            done.append({k: v for k, v in row.items() if k != "skip"} | {"result": NOT_TESTED, "reason": row["skip"]})
             if progress is not None:
                 progress(done[-1])
     remaining = [r for r in rows if "skip" not in r]
@@ -416,7 +426,7 @@ def table(results, impl, sequence_parallel=False, plan_sweep=False) -> str:
     lines.append("")
 
     def counts(rows):
-        c = {k: sum(r["result"] == k for r in rows) for k in ("passed", "refused", "failed", "error")}
+        c = {k: sum(r["result"] == k for r in rows) for k in RESULTS}
         return f"{len(rows)} classes: " + ", ".join(f"{v} {k}" for k, v in c.items())
 
     for task in sorted({r.get("task", "") for r in results}, key=lambda t: order.get(t, 99)):

@@ -1,5 +1,6 @@
-"""``shard_model``: the one-liner. Picks the policy (the model family's, or one derived from
-transformers' own plan) and the layer stack (the family's anatomy), then lets the sharder cut."""
+"""``shard_model``: the one-liner. Picks the first route that proves exact on a tiny copy (the model
+family's policy, transformers' own plan, the derived cut: :mod:`shardformer.policies.routes`) and the
+layer stack (the family's anatomy), then lets the sharder cut."""
 
 from __future__ import annotations
 
@@ -8,28 +9,31 @@ import dataclasses
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
-from shardformer.core.record import build_mesh, sharding_of
+from shardformer.core.record import attach, sharding_of
+from shardformer.core.versions import warn_if_untested
 from shardformer.models import final_norm, layer_stack
-from shardformer.policies.auto import get_autopolicy
-from shardformer.policies.derived import prove
-from shardformer.policies.tp_plan import TpPlanPolicy
+from shardformer.policies.routes import candidate_routes, choose, route_of
 from shardformer.tensor_parallel.adapters import SeenThrough
 from shardformer.tensor_parallel.policy import Policy
-from shardformer.tensor_parallel.sharder import ModelSharder
 
 
 def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, policy: Policy | None = None) -> nn.Module:
     """Shard ``model`` in place for tensor parallelism and return it.
 
-    ``policy`` defaults to the built-in policy for the model's class (BERT, GPT-2, ViT, timm ViT),
-    else one derived from the model's transformers tensor-parallel plan, else one derived from the
-    model's structure and proven on a tiny copy of it first (exact, or refused with the first
-    diverging module). The sharded model records
-    how it was sharded in ``model.shardformer`` (a ShardedModelInfo).
+    With ``policy`` None the routes are tried in order: the built-in policy for the model's class
+    (BERT, GPT-2, ViT, timm ViT), the model's transformers tensor-parallel plan, a cut derived from
+    the model's structure. Each is proven on a tiny copy of the model before it is used (outputs,
+    loss and every gradient against the unsharded copy); the first exact one cuts the model, and when
+    none is, the model is refused naming each route's first diverging module. A library policy
+    passed as ``policy`` is proven the same way (refused, not replaced); your own Policy subclass is
+    used as written. ``ShardConfig(prove=False)`` skips the proofs (with a warning). The sharded
+    model records how it was sharded, the route and whether it was proven, in ``model.shardformer``
+    (a ShardedModelInfo).
 
     PEFT LoRA layers in the model (or a ``PeftModel``, whose wrapped model is sharded) are seen
     through: their base layers are cut by the policy, and their adapters the same way.
     """
+    warn_if_untested()  # once per process: a transformers or timm release the suite did not run on
     shard_config = shard_config or ShardConfig()
     target = _wrapped_model(model)
     adapters = SeenThrough.unwrap(target)  # PEFT's LoRA layers: the policy sees the layers they wrap
@@ -51,17 +55,9 @@ def _wrapped_model(model: nn.Module) -> nn.Module:
 
 
 def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, adapters: SeenThrough) -> nn.Module:
-    policy = policy or get_autopolicy(model)
-    sharder = ModelSharder(
-        model, policy, shard_config, layers=layer_stack(model), adapters=adapters, final_norm=final_norm(model)
-    )
-    if isinstance(policy, TpPlanPolicy) and shard_config.tensor_parallel_size > 1:
-        sharder.plan()  # every refusal first, before any collective
-        parts = policy.proven_parts()  # derived cuts: the whole model, or the towers a plan leaves whole
-        if parts:
-            mesh, _ = build_mesh(shard_config)  # once: the proof and the model use the same tp group
-            if mesh is not None:
-                sharder.shard_config = dataclasses.replace(shard_config, mesh=mesh)
-            for part in parts:
-                prove(model, sharder.shard_config, part)
-    return sharder.shard()
+    routes = candidate_routes(model) if policy is None else [route_of(policy, model)]
+    sharder_args = dict(layers=layer_stack(model), adapters=adapters, final_norm=final_norm(model))
+    sharder, route, proven = choose(model, shard_config, routes, sharder_args)
+    sharder.shard()
+    attach(model, dataclasses.replace(sharding_of(model), route=route.name, proven=proven))
+    return model

@@ -24,6 +24,7 @@ from shardformer.context_parallel import context_parallel_stage_forward
 from shardformer.core import comm
 from shardformer.core.config import PRECISIONS, EngineConfig
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
+from shardformer.core.record import sharding_of
 from shardformer.core.step_agreement import batch_fingerprint, check_agreement
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.data_parallel.fsdp import fully_shard_model, local_numel, through_root
@@ -33,7 +34,6 @@ from shardformer.pipeline.schedule import run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
-from shardformer.policies.auto import get_autopolicy
 from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.recompute import checkpoint_layers
 
@@ -117,7 +117,6 @@ class ParallelEngine:
         # Every check that can fail runs before the first collective.
         world = dist.get_world_size() if dist.is_initialized() else 1
         resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
-        self.policy = policy or get_autopolicy(model)
         self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
         if cfg.pp > 1:  # the split's sizes, paths and ties, before any process waits
             check_pipeline_spec(self.pipeline, model, cfg.pp, cfg.layers_per_stage)
@@ -128,7 +127,8 @@ class ParallelEngine:
         ):
             raise ValueError(f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, cp={cfg.cp}, dp={cfg.dp}")
         self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp)
-        self.model = shard_model(model, cfg.shard_config(self.mesh), self.policy)
+        self.model = shard_model(model, cfg.shard_config(self.mesh), policy)
+        self.policy = sharding_of(self.model).policy  # the route's (proven) or the one passed
         self._forward_agreement = self.model.shardformer.forward_agreement
         if self._forward_agreement is not None:  # checked per step below: shapes (the step agreement: values)
             self._forward_agreement.in_forward = self._forward_agreement.compare_values = False
@@ -147,7 +147,7 @@ class ParallelEngine:
         if cfg.zero_stage == 3:  # fp32 shards stay the master weights; FSDP2 casts them for compute
             device = next(self.model.parameters()).device
             grad_hooks = fully_shard_model(self.model, self._layer_list(self.model), self.mesh, device, cfg.precision)
-            self.stage_forward = through_root(self.stage_forward)
+            self.stage_forward = through_root(self.stage_forward, calls_the_model=whole)
         else:
             self.model.to(PRECISIONS[cfg.precision])
         first, last = self.mesh.is_first_stage, self.mesh.is_last_stage

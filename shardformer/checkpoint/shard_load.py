@@ -5,7 +5,8 @@ by its policy (the slicer cuts meta tensors like real ones, so every parameter g
 and then each rank reads just the rows or columns its ShardSpec names from the safetensors files
 (byte runs read with ``pread``, see :class:`SafetensorsReader`), so a rank's peak memory is about model / tp instead
 of the whole model. Tied weights stay one Parameter: it is materialised once and set under all its
-names. Buffers are built for real (they are small, and non-persistent ones are not in the files).
+names. Buffers are built for real (they are small, and non-persistent ones are not in the files);
+every buffer the files hold is then read from them, cut like the model cut it.
 """
 
 from __future__ import annotations
@@ -213,7 +214,13 @@ def materialize_from_safetensors(model: nn.Module, path: str, device=None) -> No
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(tensor), ([], tensor))[0].append(name)
-    todo = [(names, t) for names, t in groups.values() if t.device.type == "meta"]
+    # Meta tensors (parameters, empty-built buffers) and every persistent buffer the files hold: a buffer
+    # built for real (mBART's final_logits_bias, zeros) still carries the checkpoint's values.
+    todo = [
+        (names, t)
+        for names, t in groups.values()
+        if t.device.type == "meta" or not isinstance(t, nn.Parameter) and any(n in files for n in names)
+    ]
     missing = [names[0] for names, _ in todo if not any(n in files for n in names)]
     if missing:
         raise CheckpointError(f"{path} lacks the tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}; "
@@ -245,8 +252,8 @@ def materialize_from_safetensors(model: nn.Module, path: str, device=None) -> No
                 )
             if isinstance(tensor, nn.Parameter):
                 value = nn.Parameter(value, requires_grad=tensor.requires_grad)
-                if spec is not None:
-                    value.shard_spec = spec
+            if spec is not None:  # a cut buffer (final_logits_bias with a vocab-parallel head) keeps its layout
+                value.shard_spec = spec
             for name in names:
                 _set_tensor(model, name, value)
     finally:

@@ -75,6 +75,13 @@ class SplitMask:
     forward: Any  # the split forward this mask belongs to (counts the attention calls)
     _cache: dict = field(default_factory=dict)
     _caching: bool = True  # the forward's layers share the block masks; backward recomputes them
+    _dead: Any = False  # the query rows that see no key ([b, 1, n, 1]; None: none), once found
+
+    @property
+    def uniform_dead_rows(self) -> bool:
+        """Eager attention adds the dtype's minimum to masked scores, so a row that sees no key (left
+        padding) spreads evenly over every key of the sequence; sdpa gives it zeros, as the ring does."""
+        return self.original == "eager"
 
     def release(self) -> None:
         """End of the forward: keep no mask for backward (the ring's blocks are c x batch x n^2 bools,
@@ -96,27 +103,48 @@ class SplitMask:
             device=self.padding.device,
         )
 
-    def ring_block(self, source: int) -> torch.Tensor | None:
-        """This rank's queries against ``source``'s keys: ``[b, 1, n, n]`` bool (None: all True)."""
-        if source in self._cache:
-            return self._cache[source]
+    def _pattern(self, source: int) -> torch.Tensor:
+        """The model's mask of this rank's queries against ``source``'s keys: ``[b, 1, n, n]`` bool."""
         c, layout = self.layout.chunk, self.layout
         rows = [
             torch.cat([self._block(q, k, c, c) for k in layout.starts(source)], dim=-1)
             for q in layout.starts(layout.rank)
         ]
-        mask = torch.cat(rows, dim=-2)
+        return torch.cat(rows, dim=-2)
+
+    def dead_rows(self) -> torch.Tensor | None:
+        """Under eager's convention, this rank's query rows that see no key of the sequence."""
+        if self._dead is False:
+            dead = None
+            if self.uniform_dead_rows:
+                seen = torch.stack([self._pattern(s).any(-1) for s in range(self.layout.world)]).any(0)
+                dead = None if bool(seen.all()) else ~seen.unsqueeze(-1)
+            self._dead = dead  # tiny: kept for backward
+        return self._dead
+
+    def ring_block(self, source: int) -> torch.Tensor | None:
+        """This rank's queries against ``source``'s keys: ``[b, 1, n, n]`` bool (None: all True); a
+        dead row (:meth:`dead_rows`) sees every real key, with the constant score the ring gives it."""
+        if source in self._cache:
+            return self._cache[source]
+        mask = self._pattern(source)
+        dead = self.dead_rows()
+        if dead is not None:
+            real = self.layout.indices_of(source, mask.device) < self.layout.full_len
+            mask = mask | (dead & real)
         mask = None if bool(mask.all()) else mask
         if self._caching:
             self._cache[source] = mask
         return mask
 
     def full(self):
-        """The original implementation's mask over the whole padded sequence, in order (Ulysses)."""
+        """The original implementation's mask over the whole sequence, in order (Ulysses): its true
+        length, as the model sees it (the split's padding at the end is no key at all)."""
         if "full" not in self._cache:
-            n = self.layout.padded_len
+            n = self.layout.full_len
             kwargs = {**self.mask_kwargs, "batch_size": self.padding.shape[0], "q_length": n, "kv_length": n}
-            kwargs.update(q_offset=0, kv_offset=0, mask_function=self.mask_function, attention_mask=self.padding)
+            padding = self.padding[:, :n]
+            kwargs.update(q_offset=0, kv_offset=0, mask_function=self.mask_function, attention_mask=padding)
             self._cache["full"] = ALL_MASK_ATTENTION_FUNCTIONS[self.original](**kwargs)
         return self._cache["full"]
 
@@ -145,7 +173,7 @@ class SplitMask:
                 f"{', '.join(bad)} exactly; use context_parallel_mode='all_to_all' (or no attention dropout)"
             )
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = ring_attention(query, key, value, self.ring_block, scale, self.group)
+        out = ring_attention(query, key, value, self.ring_block, scale, self.group, self.dead_rows())
         return out.transpose(1, 2).contiguous(), None
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn as nn
 from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from shardformer.context_parallel.positions import position_rule, takes_position_ids
 
 # attention layer kinds whose masks transformers' create_*_mask functions describe
 MASKED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -16,9 +20,16 @@ def is_causal_lm(model: nn.Module) -> bool:
     return any(cls.__name__ in _CAUSAL_LM_CLASSES for cls in type(model).__mro__)
 
 
-def check_context_parallel(model: nn.Module, shard_config) -> str:
-    """Raise if ``model`` cannot run with the config's context parallelism; return the model's
-    attention implementation (the one attention falls back to when a forward is not split)."""
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    """What a model needs under context parallelism, found before anything is cut."""
+
+    original: str  # its attention implementation (attention falls back to it when a forward is not split)
+    positions: str | None  # how it derives position ids (a rule of positions.RULES; None: not known)
+
+
+def check_context_parallel(model: nn.Module, shard_config) -> ContextParallelPlan:
+    """Raise if ``model`` cannot run with the config's context parallelism; return its plan."""
     cp, mode = shard_config.context_parallel_size, shard_config.context_parallel_mode
     name = type(model).__name__
     why = None
@@ -42,6 +53,8 @@ def check_context_parallel(model: nn.Module, shard_config) -> str:
     elif set(getattr(text, "layer_types", None) or ()) - MASKED_LAYER_TYPES:
         kinds = sorted(set(text.layer_types) - MASKED_LAYER_TYPES)
         why = f"its layers of type {kinds} mix tokens outside attention (recurrent or convolutional state)"
+    elif not takes_position_ids(model):
+        why = "its forward takes no position_ids, so the split tokens cannot be given their positions in the sequence"
     elif config._attn_implementation not in ORIGINAL_IMPLEMENTATIONS:
         why = (
             f"it was loaded with attn_implementation={config._attn_implementation!r}; load it with "
@@ -57,4 +70,4 @@ def check_context_parallel(model: nn.Module, shard_config) -> str:
             f"{heads} heads, which tensor_parallel_size={tp} x context_parallel_size={cp} = {tp * cp} does not "
             f"divide; use context_parallel_mode='ring' (any head count) or other sizes"
         )
-    return config._attn_implementation
+    return ContextParallelPlan(config._attn_implementation, position_rule(model))

@@ -2,7 +2,8 @@
 cp rank and runs on this rank's tokens.
 
 A forward pre-hook splits the sequence inputs (:mod:`~shardformer.context_parallel.layout`), gives
-position ids from the GLOBAL positions (rotary and absolute embeddings see the true positions),
+position ids from the GLOBAL positions (the caller's, or those the model derives for the whole
+sequence: :mod:`~shardformer.context_parallel.positions`; rotary and absolute embeddings see the true positions),
 passes the whole padding mask (the attention masks are evaluated on global positions), and takes
 the labels out: they are shifted on the full sequence first (token ``t`` predicts ``t + 1`` even
 across a chunk boundary), then split. A forward hook computes the model's own loss on this rank's
@@ -14,8 +15,10 @@ Parameters see only this rank's tokens, so their gradients are summed over the c
 per parameter, in backward, unless an optimizer sums them itself (:meth:`ContextParallel.
 sum_grads_elsewhere`: ParallelEngine's ZeroOptimizer folds the sum into its gradient buckets, one
 all-reduce over cp per bucket and step instead of one per parameter and backward). A forward that
-continues a cache or asks for one (``generate``) is not split: every cp rank computes it whole,
-with the model's original attention.
+continues a cache or asks for one (``generate``), or keeps only the last logits (``logits_to_keep``:
+``generate(use_cache=False)``), is not split: every cp rank computes it whole, with the model's
+original attention. In training, a split forward's functional dropout draws from this cp rank's own
+stream (:mod:`~shardformer.context_parallel.rng`).
 
 Pipeline stages run parts of the model, mostly without its forward: there each stage's forward is
 wrapped (:func:`context_parallel_stage_forward`, ParallelEngine at pp > 1) to split its micro-batch
@@ -37,7 +40,9 @@ from transformers.masking_utils import find_packed_sequence_indices
 from shardformer.context_parallel.attention import IMPLEMENTATION, attach_state, register
 from shardformer.context_parallel.checks import is_causal_lm
 from shardformer.context_parallel.layout import ZigzagLayout, gather_split, layout_for, split_replicated
-from shardformer.core.comm import all_reduce, group_size, reduce_from_parallel
+from shardformer.context_parallel.positions import hook_rotary, pad_id, whole_positions
+from shardformer.context_parallel.rng import RankStream
+from shardformer.core.comm import all_reduce, group_rank, group_size, reduce_from_parallel
 from shardformer.core.record import sharding_of
 
 IGNORE = -100
@@ -52,15 +57,20 @@ class SplitForward:
     padding: torch.Tensor
     labels: torch.Tensor | None
     num_items: torch.Tensor | int | None
+    positions: torch.Tensor | None = None  # this rank's position ids, as passed to the model
+    whole_positions: torch.Tensor | None = None  # every token's (padded): what rotary embeddings see
     attention_calls: int = 0
     masks: list = field(default_factory=list)  # the SplitMasks this forward built (released at its end)
+    rotary_whole: set = field(default_factory=set)  # rotary modules now computing the whole sequence
 
 
 class ContextParallel:
     """The context-parallel state of one model (``sharding_of(model).context_parallel``)."""
 
-    def __init__(self, model: nn.Module, group, mode: str, original: str, gather_output: bool) -> None:
-        self.group, self.mode, self.original, self.gather_output = group, mode, original, gather_output
+    def __init__(self, model: nn.Module, group, mode: str, plan, gather_output: bool) -> None:
+        self.group, self.mode, self.original, self.gather_output = group, mode, plan.original, gather_output
+        self.position_rule, self.pad_id, self.name = plan.positions, pad_id(model), type(model).__name__
+        self.stream = RankStream(group_rank(group))  # functional dropout: each rank's tokens their own masks
         self.world = group_size(group)
         self.causal_lm = is_causal_lm(model)
         self.current: SplitForward | None = None  # set while a split forward runs
@@ -82,6 +92,7 @@ class ContextParallel:
         if self.stage_split:  # the last stage's model forward, on inputs split_stage split already
             return None
         self.current = None
+        self.stream.leave()  # a split forward that raised left its stream on
         bound = self._signature.bind_partial(*args, **kwargs).arguments
         for name, p in self._signature.parameters.items():
             if p.kind is inspect.Parameter.VAR_KEYWORD:
@@ -90,7 +101,8 @@ class ContextParallel:
         if torch.is_grad_enabled():
             if not split and self._summed_elsewhere:
                 raise ValueError(
-                    "context parallelism: a forward with a cache (past_key_values or use_cache=True) is not split, "
+                    "context parallelism: a forward with a cache (past_key_values or use_cache=True) or with "
+                    "logits_to_keep is not split, "
                     "so every cp rank computes the whole gradient, but this model's optimizer sums gradients over "
                     "the cp ranks (ParallelEngine); train without a cache (use_cache=False), or run it under "
                     "torch.no_grad()"
@@ -99,7 +111,9 @@ class ContextParallel:
             self._hook_new_parameters(model)
         if not split:
             return (), bound
-        return (), self._split(bound)
+        kw = self._split(bound)
+        self.stream.enter(model.training, self.current.padding.device)
+        return (), kw
 
     def after(self, model: nn.Module, _args, _kwargs, output):
         if self.stage_split:
@@ -107,6 +121,7 @@ class ContextParallel:
         current, self.current = self.current, None
         if current is None:
             return None
+        self.stream.leave()
         for mask in current.masks:
             mask.release()
         _check_attention_ran(model, current)
@@ -124,10 +139,12 @@ class ContextParallel:
         kw = self._split(dict(inputs))
         current = self.current
         self.stage_split = True
+        self.stream.enter(model.training, current.padding.device)
         try:
             yield kw, partial(self._finish, model, current=current)
             _check_attention_ran(model, current)
         finally:
+            self.stream.leave()
             self.stage_split, self.current = False, None
             for mask in current.masks:
                 mask.release()
@@ -169,7 +186,6 @@ class ContextParallel:
         refused = {
             "return_dict=False": kw.get("return_dict") is False,
             "output_attentions=True": bool(kw.get("output_attentions")),
-            f"logits_to_keep={kw.get('logits_to_keep')!r}": kw.get("logits_to_keep") not in (None, 0),
             "shift_labels": kw.get("shift_labels") is not None,
         }
         for key, value in kw.items():
@@ -197,8 +213,8 @@ class ContextParallel:
             )
         padding = torch.ones(batch, length, dtype=torch.bool, device=device) if mask is None else mask.bool()
         padding = layout.pad(padding, False)
-        if positions is None:
-            positions = torch.arange(length, device=device).unsqueeze(0)
+        if positions is None:  # the ones the model derives for the whole sequence
+            positions = whole_positions(self.position_rule, self.name, self.pad_id, ids, mask, batch, length, device)
         kw["position_ids"] = layout.take(positions)
         kw["attention_mask"] = padding  # whole: masks are evaluated at global positions
         for key in _SPLIT_IDS:
@@ -216,7 +232,7 @@ class ContextParallel:
             labels = layout.take(shifted, IGNORE)
         if "use_cache" in self._signature.parameters or _takes_kwargs(self._signature):
             kw["use_cache"] = False
-        self.current = SplitForward(layout, padding, labels, num_items)
+        self.current = SplitForward(layout, padding, labels, num_items, kw["position_ids"], layout.pad(positions))
         return kw
 
     # -- gradients ---------------------------------------------------------------------------------
@@ -236,8 +252,10 @@ class ContextParallel:
 
 def splits(arguments: dict) -> bool:
     """Whether a forward with these arguments (by keyword) runs split: it neither continues a cache
-    nor asks for one (a forward that does runs whole on every cp rank)."""
-    return arguments.get("past_key_values") is None and not arguments.get("use_cache")
+    nor asks for one, nor keeps only the last positions' logits (generate without a cache); such a
+    forward runs whole on every cp rank."""
+    cache = arguments.get("past_key_values", arguments.get("cache"))  # transformers 5.24 names it `cache`
+    return cache is None and not arguments.get("use_cache") and arguments.get("logits_to_keep") in (None, 0)
 
 
 def _check_attention_ran(model: nn.Module, current: SplitForward) -> None:
@@ -266,13 +284,18 @@ def context_parallel_stage_forward(stage_forward):
     return forward
 
 
-def apply_context_parallel(model: nn.Module, group, mode: str, original: str, gather_output: bool) -> ContextParallel:
-    """Install context parallelism on ``model`` (already sharded for tensor parallelism)."""
+def apply_context_parallel(model: nn.Module, group, mode: str, plan, gather_output: bool) -> ContextParallel:
+    """Install context parallelism on ``model`` (already sharded for tensor parallelism); ``plan``:
+    what :func:`~shardformer.context_parallel.checks.check_context_parallel` found."""
     register()
-    state = ContextParallel(model, group, mode, original, gather_output)
+    state = ContextParallel(model, group, mode, plan, gather_output)
     model.set_attn_implementation(IMPLEMENTATION)
     configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")}
+    for config in configs.values():  # modules holding their own copy (tp's per-module local configs)
+        if config._attn_implementation != IMPLEMENTATION:
+            config._attn_implementation = IMPLEMENTATION
     attach_state(configs.values(), state)
+    hook_rotary(model, state)
     model.register_forward_pre_hook(state.before, with_kwargs=True)
     model.register_forward_hook(state.after, with_kwargs=True)
     return state

@@ -32,8 +32,10 @@ def _fold_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.view(b, h // groups, groups, s, d).sum(2)
 
 
-def _scores(q, k, scale, mask):
+def _scores(q, k, scale, mask, dead):
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if dead is not None:  # eager's rows that see no key: one constant score for every key; backward's
+        s = s.masked_fill(dead, 0.0)  # softmax gradient then flows to q and k as through eager's additive mask
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
@@ -47,11 +49,13 @@ class RingAttention(torch.autograd.Function):
 
     ``block_mask(source_rank)`` gives the boolean mask ``[b, 1, n, n]`` of this rank's queries
     against ``source_rank``'s keys (None: every pair attends; a mask with no True is skipped).
+    ``dead`` ``[b, 1, n, 1]`` (or None): rows whose scores are one constant, so they spread evenly
+    over the keys their mask admits (eager attention's rows that see no key).
     Computed in float32, returned in q's dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, block_mask, scale, group):
+    def forward(ctx, q, k, v, block_mask, scale, group, dead=None):
         world, rank = group_size(group), group_rank(group)
         groups = q.shape[1] // k.shape[1]
         qf = q.float()
@@ -65,7 +69,7 @@ class RingAttention(torch.autograd.Function):
             mask = block_mask((rank - step) % world)
             if mask is None or bool(mask.any()):
                 kb, vb = (_expand_heads(t.float(), groups) for t in kv)
-                s = _scores(qf, kb, scale, mask)
+                s = _scores(qf, kb, scale, mask, dead)
                 block_lse = torch.logsumexp(s, dim=-1)
                 p = torch.exp(s - _finite(block_lse).unsqueeze(-1))
                 block_out = torch.matmul(p, vb)
@@ -77,13 +81,13 @@ class RingAttention(torch.autograd.Function):
                 handle.wait()
                 kv = tuple(nxt)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.block_mask, ctx.scale, ctx.group = block_mask, scale, group
+        ctx.block_mask, ctx.scale, ctx.group, ctx.dead = block_mask, scale, group, dead
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        block_mask, scale, group = ctx.block_mask, ctx.scale, ctx.group
+        block_mask, scale, group, dead = ctx.block_mask, ctx.scale, ctx.group, ctx.dead
         world, rank = group_size(group), group_rank(group)
         groups = q.shape[1] // k.shape[1]
         qf, do = q.float(), grad_out.float()
@@ -96,7 +100,7 @@ class RingAttention(torch.autograd.Function):
             mask = block_mask((rank - step) % world)
             if mask is None or bool(mask.any()):
                 kb, vb = (_expand_heads(t.float(), groups) for t in kv)
-                p = torch.exp(_scores(qf, kb, scale, mask) - lse)  # masked pairs: exp(-inf) = 0
+                p = torch.exp(_scores(qf, kb, scale, mask, dead) - lse)  # masked pairs: exp(-inf) = 0
                 dv = torch.matmul(p.transpose(-1, -2), do)
                 ds = p * (torch.matmul(do, vb.transpose(-1, -2)) - delta)
                 dq = dq + torch.matmul(ds, kb) * scale
@@ -111,8 +115,8 @@ class RingAttention(torch.autograd.Function):
                 dkv = tuple(received[:2])
                 if step + 1 < world:
                     kv = tuple(received[2:])
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, block_mask, scale, group) -> torch.Tensor:
-    return RingAttention.apply(q, k, v, block_mask, scale, group)
+def ring_attention(q, k, v, block_mask, scale, group, dead=None) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, block_mask, scale, group, dead)

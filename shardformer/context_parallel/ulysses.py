@@ -11,8 +11,11 @@ first, and the attention function is told every query head has its own.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from shardformer.core.comm import all_to_all, group_size
+from shardformer.core.comm import all_to_all, group_rank, group_size
+
+PER_HEAD_ARGUMENTS = ("s_aux",)  # attention arguments with one value per query head (GPT-OSS's sinks)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -50,23 +53,24 @@ def _heads_to_seq(y: torch.Tensor, layout, group) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, cp * hl, n, d)
 
 
-class _EveryHeadItsOwn:
-    """The attention module as the attention function sees it once key/value heads were repeated
-    for the query heads: one key/value head per query head (nothing left to repeat)."""
+class _SeenAs:
+    """The attention module as the attention function sees it on this rank, with some attributes
+    changed: one key/value head per query head once they were repeated (nothing left to repeat),
+    this rank's heads' sinks (GPT-OSS's eager attention reads ``module.sinks``)."""
 
-    num_key_value_groups = 1
-
-    def __init__(self, module) -> None:
+    def __init__(self, module, **changed) -> None:
         object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_changed", changed)
 
     def __getattr__(self, name):
-        return getattr(self._module, name)
+        changed = object.__getattribute__(self, "_changed")
+        return changed[name] if name in changed else getattr(self._module, name)
 
 
 def ulysses_attention(module, q, k, v, full_mask, attend, layout, group, **kwargs):
     """Attention of this rank's tokens over the whole sequence (transformers' output layout
     ``[b, n, h, d]``). ``attend`` is the model's own attention function, ``full_mask`` its mask over
-    the whole (padded) sequence in order."""
+    the whole sequence in order (its true length)."""
     cp = group_size(group)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % cp != 0:
@@ -75,10 +79,22 @@ def ulysses_attention(module, q, k, v, full_mask, attend, layout, group, **kwarg
             f"{type(module).__name__} has {heads} query heads on this rank (after tensor parallelism); use "
             f"context_parallel_mode='ring', or sizes with heads divisible by tensor_parallel_size x context_parallel_size"
         )
+    changed = {}
     if kv_heads % cp != 0:
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-        module = _EveryHeadItsOwn(module)
-    q, k, v = (_seq_to_heads(t, layout, group) for t in (q, k, v))
-    out, _ = attend(module, q, k, v, full_mask, **kwargs)
-    out = _heads_to_seq(out.transpose(1, 2), layout, group)
+        changed["num_key_value_groups"] = 1
+    # the split's padding at the end is cut: the model's attention sees the sequence it would see
+    q, k, v = (_seq_to_heads(t, layout, group).narrow(2, 0, layout.full_len) for t in (q, k, v))
+    # per-head values (GPT-OSS's sinks) narrowed to this rank's heads; the other heads' gradient is
+    # zero here, and the cp ranks' gradients are summed as for every parameter
+    first, local = group_rank(group) * (heads // cp), heads // cp
+    for name in PER_HEAD_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = kwargs[name].narrow(0, first, local)
+    sinks = getattr(module, "sinks", None)
+    if torch.is_tensor(sinks) and sinks.dim() == 1 and sinks.shape[0] == heads:
+        changed["sinks"] = sinks.narrow(0, first, local)
+    out, _ = attend(_SeenAs(module, **changed) if changed else module, q, k, v, full_mask, **kwargs)
+    out = F.pad(out.transpose(1, 2), (0, 0, 0, layout.padded_len - layout.full_len))
+    out = _heads_to_seq(out, layout, group)
     return out.transpose(1, 2).contiguous()

@@ -154,6 +154,10 @@ class ShardConfig:
     mesh:
         an existing :class:`~shardformer.ProcessMesh` to shard over (its tp group); default: one is
         built from the sizes when the model is sharded.
+    prove:
+        prove the route's cut on a tiny copy of the model before cutting it (the default; about a
+        second once per model class, architecture and tp). False uses the first route that resolves,
+        unproven, with a warning: only for a model you have checked with ``shardformer verify``.
     """
 
     tensor_parallel_size: int = 1
@@ -166,6 +170,7 @@ class ShardConfig:
     sequence_parallel: bool = False
     sequence_parallel_regather: bool = True
     overlap_communication: bool = True
+    prove: bool = True
     context_parallel_size: int = 1
     context_parallel_mode: str = "ring"
     mesh: Any = field(default=None, repr=False)
@@ -189,7 +194,7 @@ class ShardConfig:
         _check_fields(
             self,
             check_bool,
-            ("gather_output", "sequence_parallel", "sequence_parallel_regather", "overlap_communication"),
+            ("gather_output", "sequence_parallel", "sequence_parallel_regather", "overlap_communication", "prove"),
         )
         check_int("ShardConfig.seed", self.seed)
         check_choice("ShardConfig.context_parallel_mode", self.context_parallel_mode, CP_MODES)
@@ -243,6 +248,7 @@ SHARD_FIELDS = (
     "sequence_parallel",
     "sequence_parallel_regather",
     "overlap_communication",
+    "prove",
 )
 
 
@@ -277,7 +283,7 @@ class EngineConfig:
     micro-batch, as soon as its gradients are final (exact either way; False: all at the step).
     overlap_p2p: the "p2p" schedules post each receive one schedule step early, so activations and
     gradients arrive while the stage computes (every micro-batch of a step must give one shape).
-    gather_output, vocab_pad_multiple, overlap_communication: as ShardConfig's (same defaults);
+    gather_output, vocab_pad_multiple, overlap_communication, prove: as ShardConfig's (same defaults);
     :meth:`shard_config` passes them, with the sizes, seed and sequence_parallel, to the model's sharding.
     """
 
@@ -305,6 +311,7 @@ class EngineConfig:
     gather_output: bool = ShardConfig.gather_output
     vocab_pad_multiple: int = ShardConfig.vocab_pad_multiple
     overlap_communication: bool = ShardConfig.overlap_communication
+    prove: bool = ShardConfig.prove
 
     def __post_init__(self) -> None:
         _check_fields(self, check_positive_int, ("tp", "pp", "cp", "num_microbatches", "vocab_pad_multiple"))
@@ -315,7 +322,7 @@ class EngineConfig:
             self,
             check_bool,
             ("activation_checkpointing", "sequence_parallel", "sequence_parallel_regather", "compile",
-             "overlap_grad_reduce", "overlap_p2p", "gather_output", "overlap_communication"),
+             "overlap_grad_reduce", "overlap_p2p", "gather_output", "overlap_communication", "prove"),
         )  # fmt: skip
         backends = torch._dynamo.list_backends(None)
         if not isinstance(self.compile_backend, str) or self.compile_backend not in backends:

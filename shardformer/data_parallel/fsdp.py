@@ -92,14 +92,35 @@ def fully_shard_model(
     return out
 
 
-def through_root(stage_forward: Callable) -> Callable:
+def through_root(stage_forward: Callable, calls_the_model: bool = False) -> Callable:
     """``stage_forward(model, hidden, inputs)`` run as the call of ``model`` itself: a stage forward
     calls submodules directly, but FSDP2's root hooks (lazy set-up, gathering the root's own
-    parameters, the end-of-backward reshard and gradient wait) run only when the root is called."""
+    parameters, the end-of-backward reshard and gradient wait) run only when the root is called.
+
+    ``calls_the_model``: the stage forward is the model's own call (pp=1 without a hand-written
+    stage forward: plan and derived routes, PEFT), which runs the root's hooks already; installing
+    it as the model's forward would make it call itself forever."""
 
     def run(model: nn.Module, hidden, inputs: dict):
+        if calls_the_model:
+            out = stage_forward(model, hidden, inputs)
+            if not torch.is_grad_enabled():
+                reshard(model)
+            return out
         saved = model.__dict__.get("forward")
-        model.forward = lambda **kwargs: stage_forward(model, hidden, kwargs)
+        entered = []
+
+        def as_root(**kwargs):
+            if entered:  # a stage forward that calls the whole model on some stages: say so, not RecursionError
+                raise NotImplementedError(
+                    f"zero_stage=3: the stage forward {getattr(stage_forward, '__name__', stage_forward)!r} calls "
+                    f"the whole {type(model).__name__} itself, which ZeRO-3 cannot wrap in a pipeline stage yet; "
+                    f"use zero_stage=1 or 2, or pipeline_parallel_size=1"
+                )
+            entered.append(True)
+            return stage_forward(model, hidden, kwargs)
+
+        model.forward = as_root
         try:
             out = model(**inputs)
         finally:

@@ -52,11 +52,6 @@ class ShardedLoraLinear(LoraLinear):
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         self.fan_in_fan_out = self.get_base_layer().reversed  # Conv1D's [in, out] layout, whatever the config says
 
-    def _get_in_out_features(self, module):
-        if isinstance(module, (Linear1D_Col, Linear1D_Row)):
-            return module.in_features, module.out_features  # the full sizes: PEFT builds the full adapter
-        return super()._get_in_out_features(module)
-
     def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs) -> None:
         base = self.get_base_layer()
         init = config.init_lora_weights
@@ -72,6 +67,13 @@ class ShardedLoraLinear(LoraLinear):
         )  # fmt: skip
         if reason is not None:
             raise ValueError(f"LoRA on {kwargs.get('target_name') or type(base).__name__} cannot be sharded: {reason}")
+        # PEFT takes a layer's sizes from its in_features / out_features (the full sizes on ours): the
+        # full adapter it builds is cut right after
+        if (self.in_features, self.out_features) != (base.in_features, base.out_features):
+            raise RuntimeError(
+                f"PEFT sized the adapter of {type(base).__name__} {self.in_features} x {self.out_features}, not its full "
+                f"{base.in_features} x {base.out_features}: this PEFT release reads a layer's sizes differently"
+            )
         super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         cut_adapter(self, adapter_name, base.process_group)
 

@@ -14,7 +14,8 @@ changes exactly those places and leaves the rest of Trainer as it is:
   and each example once (gathered over dp ranks only, as tp ranks hold the same values);
 - ``save_model`` and checkpoints write a plain HuggingFace folder through shardformer's export, plus
   one optimizer and RNG file per rank; ``resume_from_checkpoint`` restores model, optimizer, scheduler
-  and every RNG (the tp dropout generators too) exactly.
+  and every RNG (the tp dropout generators too) exactly; ``load_best_model_at_end`` restores the best
+  checkpoint the same way.
 
 Pipeline stages cannot run under Trainer's loop: such a model is refused before the first step.
 """
@@ -240,6 +241,11 @@ class ShardedTrainer(Trainer):
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # the adapter: PEFT loads it
             return
         load_pretrained_into(root, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        # load_best_model_at_end: Trainer would load_state_dict the whole tensors into this rank's
+        # slices; the best checkpoint is a folder resume reads, so it is read the same way.
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
 
 
 def _all_gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:

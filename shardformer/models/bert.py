@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 import transformers as tf
-from transformers.modeling_outputs import MaskedLMOutput
 from transformers.models.bert import modeling_bert as hf
 
 from shardformer.models import ModelFamily
 from shardformer.models.tiny import tiny_config
-from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
+from shardformer.pipeline.spec import PipelineSpec, stage_of
+from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
 from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng
 from shardformer.tensor_parallel.lm_head import forward_like, token_loss, with_loss
@@ -131,30 +131,19 @@ class BertLMHeadModelPolicy(BertMLMPolicy):
 
 
 def bert_mlm_stage_forward(model, hidden, inputs):
-    """One pipeline stage of BertForMaskedLM on a micro-batch."""
-    b = model.bert
+    """One pipeline stage of BertForMaskedLM on a micro-batch: BERT's own forward (the whole model's on
+    the last stage, head and loss included), its embeddings answering with the received hidden states
+    after the first stage; the attention mask is built as BertModel builds it, on every stage."""
     stage, num_stages = stage_of(model)
-    if stage == 0:
-        hidden = b.embeddings(
-            input_ids=inputs.get("input_ids"),
-            token_type_ids=inputs.get("token_type_ids"),
-            position_ids=inputs.get("position_ids"),
-        )
-    mask, _ = b._create_attention_masks(
-        attention_mask=inputs.get("attention_mask"),
-        encoder_attention_mask=None,
-        embedding_output=hidden,
-        encoder_hidden_states=None,
-        past_key_values=None,
-    )
-    for layer in local_layers(model, b.encoder.layer):
-        hidden = layer(hidden, mask)
-    if stage < num_stages - 1:
-        return hidden
-    logits = model.cls(hidden)
-    labels = inputs.get("labels")
-    loss = None if labels is None else token_loss(logits, labels, model.cls.predictions.decoder)
-    return MaskedLMOutput(loss=loss, logits=logits)
+    feed = {
+        k: inputs[k]
+        for k in ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids", "position_ids")
+        if inputs.get(k) is not None
+    }
+    with stage_view(model, {} if stage == 0 else {"bert.embeddings": Returns(hidden)}):
+        if stage < num_stages - 1:
+            return model.bert(**feed).last_hidden_state
+        return own_forward(model)(**feed, labels=inputs.get("labels"))
 
 
 FAMILY = ModelFamily(

@@ -5,15 +5,13 @@ forward, and the tiny / named builds."""
 
 from __future__ import annotations
 
-import torch
 import transformers as tf
-from transformers.masking_utils import create_causal_mask
-from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 from transformers.models.gpt2 import modeling_gpt2 as hf
 
 from shardformer.models import ModelFamily
 from shardformer.models.tiny import tiny_config
-from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
+from shardformer.pipeline.spec import PipelineSpec, stage_of
+from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
 from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng
 from shardformer.tensor_parallel.lm_head import forward_like, token_loss, with_loss
@@ -111,34 +109,22 @@ class VocabParallelGPT2DoubleHeadsModel(hf.GPT2DoubleHeadsModel):
 
 
 def gpt2_lm_stage_forward(model, hidden, inputs):
-    """One pipeline stage of GPT2LMHeadModel on a micro-batch."""
-    t = model.transformer
+    """One pipeline stage of GPT2LMHeadModel on a micro-batch: GPT-2's own forward (the whole model's
+    on the last stage, head and loss included). After the first stage it runs on ``inputs_embeds``,
+    ``wpe`` and the embedding dropout answering with the received hidden states: the embedding sum
+    and its dropout were the first stage's, the position ids and causal mask are built again."""
     stage, num_stages = stage_of(model)
-    ids = inputs.get("input_ids")
-    seq = ids.shape[-1] if ids is not None else hidden.shape[1]
-    position_ids = inputs.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(seq, device=(ids if ids is not None else hidden).device).unsqueeze(0)
+    extra = {k: inputs[k] for k in ("attention_mask", "position_ids") if inputs.get(k) is not None}
     if stage == 0:
-        hidden = t.wte(ids) + t.wpe(position_ids)
-        if inputs.get("token_type_ids") is not None:
-            hidden = hidden + t.wte(inputs["token_type_ids"])
-        hidden = t.drop(hidden)
-    mask = inputs.get("attention_mask")
-    if mask is not None and mask.ndim < 4:
-        mask = mask.view(hidden.shape[0], -1)
-    mask = create_causal_mask(
-        config=t.config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None, position_ids=position_ids
-    )
-    for block in local_layers(model, t.h):
-        hidden = block(hidden, None, mask, None, use_cache=False, position_ids=position_ids)
-    if stage < num_stages - 1:
-        return hidden
-    logits = model.lm_head(t.ln_f(hidden))
-    loss = None
-    if inputs.get("labels") is not None:
-        loss = model.loss_function(logits, inputs["labels"], vocab_size=model.config.vocab_size)
-    return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+        feed = {k: inputs[k] for k in ("input_ids", "inputs_embeds", "token_type_ids") if inputs.get(k) is not None}
+        stand_ins = {}
+    else:
+        feed = {"inputs_embeds": hidden}
+        stand_ins = dict.fromkeys(("transformer.wpe", "transformer.drop"), Returns(hidden))
+    with stage_view(model, stand_ins):
+        if stage < num_stages - 1:
+            return model.transformer(**feed, **extra, use_cache=False).last_hidden_state
+        return own_forward(model)(**feed, **extra, labels=inputs.get("labels"), use_cache=False)
 
 
 FAMILY = ModelFamily(

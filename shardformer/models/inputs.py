@@ -53,6 +53,9 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
     elif name.endswith("ForTokenClassification"):
         x["labels"] = torch.randint(0, config.num_labels, (batch, SEQ), generator=g)
+    elif name.endswith("ForMultipleChoice") and ids is not None:  # [batch, choices, seq]: two choices
+        x["input_ids"] = torch.stack([ids, ids.roll(1, dims=-1)], dim=1)
+        x["labels"] = torch.randint(0, 2, (batch,), generator=g)
     return x
 
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from shardformer.models import ModelFamily
 from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
+from shardformer.pipeline.stage_view import own_forward, stage_view
 from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, divide
 
@@ -69,10 +70,12 @@ class TimmViTPolicy(Policy):
 
 def timm_vit_stage_forward(model, hidden, inputs):
     """One pipeline stage of timm's VisionTransformer (input ``x``); returns logits: the engine needs
-    a loss_fn."""
+    a loss_fn. The first stage runs the model's own ``forward_features`` (patch and position
+    embeddings, its blocks); later stages their blocks, and the last ``norm`` and ``forward_head``."""
     stage, num_stages = stage_of(model)
     if stage == 0:
-        hidden = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(inputs["x"]))))
+        with stage_view(model):
+            return own_forward(model)(inputs["x"]) if num_stages == 1 else model.forward_features(inputs["x"])
     for block in local_layers(model, model.blocks):
         hidden = block(hidden)
     if stage < num_stages - 1:

@@ -8,6 +8,13 @@ of 99 (odd: vocabulary padding is exercised), no dropout. Sizes that a config de
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
+
+from shardformer.models.tiny_layers import depth_keys, depth_of, kept_layers, layer_overrides
+
 VOCAB = 99
 SIZES = {
     "vocab_size": VOCAB,
@@ -58,7 +65,7 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
             kwargs[key] = 0.0
     if "qk_rope_head_dim" in defaults:  # multi-head latent attention: no grouped heads, rotates head_dim
         kwargs.update({k: v for k, v in _MLA.items() if k in defaults})
-    if "layer_types" in defaults:
+    if "layer_types" in defaults and _settable(config_class, "layer_types"):
         kwargs["layer_types"] = None  # recomputed for num_hidden_layers
     for key, value in _FIT_TWO_LAYERS.items():
         if key in defaults:
@@ -66,7 +73,13 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
     kwargs.update(overrides)
     config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
     types = getattr(config, "layer_types", None)
-    if "layer_types" not in overrides and isinstance(types, list) and types and "full_attention" not in types:
+    if (
+        "layer_types" not in overrides
+        and _settable(config_class, "layer_types")
+        and isinstance(types, list)
+        and types
+        and "full_attention" not in types
+    ):
         kwargs["layer_types"] = [*types[:-1], "full_attention"]  # a cache-holding attention layer for generate
         config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
     return config
@@ -93,57 +106,126 @@ def tiny_copy_config(config, tp: int = 2, heads: int | None = None, special: dic
 
     Sizes the recipe knows get its values; other widths are scaled like the hidden size (an
     ``ffn_dim`` of 4 hidden stays 4 hidden); positions become 64; token ids stay inside the vocabulary;
-    sub-configs (a vision and a text tower) are scaled the same way. Special tokens outside the
-    vocabulary (an image, a vision-start token) get distinct ids at its top (:func:`_special_ids`).
+    sub-configs (a vision and a text tower) are scaled the same way; one layer of each kind the
+    model has is kept (:mod:`.tiny_layers`). Special tokens outside the vocabulary (an image, a
+    vision-start token) get distinct ids at its top (:func:`_special_ids`).
+
+    The first of :func:`tiny_copy_configs` that the config class accepts; a config that builds is not
+    yet a model that runs: :func:`shardformer.models.tiny_run.runnable_tiny_config` tries them all.
     """
+    return next(tiny_copy_configs(config, tp, heads, special))[1]
+
+
+# gentler ways to scale a config down, tried in order when a tiny copy cannot be built or does not run
+@dataclass(frozen=True)
+class Scaling:
+    recompute: bool = False  # sizes the config derives from others (defaults None or "auto") recomputed
+    keep_depth: bool = False  # every layer (a schedule of layer indices two layers cannot hold)
+    keep_widths: bool = False  # only depth, vocabulary, positions and experts scaled down
+
+    def __str__(self) -> str:
+        named = [n.replace("_", " ") for n in ("recompute", "keep_depth", "keep_widths") if getattr(self, n)]
+        return ", ".join(named) or "scaled"
+
+
+SCALINGS = (
+    Scaling(),
+    Scaling(recompute=True),
+    Scaling(keep_depth=True),
+    Scaling(recompute=True, keep_depth=True),
+    Scaling(keep_widths=True),
+    Scaling(keep_widths=True, keep_depth=True),
+)
+
+
+def tiny_copy_configs(config, tp: int = 2, heads: int | None = None, special: dict | None = None):
+    """``(scaling, config)`` for each of :data:`SCALINGS` whose small config the config class accepts,
+    in order; raises the first scaling's error when none is accepted."""
     special = _special_ids(config.to_dict()) if special is None else special
+    first, built = None, False
+    for scaling in SCALINGS:
+        try:
+            tiny = _scaled(config, tp, heads, special, scaling)
+        except Exception as e:  # noqa: BLE001 - a config class refusing these sizes: the next scaling
+            first = first or e
+        else:
+            built = True
+            yield scaling, tiny
+    if not built:
+        raise first
+
+
+def _scaled(config, tp, heads, special, scaling: Scaling):
     heads = heads or max(4, 2 * tp)
     sizes = dict(SIZES, num_attention_heads=heads, hidden_size=heads * SIZES["head_dim"])
     sizes["intermediate_size"] = 2 * sizes["hidden_size"]
+    if scaling.keep_widths:
+        sizes = {k: v for k, v in sizes.items() if k in _COUNTS}
     data = config.to_dict()
-    aliases = getattr(type(config), "attribute_map", {})
+    cls = type(config)
+    aliases = getattr(cls, "attribute_map", {})
+    settable = functools.partial(_settable, cls)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = getattr(text, "hidden_size", None)
-    full_heads = getattr(text, "num_attention_heads", None)
+    hidden = _read(text, "hidden_size")
+    full_heads = _read(text, "num_attention_heads")
     out = {}
     for key, value in data.items():
-        sub = getattr(config, key, None)
+        sub = _read(config, key)
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type") and sub is not config:
-            out[key] = tiny_copy_config(sub, tp, heads, special).to_dict()
+            out[key] = _scaled(sub, tp, heads, special, scaling).to_dict()
         elif isinstance(value, float) and any(w in key for w in _DROPOUT_WORDS):
             out[key] = 0.0
-        elif isinstance(value, dict) and isinstance(value.get("mrope_section"), list):
+        elif isinstance(value, dict) and isinstance(value.get("mrope_section"), list) and not scaling.keep_widths:
             out[key] = dict(value, mrope_section=_sections(value["mrope_section"], _rotary_pairs(data, value)))
-        elif key.endswith("out_hidden_size") and isinstance(value, int):  # a tower's output: the text's width
-            out[key] = sizes["hidden_size"]
         elif not isinstance(value, int) or isinstance(value, bool):
             continue
+        elif key.endswith(_ID_WORDS):
+            out[key] = value if 0 <= value < VOCAB else special.get(value, SIZES["eos_token_id"])
+        elif key.endswith("layers") and value > 2:
+            out[key] = 2
+        elif any(w in key for w in _POSITION_WORDS) and value > 64:
+            out[key] = 64
+        elif scaling.keep_widths:
+            continue
+        elif key.endswith("out_hidden_size"):  # a tower's output: the text's width
+            out[key] = sizes["hidden_size"]
         elif key in _KV_HEADS:
             out[key] = heads if value == full_heads else min(value, tp)
         elif key.endswith("heads") and value == full_heads or key.endswith("attention_heads"):
             out[key] = heads
-        elif key.endswith("layers") and value > 2:
-            out[key] = 2
+        elif key.endswith("heads") and isinstance(full_heads, int) and heads < value < full_heads:
+            # other head counts (LaraMini's linear-attention key heads) keep their ratio to the heads
+            out[key] = max(1, value * heads // full_heads)
         elif key in _VISION:
             out[key] = min(value, _VISION[key])
-        elif key.endswith(_ID_WORDS):
-            out[key] = value if 0 <= value < VOCAB else special.get(value, SIZES["eos_token_id"])
-        elif any(w in key for w in _POSITION_WORDS) and value > 64:
-            out[key] = 64
+        elif value == hidden and any(w in key for w in _WIDTH_WORDS):  # a pooler's, a projection's width
+            out[key] = sizes["hidden_size"]
         elif value >= 128 and isinstance(hidden, int):
             width = max(SIZES["head_dim"], round(value * sizes["hidden_size"] / hidden))
             # a tower's own width (Qwen2-VL's vision embed_dim beside a wider hidden_size) holds heads too
             out[key] = width if width % heads == 0 else -(-width // (2 * heads)) * 2 * heads
     for key, value in sizes.items():
         name = aliases.get(key, key)
-        if name in data and not key.endswith("_id") and name not in _KV_HEADS:
+        if name in data and not key.endswith("_id") and name not in _KV_HEADS and _scalar(data[name]):
             out[name] = value
-    if "layer_types" in data:
+    if scaling.keep_widths:  # the recipe's own sizes (tiny_config's) give way to the user's widths
+        for key in SIZES.keys() - _COUNTS:
+            name = aliases.get(key, key)
+            if name in data and not key.endswith("_id") and settable(name) and name not in out:
+                out[name] = data[name]
+    if "layer_types" in data and settable("layer_types"):
         out["layer_types"] = None
+    parts = _depth_parts(data, aliases)
+    if parts and not scaling.keep_depth:  # Dory's input, recurrent and output layers add up to the depth
+        out.update(parts)
+    keep = None if scaling.keep_depth else kept_layers(data, aliases, settable, sum(parts.values()) or None)
+    if keep is not None:
+        out.update(layer_overrides(data, aliases, keep, settable, lambda d: _scale_dict(d, sizes, data)))
     rope = out.get("rope_parameters", data.get("rope_parameters"))
-    multimodal_rope = "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ())
-    if multimodal_rope and isinstance(rope, dict) and "rope_type" in rope:  # one flat set, not one per layer type
-        # the model's default sections (Qwen2-VL's [16, 24, 24]) fit its full head only
+    multimodal_rope = "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())
+    if multimodal_rope and isinstance(rope, dict) and "rope_type" in rope and not scaling.keep_widths:
+        # one flat set, not one per layer type; the model's default sections (Qwen2-VL's [16, 24, 24])
+        # fit its full head only
         out["rope_parameters"] = {"mrope_section": _sections([1, 2, 1], _rotary_pairs(data, rope))} | rope
     if data.get("is_encoder_decoder") and data.get("decoder_start_token_id") is None:
         # generation settings live apart from the config in transformers 5; the decoder's first
@@ -152,11 +234,88 @@ def tiny_copy_config(config, tp: int = 2, heads: int | None = None, special: dic
     for key, value in _FIT_TWO_LAYERS.items():
         if key in data:
             out[key] = value
+    base = {k: v for k, v in data.items() if settable(k)}
+    if scaling.recompute:
+        base = {k: v for k, v in base.items() if k in out or k not in _derived_fields(cls)}
+    if scaling.keep_depth:
+        depth = {k for k in data if k.endswith("layers") or k in _FIT_TWO_LAYERS or k in _LAYER_LISTS}
+        out = out | {k: data[k] for k in depth if k in base}
     try:
-        return tiny_config(type(config), base=data, **out)
+        return tiny_config(cls, base=base, **out)
     except Exception:  # noqa: BLE001 - a per-layer schedule that two layers cannot hold: keep the depth
-        depth = {k for k in data if k.endswith("layers") or k in _FIT_TWO_LAYERS or k == "layer_types"}
-        return tiny_config(type(config), base=data, **(out | {k: data[k] for k in depth}))
+        if keep is not None or scaling.keep_depth:
+            raise
+        depth = {k for k in data if k.endswith("layers") or k in _FIT_TWO_LAYERS or k in _LAYER_LISTS}
+        return tiny_config(cls, base=base, **(out | {k: data[k] for k in depth if k in base}))
+
+
+_COUNTS = {
+    "vocab_size",
+    "num_hidden_layers",
+    "num_layers",
+    "max_position_embeddings",
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_topk",
+    "zero_expert_num",
+    "sliding_window",
+}
+_WIDTH_WORDS = ("size", "dim", "embd", "width", "d_model", "channels")
+_LAYER_LISTS = ("layer_types", "per_layer_config")
+
+
+def _depth_parts(data: dict, aliases: dict) -> dict[str, int]:
+    """Layer counts that add up to the depth (Dory's ``n_input_layers + n_recurrent_layers +
+    n_output_layers``), each cut to at most two; empty when the config has none."""
+    depth = depth_of(data, aliases)
+    parts = {
+        k: v
+        for k, v in data.items()
+        if k.endswith("layers") and k not in depth_keys(aliases) and isinstance(v, int) and not isinstance(v, bool)
+    }
+    if not depth or len(parts) < 2 or sum(parts.values()) != depth:
+        return {}
+    return {k: min(v, 2) for k, v in parts.items()}
+
+
+def _read(config, key):
+    """``config.key``, or None (a per-layer attribute of a heterogeneous config raises on a global read)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _settable(cls, key: str) -> bool:
+    """Whether ``cls(key=...)`` sets ``key``: not a read-only property (Mamba's ``layer_types``,
+    FalconH1's ``layers_block_type`` behind its ``layer_types`` alias)."""
+    name = getattr(cls, "attribute_map", {}).get(key, key)
+    found = inspect.getattr_static(cls, name, None)
+    return not isinstance(found, property) or found.fset is not None
+
+
+def _derived_fields(cls) -> set[str]:
+    """Fields the config computes from others when not given (declared default None or "auto")."""
+    if not dataclasses.is_dataclass(cls):
+        return set()
+    return {f.name for f in dataclasses.fields(cls) if f.default is None or f.default == "auto"}
+
+
+def _scale_dict(values: dict, sizes: dict, data: dict) -> dict:
+    """A per-layer override (Gemma 4's global layers with heads twice as wide) scaled as the global
+    value it overrides was: still twice the tiny head."""
+    out = dict(values)
+    for key, value in values.items():
+        full, tiny = data.get(key), sizes.get(key)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, full, tiny)) and full > 0:
+            out[key] = max(1, round(value * tiny / full))
+    return out
 
 
 def _is_special(key, value) -> bool:

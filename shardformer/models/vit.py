@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import transformers as tf
 from transformers.masking_utils import create_bidirectional_mask
-from transformers.modeling_outputs import ImageClassifierOutput
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.vit import modeling_vit as hf
 
 from shardformer.models import ModelFamily
 from shardformer.models.tiny import tiny_config
 from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
+from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, stand_in
 from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, divide
 
@@ -60,22 +61,31 @@ class ViTPolicy(Policy):
 
 
 def vit_classification_stage_forward(model, hidden, inputs):
-    """One pipeline stage of ViTForImageClassification on a micro-batch."""
-    v = model.vit
+    """One pipeline stage of ViTForImageClassification on a micro-batch. The first stage runs ViT's own
+    forward. ViTModel's forward reads the patch embedding's weight, which only the first stage holds,
+    so later stages run their layers' own forwards, on the mask transformers' masking utilities build
+    for ViT; the last then runs ViTForImageClassification's own forward (pooling, classifier, loss),
+    its base model answering with the final norm's output."""
     stage, num_stages = stage_of(model)
-    if stage == 0:
-        pixels = inputs["pixel_values"]
-        dtype = v.embeddings.patch_embeddings.projection.weight.dtype
-        hidden = v.embeddings(pixels.to(dtype), interpolate_pos_encoding=inputs.get("interpolate_pos_encoding"))
-    mask = create_bidirectional_mask(config=v.config, inputs_embeds=hidden, attention_mask=inputs.get("attention_mask"))
-    for layer in local_layers(model, v.layers):
-        hidden = layer(hidden, mask)
-    if stage < num_stages - 1:
-        return hidden
-    logits = model.classifier(v.layernorm(hidden)[:, 0, :])
-    labels = inputs.get("labels")
-    loss = None if labels is None else model.loss_function(labels, logits, model.config)
-    return ImageClassifierOutput(loss=loss, logits=logits)
+    v = model.vit
+    pixels = inputs.get("pixel_values")
+    options = {k: inputs[k] for k in ("interpolate_pos_encoding", "attention_mask") if inputs.get(k) is not None}
+    last = stage == num_stages - 1
+    with stage_view(model):
+        if stage == 0:
+            if not last:
+                return v(pixels, **options).last_hidden_state
+            return own_forward(model)(pixels, labels=inputs.get("labels"), **options)
+        mask = create_bidirectional_mask(
+            config=v.config, inputs_embeds=hidden, attention_mask=options.get("attention_mask")
+        )
+        for layer in local_layers(model, v.layers):
+            hidden = layer(hidden, mask)
+        if not last:
+            return hidden
+        output = BaseModelOutputWithPooling(last_hidden_state=v.layernorm(hidden))
+        with stand_in(model, {"vit": Returns(output)}):
+            return own_forward(model)(pixels, labels=inputs.get("labels"), **options)
 
 
 FAMILY = ModelFamily(

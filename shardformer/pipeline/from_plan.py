@@ -17,19 +17,11 @@ model (``lm_head``, ``score``, ``qa_outputs``, ...) are on the last stage.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch.nn as nn
 
 from shardformer.pipeline.spec import PipelineSpec, stage_of
+from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, stand_in
 from shardformer.tensor_parallel.detect import call_optional
-
-
-class _PassThrough(nn.Module):
-    """Stands in for another stage's decoder layer: returns the hidden states unchanged."""
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
 
 
 def _prefix(model: nn.Module) -> str:
@@ -71,39 +63,12 @@ def spec_from_pp_plan(model: nn.Module) -> PipelineSpec | None:
     )
 
 
-class _Received(nn.Module):
-    """Stands in for the input embedding on the last stage: ``input_ids`` in, the hidden states the
-    previous stage sent out. The model then runs on the ids it was given (a classifier pools the last
-    token that is not padding, found from ``input_ids``) and on the hidden states of its stages."""
-
-    def __init__(self, hidden) -> None:
-        super().__init__()
-        self.hidden = hidden
-
-    def forward(self, input_ids, *args, **kwargs):
-        if input_ids.shape != self.hidden.shape[:-1]:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} do not match the hidden states received")
-        return self.hidden
-
-
 def _embedding_path(model: nn.Module) -> str | None:
     """The base model's child that turns ``input_ids`` into embeddings, per its pp plan."""
     plan = getattr(model.config, "base_model_pp_plan", None) or {}
     names = [n for n, (inputs, _) in plan.items() if "input_ids" in inputs]
     prefix = _prefix(model)
     return None if len(names) != 1 else (f"{prefix}.{names[0]}" if prefix else names[0])
-
-
-@contextmanager
-def _stand_in(model: nn.Module, path: str, module: nn.Module):
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    kept = parent._modules[name]
-    parent._modules[name] = module
-    try:
-        yield
-    finally:
-        parent._modules[name] = kept
 
 
 def final_norm_from_pp_plan(model: nn.Module) -> str | None:
@@ -129,42 +94,22 @@ def final_norm_from_pp_plan(model: nn.Module) -> str | None:
     return path(name)
 
 
-@contextmanager
-def _stage_view(model: nn.Module, spec: PipelineSpec):
-    """Other stages' layers as pass-throughs and dropped modules as identities, while a stage runs."""
-    layers = spec.layer_list(model)
-    filled = [key for key, layer in layers._modules.items() if layer is None]
-    for key in filled:
-        layers._modules[key] = _PassThrough()
-    holes = []
-    for dotted in (*spec.first, *spec.last, *spec.shared):
-        parent_path, _, name = dotted.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        if name in parent._modules and parent._modules[name] is None:
-            parent._modules[name] = nn.Identity()
-            holes.append((parent, name))
-    try:
-        yield
-    finally:
-        for key in filled:
-            layers._modules[key] = None
-        for parent, name in holes:
-            parent._modules[name] = None
-
-
 def plan_stage_forward(model: nn.Module, hidden, inputs: dict):
     """One stage of a plan-derived causal LM on a micro-batch (no KV cache)."""
     stage, num_stages = stage_of(model)
-    info = getattr(model, "shardformer", None)
-    spec = getattr(info, "pipeline", None) or spec_from_pp_plan(model)
     extra = {k: inputs[k] for k in ("attention_mask", "position_ids") if inputs.get(k) is not None}
     feed = {"input_ids": inputs["input_ids"]} if stage == 0 else {"inputs_embeds": hidden}
-    with _stage_view(model, spec):
+    with stage_view(model):
         if stage < num_stages - 1:
             return model.base_model(**feed, **extra, use_cache=False).last_hidden_state
         embedding = _embedding_path(model)
+        forward = own_forward(model)
         if stage == 0 or embedding is None or inputs.get("input_ids") is None:
-            return model(**feed, **extra, labels=inputs.get("labels"), use_cache=False)
-        # the last stage runs on input_ids too, its embedding answering with the received hidden states
-        with _stand_in(model, embedding, _Received(hidden)):
-            return model(input_ids=inputs["input_ids"], **extra, labels=inputs.get("labels"), use_cache=False)
+            return forward(**feed, **extra, labels=inputs.get("labels"), use_cache=False)
+        # the last stage runs on input_ids too (a classifier pools the last token that is not padding,
+        # found from input_ids), its embedding answering with the received hidden states
+        ids = inputs["input_ids"]
+        if ids.shape != hidden.shape[:-1]:
+            raise ValueError(f"input_ids {tuple(ids.shape)} do not match the hidden states received")
+        with stand_in(model, {embedding: Returns(hidden)}):
+            return forward(input_ids=ids, **extra, labels=inputs.get("labels"), use_cache=False)

@@ -7,7 +7,9 @@ are summed over the two stages). Its ``stage_forward(model, hidden, inputs)`` ru
 micro-batch: ``hidden`` is the previous stage's output (None on the first stage), ``inputs`` the
 micro-batch (every stage sees it: masks and labels come from it); it returns the hidden states for
 the next stage, or on the last stage the model's output (a ModelOutput with ``loss`` when labels are
-given, or a tensor of logits). It loops over :func:`local_layers`.
+given, or a tensor of logits). The built-in ones run the model's own forward while
+:func:`~shardformer.pipeline.stage_view.stage_view` fills the holes of the stage; a custom one may
+loop over :func:`local_layers`.
 
 Keeping a stage sets every module of other stages to None in place, so parameter names never change.
 """
@@ -54,10 +56,7 @@ class PipelineSpec:
         for i in range(len(layers)):
             if i not in mine:
                 layers._modules[str(i)] = None
-        first, last = stage == 0, stage == num_stages - 1
-        drop = [p for p in self.first if not first] + [p for p in self.last if not last]
-        drop += [p for p in self.shared if not (first or last)]
-        for path in drop:
+        for path in self.dropped(stage, num_stages):
             _set_none(model, path)
         if ATTRIBUTE not in model.__dict__:
             attach(model, ShardedModelInfo.unsharded())
@@ -65,6 +64,12 @@ class PipelineSpec:
         if num_stages > 1 and callable(getattr(model, "generate", None)):
             model.generate = partial(_refuse_generate, type(model).__name__, stage, num_stages)
         return model
+
+    def dropped(self, stage: int, num_stages: int) -> list[str]:
+        """The paths of the end modules stage ``stage`` of ``num_stages`` does not hold."""
+        first, last = stage == 0, stage == num_stages - 1
+        drop = [p for p in self.first if not first] + [p for p in self.last if not last]
+        return drop + [p for p in self.shared if not (first or last)]
 
     def shared_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """Parameters of the modules both end stages hold (tied input/output weights), each once."""

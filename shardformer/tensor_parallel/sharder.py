@@ -15,7 +15,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.context_parallel import apply_context_parallel, check_context_parallel
+from shardformer.context_parallel.checks import ContextParallelPlan
 from shardformer.context_parallel.model import splits
+from shardformer.context_parallel.rng import rank_seed
 from shardformer.core import forward_agreement
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
@@ -54,7 +56,7 @@ class ShardPlan:
     input_copies: list[tuple[nn.Module, SharedInputCopy]]
     detected: Detected
     sequence: SequenceParallelPlan | None
-    attention: str | None = None  # the attention implementation context parallelism falls back to
+    attention: ContextParallelPlan | None = None  # what context parallelism needs (None: cp=1)
 
 
 @dataclass
@@ -201,11 +203,13 @@ class ModelSharder:
         sequence = None
         if plan.sequence is not None:
             sequence = SequenceParallel(group, plan.sequence, self.shard_config.sequence_parallel_regather)
+        # each cp rank's tokens their own dropout masks
+        seed = rank_seed(self.shard_config.seed, mesh.cp_rank if mesh is not None else 0)
         for index, replacement in enumerate(replacements):
-            self.replace_layer(replacement, group, self.shard_config.seed + index, sequence)
+            self.replace_layer(replacement, group, seed + index, sequence)
         for module, input_copy in plan.input_copies:
             module.register_forward_hook(_release_after_forward(input_copy))
-        leftovers = self.replace_leftover_dropout(group, self.shard_config.seed + len(replacements), sequence)
+        leftovers = self.replace_leftover_dropout(group, seed + len(replacements), sequence)
         if sequence is not None:
             apply_sequence_parallel(self.model, sequence)
         keep_ties(self.model, plan.detected.ties)  # found in the model: binding_policy() pairs are among them

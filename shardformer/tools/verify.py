@@ -22,11 +22,18 @@ from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL, compare_p
 from shardformer.core.config import ShardConfig, check_positive_int
 from shardformer.core.divergence import ActivationRecorder, Divergence, first_divergence, first_tensor
 from shardformer.models import inputs_for
-from shardformer.policies.auto import get_autopolicy
 from shardformer.tools.model_source import build_model, check_model_source, load_policy
 from shardformer.tools.testing import run_on_ranks
 from shardformer.tools.verify_pipeline import verify_pipeline_on_this_rank
-from shardformer.tools.verify_report import LR, Check, VerifyReport, broadcast_weights, merge_reports, params_check
+from shardformer.tools.verify_report import (
+    LR,
+    Check,
+    VerifyReport,
+    broadcast_weights,
+    merge_reports,
+    params_check,
+    route_name,
+)
 
 __all__ = [
     "ATOL",
@@ -99,9 +106,10 @@ def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None 
     built.eval()  # no dropout: both models must compute the same function
     ref = copy.deepcopy(built)
     try:
-        pol = load_policy(policy) or get_autopolicy(built)
-        report.policy = type(pol).__name__
+        pol = load_policy(policy)
+        report.policy = type(pol).__name__ if pol is not None else "the first route proven exact"
         sharded = shard_model(built, ShardConfig(tensor_parallel_size=tp), pol)
+        report.policy = route_name(sharded)
     except (ValueError, NotImplementedError, TypeError) as e:  # refused before any collective
         report.error = f"sharding refused: {e}"
         return report

@@ -17,9 +17,16 @@ import torch.distributed as dist
 from shardformer.core.compare import ATOL, RTOL, compare_params, gather_like, max_error
 from shardformer.engine import EngineConfig, ParallelEngine
 from shardformer.models import inputs_for
-from shardformer.policies.auto import get_autopolicy
 from shardformer.tools.model_source import build_model, load_policy
-from shardformer.tools.verify_report import LR, Check, VerifyReport, broadcast_weights, first_tensor, params_check
+from shardformer.tools.verify_report import (
+    LR,
+    Check,
+    VerifyReport,
+    broadcast_weights,
+    first_tensor,
+    params_check,
+    route_name,
+)
 
 
 def _keep_eval(model) -> None:
@@ -54,8 +61,8 @@ def verify_pipeline_on_this_rank(
     torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR).step()
 
     try:
-        pol = load_policy(policy) or get_autopolicy(built)
-        report.policy = type(pol).__name__
+        pol = load_policy(policy)
+        report.policy = type(pol).__name__ if pol is not None else "the first route proven exact"
         engine = ParallelEngine(
             built,
             lambda params: torch.optim.SGD(params, lr=LR),
@@ -67,6 +74,7 @@ def verify_pipeline_on_this_rank(
     except (ValueError, NotImplementedError, TypeError) as e:  # refused before any collective
         report.error = f"sharding refused: {e}"
         return report
+    report.policy = route_name(engine.model)
     _keep_eval(engine.model)
     step, weights = "train step", None
     try:

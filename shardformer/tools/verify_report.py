@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from shardformer.core.compare import ParamDiff
 from shardformer.core.divergence import Divergence, first_tensor  # noqa: F401 - re-exported
+from shardformer.core.record import sharding_of
 
 LR = 0.1  # the one SGD step both runs compare
 
@@ -94,3 +95,10 @@ def broadcast_weights(model: nn.Module) -> None:
         for t in list(model.state_dict(keep_vars=True).values()):
             if torch.is_tensor(t):
                 dist.broadcast(t.data, src=0)
+
+
+def route_name(model) -> str:
+    """How the report names what cut ``model``: the policy class and, for an automatic route, the route."""
+    info = sharding_of(model)
+    proven = ", proven on a tiny copy" if info.proven else ""
+    return f"{type(info.policy).__name__} ({info.route} route{proven})"

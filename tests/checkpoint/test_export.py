@@ -174,6 +174,39 @@ def check_shard_on_load_vit():
     _shard_on_load_matches("ViTForImageClassification", "2GB")
 
 
+def check_shard_on_load_reads_final_logits_bias():
+    """mBART's and Pegasus' ``final_logits_bias`` is a buffer the checkpoint holds (not zero here): shard-on-load
+    reads it (cut with the vocab-parallel head), and saving the loaded model writes the checkpoint back as it was."""
+    from shardformer.models.inputs import make_inputs
+    from tests.policies.derived_models import transformers_model
+
+    for name in ("MBartForConditionalGeneration", "PegasusForConditionalGeneration"):
+        plain = transformers_model(name).eval()  # the same seeded weights on every rank
+        with torch.no_grad():
+            plain.final_logits_bias.normal_(generator=torch.Generator().manual_seed(5))
+        path, again = shared_dir(), shared_dir()
+        if dist.get_rank() == 0:
+            plain.save_pretrained(path)
+        dist.barrier()
+        loaded = load_sharded(name, path, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+        inputs = make_inputs(plain, seed=3)
+        with torch.no_grad():
+            want = plain(**inputs).logits
+            got = full_logits(loaded(**inputs).logits, want.shape[-1], None)
+        assert_close(got, want, what=f"{name} logits after load_sharded")
+        save_pretrained(loaded, again)
+        if dist.get_rank() == 0:
+            before, after = (
+                load_file(os.path.join(path, "model.safetensors")),
+                load_file(os.path.join(again, "model.safetensors")),
+            )
+            assert before.keys() == after.keys(), before.keys() ^ after.keys()
+            for key, value in before.items():
+                assert torch.equal(after[key], value), f"{name}: {key} written back changed"
+        remove_dir(path)
+        remove_dir(again)
+
+
 def check_plain_optimizer_checkpoint():
     """A plain torch optimizer (no ZeRO) and a LambdaLR resume exactly at tp=2."""
     from shardformer.checkpoint import load_checkpoint, save_checkpoint
@@ -278,6 +311,7 @@ CHECKS = [
     check_shard_on_load_gpt2,
     check_shard_on_load_bert,
     check_shard_on_load_vit,
+    check_shard_on_load_reads_final_logits_bias,
     check_plain_optimizer_checkpoint,
     check_shard_on_load_refuses_a_config_that_disagrees_with_the_weights,
     check_a_damaged_checkpoint_fails_on_every_rank_and_changes_nothing,

@@ -1,7 +1,8 @@
 """Context parallelism at cp=2 against the unsharded model: Llama, Qwen3, Mistral (sliding window
 of 4 over 13 tokens) and GPT-2 (absolute positions), in both modes, eager and sdpa, with a
 right-padded batch; 13 tokens (2 * cp does not divide: padded internally, exactly) and 16.
-Logits, loss, every gradient, weights after a step; greedy generate; refusals. One spawn.
+Logits, loss, every gradient, weights after a step; greedy generate; refusals; and trust.py's
+checks (left padding, derived positions, dynamic rotary, Phi-3, dropout per cp rank). One spawn.
 """
 
 import gc
@@ -13,11 +14,12 @@ import transformers as tf
 
 from shardformer import ShardConfig, shard_model
 from shardformer.checkpoint.training import save_checkpoint
+from shardformer.context_parallel import check_context_parallel
 from shardformer.context_parallel.attention import SplitMask
 from shardformer.core.comm import CollectiveCounter
 from shardformer.models.tiny import tiny_config
 from shardformer.tools.conformance import load_pair
-from tests.context_parallel import common
+from tests.context_parallel import common, trust
 from tests.helpers import assert_grads_match, check_table
 
 
@@ -94,6 +96,17 @@ def check_ring_keeps_no_block_masks_for_backward():
     assert_grads_match(model, ref, None)
 
 
+def check_gpt_oss_at_tp1_with_attention_sinks():
+    """tp=1 derives no cut (it failed dividing a count by tp); all-to-all hands each rank its heads' sinks
+    (GPT-OSS's eager attention reads them off the module); the ring refuses them by name."""
+    ref, model = load_pair(tf.GptOssForCausalLM, tiny_config(tf.GptOssConfig), "eager")
+    common.parity(ref, shard_model(model, _cp("all_to_all")), common.batch(16), "gpt-oss/eager cp=2 all_to_all")
+    _, model = load_pair(tf.GptOssForCausalLM, tiny_config(tf.GptOssConfig), "eager")
+    model = shard_model(model, _cp("ring"))
+    with pytest.raises(ValueError, match="context_parallel_mode='ring' cannot compute GptOssAttention's attention"):
+        model(**common.batch(16))
+
+
 def check_refusals_before_any_collective():
     _, model = common.pair("gpt2")
     classifier = tf.GPT2ForSequenceClassification(model.config)
@@ -105,8 +118,6 @@ def check_refusals_before_any_collective():
         shard_model(odd_heads, _cp("all_to_all"))
     _, model = common.pair("llama")
     model = shard_model(model, _cp("ring"))
-    with pytest.raises(ValueError, match="logits_to_keep=1"):
-        model(input_ids=common.batch(8)["input_ids"], logits_to_keep=1)
     with pytest.raises(ValueError, match="a resumable training checkpoint does not support context parallelism"):
         save_checkpoint("/nonexistent-cp-checkpoint", model)
 
@@ -122,7 +133,9 @@ test_cp2 = check_table(
         check_gpt2_all_to_all_sdpa_16,
         check_generate_and_gathered_logits,
         check_ring_keeps_no_block_masks_for_backward,
+        check_gpt_oss_at_tp1_with_attention_sinks,
         check_refusals_before_any_collective,
+        *trust.CHECKS,
     ],
     2,
 )
@@ -141,3 +154,27 @@ def test_config_is_checked():
         EngineConfig(cp=2, compile=True)
     with pytest.raises(ValueError, match="EngineConfig.cp_mode='x'"):
         EngineConfig(cp=2, cp_mode="x")
+
+
+class _NoPositions(tf.LlamaForCausalLM):
+    def forward(self, input_ids=None, attention_mask=None, labels=None):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def test_positions_refused_where_unknown():
+    from shardformer.context_parallel.positions import whole_positions
+
+    model = _NoPositions(tiny_config(tf.LlamaConfig))
+    with pytest.raises(ValueError, match="its forward takes no position_ids"):
+        check_context_parallel(model, ShardConfig(context_parallel_size=2))
+
+    ids = torch.arange(6).view(1, 6)
+    with pytest.raises(ValueError, match="by no rule known here.*pass position_ids"):
+        whole_positions(None, "Custom", 0, ids, None, 1, 6, "cpu")
+    with pytest.raises(ValueError, match="from input_ids and its pad_token_id, and this forward has no input_ids"):
+        whole_positions("ids", "RobertaForCausalLM", 1, None, None, 1, 6, "cpu")
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    assert whole_positions("mask", "OPT", None, ids, mask, 1, 6, "cpu").tolist() == [[-1, -1, 0, 1, 2, 3]]
+    assert whole_positions("ids", "Roberta", 1, torch.tensor([[1, 1, 5, 6]]), None, 1, 4, "cpu").tolist() == [
+        [1, 1, 2, 3]
+    ]

@@ -5,8 +5,9 @@ clipping active (max_grad_norm below the gradient norm). Checked at tp=2 (2 rank
 (4 ranks): every logged loss and gradient norm, the weights after 4 steps, the folder save_model
 writes (loaded by plain from_pretrained), a run resumed from the step-2 checkpoint, and evaluate /
 predict after training (loss, logits over the whole vocabulary, each example once). At tp=2 also LoRA
-adapters under ShardedTrainer: losses, the saved adapter loaded by plain PEFT, and resume; and a
-tiny T5 (an encoder-decoder through Trainer's default column filter): its logged losses.
+adapters under ShardedTrainer: losses, the saved adapter loaded by plain PEFT, and resume;
+load_best_model_at_end restoring the same (early) best checkpoint as the plain Trainer; and a tiny T5
+(an encoder-decoder through Trainer's default column filter): its logged losses.
 """
 
 import functools
@@ -40,7 +41,30 @@ def reference():
     result.update(_evaluated(trainer))
     shutil.rmtree(out, ignore_errors=True)
     result["lora"] = _lora_run(Trainer, tiny_gpt2, 1)
+    result["best"] = _best_run(Trainer, tiny_gpt2(), 1)
     result["seq2seq"] = _seq2seq_run(Trainer)
+    return result
+
+
+def _best_run(trainer_class, model, dp) -> dict:
+    """load_best_model_at_end: evaluated and saved every step, the best being the smallest eval loss (an
+    early step, so the restored weights differ from the last ones); the weights once training ends."""
+    out = shared_dir()
+    args = training_args(
+        out, GLOBAL_BATCH, dp, max_steps=3, save_steps=1, eval_strategy="steps", eval_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=False,
+    )  # fmt: skip
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset(), eval_dataset=common.eval_dataset()[:4])
+    trainer.train()
+    state = gather_full_state(model) if dist.is_initialized() else model.state_dict()
+    result = {"checkpoint": os.path.basename(trainer.state.best_model_checkpoint), "metric": trainer.state.best_metric}
+    result["eval_loss"] = logged(trainer, "eval_loss")
+    if state is not None:  # numpy: tensors would travel as shared memory
+        result["state"] = {k: v.detach().numpy().copy() for k, v in state.items()}
+    if dist.is_initialized():
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(out, ignore_errors=True)
     return result
 
 
@@ -135,6 +159,7 @@ def _sharded_run(tp):
             ShardedTrainer, lambda: shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp)), dp
         )
         result["seq2seq"] = _seq2seq_run(ShardedTrainer, tp)
+        result["best"] = _best_run(ShardedTrainer, shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp)), dp)
     if dist.get_rank() == 0:
         result["saved"] = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final")).state_dict()
         result["checkpoint_files"] = sorted(os.listdir(os.path.join(out, "checkpoint-2")))
@@ -200,6 +225,11 @@ def test_trainer_at_tp2_matches_one_process():
     for key in ("loss", "grad_norm"):  # T5 (derived route, vocab-parallel seq2seq loss)
         got, expected = torch.tensor(result["seq2seq"][key]), torch.tensor(reference()["seq2seq"][key])
         assert_close(got, expected, what=f"T5 {key}")
+    best, ref_best = result["best"], reference()["best"]
+    assert best["checkpoint"] == ref_best["checkpoint"] == "checkpoint-1", (best["checkpoint"], ref_best["checkpoint"])
+    assert_close(torch.tensor(best["eval_loss"]), torch.tensor(ref_best["eval_loss"]), what="eval losses")
+    for name, value in ref_best["state"].items():
+        assert_close(torch.from_numpy(best["state"][name]), torch.from_numpy(value), what=f"best model's {name}")
 
 
 def test_trainer_at_tp2_dp2_matches_one_process():

@@ -40,16 +40,35 @@ def test_stages_in_sequence_equal_the_model(name, impl):
     ref, model = zoo.load_twice(name, impl, config=common.config(name))
     spec = pipeline_spec_for(model)
     model = shard_model(model)
-    split = [1, 3]
-    stages = [spec.keep_stage(copy.deepcopy(model), s, 2, split) for s in range(2)]
+    split = [1, 2, 1]  # a middle stage holds neither end (nor the tied embedding)
+    stages = [spec.keep_stage(copy.deepcopy(model), s, 3, split) for s in range(3)]
     inputs = common.batches(name, 1)[0]
     out = _chain(spec, stages, inputs)
     expected = ref(**inputs)
     assert_close(out.loss, expected.loss, what=f"{name}/{impl} loss")
+    assert_close(out.logits, expected.logits, what=f"{name}/{impl} logits")
     full = {n for n, _ in ref.named_parameters()}
     names = [{n for n, _ in m.named_parameters()} for m in stages]
-    assert names[0] <= full and names[1] <= full and names[0] | names[1] == full
-    assert stage_of(stages[0]) == (0, 2) and stages[1].shardformer.layers == (1, 2, 3)
+    assert all(n <= full for n in names) and set().union(*names) == full
+    assert stage_of(stages[0]) == (0, 3) and stages[1].shardformer.layers == (1, 2)
+
+
+@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "BertForMaskedLM"])
+def test_stages_in_training_apply_each_dropout_once(name):
+    """With dropout on, the stages in sequence equal the one-stage model (each dropout keeps its own
+    seeded generator, copied with the model): the embedding dropout runs on the first stage only."""
+    config = common.config(name)
+    for key in ("embd_pdrop", "resid_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if hasattr(config, key):
+            setattr(config, key, 0.3)
+    _, model = zoo.load_twice(name, config=config)
+    spec = pipeline_spec_for(model)
+    model = shard_model(model).train()
+    whole = spec.keep_stage(copy.deepcopy(model), 0, 1)
+    stages = [spec.keep_stage(copy.deepcopy(model), s, 3, [1, 2, 1]) for s in range(3)]
+    inputs = common.batches(name, 1)[0]
+    expected = spec.stage_forward(whole, None, inputs)
+    assert_close(_chain(spec, stages, inputs).loss, expected.loss, what=f"{name} loss with dropout")
 
 
 def test_timm_stages_in_sequence_equal_the_model():
@@ -60,6 +79,8 @@ def test_timm_stages_in_sequence_equal_the_model():
     x = torch.randn(2, 3, 16, 16)
     assert_close(_chain(spec, stages, {"x": x}), ref(x), what="timm logits")
     assert stages[1].cls_token is None and stages[0].head is None
+    whole = spec.keep_stage(copy.deepcopy(model), 0, 1)  # one stage: the model's own forward
+    assert_close(spec.stage_forward(whole, None, {"x": x}), ref(x), what="timm logits, one stage")
 
 
 def test_balanced_split():

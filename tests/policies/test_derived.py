@@ -54,6 +54,9 @@ EXACT = [
     # CodeGen regroups its fused qkv into 4 fixed blocks of [q | v | k]: 12 blocks cut, the output
     # projection's input in 4 (derived on a wider copy: 4 blocks of one head cannot split)
     ("sized:CodeGenForCausalLM", dict(n_embd=128, n_head=16, n_layer=2, vocab_size=300, rotary_dim=4, n_positions=64)),
+    # transformers 5.24 ships a tp plan for CodeGen that the plan route does not cut exactly (its
+    # [q | v | k] blocks): the proof rejects it and the derived route, proven, takes over
+    ("CodeGenForCausalLM", {}),
 ]
 
 
@@ -173,12 +176,13 @@ def _ranks(cases, refused):
 
 
 def test_derived_models_are_exact_or_refused():
-    refused = [("liar", {"head_scale": True}), ("liar", {"mix_heads": True}), ("CodeGenForCausalLM", {})]
+    refused = [("liar", {"head_scale": True}), ("liar", {"mix_heads": True})]
     results = run_on_ranks(_ranks, 2, EXACT, refused)
     out = results[0]
     for name, options in EXACT:
         ok, text = out[f"{name}{options or ''}"]
         assert ok, text
+    assert "DerivedPolicy (derived route, proven on a tiny copy)" in out["CodeGenForCausalLM"][1]  # not the plan
     assert 0.5 < out["ratio"] < 0.6, out["ratio"]  # blocks and vocabulary halved; norms and positions whole
     assert out["tower ratio"] == 0.5, out["tower ratio"]
     assert out["grid tower ratio"] == 0.5, out["grid tower ratio"]
@@ -195,8 +199,6 @@ def test_derived_models_are_exact_or_refused():
     # queries that mix every head: no cut computes the attention exactly; the refusal names the group
     mixed = out["refused liar{'mix_heads': True}"]
     assert mixed.startswith("not derivable") and "mixer.down_proj -> mixer.q_proj" in mixed, mixed
-    few = out["refused CodeGenForCausalLM{}"]  # 4 heads in 4 fixed blocks: one head a block, nothing to cut
-    assert few.startswith("not derivable") and "this model has 4, too few" in few, few
     assert [results[1][f"{n}{o or ''}"][0] for n, o in EXACT] == [True] * len(EXACT)  # rank 1 agrees
 
 
@@ -286,3 +288,24 @@ def test_a_plan_policy_with_no_tower_policy_refuses_the_tower_it_leaves_whole():
     with pytest.raises(UnsupportedStyleError, match="leaves model.vision_tower whole"):
         policy.argument_policy(model.config, ShardConfig(tensor_parallel_size=2))
     assert get_autopolicy(model).tower_policy is DerivedPolicy
+
+
+def test_nothing_is_derived_at_tp1(monkeypatch):
+    """At tensor_parallel_size=1 (dp- or cp-only) a derived-route model is not cut, not even derived: GPT-OSS
+    failed dividing a count that is None by tp. It computes what the unsharded model computes."""
+    import copy
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.models.inputs import make_inputs
+    from shardformer.policies.derived import policy as derived_policy
+
+    calls = []
+    monkeypatch.setattr(derived_policy, "derive", lambda *a, **k: calls.append(a) or derive(*a, **k))
+    model = transformers_model("GptOssForCausalLM")
+    assert type(get_autopolicy(model)) is DerivedPolicy
+    ref = copy.deepcopy(model)
+    model = shard_model(model, ShardConfig(tensor_parallel_size=1))
+    assert not calls
+    inputs = make_inputs(ref, seed=2)
+    got, want = model(**inputs), ref(**inputs)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)

@@ -253,8 +253,9 @@ def test_builtins_keep_precedence_and_plans_fill_in():
 def test_unsupported_style_is_refused_with_its_name_and_path():
     model = _tiny("LlamaForCausalLM")
     model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.gate_proj": "sequence_parallel"}
+    # the plan route on its own (with no policy given, the derived route would be tried next)
     with pytest.raises(UnsupportedStyleError, match=r"'sequence_parallel' at model.layers.0.mlp.gate_proj \(Linear\)"):
-        shard_model(model, ShardConfig(tensor_parallel_size=2))
+        shard_model(model, ShardConfig(tensor_parallel_size=2), TpPlanPolicy())
 
 
 def test_kv_heads_that_neither_split_nor_replicate_are_refused_with_sizes():
@@ -273,7 +274,7 @@ def test_unplanned_parameters_beside_split_heads_are_refused():
     model = _tiny("LlamaForCausalLM")
     model.model.layers[0].self_attn.extra = nn.Linear(4, 4)
     with pytest.raises(UnsupportedStyleError, match=r"model.layers.0.self_attn.extra \(Linear\) has parameters"):
-        shard_model(model, ShardConfig(tensor_parallel_size=2))
+        shard_model(model, ShardConfig(tensor_parallel_size=2), TpPlanPolicy())
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

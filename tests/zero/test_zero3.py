@@ -11,6 +11,7 @@ and bf16 compute from fp32 shards. What stage 3 does not offer is refused up fro
 """
 
 import contextlib
+import copy
 import os
 
 import pytest
@@ -30,6 +31,7 @@ from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 from tests.checkpoint.common import remove_dir, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common
+from tests.policies.derived_models import transformers_model
 
 GPT2 = "GPT2LMHeadModel"
 # Adam divides by the gradient's own size, so rounding noise in a gradient that is 0 in theory (one
@@ -106,9 +108,18 @@ def _assert_weights(engine, ref, what):
         assert_close(value, expected[name].detach(), what=f"{what}: {name}")
 
 
+def _twins(name):
+    """The unsharded reference and the model to shard, equal weights: the zoo's saved-and-loaded pair,
+    or (another family) a tiny random ``transformers.<name>`` and its copy."""
+    if name in (GPT2, "BertForMaskedLM"):
+        return common.models(name)
+    model = transformers_model(name)
+    return copy.deepcopy(model), model
+
+
 def _trained(name, tp, dp, steps, **options):
     """(engine, scheduler, reference, batches) after ``steps`` steps, losses checked on the way."""
-    ref, model = common.models(name)
+    ref, model = _twins(name)
     batches = common.batches(name, steps + 3)
     for b in batches:  # every label counts: the loss (a mean of chunk means) is the same for any dp
         b["labels"] = b["input_ids"].clone()
@@ -213,6 +224,13 @@ def check_tp2_dp2_sequence_parallel_checkpointing_microbatches():
     _assert_one_reduce_scatter_per_unit_and_step(engine, groups, 2)
 
 
+def check_tp2_dp2_models_without_a_stage_forward():
+    """A plan-route Llama and a derived OPT at pp=1: the engine runs the model's own forward, which is
+    the call of the FSDP2 root itself (installing it as the root's forward recursed forever)."""
+    for name in ("LlamaForCausalLM", "OPTForCausalLM"):
+        _trained(name, 2, 2, 2)
+
+
 def check_pp2_dp2_both_backends_and_export():
     """Pipeline stages of FSDP2 units: the tied embedding's dp shards summed over the first and last
     stage, the gradient norm over pp x dp, on torch's schedules and on our send/recv; each stage's
@@ -230,6 +248,7 @@ test_zero3_world4 = check_table(
     [
         check_tp2_dp2_parity_export_and_checkpoints,
         check_tp2_dp2_sequence_parallel_checkpointing_microbatches,
+        check_tp2_dp2_models_without_a_stage_forward,
         check_pp2_dp2_both_backends_and_export,
     ],
     4,
@@ -271,6 +290,17 @@ def check_dp2_parity_eval_step_and_reshard():
     remove_dir(path)
 
 
+def check_dp2_models_without_a_stage_forward():
+    """As at tp=2 x dp=2, and the eval step (no backward) leaves the root's weights resharded."""
+    for name in ("LlamaForCausalLM", "OPTForCausalLM"):
+        engine, _, reference, batches = _trained(name, 1, 2, 2)
+        with torch.no_grad():
+            parts = split_batch(batches[2], 2, "chunks")
+            expected = sum(reference.model.eval()(**p).loss for p in parts).item() / 2
+        assert_close(torch.tensor(engine.eval_step(batches[2])), torch.tensor(expected), what=f"{name} eval_step")
+        assert all(isinstance(p, DTensor) for p in engine.model.parameters())
+
+
 def check_dp2_bf16_compute_from_fp32_shards():
     ref, model = common.models("BertForMaskedLM")
     batch = common.batches("BertForMaskedLM", 1)[0]
@@ -283,7 +313,14 @@ def check_dp2_bf16_compute_from_fp32_shards():
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in engine.model.parameters())
 
 
-test_zero3_dp2 = check_table([check_dp2_parity_eval_step_and_reshard, check_dp2_bf16_compute_from_fp32_shards], 2)
+test_zero3_dp2 = check_table(
+    [
+        check_dp2_parity_eval_step_and_reshard,
+        check_dp2_models_without_a_stage_forward,
+        check_dp2_bf16_compute_from_fp32_shards,
+    ],
+    2,
+)
 
 
 @pytest.mark.parametrize(

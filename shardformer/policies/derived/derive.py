@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from shardformer.models.inputs import make_inputs
 from shardformer.models.tiny import fill_zero_matrices, tiny_copy_config
+from shardformer.models.tiny_run import runnable_tiny_config
 from shardformer.policies.derived.simulate import find_cut, record_calls
 from shardformer.policies.derived.trace import is_projection, pair, trace
 
@@ -27,6 +28,10 @@ logger = logging.getLogger("shardformer")
 
 class NotDerivableError(ValueError):
     """The model's structure gives no exact cut (the reason says where and why)."""
+
+
+class NotProvenError(NotDerivableError):
+    """A route ran on a tiny copy and was not exact (or no route was)."""
 
 
 @dataclass
@@ -58,8 +63,9 @@ _CACHE: dict[tuple, Derivation] = {}
 
 
 def tiny_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None) -> nn.Module:
-    """A tiny random model of ``model``'s class and architecture (the caller's RNG left as it was)."""
-    config = tiny_copy_config(model.config, tp, heads)
+    """A tiny random model of ``model``'s class and architecture that runs (the caller's RNG left as it
+    was; :class:`~shardformer.models.tiny_run.TinyCopyError` when no scaling of its config runs)."""
+    config = runnable_tiny_config(type(model), model.config, tp, heads)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         tiny = type(model)(config)

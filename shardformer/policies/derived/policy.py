@@ -36,6 +36,8 @@ class DerivedPolicy(TpPlanPolicy):
 
     def argument_policy(self, config, shard_config):
         model, tp = self.model, shard_config.tensor_parallel_size
+        if tp == 1:  # nothing to cut (cp-only, dp-only): derive nothing, the model stays as it is
+            return {type(model): Argument({}, [list])}
         if getattr(model, "config", None) is None:
             raise NotDerivableError(f"{type(model).__name__} has no transformers config to build a tiny copy from")
         whole, tower = self.tower_of or (model, "")

@@ -20,7 +20,10 @@ class ScaledVocabParallelEmbedding1D(VocabParallelEmbedding1D):
     def from_native(cls, module: nn.Embedding, process_group=None, **options):
         layer = super().from_native(module, process_group, **options)
         scale = module.embed_scale
-        layer.register_buffer("embed_scale", scale.clone() if torch.is_tensor(scale) else torch.tensor(scale))
+        # persistent only where the model's own is: an export must not write a tensor the checkpoint never held
+        persistent = "embed_scale" in module.state_dict()
+        value = scale.clone() if torch.is_tensor(scale) else torch.tensor(scale)
+        layer.register_buffer("embed_scale", value, persistent=persistent)
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,35 @@ def has_tp_plan(model: nn.Module) -> bool:
     return any("*" in key for key in model_tp_plan(model))
 
 
+def plan_leaves_whole(model: nn.Module) -> list[str]:
+    """Projections at least half the hidden width on both sides, inside blocks the plan cuts, that no
+    plan entry names (a plan for the attention only leaves the MLP whole on every rank). A router or a
+    latent projection is narrower and is not listed. Empty for a plan that cuts stacked experts: the
+    derived route would leave those whole, so such a plan stays first."""
+    from shardformer.policies.derived.trace import is_projection, repeated_blocks
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    if not isinstance(hidden, int):
+        return []
+    resolved, params = resolve(model, model_tp_plan(model))
+    if params or "moe_tp_experts" in resolved.values():
+        return []  # stacked experts, which only the plan cuts (the derived route sees projections only)
+    named = [p for p, style in resolved.items() if style != "replicate"]
+    whole = []
+    for block in repeated_blocks(model):
+        if not any(p.startswith(block + ".") for p in named):
+            continue  # a stack the plan leaves whole entirely: a tower (derived) or refused
+        for rel, module in model.get_submodule(block).named_modules():
+            path = f"{block}.{rel}"
+            if not rel or not is_projection(module) or any(path == p or path.startswith(p + ".") for p in resolved):
+                continue
+            if min(module.weight.shape) * 2 >= hidden:
+                whole.append(path)
+    return whole
+
+
 def _pattern(key: str) -> re.Pattern:
     return re.compile("^" + re.escape(key).replace(r"\*", r"\d+") + "$")
 

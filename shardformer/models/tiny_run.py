@@ -1,0 +1,91 @@
+"""A tiny copy that runs: the first of the recipe's scalings whose model builds and computes.
+
+A config the class accepts can still give a model that does not run (a rotary width wider than the
+tiny head, a pooler still at the full width, a schedule of layer indices past the tiny depth). Every
+proof runs on a tiny copy, so a copy that does not run would refuse a model the library could
+shard: each scaling of :func:`~shardformer.models.tiny.tiny_copy_configs` is tried in turn (built,
+given the recipe's inputs, run forward once) and the first that runs is used. The choice is cached
+per class, user config and tp: every rank and every later proof gets the same copy.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from shardformer.models.inputs import make_inputs
+from shardformer.models.tiny import fill_zero_matrices, tiny_copy_configs
+
+MAX_PARAMS = 40_000_000  # the scalings that keep the user's widths are used only while the copy stays small
+
+
+class TinyCopyError(ValueError):
+    """No scaling of the config gives a tiny model that builds and runs (each one's error is named)."""
+
+
+_CHOSEN: dict[tuple, object] = {}
+
+
+def runnable_tiny_config(model_class, config, tp: int = 2, heads: int | None = None, inputs=make_inputs):
+    """The config of the first tiny copy of ``model_class`` (from the user's ``config``) that builds, takes
+    ``inputs(model, seed)`` and runs forward; :class:`TinyCopyError` when none does."""
+    key = (model_class, tp, heads, json.dumps(config.to_dict(), sort_keys=True, default=str))
+    if key not in _CHOSEN:
+        _CHOSEN[key] = _first_that_runs(model_class, config, tp, heads, inputs)
+    found = _CHOSEN[key]
+    if isinstance(found, TinyCopyError):
+        raise found
+    return found
+
+
+def _first_that_runs(model_class, config, tp, heads, inputs):
+    tried = []
+    try:
+        candidates = list(tiny_copy_configs(config, tp, heads))
+    except Exception as e:  # noqa: BLE001 - no small config the class accepts
+        return TinyCopyError(f"a tiny {model_class.__name__} cannot be configured: {type(e).__name__}: {_short(e)}")
+    for scaling, tiny in candidates:
+        error = run_error(model_class, tiny, inputs, MAX_PARAMS if scaling.keep_widths else None)
+        if error is None:
+            return tiny
+        tried.append(f"{scaling}: {error}")
+    return TinyCopyError(f"a tiny {model_class.__name__} does not run ({'; '.join(tried)})")
+
+
+def run_error(model_class, config, inputs=make_inputs, max_params: int | None = None) -> str | None:
+    """Why ``model_class(config)`` cannot be built (or has more than ``max_params`` parameters) or run
+    forward on ``inputs(model, seed)``, or None (the caller's RNG left as it was)."""
+    step = "build"
+    try:
+        count = _meta_params(model_class, config) if max_params else 0
+        if max_params and count > max_params:
+            return f"{count / 1e6:.0f}M parameters, more than a copy that keeps the widths may have"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = model_class(config)
+            fill_zero_matrices(model)
+            model.eval()
+            step = "inputs"
+            batch = inputs(model, 0)
+            step = "forward"
+            with torch.no_grad():
+                model(batch["x"]) if "x" in batch else model(**batch)
+    except Exception as e:  # noqa: BLE001 - what the next scaling may avoid
+        return f"{step}: {type(e).__name__}: {_short(e)}"
+    return None
+
+
+def _meta_params(model_class, config) -> int:
+    """The parameter count of ``model_class(config)``, built without memory (0 when the class cannot
+    be built on the meta device: it is built for real and fails there, or is small enough)."""
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in model_class(config).parameters())
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _short(e: Exception, limit: int = 200) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "…"

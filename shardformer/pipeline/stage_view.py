@@ -1,0 +1,87 @@
+"""Running a pipeline stage through the model's own public forward.
+
+A stage holds only its layers and the modules of its ends (:meth:`PipelineSpec.keep_stage` sets the
+others to None). While a stage runs, :func:`stage_view` fills those holes: the layers of other
+stages become pass-throughs (layer indices stay global, as per-layer attention types need), the
+modules this stage dropped become identities, and the stage's ``stand_ins`` take given places (on a
+later stage, the module whose output the first stage hands on answers with the hidden states this
+stage received). The model's own forward (or its base model's) then runs the stage: masks, position
+ids and the head's loss come out as the model computes them, with nothing of its internals copied.
+
+:func:`own_forward` is that forward without a second call of the model: a stage runs inside the
+engine's call of the model (FSDP2's root hooks), or beside it, and the model's hooks stay out of it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch.nn as nn
+
+from shardformer.core.record import sharding_of
+
+
+class PassThrough(nn.Module):
+    """Stands in for another stage's layer: returns the hidden states unchanged."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class Returns(nn.Module):
+    """Stands in for a module whose output this stage already has (the hidden states it received):
+    whatever it is called with, it answers with that output."""
+
+    def __init__(self, output) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args, **kwargs):
+        return self.output
+
+
+def own_forward(model: nn.Module):
+    """``model``'s class forward, bound to it: the model's forward without its ``__call__`` hooks (and
+    without a forward the engine set on the instance to route FSDP2's root call through the stage)."""
+    return type(model).forward.__get__(model)
+
+
+def _holes(model: nn.Module) -> dict[str, nn.Module]:
+    """{path: stand-in} for the modules this stage does not hold."""
+    info = sharding_of(model)
+    spec = info.pipeline
+    if spec is None:  # never cut into stages: every module is here
+        return {}
+    holes: dict[str, nn.Module] = {
+        f"{spec.layers}.{key}": PassThrough() for key, layer in spec.layer_list(model)._modules.items() if layer is None
+    }
+    for path in spec.dropped(info.stage, info.num_stages):
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        if name in parent._modules:  # a parameter (timm's cls_token) is read by no forward of this stage
+            holes[path] = nn.Identity()
+    return holes
+
+
+@contextmanager
+def stand_in(model: nn.Module, modules: dict[str, nn.Module]):
+    """``modules`` at their paths in ``model`` while the block runs (parameter names do not change)."""
+    kept = []
+    try:
+        for path, module in modules.items():
+            parent_path, _, name = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            kept.append((parent, name, parent._modules[name]))
+            parent._modules[name] = module
+        yield
+    finally:
+        for parent, name, module in reversed(kept):
+            parent._modules[name] = module
+
+
+@contextmanager
+def stage_view(model: nn.Module, stand_ins: dict[str, nn.Module] | None = None):
+    """The stage's model as a whole model while the block runs: other stages' layers as pass-throughs,
+    the modules this stage dropped as identities, and ``stand_ins`` at their paths."""
+    with stand_in(model, {**_holes(model), **(stand_ins or {})}):
+        yield

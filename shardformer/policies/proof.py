@@ -1,0 +1,215 @@
+"""The proof every route passes before it cuts the user's model.
+
+A route (the family's hand-written policy, transformers' tensor-parallel plan, the derived cut) is a
+hypothesis. On the ranks that will hold the model, a tiny copy of its class and architecture is
+sharded with the route's policy and run against the unsharded tiny copy on the same inputs: outputs,
+loss and every gradient (gathered) must match, each gradient against its own scale. Every rank reaches
+the same verdict (one all-reduce). The verdict is cached per route, model class, architecture, tp and
+library versions (a new transformers release can change a plan, a forward or a helper).
+
+The tiny copy is the user's config scaled down (:func:`~shardformer.policies.derived.derive.tiny_copy`);
+a model with no transformers config (timm) is copied with each repeated stack cut to two blocks
+(same widths, same code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from shardformer.core.comm import all_reduce, gather_from_parallel
+from shardformer.core.compare import compare_params, max_error
+from shardformer.core.config import ShardConfig
+from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
+from shardformer.core.record import sharding_of
+from shardformer.models import inputs_for
+from shardformer.policies.derived.derive import tiny_copy
+from shardformer.policies.derived.trace import is_projection
+from shardformer.policies.tp_plan import model_tp_plan
+from shardformer.tensor_parallel.policy import Policy
+from shardformer.tensor_parallel.sharder import ModelSharder
+
+logger = logging.getLogger("shardformer")
+
+SCALE_RTOL = 1e-3  # rounding is ~1e-6 of a gradient's largest entry; a rank's missing part is far more
+FLOOR_RTOL = 1e-6  # of the model's largest gradient entry
+_VERDICTS: dict[tuple, str | None] = {}  # None: proven; else why not
+
+
+def prove(
+    model: nn.Module, shard_config: ShardConfig, route: str, make_policy: Callable[[], Policy], heads: int | None = None
+) -> str | None:
+    """None when ``make_policy()`` shards a tiny copy of ``model`` exactly over the tp group
+    ``shard_config`` names (its mesh's, or its process group), else why not (the same on every
+    rank). ``heads``: the tiny copy's query heads where the route was found on a wider copy."""
+    # the training path is proven, whatever the caller's grad mode (shard_model under no_grad)
+    with torch.inference_mode(False), torch.enable_grad():
+        return _proven(model, shard_config, route, make_policy, heads)
+
+
+def _proven(model, shard_config, route, make_policy, heads) -> str | None:
+    tp = shard_config.tensor_parallel_size
+    try:
+        tiny = _tiny(model, tp, heads)
+    except Exception as e:  # noqa: BLE001 - a config the class refuses at small sizes: the same on every rank
+        return f"a tiny copy of {type(model).__name__} cannot be built to prove it on: {type(e).__name__}: {e}"
+    plan = model_tp_plan(model)
+    if plan:  # the user's model's plan, as it is (changed by hand, or not): the one to prove
+        tiny.tp_plan = plan
+    key = (route, type(model), tp, heads, _architecture(tiny), json.dumps(plan, sort_keys=True), _versions())
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _prove(tiny, shard_config, make_policy, _device(model))
+    return _VERDICTS[key]
+
+
+def _versions() -> tuple[str, ...]:
+    import sys
+
+    import transformers
+
+    timm = sys.modules.get("timm")
+    return torch.__version__, transformers.__version__, getattr(timm, "__version__", "")
+
+
+def _architecture(tiny: nn.Module) -> str:
+    config = getattr(tiny, "config", None)
+    if hasattr(config, "to_dict"):
+        return json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return repr(tiny)  # every module's class and sizes, in order
+
+
+def _tiny(model: nn.Module, tp: int, heads: int | None) -> nn.Module:
+    """A small model of ``model``'s class and architecture, in train mode with dropout off where a
+    config says so (the recipe's), or a copy of ``model`` with each repeated stack cut to two blocks."""
+    if hasattr(getattr(model, "config", None), "to_dict"):
+        return tiny_copy(model, tp, seed=1, heads=heads)
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("the model is on the meta device and has no transformers config to build a copy from")
+    return _two_blocks(model)
+
+
+def _two_blocks(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose repeated stacks (outermost ModuleList / Sequential of like blocks with
+    projections inside) keep two blocks."""
+    saved = {}
+    for path, stack in model.named_modules():
+        if (
+            not path
+            or not isinstance(stack, (nn.ModuleList, nn.Sequential))
+            or any(path.startswith(p + ".") for p in saved)
+        ):
+            continue
+        items = list(stack)
+        if len(items) > 2 and len({type(m) for m in items}) == 1 and any(is_projection(m) for m in items[0].modules()):
+            saved[path] = stack
+    for path, stack in saved.items():
+        _set(
+            model, path, type(stack)(*list(stack)[:2]) if isinstance(stack, nn.Sequential) else nn.ModuleList(stack[:2])
+        )
+    try:
+        tiny = copy.deepcopy(model)
+    finally:
+        for path, stack in saved.items():
+            _set(model, path, stack)
+    for module in tiny.modules():  # no dropout, as in a config's tiny copy: both copies compute one function
+        if "Drop" in type(module).__name__:
+            for name in ("p", "drop_prob"):
+                if isinstance(getattr(module, name, None), float):
+                    setattr(module, name, 0.0)
+    return tiny
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+@contextlib.contextmanager
+def _quiet():
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return torch.device("cpu") if param is None or param.device.type == "meta" else param.device
+
+
+def _main_output(out):
+    return first_tensor(out), (out.get("loss") if isinstance(out, dict) else None)
+
+
+def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device) -> str | None:
+    tp = shard_config.tensor_parallel_size
+    ref = tiny.to(device)
+    inputs = inputs_for(ref, seed=1)
+    sharded = copy.deepcopy(ref)
+    ref.train(), sharded.train()  # the training path (the recipe's dropout is 0)
+    group = shard_config.tensor_parallel_process_group
+    if group is None and shard_config.mesh is not None:
+        group = shard_config.mesh.tp_group  # the tp group alone: the copy has no cp, pp or dp of its own
+    config = ShardConfig(tensor_parallel_size=tp, tensor_parallel_process_group=group, seed=shard_config.seed)
+    failures: list[str] = []
+    try:
+        with _quiet():  # the tiny copy's "sharded ..." line would read like the user's model's
+            sharded = ModelSharder(sharded, make_policy(), config).shard()
+    except Exception as e:  # noqa: BLE001 - the route cannot cut the tiny copy: the same on every rank
+        failures.append(f"the tiny copy cannot be cut: {type(e).__name__}: {str(e)[:300]}")
+    if not failures:
+        group = sharding_of(sharded).tp_group
+        if sum(p.numel() for p in sharded.parameters()) >= sum(p.numel() for p in ref.parameters()):
+            failures.append("the tiny copy was not sharded")
+        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        try:
+            _compare(ref, sharded, group, inputs, device, failures)
+        except Exception as e:  # noqa: BLE001 - the cut copy cannot run: every rank's copy fails alike
+            failures.append(f"the sharded tiny copy fails: {type(e).__name__}: {str(e)[:300]}")
+        verdict = torch.tensor([float(len(failures))], device=device)
+        if all_reduce(verdict, group).item() == 0:  # every rank refuses, or none
+            return None
+    return "; ".join(failures[:3]) or "another rank saw a difference"
+
+
+def _compare(ref: nn.Module, sharded: nn.Module, group, inputs: dict, device, failures: list[str]) -> None:
+    """Outputs, loss and every gradient of ``sharded`` against ``ref``; what differs goes to ``failures``
+    (the first diverging module with the first failure)."""
+    rec_ref, rec_sh = ActivationRecorder(ref), ActivationRecorder(sharded)
+    args = {k: v for k, v in inputs.items() if k != "x"}
+    positional = [inputs["x"]] if "x" in inputs else []  # timm models take their images positionally
+    with torch.random.fork_rng(devices=[]):
+        ref_main, ref_loss = _main_output(ref(*positional, **args))
+        main, loss = _main_output(sharded(*positional, **args))
+    rec_ref.remove(), rec_sh.remove()
+    if main.shape != ref_main.shape:
+        main = gather_from_parallel(main, group, ref_main.shape[-1])
+    weights = torch.randn(ref_main.shape, generator=torch.Generator().manual_seed(2)).to(device)
+    if ref_loss is None:  # no loss of its own: a fixed random projection of the output
+        ref_loss, loss = (ref_main.float() * weights).sum(), (main.float() * weights).sum()
+    divergence = first_divergence(rec_ref, rec_sh, group)
+    where = f"first diverging module: {divergence}" if divergence else "no single module diverges first"
+    err, ok = max_error(main, ref_main)
+    if not ok:
+        failures.append(f"outputs differ by {err:.2e}; {where}")
+    err, ok = max_error(loss, ref_loss)
+    if not ok:
+        failures.append(f"loss differs by {err:.2e}" + ("" if failures else f"; {where}"))
+    ref_loss.backward(), loss.backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    largest = max((g.abs().max().item() for g in ref_grads.values() if g is not None and g.numel()), default=0.0)
+    floor = FLOOR_RTOL * largest  # gradients that are zero in exact arithmetic (a key bias) are rounding only
+    for diff in compare_params(ref, sharded, group, grads=True):
+        # also relative to the gradient's own scale: a tiny copy's small gradients (a per-head scale
+        # before a near-uniform softmax) would hide a missing rank's part inside an absolute tolerance
+        scale = ref_grads[diff.name].abs().max().item() if ref_grads.get(diff.name) is not None else 0.0
+        if diff.only_in is not None or not diff.ok or diff.error > SCALE_RTOL * scale + floor:
+            failures.append(f"gradient of {diff.name} differs" + ("" if diff.only_in else f" by {diff.error:.2e}"))

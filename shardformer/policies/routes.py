@@ -1,0 +1,179 @@
+"""Which policy cuts a model: the routes in order, each proven before it is used.
+
+A route proposes a cut: the model family's hand-written policy, transformers' own tensor-parallel
+plan, or the cut derived from the model's structure. Each in turn is resolved against the user's
+model (every refusal before any collective), then proven on a tiny copy (:mod:`.proof`); the first
+that proves exact is used. A route that cannot cut the model, or whose proof fails, hands over to
+the next; when none is left the model is refused, naming each route's reason (the first diverging
+module where a proof ran). ``ShardConfig(prove=False)`` takes the first route that resolves,
+unproven, with a warning.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardformer.core.config import ShardConfig
+from shardformer.core.record import build_mesh
+from shardformer.models import family_of, model_class_name
+from shardformer.policies.derived import DerivedPolicy, NotDerivableError, NotProvenError, derive, derived_model
+from shardformer.policies.derived.policy import HOW_TO
+from shardformer.policies.proof import prove
+from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError, has_tp_plan
+from shardformer.policies.tp_plan.policy import plan_leaves_whole
+from shardformer.tensor_parallel.policy import Policy
+from shardformer.tensor_parallel.sharder import ModelSharder
+
+logger = logging.getLogger("shardformer")
+
+BUILT_IN, PLAN, DERIVED, CUSTOM = "built-in policy", "tp plan", "derived", "custom policy"
+# what a route raises when it cannot cut this model: the next route is tried (anything else is the
+# user's input, raised as it is)
+_ROUTE_ERRORS = (NotDerivableError, UnsupportedStyleError, NotImplementedError)
+
+
+@dataclass
+class Route:
+    name: str
+    make: Callable[[], Policy]  # a fresh policy (one for the user's model, one for the tiny copy)
+    leaves_whole: list[str] = field(default_factory=list)  # projections inside cut blocks a plan does not name
+
+    def heads(self, model: nn.Module, tp: int) -> int | None:
+        """The tiny copy's query heads (the derived route may have found its cut on a wider copy)."""
+        return derive(model, tp).heads if self.name == DERIVED else None
+
+
+def candidate_routes(model: nn.Module) -> list[Route]:
+    """The routes that may cut ``model``, in the order they are tried."""
+    routes = []
+    family = family_of(model)
+    if family is not None:
+        routes.append(Route(BUILT_IN, family.policies[model_class_name(model)]))
+    plan = Route(PLAN, lambda: TpPlanPolicy(tower_policy=DerivedPolicy)) if has_tp_plan(model) else None
+    if plan is not None:  # a vision tower the plan leaves whole is derived
+        plan.leaves_whole = plan_leaves_whole(model)
+    if plan is not None and not plan.leaves_whole:
+        routes.append(plan)
+    if derived_model(model):
+        routes.append(Route(DERIVED, DerivedPolicy))
+    if plan is not None and plan.leaves_whole:  # a plan for part of each block: the derived cut first
+        routes.append(plan)
+    return routes
+
+
+def route_of(policy: Policy, model: nn.Module) -> Route:
+    """The route a policy the user passed belongs to (a library route is proven like an automatic
+    one; the user's own Policy subclass is the user's word)."""
+    fresh = lambda: copy.copy(policy)  # noqa: E731 - set_model and argument_policy rewrite its state
+    family = family_of(model)
+    if family is not None and type(policy) is family.policies.get(model_class_name(model)):
+        return Route(BUILT_IN, fresh)
+    if type(policy) is DerivedPolicy:
+        return Route(DERIVED, fresh)
+    if type(policy) is TpPlanPolicy:
+        return Route(PLAN, fresh)
+    return Route(CUSTOM, fresh)
+
+
+def no_route_error(model: nn.Module) -> ValueError:
+    from shardformer.models import supported_models
+
+    return ValueError(
+        f"no built-in policy for {type(model).__name__}; supported: {', '.join(supported_models())}, and any "
+        f"transformers model whose config has a base_model_tp_plan or whose blocks can be traced. For another model, "
+        f"write a Policy subclass and pass it: shard_model(model, config, policy=MyPolicy())"
+    )
+
+
+class NoExactRouteError(NotProvenError):
+    """No route cuts the model exactly (each route's reason is in the message)."""
+
+
+def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sharder_args: dict):
+    """``(sharder, route, proven)``: the sharder of the first of ``routes`` that resolves against
+    ``model`` and proves exact at the config's tp (every route is tried in order), else
+    :class:`NoExactRouteError`. A single route the user chose is proven and refused, never replaced."""
+    tp = shard_config.tensor_parallel_size
+    if not routes:
+        raise no_route_error(model)
+    reasons = []
+    mesh_config = None
+    for route in routes:
+        sharder = ModelSharder(model, route.make(), mesh_config or shard_config, **sharder_args)
+        try:
+            sharder.plan()  # every refusal first, before any collective
+        except _ROUTE_ERRORS as e:
+            if len(routes) == 1:
+                raise
+            reasons.append(f"{route.name}: {e}")
+            continue
+        if tp == 1 or route.name == CUSTOM:
+            return sharder, route, False
+        if not shard_config.prove:
+            logger.warning(
+                "%s sharded on the %s route WITHOUT proof (ShardConfig(prove=False)): nothing checked that it "
+                "computes what the unsharded model computes; run `shardformer verify` on it",
+                type(model).__name__,
+                route.name,
+            )
+            _warn_partial(model, route, reasons)
+            return sharder, route, False
+        if mesh_config is None:  # once: the proofs and the model use the same tp group
+            mesh, _ = build_mesh(shard_config)
+            mesh_config = dataclasses.replace(shard_config, mesh=mesh) if mesh is not None else shard_config
+            sharder.shard_config = mesh_config
+        try:
+            heads = route.heads(model, tp)
+        except NotDerivableError as e:
+            reasons.append(f"{route.name}: {e}")
+            continue
+        why = prove(model, mesh_config, route.name, route.make, heads)
+        if why is None:
+            _info(
+                "%s: the %s route proven at tp=%d on a tiny copy (outputs, loss and every gradient exact)",
+                type(model).__name__,
+                route.name,
+                tp,
+            )
+            _warn_partial(model, route, reasons)
+            return sharder, route, True
+        reasons.append(f"{route.name}: not exact on a tiny copy at tensor_parallel_size={tp} ({why})")
+        logger.info(
+            "%s: the %s route is not exact on a tiny copy (%s); trying the next route",
+            type(model).__name__,
+            route.name,
+            why,
+        )
+    tried = "\n  ".join(reasons)
+    raise NoExactRouteError(
+        f"no route shards {type(model).__name__} exactly at tensor_parallel_size={tp}; shardformer refuses rather "
+        f"than compute something else. Routes tried:\n  {tried}\n{HOW_TO}"
+    )
+
+
+def _info(message: str, *args) -> None:
+    """An INFO line from the first rank only (every rank reaches the same verdict)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(message, *args)
+
+
+def _warn_partial(model: nn.Module, route: Route, reasons: list[str]) -> None:
+    """A plan that leaves projections inside its blocks whole is used: say which."""
+    whole = route.leaves_whole
+    if whole and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning(
+            "%s: its tp plan cuts only part of each block: %d projections stay whole on every rank (%s%s); the "
+            "derived route could not cut the model (%s). Exact, but those weights are not split",
+            type(model).__name__,
+            len(whole),
+            ", ".join(whole[:3]),
+            " ..." if len(whole) > 3 else "",
+            "; ".join(reasons) or "not tried",
+        )

@@ -1,0 +1,79 @@
+"""The tiny-copy recipe every proof runs on builds copies that run, for classes it used to fail on.
+
+Single process, tiny models: each class is scaled down from a config (its default, or a user's
+small one), built and run forward on the recipe's inputs, the way the proof and the sweeps use it.
+"""
+
+import pytest
+import torch
+import transformers as tf
+
+from shardformer.models.inputs import make_inputs
+from shardformer.models.tiny import fill_zero_matrices, tiny_copy_config
+from shardformer.models.tiny_layers import kept_layers
+from shardformer.models.tiny_run import MAX_PARAMS, TinyCopyError, runnable_tiny_config
+
+# class -> the user's config (None: the class's default): each failed to give a tiny copy that runs
+FORMERLY_BROKEN = {
+    "CodeGenForCausalLM": None,  # rotary width of the full head (the plan sweep's recipe)
+    "GPTJForCausalLM": None,
+    "FalconH1ForCausalLM": None,  # Mamba head sizes derived from others; read-only layers_block_type
+    "DebertaV2ForSequenceClassification": dict(  # a pooler as wide as the user's hidden 64, below the old cutoff
+        hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2
+    ),
+    "DoryForCausalLM": None,
+    "LaraMiniForCausalLM": None,  # linear-attention value heads a multiple of its key heads
+    "Qwen3NextForCausalLM": None,  # the first full-attention layer is the fourth
+    "MambaForCausalLM": None,  # layer_types is a read-only property
+    "XLNetForSequenceClassification": None,  # d_head computed from d_model // n_head
+    "Gemma4ForCausalLM": None,  # heterogeneous per-layer config: head_dim per layer
+}
+
+
+def _run(model_class, config):
+    torch.manual_seed(0)
+    model = model_class(config)
+    fill_zero_matrices(model)
+    model.eval()
+    with torch.no_grad():
+        return model(**make_inputs(model, seed=0))
+
+
+@pytest.mark.parametrize("name", sorted(FORMERLY_BROKEN))
+def test_tiny_copy_runs(name):
+    model_class = getattr(tf, name)
+    options = FORMERLY_BROKEN[name]
+    config = model_class.config_class(**(options or {}))
+    tiny = runnable_tiny_config(model_class, config, tp=2)
+    assert type(tiny) is type(config)
+    _run(model_class, tiny)
+    with torch.device("meta"):
+        assert sum(p.numel() for p in model_class(tiny).parameters()) <= MAX_PARAMS  # small, whichever scaling ran
+
+
+def test_one_layer_of_each_kind_is_kept():
+    """Qwen3-Next's schedule (three linear-attention layers, then full attention) keeps one of each, in
+    order; lists of layer indices and per-layer overrides follow the kept layers; a stack of one kind
+    keeps the first two layers as before."""
+    tiny = tiny_copy_config(tf.Qwen3NextConfig(), tp=2)
+    assert tiny.num_hidden_layers == 2 and tiny.layer_types == ["linear_attention", "full_attention"]
+    data = {"num_hidden_layers": 6, "layer_types": ["a", "a", "b", "a", "a", "b"], "moe_layers": [1, 4]}
+    assert kept_layers(data, {}) == [0, 1, 2]  # a, a in the MoE list, b
+    assert kept_layers({"num_hidden_layers": 6, "layer_types": ["a"] * 6}, {}) == [0, 1]
+    assert kept_layers({"num_hidden_layers": 6}, {}) is None
+    gemma4 = tiny_copy_config(tf.Gemma4TextConfig(), tp=2)
+    assert gemma4.layer_types == ["sliding_attention", "full_attention"]
+    assert gemma4.to_dict()["per_layer_config"] == {
+        "1": {"head_dim": 2 * gemma4.to_dict()["head_dim"]}
+    }  # twice as wide, as in full
+
+
+def test_no_scaling_that_runs_names_each_attempt():
+    """A class whose copy never runs (here: the forward needs an input the recipe cannot give) is
+    reported with every scaling's error, not built half-way."""
+
+    def no_inputs(model, seed):
+        raise KeyError("bbox")
+
+    with pytest.raises(TinyCopyError, match=r"does not run \(scaled: inputs: KeyError.*keep widths"):
+        runnable_tiny_config(tf.LlamaForCausalLM, tf.LlamaConfig(num_hidden_layers=3), tp=2, inputs=no_inputs)
