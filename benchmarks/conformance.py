@@ -3,14 +3,14 @@
 Walks transformers' auto mappings task by task (causal LM, masked LM, seq2seq LM, speech seq2seq,
 sequence / token classification, question answering, image classification, base models of text and
 vision encoders, image-text-to-text). For each class it scales the class's default config down
-(``shardformer.models.tiny.tiny_copy_config``), and on 2 gloo ranks runs what ``shardformer verify``
+(``shardformer.core.tiny.tiny_copy_config``), and on 2 gloo ranks runs what ``shardformer verify``
 runs (``shardformer.tools.verify.verify_on_this_rank``): the model sharded by whatever route
 ``shard_model`` takes (a family policy, the model's transformers tp plan: ``TpPlanPolicy``, or its
 traced structure: ``DerivedPolicy``) against its unsharded copy on outputs, loss, every gathered
 gradient, the weights and outputs after one SGD step and greedy ``generate``. One row per class:
 passed (max errors), refused (sharding refused: why), failed (which check, and by how much), not
 tested (the tiny model cannot be built, does not run unsharded, or its class cannot be imported: why;
-no scaling of the recipe gave one that runs, ``shardformer.models.tiny_run``) or error (anything else).
+no scaling of the recipe gave one that runs, ``shardformer.core.tiny_run``) or error (anything else).
 
 ``--plan-sweep`` (implied by ``--sdpa`` / ``--sequence-parallel``) runs the previous sweep instead:
 the causal LMs that ship a ``base_model_tp_plan``, saved and reloaded with ``from_pretrained`` and
@@ -156,12 +156,12 @@ class _Watchdog:
 
 def tiny_config_of(class_name: str):
     """The class's default config scaled down for tp=2: the recipe's first scaling whose model runs
-    (``shardformer.models.tiny_run``); ``TinyCopyError`` when none does."""
+    (``shardformer.core.tiny_run``); ``TinyCopyError`` when none does."""
     import transformers as tf
 
+    from shardformer.core.tiny import VOCAB
+    from shardformer.core.tiny_run import runnable_tiny_config
     from shardformer.models import inputs_for
-    from shardformer.models.tiny import VOCAB
-    from shardformer.models.tiny_run import runnable_tiny_config
 
     model_class = getattr(tf, class_name)
     config = model_class.config_class()
@@ -178,7 +178,7 @@ def build_tiny(class_name: str):
     """The factory handed to ``verify_on_this_rank`` (module-level: ``functools.partial(build_tiny, name)``)."""
     import transformers as tf
 
-    from shardformer.models.tiny import fill_zero_matrices
+    from shardformer.core.tiny import fill_zero_matrices
 
     config = tiny_config_of(class_name)
     try:

@@ -1,6 +1,6 @@
 """Does the tiny-model recipe build and run every class the conformance sweep covers?
 
-Every proof runs on a tiny copy (``shardformer.models.tiny.tiny_copy_config``), so a class whose tiny
+Every proof runs on a tiny copy (``shardformer.core.tiny.tiny_copy_config``), so a class whose tiny
 copy cannot be built or run cannot be sharded. This walks the rows of ``benchmarks/conformance.py``
 (the same tasks and filters), and for each class, in one process and without sharding: scales its
 default config down, builds the model, makes inputs (``shardformer.models.inputs_for``) and runs
@@ -44,8 +44,8 @@ def check(class_name: str, generate: bool = False) -> tuple[str, str]:
     import torch
     import transformers as tf
 
+    from shardformer.core.tiny import fill_zero_matrices
     from shardformer.models import inputs_for
-    from shardformer.models.tiny import fill_zero_matrices
     from shardformer.tools.verify import _generate, _loss_and_output
 
     step = "config"

@@ -16,7 +16,7 @@ import transformers as tf
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from shardformer import ShardConfig, shard_model
-from shardformer.models.tiny import tiny_config
+from shardformer.core.tiny import tiny_config
 from tests.helpers import assert_close, assert_grads_match, check_table
 from tests.pipeline.test_engine import _check as engine_check
 from tests.policies import zoo

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.models.tiny import tiny_config
+from shardformer.core.tiny import tiny_config
 from shardformer.tools.conformance import load_pair
 from tests.helpers import assert_close, assert_grads_match, check_table
 

@@ -96,7 +96,7 @@ def test_tiny_copies_keep_special_tokens_apart_and_rotary_sections_whole():
     tiny head; a tower's width holds its heads."""
     import transformers
 
-    from shardformer.models.tiny import VOCAB, _sections, tiny_copy_config
+    from shardformer.core.tiny import VOCAB, _sections, tiny_copy_config
 
     config = transformers.Qwen2_5_VLConfig()
     config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]

@@ -20,7 +20,7 @@ import transformers as tf
 
 from shardformer import EngineConfig, ParallelEngine, ShardConfig, shard_model
 from shardformer.core.forward_agreement import EVERY, FIRST_CALLS
-from shardformer.models.tiny import tiny_config
+from shardformer.core.tiny import tiny_config
 from shardformer.tools.conformance import load_pair
 from tests.helpers import assert_close, check_table
 

@@ -18,7 +18,7 @@ import transformers as tf
 
 from shardformer import ShardConfig, shard_model
 from shardformer.core.comm import CollectiveCounter
-from shardformer.models.tiny import tiny_config
+from shardformer.core.tiny import tiny_config
 from shardformer.tools.conformance import compare, load_pair
 from tests.helpers import assert_close, assert_grads_match, check_table, saved_for_backward
 from tests.policies import zoo

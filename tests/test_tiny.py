@@ -8,10 +8,10 @@ import pytest
 import torch
 import transformers as tf
 
-from shardformer.models.inputs import make_inputs
-from shardformer.models.tiny import fill_zero_matrices, tiny_copy_config
-from shardformer.models.tiny_layers import kept_layers
-from shardformer.models.tiny_run import MAX_PARAMS, TinyCopyError, runnable_tiny_config
+from shardformer.core.inputs import make_inputs
+from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
+from shardformer.core.tiny_layers import kept_layers
+from shardformer.core.tiny_run import MAX_PARAMS, TinyCopyError, runnable_tiny_config
 
 # class -> the user's config (None: the class's default): each failed to give a tiny copy that runs
 FORMERLY_BROKEN = {

@@ -46,7 +46,7 @@ def _pad_id(config) -> int | None:
 def position_rule(model: nn.Module) -> str | None:
     """The rule of :data:`RULES` ``model`` follows for its position ids when given none (found on
     a tiny copy of it); None when it follows none of them or the copy cannot be run."""
-    from shardformer.models.tiny import fill_zero_matrices, tiny_copy_config
+    from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
 
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():  # the caller's RNG stream is untouched

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from shardformer.models.inputs import make_inputs
+from shardformer.core.inputs import make_inputs
 from shardformer.pipeline.from_plan import final_norm_from_pp_plan, spec_from_pp_plan
 from shardformer.pipeline.spec import PipelineSpec
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import transformers as tf
 from transformers.models.gpt2 import modeling_gpt2 as hf
 
+from shardformer.core.tiny import tiny_config
 from shardformer.models import ModelFamily
-from shardformer.models.tiny import tiny_config
 from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
 from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D

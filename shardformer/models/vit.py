@@ -10,8 +10,8 @@ from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.vit import modeling_vit as hf
 
+from shardformer.core.tiny import tiny_config
 from shardformer.models import ModelFamily
-from shardformer.models.tiny import tiny_config
 from shardformer.pipeline.spec import PipelineSpec, local_layers, stage_of
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, stand_in
 from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng

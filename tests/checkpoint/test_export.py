@@ -177,7 +177,7 @@ def check_shard_on_load_vit():
 def check_shard_on_load_reads_final_logits_bias():
     """mBART's and Pegasus' ``final_logits_bias`` is a buffer the checkpoint holds (not zero here): shard-on-load
     reads it (cut with the vocab-parallel head), and saving the loaded model writes the checkpoint back as it was."""
-    from shardformer.models.inputs import make_inputs
+    from shardformer.core.inputs import make_inputs
     from tests.policies.derived_models import transformers_model
 
     for name in ("MBartForConditionalGeneration", "PegasusForConditionalGeneration"):

@@ -17,9 +17,9 @@ import shardformer.checkpoint.training as training
 from shardformer import ShardConfig, shard_model
 from shardformer.checkpoint import CheckpointError, layout_of, load_checkpoint, save_checkpoint, save_pretrained
 from shardformer.core.record import with_stage
+from shardformer.core.tiny import tiny_config
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.models import pipeline_spec_for
-from shardformer.models.tiny import tiny_config
 from tests.checkpoint.common import full_logits, remove_dir, sgd_steps, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.policies import zoo

@@ -17,7 +17,7 @@ from shardformer.checkpoint.training import save_checkpoint
 from shardformer.context_parallel import check_context_parallel
 from shardformer.context_parallel.attention import SplitMask
 from shardformer.core.comm import CollectiveCounter
-from shardformer.models.tiny import tiny_config
+from shardformer.core.tiny import tiny_config
 from shardformer.tools.conformance import load_pair
 from tests.context_parallel import common, trust
 from tests.helpers import assert_grads_match, check_table

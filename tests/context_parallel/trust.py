@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.models.tiny import tiny_config
+from shardformer.core.tiny import tiny_config
 from shardformer.tensor_parallel.layers.dropout import SeededDropout
 from shardformer.tools.conformance import load_pair
 from tests.context_parallel import common

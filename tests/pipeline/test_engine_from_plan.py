@@ -6,7 +6,7 @@ the unsharded model on the same batches (loss of every step, weights after the s
 import torch
 import transformers as tf
 
-from shardformer.models.tiny import tiny_config
+from shardformer.core.tiny import tiny_config
 from shardformer.tools.conformance import load_pair
 from tests.helpers import check_table
 from tests.pipeline import common

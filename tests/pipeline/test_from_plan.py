@@ -11,8 +11,8 @@ import torch
 import transformers as tf
 
 from shardformer import shard_model
+from shardformer.core.tiny import tiny_config
 from shardformer.models import pipeline_spec_for
-from shardformer.models.tiny import tiny_config
 from tests.helpers import assert_close
 
 

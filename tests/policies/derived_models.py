@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import transformers as tf
 from transformers.modeling_outputs import CausalLMOutput
 
-from shardformer.models.tiny import fill_zero_matrices, tiny_copy_config
+from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
 
 
 class LiarConfig(tf.PretrainedConfig):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.models.tiny import tiny_config
+from shardformer.core.tiny import tiny_config
 from shardformer.tensor_parallel.layers import CollectiveCounter
 from shardformer.tools.conformance import load_pair
 from tests.helpers import check_table

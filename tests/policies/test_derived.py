@@ -132,7 +132,7 @@ def _ranks(cases, refused):
     import copy
 
     from shardformer.checkpoint import gather_full_state
-    from shardformer.models.inputs import make_inputs
+    from shardformer.core.inputs import make_inputs
 
     bart = factory("BartForConditionalGeneration")()
     bart.final_logits_bias.normal_()
@@ -238,8 +238,8 @@ def _replicated_kv(tmp: str):
     from shardformer import ShardConfig, shard_model, sharding_of
     from shardformer.checkpoint import load_sharded, save_pretrained
     from shardformer.core.compare import compare_params
+    from shardformer.core.inputs import make_inputs
     from shardformer.data_parallel import ZeroOptimizer
-    from shardformer.models.inputs import make_inputs
     from shardformer.tensor_parallel.slicer import shard_spec
 
     model = factory("GPTBigCodeForCausalLM")()
@@ -296,7 +296,7 @@ def test_nothing_is_derived_at_tp1(monkeypatch):
     import copy
 
     from shardformer import ShardConfig, shard_model
-    from shardformer.models.inputs import make_inputs
+    from shardformer.core.inputs import make_inputs
     from shardformer.policies.derived import policy as derived_policy
 
     calls = []

@@ -15,7 +15,7 @@ import logging
 import torch
 import transformers as tf
 
-from shardformer.models.tiny import tiny_config
+from shardformer.core.tiny import tiny_config
 from shardformer.tools.testing import run_on_ranks
 
 

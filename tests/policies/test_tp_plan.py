@@ -12,7 +12,7 @@ import torch.nn as nn
 import transformers as tf
 
 from shardformer import ShardConfig, shard_model
-from shardformer.models.tiny import tiny_config
+from shardformer.core.tiny import tiny_config
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError
 from shardformer.tensor_parallel.layers import (

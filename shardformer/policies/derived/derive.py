@@ -1,6 +1,6 @@
 """A model class's cut, derived once per (class, architecture, tp) from a tiny copy of it.
 
-The tiny copy is the user's config scaled down (:func:`~shardformer.models.tiny.tiny_copy_config`:
+The tiny copy is the user's config scaled down (:func:`~shardformer.core.tiny.tiny_copy_config`:
 the same layout choices, heads enough for tp). One traced forward says which projections read the
 stream and which write back (:mod:`.trace`); the in-process simulation chooses each group's fused
 blocks and per-rank attributes (:mod:`.simulate`). The result is a rule per block class: the
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from shardformer.models.inputs import make_inputs
-from shardformer.models.tiny import fill_zero_matrices, tiny_copy_config
-from shardformer.models.tiny_run import runnable_tiny_config
+from shardformer.core.inputs import make_inputs
+from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
+from shardformer.core.tiny_run import runnable_tiny_config
 from shardformer.policies.derived.simulate import find_cut, record_calls
 from shardformer.policies.derived.trace import is_projection, pair, trace
 
@@ -64,7 +64,7 @@ _CACHE: dict[tuple, Derivation] = {}
 
 def tiny_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None) -> nn.Module:
     """A tiny random model of ``model``'s class and architecture that runs (the caller's RNG left as it
-    was; :class:`~shardformer.models.tiny_run.TinyCopyError` when no scaling of its config runs)."""
+    was; :class:`~shardformer.core.tiny_run.TinyCopyError` when no scaling of its config runs)."""
     config = runnable_tiny_config(type(model), model.config, tp, heads)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

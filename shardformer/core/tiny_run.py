@@ -3,7 +3,7 @@
 A config the class accepts can still give a model that does not run (a rotary width wider than the
 tiny head, a pooler still at the full width, a schedule of layer indices past the tiny depth). Every
 proof runs on a tiny copy, so a copy that does not run would refuse a model the library could
-shard: each scaling of :func:`~shardformer.models.tiny.tiny_copy_configs` is tried in turn (built,
+shard: each scaling of :func:`~shardformer.core.tiny.tiny_copy_configs` is tried in turn (built,
 given the recipe's inputs, run forward once) and the first that runs is used. The choice is cached
 per class, user config and tp: every rank and every later proof gets the same copy.
 """
@@ -14,8 +14,8 @@ import json
 
 import torch
 
-from shardformer.models.inputs import make_inputs
-from shardformer.models.tiny import fill_zero_matrices, tiny_copy_configs
+from shardformer.core.inputs import make_inputs
+from shardformer.core.tiny import fill_zero_matrices, tiny_copy_configs
 
 MAX_PARAMS = 40_000_000  # the scalings that keep the user's widths are used only while the copy stays small
 

@@ -13,7 +13,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 
-from shardformer.models.tiny_layers import depth_keys, depth_of, kept_layers, layer_overrides
+from shardformer.core.tiny_layers import depth_keys, depth_of, kept_layers, layer_overrides
 
 VOCAB = 99
 SIZES = {
@@ -111,7 +111,7 @@ def tiny_copy_config(config, tp: int = 2, heads: int | None = None, special: dic
     vision-start token) get distinct ids at its top (:func:`_special_ids`).
 
     The first of :func:`tiny_copy_configs` that the config class accepts; a config that builds is not
-    yet a model that runs: :func:`shardformer.models.tiny_run.runnable_tiny_config` tries them all.
+    yet a model that runs: :func:`shardformer.core.tiny_run.runnable_tiny_config` tries them all.
     """
     return next(tiny_copy_configs(config, tp, heads, special))[1]
 
