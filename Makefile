@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/shardformer run --nproc_per_node 2 examples/gpt2/main.py --config examples/gpt2/config.py --mode inference
 
 # Not part of `make test`: every transformers causal LM with a tp plan, sharded at tp=2 against the
-# unsharded model (a few minutes on 2 cores); prints the table README shows.
+# unsharded model (a few minutes on 2 cores); prints the table docs/models.md shows.
 conformance: $(STAMP)
 	$(PY) benchmarks/conformance.py
 
