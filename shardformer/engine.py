@@ -129,6 +129,9 @@ class ParallelEngine:
         self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp)
         self.model = shard_model(model, cfg.shard_config(self.mesh), policy)
         self.policy = sharding_of(self.model).policy  # the route's (proven) or the one passed
+        self._forward_agreement = self.model.shardformer.forward_agreement
+        if self._forward_agreement is not None:  # checked per step below: shapes (the step agreement: values)
+            self._forward_agreement.in_forward = self._forward_agreement.compare_values = False
         if cfg.pp > 1:
             self.pipeline.keep_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
         # Context parallelism splits the sequence in the model's own forward at pp=1, in each stage's at pp > 1.
@@ -256,6 +259,12 @@ class ParallelEngine:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
+    def _check_shapes(self, batch: dict) -> None:
+        """tp/cp peers hold batches of the same shapes, compared before the forward's collectives (which
+        abort on other sizes) on the first steps and every Nth (core/forward_agreement.py)."""
+        if self._forward_agreement is not None:
+            self._forward_agreement.check_inputs(self.model, batch, split=self.mesh.cp_size > 1)
+
     def _agreed_loss(self, losses: list[torch.Tensor], batch: dict, kind: int) -> float:
         """Mean of the last stage's micro-batch losses, averaged over dp, on every rank; the same
         all-gather checks that the ranks are in the same step with the batches they must share."""
@@ -290,7 +299,9 @@ class ParallelEngine:
         if zero is None:
             raise RuntimeError("this ParallelEngine was built without an optimizer (inference only); pass one to train")
         forward = self._forward_for(batch)
-        micro = split_batch(self._to_device(self._local_batch(batch)), cfg.num_microbatches, "num_microbatches")
+        local = self._to_device(self._local_batch(batch))
+        self._check_shapes(local)
+        micro = split_batch(local, cfg.num_microbatches, "num_microbatches")
         self.model.train()
         zero.zero_grad()
         scale = zero.loss_scale / cfg.num_microbatches
@@ -312,7 +323,9 @@ class ParallelEngine:
     def eval_step(self, batch: dict) -> float:
         """The loss of ``batch`` without updating anything (same split and averaging as train_step)."""
         forward = self._forward_for(batch)
-        micro = split_batch(self._to_device(self._local_batch(batch)), self.config.num_microbatches, "num_microbatches")
+        local = self._to_device(self._local_batch(batch))
+        self._check_shapes(local)
+        micro = split_batch(local, self.config.num_microbatches, "num_microbatches")
         self.model.eval()
         losses, _ = run_pipeline(
             self.model, forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device,
@@ -327,6 +340,7 @@ class ParallelEngine:
         every rank (sent from the last stage over the pipeline); vocab-parallel logits stay
         sharded over tp unless ``EngineConfig.gather_output`` is set."""
         forward = self._forward_for(batch)
+        self._check_shapes(batch)
         micro = split_batch(self._to_device(batch), self._inference_chunks(batch), "num_microbatches")
         self.model.eval()
         _, outputs = run_pipeline(

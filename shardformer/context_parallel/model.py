@@ -97,10 +97,7 @@ class ContextParallel:
         for name, p in self._signature.parameters.items():
             if p.kind is inspect.Parameter.VAR_KEYWORD:
                 bound.update(bound.pop(name, {}))
-        # logits_to_keep (generate without a cache): the last positions only, computed whole on every rank
-        cache = bound.get("past_key_values", bound.get("cache"))  # transformers 5.24 names it `cache`
-        split = cache is None and not bound.get("use_cache")
-        split = split and bound.get("logits_to_keep") in (None, 0)
+        split = splits(bound)
         if torch.is_grad_enabled():
             if not split and self._summed_elsewhere:
                 raise ValueError(
@@ -251,6 +248,14 @@ class ContextParallel:
         if not self.grad_split or param_id in self._summed_elsewhere:
             return grad
         return all_reduce(grad.clone(memory_format=torch.contiguous_format), self.group)
+
+
+def splits(arguments: dict) -> bool:
+    """Whether a forward with these arguments (by keyword) runs split: it neither continues a cache
+    nor asks for one, nor keeps only the last positions' logits (generate without a cache); such a
+    forward runs whole on every cp rank."""
+    cache = arguments.get("past_key_values", arguments.get("cache"))  # transformers 5.24 names it `cache`
+    return cache is None and not arguments.get("use_cache") and arguments.get("logits_to_keep") in (None, 0)
 
 
 def _check_attention_ran(model: nn.Module, current: SplitForward) -> None:

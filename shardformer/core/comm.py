@@ -186,6 +186,17 @@ def broadcast_object(obj, group, src_group_rank: int = 0):
     return box[0]
 
 
+def all_gather_control(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's small fixed-size ``tensor`` stacked in rank order: a check's data, not the model's,
+    so not counted (like :func:`broadcast_object`; counted collectives stay what the model issues)."""
+    world = group_size(group)
+    if world == 1:
+        return tensor.unsqueeze(0)
+    out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    _all_gather_single(out, tensor.contiguous().view(-1), group=group)
+    return out.view(world, *tensor.shape)
+
+
 def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     """Every rank's ``tensor``, in rank order."""
     tensor = tensor.contiguous()

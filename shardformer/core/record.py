@@ -40,6 +40,7 @@ class ShardedModelInfo:
     pipeline: Any = None
     sequence_parallel: Any = None  # the model's SequenceParallel state (None: plain tensor parallelism)
     context_parallel: Any = None  # the model's ContextParallel state (None: the sequence is not split)
+    forward_agreement: Any = None  # the check that tp/cp peers run one batch (core/forward_agreement.py)
     route: str | None = None  # which route's policy cut it ("built-in policy", "tp plan", "derived", "custom policy")
     proven: bool = False  # whether that route was proven exact on a tiny copy before the cut
 

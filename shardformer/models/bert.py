@@ -15,20 +15,22 @@ from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
 from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng
-from shardformer.tensor_parallel.lm_head import token_loss, with_loss
+from shardformer.tensor_parallel.lm_head import forward_like, token_loss, with_loss
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, divide
 
 
 class VocabParallelBertForMaskedLM(hf.BertForMaskedLM):
-    def forward(self, *args, labels=None, return_dict=None, **kwargs):
-        output = super().forward(*args, return_dict=True, **kwargs)
+    @forward_like(hf.BertForMaskedLM.forward)
+    def forward(self, labels=None, return_dict=None, **kwargs):
+        output = super().forward(return_dict=True, **kwargs)
         loss = None if labels is None else token_loss(output.logits, labels, self.cls.predictions.decoder)
         return with_loss(output, loss, return_dict)
 
 
 class VocabParallelBertForPreTraining(hf.BertForPreTraining):
-    def forward(self, *args, labels=None, next_sentence_label=None, return_dict=None, **kwargs):
-        output = super().forward(*args, return_dict=True, **kwargs)
+    @forward_like(hf.BertForPreTraining.forward)
+    def forward(self, labels=None, next_sentence_label=None, return_dict=None, **kwargs):
+        output = super().forward(return_dict=True, **kwargs)
         loss = None
         if labels is not None and next_sentence_label is not None:  # as transformers: both or no loss
             mlm = token_loss(output.prediction_logits, labels, self.cls.predictions.decoder)

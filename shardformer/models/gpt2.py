@@ -14,7 +14,7 @@ from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
 from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.tensor_parallel.layers.attention_dropout import attention_dropout_rng
-from shardformer.tensor_parallel.lm_head import token_loss, with_loss
+from shardformer.tensor_parallel.lm_head import forward_like, token_loss, with_loss
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, divide
 
 
@@ -99,8 +99,9 @@ class GPT2DoubleHeadsPolicy(GPT2LMHeadPolicy):
 class VocabParallelGPT2DoubleHeadsModel(hf.GPT2DoubleHeadsModel):
     """GPT2DoubleHeadsModel whose LM loss runs on vocab-parallel logits (mc_loss is unchanged)."""
 
-    def forward(self, *args, labels=None, return_dict=None, **kwargs):
-        output = super().forward(*args, return_dict=True, **kwargs)
+    @forward_like(hf.GPT2DoubleHeadsModel.forward)
+    def forward(self, labels=None, return_dict=None, **kwargs):
+        output = super().forward(return_dict=True, **kwargs)
         loss = None
         if labels is not None:
             loss = token_loss(output.logits[..., :-1, :], labels[..., 1:], self.lm_head)

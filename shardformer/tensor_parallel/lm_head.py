@@ -29,7 +29,7 @@ import dataclasses
 import inspect
 import sys
 from contextlib import ExitStack, contextmanager
-from functools import partial
+from functools import partial, update_wrapper
 
 import torch
 import torch.nn as nn
@@ -84,6 +84,35 @@ def with_loss(output, loss, return_dict) -> object:
         items = output.to_tuple()
         return items if loss is None else (loss, *[v for k, v in output.items() if k != "loss"])
     return output
+
+
+def forward_like(original):
+    """Decorator for a forward that replaces ``original`` (a model class's forward): it shows
+    ``original``'s signature, since transformers' Trainer keeps only the batch columns the signature
+    names (``forward(*args, **kwargs)`` would lose ``input_ids``), and it receives every argument by
+    keyword however the caller passed it (``labels`` given by position is still the labels)."""
+    signature = inspect.signature(original)
+    var_positional = [n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_POSITIONAL]
+    var_keyword = [n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    if var_positional:
+        raise TypeError(f"forward_like: {original.__qualname__} takes *{var_positional[0]}, which has no keyword")
+
+    def decorate(forward):
+        def by_keyword(self, *args, **kwargs):
+            if args:
+                kwargs = signature.bind_partial(self, *args, **kwargs).arguments
+                kwargs.pop(next(iter(signature.parameters)))  # self
+                for name in var_keyword:
+                    kwargs.update(kwargs.pop(name, {}))
+            return forward(self, **kwargs)
+
+        update_wrapper(by_keyword, forward, updated=())
+        del by_keyword.__wrapped__  # unwrapping must not skip this forward (accelerate unwraps forwards)
+        by_keyword.__doc__ = forward.__doc__ or original.__doc__
+        by_keyword.__signature__ = signature
+        return by_keyword
+
+    return decorate
 
 
 @contextmanager
@@ -165,12 +194,12 @@ class Seq2SeqVocabParallelLoss:
     cross-entropy would take the vocabulary slice for the whole), and the loss is the vocab-parallel
     cross-entropy of the head's logits (mean over the labels not ignored, as the model's own)."""
 
-    def forward(self, *args, labels=None, **kwargs):
+    def forward(self, labels=None, **kwargs):  # every argument by keyword: see vocab_parallel_class
         if labels is None:
-            return super().forward(*args, **kwargs)
+            return super().forward(**kwargs)
         if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
             kwargs["decoder_input_ids"] = decoder_inputs_from_labels(self)(labels)
-        out = super().forward(*args, **kwargs)
+        out = super().forward(**kwargs)
         logits = out["logits"] if isinstance(out, dict) else out[0]
         loss = token_loss(logits, labels, self.get_output_embeddings())
         return with_loss(out, loss, kwargs.get("return_dict"))
@@ -273,7 +302,10 @@ def vocab_parallel_class(cls: type, seq2seq_loss: bool = False) -> type:
     if key not in _CLASSES:
         name = cls.__name__ if cls.__name__.startswith("VocabParallel") else f"VocabParallel{cls.__name__}"
         mixins = (ParallelGeneration, Seq2SeqVocabParallelLoss) if seq2seq_loss else (ParallelGeneration,)
-        _CLASSES[key] = type(name, (*mixins, cls), {"__module__": __name__, "__qualname__": name})
+        namespace = {"__module__": __name__, "__qualname__": name}
+        if seq2seq_loss:  # the mixin's forward, seen with the model's own signature
+            namespace["forward"] = forward_like(cls.forward)(Seq2SeqVocabParallelLoss.forward)
+        _CLASSES[key] = type(name, (*mixins, cls), namespace)
     return _CLASSES[key]
 
 

@@ -16,7 +16,9 @@ import torch.nn as nn
 
 from shardformer.context_parallel import apply_context_parallel, check_context_parallel
 from shardformer.context_parallel.checks import ContextParallelPlan
+from shardformer.context_parallel.model import splits
 from shardformer.context_parallel.rng import rank_seed
+from shardformer.core import forward_agreement
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 from shardformer.core.rng import agree_on_rng
@@ -220,9 +222,11 @@ class ModelSharder:
             context = apply_context_parallel(
                 self.model, mesh.cp_group, cfg.context_parallel_mode, plan.attention, cfg.gather_output
             )
+        agreement = forward_agreement.install(self.model, mesh, group, None if context is None else splits)
         info = ShardedModelInfo(
-            self.shard_config, self.policy, mesh, group, sequence_parallel=sequence, context_parallel=context
-        )
+            self.shard_config, self.policy, mesh, group, sequence_parallel=sequence, context_parallel=context,
+            forward_agreement=agreement,
+        )  # fmt: skip
         attach(self.model, info)
         if self.shard_config.tensor_parallel_size > 1:
             refuse_ddp(self.model)

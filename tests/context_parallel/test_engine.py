@@ -51,6 +51,19 @@ def check_qwen3_tp2_cp2_all_to_all():
     common.parity(ref, shard_model(model, config), common.batch(16), "qwen3 tp=2 cp=2 all_to_all")
 
 
+def check_tp2_cp2_peers_given_different_batches_raise():
+    """cp rank 1 (ranks 2, 3) given a batch of another length: every rank raises before the forward's
+    collectives (gloo would abort); tp x cp peers are compared in one gather (core/forward_agreement.py)."""
+    ref, model = common.pair("llama")
+    model = shard_model(model, ShardConfig(tensor_parallel_size=2, context_parallel_size=2))
+    with pytest.raises(RuntimeError) as info:
+        model(**common.batch(13 if dist.get_rank() < 2 else 11))
+    for part in ("ranks 0, 1, 2, 3 are tensor- and context-parallel peers", "rank 2: [2, 11] int64"):
+        assert part in str(info.value), str(info.value)
+    same = common.batch(13)
+    assert_close(model(**same).loss, ref(**same).loss, what="the same batch after the refusal")
+
+
 def _engine_run(name, cfg, rows, *collectives):
     ref, model = common.pair(name)
     data = [common.batch(13, rows=rows, seed=s) for s in range(STEPS)]
@@ -103,6 +116,7 @@ test_cp_4_ranks = check_table(
         check_mesh_layout_with_cp,
         check_llama_tp2_cp2_ring,
         check_qwen3_tp2_cp2_all_to_all,
+        check_tp2_cp2_peers_given_different_batches_raise,
         check_engine_cp2_dp2_zero2_checkpointing,
         check_engine_tp2_cp2_sequence_parallel,
         check_engine_cp2_pp2_zero1_both_backends,

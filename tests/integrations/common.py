@@ -4,7 +4,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration, TrainingArguments
 
 VOCAB, SEQ, EXAMPLES = 62, 12, 32  # 62 does not divide by tp=4: the vocabulary gets padded
 
@@ -16,6 +16,27 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     )  # fmt: skip
     torch.manual_seed(0)
     return GPT2LMHeadModel(config)
+
+
+def tiny_t5() -> T5ForConditionalGeneration:
+    """An encoder-decoder (its sharded forward once hid input_ids from Trainer's column filter)."""
+    config = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(config)
+
+
+def seq2seq_dataset() -> list[dict]:
+    """Source and target of different lengths (targets padded with -100)."""
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(EXAMPLES // 2):
+        labels = torch.randint(2, VOCAB, (SEQ // 2,), generator=gen)
+        labels[int(torch.randint(3, SEQ // 2, (1,), generator=gen)) :] = -100
+        out.append({"input_ids": torch.randint(2, VOCAB, (SEQ,), generator=gen), "labels": labels})
+    return out
 
 
 def dataset() -> list[dict]:

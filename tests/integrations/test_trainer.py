@@ -5,8 +5,9 @@ clipping active (max_grad_norm below the gradient norm). Checked at tp=2 (2 rank
 (4 ranks): every logged loss and gradient norm, the weights after 4 steps, the folder save_model
 writes (loaded by plain from_pretrained), a run resumed from the step-2 checkpoint, and evaluate /
 predict after training (loss, logits over the whole vocabulary, each example once). At tp=2 also LoRA
-adapters under ShardedTrainer: losses, the saved adapter loaded by plain PEFT, and resume; and
-load_best_model_at_end restoring the same (early) best checkpoint as the plain Trainer.
+adapters under ShardedTrainer: losses, the saved adapter loaded by plain PEFT, and resume;
+load_best_model_at_end restoring the same (early) best checkpoint as the plain Trainer; and a tiny T5
+(an encoder-decoder through Trainer's default column filter): its logged losses.
 """
 
 import functools
@@ -25,7 +26,7 @@ from shardformer.integrations import ShardedTrainer
 from shardformer.tools.testing import run_on_ranks
 from tests.helpers import assert_close
 from tests.integrations import common
-from tests.integrations.common import dataset, logged, shared_dir, tiny_gpt2, training_args
+from tests.integrations.common import dataset, logged, seq2seq_dataset, shared_dir, tiny_gpt2, tiny_t5, training_args
 
 GLOBAL_BATCH = 4
 
@@ -41,6 +42,7 @@ def reference():
     shutil.rmtree(out, ignore_errors=True)
     result["lora"] = _lora_run(Trainer, tiny_gpt2, 1)
     result["best"] = _best_run(Trainer, tiny_gpt2(), 1)
+    result["seq2seq"] = _seq2seq_run(Trainer)
     return result
 
 
@@ -64,6 +66,20 @@ def _best_run(trainer_class, model, dp) -> dict:
     if not dist.is_initialized() or dist.get_rank() == 0:
         shutil.rmtree(out, ignore_errors=True)
     return result
+
+
+def _seq2seq_run(trainer_class, tp=None) -> dict:
+    """Two steps of an encoder-decoder under (Sharded)Trainer with its default column filter, which
+    keeps only the batch keys the model's forward signature names (a sharded forward of
+    ``(*args, labels=None, **kwargs)`` lost input_ids: "You must specify exactly one of input_ids...")."""
+    model = tiny_t5() if tp is None else shard_model(tiny_t5(), ShardConfig(tensor_parallel_size=tp))
+    out = shared_dir()
+    args = training_args(out, GLOBAL_BATCH, 1, max_steps=2, save_strategy="no", remove_unused_columns=True)
+    trainer = trainer_class(model=model, args=args, train_dataset=seq2seq_dataset())
+    trainer.train()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(out, ignore_errors=True)
+    return {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
 
 
 def _evaluated(trainer) -> dict:
@@ -142,6 +158,7 @@ def _sharded_run(tp):
         result["lora"] = _lora_run(
             ShardedTrainer, lambda: shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp)), dp
         )
+        result["seq2seq"] = _seq2seq_run(ShardedTrainer, tp)
         result["best"] = _best_run(ShardedTrainer, shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp)), dp)
     if dist.get_rank() == 0:
         result["saved"] = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final")).state_dict()
@@ -205,6 +222,9 @@ def test_trainer_at_tp2_matches_one_process():
     assert ref_lora["adapter"] and ref_lora["adapter"].keys() == lora["adapter"].keys()
     for name, value in ref_lora["adapter"].items():
         assert_close(torch.from_numpy(lora["adapter"][name]), torch.from_numpy(value), what=f"saved adapter {name}")
+    for key in ("loss", "grad_norm"):  # T5 (derived route, vocab-parallel seq2seq loss)
+        got, expected = torch.tensor(result["seq2seq"][key]), torch.tensor(reference()["seq2seq"][key])
+        assert_close(got, expected, what=f"T5 {key}")
     best, ref_best = result["best"], reference()["best"]
     assert best["checkpoint"] == ref_best["checkpoint"] == "checkpoint-1", (best["checkpoint"], ref_best["checkpoint"])
     assert_close(torch.tensor(best["eval_loss"]), torch.tensor(ref_best["eval_loss"]), what="eval losses")
