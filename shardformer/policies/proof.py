@@ -49,8 +49,22 @@ def prove(
     ``shard_config`` names (its mesh's, or its process group), else why not (the same on every
     rank). ``heads``: the tiny copy's query heads where the route was found on a wider copy."""
     # the training path is proven, whatever the caller's grad mode (shard_model under no_grad)
-    with torch.inference_mode(False), torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad(), _transformers_quiet():
         return _proven(model, shard_config, route, make_policy, heads)
+
+
+@contextlib.contextmanager
+def _transformers_quiet():
+    """transformers' warnings about the tiny copy (its scaled config, a default loss it picks) are not
+    about the user's model: kept out of the user's log."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def _proven(model, shard_config, route, make_policy, heads) -> str | None:
