@@ -6,7 +6,6 @@ projection, gradients, weights and outputs after an SGD step); refusals name the
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shardformer.models.copies import two_blocks
 from shardformer.models.inputs import make_inputs
