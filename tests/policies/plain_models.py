@@ -76,7 +76,10 @@ class PlainBlockNoEmbed(nn.Module):
 
 
 TIMM = {  # small random timm models: widths and depths a tp=2 cut and a quick run allow
-    "eva02": ("eva02_tiny_patch14_224", dict(img_size=28, depth=3, embed_dim=32, num_heads=4, ref_feat_shape=(2, 2))),
+    # EVA-02: rotary positions, SwiGLU MLP; q/k/v as separate projections (timm's fused qkv with a q/v
+    # bias reads the weight through F.linear: refused, as "eva02_fused")
+    "eva02": ("eva02_tiny_patch14_224", dict(img_size=28, depth=3, embed_dim=48, num_heads=4, qkv_fused=False)),
+    "eva02_fused": ("eva02_tiny_patch14_224", dict(img_size=28, depth=3, embed_dim=48, num_heads=4)),
     "beit": ("beit_base_patch16_224", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
     "deit": ("deit_tiny_distilled_patch16_224", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
     "swin": (
