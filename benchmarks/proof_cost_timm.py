@@ -7,7 +7,7 @@ parameters, 24 blocks of width 1024) on each rank times choosing its route — t
 policy, and the derived route forced (trace, simulated cuts, then the proof) — cold and cached, and
 reports the peak resident memory each added (VmHWM) over the resident memory before it.
 
-    .venv/bin/python benchmarks/proof_cost_timm.py [--tp 2] [--model vit_large_patch16_224]
+    .venv/bin/python benchmarks/proof_cost_timm.py [--tp 2] [--model vit_large_patch16_224] [--routes derived]
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.proof_cost import _reset_peak, _status_mib  # noqa: E402
 
 
-def _rank(name: str, tp: int) -> list[tuple]:
+def _rank(name: str, tp: int, wanted_routes: list[str]) -> list[tuple]:
     import timm
     import torch
 
     from shardformer import ShardConfig
     from shardformer.models import final_norm, layer_stack
-    from shardformer.policies.routes import BUILT_IN, DERIVED, candidate_routes, choose
+    from shardformer.policies.routes import candidate_routes, choose
 
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False)
     params = sum(p.numel() for p in model.parameters())
     args = dict(layers=layer_stack(model), adapters=None, final_norm=final_norm(model))
     rows = []
-    for wanted in (BUILT_IN, DERIVED):
+    for wanted in wanted_routes:
         routes = [r for r in candidate_routes(model) if r.name == wanted]
         times, added = [], 0.0
         for run in ("cold", "cached"):
@@ -54,6 +54,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--model", default="vit_large_patch16_224")
+    # one route per run measures its memory alone (a later row starts from what the allocator kept)
+    parser.add_argument("--routes", default="built-in policy,derived")
     args = parser.parse_args()
     import platform
 
@@ -62,7 +64,7 @@ def main() -> None:
 
     from shardformer.tools.testing import run_on_ranks
 
-    results = run_on_ranks(_rank, args.tp, args.model, args.tp, timeout=1800)
+    results = run_on_ranks(_rank, args.tp, args.model, args.tp, args.routes.split(","), timeout=1800)
     print(
         f"proof cost at tp={args.tp} ({args.tp} gloo processes, {os.cpu_count()} CPU cores, {platform.processor() or 'cpu'}; "
         f"torch {torch.__version__}, timm {timm.__version__})\n"

@@ -60,6 +60,20 @@ def plain_lm(mix_heads: bool = False) -> PlainLM:
     return PlainLM(mix_heads=mix_heads)
 
 
+class TorchEncoderLM(nn.Module):
+    """Token embedding into torch's own nn.TransformerEncoder (MultiheadAttention inside), and a head."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)))
+
+
 def no_inputs() -> nn.Module:
     """Blocks with no token embedding in front: shardformer cannot tell what to feed it."""
     torch.manual_seed(0)

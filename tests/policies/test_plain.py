@@ -6,13 +6,15 @@ projection, gradients, weights and outputs after an SGD step); refusals name the
 from __future__ import annotations
 
 import pytest
+import torch
 
+from shardformer import ShardConfig
 from shardformer.models.copies import two_blocks
 from shardformer.models.inputs import make_inputs
-from shardformer.policies.derived import derive
+from shardformer.policies.derived import DerivedPolicy, derive
 from shardformer.policies.derived.trace import repeated_blocks
 from shardformer.tools.testing import run_on_ranks
-from tests.policies.plain_models import factory, no_inputs, plain_lm, timm_model
+from tests.policies.plain_models import TorchEncoderLM, factory, no_inputs, plain_lm, timm_model
 
 EXACT = ["plain", "deit", "swin"]
 # BEiT and EVA-02 as timm writes them: a fused qkv read through F.linear (its weight, with q/v biases),
@@ -57,8 +59,7 @@ def test_rules_are_read_off_the_dataflow():
 def test_a_convolutional_network_is_refused_pointing_at_data_parallelism():
     import timm
 
-    from shardformer import ShardConfig
-    from shardformer.policies.derived import DerivedPolicy, NotDerivableError
+    from shardformer.policies.derived import NotDerivableError
     from shardformer.policies.derived.policy import derived_model
 
     for model in (timm.create_model("resnet18", pretrained=False), timm_model("convnext")):
@@ -67,6 +68,20 @@ def test_a_convolutional_network_is_refused_pointing_at_data_parallelism():
         policy.set_model(model)
         with pytest.raises(NotDerivableError, match=r"data parallelism .* ZeRO"):
             policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
+
+
+def test_torch_transformer_encoder_is_refused_naming_multihead_attention():
+    from shardformer.policies.derived import NotDerivableError
+
+    torch.manual_seed(0)
+    model = TorchEncoderLM()
+    assert repeated_blocks(model) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
+    found = derive(model, 2)
+    assert any("self_attn is torch's nn.MultiheadAttention" in r for r in found.refused), found.refused
+    policy = DerivedPolicy()
+    policy.set_model(model)
+    with pytest.raises(NotDerivableError, match="MultiheadAttention"):
+        policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
 
 
 def _ranks(exact, refused):

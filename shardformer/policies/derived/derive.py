@@ -178,6 +178,14 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
     for block in flows.blocks:
         rule = rules.setdefault(type(tiny.get_submodule(block)), BlockRule())
         reads = flows.reads.get(block, {})
+        packed = [rel for rel, m in tiny.get_submodule(block).named_modules() if isinstance(m, nn.MultiheadAttention)]
+        for rel in packed:  # torch's fused encoder path may also run the block as one op, calling no projection
+            refused.append(
+                f"{type(tiny.get_submodule(block)).__name__}: {rel} is torch's nn.MultiheadAttention, which packs "
+                f"q, k and v in one Parameter (in_proj_weight) that no projection module holds: no cut is derived for it"
+            )
+        if packed:
+            continue
         for rel in flows.bypassed.get(block, []):
             refused.append(
                 f"{type(tiny.get_submodule(block)).__name__}: {rel} is never called: the block's code reads its "
