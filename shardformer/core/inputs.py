@@ -19,6 +19,8 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     name = type(model).__name__
     main = getattr(model, "main_input_name", "input_ids")
     params = inspect.signature(model.forward).parameters
+    if config is None and not _is_timm(model):
+        return _plain_inputs(model, params, batch, g)
     if main == "pixel_values" and "input_ids" not in params or not hasattr(model, "config"):
         x = _images(model, config, batch, g)
         x = x if config is not None else {"x": x["pixel_values"]}  # timm: positional
@@ -57,6 +59,25 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x["input_ids"] = torch.stack([ids, ids.roll(1, dims=-1)], dim=1)
         x["labels"] = torch.randint(0, 2, (batch,), generator=g)
     return x
+
+
+def _is_timm(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("timm.")
+
+
+def _plain_inputs(model: nn.Module, params, batch: int, g: torch.Generator) -> dict:
+    """A plain module's inputs: token ids as its forward's first parameter, when it embeds tokens
+    (ids below every ``nn.Embedding``'s size, so any of them may read them); else refused."""
+    first = next(iter(params), None)
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    if first is None or not sizes:
+        raise ValueError(
+            f"shardformer cannot make inputs for {type(model).__name__} (a plain module: no transformers config, "
+            f"not a timm model, no nn.Embedding to give token ids as its first forward argument"
+            f"{f' {first!r}' if first else ''}); give it an nn.Embedding input, or pass your own Policy: "
+            f"shard_model(model, config, policy=...)"
+        )
+    return {first: torch.randint(0, min(sizes), (batch, SEQ), generator=g)}
 
 
 def _vocab(model: nn.Module, config) -> int:

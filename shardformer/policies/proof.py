@@ -29,8 +29,8 @@ from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.record import sharding_of
 from shardformer.models import inputs_for
+from shardformer.models.copies import architecture, two_blocks
 from shardformer.policies.derived.derive import tiny_copy
-from shardformer.policies.derived.trace import is_projection
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy
 from shardformer.tensor_parallel.sharder import ModelSharder
@@ -95,7 +95,7 @@ def _architecture(tiny: nn.Module) -> str:
     config = getattr(tiny, "config", None)
     if hasattr(config, "to_dict"):
         return json.dumps(config.to_dict(), sort_keys=True, default=str)
-    return repr(tiny)  # every module's class and sizes, in order
+    return architecture(tiny)  # every module's class, sizes and settings, in order
 
 
 def _tiny(model: nn.Module, tp: int, heads: int | None) -> nn.Module:
@@ -105,43 +105,7 @@ def _tiny(model: nn.Module, tp: int, heads: int | None) -> nn.Module:
         return tiny_copy(model, tp, seed=1, heads=heads)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("the model is on the meta device and has no transformers config to build a copy from")
-    return _two_blocks(model)
-
-
-def _two_blocks(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose repeated stacks (outermost ModuleList / Sequential of like blocks with
-    projections inside) keep two blocks."""
-    saved = {}
-    for path, stack in model.named_modules():
-        if (
-            not path
-            or not isinstance(stack, (nn.ModuleList, nn.Sequential))
-            or any(path.startswith(p + ".") for p in saved)
-        ):
-            continue
-        items = list(stack)
-        if len(items) > 2 and len({type(m) for m in items}) == 1 and any(is_projection(m) for m in items[0].modules()):
-            saved[path] = stack
-    for path, stack in saved.items():
-        _set(
-            model, path, type(stack)(*list(stack)[:2]) if isinstance(stack, nn.Sequential) else nn.ModuleList(stack[:2])
-        )
-    try:
-        tiny = copy.deepcopy(model)
-    finally:
-        for path, stack in saved.items():
-            _set(model, path, stack)
-    for module in tiny.modules():  # no dropout, as in a config's tiny copy: both copies compute one function
-        if "Drop" in type(module).__name__:
-            for name in ("p", "drop_prob"):
-                if isinstance(getattr(module, name, None), float):
-                    setattr(module, name, 0.0)
-    return tiny
-
-
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, module)
+    return two_blocks(model)
 
 
 @contextlib.contextmanager

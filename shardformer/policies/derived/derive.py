@@ -20,6 +20,7 @@ import torch.nn as nn
 from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
 from shardformer.core.tiny_run import runnable_tiny_config
+from shardformer.models.copies import architecture, two_blocks
 from shardformer.policies.derived.simulate import find_cut, record_calls
 from shardformer.policies.derived.trace import is_projection, pair, trace
 
@@ -56,6 +57,10 @@ class Derivation:
     heads: int | None = None  # the tiny copy's query heads, when not the recipe's default
 
 
+DP_HINT = (
+    "; convolutions and other layers are not cut by tensor parallelism: train it with data parallelism "
+    "(EngineConfig(dp=...)) and ZeRO (zero_stage=1, 2 or 3), which work for any model"
+)
 WIDER = 4  # a refused derivation is tried once more with this many times the heads (CodeGen's 4 fixed blocks)
 
 
@@ -75,9 +80,15 @@ def tiny_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None
 
 def tiny_with_inputs(model: nn.Module, tp: int, tower: str = "", heads: int | None = None, seed: int = 0):
     """The tiny copy of ``model`` (of its sub-model at ``tower``: a vision tower a plan leaves whole)
-    and inputs for it (``seed``). A tower's inputs are the ones it receives in one forward of the whole
+    and inputs for it (``seed``); for a model with no transformers config (timm, a plain module), the
+    model itself with each repeated stack cut to two blocks (:mod:`shardformer.models.copies`). A tower's inputs are the ones it receives in one forward of the whole
     tiny model (patches and their grid, an attention mask over images: what the wrapper computes), or,
     where that forward does not reach it, the recipe's inputs for the tower alone."""
+    if not has_config(model):
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError("the model is on the meta device and has no transformers config to build a copy from")
+        tiny = two_blocks(model).eval()
+        return tiny, make_inputs(tiny, seed=seed)
     whole = tiny_copy(model, tp, heads=heads)
     if not tower:
         return whole, make_inputs(whole, seed=seed)
@@ -100,7 +111,14 @@ def _inputs_of(whole: nn.Module, tower: str, inputs: dict) -> dict | None:
     return bound | (extra if isinstance(extra, dict) else {})
 
 
+def has_config(model: nn.Module) -> bool:
+    """A transformers model (a config to scale down), not a timm model or a plain module."""
+    return hasattr(getattr(model, "config", None), "to_dict")
+
+
 def _key(model: nn.Module, tp: int, tower: str = "") -> tuple:
+    if not has_config(model):
+        return type(model), tower, tp, architecture(model)
     config = tiny_copy_config(model.config, tp)
     return type(model), tower, tp, json.dumps(config.to_dict(), sort_keys=True, default=str)
 
@@ -110,7 +128,9 @@ def derive(model: nn.Module, tp: int, tower: str = "") -> Derivation:
     key = _key(model, tp, tower)
     if key not in _CACHE:
         found = _derive(model, tp, tower)
-        if found.refused:  # layouts that fix the heads' grouping need more heads than tp alone asks
+        if found.refused and has_config(
+            model
+        ):  # layouts that fix the heads' grouping need more heads than tp alone asks
             wider = max(4, 2 * tp) * WIDER
             try:
                 second = _derive(model, tp, tower, wider)
@@ -142,21 +162,35 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
         raise NotDerivableError(
             f"a tiny {name} cannot be built from a scaled-down config or given inputs: {type(e).__name__}: {e}"
         ) from e
-    tiny.config.use_cache = False
+    if has_config(tiny):
+        tiny.config.use_cache = False
     inputs.pop("labels", None)
-    if "decoder_input_ids" not in inputs and getattr(tiny.config, "is_encoder_decoder", False):
+    if "decoder_input_ids" not in inputs and getattr(getattr(tiny, "config", None), "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = inputs.get("input_ids", torch.ones(2, 8, dtype=torch.long))
     try:
         flows = trace(tiny, inputs)
     except Exception as e:  # noqa: BLE001
         raise NotDerivableError(f"a tiny {name} does not run: {type(e).__name__}: {e}") from e
     if not flows.blocks:
-        raise NotDerivableError(f"{name} has no stack of repeated blocks with projections to cut")
+        raise NotDerivableError(f"{name} has no stack of repeated blocks with projections to cut{DP_HINT}")
     rules: dict[type, BlockRule] = {}
     refused: list[str] = []
     for block in flows.blocks:
         rule = rules.setdefault(type(tiny.get_submodule(block)), BlockRule())
         reads = flows.reads.get(block, {})
+        packed = [rel for rel, m in tiny.get_submodule(block).named_modules() if isinstance(m, nn.MultiheadAttention)]
+        for rel in packed:  # torch's fused encoder path may also run the block as one op, calling no projection
+            refused.append(
+                f"{type(tiny.get_submodule(block)).__name__}: {rel} is torch's nn.MultiheadAttention, which packs "
+                f"q, k and v in one Parameter (in_proj_weight) that no projection module holds: no cut is derived for it"
+            )
+        if packed:
+            continue
+        for rel in flows.bypassed.get(block, []):
+            refused.append(
+                f"{type(tiny.get_submodule(block)).__name__}: {rel} is never called: the block's code reads its "
+                f"weight itself (F.linear(x, {rel.rpartition('.')[2]}.weight, ...)), which no cut layer can stand in for"
+            )
         groups, whole = pair(reads)
         rule.whole |= set(whole) - set(rule.cols) - rule.rows
         for group in groups:

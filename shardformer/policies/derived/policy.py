@@ -12,7 +12,7 @@ import dataclasses
 
 import torch.nn as nn
 
-from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive
+from shardformer.policies.derived.derive import DP_HINT, BlockRule, NotDerivableError, derive, has_config
 from shardformer.policies.derived.heads import head_inputs_layer
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
 from shardformer.policies.derived.simulate import cut_options, per_rank_attributes
@@ -30,7 +30,7 @@ HOW_TO = "write a Policy for it (docs/writing-a-policy.md) and pass it: shard_mo
 
 
 class DerivedPolicy(TpPlanPolicy):
-    """Cuts any transformers model by the roles its projections play in a traced tiny copy."""
+    """Cuts any transformers model, timm model or plain module by the roles its projections play in a traced tiny copy."""
 
     tower_of: tuple[nn.Module, str] | None = None  # (the whole model, the path) when cutting a tower of it
 
@@ -38,11 +38,14 @@ class DerivedPolicy(TpPlanPolicy):
         model, tp = self.model, shard_config.tensor_parallel_size
         if tp == 1:  # nothing to cut (cp-only, dp-only): derive nothing, the model stays as it is
             return {type(model): Argument({}, [list])}
-        if getattr(model, "config", None) is None:
-            raise NotDerivableError(f"{type(model).__name__} has no transformers config to build a tiny copy from")
+        if getattr(model, "config", None) is None and not repeated_blocks(model):
+            raise NotDerivableError(
+                f"{type(model).__name__} has no stack of repeated blocks with projections to cut{DP_HINT}"
+            )
         whole, tower = self.tower_of or (model, "")
         derivation = derive(whole, tp, tower)
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = getattr(model, "config", None)  # None: a timm model or a plain module (counts read off modules)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = getattr(text, "num_attention_heads", None)
         if derivation.heads and isinstance(heads, int) and heads < derivation.heads:
             raise NotDerivableError(
@@ -67,9 +70,12 @@ class DerivedPolicy(TpPlanPolicy):
                     f"{block} ({type(modules[block]).__name__}) did not appear in the tiny copy of "
                     f"{type(model).__name__}, so no cut of it was proven; {HOW_TO}"
                 )
-            self._cut_block(block, modules, rule, tp, model.config, layers, attrs)
+            self._cut_block(block, modules, rule, tp, config, layers, attrs)
         if not layers:
-            raise NotDerivableError(f"no projection of {type(model).__name__} reads and writes a block's stream")
+            raise NotDerivableError(
+                f"no projection of {type(model).__name__} reads and writes a block's stream"
+                + ("" if config is not None else DP_HINT)
+            )
         idle = [b for b in repeated_blocks(model) if _all_idle(modules[b], derivation.rules.get(type(modules[b])))]
         whole = uncovered_blocks(model, layers, idle)
         if whole:
@@ -183,5 +189,7 @@ def _owner(dotted: str) -> str:
 
 
 def derived_model(model: nn.Module) -> bool:
-    """Whether ``model`` could take the derived route at all (a transformers model with blocks)."""
-    return getattr(model, "config", None) is not None and bool(repeated_blocks(model))
+    """Whether ``model`` could take the derived route: it has repeated blocks (a transformers model's
+    config is scaled down to a tiny copy; any other module is copied with two blocks per stack), or it
+    is no transformers model (the route then refuses it with the reason: a convolutional network)."""
+    return bool(repeated_blocks(model)) or not has_config(model)

@@ -274,11 +274,12 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     row_module = model.get_submodule(row)
     row_bias = getattr(row_module, "bias", None)
     stream_width = out_width(row_module)  # the row writes back into the stream
+    config = getattr(model, "config", None)  # None: a timm model or a plain module (counts read off modules)
     col_modules = {c: model.get_submodule(c) for c in cols}
     widths = {in_width(row_module)} | {out_width(m) for m in col_modules.values()}
     per_col = []
     for path, module in col_modules.items():
-        options = _candidates(out_width(module), model.config, tp)
+        options = _candidates(out_width(module), config, tp)
         if not options:
             return None, f"{path}: output width {out_width(module)} does not split over tp={tp}"
         per_col.append(options)
@@ -319,7 +320,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                     return None, f"no exact cut among the first {MAX_TRIALS} candidates ({errors[0]})"
                 try:
                     got = _run_ranks(
-                        parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, model.config, heads,
+                        parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, config, heads,
                         row_blocks,
                     )  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - a cut the code cannot run is a rejected candidate

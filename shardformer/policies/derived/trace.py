@@ -63,18 +63,38 @@ def run_hooked(model: nn.Module, inputs: dict, handles: list, mode=None) -> None
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
-    """Paths of the items of every ``ModuleList`` that holds at least two modules of one class with
-    projections inside, outermost lists only (experts inside a layer belong to their layer)."""
+    """Paths of the items of every ``ModuleList`` or ``Sequential`` that holds at least two modules of
+    one class with projections inside, outermost stacks only (experts inside a layer belong to their
+    layer), except a ``Sequential`` of stages that each hold such a stack (Swin's stages of blocks):
+    the blocks inside them are the repeated blocks."""
     found: list[str] = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or any(name.startswith(b + ".") for b in found):
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(name.startswith(b + ".") for b in found):
             continue
-        classes = defaultdict(list)
-        for index, item in enumerate(module):
-            if any(is_projection(m) for m in item.modules()) and list(item.children()):
-                classes[type(item)].append(f"{name}.{index}" if name else str(index))
-        found += [path for paths in classes.values() if len(paths) >= 2 for path in paths]
+        like = _like_blocks(module, name)
+        if (
+            isinstance(module, nn.Sequential)
+            and like
+            and all(_holds_stack(module[int(p.rpartition(".")[2])]) for p in like)
+        ):
+            continue  # stages of blocks: the blocks are found inside each stage
+        found += like
     return found
+
+
+def _like_blocks(stack: nn.Module, name: str) -> list[str]:
+    """Paths of the items of ``stack`` that share a class with another item and hold projections."""
+    classes = defaultdict(list)
+    for index, item in enumerate(stack):
+        if any(is_projection(m) for m in item.modules()) and list(item.children()):
+            classes[type(item)].append(f"{name}.{index}" if name else str(index))
+    return [path for paths in classes.values() if len(paths) >= 2 for path in paths]
+
+
+def _holds_stack(module: nn.Module) -> bool:
+    return any(
+        isinstance(m, (nn.ModuleList, nn.Sequential)) and _like_blocks(m, "") for _, m in module.named_modules() if _
+    )
 
 
 @dataclass
@@ -95,6 +115,7 @@ class FlowMode(TorchFunctionMode):
         super().__init__()
         self.flows: dict[int, Flow] = {}
         self.alive: list[torch.Tensor] = []  # ids stay unique while the trace runs
+        self.used: set[int] = set()  # ids of every tensor a function read (parameters are long-lived)
 
     def get(self, t) -> Flow | None:
         return self.flows.get(id(t)) if torch.is_tensor(t) else None
@@ -106,6 +127,7 @@ class FlowMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.used.update(id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, nn.Parameter))
         flows = [f for t in tree_leaves((args, kwargs)) if (f := self.get(t)) is not None]
         if flows:
             merged = Flow()
@@ -124,6 +146,9 @@ class Trace:
     blocks: list[str]
     reads: dict[str, dict[str, Flow]] = field(default_factory=dict)
     leaf_reads: dict[str, dict[str, Flow]] = field(default_factory=dict)  # other leaves with parameters
+    # projections never called whose weight the block's code reads itself (``F.linear(x, self.qkv.weight,
+    # bias)``: timm's EVA and BEiT attention with a q/v bias): a cut layer cannot stand in for them
+    bypassed: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _leaf_with_params(module: nn.Module) -> bool:
@@ -182,6 +207,12 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
                 before, after = leaf_hooks(path, rel, m)
                 handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
     run_hooked(model, inputs, handles, mode)
+    for path in blocks:
+        result.bypassed[path] = [
+            rel
+            for rel, m in modules[path].named_modules()
+            if rel and is_projection(m) and rel not in result.reads.get(path, {}) and id(m.weight) in mode.used
+        ]
     return result
 
 

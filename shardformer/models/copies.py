@@ -1,0 +1,79 @@
+"""Copies of a model with no transformers config to scale down (timm, plain modules): the model
+itself with each repeated stack cut to two blocks (same widths, same code, dropout off).
+
+Two blocks are the fewest that show a stack's per-block rule twice (what one block hands the next);
+the widths stay the user's, so every count and width the code reads is the one it reads on the user's
+model. The derived route traces this copy, and the proof runs it sharded against unsharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch.nn as nn
+
+KEEP = 2  # blocks kept of each repeated stack
+
+
+def repeated_stacks(model: nn.Module) -> list[str]:
+    """Paths of the stacks :func:`~shardformer.policies.derived.trace.repeated_blocks` finds whose
+    blocks are all of one class (a stack of mixed classes is kept whole in a copy)."""
+    from shardformer.policies.derived.trace import repeated_blocks
+
+    stacks: list[str] = []
+    for block in repeated_blocks(model):
+        stack = block.rpartition(".")[0]
+        if stack and stack not in stacks:
+            stacks.append(stack)
+    return [s for s in stacks if len({type(m) for m in model.get_submodule(s)}) == 1]
+
+
+@contextlib.contextmanager
+def stacks_cut(model: nn.Module):
+    """``model`` with each of its repeated stacks holding its first two blocks, restored on exit."""
+    saved = {path: model.get_submodule(path) for path in repeated_stacks(model)}
+    saved = {path: stack for path, stack in saved.items() if len(stack) > KEEP}
+    for path, stack in saved.items():
+        kept = list(stack)[:KEEP]
+        _set(model, path, type(stack)(*kept) if isinstance(stack, nn.Sequential) else nn.ModuleList(kept))
+    try:
+        yield model
+    finally:
+        for path, stack in saved.items():
+            _set(model, path, stack)
+
+
+def two_blocks(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose repeated stacks keep two blocks, with dropout off (both copies the
+    proof compares compute one function)."""
+    with stacks_cut(model):
+        tiny = copy.deepcopy(model)
+    for module in tiny.modules():
+        if "Drop" in type(module).__name__:
+            for name in ("p", "drop_prob"):
+                if isinstance(getattr(module, name, None), float):
+                    setattr(module, name, 0.0)
+    return tiny
+
+
+def architecture(model: nn.Module) -> str:
+    """A cache key for the two-block copy: every module's class and sizes in order, and the plain
+    settings each module holds (a flag its forward reads, such as timm's ``fused_attn``), so that two
+    models cut alike only when they compute alike at any depth."""
+    with stacks_cut(model):
+        settings = [
+            (path, name, value)
+            for path, module in model.named_modules()
+            for name, value in sorted(vars(module).items())
+            if not name.startswith("_") and name != "training" and isinstance(value, _SETTINGS)
+        ]
+        return repr(model) + repr(settings)
+
+
+_SETTINGS = (bool, int, float, str, tuple, type(None))
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)

@@ -1,0 +1,120 @@
+"""Models with no transformers config for the derived route, importable by spawned ranks: a
+hand-written language model (plain ``nn.Module``s) and small random timm models."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class PlainAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, mix_heads: bool = False) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.mix_heads = heads, dim // heads, mix_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x)
+        if self.mix_heads:  # every query feature depends on all heads': no cut over heads is exact
+            q = q - q.mean(dim=-1, keepdim=True)
+        q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, self.k(x), self.v(x)))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mix_heads: bool = False) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = PlainAttention(dim, heads, mix_heads)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class PlainLM(nn.Module):
+    """Embedding, a ModuleList of attention + MLP blocks, a final norm and a head: what a researcher writes."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32, heads: int = 4, depth: int = 3, mix_heads: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(PlainBlock(dim, heads, mix_heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def plain_lm(mix_heads: bool = False) -> PlainLM:
+    torch.manual_seed(0)
+    return PlainLM(mix_heads=mix_heads)
+
+
+class TorchEncoderLM(nn.Module):
+    """Token embedding into torch's own nn.TransformerEncoder (MultiheadAttention inside), and a head."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def no_inputs() -> nn.Module:
+    """Blocks with no token embedding in front: shardformer cannot tell what to feed it."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), *(PlainBlockNoEmbed(32) for _ in range(3)))
+
+
+class PlainBlockNoEmbed(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+TIMM = {  # small random timm models: widths and depths a tp=2 cut and a quick run allow
+    # EVA-02: rotary positions, SwiGLU MLP; q/k/v as separate projections (timm's fused qkv with a q/v
+    # bias reads the weight through F.linear: refused, as "eva02_fused")
+    "eva02": ("eva02_tiny_patch14_224", dict(img_size=28, depth=3, embed_dim=48, num_heads=4, qkv_fused=False)),
+    "eva02_fused": ("eva02_tiny_patch14_224", dict(img_size=28, depth=3, embed_dim=48, num_heads=4)),
+    "beit": ("beit_base_patch16_224", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
+    "deit": ("deit_tiny_distilled_patch16_224", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
+    "swin": (
+        "swin_tiny_patch4_window7_224",
+        dict(img_size=32, depths=(2, 3), embed_dim=16, num_heads=(2, 4), window_size=4),
+    ),
+    # an MLP of nn.Linear on channels-last features beside depthwise convolutions (conv_mlp=False)
+    "convnext": ("convnext_atto", dict(depths=(2, 2, 3, 2), dims=(8, 16, 32, 64), conv_mlp=False)),
+}
+
+
+def timm_model(name: str) -> nn.Module:
+    import timm
+
+    arch, options = TIMM[name]
+    torch.manual_seed(0)
+    return timm.create_model(arch, pretrained=False, num_classes=10, **options)
+
+
+def factory(name: str, **options):
+    """A picklable factory for spawned ranks."""
+    if name == "plain":
+        return functools.partial(plain_lm, **options)
+    return functools.partial(timm_model, name)

@@ -1,0 +1,126 @@
+"""The derived route on models with no transformers config: timm models other than the ViT family's
+own policy, and plain ``nn.Module``s with repeated blocks. Each is traced and proven on a copy with
+two blocks per stack, then compared with the unsharded model by ``verify`` (outputs, loss or a fixed
+projection, gradients, weights and outputs after an SGD step); refusals name their reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardformer import ShardConfig
+from shardformer.models.copies import two_blocks
+from shardformer.core.inputs import make_inputs
+from shardformer.policies.derived import DerivedPolicy, derive
+from shardformer.policies.derived.trace import repeated_blocks
+from shardformer.tools.testing import run_on_ranks
+from tests.policies.plain_models import TorchEncoderLM, factory, no_inputs, plain_lm, timm_model
+
+EXACT = ["plain", "deit", "swin"]
+# BEiT and EVA-02 as timm writes them: a fused qkv read through F.linear (its weight, with q/v biases),
+# and (EVA-02 with separate q/k/v) an attention output reshaped to the input's width, which a rank
+# holding half the heads cannot give: refused, naming the group
+REFUSED = ["convnext", "beit", "eva02_fused", "eva02", "mix_heads", "no_inputs"]
+
+
+def test_repeated_blocks_of_plain_and_timm_models():
+    assert repeated_blocks(plain_lm()) == ["blocks.0", "blocks.1", "blocks.2"]
+    # Swin's stages (a Sequential of stages, each with its own Sequential of blocks): the blocks
+    swin = repeated_blocks(timm_model("swin"))
+    assert swin == [
+        "layers.0.blocks.0",
+        "layers.0.blocks.1",
+        "layers.1.blocks.0",
+        "layers.1.blocks.1",
+        "layers.1.blocks.2",
+    ]
+    copy = two_blocks(timm_model("swin"))
+    assert [len(stage.blocks) for stage in copy.layers] == [2, 2]  # each stack cut to two, the stages kept
+
+
+def test_plain_inputs_are_token_ids_or_refused():
+    inputs = make_inputs(plain_lm(), seed=0)
+    assert list(inputs) == ["tokens"] and inputs["tokens"].max() < 96
+    assert list(make_inputs(timm_model("deit"), seed=0)) == ["x"]
+    with pytest.raises(ValueError, match="cannot make inputs for Sequential"):
+        make_inputs(no_inputs(), seed=0)
+
+
+def test_rules_are_read_off_the_dataflow():
+    rule = derive(plain_lm(), 2).rules[type(plain_lm().blocks[0])]
+    assert rule.cols == {"attn.q": 1, "attn.k": 1, "attn.v": 1, "fc1": 1} and rule.rows == {"attn.o", "fc2"}
+    assert rule.divide == {"attn.heads"}
+    swin = derive(timm_model("swin"), 2)
+    (rule,) = swin.rules.values()
+    assert rule.cols == {"attn.qkv": 3, "mlp.fc1": 1} and rule.divide == {"attn.num_heads"}
+    assert rule.head_params == {"attn": {"relative_position_bias_table": 1}}  # [positions, heads]: cut by heads
+
+
+def test_a_convolutional_network_is_refused_pointing_at_data_parallelism():
+    import timm
+
+    from shardformer.policies.derived import NotDerivableError
+    from shardformer.policies.derived.policy import derived_model
+
+    for model in (timm.create_model("resnet18", pretrained=False), timm_model("convnext")):
+        assert derived_model(model)  # tried, to say why not
+        policy = DerivedPolicy()
+        policy.set_model(model)
+        with pytest.raises(NotDerivableError, match=r"data parallelism .* ZeRO"):
+            policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
+
+
+def test_torch_transformer_encoder_is_refused_naming_multihead_attention():
+    from shardformer.policies.derived import NotDerivableError
+
+    torch.manual_seed(0)
+    model = TorchEncoderLM()
+    assert repeated_blocks(model) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
+    found = derive(model, 2)
+    assert any("self_attn is torch's nn.MultiheadAttention" in r for r in found.refused), found.refused
+    policy = DerivedPolicy()
+    policy.set_model(model)
+    with pytest.raises(NotDerivableError, match="MultiheadAttention"):
+        policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
+
+
+def _ranks(exact, refused):
+    import torch.distributed as dist
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.policies.derived import NotDerivableError
+    from shardformer.tools.verify import verify_on_this_rank
+
+    out = {}
+    for name in exact:
+        report = verify_on_this_rank(factory(name))
+        out[name] = (report.ok, report.format())
+    model = plain_lm()
+    blocks = sum(p.numel() for p in model.blocks.parameters())
+    shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    out["plain blocks ratio"] = sum(p.numel() for p in model.blocks.parameters()) / blocks
+    builds = {"mix_heads": lambda: plain_lm(mix_heads=True), "no_inputs": no_inputs}
+    for name in refused:
+        try:
+            shard_model(builds.get(name, factory(name))(), ShardConfig(tensor_parallel_size=2))
+            out[name] = "sharded"
+        except (NotDerivableError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_plain_and_timm_models_are_exact_or_refused():
+    results = run_on_ranks(_ranks, 2, EXACT, REFUSED)
+    out = results[0]
+    for name in EXACT:
+        ok, text = out[name]
+        assert ok, text
+        assert "derived route" in text, text
+    assert 0.5 < out["plain blocks ratio"] < 0.52, out["plain blocks ratio"]  # norms and row biases whole
+    assert "data parallelism" in out["convnext"] and "ZeRO" in out["convnext"], out["convnext"]
+    assert "attn.qkv is never called" in out["beit"], out["beit"]
+    assert "attn.qkv is never called" in out["eva02_fused"], out["eva02_fused"]
+    assert "attn.k_proj, attn.q_proj, attn.v_proj -> attn.proj" in out["eva02"], out["eva02"]
+    assert "attn.k, attn.q, attn.v -> attn.o" in out["mix_heads"], out["mix_heads"]
+    assert "cannot make inputs for Sequential" in out["no_inputs"], out["no_inputs"]
+    assert [results[1][n][0] for n in EXACT] == [True] * len(EXACT)  # rank 1 agrees
