@@ -2,7 +2,7 @@
 
 A timm model has no config to scale down, so the proof (and the derived route's trace) runs on a
 copy of the model with each repeated stack cut to two blocks, at the model's own widths
-(:mod:`shardformer.models.copies`). Here ``vit_large_patch16_224`` (pretrained=False: 304M
+(:mod:`shardformer.policies.copies`). Here ``vit_large_patch16_224`` (pretrained=False: 304M
 parameters, 24 blocks of width 1024) on each rank times choosing its route — the family's built-in
 policy, and the derived route forced (trace, simulated cuts, then the proof) — cold and cached, and
 reports the peak resident memory each added (VmHWM) over the resident memory before it.

@@ -29,7 +29,7 @@ from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.record import sharding_of
 from shardformer.models import inputs_for
-from shardformer.models.copies import architecture, two_blocks
+from shardformer.policies.copies import architecture, two_blocks
 from shardformer.policies.derived.derive import tiny_copy
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy

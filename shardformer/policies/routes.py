@@ -96,10 +96,10 @@ class NoExactRouteError(NotProvenError):
     """No route cuts the model exactly (each route's reason is in the message)."""
 
 
-def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sharder_args: dict):
+def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sharder_args: dict, chosen=False):
     """``(sharder, route, proven)``: the sharder of the first of ``routes`` that resolves against
     ``model`` and proves exact at the config's tp (every route is tried in order), else
-    :class:`NoExactRouteError`. A single route the user chose is proven and refused, never replaced."""
+    :class:`NoExactRouteError`. The route the user ``chosen`` is proven and refused, never replaced."""
     tp = shard_config.tensor_parallel_size
     if not routes:
         raise no_route_error(model)
@@ -110,8 +110,10 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
         try:
             sharder.plan()  # every refusal first, before any collective
         except _ROUTE_ERRORS as e:
-            if len(routes) == 1:
+            if chosen or len(routes) == 1 and getattr(model, "config", None) is not None:
                 raise
+            if [r.name for r in routes] == [DERIVED] and getattr(model, "config", None) is None:  # a plain module
+                raise NotDerivableError(f"{no_route_error(model)}. The derived route: {e}") from e
             reasons.append(f"{route.name}: {e}")
             continue
         if tp == 1 or route.name == CUSTOM:

@@ -10,7 +10,7 @@ import torch
 
 from shardformer import ShardConfig
 from shardformer.core.inputs import make_inputs
-from shardformer.models.copies import two_blocks
+from shardformer.policies.copies import two_blocks
 from shardformer.policies.derived import DerivedPolicy, derive
 from shardformer.policies.derived.trace import repeated_blocks
 from shardformer.tools.testing import run_on_ranks

@@ -20,7 +20,7 @@ import torch.nn as nn
 from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
 from shardformer.core.tiny_run import runnable_tiny_config
-from shardformer.models.copies import architecture, two_blocks
+from shardformer.policies.copies import architecture, two_blocks
 from shardformer.policies.derived.simulate import find_cut, record_calls
 from shardformer.policies.derived.trace import is_projection, pair, trace
 
@@ -81,7 +81,7 @@ def tiny_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None
 def tiny_with_inputs(model: nn.Module, tp: int, tower: str = "", heads: int | None = None, seed: int = 0):
     """The tiny copy of ``model`` (of its sub-model at ``tower``: a vision tower a plan leaves whole)
     and inputs for it (``seed``); for a model with no transformers config (timm, a plain module), the
-    model itself with each repeated stack cut to two blocks (:mod:`shardformer.models.copies`). A tower's inputs are the ones it receives in one forward of the whole
+    model itself with each repeated stack cut to two blocks (:mod:`shardformer.policies.copies`). A tower's inputs are the ones it receives in one forward of the whole
     tiny model (patches and their grid, an attention mask over images: what the wrapper computes), or,
     where that forward does not reach it, the recipe's inputs for the tower alone."""
     if not has_config(model):
