@@ -59,6 +59,8 @@ def run_error(model_class, config, inputs=make_inputs, max_params: int | None = 
     step = "build"
     try:
         count = _meta_params(model_class, config) if max_params else 0
+        if max_params and count is None:  # never built for real at the user's widths without a count
+            return "its size cannot be counted on the meta device, and a copy that keeps the widths may be huge"
         if max_params and count > max_params:
             return f"{count / 1e6:.0f}M parameters, more than a copy that keeps the widths may have"
         with torch.random.fork_rng(devices=[]):
@@ -76,14 +78,14 @@ def run_error(model_class, config, inputs=make_inputs, max_params: int | None = 
     return None
 
 
-def _meta_params(model_class, config) -> int:
-    """The parameter count of ``model_class(config)``, built without memory (0 when the class cannot
-    be built on the meta device: it is built for real and fails there, or is small enough)."""
+def _meta_params(model_class, config) -> int | None:
+    """The parameter count of ``model_class(config)``, built without memory (None when the class cannot
+    be built on the meta device)."""
     try:
         with torch.device("meta"):
             return sum(p.numel() for p in model_class(config).parameters())
     except Exception:  # noqa: BLE001
-        return 0
+        return None
 
 
 def _short(e: Exception, limit: int = 200) -> str:
