@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import build_mesh
-from shardformer.models import family_of, model_class_name
+from shardformer.models import family_of, model_class_name, supported_models
 from shardformer.policies.derived import DerivedPolicy, NotDerivableError, NotProvenError, derive, derived_model
 from shardformer.policies.derived.policy import HOW_TO
 from shardformer.policies.proof import prove
@@ -83,8 +83,7 @@ def route_of(policy: Policy, model: nn.Module) -> Route:
 
 
 def no_route_error(model: nn.Module) -> ValueError:
-    from shardformer.models import supported_models
-
+    """The error for a model no route applies to."""
     return ValueError(
         f"no built-in policy for {type(model).__name__}; supported: {', '.join(supported_models())}, and any "
         f"transformers model whose config has a base_model_tp_plan or whose blocks can be traced. For another model, "
