@@ -49,12 +49,18 @@ def two_blocks(model: nn.Module) -> nn.Module:
     proof compares compute one function)."""
     with stacks_cut(model):
         tiny = copy.deepcopy(model)
-    for module in tiny.modules():
+    no_dropout(tiny)
+    return tiny
+
+
+def no_dropout(model: nn.Module) -> None:
+    """Every dropout module of ``model`` at probability 0 (a head's ``classifier_dropout`` that the
+    config does not name, and so the recipe cannot zero, included)."""
+    for module in model.modules():
         if "Drop" in type(module).__name__:
             for name in ("p", "drop_prob"):
                 if isinstance(getattr(module, name, None), float):
                     setattr(module, name, 0.0)
-    return tiny
 
 
 def architecture(model: nn.Module) -> str:

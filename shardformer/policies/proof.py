@@ -29,7 +29,7 @@ from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.record import sharding_of
 from shardformer.models import inputs_for
-from shardformer.policies.copies import architecture, two_blocks
+from shardformer.policies.copies import architecture, no_dropout, two_blocks
 from shardformer.policies.derived.derive import tiny_copy
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy
@@ -102,7 +102,9 @@ def _tiny(model: nn.Module, tp: int, heads: int | None) -> nn.Module:
     """A small model of ``model``'s class and architecture, in train mode with dropout off where a
     config says so (the recipe's), or a copy of ``model`` with each repeated stack cut to two blocks."""
     if hasattr(getattr(model, "config", None), "to_dict"):
-        return tiny_copy(model, tp, seed=1, heads=heads)
+        tiny = tiny_copy(model, tp, seed=1, heads=heads)
+        no_dropout(tiny)
+        return tiny
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("the model is on the meta device and has no transformers config to build a copy from")
     return two_blocks(model)
