@@ -46,15 +46,12 @@ def _pad_id(config) -> int | None:
 def position_rule(model: nn.Module) -> str | None:
     """The rule of :data:`RULES` ``model`` follows for its position ids when given none (found on
     a tiny copy of it); None when it follows none of them or the copy cannot be run."""
-    from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
+    from shardformer.core.tiny_run import tiny_copy
 
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():  # the caller's RNG stream is untouched
-            torch.manual_seed(0)
-            config = tiny_copy_config(model.config, tp=1)
-            tiny = type(model)(config).float().eval()
-            fill_zero_matrices(tiny)
-            pad = _pad_id(config)
+        with torch.no_grad():
+            tiny = tiny_copy(model, tp=1).float()  # the caller's RNG stream is untouched
+            pad = _pad_id(tiny.config)
             pad = 0 if pad is None else pad
             ids = torch.tensor([t for t in range(10, 20) if t != pad][:8]).repeat(2, 1)  # no special token
             mask = torch.ones_like(ids)

@@ -27,6 +27,17 @@ class TinyCopyError(ValueError):
 _CHOSEN: dict[tuple, object] = {}
 
 
+def tiny_copy(model, tp: int, seed: int = 0, heads: int | None = None):
+    """A tiny random model of ``model``'s class and architecture that runs (the caller's RNG left as it
+    was; :class:`TinyCopyError` when no scaling of its config runs)."""
+    config = runnable_tiny_config(type(model), model.config, tp, heads)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tiny = type(model)(config)
+        fill_zero_matrices(tiny)
+    return tiny.eval()
+
+
 def runnable_tiny_config(model_class, config, tp: int = 2, heads: int | None = None, inputs=make_inputs):
     """The config of the first tiny copy of ``model_class`` (from the user's ``config``) that builds, takes
     ``inputs(model, seed)`` and runs forward; :class:`TinyCopyError` when none does."""

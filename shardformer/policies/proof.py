@@ -7,7 +7,7 @@ loss and every gradient (gathered) must match, each gradient against its own sca
 the same verdict (one all-reduce). The verdict is cached per route, model class, architecture, tp and
 library versions (a new transformers release can change a plan, a forward or a helper).
 
-The tiny copy is the user's config scaled down (:func:`~shardformer.policies.derived.derive.tiny_copy`);
+The tiny copy is the user's config scaled down (:func:`~shardformer.core.tiny_run.tiny_copy`);
 a model with no transformers config (timm) is copied with each repeated stack cut to two blocks
 (same widths, same code).
 """
@@ -28,9 +28,9 @@ from shardformer.core.compare import compare_params, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.record import sharding_of
+from shardformer.core.tiny_run import tiny_copy
 from shardformer.models import inputs_for
 from shardformer.policies.copies import architecture, no_dropout, two_blocks
-from shardformer.policies.derived.derive import tiny_copy
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy
 from shardformer.tensor_parallel.sharder import ModelSharder

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.inputs import make_inputs
-from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
-from shardformer.core.tiny_run import runnable_tiny_config
+from shardformer.core.tiny import tiny_copy_config
+from shardformer.core.tiny_run import tiny_copy
 from shardformer.policies.copies import architecture, two_blocks
 from shardformer.policies.derived.simulate import find_cut, record_calls
 from shardformer.policies.derived.trace import is_projection, pair, trace
@@ -65,17 +65,6 @@ WIDER = 4  # a refused derivation is tried once more with this many times the he
 
 
 _CACHE: dict[tuple, Derivation] = {}
-
-
-def tiny_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None) -> nn.Module:
-    """A tiny random model of ``model``'s class and architecture that runs (the caller's RNG left as it
-    was; :class:`~shardformer.core.tiny_run.TinyCopyError` when no scaling of its config runs)."""
-    config = runnable_tiny_config(type(model), model.config, tp, heads)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        tiny = type(model)(config)
-        fill_zero_matrices(tiny)
-    return tiny.eval()
 
 
 def tiny_with_inputs(model: nn.Module, tp: int, tower: str = "", heads: int | None = None, seed: int = 0):
