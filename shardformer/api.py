@@ -57,7 +57,7 @@ def _wrapped_model(model: nn.Module) -> nn.Module:
 def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, adapters: SeenThrough) -> nn.Module:
     routes = candidate_routes(model) if policy is None else [route_of(policy, model)]
     sharder_args = dict(layers=layer_stack(model), adapters=adapters, final_norm=final_norm(model))
-    sharder, route, proven = choose(model, shard_config, routes, sharder_args, chosen=policy is not None)
-    sharder.shard()
+    sharder, plan, route, proven = choose(model, shard_config, routes, sharder_args, chosen=policy is not None)
+    sharder.shard(plan)
     attach(model, dataclasses.replace(sharding_of(model), route=route.name, proven=proven))
     return model

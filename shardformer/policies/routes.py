@@ -96,8 +96,8 @@ class NoExactRouteError(NotProvenError):
 
 
 def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sharder_args: dict, chosen=False):
-    """``(sharder, route, proven)``: the sharder of the first of ``routes`` that resolves against
-    ``model`` and proves exact at the config's tp (every route is tried in order), else
+    """``(sharder, plan, route, proven)``: the sharder (and its resolved plan, for ``sharder.shard``) of
+    the first of ``routes`` that resolves against ``model`` and proves exact at the config's tp (every route is tried in order), else
     :class:`NoExactRouteError`. The route the user ``chosen`` is proven and refused, never replaced."""
     tp = shard_config.tensor_parallel_size
     if not routes:
@@ -107,7 +107,7 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
     for route in routes:
         sharder = ModelSharder(model, route.make(), mesh_config or shard_config, **sharder_args)
         try:
-            sharder.plan()  # every refusal first, before any collective
+            plan = sharder.plan()  # every refusal first, before any collective
         except _ROUTE_ERRORS as e:
             if chosen or len(routes) == 1 and getattr(model, "config", None) is not None:
                 raise
@@ -116,7 +116,7 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
             reasons.append(f"{route.name}: {e}")
             continue
         if tp == 1 or route.name == CUSTOM:
-            return sharder, route, False
+            return sharder, plan, route, False
         if not shard_config.prove:
             logger.warning(
                 "%s sharded on the %s route WITHOUT proof (ShardConfig(prove=False)): nothing checked that it "
@@ -125,7 +125,7 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
                 route.name,
             )
             _warn_partial(model, route, reasons)
-            return sharder, route, False
+            return sharder, plan, route, False
         if mesh_config is None:  # once: the proofs and the model use the same tp group
             mesh, _ = build_mesh(shard_config)
             mesh_config = dataclasses.replace(shard_config, mesh=mesh) if mesh is not None else shard_config
@@ -144,7 +144,7 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
                 tp,
             )
             _warn_partial(model, route, reasons)
-            return sharder, route, True
+            return sharder, plan, route, True
         reasons.append(f"{route.name}: not exact on a tiny copy at tensor_parallel_size={tp} ({why})")
         logger.info(
             "%s: the %s route is not exact on a tiny copy (%s); trying the next route",

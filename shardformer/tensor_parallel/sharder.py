@@ -190,8 +190,9 @@ class ModelSharder:
             raise ValueError(f"{path} ({type(target).__name__}) has no dropout probability {layer.p!r}")
         return Replacement(path, layer, target, input_copy)
 
-    def shard(self) -> nn.Module:
-        plan = self.plan()
+    def shard(self, plan: ShardPlan | None = None) -> nn.Module:
+        """Cut the model by ``plan`` (what :meth:`plan` returned for this sharder; resolved here if None)."""
+        plan = plan or self.plan()
         replacements = plan.replacements
         params_before, name = _numel(self.model), type(self.model).__name__
         mesh, group = build_mesh(self.shard_config)
