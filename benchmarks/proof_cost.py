@@ -20,6 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.load_bench import _status_mib  # noqa: E402
+
 CONFIGS = {
     "llama2-7b": ("LlamaForCausalLM", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                                            num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)),
@@ -30,26 +32,36 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
-
-
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current resident size
         f.write("5")
+
+
+def time_choose(model, tp: int, routes) -> tuple:
+    """``(route name, proven, cold s, cached s, peak MiB the cold run added, resident MiB before)``:
+    choosing ``model``'s route among ``routes`` twice in this process, first cold, then cached."""
+    from shardformer import ShardConfig
+    from shardformer.models import final_norm, layer_stack
+    from shardformer.policies.routes import choose
+
+    args = dict(layers=layer_stack(model), adapters=None, final_norm=final_norm(model))
+    times, added = [], 0.0
+    for run in ("cold", "cached"):
+        _reset_peak()
+        before = _status_mib("VmRSS")
+        start = time.perf_counter()
+        _, _, route, proven = choose(model, ShardConfig(tensor_parallel_size=tp), routes, args)
+        times.append(time.perf_counter() - start)
+        if run == "cold":
+            added = _status_mib("VmHWM") - before
+    return route.name, proven, times[0], times[1], added, before
 
 
 def _rank(names: list[str], tp: int) -> list[tuple]:
     import torch
     import transformers as tf
 
-    from shardformer import ShardConfig
-    from shardformer.models import final_norm, layer_stack
-    from shardformer.policies.routes import candidate_routes, choose
+    from shardformer.policies.routes import candidate_routes
 
     rows = []
     for name in names:
@@ -58,17 +70,7 @@ def _rank(names: list[str], tp: int) -> list[tuple]:
         with torch.device("meta"):
             model = cls(cls.config_class(**sizes))
         params = sum(p.numel() for p in model.parameters())
-        args = dict(layers=layer_stack(model), adapters=None, final_norm=final_norm(model))
-        times, added = [], 0.0
-        for run in ("cold", "cached"):
-            _reset_peak()
-            before = _status_mib("VmRSS")
-            start = time.perf_counter()
-            _, route, proven = choose(model, ShardConfig(tensor_parallel_size=tp), candidate_routes(model), args)
-            times.append(time.perf_counter() - start)
-            if run == "cold":
-                added = _status_mib("VmHWM") - before
-        rows.append((name, params, route.name, proven, times[0], times[1], added))
+        rows.append((name, params, *time_choose(model, tp, candidate_routes(model))[:5]))
     return rows
 
 

@@ -15,38 +15,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.proof_cost import _reset_peak, _status_mib  # noqa: E402
+from benchmarks.proof_cost import time_choose  # noqa: E402
 
 
 def _rank(name: str, tp: int, wanted_routes: list[str]) -> list[tuple]:
     import timm
     import torch
 
-    from shardformer import ShardConfig
-    from shardformer.models import final_norm, layer_stack
-    from shardformer.policies.routes import candidate_routes, choose
+    from shardformer.policies.routes import candidate_routes
 
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False)
     params = sum(p.numel() for p in model.parameters())
-    args = dict(layers=layer_stack(model), adapters=None, final_norm=final_norm(model))
     rows = []
     for wanted in wanted_routes:
         routes = [r for r in candidate_routes(model) if r.name == wanted]
-        times, added = [], 0.0
-        for run in ("cold", "cached"):
-            _reset_peak()
-            before = _status_mib("VmRSS")
-            start = time.perf_counter()
-            _, route, proven = choose(model, ShardConfig(tensor_parallel_size=tp), routes, args)
-            times.append(time.perf_counter() - start)
-            if run == "cold":
-                added = _status_mib("VmHWM") - before
-        rows.append((name, params, route.name, proven, times[0], times[1], added, before))
+        rows.append((name, params, *time_choose(model, tp, routes)))
     return rows
 
 
