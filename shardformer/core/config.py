@@ -365,6 +365,26 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")
         if self.zero_stage == 3:
             self._check_zero3()
+        if self.ep > 1:
+            self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """What expert parallelism is not proven with here is refused, naming the fix."""
+        refused = {
+            "zero_stage": (
+                self.zero_stage == 3,
+                "FSDP2 would shard the experts over the whole dp group, across ep ranks that hold different "
+                "experts; use zero_stage=1 or 2 with ep",
+            ),
+            "cp": (self.cp > 1, "context parallelism with expert parallelism is not proven yet; use cp=1 or ep=1"),
+            "precision": (
+                self.precision == "fp16",
+                "fp16's loss scaling is not shared by the dense and expert optimizers yet; use precision='bf16'",
+            ),
+        }
+        for name, (bad, fix) in refused.items():
+            if bad:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} with ep={self.ep}: {fix}")
 
     def _check_zero3(self) -> None:
         """What ZeRO-3 (FSDP2) is not proven with here is refused, naming the fix."""

@@ -114,7 +114,7 @@ class ProcessMesh:
             lines.setdefault((p, d // ep, c, t), []).append(rank(p, d, t, c))
             spans.setdefault((p, d % ep, c, t), []).append(rank(p, d, t, c))
         self.ep_group = build(list(lines.values()))
-        self.expert_dp_group = build(list(spans.values())) if self.expert_dp_size > 1 else LOCAL
+        self.expert_dp_group = build(list(spans.values()))  # a real group even of one: ZeRO reduces over it
 
     def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int | None = None) -> int:
         """The global rank at these coordinates (``cp_rank`` None: this rank's own)."""

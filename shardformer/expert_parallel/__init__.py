@@ -15,7 +15,7 @@ from typing import Any
 import torch.nn as nn
 
 from shardformer.core.comm import group_rank
-from shardformer.expert_parallel.experts import ExpertSpec, make_expert_parallel
+from shardformer.expert_parallel.experts import ExpertSpec, is_expert_param, make_expert_parallel
 from shardformer.expert_parallel.find import ExpertParallelError, find_experts
 from shardformer.expert_parallel.proof import prove_expert_parallel
 
@@ -44,10 +44,6 @@ class ExpertLayout:
     ep_group: Any
     expert_dp_group: Any
     proven: bool
-
-
-def is_expert_param(param) -> bool:
-    return getattr(param, "expert_spec", None) is not None
 
 
 def check_expert_parallel(model: nn.Module, ep: int) -> tuple[list[str], str]:

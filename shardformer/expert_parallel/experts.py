@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from shardformer.core.comm import group_rank, group_size
+from shardformer.core.comm import all_gather, group_rank, group_size
 from shardformer.expert_parallel.dispatch import exchange, exchange_counts, exchange_ids, kept_in_graph
 
 
@@ -49,6 +49,16 @@ class ExpertSpec:
     @property
     def first(self) -> int:
         return self.rank * self.local
+
+
+def is_expert_param(param) -> bool:
+    """Whether ``param`` is one rank's slice of stacked experts (split by expert parallelism)."""
+    return getattr(param, "expert_spec", None) is not None
+
+
+def gather_experts(local: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's experts of a stacked parameter, in expert order (a collective over the ep group)."""
+    return torch.cat(all_gather(local.contiguous(), group), dim=0)
 
 
 def expert_params(module: nn.Module) -> dict[str, nn.Parameter]:

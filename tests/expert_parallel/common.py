@@ -88,3 +88,27 @@ def reference_grads(ref, batches, rank):
             out = o
     total = {n: total.get(n) for n, _ in ref.named_parameters()}
     return total, own, out
+
+
+def gathered_weights(model):
+    """{name: full tensor} of every parameter (tp and ep gathered), the same on every rank."""
+    from shardformer.checkpoint.gather import full_local_state
+
+    return full_local_state(model)
+
+
+def reference_steps(ref, data, chunks, max_grad_norm=None, lr=0.05):
+    """One process, the unsharded model, SGD with momentum: each step's loss is the mean over ``chunks``."""
+    from shardformer.engine import split_batch
+
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for step in data:
+        opt.zero_grad()
+        loss = sum(ref(**p).loss for p in split_batch(step, chunks, "chunks")) / chunks
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    return losses
