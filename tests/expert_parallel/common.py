@@ -17,7 +17,7 @@ def _config(name, **kw):
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
     )  # fmt: skip
     if name == "mixtral":
-        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, **kw)
+        return transformers.MixtralConfig(**common, **{"num_local_experts": 4, "num_experts_per_tok": 2, **kw})
     if name == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
             **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1,
