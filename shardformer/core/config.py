@@ -376,7 +376,6 @@ class EngineConfig:
                 "FSDP2 would shard the experts over the whole dp group, across ep ranks that hold different "
                 "experts; use zero_stage=1 or 2 with ep",
             ),
-            "cp": (self.cp > 1, "context parallelism with expert parallelism is not proven yet; use cp=1 or ep=1"),
             "precision": (
                 self.precision == "fp16",
                 "fp16's loss scaling is not shared by the dense and expert optimizers yet; use precision='bf16'",

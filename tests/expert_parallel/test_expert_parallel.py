@@ -192,9 +192,18 @@ def check_deepseek_tp2_ep2():
     _parity("deepseek_v3", tp=2)
 
 
-def check_engine_tp2_ep2_zero1():
-    ref, engine = _train("mixtral", tp=2, zero_stage=1, max_grad_norm=0.3)
+def check_engine_tp2_ep2_zero1_with_activation_checkpointing():  # the recomputed forward exchanges again
+    ref, engine = _train("mixtral", tp=2, zero_stage=1, max_grad_norm=0.3, activation_checkpointing=True)
     _same_weights(ref, engine.model, "tp=2 x ep=2")
+
+
+def check_engine_cp2_ep2_zero2():  # each cp rank's chunk of the sequence routed; expert gradients summed over cp
+    ref, model = build("mixtral")  # (a router loss over the whole batch is refused under cp)
+    data = [batch(20 + s, size=4) for s in range(3)]
+    engine = ParallelEngine(model, _sgd, EngineConfig(cp=2, ep=2, num_microbatches=2, zero_stage=2, max_grad_norm=0.3))
+    got = [engine.train_step(b) for b in data]
+    assert_close(torch.tensor(got), torch.tensor(reference_steps(ref, data, 4, 0.3)), what="cp=2 x ep=2: losses")
+    _same_weights(ref, engine.model, "cp=2 x ep=2")
 
 
 def check_engine_pp2_ep2_zero2():  # stage 0 holds DeepSeek's dense layer only: no experts there
@@ -202,7 +211,13 @@ def check_engine_pp2_ep2_zero2():  # stage 0 holds DeepSeek's dense layer only: 
     _same_weights(ref, engine.model, "pp=2 x ep=2")
 
 
-CHECKS_4 = [check_mixtral_tp2_ep2, check_deepseek_tp2_ep2, check_engine_tp2_ep2_zero1, check_engine_pp2_ep2_zero2]
+CHECKS_4 = [
+    check_mixtral_tp2_ep2,
+    check_deepseek_tp2_ep2,
+    check_engine_tp2_ep2_zero1_with_activation_checkpointing,
+    check_engine_pp2_ep2_zero2,
+    check_engine_cp2_ep2_zero2,
+]
 
 test_ep2 = check_table(CHECKS_2, 2)
 test_ep2_with_tp_or_pp = check_table(CHECKS_4, 4)
