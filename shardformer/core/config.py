@@ -371,11 +371,6 @@ class EngineConfig:
     def _check_expert_parallel(self) -> None:
         """What expert parallelism is not proven with here is refused, naming the fix."""
         refused = {
-            "zero_stage": (
-                self.zero_stage == 3,
-                "FSDP2 would shard the experts over the whole dp group, across ep ranks that hold different "
-                "experts; use zero_stage=1 or 2 with ep",
-            ),
             "precision": (
                 self.precision == "fp16",
                 "fp16's loss scaling is not shared by the dense and expert optimizers yet; use precision='bf16'",

@@ -89,9 +89,9 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def _train(name, steps=3, **engine):
+def _train(name, steps=3, size=4, **engine):
     ref, model = build(name, output_router_logits=True)
-    data = [batch(20 + s, size=4) for s in range(steps)]
+    data = [batch(20 + s, size=size) for s in range(steps)]
     cfg = EngineConfig(ep=2, num_microbatches=2, **engine)
     trained = ParallelEngine(model, _sgd, cfg)
     got = [trained.train_step(b) for b in data]
@@ -109,8 +109,8 @@ def _same_weights(ref, model, what):
             assert_close(full[name], p.detach(), what=f"{what}: {name} after the steps")
 
 
-def check_engine_ep2_zero1_and_zero2_with_clipping():
-    for zero in (1, 2):
+def check_engine_ep2_zero1_2_and_3_with_clipping():
+    for zero in (1, 2, 3):
         ref, engine = _train("qwen3_moe", zero_stage=zero, max_grad_norm=0.3)
         _same_weights(ref, engine.model, f"zero={zero}")
 
@@ -159,8 +159,8 @@ def check_refusals():
     ref, model = build("mixtral")
     with pytest.raises(ValueError, match="expert_parallel_size=4 does not divide data_parallel_size=2"):
         shard_model(model, ShardConfig(expert_parallel_size=4))
-    with pytest.raises(ValueError, match="zero_stage=3 with ep=2"):
-        EngineConfig(ep=2, zero_stage=3)
+    with pytest.raises(ValueError, match="precision='fp16' with ep=2"):
+        EngineConfig(ep=2, precision="fp16")
     with pytest.raises(ValueError, match="ep=3 does not divide the data-parallel size 2"):
         ParallelEngine(model, _sgd, EngineConfig(ep=3))
     dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -178,7 +178,7 @@ CHECKS_2 = [
     check_deepseek_v3_ep2,
     check_gpt_oss_ep2,
     check_experts_that_receive_no_token,
-    check_engine_ep2_zero1_and_zero2_with_clipping,
+    check_engine_ep2_zero1_2_and_3_with_clipping,
     check_export_and_generate,
     check_refusals,
 ]
@@ -211,7 +211,17 @@ def check_engine_pp2_ep2_zero2():  # stage 0 holds DeepSeek's dense layer only: 
     _same_weights(ref, engine.model, "pp=2 x ep=2")
 
 
+def check_engine_dp4_ep2_zero1_and_zero3():
+    """Two ranks hold each expert (expert-dp = 2): ZeRO-1 sums expert gradients over them, ZeRO-3 shards
+    the experts over them; both divide by the whole dp."""
+    for zero in (1, 3):
+        ref, engine = _train("qwen3_moe", size=8, zero_stage=zero, max_grad_norm=0.3)
+        assert engine.mesh.expert_dp_size == 2
+        _same_weights(ref, engine.model, f"dp=4 x ep=2, zero={zero}")
+
+
 CHECKS_4 = [
+    check_engine_dp4_ep2_zero1_and_zero3,
     check_mixtral_tp2_ep2,
     check_deepseek_tp2_ep2,
     check_engine_tp2_ep2_zero1_with_activation_checkpointing,
