@@ -29,7 +29,7 @@ from shardformer.expert_parallel.experts import make_expert_parallel
 from shardformer.expert_parallel.find import _EXPERT_COUNTS, find_experts
 from shardformer.models import inputs_for
 from shardformer.policies.copies import no_dropout
-from shardformer.policies.proof import FLOOR_RTOL, SCALE_RTOL, _transformers_quiet, _versions
+from shardformer.policies.proof import FLOOR_RTOL, SCALE_RTOL, _device, _transformers_quiet, _versions
 
 _VERDICTS: dict[tuple, str | None] = {}
 
@@ -42,9 +42,10 @@ def prove_expert_parallel(model: nn.Module, group) -> str | None:
             config = _tiny_config(model, ep)
         except Exception as e:  # noqa: BLE001 - the same on every rank
             return f"a tiny copy of {type(model).__name__} cannot be built to prove it on: {type(e).__name__}: {e}"
-        key = (type(model), ep, json.dumps(config.to_dict(), sort_keys=True, default=str), _versions())
+        device = _device(model)
+        key = (type(model), ep, json.dumps(config.to_dict(), sort_keys=True, default=str), _versions(), device)
         if key not in _VERDICTS:
-            _VERDICTS[key] = _prove(type(model), config, group)
+            _VERDICTS[key] = _prove(type(model), config, group, device)
         return _VERDICTS[key]
 
 
@@ -60,11 +61,11 @@ def _tiny_config(model: nn.Module, ep: int):
     return config
 
 
-def _prove(model_class, config, group) -> str | None:
+def _prove(model_class, config, group, device) -> str | None:
     ep, rank = group_size(group), group_rank(group)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
-        ref = model_class(config)
+        ref = model_class(config).to(device)
     no_dropout(ref)
     ref.train()
     failures: list[str] = []
@@ -77,10 +78,10 @@ def _prove(model_class, config, group) -> str | None:
         failures.append(f"the tiny copy cannot be split: {type(e).__name__}: {str(e)[:300]}")
     if not failures:
         try:
-            _compare(ref, sharded, group, ep, rank, failures)
+            _compare(ref, sharded, group, ep, rank, device, failures)
         except Exception as e:  # noqa: BLE001 - the split copy fails on every rank alike
             failures.append(f"the split tiny copy fails: {type(e).__name__}: {str(e)[:300]}")
-    verdict = torch.tensor([float(len(failures))])
+    verdict = torch.tensor([float(len(failures))], device=device)
     if all_reduce(verdict, group).item() == 0:
         return None
     return "; ".join(failures[:3]) or "another ep rank saw a difference"
@@ -91,11 +92,14 @@ def _loss(out, weights: torch.Tensor) -> torch.Tensor:
     return loss if loss is not None else (first_tensor(out).float() * weights).sum()
 
 
-def _compare(ref, sharded, group, ep: int, rank: int, failures: list[str]) -> None:
-    batches = [inputs_for(ref, seed=100 + r) for r in range(ep)]  # rank r's own batch, known to every rank
+def _compare(ref, sharded, group, ep: int, rank: int, device, failures: list[str]) -> None:
+    batches = [  # rank r's own batch, known to every rank
+        {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs_for(ref, seed=100 + r).items()}
+        for r in range(ep)
+    ]
     out = sharded(**batches[rank])
     main = first_tensor(out)
-    weights = torch.randn(main.shape, generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(main.shape, generator=torch.Generator().manual_seed(2)).to(device)
     loss = _loss(out, weights)
     loss.backward()
     own: dict[str, torch.Tensor] = {}
