@@ -9,8 +9,9 @@ import dataclasses
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
-from shardformer.core.record import attach, sharding_of
+from shardformer.core.record import attach, build_mesh, sharding_of
 from shardformer.core.versions import warn_if_untested
+from shardformer.expert_parallel import check_expert_parallel, plan_expert_parallel, split_experts
 from shardformer.models import final_norm, layer_stack
 from shardformer.policies.routes import candidate_routes, choose, route_of
 from shardformer.tensor_parallel.adapters import SeenThrough
@@ -57,7 +58,16 @@ def _wrapped_model(model: nn.Module) -> nn.Module:
 def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, adapters: SeenThrough) -> nn.Module:
     routes = candidate_routes(model) if policy is None else [route_of(policy, model)]
     sharder_args = dict(layers=layer_stack(model), adapters=adapters, final_norm=final_norm(model))
+    experts = None
+    if shard_config.expert_parallel_size > 1:  # found and proven on the model as the user gave it
+        check_expert_parallel(model, shard_config.expert_parallel_size)  # before any collective
+        shard_config.check_world()
+        if shard_config.mesh is None:
+            shard_config = dataclasses.replace(shard_config, mesh=build_mesh(shard_config)[0])
+        experts = plan_expert_parallel(model, shard_config.mesh, shard_config.prove)
     sharder, plan, route, proven = choose(model, shard_config, routes, sharder_args, chosen=policy is not None)
     sharder.shard(plan)
-    attach(model, dataclasses.replace(sharding_of(model), route=route.name, proven=proven))
+    if experts is not None:
+        split_experts(model, experts)
+    attach(model, dataclasses.replace(sharding_of(model), route=route.name, proven=proven, experts=experts))
     return model

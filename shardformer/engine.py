@@ -29,6 +29,7 @@ from shardformer.core.step_agreement import batch_fingerprint, check_agreement
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.data_parallel.fsdp import fully_shard_model, local_numel, through_root
 from shardformer.data_parallel.fsdp_optimizer import FullyShardedOptimizer
+from shardformer.expert_parallel.optimizer import ExpertParallelOptimizer
 from shardformer.models import family_spec, layer_stack, pipeline_spec_for
 from shardformer.pipeline.schedule import run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
@@ -116,17 +117,25 @@ class ParallelEngine:
             )
         # Every check that can fail runs before the first collective.
         world = dist.get_world_size() if dist.is_initialized() else 1
-        resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
+        _, dp, _ = resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
+        if dp % cfg.ep:
+            raise ValueError(
+                f"EngineConfig.ep={cfg.ep} does not divide the data-parallel size {dp}: expert-parallel ranks are "
+                f"data-parallel ranks; pick an ep that divides {dp}"
+            )
         self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
         if cfg.pp > 1:  # the split's sizes, paths and ties, before any process waits
             check_pipeline_spec(self.pipeline, model, cfg.pp, cfg.layers_per_stage)
         if cfg.activation_checkpointing:
             self._checkpoint_activations(model, check_only=True)  # before any collective
         if mesh is not None and (
-            (mesh.tp_size, mesh.pp_size, mesh.cp_size) != (cfg.tp, cfg.pp, cfg.cp) or cfg.dp not in (None, mesh.dp_size)
+            (mesh.tp_size, mesh.pp_size, mesh.cp_size, mesh.ep_size) != (cfg.tp, cfg.pp, cfg.cp, cfg.ep)
+            or cfg.dp not in (None, mesh.dp_size)
         ):
-            raise ValueError(f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, cp={cfg.cp}, dp={cfg.dp}")
-        self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp)
+            raise ValueError(
+                f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, cp={cfg.cp}, ep={cfg.ep}, dp={cfg.dp}"
+            )
+        self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
         self.model = shard_model(model, cfg.shard_config(self.mesh), policy)
         self.policy = sharding_of(self.model).policy  # the route's (proven) or the one passed
         self._forward_agreement = self.model.shardformer.forward_agreement
@@ -161,13 +170,9 @@ class ParallelEngine:
                 counted_elsewhere=self.shared if last and not first else (),  # tied weights count once
             )  # fmt: skip
         elif optimizer is not None:
-            self.optimizer = ZeroOptimizer(
-                optimizer(params),
-                self.mesh.dp_group,
-                cfg.zero_stage,
+            zero_kwargs = dict(
                 tp_group=self.mesh.tp_group,
                 pp_group=self.mesh.pp_group,
-                model=self.model,
                 # tied weights count once in the norm: the first stage's copy
                 counted_elsewhere=self.shared if last and not first else (),
                 overlap_communication=cfg.overlap_grad_reduce,
@@ -177,6 +182,12 @@ class ParallelEngine:
                 sum_group=self.mesh.cp_group if cfg.cp > 1 else None,
                 release_grads=cfg.zero_stage == 2,  # ZeRO-2 keeps only its 1/dp row of each reduced gradient
             )
+            if self.mesh.ep_size > 1:  # dense parameters over dp, experts over the ranks holding the same ones
+                self.optimizer = ExpertParallelOptimizer(optimizer, params, self.mesh, cfg.zero_stage, **zero_kwargs)
+            else:
+                self.optimizer = ZeroOptimizer(
+                    optimizer(params), self.mesh.dp_group, cfg.zero_stage, model=self.model, **zero_kwargs
+                )
             if cfg.cp > 1:
                 self.model.shardformer.context_parallel.sum_grads_elsewhere(params)
         self.loss_fn = loss_fn or _loss_from_output

@@ -17,6 +17,7 @@ import torch.nn as nn
 from shardformer.core.comm import group_rank, group_size
 from shardformer.core.record import is_sharded, sharding_of
 from shardformer.data_parallel.fsdp import full_of, reshard
+from shardformer.expert_parallel.experts import gather_experts, is_expert_param
 from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 
 
@@ -98,17 +99,21 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def full_local_state(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
-    """This stage's tensors, tp shards gathered to full size (collective over the tp group).
+    """This stage's tensors, tp shards gathered to full size (collective over the tp group), experts
+    split by expert parallelism gathered over the ep group.
 
     Tied names keep pointing at one tensor; every tp rank returns the same dict (detached, on CPU).
     """
     group = layout_of(model).tp_group if group is None else group
+    experts = sharding_of(model).experts if is_sharded(model) else None
     done: dict[int, torch.Tensor] = {}
     out = {}
     for name, tensor in named_tensors(model).items():
         if id(tensor) not in done:
             spec = shard_spec(tensor)
             value = tensor.detach() if spec is None else gather_tensor(tensor.detach(), spec, group)
+            if is_expert_param(tensor):  # this rank's experts: the others' from the ep group
+                value = gather_experts(value, experts.ep_group)
             done[id(tensor)] = value.cpu()
         out[name] = done[id(tensor)]
     return out

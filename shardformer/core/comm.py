@@ -238,6 +238,15 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def all_to_all_uneven(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    """Rows ``x[sum(send_counts[:r]) : ...]`` go to rank ``r``; returns the rows every rank sent here,
+    in rank order (``recv_counts[r]`` from rank ``r``): expert parallelism's token exchange."""
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    _record("all_to_all", x, group)
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    return out
+
+
 def start_ring_shift(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], Handle]:
     """Start sending ``tensors`` to the next rank of ``group`` and receiving the previous rank's
     (same shapes); the received tensors are valid once the handle is waited on (ring attention)."""

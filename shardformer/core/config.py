@@ -158,6 +158,10 @@ class ShardConfig:
         prove the route's cut on a tiny copy of the model before cutting it (the default; about a
         second once per model class, architecture and tp). False uses the first route that resolves,
         unproven, with a warning: only for a model you have checked with ``shardformer verify``.
+    expert_parallel_size:
+        mixture-of-experts models: each of this many ranks holds ``1/ep`` of every MoE layer's experts,
+        and tokens travel to the experts they are routed to (all-to-all) and back. The ep ranks are
+        data-parallel ranks (each passes its own batch); ep must divide the data-parallel size.
     """
 
     tensor_parallel_size: int = 1
@@ -173,6 +177,7 @@ class ShardConfig:
     prove: bool = True
     context_parallel_size: int = 1
     context_parallel_mode: str = "ring"
+    expert_parallel_size: int = 1
     mesh: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -188,8 +193,9 @@ class ShardConfig:
         _check_fields(
             self,
             check_positive_int,
-            ("tensor_parallel_size", "pipeline_parallel_size", "vocab_pad_multiple", "context_parallel_size"),
-        )
+            ("tensor_parallel_size", "pipeline_parallel_size", "vocab_pad_multiple", "context_parallel_size",
+             "expert_parallel_size"),
+        )  # fmt: skip
         check_positive_int("ShardConfig.data_parallel_size", self.data_parallel_size, optional=True)
         _check_fields(
             self,
@@ -198,6 +204,11 @@ class ShardConfig:
         )
         check_int("ShardConfig.seed", self.seed)
         check_choice("ShardConfig.context_parallel_mode", self.context_parallel_mode, CP_MODES)
+        if self.expert_parallel_size > 1 and group is not None:
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size} needs a process mesh (ep ranks are drawn "
+                f"from the data-parallel ranks), but tensor_parallel_process_group was given; leave it out"
+            )
         if self.context_parallel_size > 1 and group is not None:
             raise ValueError(
                 f"context_parallel_size={self.context_parallel_size} needs a process mesh, but "
@@ -218,8 +229,19 @@ class ShardConfig:
                 f"torch.distributed is not initialised; start the script with `shardformer run "
                 f"--nproc_per_node N` and call shardformer.init_distributed()"
             )
-        resolve_sizes(world, self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size, cp)
+        _, dp, _ = resolve_sizes(
+            world, self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size, cp
+        )
+        ep = self.expert_parallel_size
+        if dp % ep:
+            raise ValueError(
+                f"expert_parallel_size={ep} does not divide data_parallel_size={dp} (world {world} / "
+                f"(tp x cp x pp)); expert-parallel ranks are data-parallel ranks: launch a multiple of "
+                f"{ep * self.tensor_parallel_size * cp * self.pipeline_parallel_size} processes or pick a divisor of {dp}"
+            )
         mesh = self.mesh
+        if mesh is not None and mesh.ep_size != ep:
+            raise ValueError(f"ShardConfig.mesh {mesh} has ep_size={mesh.ep_size}, not expert_parallel_size={ep}")
         if mesh is not None and (mesh.tp_size, mesh.pp_size, mesh.cp_size) != (
             self.tensor_parallel_size,
             self.pipeline_parallel_size,
@@ -259,6 +281,8 @@ class EngineConfig:
     tp, pp, dp: tensor / pipeline / data parallel sizes (dp defaults to world // (tp * cp * pp)).
     cp, cp_mode: context parallelism (as ShardConfig's context_parallel_size / _mode): every cp rank
     gets the same batch and the sequence is split over them.
+    ep: expert parallelism (as ShardConfig.expert_parallel_size): the experts of every MoE layer are
+    split over ep of the dp ranks; expert gradients are summed over the ranks holding the same experts.
     zero_stage: 1 or 2 (our ZeRO over the dp ranks: optimizer states, then also gradients), or 3
     (parameters too: each transformer layer on PyTorch FSDP2 over the dp ranks; precision "fp32" or
     "bf16", no compile). num_microbatches: micro-batches per step and
@@ -292,6 +316,7 @@ class EngineConfig:
     dp: int | None = None
     cp: int = ShardConfig.context_parallel_size
     cp_mode: str = ShardConfig.context_parallel_mode
+    ep: int = ShardConfig.expert_parallel_size
     zero_stage: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
@@ -314,7 +339,7 @@ class EngineConfig:
     prove: bool = ShardConfig.prove
 
     def __post_init__(self) -> None:
-        _check_fields(self, check_positive_int, ("tp", "pp", "cp", "num_microbatches", "vocab_pad_multiple"))
+        _check_fields(self, check_positive_int, ("tp", "pp", "cp", "ep", "num_microbatches", "vocab_pad_multiple"))
         check_positive_int("EngineConfig.dp", self.dp, optional=True)
         for name, choices in CHOICES.items():
             check_choice(f"EngineConfig.{name}", getattr(self, name), choices)
@@ -340,6 +365,20 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")
         if self.zero_stage == 3:
             self._check_zero3()
+        if self.ep > 1:
+            self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """What expert parallelism is not proven with here is refused, naming the fix."""
+        refused = {
+            "precision": (
+                self.precision == "fp16",
+                "fp16's loss scaling is not shared by the dense and expert optimizers yet; use precision='bf16'",
+            ),
+        }
+        for name, (bad, fix) in refused.items():
+            if bad:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} with ep={self.ep}: {fix}")
 
     def _check_zero3(self) -> None:
         """What ZeRO-3 (FSDP2) is not proven with here is refused, naming the fix."""
@@ -372,6 +411,7 @@ class EngineConfig:
             data_parallel_size=mesh.dp_size,
             context_parallel_size=self.cp,
             context_parallel_mode=self.cp_mode,
+            expert_parallel_size=self.ep,
             mesh=mesh,
             **shared,
         )

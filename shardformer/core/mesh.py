@@ -44,6 +44,7 @@ class ProcessMesh:
     pp_size: int = 1
     dp_size: int | None = None
     cp_size: int = 1
+    ep_size: int = 1
     rank: int = field(init=False)
     world_size: int = field(init=False)
 
@@ -91,6 +92,29 @@ class ProcessMesh:
             [sorted({rank(0, d, t, c), rank(pp - 1, d, t, c)}) for d in range(dp) for c in range(cp) for t in range(tp)]
         )
         self.cp_group = build(along(2)) if cp > 1 else LOCAL  # None would mean the whole world
+        self._build_expert_groups(cells, rank, build)
+
+    def _build_expert_groups(self, cells, rank, build) -> None:
+        """Expert parallelism folds into dp: ``dp_rank = expert_dp_rank * ep + ep_rank``. The ep group
+        (consecutive dp ranks) splits the experts; the expert-dp group holds the same experts."""
+        ep = self.ep_size
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or self.dp_size % ep:
+            raise ValueError(
+                f"expert_parallel_size={ep} must be a positive divisor of data_parallel_size={self.dp_size} "
+                f"(expert-parallel ranks are drawn from the data-parallel ones); pick a divisor of {self.dp_size}"
+            )
+        self.ep_rank, self.expert_dp_rank = self.dp_rank % ep, self.dp_rank // ep
+        self.expert_dp_size = self.dp_size // ep
+        if ep == 1:
+            self.ep_group, self.expert_dp_group = LOCAL, self.dp_group
+            return
+        lines: dict[tuple, list[int]] = {}
+        spans: dict[tuple, list[int]] = {}
+        for p, d, c, t in cells:
+            lines.setdefault((p, d // ep, c, t), []).append(rank(p, d, t, c))
+            spans.setdefault((p, d % ep, c, t), []).append(rank(p, d, t, c))
+        self.ep_group = build(list(lines.values()))
+        self.expert_dp_group = build(list(spans.values()))  # a real group even of one: ZeRO reduces over it
 
     def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int | None = None) -> int:
         """The global rank at these coordinates (``cp_rank`` None: this rank's own)."""
@@ -119,6 +143,7 @@ class ProcessMesh:
             f"ProcessMesh(rank={self.rank}/{self.world_size}, pp={self.pp_rank}/{self.pp_size}, "
             f"dp={self.dp_rank}/{self.dp_size}, "
             + (f"cp={self.cp_rank}/{self.cp_size}, " if self.cp_size > 1 else "")
+            + (f"ep={self.ep_rank}/{self.ep_size}, " if self.ep_size > 1 else "")
             + f"tp={self.tp_rank}/{self.tp_size})"
         )
 

@@ -43,6 +43,7 @@ class ShardedModelInfo:
     forward_agreement: Any = None  # the check that tp/cp peers run one batch (core/forward_agreement.py)
     route: str | None = None  # which route's policy cut it ("built-in policy", "tp plan", "derived", "custom policy")
     proven: bool = False  # whether that route was proven exact on a tiny copy before the cut
+    experts: Any = None  # the ExpertLayout of expert parallelism (None: experts not split by ep)
 
     @classmethod
     def unsharded(cls) -> ShardedModelInfo:
@@ -73,6 +74,7 @@ def build_mesh(shard_config: ShardConfig) -> tuple[ProcessMesh | None, Any]:
         shard_config.pipeline_parallel_size,
         shard_config.data_parallel_size,
         shard_config.context_parallel_size,
+        shard_config.expert_parallel_size,
     )
     return mesh, mesh.tp_group
 

@@ -76,9 +76,11 @@ def fully_shard_model(
     gradients (see the module docstring); ``shard_spec`` is carried to the new parameters."""
     check_fully_shardable(model)
     specs = {name: shard_spec(p) for name, p in model.named_parameters()}
+    expert_specs = {name: p.expert_spec for name, p in model.named_parameters() if hasattr(p, "expert_spec")}
     hooks = {name: list(p._backward_hooks.values()) for name, p in model.named_parameters() if p._backward_hooks}
     dp_mesh = dp_device_mesh(mesh, device)
     policy = mixed_precision(precision)
+    _shard_experts(model, mesh, device, policy)
     for layer in layers if layers is not None else ():
         if layer is not None:
             fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
@@ -87,9 +89,34 @@ def fully_shard_model(
     for name, p in model.named_parameters():
         if specs[name] is not None:
             p.shard_spec = specs[name]
+        if name in expert_specs:
+            p.expert_spec = expert_specs[name]
         if name in hooks:
             out.append((p, hooks[name]))
     return out
+
+
+def _shard_experts(model: nn.Module, mesh, device: torch.device, policy) -> None:
+    """Experts split by expert parallelism: each experts module its own FSDP2 unit over the ranks holding
+    the same experts (expert-dp), its gradients divided by the whole dp size (they already hold the
+    tokens of every ep rank), as dense gradients are averaged over dp."""
+    from shardformer.core.record import is_sharded, sharding_of
+
+    experts = sharding_of(model).experts if is_sharded(model) else None
+    if experts is None:
+        return
+    device_type = "cpu" if device.type == "meta" else device.type
+    expert_mesh = DeviceMesh.from_group(mesh.expert_dp_group, device_type, mesh_dim_names=("expert_dp",))
+    for path in experts.paths:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:  # a layer of another pipeline stage
+            continue
+        fully_shard(module, mesh=expert_mesh, mp_policy=policy)
+        module.set_gradient_divide_factor(float(mesh.dp_size))
+        # over 2+ ranks: a sum, then the division (gloo has no pre-scaled sum); alone FSDP2 divides while
+        # copying, and forcing the sum would divide a second time (torch 2.14)
+        module.set_force_sum_reduction_for_comms(mesh.expert_dp_size > 1)
 
 
 def through_root(stage_forward: Callable, calls_the_model: bool = False) -> Callable:
@@ -144,14 +171,15 @@ def reshard(model: nn.Module) -> None:
 
 
 def full_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A ZeRO-3 (DTensor) parameter gathered over dp, with its ``shard_spec``; other tensors as they are.
+    """A ZeRO-3 (DTensor) parameter gathered over dp (or expert-dp), with its ``shard_spec`` and
+    ``expert_spec``; other tensors as they are.
     Collective over the dp group for a DTensor."""
     if not isinstance(tensor, DTensor):
         return tensor
     full = tensor.detach().full_tensor()
-    spec = shard_spec(tensor)
-    if spec is not None:
-        full.shard_spec = spec
+    for layout in ("shard_spec", "expert_spec"):  # how it is cut over tp, and over ep
+        if getattr(tensor, layout, None) is not None:
+            setattr(full, layout, getattr(tensor, layout))
     return full
 
 

@@ -67,6 +67,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             batch (context parallelism's cp group): each bucket is summed over it before the dp
             average (the model's own per-parameter cp reduction must then be off:
             ``ContextParallel.sum_grads_elsewhere``).
+        average_over: what the summed gradients are divided by (default: the dp group's size). Experts
+            split by expert parallelism are summed over the ranks holding the same experts and averaged
+            over the whole dp (their gradients already hold the tokens of every ep rank).
 
     Gradients are averaged over dp (as DDP does): the result equals one process running
     ``optimizer`` on the concatenated batch with a mean loss.
@@ -91,6 +94,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         late_grads=(),
         native_collectives: bool | None = None,
         sum_group=None,
+        average_over: int | None = None,
     ) -> None:
         check_arguments(
             optimizer, stage, bucket_size, release_grads, reduce_dtype, loss_scaler, model, backwards_per_step
@@ -102,6 +106,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.pp_group = comm.LOCAL if pp_group is None else pp_group
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.average_over = average_over or self.dp_size
         if native_collectives is None:
             native_collectives = not comm.per_rank_is_faster(dp_group)
         self.per_rank = not native_collectives
@@ -127,6 +132,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             backwards_per_step,
             late_grads,
             sum_group,
+            divisor=self.average_over,
             names=None if model is None else {id(p): n for n, p in model.named_parameters()},
         )
         if loss_scaler == "auto":
@@ -174,7 +180,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Afterwards stage 1 leaves the dp-averaged gradient in every ``param.grad`` (like DDP);
         stage 2 leaves each rank's own, unreduced ``param.grad`` (None with ``release_grads``).
         """
-        self.reducer.sync(1.0 / (self.dp_size * self.loss_scale))
+        self.reducer.sync(1.0 / (self.average_over * self.loss_scale))
 
     def grad_norm(self) -> tuple[float, bool]:
         """``(global L2 norm of the gradients, found_inf)`` over dp x tp x pp; a collective."""

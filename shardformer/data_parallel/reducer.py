@@ -79,11 +79,13 @@ class GradientReducer:
         late_grads=(),
         sum_group=None,
         names: dict[int, str] | None = None,
+        divisor: int | None = None,
     ) -> None:
         self.slots, self.buckets, self.group, self.stage = slots, buckets, group, stage
         self.sum_group = sum_group  # summed over first (context parallelism's cp ranks), then averaged over dp
         self.per_rank = per_rank
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.divisor = divisor or self.dp  # the summed gradients' average: over dp, or what the owner says
         self.reduce_dtype, self.overlap, self.release_grads = reduce_dtype, overlap, release_grads
         self.backwards_per_step = backwards_per_step
         self.names = names or {}  # id(param) -> its name in the model, for errors
@@ -324,13 +326,13 @@ class GradientReducer:
         if self.stage == 2:
             row = out.mul_(grad_scale)
         else:
-            out.div_(self.dp)  # the dp average, still loss-scaled: what DDP leaves in param.grad
+            out.div_(self.divisor)  # the dp average, still loss-scaled: what DDP leaves in param.grad
             for slot in bucket.slots:
                 if has_grad[slot.index]:
                     self._write_back(slot, out[:, slot.offset : slot.offset + slot.shard_numel])
             row = out[self.rank]  # written back already: unscaled in place, the masters' grads view it
-            if grad_scale * self.dp != 1.0:
-                row.mul_(grad_scale * self.dp)
+            if grad_scale * self.divisor != 1.0:
+                row.mul_(grad_scale * self.divisor)
         for slot in bucket.slots:
             piece = row[slot.offset : slot.offset + slot.shard_numel]
             slot.master.grad = piece.to(slot.master.dtype) if has_grad[slot.index] else None

@@ -269,6 +269,10 @@ class ParallelGeneration:
     """Mixed into a sharded model's class by :func:`vocab_parallel_class`: see the module docstring."""
 
     def generate(self, *args, **kwargs):
+        if is_sharded(self) and sharding_of(self).experts is not None:
+            # ep ranks decode their own prompts but exchange tokens every step: a rank done early keeps
+            # stepping (transformers' synced_gpus) until every rank is, or its peers would wait on it
+            kwargs.setdefault("synced_gpus", True)
         with ExitStack() as stack:
             for head in self.modules():
                 if isinstance(head, VocabParallelLMHead1D):

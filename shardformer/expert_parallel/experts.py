@@ -1,0 +1,126 @@
+"""Expert parallelism on transformers' stacked experts: each ep rank keeps ``num_experts / ep`` whole
+experts (a slice of every ``[E, ...]`` parameter) and runs the module's own forward on the tokens
+routed to them.
+
+The experts module is called as transformers' MoE blocks call it, ``experts(hidden [T, H],
+top_k_index [T, k], top_k_weights [T, k])``. Here that call becomes:
+
+1. every (token, slot) pair with a real expert is sorted by expert (the order the module's own loop
+   adds them in) and sent to the rank holding its expert (all-to-all);
+2. the receiving rank runs the module's own forward (every experts implementation transformers
+   ships: eager, batched_mm, grouped_mm) on the tokens it got, each with its local expert index and a
+   routing weight of one, so it returns the expert's plain output;
+3. the outputs come back (all-to-all) and the sending rank weights them with its own routing weights
+   and adds them up per token, as the module does.
+
+Nothing is dropped (dropless): the result is the unsharded module's. The routing weights stay on the
+rank that routed (their gradient, and the router's, are computed there); each expert's gradient sums
+the contributions of every rank's tokens through the backward all-to-all.
+
+With expert-internal tensor parallelism (the tp plan cut each expert's intermediate dimension first),
+the tp hooks around this forward still hold: the exchange and the weighting are linear, so summing
+the tp ranks' partial outputs once, after the combine, gives the whole output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from shardformer.core.comm import all_gather, group_rank, group_size
+from shardformer.expert_parallel.dispatch import exchange, exchange_counts, exchange_ids, kept_in_graph
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """How a stacked expert parameter is split over the ep group: dim 0, ``local`` experts per rank,
+    rank ``rank`` holding experts ``[rank * local, (rank + 1) * local)`` of ``num_experts``."""
+
+    num_experts: int
+    ep_size: int
+    rank: int
+
+    @property
+    def local(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def first(self) -> int:
+        return self.rank * self.local
+
+
+def is_expert_param(param) -> bool:
+    """Whether ``param`` is one rank's slice of stacked experts (split by expert parallelism)."""
+    return getattr(param, "expert_spec", None) is not None
+
+
+def gather_experts(local: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's experts of a stacked parameter, in expert order (a collective over the ep group)."""
+    return torch.cat(all_gather(local.contiguous(), group), dim=0)
+
+
+def expert_params(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The module's own parameters stacked by expert (leading dimension ``num_experts``)."""
+    count = module.num_experts
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == count}
+
+
+class ExpertParallel:
+    """Mixed into the experts module's class (the module keeps its parameters' names, so its state
+    dict, hooks and PEFT see the same module); ``ep_group`` and ``ep_spec`` are set per instance."""
+
+    ep_group = None
+    ep_spec: ExpertSpec | None = None
+
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        spec, group = self.ep_spec, self.ep_group
+        tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        slot = torch.arange(k, device=flat.device).repeat(tokens)
+        token = torch.arange(tokens, device=flat.device).repeat_interleave(k)
+        # the module's own loop adds expert by expert, slot by slot, token by token: the same order
+        real = (flat >= 0) & (flat < spec.num_experts)  # an index past the experts means "none" to the module
+        order = torch.argsort((flat * k + slot) * tokens + token)
+        order = order[real[order]]
+        expert, token = flat[order], token[order]
+        owner = torch.div(expert, spec.local, rounding_mode="floor")
+        send_t = torch.bincount(owner, minlength=spec.ep_size)
+        send = send_t.tolist()
+        recv = exchange_counts(send_t, group)
+        received = exchange(hidden_states[token], send, recv, group)
+        local_index = exchange_ids(expert - owner * spec.local, send, recv, group)
+        ones = torch.ones((received.shape[0], 1), dtype=top_k_weights.dtype, device=received.device)
+        own = super().forward(received, local_index.unsqueeze(1), ones, *args, **kwargs)
+        own = kept_in_graph(own, [received, *expert_params(self).values()])
+        back = exchange(own, recv, send, group)
+        weights = top_k_weights.reshape(-1)[order]
+        weighted = back * weights.unsqueeze(1)
+        return torch.zeros_like(hidden_states).index_add_(0, token, weighted.to(hidden_states.dtype))
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _ep_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (ExpertParallel, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def make_expert_parallel(module: nn.Module, group) -> nn.Module:
+    """Keep this rank's experts of ``module`` (in place) and route its calls through the ep group."""
+    size, rank = group_size(group), group_rank(group)
+    spec = ExpertSpec(module.num_experts, size, rank)
+    for name, param in expert_params(module).items():
+        piece = param.detach()[spec.first : spec.first + spec.local].clone()
+        new = nn.Parameter(piece, requires_grad=param.requires_grad)
+        if hasattr(param, "shard_spec"):  # expert-internal tp cut another dimension first
+            new.shard_spec = param.shard_spec
+        new.expert_spec = spec
+        setattr(module, name, new)
+    module.__class__ = _ep_class(type(module))
+    module.num_experts = spec.local  # what the module's own forward loops over
+    module.ep_group, module.ep_spec = group, spec
+    return module
