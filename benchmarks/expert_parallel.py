@@ -1,6 +1,6 @@
 """Expert parallelism: training step time and per-rank memory of a Mixtral-like and a Qwen3-MoE-like model.
 
-    .venv/bin/python benchmarks/expert_parallel.py [--ranks 2] [--steps 7] [--batch 8] [--seq 64]
+    .venv/bin/python benchmarks/expert_parallel.py [--ranks 2] [--steps 11] [--batch 8] [--seq 64]
 
 Both models have 8 experts, top-2 routing, hidden 256, expert intermediate 512 and 2 layers, so the
 experts are ~86% of the parameters. Each is saved once (``save_pretrained``) and every variant loads it
@@ -13,7 +13,7 @@ with ``from_pretrained`` and trains it with AdamW on the same global batches:
   cut over the N ranks (transformers' tp plan), each rank the whole batch;
 - transformers' own expert parallelism: ``from_pretrained(..., distributed_config=DistributedConfig(
   ep_size=N, fsdp_size=N, ep_implementation="all_to_all"))`` (ep over the FSDP2 data-parallel ranks, the
-  same layout as ours; ``ep_size`` alone is refused: it must divide fsdp_size * tp_size) and
+  same layout as ours; ``DistributedConfig(ep_size=N)`` alone is refused, shown with its reason) and
   ``DistributedConfig(ep_size=N, tp_size=N)`` (ep over tensor-parallel ranks that share the batch).
 
 Memory and losses: each variant alone in a fresh spawn (the unsharded one in 1 process): parameter and
@@ -53,6 +53,7 @@ VARIANTS = {
     "unsharded": "unsharded (1 process)",
     "ep": "shardformer ep={n} (dp={n})",
     "tp": "shardformer expert-internal tp={n}",
+    "hf_ep": "transformers ep_size={n} alone",
     "hf_ep_fsdp": "transformers ep_size={n}, fsdp_size={n}, all_to_all",
     "hf_ep_tp": "transformers ep_size={n}, tp_size={n}",
 }
@@ -104,8 +105,9 @@ def _build(variant: str, path: str, n: int):
     else:
         from transformers.distributed import DistributedConfig
 
-        kw = {"fsdp_size": n, "ep_implementation": "all_to_all"} if variant == "hf_ep_fsdp" else {"tp_size": n}
-        model = tf.AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(ep_size=n, **kw))
+        kw = {"hf_ep_fsdp": {"fsdp_size": n, "ep_implementation": "all_to_all"}, "hf_ep_tp": {"tp_size": n}}
+        layout = DistributedConfig(ep_size=n, **kw.get(variant, {}))  # "hf_ep": ep_size alone
+        model = tf.AutoModelForCausalLM.from_pretrained(path, distributed_config=layout)
         rows = variant == "hf_ep_fsdp"  # FSDP ranks each take their slice of the batch; tp ranks share it
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -202,7 +204,7 @@ def _check_ep(family, n, ep, base, full_experts):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=11)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--memory-steps", type=int, default=3)
@@ -210,7 +212,10 @@ def main() -> None:
     args = parser.parse_args()
     n = args.ranks
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # freed tensors go back to the OS: RSS tracks use
+    for quiet in ("TRANSFORMERS_VERBOSITY=error", "HF_HUB_DISABLE_PROGRESS_BARS=1"):  # ranks inherit these
+        os.environ.setdefault(*quiet.split("="))
     tf.logging.set_verbosity_error()
+    tf.logging.disable_progress_bar()
     print(f"torch {torch.__version__}, transformers {tf.__version__}, {platform.machine()}, {os.cpu_count()} cores; "
           f"{n} gloo ranks x 1 thread (unsharded: the whole batch in 1 process); global batch {args.batch} x {args.seq} "
           f"tokens, AdamW; step time: median of {args.steps - 1} steps "
