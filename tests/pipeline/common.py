@@ -52,9 +52,13 @@ def batches(name, steps, seed=0):
     return out
 
 
-def reference_run(model, steps, chunks, max_grad_norm=None, loss_fn=None):
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def reference_run(model, steps, chunks, max_grad_norm=None, loss_fn=None, optimizer=sgd):
     """One process, the unsharded model: each step's loss is the mean over ``chunks`` equal chunks."""
-    opt = sgd(model.parameters())
+    opt = optimizer(model.parameters())
     losses = []
     model.train()
     for batch in steps:

@@ -50,6 +50,7 @@ def _check(
     model_pair=None,
     loss_fn=None,
     data=None,
+    optimizer=common.sgd,
     **engine_options,
 ):
     ref, model = model_pair or common.models(name)
@@ -65,10 +66,10 @@ def _check(
         backend=backend,
         **engine_options,
     )
-    engine = ParallelEngine(model, common.sgd, cfg, loss_fn=loss_fn, mesh=_mesh(tp, pp, dp))
+    engine = ParallelEngine(model, optimizer, cfg, loss_fn=loss_fn, mesh=_mesh(tp, pp, dp))
     stage = stage_of(engine.model)
     assert stage == (engine.mesh.pp_rank, pp), stage
-    expected = common.reference_run(ref, data, dp * micro, clip, loss_fn)
+    expected = common.reference_run(ref, data, dp * micro, clip, loss_fn, optimizer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = [engine.train_step(b) for b in data]

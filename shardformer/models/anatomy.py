@@ -1,0 +1,195 @@
+"""A model's anatomy, found in one place: its repeated layer stack(s), what runs before them
+(embeddings), what runs after them (final norm, head) and the final norm.
+
+Every technique that works on the layer stack reads it from here: pipeline stages, sequence
+parallelism, activation checkpointing and ZeRO-3's per-layer wrapping. Three sources, first that
+answers wins:
+
+1. the model's family record (:mod:`shardformer.models`: ``layers``, ``final_norm``);
+2. transformers' ``base_model_pp_plan`` (:mod:`shardformer.pipeline.from_plan`);
+3. the structure: the stacks the derived route finds (:func:`~shardformer.policies.derived.trace.repeated_blocks`),
+   one ``ModuleList`` of blocks of one class per stack.
+
+The stacks need only the module tree. What runs before and after a stack is read off one forward of
+a tiny copy (:func:`ends_of`: the order in which modules start and finish around the stack), cached
+per class and architecture; it is what the pipeline split and the structural final norm need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from shardformer.policies.derived.trace import repeated_blocks
+
+
+def _models():
+    import shardformer.models as models  # the records import this package: read them when asked
+
+    return models
+
+
+def stacks(model: nn.Module) -> tuple[str, ...]:
+    """Paths of ``model``'s repeated layer stacks: the family's or the pp plan's one stack, else every
+    ``ModuleList`` / ``Sequential`` the structure finds (one for a decoder or an encoder, two for an
+    encoder-decoder, one per tower), outermost first in module order."""
+    from shardformer.pipeline.from_plan import spec_from_pp_plan
+
+    family = _models().family_of(model)
+    if family is not None:
+        return (family.layers_path(model),)
+    spec = spec_from_pp_plan(model)
+    if spec is not None:
+        return (spec.layers,)
+    found: list[str] = []
+    for block in repeated_blocks(model):
+        parent = block.rpartition(".")[0]
+        if parent not in found:
+            found.append(parent)
+    return tuple(found)
+
+
+def layer_stack(model: nn.Module) -> str | None:
+    """The path of ``model``'s one layer stack, or None when it has none or several (an encoder-decoder,
+    two towers: each technique that needs one stack says so)."""
+    found = stacks(model)
+    return found[0] if len(found) == 1 else None
+
+
+def final_norm(model: nn.Module, structural: bool = True) -> str | None:
+    """The path of the norm ``model`` applies to its layer stack's output before anything else reads it:
+    the family's, else the pp plan's, else (``structural``) the first module after the stack in a forward
+    of a tiny copy when it is a per-token norm reading the stack's output (None when none is found)."""
+    from shardformer.pipeline.from_plan import final_norm_from_pp_plan, spec_from_pp_plan
+
+    family = _models().family_of(model)
+    if family is not None:
+        return family.final_norm_path(model)
+    if spec_from_pp_plan(model) is not None:
+        return final_norm_from_pp_plan(model)
+    layers = layer_stack(model)
+    if not structural or layers is None:
+        return None
+    try:
+        return ends_of(model, layers).final_norm
+    except AnatomyError:
+        return None
+
+
+class AnatomyError(ValueError):
+    """What runs around the layer stack cannot be told apart (the reason names the module)."""
+
+
+@dataclass(frozen=True)
+class Ends:
+    """What runs around one layer stack, by path in the model.
+
+    before: the outermost modules with parameters that finish before the first layer starts (the
+    embeddings); after: those that start after the last layer finished (final norm, head) or never run;
+    final_norm: the first of ``after`` when it is a per-token norm fed the last layer's output;
+    layer_outputs: how many values a layer returns (0: a bare tensor, n: a tuple whose first is the
+    hidden states)."""
+
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    final_norm: str | None
+    layer_outputs: int
+
+
+_ENDS: dict[tuple, Ends | AnatomyError] = {}
+
+
+def ends_of(model: nn.Module, layers: str) -> Ends:
+    """The :class:`Ends` of the stack at ``layers``, read off one forward of a tiny copy of ``model``
+    (cached per class, architecture and stack); :class:`AnatomyError` when it cannot be told."""
+    from shardformer.policies.derived.derive import _key
+
+    key = (_key(model, 1), layers)
+    if key not in _ENDS:
+        try:
+            _ENDS[key] = _trace_ends(model, layers)
+        except AnatomyError as e:
+            _ENDS[key] = e
+    found = _ENDS[key]
+    if isinstance(found, AnatomyError):
+        raise found
+    return found
+
+
+def tiny_for(model: nn.Module):
+    """A tiny copy of ``model`` and inputs for it (as the derived route builds them)."""
+    from shardformer.policies.derived.derive import tiny_with_inputs
+
+    try:
+        return tiny_with_inputs(model, 1)
+    except Exception as e:  # noqa: BLE001 - no copy to read the anatomy from: said, not raised raw
+        raise AnatomyError(f"no tiny copy of {type(model).__name__} to find its anatomy on: {e}") from e
+
+
+def _trace_ends(model: nn.Module, layers: str) -> Ends:
+    tiny, inputs = tiny_for(model)
+    stack = tiny.get_submodule(layers)
+    order: list[tuple[str, str]] = []  # ("start" | "end", path) in call order
+    outputs: list = []
+    handles = []
+    for path, module in tiny.named_modules():
+        if path == layers or path.startswith(layers + ".") and path.count(".") > layers.count(".") + 1:
+            continue  # inside a layer: only the layers themselves mark the stack
+        handles.append(module.register_forward_pre_hook(lambda *_, p=path: order.append(("start", p))))
+        handles.append(module.register_forward_hook(lambda *_, p=path: order.append(("end", p))))
+    handles.append(stack[0].register_forward_hook(lambda _m, _a, out: outputs.append(out)))
+    try:
+        with torch.no_grad():
+            tiny(inputs["x"]) if "x" in inputs else tiny(**inputs)
+    except Exception as e:  # noqa: BLE001
+        raise AnatomyError(f"a tiny {type(model).__name__} does not run: {type(e).__name__}: {e}") from e
+    finally:
+        for h in handles:
+            h.remove()
+    in_stack = [i for i, (_, p) in enumerate(order) if p.startswith(layers + ".")]
+    if not in_stack:
+        raise AnatomyError(f"a forward of {type(model).__name__} never runs its layers {layers!r}")
+    first, last = in_stack[0], in_stack[-1]
+    spans: dict[str, list[int]] = {}
+    for i, (_, p) in enumerate(order):
+        spans.setdefault(p, []).append(i)
+    ancestors = {".".join(layers.split(".")[:n]) for n in range(len(layers.split(".")))}
+    before, after, between = [], [], []
+    for path, module in tiny.named_modules():
+        if path in ancestors or path == layers or path.startswith(layers + "."):
+            continue
+        if any(path.startswith(b + ".") for b in before + after):
+            continue
+        if not any(True for _ in module.parameters()):
+            continue  # no weights to place: it runs on every stage as the model calls it
+        seen = spans.get(path)
+        if seen is None or min(seen) > last:
+            after.append(path)
+        elif max(seen) < first:
+            before.append(path)
+        elif not _holds_placed(module):
+            between.append(path)
+    between = [p for p in between if not any(p.startswith(b + ".") for b in before + after)]
+    if between:
+        raise AnatomyError(
+            f"{between[0]} runs while the layers {layers!r} of {type(model).__name__} run (or both before and "
+            f"after them): no stage can hold it alone"
+        )
+    out = outputs[0] if outputs else None
+    arity = 0 if torch.is_tensor(out) else len(out) if isinstance(out, tuple) else -1
+    if arity < 0 or (arity and not torch.is_tensor(out[0])):
+        raise AnatomyError(f"a layer of {layers!r} returns {type(out).__name__}, not the hidden states (first)")
+    after.sort(key=lambda p: min(spans.get(p, [len(order)])))  # in call order; never run: last
+    norm = after[0] if after and _is_norm(tiny.get_submodule(after[0])) else None
+    return Ends(tuple(before), tuple(after), norm, arity)
+
+
+def _holds_placed(module: nn.Module) -> bool:
+    """A container whose children are placed one by one (the walk goes on into it)."""
+    return bool(list(module.children())) and not any(True for _ in module.parameters(recurse=False))
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
