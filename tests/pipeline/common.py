@@ -3,6 +3,7 @@
 import torch
 import torch.distributed as dist
 
+from shardformer.data_parallel.fsdp import full_of
 from shardformer.engine import split_batch
 from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 from tests.policies import zoo
@@ -80,6 +81,7 @@ def gathered_weights(model, tp_group):
     """{name: full tensor} of every parameter on every rank (tp-gathered, then merged over ranks)."""
     mine = {}
     for name, p in model.named_parameters():
+        p = full_of(p)  # a ZeRO-3 (DTensor) parameter gathered over dp first
         spec = shard_spec(p)
         mine[name] = (p.detach() if spec is None else gather_tensor(p.detach(), spec, tp_group)).float().clone()
     everyone = [None] * dist.get_world_size()

@@ -57,6 +57,16 @@ def check_bloom_causal_lm_tp2_pp2_zero2():  # ALiBi biases built on every stage 
     _run("BloomForCausalLM", (2, 2, 1, "gpipe", 2, None, "p2p"), zero_stage=2, n_layer=common.LAYERS)
 
 
+def check_bloom_causal_lm_tp2_pp2_zero3_sgd():  # the stage forward inside FSDP2's root call
+    _run(
+        "BloomForCausalLM",
+        (2, 2, 1, "1f1b", 2, 0.5, "torch"),
+        zero_stage=3,
+        optimizer=common.sgd,
+        n_layer=common.LAYERS,
+    )
+
+
 def check_roberta_sequence_classification_tp2_pp2_zero1():
     _run(
         "RobertaForSequenceClassification",
@@ -106,6 +116,7 @@ def check_sequence_parallel_gpt_neo_tp2_dp2_zero1():
 CHECKS = [
     check_opt_causal_lm_tp2_pp2_zero1,
     check_bloom_causal_lm_tp2_pp2_zero2,
+    check_bloom_causal_lm_tp2_pp2_zero3_sgd,
     check_roberta_sequence_classification_tp2_pp2_zero1,
     check_bert_sequence_classification_tp2_pp2_zero2_sgd,
     check_gpt2_sequence_classification_tp2_pp2_zero1,
