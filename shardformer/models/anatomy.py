@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from shardformer.policies.derived.trace import repeated_blocks
 
@@ -140,6 +141,9 @@ def _trace_ends(model: nn.Module, layers: str) -> Ends:
         handles.append(module.register_forward_pre_hook(lambda *_, p=path: order.append(("start", p))))
         handles.append(module.register_forward_hook(lambda *_, p=path: order.append(("end", p))))
     handles.append(stack[0].register_forward_hook(lambda _m, _a, out: outputs.append(out)))
+    received: list = []  # what the second layer is called with
+    if len(stack) > 1:
+        handles.append(stack[1].register_forward_pre_hook(lambda _m, a, k: received.append((a, k)), with_kwargs=True))
     try:
         with torch.no_grad():
             tiny(inputs["x"]) if "x" in inputs else tiny(**inputs)
@@ -181,9 +185,38 @@ def _trace_ends(model: nn.Module, layers: str) -> Ends:
     arity = 0 if torch.is_tensor(out) else len(out) if isinstance(out, tuple) else -1
     if arity < 0 or (arity and not torch.is_tensor(out[0])):
         raise AnatomyError(f"a layer of {layers!r} returns {type(out).__name__}, not the hidden states (first)")
+    _check_hand_over(out, received, layers)
     after.sort(key=lambda p: min(spans.get(p, [len(order)])))  # in call order; never run: last
     norm = after[0] if after and _is_norm(tiny.get_submodule(after[0])) else None
-    return Ends(tuple(before), tuple(after), norm, arity)
+    return Ends(_with_aliases(tiny, before), _with_aliases(tiny, after), norm, arity)
+
+
+def _check_hand_over(first_output, received, layers: str) -> None:
+    """Refuse layers that hand the next one more than the hidden states (T5's first layer returns the
+    position bias it computed, and every later layer reads it): a stage that starts past the first
+    layer cannot receive it."""
+    if not received or torch.is_tensor(first_output):
+        return
+    extra = {id(t) for t in tree_leaves(first_output[1:]) if torch.is_tensor(t)}
+    args, kwargs = received[0]
+    names = [f"argument {i}" for i, t in enumerate(args) if id(t) in extra]
+    names += [name for name, t in kwargs.items() if torch.is_tensor(t) and id(t) in extra]
+    if names:
+        raise AnatomyError(
+            f"layer 1 of {layers!r} reads {names[0]} from what layer 0 returned besides the hidden states: a "
+            f"pipeline stage that starts past layer 0 cannot receive it"
+        )
+
+
+def _with_aliases(model: nn.Module, paths: list[str]) -> tuple[str, ...]:
+    """``paths`` and every other path of the same modules (T5's ``shared`` is also ``encoder.embed_tokens``:
+    a stage drops, and stands in for, the module under each name the forward may call it by)."""
+    found = list(paths)
+    chosen = {id(model.get_submodule(p)) for p in paths}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if id(module) in chosen and path not in found:
+            found.append(path)
+    return tuple(found)
 
 
 def _holds_placed(module: nn.Module) -> bool:

@@ -221,17 +221,24 @@ def _prove(model: nn.Module, layers: str, ends: Ends) -> str | None:
     expected.backward()
     if not torch.allclose(got, expected, atol=ATOL, rtol=RTOL):
         return f"the loss (or output) differs: {got.item():.6g} vs {expected.item():.6g}"
-    grads: dict[str, torch.Tensor] = {}
-    for stage in stages:
-        for name, p in stage.named_parameters():
-            if p.grad is not None:
-                grads[name] = grads[name] + p.grad if name in grads else p.grad
+    names: dict[int, list[str]] = {}  # a tied weight's names (a stage without the module of one uses another)
+    for name, p in tiny.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
     for name, p in tiny.named_parameters():
         if p.grad is None:
             continue
-        if name not in grads:
+        found = [_grad_in(stage, names[id(p)]) for stage in stages]
+        found = [g for g in found if g is not None]
+        if not found:
             return f"no stage computes the gradient of {name}"
-        if not torch.allclose(grads[name], p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL):
-            error = (grads[name] - p.grad).abs().max().item()
-            return f"the gradient of {name} differs by {error:.2e}"
+        total = torch.stack(found).sum(0)
+        if not torch.allclose(total, p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL):
+            return f"the gradient of {name} differs by {(total - p.grad).abs().max().item():.2e}"
     return None
+
+
+def _grad_in(stage: nn.Module, names: list[str]) -> torch.Tensor | None:
+    """The gradient a stage holds for the parameter known by ``names`` (None: not on this stage)."""
+    params = dict(stage.named_parameters(remove_duplicate=False))
+    held = next((params[n] for n in names if n in params), None)
+    return None if held is None else held.grad

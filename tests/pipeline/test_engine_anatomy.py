@@ -137,12 +137,20 @@ def test_anatomy_of_a_derived_decoder():
     assert spec.last == ("model.decoder.final_layer_norm", "lm_head")
 
 
+def test_a_head_registered_before_the_base_model_keeps_its_tie():
+    """XLM-RoBERTa registers lm_head first, so its tied decoder weight is named lm_head.decoder.weight:
+    the proof sums the stages' gradients by tensor, whatever name each stage knows it by."""
+    spec = pipeline_spec_for(tf.XLMRobertaForMaskedLM(tiny_config(tf.XLMRobertaConfig)))
+    assert spec.shared == ("roberta.embeddings.word_embeddings",) and spec.last == ("lm_head",)
+
+
 @pytest.mark.parametrize(
     "cls, why",
     [
         (tf.T5ForConditionalGeneration, r"2 layer stacks \(encoder.block, decoder.block\): .*encoder's output"),
         (tf.AlbertForMaskedLM, "no repeated layer stack"),
-        (tf.T5EncoderModel, r"not exact on a tiny copy \("),  # layer 0 hands its position bias to the others
+        # layer 0 hands the position bias it computed to the others
+        (tf.T5EncoderModel, r"layer 1 of 'encoder.block' reads argument 2 from what layer 0 returned besides"),
     ],
 )
 def test_splits_that_cannot_be_exact_are_refused_naming_why(cls, why):
