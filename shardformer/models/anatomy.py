@@ -102,8 +102,8 @@ class Ends:
 _ENDS: dict[tuple, Ends | AnatomyError] = {}
 
 
-def ends_of(model: nn.Module, layers: str) -> Ends:
-    """The :class:`Ends` of the stack at ``layers``, read off one forward of a tiny copy of ``model``
+def ends_of(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
+    """The :class:`Ends` of the stack at ``layers`` (or of two stacks: :func:`_trace_ends`), read off one forward of a tiny copy of ``model``
     (cached per class, architecture and stack); :class:`AnatomyError` when it cannot be told."""
     from shardformer.policies.derived.derive import _key
 
@@ -129,21 +129,28 @@ def tiny_for(model: nn.Module):
         raise AnatomyError(f"no tiny copy of {type(model).__name__} to find its anatomy on: {e}") from e
 
 
-def _trace_ends(model: nn.Module, layers: str) -> Ends:
+def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
+    """One stack: ``before`` runs before its first layer, ``after`` after its last. Two stacks (an
+    encoder-decoder, split at their boundary): ``before`` is what the encoder's stage runs (embeddings,
+    the encoder's final norm), ``after`` what the decoder's stage runs (its embeddings, final norm and
+    the head); a module both run (embeddings shared by encoder and decoder) is in both."""
+    stacks = (layers,) if isinstance(layers, str) else tuple(layers)
     tiny, inputs = tiny_for(model)
-    stack = tiny.get_submodule(layers)
-    order: list[tuple[str, str]] = []  # ("start" | "end", path) in call order
+    order: list[str] = []  # the path of each start and end of a call, in call order
     outputs: list = []
     handles = []
     for path, module in tiny.named_modules():
-        if path == layers or path.startswith(layers + ".") and path.count(".") > layers.count(".") + 1:
+        if any(_inside_layer(path, stack) for stack in stacks):
             continue  # inside a layer: only the layers themselves mark the stack
-        handles.append(module.register_forward_pre_hook(lambda *_, p=path: order.append(("start", p))))
-        handles.append(module.register_forward_hook(lambda *_, p=path: order.append(("end", p))))
-    handles.append(stack[0].register_forward_hook(lambda _m, _a, out: outputs.append(out)))
+        handles.append(module.register_forward_pre_hook(lambda *_, p=path: order.append(p)))
+        handles.append(module.register_forward_hook(lambda *_, p=path: order.append(p)))
+    first_stack = tiny.get_submodule(stacks[0])
+    handles.append(first_stack[0].register_forward_hook(lambda _m, _a, out: outputs.append(out)))
     received: list = []  # what the second layer is called with
-    if len(stack) > 1:
-        handles.append(stack[1].register_forward_pre_hook(lambda _m, a, k: received.append((a, k)), with_kwargs=True))
+    if len(first_stack) > 1:
+        handles.append(
+            first_stack[1].register_forward_pre_hook(lambda _m, a, k: received.append((a, k)), with_kwargs=True)
+        )
     try:
         with torch.no_grad():
             tiny(inputs["x"]) if "x" in inputs else tiny(**inputs)
@@ -152,43 +159,81 @@ def _trace_ends(model: nn.Module, layers: str) -> Ends:
     finally:
         for h in handles:
             h.remove()
-    in_stack = [i for i, (_, p) in enumerate(order) if p.startswith(layers + ".")]
-    if not in_stack:
-        raise AnatomyError(f"a forward of {type(model).__name__} never runs its layers {layers!r}")
-    first, last = in_stack[0], in_stack[-1]
+    windows = []  # (first, last) call index of each stack
+    for stack in stacks:
+        seen = [i for i, p in enumerate(order) if p.startswith(stack + ".")]
+        if not seen:
+            raise AnatomyError(f"a forward of {type(model).__name__} never runs its layers {stack!r}")
+        windows.append((seen[0], seen[-1]))
+    if len(windows) == 2 and windows[0][1] > windows[1][0]:
+        raise AnatomyError(f"the layers of {stacks[0]!r} and {stacks[1]!r} run interleaved")
     spans: dict[str, list[int]] = {}
-    for i, (_, p) in enumerate(order):
+    for i, p in enumerate(order):
         spans.setdefault(p, []).append(i)
-    ancestors = {".".join(layers.split(".")[:n]) for n in range(len(layers.split(".")))}
+    ancestors = {".".join(stack.split(".")[:n]) for stack in stacks for n in range(len(stack.split(".")))}
+    own = own_ancestor(stacks)  # the encoder module: what runs between the stacks under it ends the encoder
     before, after, between = [], [], []
     for path, module in tiny.named_modules():
-        if path in ancestors or path == layers or path.startswith(layers + "."):
+        if path in ancestors or any(path == st or path.startswith(st + ".") for st in stacks):
             continue
-        if any(path.startswith(b + ".") for b in before + after):
+        if any(path.startswith(b + ".") for b in before + after + between):
             continue
         if not any(True for _ in module.parameters()):
             continue  # no weights to place: it runs on every stage as the model calls it
-        seen = spans.get(path)
-        if seen is None or min(seen) > last:
-            after.append(path)
-        elif max(seen) < first:
+        places = {_window(i, windows) for i in spans.get(path, [len(order)])}
+        if "in" in places:
+            if not _holds_placed(module):
+                between.append(path)
+            continue
+        if len(stacks) == 1 and places == {0, 1}:
+            if not _holds_placed(module):
+                between.append(path)  # one stack: a module both before and after it has no one stage
+            continue
+        under_own = own is not None and (path == own or path.startswith(own + "."))
+        if 0 in places or 1 in places and under_own:
             before.append(path)
-        elif not _holds_placed(module):
-            between.append(path)
-    between = [p for p in between if not any(p.startswith(b + ".") for b in before + after)]
+        if places - {0} - ({1} if under_own else set()):
+            after.append(path)
     if between:
         raise AnatomyError(
-            f"{between[0]} runs while the layers {layers!r} of {type(model).__name__} run (or both before and "
-            f"after them): no stage can hold it alone"
+            f"{between[0]} runs while the layers {', '.join(stacks)} of {type(model).__name__} run (or both before "
+            f"and after them): no stage can hold it alone"
         )
     out = outputs[0] if outputs else None
     arity = 0 if torch.is_tensor(out) else len(out) if isinstance(out, tuple) else -1
     if arity < 0 or (arity and not torch.is_tensor(out[0])):
-        raise AnatomyError(f"a layer of {layers!r} returns {type(out).__name__}, not the hidden states (first)")
-    _check_hand_over(out, received, layers)
+        raise AnatomyError(f"a layer of {stacks[0]!r} returns {type(out).__name__}, not the hidden states (first)")
+    if len(stacks) == 1:
+        _check_hand_over(out, received, stacks[0])
     after.sort(key=lambda p: min(spans.get(p, [len(order)])))  # in call order; never run: last
-    norm = after[0] if after and _is_norm(tiny.get_submodule(after[0])) else None
+    norm = after[0] if len(stacks) == 1 and after and _is_norm(tiny.get_submodule(after[0])) else None
     return Ends(_with_aliases(tiny, before), _with_aliases(tiny, after), norm, arity)
+
+
+def _inside_layer(path: str, stack: str) -> bool:
+    return path.startswith(stack + ".") and path.count(".") > stack.count(".") + 1
+
+
+def _window(index: int, windows: list[tuple[int, int]]) -> int | str:
+    """0: before the first stack; then 1 after it (between the stacks, or after the one stack), 2 after
+    the second; "in": while a stack runs."""
+    for n, (start, end) in enumerate(windows):
+        if index < start:
+            return n
+        if index <= end:
+            return "in"
+    return len(windows)
+
+
+def own_ancestor(stacks: tuple[str, ...]) -> str | None:
+    """The outermost module above the first stack that is not above the second (the encoder), or None."""
+    if len(stacks) < 2:
+        return None
+    first, second = stacks[0].split("."), stacks[1].split(".")
+    common = 0
+    while common < min(len(first), len(second)) and first[common] == second[common]:
+        common += 1
+    return ".".join(first[: common + 1]) if common + 1 < len(first) else None
 
 
 def _check_hand_over(first_output, received, layers: str) -> None:

@@ -29,10 +29,11 @@ import inspect
 
 import torch
 import torch.nn as nn
+from transformers.modeling_outputs import BaseModelOutput
 
 from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
 from shardformer.core.record import sharding_of
-from shardformer.models.anatomy import AnatomyError, Ends, ends_of, stacks, tiny_for
+from shardformer.models.anatomy import AnatomyError, Ends, ends_of, own_ancestor, stacks, tiny_for
 from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
@@ -125,19 +126,19 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
             f"{name} has no repeated layer stack (a ModuleList of blocks of one class) to split into pipeline stages; "
             f"use pipeline_parallel_size=1 (tensor and data parallelism apply), or {FIX}"
         )
-    if len(found) > 1:
+    encoder_decoder = len(found) == 2 and getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    if len(found) > 1 and not encoder_decoder:
         raise NotImplementedError(
-            f"{name} has {len(found)} layer stacks ({', '.join(found)}): pipeline stages over several stacks (an "
-            f"encoder-decoder, whose decoder stages need the encoder's output; two towers) are not supported yet; use "
-            f"pipeline_parallel_size=1, or {FIX}"
+            f"{name} has {len(found)} layer stacks ({', '.join(found)}) that are not an encoder and a decoder (two "
+            f"towers): pipeline stages over them are not supported; use pipeline_parallel_size=1, or {FIX}"
         )
-    layers = found[0]
+    layers = found if encoder_decoder else found[0]
     try:
         ends = ends_of(model, layers)
     except AnatomyError as e:
         raise NotImplementedError(f"no pipeline split of {name}: {e}; use pipeline_parallel_size=1") from e
     spec = spec_from_ends(model, layers, ends)
-    check_pipeline_spec(spec, model, 2)  # every parameter of the user's model placed (the copy's may differ)
+    check_pipeline_spec(spec, model, 2, _boundary(model, spec))  # every parameter placed (the copy's may differ)
     error = _proof(model, layers, ends)
     if error is not None:
         raise NotImplementedError(
@@ -147,9 +148,17 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
     return spec
 
 
-def spec_from_ends(model: nn.Module, layers: str, ends: Ends) -> PipelineSpec:
+def _boundary(model: nn.Module, spec: PipelineSpec) -> list[int] | None:
+    """Layers per stage of an encoder-decoder's two stages (None: one stack, any split)."""
+    if spec.second_layers is None:
+        return None
+    return [len(model.get_submodule(spec.layers)), len(model.get_submodule(spec.second_layers))]
+
+
+def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends) -> PipelineSpec:
     """The spec: ``ends.before`` on the first stage, ``ends.after`` on the last, and the modules of the
-    first that hold a weight tied to one of the last on both (``shared``)."""
+    first that hold a weight tied to one of the last on both (``shared``). Two stacks (an encoder and a
+    decoder): the encoder's layers on the first stage, the decoder's on the last."""
     after_ids = {id(p) for path in ends.after for p in _params(model, path)}
     tied = {id(p) for path in ends.before for p in _params(model, path) if id(p) in after_ids}
     first: list[str] = []
@@ -169,8 +178,48 @@ def spec_from_ends(model: nn.Module, layers: str, ends: Ends) -> PipelineSpec:
 
     for path in ends.before:
         place(path)
-    stage = AnatomyStageForward(layers, ends.before, ends.layer_outputs)
-    return PipelineSpec(layers=layers, stage_forward=stage, first=tuple(first), last=ends.after, shared=tuple(shared))
+    held = {id(model.get_submodule(p)) for p in shared}  # a module of both ends (under each of its names)
+    shared += [p for p in ends.after if id(model.get_submodule(p)) in held and p not in shared]
+    last = tuple(p for p in ends.after if p not in shared)
+    if isinstance(layers, str):
+        stage = AnatomyStageForward(layers, ends.before, ends.layer_outputs)
+        return PipelineSpec(layers, stage, first=tuple(first), last=last, shared=tuple(shared))
+    stage = EncoderDecoderStageForward(own_ancestor(layers))
+    return PipelineSpec(layers[0], stage, tuple(first), last, tuple(shared), second_layers=layers[1])
+
+
+class EncoderDecoderStageForward:
+    """An encoder-decoder in two stages: the first runs the model's forward until its encoder has run
+    and hands on the encoder's output; the last runs the model's forward given that output as
+    ``encoder_outputs`` (the model skips its encoder), decoder, head and loss included."""
+
+    __name__ = "encoder_decoder_stage_forward"
+
+    def __init__(self, encoder: str) -> None:
+        self.encoder = encoder
+
+    def __call__(self, model: nn.Module, hidden, inputs: dict):
+        stage, num_stages = stage_of(model)
+        forward = own_forward(model)
+        last = stage == num_stages - 1
+        kwargs = {k: v for k, v in inputs.items() if v is not None and (last or k not in HEAD_INPUTS)}
+        if "use_cache" in inspect.signature(forward).parameters:
+            kwargs["use_cache"] = False
+        with stage_view(model):
+            if last:
+                return forward(**kwargs, encoder_outputs=BaseModelOutput(last_hidden_state=hidden))
+            handle = model.get_submodule(self.encoder).register_forward_hook(_hand_on)
+            try:
+                forward(**kwargs)
+            except _Reached as reached:
+                return reached.hidden
+            finally:
+                handle.remove()
+        raise RuntimeError(f"pipeline stage {stage}: {type(model).__name__}'s forward never ran {self.encoder}")
+
+
+def _hand_on(_module, _args, output):
+    raise _Reached(_first(output))
 
 
 def _params(model: nn.Module, path: str) -> list[nn.Parameter]:
@@ -183,12 +232,12 @@ def _params(model: nn.Module, path: str) -> list[nn.Parameter]:
 _PROOFS: dict[tuple, str | None] = {}
 
 
-def _proof(model: nn.Module, layers: str, ends: Ends) -> str | None:
+def _proof(model: nn.Module, layers, ends: Ends) -> str | None:
     """Why two stages of a tiny copy do not compute what the copy computes (loss or output, every
     gradient), or None. Cached per class, architecture and stack."""
     from shardformer.policies.derived.derive import _key
 
-    key = (_key(model, 1), layers)
+    key = (_key(model, 1), str(layers))
     if key not in _PROOFS:
         try:
             _PROOFS[key] = _prove(model, layers, ends)
@@ -205,22 +254,35 @@ def _scalar(output) -> torch.Tensor:
     return first.float().pow(2).mean()
 
 
-def _prove(model: nn.Module, layers: str, ends: Ends) -> str | None:
+def _prove(model: nn.Module, layers, ends: Ends) -> str | None:
     tiny, inputs = tiny_for(model)
-    if len(tiny.get_submodule(layers)) < 2:
+    if isinstance(layers, str) and len(tiny.get_submodule(layers)) < 2:
         return f"the tiny copy has fewer than two layers in {layers}"
     tiny.eval()
     spec = spec_from_ends(tiny, layers, ends)
-    stages = [spec.keep_stage(copy.deepcopy(tiny), s, 2) for s in range(2)]
+    stages = [spec.keep_stage(copy.deepcopy(tiny), s, 2, _boundary(tiny, spec)) for s in range(2)]
     hidden = spec.stage_forward(stages[0], None, inputs)
     received = hidden.detach().requires_grad_()
     got = _scalar(spec.stage_forward(stages[1], received, inputs))
     got.backward()
     hidden.backward(received.grad)
-    expected = _scalar(tiny(**inputs))
+    handed, handle = _watch_hand_over(tiny, spec, sharding_of(stages[1]).layers[0])
+    try:
+        expected = _scalar(tiny(**inputs))
+    finally:
+        handle.remove()
+    if not handed:
+        return "the unsplit copy never computes what the first stage hands on"
+    handed[0].retain_grad()
     expected.backward()
     if not torch.allclose(got, expected, atol=ATOL, rtol=RTOL):
         return f"the loss (or output) differs: {got.item():.6g} vs {expected.item():.6g}"
+    # the hand-over itself, both ways: a small model's loss barely moves with it (weights of std 0.02)
+    if hidden.shape != handed[0].shape or not torch.allclose(hidden, handed[0], atol=ATOL, rtol=RTOL):
+        return "what the first stage hands on differs from what the unsplit copy computes there"
+    scale = handed[0].grad.abs().max().item() if handed[0].grad is not None else 0.0
+    if handed[0].grad is None or not torch.allclose(received.grad, handed[0].grad, atol=1e-4 * scale, rtol=RTOL):
+        return "the gradient the last stage sends back differs from the unsplit copy's at the hand-over"
     names: dict[int, list[str]] = {}  # a tied weight's names (a stage without the module of one uses another)
     for name, p in tiny.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -235,6 +297,21 @@ def _prove(model: nn.Module, layers: str, ends: Ends) -> str | None:
         if not torch.allclose(total, p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL):
             return f"the gradient of {name} differs by {(total - p.grad).abs().max().item():.2e}"
     return None
+
+
+def _watch_hand_over(tiny: nn.Module, spec: PipelineSpec, start: int):
+    """([the activation], hook handle): in a forward of the unsplit ``tiny``, what the stage that starts at
+    layer ``start`` receives (the encoder's output for an encoder-decoder)."""
+    seen: list[torch.Tensor] = []
+    if isinstance(spec.stage_forward, EncoderDecoderStageForward):
+        encoder = tiny.get_submodule(spec.stage_forward.encoder)
+        return seen, encoder.register_forward_hook(lambda _m, _a, out: seen.append(_first(out)))
+    layer = tiny.get_submodule(spec.layer_paths(tiny)[start])
+    return seen, layer.register_forward_pre_hook(lambda _m, a, k: seen.append(_hidden_of(a, k)), with_kwargs=True)
+
+
+def _first(output) -> torch.Tensor:
+    return output if torch.is_tensor(output) else output[0]
 
 
 def _grad_in(stage: nn.Module, names: list[str]) -> torch.Tensor | None:

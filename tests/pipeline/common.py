@@ -77,6 +77,11 @@ def reference_run(model, steps, chunks, max_grad_norm=None, loss_fn=None, optimi
     return losses
 
 
+def names_of(model, param):
+    """Every name ``param`` has in ``model`` (a tied weight has several)."""
+    return [n for n, p in model.named_parameters(remove_duplicate=False) if p is param]
+
+
 def gathered_weights(model, tp_group):
     """{name: full tensor} of every parameter on every rank (tp-gathered, then merged over ranks)."""
     mine = {}

@@ -12,7 +12,8 @@ import transformers as tf
 
 from shardformer.core.tiny import tiny_config
 from shardformer.models import final_norm, layer_stack, pipeline_spec_for
-from shardformer.pipeline.from_anatomy import AnatomyStageForward
+from shardformer.pipeline.from_anatomy import AnatomyStageForward, EncoderDecoderStageForward
+from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_spec
 from shardformer.tools.conformance import load_pair
 from tests.helpers import check_table
 from tests.pipeline import common
@@ -39,8 +40,9 @@ def _classifier_batches(steps, labels=3, seed=0):
 
 def _run(name, combo, zero_stage=1, data=None, optimizer=common.adamw, engine_options=None, **config):
     cls = getattr(tf, name)
-    pair = load_pair(cls, tiny_config(cls.config_class, num_hidden_layers=common.LAYERS, **config))
-    assert isinstance(pipeline_spec_for(pair[1]).stage_forward, AnatomyStageForward)  # no family or plan spec
+    pair = load_pair(cls, tiny_config(cls.config_class, **{"num_hidden_layers": common.LAYERS, **config}))
+    stage = pipeline_spec_for(pair[1]).stage_forward  # neither a family's spec nor a pp plan's
+    assert isinstance(stage, (AnatomyStageForward, EncoderDecoderStageForward))
     data = data or common.batches(name, STEPS)
     return _check(
         name, *combo, zero_stage=zero_stage, model_pair=pair, data=data, optimizer=optimizer, **(engine_options or {})
@@ -113,6 +115,17 @@ def check_sequence_parallel_gpt_neo_tp2_dp2_zero1():
     assert engine.model.shardformer.sequence_parallel is not None
 
 
+def check_bart_tp2_pp2_zero1():  # the encoder on the first stage, its output carried to the decoder's
+    _run("BartForConditionalGeneration", (2, 2, 1, "1f1b", 2, 0.5, "torch"), num_hidden_layers=2, decoder_layers=2)
+
+
+def check_t5_tp2_pp2_zero2_sgd():  # each stack's first layer computes the position bias on its own stage
+    _run(
+        "T5ForConditionalGeneration", (2, 2, 1, "gpipe", 2, None, "p2p"), zero_stage=2, optimizer=common.sgd,
+        num_hidden_layers=2, num_decoder_layers=2, decoder_start_token_id=0,
+    )  # fmt: skip
+
+
 CHECKS = [
     check_opt_causal_lm_tp2_pp2_zero1,
     check_bloom_causal_lm_tp2_pp2_zero2,
@@ -121,6 +134,8 @@ CHECKS = [
     check_bert_sequence_classification_tp2_pp2_zero2_sgd,
     check_gpt2_sequence_classification_tp2_pp2_zero1,
     check_sequence_parallel_gpt_neo_tp2_pp2_zero1_sgd,
+    check_bart_tp2_pp2_zero1,
+    check_t5_tp2_pp2_zero2_sgd,
     check_sequence_parallel_gpt_neo_tp2_dp2_zero1,
 ]
 test_engine_anatomy_4_ranks = check_table(CHECKS, 4)
@@ -137,6 +152,16 @@ def test_anatomy_of_a_derived_decoder():
     assert spec.last == ("model.decoder.final_layer_norm", "lm_head")
 
 
+def test_an_encoder_decoder_splits_only_at_the_boundary_into_two_stages():
+    model = tf.BartForConditionalGeneration(tiny_config(tf.BartConfig, encoder_layers=4, decoder_layers=2))
+    spec = pipeline_spec_for(model)
+    assert (spec.layers, spec.second_layers) == ("model.encoder.layers", "model.decoder.layers")
+    check_pipeline_spec(spec, model, 2, [4, 2])
+    for pp, split in ((2, None), (3, None), (2, [3, 3])):
+        with pytest.raises(PipelineSpecError, match=r"encoder/decoder boundary only .*layers_per_stage=\[4, 2\]"):
+            check_pipeline_spec(spec, model, pp, split)
+
+
 def test_a_head_registered_before_the_base_model_keeps_its_tie():
     """XLM-RoBERTa registers lm_head first, so its tied decoder weight is named lm_head.decoder.weight:
     the proof sums the stages' gradients by tensor, whatever name each stage knows it by."""
@@ -147,7 +172,10 @@ def test_a_head_registered_before_the_base_model_keeps_its_tie():
 @pytest.mark.parametrize(
     "cls, why",
     [
-        (tf.T5ForConditionalGeneration, r"2 layer stacks \(encoder.block, decoder.block\): .*encoder's output"),
+        (
+            tf.CLIPModel,
+            r"2 layer stacks \(text_model.encoder.layers, vision_model.encoder.layers\) that are not an enc",
+        ),
         (tf.AlbertForMaskedLM, "no repeated layer stack"),
         # layer 0 hands the position bias it computed to the others
         (tf.T5EncoderModel, r"layer 1 of 'encoder.block' reads argument 2 from what layer 0 returned besides"),
