@@ -62,7 +62,8 @@ def layer_stack(model: nn.Module) -> str | None:
 def final_norm(model: nn.Module, structural: bool = True) -> str | None:
     """The path of the norm ``model`` applies to its layer stack's output before anything else reads it:
     the family's, else the pp plan's, else (``structural``) the first module after the stack in a forward
-    of a tiny copy when it is a per-token norm reading the stack's output (None when none is found)."""
+    of a tiny copy when it is a norm (sequence parallelism uses it only for a per-token norm, and checks
+    what it reads at run time); None when none is found."""
     from shardformer.pipeline.from_plan import final_norm_from_pp_plan, spec_from_pp_plan
 
     family = _models().family_of(model)
