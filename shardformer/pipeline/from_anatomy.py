@@ -20,6 +20,10 @@ layer receives besides the hidden states must be computed from the inputs alone,
 embeddings' values, and layers must hand each other nothing but the hidden states: the split is
 proven on a tiny copy (two stages, loss and every gradient against the unsplit copy) before it is
 used, and refused otherwise, naming why.
+
+An encoder-decoder (two stacks) splits into two stages at the encoder/decoder boundary
+(:class:`EncoderDecoderStageForward`): the first stage runs the model until its encoder has run and
+hands on the encoder's output; the last runs the model with it as ``encoder_outputs``.
 """
 
 from __future__ import annotations
