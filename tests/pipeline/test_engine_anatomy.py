@@ -50,8 +50,8 @@ def _run(name, combo, zero_stage=1, data=None, optimizer=common.adamw, engine_op
     )
 
 
-# OPT's ffn_dim is not one of the recipe's sizes: at its default 3072, fp32 sums over the tp halves
-# differ from the whole one by more than the gradient tolerance (tp alone, before any pipeline)
+# OPT's ffn_dim is not one of the recipe's sizes: at its default 3072 the tp=2 gradients already differ
+# from the unsharded ones by ~1e-3 (tp alone at pp=1, on main too; not understood yet), at 64 they match
 def check_opt_causal_lm_tp2_pp2_zero1():
     _run("OPTForCausalLM", (2, 2, 1, "1f1b", 2, 0.5, "torch"), ffn_dim=64)
 
