@@ -19,12 +19,18 @@ compared in training mode (``shardformer.tools.conformance``).
     make conformance          # or: .venv/bin/python benchmarks/conformance.py [--task masked-lm,causal-lm]
                               #     [--only llama,bert] [--limit 20] [--json out.json]
     .venv/bin/python benchmarks/conformance.py --plan-sweep [--dense] [--sdpa] [--sequence-parallel]
+    .venv/bin/python benchmarks/conformance.py --pp 2 [--task ...] [--only ...]
+
+``--pp 2`` trains each class at pp=2 through ``ParallelEngine`` (2 micro-batches, 2 SGD steps) on 2 ranks
+against its unsharded copy (losses, every weight after the steps): passed, refused (the engine's reason:
+no split, or one the tiny-copy proof found inexact), failed, not tested or error.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import re
@@ -262,34 +268,52 @@ def classify(row: dict, report) -> None:
         row.update(result="passed", reason="")
 
 
+def _check_unsharded(row: dict) -> None:
+    """Mark ``row`` not tested when no tiny copy of its class runs unsharded (nothing of ours to test)."""
+    try:
+        tiny_config_of(row["class"])
+    except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
+        _reason(row, NOT_TESTED, f"no tiny copy that runs: {type(e).__name__}: {e}")
+    else:
+        broken = unsharded_failure(row["class"])  # the tiny model itself: nothing to shard
+        if broken is not None:
+            _reason(row, NOT_TESTED, broken)
+
+
 def _verify_job(rows, out_path, row_timeout):
     """On every rank: verify each class in turn; rank 0 appends one JSON line per result."""
+    _each_row(rows, out_path, row_timeout, _verify_row)
+
+
+def _verify_row(row: dict) -> None:
     import functools
-    import traceback
 
     import torch.distributed as dist
 
     from shardformer.tools.verify import verify_on_this_rank
     from shardformer.tools.verify_report import merge_reports
 
+    report = verify_on_this_rank(functools.partial(build_tiny, row["class"]))
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    classify(row, merge_reports(reports))
+
+
+def _each_row(rows, out_path, row_timeout, check) -> None:
+    """On every rank: ``check(row)`` for each class whose tiny copy runs unsharded (it fills the row);
+    rank 0 appends one JSON line per row."""
+    import traceback
+
+    import torch.distributed as dist
+
     for row in rows:
         row = {k: v for k, v in row.items() if k != "skip"}
         start = time.time()
         with _Watchdog(row_timeout):
-            try:
-                tiny_config_of(row["class"])
-            except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
-                _reason(row, NOT_TESTED, f"no tiny copy that runs: {type(e).__name__}: {e}")
-            else:
-                broken = unsharded_failure(row["class"])  # the tiny model itself: nothing to shard
-                if broken is not None:
-                    _reason(row, NOT_TESTED, broken)
+            _check_unsharded(row)
             if "result" not in row:
                 try:
-                    report = verify_on_this_rank(functools.partial(build_tiny, row["class"]))
-                    reports = [None] * dist.get_world_size()
-                    dist.all_gather_object(reports, report)
-                    classify(row, merge_reports(reports))
+                    check(row)
                 except TinyBuildError as e:
                     _reason(row, NOT_TESTED, str(e))
                 except Exception as e:  # noqa: BLE001
@@ -346,10 +370,82 @@ def _plan_job(rows, out_path, row_timeout, impl, sequence_parallel=False):
                 f.write(json.dumps(row) + "\n")
 
 
+def _scalar_loss(output, _batch=None):
+    """The model's loss, else the mean square of its first output (a base model, a head without labels)."""
+    import torch
+
+    loss = output.get("loss") if hasattr(output, "get") else None
+    if loss is not None:
+        return loss
+    values = output.values() if hasattr(output, "values") else [output]
+    return next(t for t in values if torch.is_tensor(t) and t.is_floating_point()).float().pow(2).mean()
+
+
+def _pipeline_job(rows, out_path, row_timeout, pp):
+    """On every rank: each class at pp = the group size through ParallelEngine against its unsharded
+    copy (:func:`_train_at_pp`); rank 0 appends one JSON line per row."""
+    _each_row(rows, out_path, row_timeout, functools.partial(_train_at_pp, pp=pp))
+
+
+def _train_at_pp(row: dict, pp: int) -> None:
+    """2 micro-batches, 2 SGD steps of the class at ``pp`` through ParallelEngine and of its unsharded
+    copy: the losses, then every weight (gathered over the stages). Fills ``row``."""
+    import torch
+    import torch.distributed as dist
+
+    from shardformer import EngineConfig, ParallelEngine
+    from shardformer.core.compare import GRAD_ATOL, GRAD_RTOL, max_error
+    from shardformer.engine import split_batch
+    from shardformer.models import inputs_for
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1)
+
+    torch.manual_seed(0)
+    ref = build_tiny(row["class"])
+    model = build_tiny(row["class"])
+    model.load_state_dict(ref.state_dict())
+    batches = [inputs_for(ref, seed, batch=4) for seed in (1, 2)]
+    try:
+        engine = ParallelEngine(model, sgd, EngineConfig(pp=pp, num_microbatches=2), loss_fn=_scalar_loss)
+    except (NotImplementedError, ValueError, TypeError) as e:
+        _reason(row, "refused", f"{type(e).__name__}: {e}")
+        return
+    row["route"] = engine.model.shardformer.route
+    got = [engine.train_step(b) for b in batches]
+    ref.train()
+    opt = sgd(ref.parameters())
+    expected = []
+    for b in batches:
+        opt.zero_grad()
+        loss = sum(_scalar_loss(ref(**part)) for part in split_batch(b, 2, "chunks")) / 2
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    row["logits"], ok = max_error(torch.tensor(got), torch.tensor(expected))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {n: p.detach().clone() for n, p in engine.model.named_parameters()})
+    merged = {n: t for d in everyone for n, t in d.items()}
+    row["grad"] = 0.0  # in this sweep: the largest weight error after the steps
+    failures = [] if ok else [f"losses differ by {row['logits']:.2e}"]
+    for name, p in ref.named_parameters():
+        if name not in merged:
+            failures.append(f"{name} is on no stage")
+            continue
+        error, good = max_error(merged[name], p, GRAD_ATOL, GRAD_RTOL)
+        row["grad"] = max(row["grad"], error)
+        if not good:
+            failures.append(f"{name} differs by {error:.2e} after the steps")
+    if failures:
+        _reason(row, "failed", "; ".join(failures[:3]), 400)
+    else:
+        row.update(result="passed", reason="")
+
+
 # -- in the parent ------------------------------------------------------------------------------------
 
 
-def run(rows, job=_verify_job, *job_args, row_timeout=300.0, progress=None):
+def run(rows, job=_verify_job, *job_args, row_timeout=300.0, progress=None, world=2):
     """Results for ``rows``; a spawn that dies (a row past ``row_timeout``, a crash) is restarted after its row."""
     from shardformer.tools.testing import run_on_ranks
 
@@ -365,7 +461,7 @@ def run(rows, job=_verify_job, *job_args, row_timeout=300.0, progress=None):
         out_path = tempfile.mktemp(prefix="sf-conformance-", suffix=".jsonl")
         chunk = remaining[:ROWS_PER_SPAWN]  # fresh processes now and then: hundreds of imported model
         try:  # families and their caches grow each rank past 10 GB over the whole zoo
-            run_on_ranks(job, 2, chunk, out_path, row_timeout, *job_args, timeout=row_timeout * len(chunk) + 120)
+            run_on_ranks(job, world, chunk, out_path, row_timeout, *job_args, timeout=row_timeout * len(chunk) + 120)
         except Exception as e:  # noqa: BLE001
             crash = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
             timed_out = f"exited with code {ROW_TIMEOUT_EXIT}" in str(e)
@@ -402,10 +498,13 @@ def _progress(row: dict) -> None:
     )
 
 
-def table(results, impl, sequence_parallel=False, plan_sweep=False) -> str:
+def table(results, impl, sequence_parallel=False, plan_sweep=False, pp=1) -> str:
     what = "plan sweep (causal LMs with a tp plan, from_pretrained, train mode)" if plan_sweep else "verify sweep"
+    if pp > 1:
+        what = "ParallelEngine sweep (2 SGD steps; 'max grad err' column: largest weight error after them)"
+    size = f"pp={pp}" if pp > 1 else "tp=2"
     lines = [
-        f"conformance at tp=2{' with sequence parallelism' if sequence_parallel else ''}, {impl} attention, "
+        f"conformance at {size}{' with sequence parallelism' if sequence_parallel else ''}, {impl} attention, "
         f"{what}, transformers {_tf_version()}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         "",
@@ -456,6 +555,9 @@ def main() -> None:
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="shard with sequence_parallel=True (plan sweep)"
     )
+    parser.add_argument(
+        "--pp", type=int, default=1, help="train each class at this pipeline size through ParallelEngine (on pp ranks)"
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument(
         "--jsonl",
@@ -469,7 +571,9 @@ def main() -> None:
         parser.error(f"unknown task(s) {', '.join(sorted(unknown))}; known: {', '.join(TASKS)}")
     impl = "sdpa" if args.sdpa else "eager"
     plan_sweep = args.plan_sweep or args.sdpa or args.sequence_parallel
-    if plan_sweep:
+    if args.pp > 1:
+        rows, job, job_args = task_rows(tasks, only), _pipeline_job, (args.pp,)
+    elif plan_sweep:
         rows, job, job_args = architectures(only), _plan_job, (impl, args.sequence_parallel)
     else:
         rows, job, job_args = task_rows(tasks, only), _verify_job, ()
@@ -493,8 +597,9 @@ def main() -> None:
         with open(jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    results = earlier + run(rows, job, *job_args, row_timeout=args.row_timeout, progress=progress)
-    print(table(results, impl, args.sequence_parallel, plan_sweep))
+    world = max(2, args.pp)
+    results = earlier + run(rows, job, *job_args, row_timeout=args.row_timeout, progress=progress, world=world)
+    print(table(results, impl, args.sequence_parallel, plan_sweep, args.pp))
     print(f"\nper-row results: {jsonl}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:

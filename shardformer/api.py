@@ -1,6 +1,6 @@
 """``shard_model``: the one-liner. Picks the first route that proves exact on a tiny copy (the model
 family's policy, transformers' own plan, the derived cut: :mod:`shardformer.policies.routes`) and the
-layer stack (the family's anatomy), then lets the sharder cut."""
+layer stack (the model's anatomy, :mod:`shardformer.models.anatomy`), then lets the sharder cut."""
 
 from __future__ import annotations
 
@@ -57,7 +57,9 @@ def _wrapped_model(model: nn.Module) -> nn.Module:
 
 def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, adapters: SeenThrough) -> nn.Module:
     routes = candidate_routes(model) if policy is None else [route_of(policy, model)]
-    sharder_args = dict(layers=layer_stack(model), adapters=adapters, final_norm=final_norm(model))
+    # the structural final norm needs a forward of a tiny copy: only sequence parallelism reads it
+    norm = final_norm(model, structural=shard_config.sequence_parallel)
+    sharder_args = dict(layers=layer_stack(model), adapters=adapters, final_norm=norm)
     experts = None
     if shard_config.expert_parallel_size > 1:  # found and proven on the model as the user gave it
         check_expert_parallel(model, shard_config.expert_parallel_size)  # before any collective

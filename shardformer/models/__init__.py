@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from shardformer.core.inputs import make_inputs
-from shardformer.pipeline.from_plan import final_norm_from_pp_plan, spec_from_pp_plan
+from shardformer.pipeline.from_plan import spec_from_pp_plan
 from shardformer.pipeline.spec import PipelineSpec
 
 
@@ -104,16 +104,11 @@ def tiny_models() -> list[str]:
 
 def pipeline_spec_for(model: nn.Module) -> PipelineSpec:
     """The pipeline spec of ``model``'s class: its family's, else one from transformers'
-    ``base_model_pp_plan``, else an error naming what to do instead."""
-    spec = family_spec(model) or spec_from_pp_plan(model)
-    if spec is not None:
-        return spec
-    known = sorted(name for f in families() for name in f.pipelines)
-    raise NotImplementedError(
-        f"no built-in pipeline split for {type(model).__name__} (built-in: {', '.join(known)}); "
-        f"pass ParallelEngine(..., pipeline=PipelineSpec(layers=..., first=..., last=..., shared=..., "
-        f"stage_forward=...)) or use pp=1"
-    )
+    ``base_model_pp_plan``, else one from its anatomy, proven on a tiny copy
+    (:mod:`shardformer.pipeline.from_anatomy`); NotImplementedError naming why where none is exact."""
+    from shardformer.pipeline.from_anatomy import spec_from_anatomy
+
+    return family_spec(model) or spec_from_pp_plan(model) or spec_from_anatomy(model)
 
 
 def family_spec(model: nn.Module) -> PipelineSpec | None:
@@ -129,20 +124,16 @@ def inputs_for(model: nn.Module, seed: int, batch: int = 2) -> dict:
 
 
 def layer_stack(model: nn.Module) -> str | None:
-    """The path of ``model``'s repeated layers: its family's, else the ``layers`` of transformers'
-    ``base_model_pp_plan``; None when neither says."""
-    family = family_of(model)
-    if family is not None:
-        return family.layers_path(model)
-    spec = spec_from_pp_plan(model)
-    return spec.layers if spec is not None else None
+    """The path of ``model``'s one repeated layer stack (:func:`shardformer.models.anatomy.layer_stack`:
+    its family's, else transformers' ``base_model_pp_plan``'s, else the one its structure shows)."""
+    from shardformer.models.anatomy import layer_stack as found
+
+    return found(model)
 
 
-def final_norm(model: nn.Module) -> str | None:
-    """The path of the norm ``model`` applies to its layer stack's output before anything else reads
-    it: its family's, else the child that follows ``layers`` in transformers' ``base_model_pp_plan``
-    and maps the hidden states to the hidden states; None when neither says."""
-    family = family_of(model)
-    if family is not None:
-        return family.final_norm_path(model)
-    return final_norm_from_pp_plan(model)
+def final_norm(model: nn.Module, structural: bool = True) -> str | None:
+    """The path of the norm ``model`` applies to its layer stack's output before anything else reads it
+    (:func:`shardformer.models.anatomy.final_norm`)."""
+    from shardformer.models.anatomy import final_norm as found
+
+    return found(model, structural)

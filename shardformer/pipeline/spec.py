@@ -34,12 +34,25 @@ class PipelineSpec:
     first: tuple[str, ...] = ()
     last: tuple[str, ...] = ()
     shared: tuple[str, ...] = ()
+    # an encoder-decoder's decoder stack, after ``layers`` (the encoder's): the layers of both are numbered
+    # as one list, and every stage holds layers of one stack only (checked by spec_check)
+    second_layers: str | None = None
 
     def layer_list(self, model: nn.Module) -> nn.ModuleList:
-        layers = _find(model, self.layers)
+        return self._stack(model, self.layers)
+
+    def _stack(self, model: nn.Module, path: str) -> nn.ModuleList:
+        layers = _find(model, path)
         if not isinstance(layers, (nn.ModuleList, nn.Sequential)):
-            raise ValueError(f"PipelineSpec.layers={self.layers!r} is not a ModuleList in {type(model).__name__}")
+            raise ValueError(f"PipelineSpec layers {path!r} is not a ModuleList in {type(model).__name__}")
         return layers
+
+    def stacks(self) -> tuple[str, ...]:
+        return (self.layers,) if self.second_layers is None else (self.layers, self.second_layers)
+
+    def layer_paths(self, model: nn.Module) -> list[str]:
+        """The path of every layer, in the one numbering of all the spec's stacks."""
+        return [f"{path}.{i}" for path in self.stacks() for i in range(len(self._stack(model, path)))]
 
     def keep_stage(self, model: nn.Module, stage: int, num_stages: int, layers_per_stage=None) -> nn.Module:
         """Keep only stage ``stage`` of ``num_stages`` in ``model`` (in place) and return it.
@@ -47,15 +60,15 @@ class PipelineSpec:
         ``layers_per_stage``: how many layers each stage gets (default: balanced). The stage and its
         layers are recorded in ``model.shardformer`` (an unsharded model gets a tp=1 record).
         """
-        layers = self.layer_list(model)
-        counts = check_split(len(layers), num_stages, layers_per_stage)
+        paths = self.layer_paths(model)
+        counts = check_split(len(paths), num_stages, layers_per_stage)
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage={stage} must be in [0, {num_stages})")
         start = sum(counts[:stage])
         mine = range(start, start + counts[stage])
-        for i in range(len(layers)):
+        for i, path in enumerate(paths):
             if i not in mine:
-                layers._modules[str(i)] = None
+                _set_none(model, path)
         for path in self.dropped(stage, num_stages):
             _set_none(model, path)
         if ATTRIBUTE not in model.__dict__:

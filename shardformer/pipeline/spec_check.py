@@ -52,14 +52,19 @@ def check_pipeline_lists(
     shared=(),
     num_stages: int = 2,
     layers_per_stage=None,
+    second_layers: str | None = None,
 ) -> None:
     """Raise :class:`PipelineSpecError` naming the module if the spec cannot split ``model`` correctly."""
     lists = {"first": list(first), "last": list(last), "shared": list(shared)}
-    _resolve(model, layers, "the layer list")
-    container = model.get_submodule(layers)
-    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-        raise PipelineSpecError(f"the layer list {layers!r} is {type(container).__name__}, not a ModuleList")
-    placed: list[tuple[str, str]] = [(layers, "layers")]
+    stacks = [layers] + ([second_layers] if second_layers is not None else [])
+    offsets, count = {}, 0
+    for stack in stacks:
+        _resolve(model, stack, "the layer list")
+        container = model.get_submodule(stack)
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            raise PipelineSpecError(f"the layer list {stack!r} is {type(container).__name__}, not a ModuleList")
+        offsets[stack], count = count, count + len(container)
+    placed: list[tuple[str, str]] = [(stack, "layers") for stack in stacks]
     for kind, paths in lists.items():
         for path in paths:
             _resolve(model, path, f"pipeline {kind}")
@@ -72,15 +77,17 @@ def check_pipeline_lists(
                     )
             placed.append((path, kind))
 
-    layer_stage = stages_of_layers(len(container), num_stages, layers_per_stage)
+    layer_stage = stages_of_layers(count, num_stages, layers_per_stage)
     last_stage = num_stages - 1
+    if second_layers is not None:
+        _check_two_stacks(stacks, offsets[second_layers], count, layer_stage, num_stages)
     held = {"first": {0}, "last": {last_stage}, "shared": {0, last_stage}}
 
     def place(name: str) -> tuple[str, frozenset[int]]:
         for path, kind in placed:
             if _under(name, path):
                 if kind == "layers":
-                    index = int(name[len(layers) + 1 :].split(".")[0])
+                    index = offsets[path] + int(name[len(path) + 1 :].split(".")[0])
                     return f"layer {index}", frozenset({layer_stage[index]})
                 return kind, frozenset(held[kind])
         raise PipelineSpecError(
@@ -106,6 +113,22 @@ def check_pipeline_lists(
         )
 
 
+def _check_two_stacks(stacks, decoder_start: int, count: int, layer_stage: list[int], num_stages: int) -> None:
+    """Two stacks (an encoder-decoder) split in two stages, the encoder's layers on the first and the
+    decoder's on the last: the decoder's embeddings are tied to the encoder's and to the head, which
+    only the two end stages can share, and a decoder stage would need the encoder's output besides."""
+    split = [decoder_start, count - decoder_start]
+    if num_stages != 2 or layer_stage != [0] * split[0] + [1] * split[1]:
+        raise PipelineSpecError(
+            f"an encoder-decoder ({stacks[0]!r}, {stacks[1]!r}) splits into two pipeline stages at the encoder/"
+            f"decoder boundary only (the decoder's embeddings, tied to the encoder's and the head, and the "
+            f"encoder's output must be on the decoder's stage); use pipeline_parallel_size=2 with "
+            f"layers_per_stage={split}"
+        )
+
+
 def check_pipeline_spec(spec, model: nn.Module, num_stages: int, layers_per_stage=None) -> None:
     """:func:`check_pipeline_lists` over a :class:`~shardformer.pipeline.PipelineSpec`."""
-    check_pipeline_lists(model, spec.layers, spec.first, spec.last, spec.shared, num_stages, layers_per_stage)
+    check_pipeline_lists(
+        model, spec.layers, spec.first, spec.last, spec.shared, num_stages, layers_per_stage, spec.second_layers
+    )

@@ -52,15 +52,18 @@ def _holes(model: nn.Module) -> dict[str, nn.Module]:
     spec = info.pipeline
     if spec is None:  # never cut into stages: every module is here
         return {}
-    holes: dict[str, nn.Module] = {
-        f"{spec.layers}.{key}": PassThrough() for key, layer in spec.layer_list(model)._modules.items() if layer is None
-    }
+    holes: dict[str, nn.Module] = {path: PassThrough() for path in spec.layer_paths(model) if _absent(model, path)}
     for path in spec.dropped(info.stage, info.num_stages):
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         if name in parent._modules:  # a parameter (timm's cls_token) is read by no forward of this stage
             holes[path] = nn.Identity()
     return holes
+
+
+def _absent(model: nn.Module, path: str) -> bool:
+    parent_path, _, name = path.rpartition(".")
+    return model.get_submodule(parent_path)._modules[name] is None
 
 
 @contextmanager

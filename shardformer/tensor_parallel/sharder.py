@@ -160,9 +160,9 @@ class ModelSharder:
         if self.shard_config.sequence_parallel and self.shard_config.tensor_parallel_size > 1:
             if self.layers is None:
                 raise ValueError(
-                    f"sequence_parallel=True needs to know {type(self.model).__name__}'s stack of transformer "
-                    f"layers, and neither a model family nor transformers' base_model_pp_plan names it; shard "
-                    f"it with sequence_parallel=False"
+                    f"sequence_parallel=True needs {type(self.model).__name__}'s one stack of transformer layers, "
+                    f"and its anatomy (family record, base_model_pp_plan, structure) finds none or several (an "
+                    f"encoder-decoder, two towers); shard it with sequence_parallel=False"
                 )
             entries = self.policy.sequence_parallel_entries()
             sequence = plan_sequence_parallel(self.model, self.layers, replacements, entries, self.final_norm)

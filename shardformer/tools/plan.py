@@ -185,18 +185,21 @@ def largest_layer(numels: dict[str, int], layers_path: str | None) -> int:
 
 def stage_split(spec: PipelineSpec, model: nn.Module, pp: int, numels: dict[str, int]) -> list[tuple[range, int]]:
     """(layer indices, parameters per tensor-parallel rank) of each pipeline stage, as the engine cuts."""
-    path = spec.layers
-    counts = check_split(len(spec.layer_list(model)), pp)
+    layer_paths = spec.layer_paths(model)  # every stack's layers in one numbering (an encoder-decoder's two)
+    counts = check_split(len(layer_paths), pp)
     check_pipeline_spec(spec, model, pp)
     starts = [sum(counts[:s]) for s in range(pp)]
     layer_stage = {i: s for s in range(pp) for i in range(starts[s], starts[s] + counts[s])}
     under = lambda name, paths: any(name == q or name.startswith(q + ".") for q in paths)  # noqa: E731
     first, last, shared = spec.first, spec.last, spec.shared
+    params = dict(model.named_parameters())  # a tied weight counts as shared under any of its names
+    shared_ids = {id(q) for path in shared for q in model.get_submodule(path).parameters()}
     per_stage = [0] * pp
     for name, n in numels.items():
-        if name.startswith(path + "."):
-            per_stage[layer_stage[int(name[len(path) + 1 :].split(".")[0])]] += n
-        elif under(name, shared):
+        layer = next((i for i, p in enumerate(layer_paths) if name.startswith(p + ".")), None)
+        if layer is not None:
+            per_stage[layer_stage[layer]] += n
+        elif under(name, shared) or id(params.get(name)) in shared_ids:
             for s in {0, pp - 1}:
                 per_stage[s] += n
         elif under(name, first):

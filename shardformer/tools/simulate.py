@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.memory import StorageBytes
-from shardformer.models import layer_stack
+from shardformer.models.anatomy import stacks
 from shardformer.tools.plan import BYTES, GATHERED, model_state_bytes, plan_model
 
 CATEGORIES = ("parameters", "gradients", "gradient buffers (fp32)", "optimizer (Adam + master)", GATHERED)
@@ -224,8 +224,8 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
             volume[key] += nbytes
         numel = sum(p.numel() for p in engine.model.parameters())
         layers = engine.model.shardformer.layers
-        if layers is None:  # pp=1: every layer
-            layers = range(len(engine.model.get_submodule(layer_stack(engine.model))))
+        if layers is None:  # pp=1: every layer (of every stack: an encoder-decoder has two)
+            layers = range(sum(len(engine.model.get_submodule(s)) for s in stacks(engine.model)))
         layers = tuple(layers)
         first, last = stage == 0, stage == pp - 1
         for key, (n, nbytes) in _pipeline_messages(first, last, batch, seq, hidden_size, plan.precision).items():

@@ -3,6 +3,7 @@
 import torch
 import torch.distributed as dist
 
+from shardformer.data_parallel.fsdp import full_of
 from shardformer.engine import split_batch
 from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 from tests.policies import zoo
@@ -52,9 +53,13 @@ def batches(name, steps, seed=0):
     return out
 
 
-def reference_run(model, steps, chunks, max_grad_norm=None, loss_fn=None):
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def reference_run(model, steps, chunks, max_grad_norm=None, loss_fn=None, optimizer=sgd):
     """One process, the unsharded model: each step's loss is the mean over ``chunks`` equal chunks."""
-    opt = sgd(model.parameters())
+    opt = optimizer(model.parameters())
     losses = []
     model.train()
     for batch in steps:
@@ -72,10 +77,16 @@ def reference_run(model, steps, chunks, max_grad_norm=None, loss_fn=None):
     return losses
 
 
+def names_of(model, param):
+    """Every name ``param`` has in ``model`` (a tied weight has several)."""
+    return [n for n, p in model.named_parameters(remove_duplicate=False) if p is param]
+
+
 def gathered_weights(model, tp_group):
     """{name: full tensor} of every parameter on every rank (tp-gathered, then merged over ranks)."""
     mine = {}
     for name, p in model.named_parameters():
+        p = full_of(p)  # a ZeRO-3 (DTensor) parameter gathered over dp first
         spec = shard_spec(p)
         mine[name] = (p.detach() if spec is None else gather_tensor(p.detach(), spec, tp_group)).float().clone()
     everyone = [None] * dist.get_world_size()

@@ -1,0 +1,274 @@
+"""A model's anatomy, found in one place: its repeated layer stack(s), what runs before them
+(embeddings), what runs after them (final norm, head) and the final norm.
+
+Every technique that works on the layer stack reads it from here: pipeline stages, sequence
+parallelism, activation checkpointing and ZeRO-3's per-layer wrapping. Three sources, first that
+answers wins:
+
+1. the model's family record (:mod:`shardformer.models`: ``layers``, ``final_norm``);
+2. transformers' ``base_model_pp_plan`` (:mod:`shardformer.pipeline.from_plan`);
+3. the structure: the stacks the derived route finds (:func:`~shardformer.policies.derived.trace.repeated_blocks`),
+   one ``ModuleList`` of blocks of one class per stack.
+
+The stacks need only the module tree. What runs before and after a stack is read off one forward of
+a tiny copy (:func:`ends_of`: the order in which modules start and finish around the stack), cached
+per class and architecture; it is what the pipeline split and the structural final norm need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from shardformer.policies.derived.trace import repeated_blocks
+
+
+def _models():
+    import shardformer.models as models  # the records import this package: read them when asked
+
+    return models
+
+
+def stacks(model: nn.Module) -> tuple[str, ...]:
+    """Paths of ``model``'s repeated layer stacks: the family's or the pp plan's one stack, else every
+    ``ModuleList`` / ``Sequential`` the structure finds (one for a decoder or an encoder, two for an
+    encoder-decoder, one per tower), outermost first in module order."""
+    from shardformer.pipeline.from_plan import spec_from_pp_plan
+
+    family = _models().family_of(model)
+    if family is not None:
+        return (family.layers_path(model),)
+    spec = spec_from_pp_plan(model)
+    if spec is not None:
+        return (spec.layers,)
+    found: list[str] = []
+    for block in repeated_blocks(model):
+        parent = block.rpartition(".")[0]
+        if parent not in found:
+            found.append(parent)
+    return tuple(found)
+
+
+def layer_stack(model: nn.Module) -> str | None:
+    """The path of ``model``'s one layer stack, or None when it has none or several (an encoder-decoder,
+    two towers: each technique that needs one stack says so)."""
+    found = stacks(model)
+    return found[0] if len(found) == 1 else None
+
+
+def final_norm(model: nn.Module, structural: bool = True) -> str | None:
+    """The path of the norm ``model`` applies to its layer stack's output before anything else reads it:
+    the family's, else the pp plan's, else (``structural``) the first module after the stack in a forward
+    of a tiny copy when it is a norm (sequence parallelism uses it only for a per-token norm, and checks
+    what it reads at run time); None when none is found."""
+    from shardformer.pipeline.from_plan import final_norm_from_pp_plan, spec_from_pp_plan
+
+    family = _models().family_of(model)
+    if family is not None:
+        return family.final_norm_path(model)
+    if spec_from_pp_plan(model) is not None:
+        return final_norm_from_pp_plan(model)
+    layers = layer_stack(model)
+    if not structural or layers is None:
+        return None
+    try:
+        return ends_of(model, layers).final_norm
+    except AnatomyError:
+        return None
+
+
+class AnatomyError(ValueError):
+    """What runs around the layer stack cannot be told apart (the reason names the module)."""
+
+
+@dataclass(frozen=True)
+class Ends:
+    """What runs around one layer stack, by path in the model.
+
+    before: the outermost modules with parameters that finish before the first layer starts (the
+    embeddings); after: those that start after the last layer finished (final norm, head) or never run;
+    final_norm: the first of ``after`` when it is a per-token norm fed the last layer's output;
+    layer_outputs: how many values a layer returns (0: a bare tensor, n: a tuple whose first is the
+    hidden states)."""
+
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    final_norm: str | None
+    layer_outputs: int
+
+
+_ENDS: dict[tuple, Ends | AnatomyError] = {}
+
+
+def ends_of(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
+    """The :class:`Ends` of the stack at ``layers`` (or of two stacks: :func:`_trace_ends`), read off one forward of a tiny copy of ``model``
+    (cached per class, architecture and stack); :class:`AnatomyError` when it cannot be told."""
+    from shardformer.policies.derived.derive import _key
+
+    key = (_key(model, 1), layers)
+    if key not in _ENDS:
+        try:
+            _ENDS[key] = _trace_ends(model, layers)
+        except AnatomyError as e:
+            _ENDS[key] = e
+    found = _ENDS[key]
+    if isinstance(found, AnatomyError):
+        raise found
+    return found
+
+
+def tiny_for(model: nn.Module):
+    """A tiny copy of ``model`` and inputs for it (as the derived route builds them)."""
+    from shardformer.policies.derived.derive import tiny_with_inputs
+
+    try:
+        return tiny_with_inputs(model, 1)
+    except Exception as e:  # noqa: BLE001 - no copy to read the anatomy from: said, not raised raw
+        raise AnatomyError(f"no tiny copy of {type(model).__name__} to find its anatomy on: {e}") from e
+
+
+def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
+    """One stack: ``before`` runs before its first layer, ``after`` after its last. Two stacks (an
+    encoder-decoder, split at their boundary): ``before`` is what the encoder's stage runs (embeddings,
+    the encoder's final norm), ``after`` what the decoder's stage runs (its embeddings, final norm and
+    the head); a module both run (embeddings shared by encoder and decoder) is in both."""
+    stacks = (layers,) if isinstance(layers, str) else tuple(layers)
+    tiny, inputs = tiny_for(model)
+    order: list[str] = []  # the path of each start and end of a call, in call order
+    outputs: list = []
+    handles = []
+    for path, module in tiny.named_modules():
+        if any(_inside_layer(path, stack) for stack in stacks):
+            continue  # inside a layer: only the layers themselves mark the stack
+        handles.append(module.register_forward_pre_hook(lambda *_, p=path: order.append(p)))
+        handles.append(module.register_forward_hook(lambda *_, p=path: order.append(p)))
+    first_stack = tiny.get_submodule(stacks[0])
+    handles.append(first_stack[0].register_forward_hook(lambda _m, _a, out: outputs.append(out)))
+    received: list = []  # what the second layer is called with
+    if len(first_stack) > 1:
+        handles.append(
+            first_stack[1].register_forward_pre_hook(lambda _m, a, k: received.append((a, k)), with_kwargs=True)
+        )
+    try:
+        with torch.no_grad():
+            tiny(inputs["x"]) if "x" in inputs else tiny(**inputs)
+    except Exception as e:  # noqa: BLE001
+        raise AnatomyError(f"a tiny {type(model).__name__} does not run: {type(e).__name__}: {e}") from e
+    finally:
+        for h in handles:
+            h.remove()
+    windows = []  # (first, last) call index of each stack
+    for stack in stacks:
+        seen = [i for i, p in enumerate(order) if p.startswith(stack + ".")]
+        if not seen:
+            raise AnatomyError(f"a forward of {type(model).__name__} never runs its layers {stack!r}")
+        windows.append((seen[0], seen[-1]))
+    if len(windows) == 2 and windows[0][1] > windows[1][0]:
+        raise AnatomyError(f"the layers of {stacks[0]!r} and {stacks[1]!r} run interleaved")
+    spans: dict[str, list[int]] = {}
+    for i, p in enumerate(order):
+        spans.setdefault(p, []).append(i)
+    ancestors = {".".join(stack.split(".")[:n]) for stack in stacks for n in range(len(stack.split(".")))}
+    own = own_ancestor(stacks)  # the encoder module: what runs between the stacks under it ends the encoder
+    before, after, between = [], [], []
+    for path, module in tiny.named_modules():
+        if path in ancestors or any(path == st or path.startswith(st + ".") for st in stacks):
+            continue
+        if any(path.startswith(b + ".") for b in before + after + between):
+            continue
+        if not any(True for _ in module.parameters()):
+            continue  # no weights to place: it runs on every stage as the model calls it
+        places = {_window(i, windows) for i in spans.get(path, [len(order)])}
+        if "in" in places:
+            if not _holds_placed(module):
+                between.append(path)
+            continue
+        if len(stacks) == 1 and places == {0, 1}:
+            if not _holds_placed(module):
+                between.append(path)  # one stack: a module both before and after it has no one stage
+            continue
+        under_own = own is not None and (path == own or path.startswith(own + "."))
+        if 0 in places or 1 in places and under_own:
+            before.append(path)
+        if places - {0} - ({1} if under_own else set()):
+            after.append(path)
+    if between:
+        raise AnatomyError(
+            f"{between[0]} runs while the layers {', '.join(stacks)} of {type(model).__name__} run (or both before "
+            f"and after them): no stage can hold it alone"
+        )
+    out = outputs[0] if outputs else None
+    arity = 0 if torch.is_tensor(out) else len(out) if isinstance(out, tuple) else -1
+    if arity < 0 or (arity and not torch.is_tensor(out[0])):
+        raise AnatomyError(f"a layer of {stacks[0]!r} returns {type(out).__name__}, not the hidden states (first)")
+    if len(stacks) == 1:
+        _check_hand_over(out, received, stacks[0])
+    after.sort(key=lambda p: min(spans.get(p, [len(order)])))  # in call order; never run: last
+    norm = after[0] if len(stacks) == 1 and after and _is_norm(tiny.get_submodule(after[0])) else None
+    return Ends(_with_aliases(tiny, before), _with_aliases(tiny, after), norm, arity)
+
+
+def _inside_layer(path: str, stack: str) -> bool:
+    return path.startswith(stack + ".") and path.count(".") > stack.count(".") + 1
+
+
+def _window(index: int, windows: list[tuple[int, int]]) -> int | str:
+    """0: before the first stack; then 1 after it (between the stacks, or after the one stack), 2 after
+    the second; "in": while a stack runs."""
+    for n, (start, end) in enumerate(windows):
+        if index < start:
+            return n
+        if index <= end:
+            return "in"
+    return len(windows)
+
+
+def own_ancestor(stacks: tuple[str, ...]) -> str | None:
+    """The outermost module above the first stack that is not above the second (the encoder), or None."""
+    if len(stacks) < 2:
+        return None
+    first, second = stacks[0].split("."), stacks[1].split(".")
+    common = 0
+    while common < min(len(first), len(second)) and first[common] == second[common]:
+        common += 1
+    return ".".join(first[: common + 1]) if common + 1 < len(first) else None
+
+
+def _check_hand_over(first_output, received, layers: str) -> None:
+    """Refuse layers that hand the next one more than the hidden states (T5's first layer returns the
+    position bias it computed, and every later layer reads it): a stage that starts past the first
+    layer cannot receive it."""
+    if not received or torch.is_tensor(first_output):
+        return
+    extra = {id(t) for t in tree_leaves(first_output[1:]) if torch.is_tensor(t)}
+    args, kwargs = received[0]
+    names = [f"argument {i}" for i, t in enumerate(args) if id(t) in extra]
+    names += [name for name, t in kwargs.items() if torch.is_tensor(t) and id(t) in extra]
+    if names:
+        raise AnatomyError(
+            f"layer 1 of {layers!r} reads {names[0]} from what layer 0 returned besides the hidden states: a "
+            f"pipeline stage that starts past layer 0 cannot receive it"
+        )
+
+
+def _with_aliases(model: nn.Module, paths: list[str]) -> tuple[str, ...]:
+    """``paths`` and every other path of the same modules (T5's ``shared`` is also ``encoder.embed_tokens``:
+    a stage drops, and stands in for, the module under each name the forward may call it by)."""
+    found = list(paths)
+    chosen = {id(model.get_submodule(p)) for p in paths}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if id(module) in chosen and path not in found:
+            found.append(path)
+    return tuple(found)
+
+
+def _holds_placed(module: nn.Module) -> bool:
+    """A container whose children are placed one by one (the walk goes on into it)."""
+    return bool(list(module.children())) and not any(True for _ in module.parameters(recurse=False))
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))

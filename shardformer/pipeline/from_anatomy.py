@@ -1,0 +1,325 @@
+"""Pipeline specs from a model's anatomy: any model with one layer stack, any head, proven on a tiny copy.
+
+The anatomy (:mod:`shardformer.models.anatomy`) says which ``ModuleList`` is the layer stack and which
+modules run before it (embeddings: the first stage) and after it (final norm, head: the last stage);
+a module of the first tied to one of the last (input embeddings and the LM head) is on both.
+
+Every stage runs the whole model's own forward on the micro-batch (labels on the last stage only),
+while :func:`~shardformer.pipeline.stage_view.stage_view` fills its holes:
+
+- after the first stage, the embeddings answer with the received hidden states (only their shape and
+  dtype matter: masks are built from them), and the layer before this stage's first one returns the
+  received hidden states as a layer returns them, so this stage's first layer reads exactly them;
+  the other stages' earlier layers pass their input through;
+- before the last stage, the layer after this stage's last one records what it is handed (the hidden
+  states, as the model passes them on) and stops the forward there: the head never runs on a
+  partial model.
+
+So masks, position ids, ALiBi biases and the head's pooling and loss are the model's own. What a
+layer receives besides the hidden states must be computed from the inputs alone, not from the
+embeddings' values, and layers must hand each other nothing but the hidden states: the split is
+proven on a tiny copy (two stages, loss and every gradient against the unsplit copy) before it is
+used, and refused otherwise, naming why.
+
+An encoder-decoder (two stacks) splits into two stages at the encoder/decoder boundary
+(:class:`EncoderDecoderStageForward`): the first stage runs the model until its encoder has run and
+hands on the encoder's output; the last runs the model with it as ``encoder_outputs``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+import torch.nn as nn
+from transformers.modeling_outputs import BaseModelOutput
+
+from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
+from shardformer.core.record import sharding_of
+from shardformer.models.anatomy import AnatomyError, Ends, ends_of, own_ancestor, stacks, tiny_for
+from shardformer.pipeline.spec import PipelineSpec, stage_of
+from shardformer.pipeline.spec_check import check_pipeline_spec
+from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
+
+
+class LayerPassThrough(nn.Module):
+    """Another stage's layer: hands its input hidden states on, as a layer returns them (a tuple of
+    ``outputs`` values with the hidden states first, or the bare tensor when ``outputs`` is 0)."""
+
+    def __init__(self, outputs: int, value: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.outputs, self.value = outputs, value
+
+    def forward(self, *args, **kwargs):
+        hidden = self.value if self.value is not None else _hidden_of(args, kwargs)
+        return hidden if not self.outputs else (hidden,) + (None,) * (self.outputs - 1)
+
+
+class _Reached(Exception):
+    """Raised by :class:`Capture`: this stage's layers are done."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+class Capture(nn.Module):
+    """The layer after this stage's last one: takes the hidden states this stage hands on and ends
+    the forward (the rest of the model runs on later stages)."""
+
+    def forward(self, *args, **kwargs):
+        raise _Reached(_hidden_of(args, kwargs))
+
+
+def _hidden_of(args, kwargs) -> torch.Tensor:
+    if args and torch.is_tensor(args[0]):
+        return args[0]
+    if torch.is_tensor(kwargs.get("hidden_states")):
+        return kwargs["hidden_states"]
+    raise RuntimeError("pipeline stage: a layer was called without its hidden states first (or as hidden_states=)")
+
+
+class AnatomyStageForward:
+    """The stage forward of a :class:`PipelineSpec` found from a model's anatomy (see the module doc)."""
+
+    __name__ = "anatomy_stage_forward"
+
+    def __init__(self, layers: str, entries: tuple[str, ...], layer_outputs: int) -> None:
+        self.layers, self.entries, self.layer_outputs = layers, entries, layer_outputs
+
+    def __call__(self, model: nn.Module, hidden, inputs: dict):
+        stage, num_stages = stage_of(model)
+        kept = sharding_of(model).layers
+        holes = [int(k) for k, v in model.get_submodule(self.layers)._modules.items() if v is None]
+        stand_ins: dict[str, nn.Module] = {f"{self.layers}.{i}": LayerPassThrough(self.layer_outputs) for i in holes}
+        if stage > 0:
+            stand_ins |= {path: Returns(hidden) for path in self.entries}
+            stand_ins[f"{self.layers}.{kept[0] - 1}"] = LayerPassThrough(self.layer_outputs, hidden)
+        last = stage == num_stages - 1
+        if not last:
+            stand_ins[f"{self.layers}.{kept[-1] + 1}"] = Capture()
+        forward = own_forward(model)
+        kwargs = {k: v for k, v in inputs.items() if v is not None and (last or k not in HEAD_INPUTS)}
+        if "use_cache" in inspect.signature(forward).parameters:
+            kwargs["use_cache"] = False  # no KV cache in training: layers of other stages would never fill it
+        with stage_view(model, stand_ins):
+            if last:
+                return forward(**kwargs)
+            try:
+                forward(**kwargs)
+            except _Reached as reached:
+                return reached.hidden
+        raise RuntimeError(
+            f"pipeline stage {stage}: {type(model).__name__}'s forward never reached layer {kept[-1] + 1}"
+        )
+
+
+FIX = "pass ParallelEngine(..., pipeline=PipelineSpec(layers=..., first=..., last=..., shared=..., stage_forward=...))"
+# what only a head reads (its loss's targets): given to the last stage only
+HEAD_INPUTS = ("labels", "start_positions", "end_positions", "next_sentence_label", "mc_labels")
+
+
+def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
+    """The pipeline spec of ``model`` from its anatomy, proven on a tiny copy (cached per class and
+    architecture); NotImplementedError naming why when there is none or it is not exact."""
+    found = stacks(model)
+    name = type(model).__name__
+    if not found:
+        raise NotImplementedError(
+            f"{name} has no repeated layer stack (a ModuleList of blocks of one class) to split into pipeline stages; "
+            f"use pipeline_parallel_size=1 (tensor and data parallelism apply), or {FIX}"
+        )
+    encoder_decoder = len(found) == 2 and getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    if len(found) > 1 and not encoder_decoder:
+        raise NotImplementedError(
+            f"{name} has {len(found)} layer stacks ({', '.join(found)}) that are not an encoder and a decoder (two "
+            f"towers): pipeline stages over them are not supported; use pipeline_parallel_size=1, or {FIX}"
+        )
+    layers = found if encoder_decoder else found[0]
+    try:
+        ends = ends_of(model, layers)
+    except AnatomyError as e:
+        raise NotImplementedError(f"no pipeline split of {name}: {e}; use pipeline_parallel_size=1") from e
+    spec = spec_from_ends(model, layers, ends)
+    check_pipeline_spec(spec, model, 2, _boundary(model, spec))  # every parameter placed (the copy's may differ)
+    error = _proof(model, layers, ends)
+    if error is not None:
+        raise NotImplementedError(
+            f"the pipeline split of {name} at its layers {layers!r} is not exact on a tiny copy ({error}); "
+            f"use pipeline_parallel_size=1, or {FIX}"
+        )
+    return spec
+
+
+def _boundary(model: nn.Module, spec: PipelineSpec) -> list[int] | None:
+    """Layers per stage of an encoder-decoder's two stages (None: one stack, any split)."""
+    if spec.second_layers is None:
+        return None
+    return [len(model.get_submodule(spec.layers)), len(model.get_submodule(spec.second_layers))]
+
+
+def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends) -> PipelineSpec:
+    """The spec: ``ends.before`` on the first stage, ``ends.after`` on the last, and the modules of the
+    first that hold a weight tied to one of the last on both (``shared``). Two stacks (an encoder and a
+    decoder): the encoder's layers on the first stage, the decoder's on the last."""
+    after_ids = {id(p) for path in ends.after for p in _params(model, path)}
+    tied = {id(p) for path in ends.before for p in _params(model, path) if id(p) in after_ids}
+    first: list[str] = []
+    shared: list[str] = []
+
+    def place(path: str) -> None:
+        module = model.get_submodule(path)
+        ids = {id(p) for p in module.parameters()}
+        if not ids & tied:
+            first.append(path)
+        elif any(True for _ in module.parameters(recurse=False)) or not list(module.children()):
+            shared.append(path)
+        else:
+            for child, sub in module.named_children():
+                if any(True for _ in sub.parameters()):
+                    place(f"{path}.{child}")
+
+    for path in ends.before:
+        place(path)
+    held = {id(model.get_submodule(p)) for p in shared}  # a module of both ends (under each of its names)
+    shared += [p for p in ends.after if id(model.get_submodule(p)) in held and p not in shared]
+    last = tuple(p for p in ends.after if p not in shared)
+    if isinstance(layers, str):
+        stage = AnatomyStageForward(layers, ends.before, ends.layer_outputs)
+        return PipelineSpec(layers, stage, first=tuple(first), last=last, shared=tuple(shared))
+    stage = EncoderDecoderStageForward(own_ancestor(layers))
+    return PipelineSpec(layers[0], stage, tuple(first), last, tuple(shared), second_layers=layers[1])
+
+
+class EncoderDecoderStageForward:
+    """An encoder-decoder in two stages: the first runs the model's forward until its encoder has run
+    and hands on the encoder's output; the last runs the model's forward given that output as
+    ``encoder_outputs`` (the model skips its encoder), decoder, head and loss included."""
+
+    __name__ = "encoder_decoder_stage_forward"
+
+    def __init__(self, encoder: str) -> None:
+        self.encoder = encoder
+
+    def __call__(self, model: nn.Module, hidden, inputs: dict):
+        stage, num_stages = stage_of(model)
+        forward = own_forward(model)
+        last = stage == num_stages - 1
+        kwargs = {k: v for k, v in inputs.items() if v is not None and (last or k not in HEAD_INPUTS)}
+        if "use_cache" in inspect.signature(forward).parameters:
+            kwargs["use_cache"] = False
+        with stage_view(model):
+            if last:
+                return forward(**kwargs, encoder_outputs=BaseModelOutput(last_hidden_state=hidden))
+            handle = model.get_submodule(self.encoder).register_forward_hook(_hand_on)
+            try:
+                forward(**kwargs)
+            except _Reached as reached:
+                return reached.hidden
+            finally:
+                handle.remove()
+        raise RuntimeError(f"pipeline stage {stage}: {type(model).__name__}'s forward never ran {self.encoder}")
+
+
+def _hand_on(_module, _args, output):
+    raise _Reached(_first(output))
+
+
+def _params(model: nn.Module, path: str) -> list[nn.Parameter]:
+    try:
+        return list(model.get_submodule(path).parameters())
+    except AttributeError:
+        return []
+
+
+_PROOFS: dict[tuple, str | None] = {}
+
+
+def _proof(model: nn.Module, layers, ends: Ends) -> str | None:
+    """Why two stages of a tiny copy do not compute what the copy computes (loss or output, every
+    gradient), or None. Cached per class, architecture and stack."""
+    from shardformer.policies.derived.derive import _key
+
+    key = (_key(model, 1), str(layers))
+    if key not in _PROOFS:
+        try:
+            _PROOFS[key] = _prove(model, layers, ends)
+        except Exception as e:  # noqa: BLE001 - a split that crashes is not exact: say how
+            _PROOFS[key] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return _PROOFS[key]
+
+
+def _scalar(output) -> torch.Tensor:
+    loss = output.get("loss") if hasattr(output, "get") else None
+    if loss is not None:
+        return loss
+    first = next(t for t in (output.values() if hasattr(output, "values") else [output]) if torch.is_tensor(t))
+    return first.float().pow(2).mean()
+
+
+def _prove(model: nn.Module, layers, ends: Ends) -> str | None:
+    tiny, inputs = tiny_for(model)
+    if isinstance(layers, str) and len(tiny.get_submodule(layers)) < 2:
+        return f"the tiny copy has fewer than two layers in {layers}"
+    tiny.eval()
+    spec = spec_from_ends(tiny, layers, ends)
+    stages = [spec.keep_stage(copy.deepcopy(tiny), s, 2, _boundary(tiny, spec)) for s in range(2)]
+    hidden = spec.stage_forward(stages[0], None, inputs)
+    received = hidden.detach().requires_grad_()
+    got = _scalar(spec.stage_forward(stages[1], received, inputs))
+    got.backward()
+    hidden.backward(received.grad)
+    handed, handle = _watch_hand_over(tiny, spec, sharding_of(stages[1]).layers[0])
+    try:
+        expected = _scalar(tiny(**inputs))
+    finally:
+        handle.remove()
+    if not handed:
+        return "the unsplit copy never computes what the first stage hands on"
+    handed[0].retain_grad()
+    expected.backward()
+    if not torch.allclose(got, expected, atol=ATOL, rtol=RTOL):
+        return f"the loss (or output) differs: {got.item():.6g} vs {expected.item():.6g}"
+    # the hand-over itself, both ways: a small model's loss barely moves with it (weights of std 0.02)
+    if hidden.shape != handed[0].shape or not torch.allclose(hidden, handed[0], atol=ATOL, rtol=RTOL):
+        return "what the first stage hands on differs from what the unsplit copy computes there"
+    scale = handed[0].grad.abs().max().item() if handed[0].grad is not None else 0.0
+    if handed[0].grad is None or not torch.allclose(received.grad, handed[0].grad, atol=1e-4 * scale, rtol=RTOL):
+        return "the gradient the last stage sends back differs from the unsplit copy's at the hand-over"
+    names: dict[int, list[str]] = {}  # a tied weight's names (a stage without the module of one uses another)
+    for name, p in tiny.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for name, p in tiny.named_parameters():
+        if p.grad is None:
+            continue
+        found = [_grad_in(stage, names[id(p)]) for stage in stages]
+        found = [g for g in found if g is not None]
+        if not found:
+            return f"no stage computes the gradient of {name}"
+        total = torch.stack(found).sum(0)
+        if not torch.allclose(total, p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL):
+            return f"the gradient of {name} differs by {(total - p.grad).abs().max().item():.2e}"
+    return None
+
+
+def _watch_hand_over(tiny: nn.Module, spec: PipelineSpec, start: int):
+    """([the activation], hook handle): in a forward of the unsplit ``tiny``, what the stage that starts at
+    layer ``start`` receives (the encoder's output for an encoder-decoder)."""
+    seen: list[torch.Tensor] = []
+    if isinstance(spec.stage_forward, EncoderDecoderStageForward):
+        encoder = tiny.get_submodule(spec.stage_forward.encoder)
+        return seen, encoder.register_forward_hook(lambda _m, _a, out: seen.append(_first(out)))
+    layer = tiny.get_submodule(spec.layer_paths(tiny)[start])
+    return seen, layer.register_forward_pre_hook(lambda _m, a, k: seen.append(_hidden_of(a, k)), with_kwargs=True)
+
+
+def _first(output) -> torch.Tensor:
+    return output if torch.is_tensor(output) else output[0]
+
+
+def _grad_in(stage: nn.Module, names: list[str]) -> torch.Tensor | None:
+    """The gradient a stage holds for the parameter known by ``names`` (None: not on this stage)."""
+    params = dict(stage.named_parameters(remove_duplicate=False))
+    held = next((params[n] for n in names if n in params), None)
+    return None if held is None else held.grad

@@ -1,0 +1,178 @@
+"""Models split from their anatomy (no hand-written pipeline spec, no pp plan) through ParallelEngine on
+4 gloo ranks, pp=2 x tp=2 with ZeRO, against one process training the unsharded model on the same
+batches: the loss of every step and every weight after the steps (AdamW, and SGD where the step is
+proportional to the gradient). Derived-route decoders (OPT, BLOOM), a derived encoder's classifier
+(RoBERTa), and built-in families' heads that have no spec of their own (BERT, GPT-2 classifiers).
+Sequence parallelism on the derived route (GPT-Neo) at tp=2, and encoder-decoders (BART, T5) split at
+their boundary. One spawn.
+"""
+
+import pytest
+import torch
+import transformers as tf
+
+from shardformer.core.tiny import tiny_config
+from shardformer.models import final_norm, layer_stack, pipeline_spec_for
+from shardformer.pipeline.from_anatomy import AnatomyStageForward, EncoderDecoderStageForward
+from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_spec
+from shardformer.tools.conformance import load_pair
+from tests.helpers import check_table
+from tests.pipeline import common
+from tests.pipeline.test_engine import STEPS, _check
+
+
+def _classifier_batches(steps, labels=3, seed=0):
+    """Right-padded batches (pad token 0) with sequence labels: heads that pool find the last real token."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(3, 99, (common.BATCH, 8), generator=g)
+        lengths = torch.randint(3, 9, (common.BATCH,), generator=g)
+        mask = (torch.arange(8) < lengths[:, None]).long()
+        out.append(
+            {
+                "input_ids": ids * mask,
+                "attention_mask": mask,
+                "labels": torch.randint(0, labels, (common.BATCH,), generator=g),
+            }
+        )
+    return out
+
+
+def _run(name, combo, zero_stage=1, data=None, optimizer=common.adamw, engine_options=None, **config):
+    cls = getattr(tf, name)
+    pair = load_pair(cls, tiny_config(cls.config_class, **{"num_hidden_layers": common.LAYERS, **config}))
+    stage = pipeline_spec_for(pair[1]).stage_forward  # neither a family's spec nor a pp plan's
+    assert isinstance(stage, (AnatomyStageForward, EncoderDecoderStageForward))
+    data = data or common.batches(name, STEPS)
+    return _check(
+        name, *combo, zero_stage=zero_stage, model_pair=pair, data=data, optimizer=optimizer, **(engine_options or {})
+    )
+
+
+# OPT's ffn_dim is not one of the recipe's sizes: at its default 3072 the tp=2 gradients already differ
+# from the unsharded ones by ~1e-3 (tp alone at pp=1, on main too; not understood yet), at 64 they match
+def check_opt_causal_lm_tp2_pp2_zero1():
+    _run("OPTForCausalLM", (2, 2, 1, "1f1b", 2, 0.5, "torch"), ffn_dim=64)
+
+
+def check_bloom_causal_lm_tp2_pp2_zero2():  # ALiBi biases built on every stage from the attention mask
+    _run("BloomForCausalLM", (2, 2, 1, "gpipe", 2, None, "p2p"), zero_stage=2, n_layer=common.LAYERS)
+
+
+def check_bloom_causal_lm_tp2_pp2_zero3_sgd():  # the stage forward inside FSDP2's root call
+    _run(
+        "BloomForCausalLM",
+        (2, 2, 1, "1f1b", 2, 0.5, "torch"),
+        zero_stage=3,
+        optimizer=common.sgd,
+        n_layer=common.LAYERS,
+    )
+
+
+def check_roberta_sequence_classification_tp2_pp2_zero1():
+    _run(
+        "RobertaForSequenceClassification",
+        (2, 2, 1, "1f1b", 2, 0.5, "torch"),
+        data=_classifier_batches(STEPS),
+        num_labels=3,
+        pad_token_id=1,
+    )
+
+
+def check_bert_sequence_classification_tp2_pp2_zero2_sgd():
+    _run(
+        "BertForSequenceClassification", (2, 2, 1, "1f1b", 2, None, "torch"), zero_stage=2, optimizer=common.sgd,
+        data=_classifier_batches(STEPS, seed=1), num_labels=3,
+    )  # fmt: skip
+
+
+def check_gpt2_sequence_classification_tp2_pp2_zero1():  # pools the last token that is not padding
+    _run(
+        "GPT2ForSequenceClassification",
+        (2, 2, 1, "gpipe", 2, 0.5, "torch"),
+        data=_classifier_batches(STEPS, seed=2),
+        num_labels=3,
+        pad_token_id=0,
+        n_layer=common.LAYERS,
+    )
+
+
+def check_sequence_parallel_gpt_neo_tp2_pp2_zero1_sgd():  # a derived decoder: its layer stack from the structure
+    engine = _run(
+        "GPTNeoForCausalLM", (2, 2, 1, "1f1b", 2, 0.5, "torch"), optimizer=common.sgd,
+        engine_options={"sequence_parallel": True}, num_layers=common.LAYERS,
+        attention_types=[[["global", "local"], common.LAYERS // 2]], window_size=4,
+    )  # fmt: skip
+    assert engine.model.shardformer.sequence_parallel is not None
+    assert engine.model.shardformer.route == "derived"
+
+
+def check_bart_tp2_pp2_zero1():  # the encoder on the first stage, its output carried to the decoder's
+    _run("BartForConditionalGeneration", (2, 2, 1, "1f1b", 2, 0.5, "torch"), num_hidden_layers=2, decoder_layers=2)
+
+
+def check_t5_tp2_pp2_zero2_sgd():  # each stack's first layer computes the position bias on its own stage
+    _run(
+        "T5ForConditionalGeneration", (2, 2, 1, "gpipe", 2, None, "p2p"), zero_stage=2, optimizer=common.sgd,
+        num_hidden_layers=2, num_decoder_layers=2, decoder_start_token_id=0,
+    )  # fmt: skip
+
+
+CHECKS = [
+    check_opt_causal_lm_tp2_pp2_zero1,
+    check_bloom_causal_lm_tp2_pp2_zero2,
+    check_bloom_causal_lm_tp2_pp2_zero3_sgd,
+    check_roberta_sequence_classification_tp2_pp2_zero1,
+    check_bert_sequence_classification_tp2_pp2_zero2_sgd,
+    check_gpt2_sequence_classification_tp2_pp2_zero1,
+    check_sequence_parallel_gpt_neo_tp2_pp2_zero1_sgd,
+    check_bart_tp2_pp2_zero1,
+    check_t5_tp2_pp2_zero2_sgd,
+]
+test_engine_anatomy_4_ranks = check_table(CHECKS, 4)
+
+
+def test_anatomy_of_a_derived_decoder():
+    """OPT registers its final norm before its layers: the order a forward runs them in decides."""
+    model = tf.OPTForCausalLM(tiny_config(tf.OPTConfig))
+    assert layer_stack(model) == "model.decoder.layers"
+    assert final_norm(model) == "model.decoder.final_layer_norm"
+    spec = pipeline_spec_for(model)
+    assert spec.first == ("model.decoder.embed_positions",)
+    assert spec.shared == ("model.decoder.embed_tokens",)  # tied to lm_head: on both end stages
+    assert spec.last == ("model.decoder.final_layer_norm", "lm_head")
+
+
+def test_an_encoder_decoder_splits_only_at_the_boundary_into_two_stages():
+    model = tf.BartForConditionalGeneration(tiny_config(tf.BartConfig, encoder_layers=4, decoder_layers=2))
+    spec = pipeline_spec_for(model)
+    assert (spec.layers, spec.second_layers) == ("model.encoder.layers", "model.decoder.layers")
+    check_pipeline_spec(spec, model, 2, [4, 2])
+    for pp, split in ((2, None), (3, None), (2, [3, 3])):
+        with pytest.raises(PipelineSpecError, match=r"encoder/decoder boundary only .*layers_per_stage=\[4, 2\]"):
+            check_pipeline_spec(spec, model, pp, split)
+
+
+def test_a_head_registered_before_the_base_model_keeps_its_tie():
+    """XLM-RoBERTa registers lm_head first, so its tied decoder weight is named lm_head.decoder.weight:
+    the proof sums the stages' gradients by tensor, whatever name each stage knows it by."""
+    spec = pipeline_spec_for(tf.XLMRobertaForMaskedLM(tiny_config(tf.XLMRobertaConfig)))
+    assert spec.shared == ("roberta.embeddings.word_embeddings",) and spec.last == ("lm_head",)
+
+
+@pytest.mark.parametrize(
+    "cls, why",
+    [
+        (
+            tf.CLIPModel,
+            r"2 layer stacks \(text_model.encoder.layers, vision_model.encoder.layers\) that are not an enc",
+        ),
+        (tf.AlbertForMaskedLM, "no repeated layer stack"),
+        # layer 0 hands the position bias it computed to the others
+        (tf.T5EncoderModel, r"layer 1 of 'encoder.block' reads argument 2 from what layer 0 returned besides"),
+    ],
+)
+def test_splits_that_cannot_be_exact_are_refused_naming_why(cls, why):
+    with pytest.raises(NotImplementedError, match=why):
+        pipeline_spec_for(cls(tiny_config(cls.config_class)))
