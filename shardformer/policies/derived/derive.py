@@ -21,8 +21,9 @@ from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import tiny_copy_config
 from shardformer.core.tiny_run import tiny_copy
 from shardformer.policies.copies import architecture, two_blocks
+from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import find_cut, record_calls
-from shardformer.policies.derived.trace import is_projection, pair, trace
+from shardformer.policies.derived.trace import is_projection, mixed_rows, pair, trace
 
 logger = logging.getLogger("shardformer")
 
@@ -48,6 +49,8 @@ class BlockRule:
     idle: set[str] = field(default_factory=set)  # projections the traced forward never ran: left whole
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)  # leaf -> {param: heads' dim}
     head_inputs: dict[str, dict] = field(default_factory=dict)  # module -> {kwarg or position: HeadCut}
+    settings: dict[str, bool] = field(default_factory=dict)  # flags that make the code call a projection
+    local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row writing the width it makes local
 
 
 @dataclass
@@ -162,7 +165,10 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
         raise NotDerivableError(f"a tiny {name} does not run: {type(e).__name__}: {e}") from e
     if not flows.blocks:
         raise NotDerivableError(f"{name} has no stack of repeated blocks with projections to cut{DP_HINT}")
-    rules: dict[type, BlockRule] = {}
+    settings = calling_settings(tiny, inputs, {b: rels for b, rels in flows.bypassed.items() if rels})
+    if settings:  # the projections their code read by weight are called now: traced again
+        flows = trace(tiny, inputs)
+    rules: dict[type, BlockRule] = {cls: BlockRule(settings=found) for cls, found in settings.items()}
     refused: list[str] = []
     for block in flows.blocks:
         rule = rules.setdefault(type(tiny.get_submodule(block)), BlockRule())
@@ -181,6 +187,13 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
                 f"weight itself (F.linear(x, {rel.rpartition('.')[2]}.weight, ...)), which no cut layer can stand in for"
             )
         groups, whole = pair(reads)
+        if not has_config(tiny):  # a timm or plain module: a projection on the heads' outputs left whole is refused
+            for rel in mixed_rows(reads, groups):
+                refused.append(
+                    f"{type(tiny.get_submodule(block)).__name__}: {rel} reads {', '.join(sorted(reads[rel].sources))}, "
+                    f"computed from the attention's column projections but not cut with them (it mixes what the "
+                    f"heads compute, as talking-heads attention does): no cut over heads computes it"
+                )
         rule.whole |= set(whole) - set(rule.cols) - rule.rows
         for group in groups:
             if group.row in rule.rows and all(c in rule.cols for c in group.cols):
@@ -200,6 +213,7 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
             rule.head_params.update(cut.head_params)
             for module, cuts in cut.head_inputs.items():
                 rule.head_inputs.setdefault(module, {}).update(cuts)
+            rule.local_widths.update(cut.local_widths)
         rule.grad_sum |= _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block))
         # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
         rule.idle |= {rel for rel, m in tiny.get_submodule(block).named_modules() if rel and is_projection(m)} - set(

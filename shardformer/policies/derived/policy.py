@@ -18,6 +18,7 @@ from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_
 from shardformer.policies.derived.simulate import cut_options, per_rank_attributes
 from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks, value_at
+from shardformer.policies.derived.widths import local_widths_layer
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
 from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_params_layer
@@ -158,10 +159,14 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, dims in rule.head_params.items():
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims))
+        attrs.update({f"{block}.{rel}": value for rel, value in rule.settings.items()})
         for rel, cuts in rule.head_inputs.items():
             path = f"{block}.{rel}" if rel else block
             counts = {key: value_at(modules[block], cut.heads) for key, cut in cuts.items() if cut.heads}
             layers[path] = Layer(path, replace_layer=head_inputs_layer(cuts, counts))
+        for rel, row in rule.local_widths.items():  # after the module's own cut (its biases) above
+            path = f"{block}.{rel}" if rel else block
+            _add_layer(layers, path, local_widths_layer(out_width(modules[f"{block}.{row}"])))
         # a class's blocks differ inside (T5's encoder and decoder blocks): attributes of modules it has
         divide = {d for d in rule.divide if not _owner(d) or f"{block}.{_owner(d)}" in modules}
         attrs.update({f"{block}.{k}": v for k, v in per_rank_attributes(modules[block], divide, tp).items()})
@@ -174,6 +179,20 @@ class DerivedPolicy(TpPlanPolicy):
                 dotted = f"{owner}.{name}" if owner else name
                 if dotted not in divide:
                     attrs.setdefault(f"{block}.{dotted}", value)
+
+
+def _add_layer(layers: dict[str, Layer], path: str, layer_cls: type) -> None:
+    """A layer for the module at ``path``; after one already there (its parameters cut), both in turn."""
+    before = layers.get(path)
+    if before is not None and type(before) is Layer and before.replace_layer is not None:
+        first, then = before.replace_layer, layer_cls
+
+        def from_native(cls, module, process_group=None, **options):
+            module = first.from_native(module, process_group, **options)
+            return then.from_native(module, process_group, **options)
+
+        layer_cls = type(then.__name__, (first, then), {"from_native": classmethod(from_native)})
+    layers[path] = Layer(path, replace_layer=layer_cls)
 
 
 def _all_idle(block: nn.Module, rule: BlockRule | None) -> bool:

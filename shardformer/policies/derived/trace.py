@@ -228,7 +228,10 @@ def pair(reads: dict[str, Flow]) -> tuple[list[Group], list[str]]:
     """The column/row groups of one block's projections, and the projections left whole (with why)."""
     cols = {rel for rel, f in reads.items() if f.stream}
     rows = {rel: f.sources for rel, f in reads.items() if not f.stream and f.sources}
-    groups = [Group(tuple(sorted(src)), row) for row, src in rows.items() if src <= cols]
+    # a row may also read a projection of a tensor every rank holds whole (Swin-V2's relative position
+    # MLP, one value per head): that projection is one more column of the group, cut by its outputs
+    replicated = {rel for rel, f in reads.items() if not f.stream and not _from_columns(rel, reads, cols)}
+    groups = [Group(tuple(sorted(src)), row) for row, src in rows.items() if src & cols and src <= cols | replicated]
     used: dict[str, int] = defaultdict(int)
     for g in groups:
         for c in g.cols:
@@ -237,6 +240,22 @@ def pair(reads: dict[str, Flow]) -> tuple[list[Group], list[str]]:
     groups = [g for g in groups if all(used[c] == 1 for c in g.cols)]
     paired = {c for g in groups for c in g.cols} | {g.row for g in groups}
     return groups, [rel for rel in reads if rel not in paired]
+
+
+def _from_columns(rel: str, reads: dict[str, Flow], cols: set[str], seen: frozenset[str] = frozenset()) -> bool:
+    """Whether the input of projection ``rel`` was computed, through any projections, from a column's output."""
+    sources = reads[rel].sources - seen
+    return bool(sources & cols) or any(
+        _from_columns(s, reads, cols, seen | {rel}) for s in sources if s in reads and s not in cols
+    )
+
+
+def mixed_rows(reads: dict[str, Flow], groups: list[Group]) -> list[str]:
+    """Projections computed from columns' outputs that no group holds (CaiT's talking heads: a
+    projection across the heads between q/k and the output projection): no cut over heads computes them."""
+    cols = {rel for rel, f in reads.items() if f.stream}
+    grouped = {g.row for g in groups} | {c for g in groups for c in g.cols}
+    return [rel for rel, f in reads.items() if not f.stream and rel not in grouped and _from_columns(rel, reads, cols)]
 
 
 class _MadeInBlocks(TorchFunctionMode):
