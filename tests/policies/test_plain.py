@@ -148,3 +148,14 @@ def test_plain_and_timm_models_are_exact_or_refused():
     assert "attn.k, attn.q, attn.v -> attn.o" in out["mix_heads"], out["mix_heads"]
     assert "cannot make inputs for Sequential" in out["no_inputs"], out["no_inputs"]
     assert [results[1][n][0] for n in EXACT] == [True] * len(EXACT)  # rank 1 agrees
+
+
+def test_cli_plans_any_timm_model_by_name(capsys):
+    from shardformer.cli.main import main
+
+    # EVA-02 small on the meta device: its two-block copy is built for real with random weights to derive the cut
+    assert main(["plan", "timm:eva02_small_patch14_224", "--tp", "2", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "Linear -> Linear1D_Col: 24 (e.g. blocks.0.attn.qkv)" in out and "(0.508)" in out, out
+    assert main(["verify", "timm:eva02_smal", "--tp", "2"]) == 2  # refused before any process starts
+    assert "timm has no model named 'eva02_smal' (similar: eva02_" in capsys.readouterr().err

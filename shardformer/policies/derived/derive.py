@@ -77,8 +77,6 @@ def tiny_with_inputs(model: nn.Module, tp: int, tower: str = "", heads: int | No
     tiny model (patches and their grid, an attention mask over images: what the wrapper computes), or,
     where that forward does not reach it, the recipe's inputs for the tower alone."""
     if not has_config(model):
-        if any(p.device.type == "meta" for p in model.parameters()):
-            raise ValueError("the model is on the meta device and has no transformers config to build a copy from")
         tiny = two_blocks(model).eval()
         return tiny, make_inputs(tiny, seed=seed)
     whole = tiny_copy(model, tp, heads=heads)
