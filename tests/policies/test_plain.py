@@ -116,6 +116,7 @@ def _ranks(exact, refused):
     from shardformer import ShardConfig, shard_model
     from shardformer.policies.derived import NotDerivableError
     from shardformer.tools.verify import verify_on_this_rank
+    from tests.policies.derived_models import transformers_model
 
     out = {}
     for name in exact:
@@ -125,6 +126,13 @@ def _ranks(exact, refused):
     blocks = sum(p.numel() for p in model.blocks.parameters())
     shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
     out["plain blocks ratio"] = sum(p.numel() for p in model.blocks.parameters()) / blocks
+    out["plain embedding"] = type(model.embed).__name__  # the token ids' embedding, vocab-parallel
+    # CLIP's text token embedding (no LM head shares it) is vocab-parallel; its position embedding stays whole
+    clip = transformers_model("CLIPModel")
+    shard_model(clip, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    embeddings = clip.text_model.embeddings
+    out["clip embeddings"] = (type(embeddings.token_embedding).__name__, type(embeddings.position_embedding).__name__)
+    out["beit export"] = _export_reloads_into_timm("beit")
     builds = {"mix_heads": lambda: plain_lm(mix_heads=True), "no_inputs": no_inputs}
     for name in refused:
         try:
@@ -135,6 +143,35 @@ def _ranks(exact, refused):
     return out
 
 
+def _export_reloads_into_timm(name: str) -> float | None:
+    """BEiT sharded, one SGD step, exported: the largest output difference of ``timm.create_model(...)``
+    loading the export against the sharded model (rank 0; None elsewhere)."""
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.checkpoint import save_pretrained
+    from tests.checkpoint.common import remove_dir, sgd_steps, shared_dir
+
+    model = shard_model(timm_model(name), ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    sgd_steps(model, images, lambda m, x: m(x).square().mean(), steps=1)
+    with torch.no_grad():
+        out = model.eval()(images)
+    path = shared_dir()
+    save_pretrained(model, path)
+    error = None
+    if dist.get_rank() == 0:
+        plain = timm_model(name)  # the same architecture, its own random weights: all replaced by the export
+        plain.load_state_dict(load_file(os.path.join(path, "model.safetensors")))
+        with torch.no_grad():
+            error = (plain.eval()(images) - out).abs().max().item()
+    remove_dir(path)
+    return error
+
+
 def test_plain_and_timm_models_are_exact_or_refused():
     results = run_on_ranks(_ranks, 2, EXACT, REFUSED)
     out = results[0]
@@ -143,6 +180,9 @@ def test_plain_and_timm_models_are_exact_or_refused():
         assert ok, text
         assert ("built-in policy route" if name == "vit_reg" else "derived route") in text, text
     assert 0.5 < out["plain blocks ratio"] < 0.52, out["plain blocks ratio"]  # norms and row biases whole
+    assert out["plain embedding"] == "VocabParallelEmbedding1D"
+    assert out["beit export"] is not None and out["beit export"] < 1e-5, out["beit export"]  # timm's own layout
+    assert out["clip embeddings"] == ("VocabParallelEmbedding1D", "Embedding"), out["clip embeddings"]
     assert "data parallelism" in out["convnext"] and "ZeRO" in out["convnext"], out["convnext"]
     assert "attn.proj_w reads attn.proj_l" in out["cait"] and "talking-heads" in out["cait"], out["cait"]
     assert "attn.k, attn.q, attn.v -> attn.o" in out["mix_heads"], out["mix_heads"]

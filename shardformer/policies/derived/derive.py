@@ -23,7 +23,7 @@ from shardformer.core.tiny_run import tiny_copy
 from shardformer.policies.copies import architecture, two_blocks
 from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import find_cut, record_calls
-from shardformer.policies.derived.trace import is_projection, mixed_rows, pair, trace
+from shardformer.policies.derived.trace import input_embeddings, is_projection, mixed_rows, pair, trace
 
 logger = logging.getLogger("shardformer")
 
@@ -58,6 +58,7 @@ class Derivation:
     rules: dict[type, BlockRule]
     refused: list[str]  # groups no candidate cut computes exactly, with why
     heads: int | None = None  # the tiny copy's query heads, when not the recipe's default
+    embeddings: list[str] = field(default_factory=list)  # embeddings that look up the caller's token ids
 
 
 DP_HINT = (
@@ -220,4 +221,4 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
     for rule in rules.values():
         rule.whole -= set(rule.cols) | rule.rows
         rule.idle -= set(rule.cols) | rule.rows | rule.whole
-    return Derivation(rules, refused, heads)
+    return Derivation(rules, refused, heads, input_embeddings(tiny, inputs))

@@ -88,6 +88,7 @@ class DerivedPolicy(TpPlanPolicy):
         if self.head_path in layers and seq2seq_routable(model):
             layers[self.head_path].gather_output = False  # the loss is taken over, on the vocab slices
         self._tied_embeddings(layers, modules)
+        self._token_embeddings(layers, modules, derivation.embeddings)
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
 
@@ -127,6 +128,19 @@ class DerivedPolicy(TpPlanPolicy):
                     for cut in (*paths, self.head_path):
                         layers.pop(cut, None)
                     return
+                layers[path] = Col_Layer(path, bias=None, replace_layer=embed_cls)
+
+    def _token_embeddings(self, layers: dict[str, Layer], modules, paths: list[str]) -> None:
+        """Embeddings that look up the caller's token ids and that no LM head shares (CLIP's text token
+        embedding, a plain LM's) are vocab-parallel too: each rank holds 1/tp of the rows, and one
+        all-reduce of the looked-up vectors gives every rank the whole lookup."""
+        tied = {name.rpartition(".")[0] for names in find_ties(self.model) for name in names}
+        for path in paths:
+            module = modules.get(path)
+            if path in layers or path in tied or module is None or module.max_norm is not None or module.sparse:
+                continue
+            embed_cls = embedding_layer(module)
+            if embed_cls is not None:
                 layers[path] = Col_Layer(path, bias=None, replace_layer=embed_cls)
 
     @staticmethod

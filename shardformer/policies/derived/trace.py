@@ -258,6 +258,46 @@ def mixed_rows(reads: dict[str, Flow], groups: list[Group]) -> list[str]:
     return [rel for rel, f in reads.items() if not f.stream and rel not in grouped and _from_columns(rel, reads, cols)]
 
 
+_SAME_VALUES = {
+    torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten, torch.Tensor.contiguous, torch.Tensor.to,
+    torch.Tensor.__getitem__, torch.Tensor.unsqueeze, torch.Tensor.squeeze, torch.Tensor.clone,
+}  # fmt: skip
+
+
+class _GivenValues(TorchFunctionMode):
+    """Follows the caller's tensors through reshapes and indexing (CLIP's ``input_ids.view(...)``)."""
+
+    def __init__(self, given: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.ids = {id(t) for t in given}
+        self.alive = list(given)  # ids stay unique while the forward runs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _SAME_VALUES and args and id(args[0]) in self.ids and torch.is_tensor(out):
+            self.ids.add(id(out))
+            self.alive.append(out)
+        return out
+
+
+def input_embeddings(model: nn.Module, inputs: dict) -> list[str]:
+    """Paths of the ``nn.Embedding`` modules that look up the token ids the caller passes in (a text
+    tower's token embedding, a plain LM's), reshaped or not, and not ids the model computes (positions)."""
+    mode = _GivenValues([t for t in tree_leaves(inputs) if torch.is_tensor(t)])
+    found: list[str] = []
+    handles = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+
+            def seen(_m, args, path=path):
+                if args and id(args[0]) in mode.ids and path not in found:
+                    found.append(path)
+
+            handles.append(module.register_forward_pre_hook(seen))
+    run_hooked(model, inputs, handles, mode)
+    return found
+
+
 class _MadeInBlocks(TorchFunctionMode):
     """Remembers every tensor computed while one of the repeated blocks runs."""
 

@@ -176,7 +176,9 @@ class HeadParams:
             param = getattr(module, name)
             spec = slicer.spec(param.shape, dim)
             if name in buffers:  # a buffer beside the parameters (timm's zero k_bias) stays a buffer
-                setattr(module, name, slice_tensor(param, spec))
+                buffer = slice_tensor(param, spec)
+                buffer.shard_spec = spec  # a persistent one is gathered whole on export
+                setattr(module, name, buffer)
             else:
                 setattr(module, name, make_shard_param(param, spec))
         return module
