@@ -79,6 +79,8 @@ def no_dropout(model: nn.Module) -> None:
     """Every dropout module of ``model`` at probability 0 (a head's ``classifier_dropout`` that the
     config does not name, and so the recipe cannot zero, included)."""
     for module in model.modules():
+        if isinstance(module, nn.MultiheadAttention):  # its attention dropout is a float, not a module
+            module.dropout = 0.0
         if "Drop" in type(module).__name__:
             for name in ("p", "drop_prob"):
                 if isinstance(getattr(module, name, None), float):

@@ -74,6 +74,11 @@ class TorchEncoderLM(nn.Module):
         return self.head(self.encoder(self.embed(tokens)))
 
 
+def torch_encoder_lm() -> TorchEncoderLM:
+    torch.manual_seed(0)
+    return TorchEncoderLM()
+
+
 def no_inputs() -> nn.Module:
     """Blocks with no token embedding in front: shardformer cannot tell what to feed it."""
     torch.manual_seed(0)
@@ -130,4 +135,6 @@ def factory(name: str, **options):
     """A picklable factory for spawned ranks."""
     if name == "plain":
         return functools.partial(plain_lm, **options)
+    if name == "torch_encoder":
+        return torch_encoder_lm
     return functools.partial(timm_model, name)

@@ -14,13 +14,13 @@ from shardformer.policies.copies import two_blocks
 from shardformer.policies.derived import DerivedPolicy, derive
 from shardformer.policies.derived.trace import repeated_blocks
 from shardformer.tools.testing import run_on_ranks
-from tests.policies.plain_models import TorchEncoderLM, factory, no_inputs, plain_lm, timm_model
+from tests.policies.plain_models import TorchEncoderLM, factory, no_inputs, plain_lm, timm_model, torch_encoder_lm
 
 # BEiT, EVA-02 (fused qkv read through F.linear with q/v biases, and separate q/k/v) and Swin-V2 (its
 # relative position MLP per head) take the setting that calls qkv, their biases cut with the [Q|K|V]
 # blocks and the heads' merge to the input's width made this rank's width; ViT with registers takes
-# the ViT family's own policy
-EXACT = ["plain", "deit", "swin", "beit", "eva02", "eva02_fused", "swinv2", "vit_reg"]
+# the ViT family's own policy; nn.TransformerEncoder's nn.MultiheadAttention is cut by heads by its own layer
+EXACT = ["plain", "torch_encoder", "deit", "swin", "beit", "eva02", "eva02_fused", "swinv2", "vit_reg"]
 # CaiT's self-attention mixes its heads (talking heads): refused naming the projections
 REFUSED = ["convnext", "cait", "mix_heads", "no_inputs"]
 
@@ -96,18 +96,41 @@ def test_a_convolutional_network_is_refused_pointing_at_data_parallelism():
             policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
 
 
-def test_torch_transformer_encoder_is_refused_naming_multihead_attention():
-    from shardformer.policies.derived import NotDerivableError
+def test_torch_transformer_encoder_cuts_multihead_attention_by_heads():
+    model = torch_encoder_lm()
+    assert repeated_blocks(model) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
+    (rule,) = derive(model, 2).rules.values()
+    assert rule.attention == {"self_attn"} and rule.cols == {"linear1": 1} and rule.rows == {"linear2"}
+    torch.manual_seed(0)
+    odd = TorchEncoderLM(dim=24)  # 4 heads of 6 at tp=3: fine; at tp=8 they do not split
+    assert any("4 heads do not split over tensor_parallel_size=8" in r for r in derive(odd, 8).refused)
+
+
+def _multihead_matches() -> float:
+    """torch's nn.MultiheadAttention (sequence first, masks, averaged weights) against its tp cut: the
+    largest difference of outputs, weights and the input's gradient."""
+    import copy
+
+    import torch.distributed as dist
+
+    from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
 
     torch.manual_seed(0)
-    model = TorchEncoderLM()
-    assert repeated_blocks(model) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
-    found = derive(model, 2)
-    assert any("self_attn is torch's nn.MultiheadAttention" in r for r in found.refused), found.refused
-    policy = DerivedPolicy()
-    policy.set_model(model)
-    with pytest.raises(NotDerivableError, match="MultiheadAttention"):
-        policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
+    whole = torch.nn.MultiheadAttention(32, 4)
+    cut = ParallelMultiheadAttention.from_native(copy.deepcopy(whole), dist.group.WORLD)
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    padding = torch.tensor([[False] * 5 + [True], [False] * 6])
+    worst = 0.0
+    for need_weights, mask in ((True, causal), (False, causal.float() * -1e4)):
+        results = []
+        for module in (whole, cut):
+            x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            out, weights = module(x, x, x, key_padding_mask=padding, need_weights=need_weights, attn_mask=mask)
+            out.square().sum().backward()
+            results.append((out, x.grad, weights))
+        for a, b in zip(*results):
+            worst = max(worst, 0.0 if a is None and b is None else (a - b).abs().max().item())
+    return worst
 
 
 def _ranks(exact, refused):
@@ -133,6 +156,7 @@ def _ranks(exact, refused):
     embeddings = clip.text_model.embeddings
     out["clip embeddings"] = (type(embeddings.token_embedding).__name__, type(embeddings.position_embedding).__name__)
     out["beit export"] = _export_reloads_into_timm("beit")
+    out["multihead"] = _multihead_matches()
     builds = {"mix_heads": lambda: plain_lm(mix_heads=True), "no_inputs": no_inputs}
     for name in refused:
         try:
@@ -181,6 +205,7 @@ def test_plain_and_timm_models_are_exact_or_refused():
         assert ("built-in policy route" if name == "vit_reg" else "derived route") in text, text
     assert 0.5 < out["plain blocks ratio"] < 0.52, out["plain blocks ratio"]  # norms and row biases whole
     assert out["plain embedding"] == "VocabParallelEmbedding1D"
+    assert out["multihead"] < 1e-5, out["multihead"]
     assert out["beit export"] is not None and out["beit export"] < 1e-5, out["beit export"]  # timm's own layout
     assert out["clip embeddings"] == ("VocabParallelEmbedding1D", "Embedding"), out["clip embeddings"]
     assert "data parallelism" in out["convnext"] and "ZeRO" in out["convnext"], out["convnext"]

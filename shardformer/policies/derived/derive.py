@@ -24,6 +24,7 @@ from shardformer.policies.copies import architecture, two_blocks
 from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import find_cut, record_calls
 from shardformer.policies.derived.trace import input_embeddings, is_projection, mixed_rows, pair, trace
+from shardformer.tensor_parallel.layers.multihead import refusal as multihead_refusal
 
 logger = logging.getLogger("shardformer")
 
@@ -50,6 +51,7 @@ class BlockRule:
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)  # leaf -> {param: heads' dim}
     head_inputs: dict[str, dict] = field(default_factory=dict)  # module -> {kwarg or position: HeadCut}
     settings: dict[str, bool] = field(default_factory=dict)  # flags that make the code call a projection
+    attention: set[str] = field(default_factory=set)  # torch's nn.MultiheadAttention modules, cut by heads
     local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row writing the width it makes local
 
 
@@ -133,6 +135,10 @@ def derive(model: nn.Module, tp: int, tower: str = "") -> Derivation:
     return _CACHE[key]
 
 
+def _inside(rel: str, owners: list[str]) -> bool:
+    return any(rel.startswith(f"{owner}.") for owner in owners)
+
+
 def _between_cols_and_rows(leaf_reads, rule: BlockRule, block: nn.Module) -> set[str]:
     """Leaves with parameters that read only split activations (a per-head norm between q and the
     attention): their weights stay whole, and each rank's gradient covers its own heads only."""
@@ -164,6 +170,12 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
         raise NotDerivableError(f"a tiny {name} does not run: {type(e).__name__}: {e}") from e
     if not flows.blocks:
         raise NotDerivableError(f"{name} has no stack of repeated blocks with projections to cut{DP_HINT}")
+    packed = {  # torch's nn.MultiheadAttention: cut whole by its own layer; its out_proj is read by weight
+        block: [rel for rel, m in tiny.get_submodule(block).named_modules() if isinstance(m, nn.MultiheadAttention)]
+        for block in flows.blocks
+    }
+    for block, owners in packed.items():
+        flows.bypassed[block] = [r for r in flows.bypassed.get(block, []) if not _inside(r, owners)]
     settings = calling_settings(tiny, inputs, {b: rels for b, rels in flows.bypassed.items() if rels})
     if settings:  # the projections their code read by weight are called now: traced again
         flows = trace(tiny, inputs)
@@ -171,15 +183,15 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
     refused: list[str] = []
     for block in flows.blocks:
         rule = rules.setdefault(type(tiny.get_submodule(block)), BlockRule())
-        reads = flows.reads.get(block, {})
-        packed = [rel for rel, m in tiny.get_submodule(block).named_modules() if isinstance(m, nn.MultiheadAttention)]
-        for rel in packed:  # torch's fused encoder path may also run the block as one op, calling no projection
-            refused.append(
-                f"{type(tiny.get_submodule(block)).__name__}: {rel} is torch's nn.MultiheadAttention, which packs "
-                f"q, k and v in one Parameter (in_proj_weight) that no projection module holds: no cut is derived for it"
-            )
-        if packed:
-            continue
+        reads = {rel: flow for rel, flow in flows.reads.get(block, {}).items() if not _inside(rel, packed[block])}
+        for rel in packed[block]:
+            why = multihead_refusal(tiny.get_submodule(block).get_submodule(rel), tp)
+            if why is None:
+                rule.attention.add(rel)
+            else:
+                refused.append(
+                    f"{type(tiny.get_submodule(block)).__name__}: {rel} is torch's nn.MultiheadAttention, and {why}"
+                )
         for rel in flows.bypassed.get(block, []):
             refused.append(
                 f"{type(tiny.get_submodule(block)).__name__}: {rel} is never called: the block's code reads its "
@@ -215,9 +227,11 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
             rule.local_widths.update(cut.local_widths)
         rule.grad_sum |= _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block))
         # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
-        rule.idle |= {rel for rel, m in tiny.get_submodule(block).named_modules() if rel and is_projection(m)} - set(
-            reads
-        )
+        rule.idle |= {
+            rel
+            for rel, m in tiny.get_submodule(block).named_modules()
+            if rel and is_projection(m) and rel not in reads and not _inside(rel, packed[block])
+        }
     for rule in rules.values():
         rule.whole -= set(rule.cols) | rule.rows
         rule.idle -= set(rule.cols) | rule.rows | rule.whole

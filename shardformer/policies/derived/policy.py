@@ -24,6 +24,7 @@ from shardformer.policies.tp_plan.policy import TpPlanPolicy
 from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_params_layer
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import is_conv1d
+from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer
 
@@ -145,7 +146,13 @@ class DerivedPolicy(TpPlanPolicy):
 
     @staticmethod
     def _cut_block(block, modules, rule: BlockRule, tp, config, layers, attrs) -> None:
-        inside = {rel: m for rel, m in modules[block].named_modules() if rel and is_projection(m)}
+        inside = {
+            rel: m
+            for rel, m in modules[block].named_modules()
+            if rel and is_projection(m) and not any(rel.startswith(f"{a}.") for a in rule.attention)
+        }
+        for rel in rule.attention:  # torch's nn.MultiheadAttention, replaced whole by the layer cutting its heads
+            layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=ParallelMultiheadAttention)
         unknown = sorted(set(inside) - set(rule.cols) - rule.rows - rule.whole - rule.idle)
         if unknown:
             raise NotDerivableError(
