@@ -99,6 +99,8 @@ TIMM = {  # small random timm models: widths and depths a tp=2 cut and a quick r
     # bias reads the weight through F.linear: refused, as "eva02_fused")
     "eva02": ("eva02_tiny_patch14_224", dict(img_size=28, depth=3, embed_dim=48, num_heads=4, qkv_fused=False)),
     "eva02_fused": ("eva02_tiny_patch14_224", dict(img_size=28, depth=3, embed_dim=48, num_heads=4)),
+    # EVA-02 base/large: a LayerNorm over the SwiGLU MLP's hidden features (scale_mlp), between fc1 and fc2
+    "eva02_base": ("eva02_base_patch14_224", dict(img_size=28, depth=3, embed_dim=48, num_heads=4)),
     "beit": ("beit_base_patch16_224", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
     "deit": ("deit_tiny_distilled_patch16_224", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
     "swin": (

@@ -19,8 +19,9 @@ from tests.policies.plain_models import TorchEncoderLM, factory, no_inputs, plai
 # BEiT, EVA-02 (fused qkv read through F.linear with q/v biases, and separate q/k/v) and Swin-V2 (its
 # relative position MLP per head) take the setting that calls qkv, their biases cut with the [Q|K|V]
 # blocks and the heads' merge to the input's width made this rank's width; ViT with registers takes
-# the ViT family's own policy; nn.TransformerEncoder's nn.MultiheadAttention is cut by heads by its own layer
-EXACT = ["plain", "torch_encoder", "deit", "swin", "beit", "eva02", "eva02_fused", "swinv2", "vit_reg"]
+# the ViT family's own policy; EVA-02 base/large's LayerNorm over the MLP's cut hidden features sums
+# its statistics over ranks; nn.TransformerEncoder's nn.MultiheadAttention is cut by heads by its own layer
+EXACT = ["plain", "torch_encoder", "deit", "swin", "beit", "eva02", "eva02_fused", "eva02_base", "swinv2", "vit_reg"]
 # CaiT's self-attention mixes its heads (talking heads): refused naming the projections
 REFUSED = ["convnext", "cait", "mix_heads", "no_inputs"]
 
@@ -64,6 +65,8 @@ def test_beit_and_swin_v2_rules_call_qkv_and_cut_its_biases_with_it():
     assert rule.cols == {"attn.qkv": 3, "mlp.fc1": 1} and rule.divide == {"attn.num_heads"}
     assert rule.head_params == {"attn": {"relative_position_bias_table": 1, "q_bias": 0, "v_bias": 0, "k_bias": 0}}
     assert rule.local_widths == {"attn": "attn.proj"}  # reshape(B, N, C): C / tp on a rank
+    (rule,) = derive(timm_model("eva02_base"), 2).rules.values()
+    assert rule.split_norms == {"mlp.norm"} and rule.cols["mlp.fc1_g"] == rule.cols["mlp.fc1_x"] == 1
     (rule,) = derive(timm_model("swinv2"), 2).rules.values()
     assert rule.cols["attn.cpb_mlp.2"] == 1  # the per-head relative position MLP's output, cut by heads
     assert rule.head_params["attn"]["logit_scale"] == 0

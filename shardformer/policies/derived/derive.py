@@ -51,6 +51,7 @@ class BlockRule:
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)  # leaf -> {param: heads' dim}
     head_inputs: dict[str, dict] = field(default_factory=dict)  # module -> {kwarg or position: HeadCut}
     settings: dict[str, bool] = field(default_factory=dict)  # flags that make the code call a projection
+    split_norms: set[str] = field(default_factory=set)  # LayerNorms over cut features: statistics over ranks
     attention: set[str] = field(default_factory=set)  # torch's nn.MultiheadAttention modules, cut by heads
     local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row writing the width it makes local
 
@@ -225,7 +226,10 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
             for module, cuts in cut.head_inputs.items():
                 rule.head_inputs.setdefault(module, {}).update(cuts)
             rule.local_widths.update(cut.local_widths)
-        rule.grad_sum |= _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block))
+            rule.split_norms |= cut.split_norms
+        rule.grad_sum |= (
+            _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block)) - rule.split_norms
+        )
         # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
         rule.idle |= {
             rel

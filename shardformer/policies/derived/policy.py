@@ -25,6 +25,7 @@ from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_p
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
+from shardformer.tensor_parallel.layers.norm import SplitLayerNorm
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer
 
@@ -174,6 +175,9 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, module in modules[block].named_modules():
             if reads_width_from_input(module) and f"{rel}.qkv".lstrip(".") in rule.cols:
                 layers[f"{block}.{rel}".rstrip(".")] = Layer(f"{block}.{rel}".rstrip("."), replace_layer=ModuleWidth)
+        for rel in rule.split_norms:
+            if f"{block}.{rel}" in modules:
+                layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=SplitLayerNorm)
         for rel in rule.grad_sum:
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=GradAllReduce)
