@@ -198,8 +198,10 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
                 f"{type(tiny.get_submodule(block)).__name__}: {rel} is never called: the block's code reads its "
                 f"weight itself (F.linear(x, {rel.rpartition('.')[2]}.weight, ...)), which no cut layer can stand in for"
             )
-        groups, whole = pair(reads)
-        if not has_config(tiny):  # a timm or plain module: a projection on the heads' outputs left whole is refused
+        # a timm or plain module: projections of replicated tensors join a group, and a projection on the
+        # heads' outputs left whole is refused (transformers models keep the rules their sweep was run with)
+        groups, whole = pair(reads, replicated_columns=not has_config(tiny))
+        if not has_config(tiny):
             for rel in mixed_rows(reads, groups):
                 refused.append(
                     f"{type(tiny.get_submodule(block)).__name__}: {rel} reads {', '.join(sorted(reads[rel].sources))}, "
@@ -239,4 +241,6 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
     for rule in rules.values():
         rule.whole -= set(rule.cols) | rule.rows
         rule.idle -= set(rule.cols) | rule.rows | rule.whole
-    return Derivation(rules, refused, heads, input_embeddings(tiny, inputs))
+    # token ids: transformers' input_ids, or a plain module's first argument (not token types or positions)
+    ids = [inputs["input_ids"]] if has_config(tiny) and "input_ids" in inputs else list(inputs.values())[:1]
+    return Derivation(rules, refused, heads, input_embeddings(tiny, inputs, ids))

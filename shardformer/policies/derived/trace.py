@@ -224,13 +224,16 @@ class Group:
     row: str
 
 
-def pair(reads: dict[str, Flow]) -> tuple[list[Group], list[str]]:
-    """The column/row groups of one block's projections, and the projections left whole (with why)."""
+def pair(reads: dict[str, Flow], replicated_columns: bool = False) -> tuple[list[Group], list[str]]:
+    """The column/row groups of one block's projections, and the projections left whole (with why).
+    ``replicated_columns``: a row may also read a projection of a tensor every rank holds whole (timm's
+    Swin-V2 relative position MLP, one value per head): that projection is one more column of the group,
+    cut by its outputs."""
     cols = {rel for rel, f in reads.items() if f.stream}
     rows = {rel: f.sources for rel, f in reads.items() if not f.stream and f.sources}
-    # a row may also read a projection of a tensor every rank holds whole (Swin-V2's relative position
-    # MLP, one value per head): that projection is one more column of the group, cut by its outputs
-    replicated = {rel for rel, f in reads.items() if not f.stream and not _from_columns(rel, reads, cols)}
+    replicated = {
+        rel for rel, f in reads.items() if replicated_columns and not f.stream and not _from_columns(rel, reads, cols)
+    }
     groups = [Group(tuple(sorted(src)), row) for row, src in rows.items() if src & cols and src <= cols | replicated]
     used: dict[str, int] = defaultdict(int)
     for g in groups:
@@ -280,10 +283,10 @@ class _GivenValues(TorchFunctionMode):
         return out
 
 
-def input_embeddings(model: nn.Module, inputs: dict) -> list[str]:
-    """Paths of the ``nn.Embedding`` modules that look up the token ids the caller passes in (a text
-    tower's token embedding, a plain LM's), reshaped or not, and not ids the model computes (positions)."""
-    mode = _GivenValues([t for t in tree_leaves(inputs) if torch.is_tensor(t)])
+def input_embeddings(model: nn.Module, inputs: dict, token_ids: list[torch.Tensor]) -> list[str]:
+    """Paths of the ``nn.Embedding`` modules that look up ``token_ids`` (tensors of ``inputs``), reshaped
+    or not (a text tower's token embedding, a plain LM's), and not ids the model computes (positions)."""
+    mode = _GivenValues([t for t in token_ids if torch.is_tensor(t)])
     found: list[str] = []
     handles = []
     for path, module in model.named_modules():
