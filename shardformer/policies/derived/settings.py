@@ -52,25 +52,26 @@ def calling_settings(tiny: nn.Module, inputs: dict, bypassed: dict[str, list[str
             for name in bool_settings(tiny.get_submodule(block).get_submodule(owner)):
                 setting = f"{owner}.{name}" if owner else name
                 value = not getattr(tiny.get_submodule(block).get_submodule(owner), name)
-                previous = _apply(tiny, cls, setting, value)
+                before = _apply(tiny, cls, setting, value)
                 if rel in _called(tiny, inputs, block) and max_error(_output(tiny, inputs), expected)[1]:
                     found.setdefault(cls, {})[setting] = value
                     fixed.add((cls, owner))
                     break
-                _apply(tiny, cls, setting, previous)
+                for target, previous in before:
+                    setattr(target, name, previous)
     return found
 
 
-def _apply(tiny: nn.Module, cls: type, setting: str, value) -> object:
-    """Set ``setting`` (relative to each block of class ``cls``) to ``value``; the value before."""
+def _apply(tiny: nn.Module, cls: type, setting: str, value) -> list[tuple[nn.Module, object]]:
+    """Set ``setting`` (relative to each block of class ``cls``) to ``value``; each module's value before."""
     owner, _, name = setting.rpartition(".")
-    previous = None
+    before = []
     for module in tiny.modules():
         if type(module) is cls:
             target = module.get_submodule(owner) if owner else module
-            previous = getattr(target, name)
+            before.append((target, getattr(target, name)))
             setattr(target, name, value)
-    return previous
+    return before
 
 
 def _called(tiny: nn.Module, inputs: dict, block: str) -> set[str]:
