@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
+import torch
 import torch.nn as nn
 
 KEEP = 2  # blocks kept of each repeated stack
@@ -46,17 +47,40 @@ def stacks_cut(model: nn.Module):
 
 def two_blocks(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose repeated stacks keep two blocks, with dropout off (both copies the
-    proof compares compute one function)."""
+    proof compares compute one function); of a model on the meta device (``shardformer plan``), a
+    real copy with random weights (:func:`materialize`)."""
     with stacks_cut(model):
         tiny = copy.deepcopy(model)
     no_dropout(tiny)
+    if any(t.device.type == "meta" for t in (*tiny.parameters(), *tiny.buffers())):
+        materialize(tiny)
     return tiny
+
+
+def materialize(model: nn.Module) -> None:
+    """``model``, built on the meta device, on the cpu with random weights: what a derivation needs
+    (the cut depends on the code and the sizes, not on the values). Each module's own
+    ``reset_parameters`` sets what it has (norms at one), and timm's ``init_non_persistent_buffers``
+    the tables it computes when built (relative position indices), which the meta device left empty."""
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.02)
+        for buffer in model.buffers():
+            buffer.zero_()
+    for module in model.modules():
+        for name in ("reset_parameters", "init_non_persistent_buffers"):
+            init = getattr(module, name, None)
+            if callable(init):
+                init()
 
 
 def no_dropout(model: nn.Module) -> None:
     """Every dropout module of ``model`` at probability 0 (a head's ``classifier_dropout`` that the
     config does not name, and so the recipe cannot zero, included)."""
     for module in model.modules():
+        if isinstance(module, nn.MultiheadAttention):  # its attention dropout is a float, not a module
+            module.dropout = 0.0
         if "Drop" in type(module).__name__:
             for name in ("p", "drop_prob"):
                 if isinstance(getattr(module, name, None), float):

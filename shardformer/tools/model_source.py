@@ -114,7 +114,7 @@ def build_model(model: Any, model_class: str | None = None, weights: bool = True
     if model.startswith("timm:"):
         import timm  # deferred: importing timm registers every timm model; only when asked for
 
-        return timm.create_model(model[5:], pretrained=False)
+        return timm.create_model(_timm_name(model), pretrained=False)
     if os.path.isdir(model):
         return _from_folder(model, model_class, weights)
     if ":" in model:
@@ -134,7 +134,10 @@ def check_model_source(model: Any, model_class: str | None = None) -> None:
     names no class, an unknown ``model_class``, a ``module:function`` that does not import."""
     if isinstance(model, nn.Module):
         raise TypeError("pass a factory or a name, not a model: every process builds its own copy")
-    if callable(model) or model.startswith("timm:"):
+    if callable(model):
+        return
+    if model.startswith("timm:"):
+        _timm_name(model)
         return
     if os.path.isdir(model):
         model_class_for(read_config(model), model, model_class)
@@ -142,6 +145,21 @@ def check_model_source(model: Any, model_class: str | None = None) -> None:
         _import(model, "MODEL")
     elif model not in {**builds(), **PLAN_DERIVED}:
         build_model(model)  # raises: the message lists what MODEL can be
+
+
+def _timm_name(spec: str) -> str:
+    """The timm model name of ``timm:<name>``, or a ValueError when timm has no such model."""
+    import timm
+
+    name = spec[5:]
+    if not timm.is_model(name):
+        near = timm.list_models(f"*{name.split('_')[0]}*")[:8] if name else []
+        raise ValueError(
+            f"timm has no model named {name!r}"
+            + (f" (similar: {', '.join(near)})" if near else "")
+            + "; timm.list_models('*pattern*') lists the names"
+        )
+    return name
 
 
 def read_config(folder: str):

@@ -74,6 +74,11 @@ class TorchEncoderLM(nn.Module):
         return self.head(self.encoder(self.embed(tokens)))
 
 
+def torch_encoder_lm() -> TorchEncoderLM:
+    torch.manual_seed(0)
+    return TorchEncoderLM()
+
+
 def no_inputs() -> nn.Module:
     """Blocks with no token embedding in front: shardformer cannot tell what to feed it."""
     torch.manual_seed(0)
@@ -94,27 +99,44 @@ TIMM = {  # small random timm models: widths and depths a tp=2 cut and a quick r
     # bias reads the weight through F.linear: refused, as "eva02_fused")
     "eva02": ("eva02_tiny_patch14_224", dict(img_size=28, depth=3, embed_dim=48, num_heads=4, qkv_fused=False)),
     "eva02_fused": ("eva02_tiny_patch14_224", dict(img_size=28, depth=3, embed_dim=48, num_heads=4)),
+    # EVA-02 base/large: a LayerNorm over the SwiGLU MLP's hidden features (scale_mlp), between fc1 and fc2
+    "eva02_base": ("eva02_base_patch14_224", dict(img_size=28, depth=3, embed_dim=48, num_heads=4)),
     "beit": ("beit_base_patch16_224", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
     "deit": ("deit_tiny_distilled_patch16_224", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
     "swin": (
         "swin_tiny_patch4_window7_224",
         dict(img_size=32, depths=(2, 3), embed_dim=16, num_heads=(2, 4), window_size=4),
     ),
+    "swinv2": (
+        "swinv2_tiny_window8_256",
+        dict(img_size=32, depths=(2, 3), embed_dim=16, num_heads=(2, 4), window_size=4),
+    ),
+    "cait": ("cait_xxs24_224", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
+    "vit_reg": ("vit_base_patch16_reg4_gap_256", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
     # an MLP of nn.Linear on channels-last features beside depthwise convolutions (conv_mlp=False)
     "convnext": ("convnext_atto", dict(depths=(2, 2, 3, 2), dims=(8, 16, 32, 64), conv_mlp=False)),
 }
 
 
 def timm_model(name: str) -> nn.Module:
+    """A small random timm model; parameters timm starts at zero (BEiT's q/v biases and relative position
+    table) random too, so that a wrong cut of them shows."""
     import timm
 
     arch, options = TIMM[name]
     torch.manual_seed(0)
-    return timm.create_model(arch, pretrained=False, num_classes=10, **options)
+    model = timm.create_model(arch, pretrained=False, num_classes=10, **options)
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.any():
+                param.normal_(0, 0.2)
+    return model
 
 
 def factory(name: str, **options):
     """A picklable factory for spawned ranks."""
     if name == "plain":
         return functools.partial(plain_lm, **options)
+    if name == "torch_encoder":
+        return torch_encoder_lm
     return functools.partial(timm_model, name)

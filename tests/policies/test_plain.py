@@ -14,13 +14,16 @@ from shardformer.policies.copies import two_blocks
 from shardformer.policies.derived import DerivedPolicy, derive
 from shardformer.policies.derived.trace import repeated_blocks
 from shardformer.tools.testing import run_on_ranks
-from tests.policies.plain_models import TorchEncoderLM, factory, no_inputs, plain_lm, timm_model
+from tests.policies.plain_models import TorchEncoderLM, factory, no_inputs, plain_lm, timm_model, torch_encoder_lm
 
-EXACT = ["plain", "deit", "swin"]
-# BEiT and EVA-02 as timm writes them: a fused qkv read through F.linear (its weight, with q/v biases),
-# and (EVA-02 with separate q/k/v) an attention output reshaped to the input's width, which a rank
-# holding half the heads cannot give: refused, naming the group
-REFUSED = ["convnext", "beit", "eva02_fused", "eva02", "mix_heads", "no_inputs"]
+# BEiT, EVA-02 (fused qkv read through F.linear with q/v biases, and separate q/k/v) and Swin-V2 (its
+# relative position MLP per head) take the setting that calls qkv, their biases cut with the [Q|K|V]
+# blocks and the heads' merge to the input's width made this rank's width; ViT with registers takes
+# the ViT family's own policy; EVA-02 base/large's LayerNorm over the MLP's cut hidden features sums
+# its statistics over ranks; nn.TransformerEncoder's nn.MultiheadAttention is cut by heads by its own layer
+EXACT = ["plain", "torch_encoder", "deit", "swin", "beit", "eva02", "eva02_fused", "eva02_base", "swinv2", "vit_reg"]
+# CaiT's self-attention mixes its heads (talking heads): refused naming the projections
+REFUSED = ["convnext", "cait", "mix_heads", "no_inputs"]
 
 
 def test_repeated_blocks_of_plain_and_timm_models():
@@ -56,6 +59,32 @@ def test_rules_are_read_off_the_dataflow():
     assert rule.head_params == {"attn": {"relative_position_bias_table": 1}}  # [positions, heads]: cut by heads
 
 
+def test_beit_and_swin_v2_rules_call_qkv_and_cut_its_biases_with_it():
+    (rule,) = derive(timm_model("beit"), 2).rules.values()
+    assert rule.settings == {"attn.qkv_bias_separate": True}  # F.linear(x, qkv.weight, ...) -> self.qkv(x) + bias
+    assert rule.cols == {"attn.qkv": 3, "mlp.fc1": 1} and rule.divide == {"attn.num_heads"}
+    assert rule.head_params == {"attn": {"relative_position_bias_table": 1, "q_bias": 0, "v_bias": 0, "k_bias": 0}}
+    assert rule.local_widths == {"attn": "attn.proj"}  # reshape(B, N, C): C / tp on a rank
+    (rule,) = derive(timm_model("eva02_base"), 2).rules.values()
+    assert rule.split_norms == {"mlp.norm"} and rule.cols["mlp.fc1_g"] == rule.cols["mlp.fc1_x"] == 1
+    (rule,) = derive(timm_model("swinv2"), 2).rules.values()
+    assert rule.cols["attn.cpb_mlp.2"] == 1  # the per-head relative position MLP's output, cut by heads
+    assert rule.head_params["attn"]["logit_scale"] == 0
+
+
+def test_local_widths_rewrite_only_the_reshape_that_cannot_fit():
+    from shardformer.policies.derived.widths import LocalWidths, local_sizes
+
+    t = torch.zeros(2, 2, 5, 8)  # [B, heads on this rank, N, head width] of 4 heads, C = 32
+    assert local_sizes(t, [2, 5, 32], 32, 2) == [2, 5, 16]
+    assert local_sizes(t, [2, 5, 16], 32, 2) is None  # fits as written
+    assert local_sizes(t, [2, 5, -1], 32, 2) is None
+    assert local_sizes(t, [4, 5, 32], 32, 2) is None  # the sizes hold this many elements already
+    with LocalWidths(32, 2):
+        assert t.transpose(1, 2).reshape(2, 5, 32).shape == (2, 5, 16)
+        assert t.view((2, 2, 40)).shape == (2, 2, 40)
+
+
 def test_a_convolutional_network_is_refused_pointing_at_data_parallelism():
     import timm
 
@@ -70,18 +99,41 @@ def test_a_convolutional_network_is_refused_pointing_at_data_parallelism():
             policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
 
 
-def test_torch_transformer_encoder_is_refused_naming_multihead_attention():
-    from shardformer.policies.derived import NotDerivableError
+def test_torch_transformer_encoder_cuts_multihead_attention_by_heads():
+    model = torch_encoder_lm()
+    assert repeated_blocks(model) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
+    (rule,) = derive(model, 2).rules.values()
+    assert rule.attention == {"self_attn"} and rule.cols == {"linear1": 1} and rule.rows == {"linear2"}
+    torch.manual_seed(0)
+    odd = TorchEncoderLM(dim=24)  # 4 heads of 6 at tp=3: fine; at tp=8 they do not split
+    assert any("4 heads do not split over tensor_parallel_size=8" in r for r in derive(odd, 8).refused)
+
+
+def _multihead_matches() -> float:
+    """torch's nn.MultiheadAttention (sequence first, masks, averaged weights) against its tp cut: the
+    largest difference of outputs, weights and the input's gradient."""
+    import copy
+
+    import torch.distributed as dist
+
+    from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
 
     torch.manual_seed(0)
-    model = TorchEncoderLM()
-    assert repeated_blocks(model) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
-    found = derive(model, 2)
-    assert any("self_attn is torch's nn.MultiheadAttention" in r for r in found.refused), found.refused
-    policy = DerivedPolicy()
-    policy.set_model(model)
-    with pytest.raises(NotDerivableError, match="MultiheadAttention"):
-        policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
+    whole = torch.nn.MultiheadAttention(32, 4)
+    cut = ParallelMultiheadAttention.from_native(copy.deepcopy(whole), dist.group.WORLD)
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    padding = torch.tensor([[False] * 5 + [True], [False] * 6])
+    worst = 0.0
+    for need_weights, mask in ((True, causal), (False, causal.float() * -1e4)):
+        results = []
+        for module in (whole, cut):
+            x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            out, weights = module(x, x, x, key_padding_mask=padding, need_weights=need_weights, attn_mask=mask)
+            out.square().sum().backward()
+            results.append((out, x.grad, weights))
+        for a, b in zip(*results):
+            worst = max(worst, 0.0 if a is None and b is None else (a - b).abs().max().item())
+    return worst
 
 
 def _ranks(exact, refused):
@@ -90,6 +142,7 @@ def _ranks(exact, refused):
     from shardformer import ShardConfig, shard_model
     from shardformer.policies.derived import NotDerivableError
     from shardformer.tools.verify import verify_on_this_rank
+    from tests.policies.derived_models import transformers_model
 
     out = {}
     for name in exact:
@@ -99,6 +152,14 @@ def _ranks(exact, refused):
     blocks = sum(p.numel() for p in model.blocks.parameters())
     shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size()))
     out["plain blocks ratio"] = sum(p.numel() for p in model.blocks.parameters()) / blocks
+    out["plain embedding"] = type(model.embed).__name__  # the token ids' embedding, vocab-parallel
+    # CLIP's text token embedding (no LM head shares it) is vocab-parallel; its position embedding stays whole
+    clip = transformers_model("CLIPModel")
+    shard_model(clip, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    embeddings = clip.text_model.embeddings
+    out["clip embeddings"] = (type(embeddings.token_embedding).__name__, type(embeddings.position_embedding).__name__)
+    out["beit export"] = _export_reloads_into_timm("beit")
+    out["multihead"] = _multihead_matches()
     builds = {"mix_heads": lambda: plain_lm(mix_heads=True), "no_inputs": no_inputs}
     for name in refused:
         try:
@@ -109,18 +170,60 @@ def _ranks(exact, refused):
     return out
 
 
+def _export_reloads_into_timm(name: str) -> float | None:
+    """BEiT sharded, one SGD step, exported: the largest output difference of ``timm.create_model(...)``
+    loading the export against the sharded model (rank 0; None elsewhere)."""
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.checkpoint import save_pretrained
+    from tests.checkpoint.common import remove_dir, sgd_steps, shared_dir
+
+    model = shard_model(timm_model(name), ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    sgd_steps(model, images, lambda m, x: m(x).square().mean(), steps=1)
+    with torch.no_grad():
+        out = model.eval()(images)
+    path = shared_dir()
+    save_pretrained(model, path)
+    error = None
+    if dist.get_rank() == 0:
+        plain = timm_model(name)  # the same architecture, its own random weights: all replaced by the export
+        plain.load_state_dict(load_file(os.path.join(path, "model.safetensors")))
+        with torch.no_grad():
+            error = (plain.eval()(images) - out).abs().max().item()
+    remove_dir(path)
+    return error
+
+
 def test_plain_and_timm_models_are_exact_or_refused():
     results = run_on_ranks(_ranks, 2, EXACT, REFUSED)
     out = results[0]
     for name in EXACT:
         ok, text = out[name]
         assert ok, text
-        assert "derived route" in text, text
+        assert ("built-in policy route" if name == "vit_reg" else "derived route") in text, text
     assert 0.5 < out["plain blocks ratio"] < 0.52, out["plain blocks ratio"]  # norms and row biases whole
+    assert out["plain embedding"] == "VocabParallelEmbedding1D"
+    assert out["multihead"] < 1e-5, out["multihead"]
+    assert out["beit export"] is not None and out["beit export"] < 1e-5, out["beit export"]  # timm's own layout
+    assert out["clip embeddings"] == ("VocabParallelEmbedding1D", "Embedding"), out["clip embeddings"]
     assert "data parallelism" in out["convnext"] and "ZeRO" in out["convnext"], out["convnext"]
-    assert "attn.qkv is never called" in out["beit"], out["beit"]
-    assert "attn.qkv is never called" in out["eva02_fused"], out["eva02_fused"]
-    assert "attn.k_proj, attn.q_proj, attn.v_proj -> attn.proj" in out["eva02"], out["eva02"]
+    assert "attn.proj_w reads attn.proj_l" in out["cait"] and "talking-heads" in out["cait"], out["cait"]
     assert "attn.k, attn.q, attn.v -> attn.o" in out["mix_heads"], out["mix_heads"]
     assert "cannot make inputs for Sequential" in out["no_inputs"], out["no_inputs"]
     assert [results[1][n][0] for n in EXACT] == [True] * len(EXACT)  # rank 1 agrees
+
+
+def test_cli_plans_any_timm_model_by_name(capsys):
+    from shardformer.cli.main import main
+
+    # EVA-02 small on the meta device: its two-block copy is built for real with random weights to derive the cut
+    assert main(["plan", "timm:eva02_small_patch14_224", "--tp", "2", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "Linear -> Linear1D_Col: 24 (e.g. blocks.0.attn.qkv)" in out and "(0.508)" in out, out
+    assert main(["verify", "timm:eva02_smal", "--tp", "2"]) == 2  # refused before any process starts
+    assert "timm has no model named 'eva02_smal' (similar: eva02_" in capsys.readouterr().err

@@ -21,8 +21,10 @@ from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import tiny_copy_config
 from shardformer.core.tiny_run import tiny_copy
 from shardformer.policies.copies import architecture, two_blocks
+from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import find_cut, record_calls
-from shardformer.policies.derived.trace import is_projection, pair, trace
+from shardformer.policies.derived.trace import input_embeddings, is_projection, mixed_rows, pair, trace
+from shardformer.tensor_parallel.layers.multihead import refusal as multihead_refusal
 
 logger = logging.getLogger("shardformer")
 
@@ -48,6 +50,10 @@ class BlockRule:
     idle: set[str] = field(default_factory=set)  # projections the traced forward never ran: left whole
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)  # leaf -> {param: heads' dim}
     head_inputs: dict[str, dict] = field(default_factory=dict)  # module -> {kwarg or position: HeadCut}
+    settings: dict[str, bool] = field(default_factory=dict)  # flags that make the code call a projection
+    split_norms: set[str] = field(default_factory=set)  # LayerNorms over cut features: statistics over ranks
+    attention: set[str] = field(default_factory=set)  # torch's nn.MultiheadAttention modules, cut by heads
+    local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row writing the width it makes local
 
 
 @dataclass
@@ -55,6 +61,7 @@ class Derivation:
     rules: dict[type, BlockRule]
     refused: list[str]  # groups no candidate cut computes exactly, with why
     heads: int | None = None  # the tiny copy's query heads, when not the recipe's default
+    embeddings: list[str] = field(default_factory=list)  # embeddings that look up the caller's token ids
 
 
 DP_HINT = (
@@ -74,8 +81,6 @@ def tiny_with_inputs(model: nn.Module, tp: int, tower: str = "", heads: int | No
     tiny model (patches and their grid, an attention mask over images: what the wrapper computes), or,
     where that forward does not reach it, the recipe's inputs for the tower alone."""
     if not has_config(model):
-        if any(p.device.type == "meta" for p in model.parameters()):
-            raise ValueError("the model is on the meta device and has no transformers config to build a copy from")
         tiny = two_blocks(model).eval()
         return tiny, make_inputs(tiny, seed=seed)
     whole = tiny_copy(model, tp, heads=heads)
@@ -131,6 +136,10 @@ def derive(model: nn.Module, tp: int, tower: str = "") -> Derivation:
     return _CACHE[key]
 
 
+def _inside(rel: str, owners: list[str]) -> bool:
+    return any(rel.startswith(f"{owner}.") for owner in owners)
+
+
 def _between_cols_and_rows(leaf_reads, rule: BlockRule, block: nn.Module) -> set[str]:
     """Leaves with parameters that read only split activations (a per-head norm between q and the
     attention): their weights stay whole, and each rank's gradient covers its own heads only."""
@@ -162,25 +171,43 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
         raise NotDerivableError(f"a tiny {name} does not run: {type(e).__name__}: {e}") from e
     if not flows.blocks:
         raise NotDerivableError(f"{name} has no stack of repeated blocks with projections to cut{DP_HINT}")
-    rules: dict[type, BlockRule] = {}
+    packed = {  # torch's nn.MultiheadAttention: cut whole by its own layer; its out_proj is read by weight
+        block: [rel for rel, m in tiny.get_submodule(block).named_modules() if isinstance(m, nn.MultiheadAttention)]
+        for block in flows.blocks
+    }
+    for block, owners in packed.items():
+        flows.bypassed[block] = [r for r in flows.bypassed.get(block, []) if not _inside(r, owners)]
+    settings = calling_settings(tiny, inputs, {b: rels for b, rels in flows.bypassed.items() if rels})
+    if settings:  # the projections their code read by weight are called now: traced again
+        flows = trace(tiny, inputs)
+    rules: dict[type, BlockRule] = {cls: BlockRule(settings=found) for cls, found in settings.items()}
     refused: list[str] = []
     for block in flows.blocks:
         rule = rules.setdefault(type(tiny.get_submodule(block)), BlockRule())
-        reads = flows.reads.get(block, {})
-        packed = [rel for rel, m in tiny.get_submodule(block).named_modules() if isinstance(m, nn.MultiheadAttention)]
-        for rel in packed:  # torch's fused encoder path may also run the block as one op, calling no projection
-            refused.append(
-                f"{type(tiny.get_submodule(block)).__name__}: {rel} is torch's nn.MultiheadAttention, which packs "
-                f"q, k and v in one Parameter (in_proj_weight) that no projection module holds: no cut is derived for it"
-            )
-        if packed:
-            continue
+        reads = {rel: flow for rel, flow in flows.reads.get(block, {}).items() if not _inside(rel, packed[block])}
+        for rel in packed[block]:
+            why = multihead_refusal(tiny.get_submodule(block).get_submodule(rel), tp)
+            if why is None:
+                rule.attention.add(rel)
+            else:
+                refused.append(
+                    f"{type(tiny.get_submodule(block)).__name__}: {rel} is torch's nn.MultiheadAttention, and {why}"
+                )
         for rel in flows.bypassed.get(block, []):
             refused.append(
                 f"{type(tiny.get_submodule(block)).__name__}: {rel} is never called: the block's code reads its "
                 f"weight itself (F.linear(x, {rel.rpartition('.')[2]}.weight, ...)), which no cut layer can stand in for"
             )
-        groups, whole = pair(reads)
+        # a timm or plain module: projections of replicated tensors join a group, and a projection on the
+        # heads' outputs left whole is refused (transformers models keep the rules their sweep was run with)
+        groups, whole = pair(reads, replicated_columns=not has_config(tiny))
+        if not has_config(tiny):
+            for rel in mixed_rows(reads, groups):
+                refused.append(
+                    f"{type(tiny.get_submodule(block)).__name__}: {rel} reads {', '.join(sorted(reads[rel].sources))}, "
+                    f"computed from the attention's column projections but not cut with them (it mixes what the "
+                    f"heads compute, as talking-heads attention does): no cut over heads computes it"
+                )
         rule.whole |= set(whole) - set(rule.cols) - rule.rows
         for group in groups:
             if group.row in rule.rows and all(c in rule.cols for c in group.cols):
@@ -200,12 +227,20 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
             rule.head_params.update(cut.head_params)
             for module, cuts in cut.head_inputs.items():
                 rule.head_inputs.setdefault(module, {}).update(cuts)
-        rule.grad_sum |= _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block))
-        # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
-        rule.idle |= {rel for rel, m in tiny.get_submodule(block).named_modules() if rel and is_projection(m)} - set(
-            reads
+            rule.local_widths.update(cut.local_widths)
+            rule.split_norms |= cut.split_norms
+        rule.grad_sum |= (
+            _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block)) - rule.split_norms
         )
+        # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
+        rule.idle |= {
+            rel
+            for rel, m in tiny.get_submodule(block).named_modules()
+            if rel and is_projection(m) and rel not in reads and not _inside(rel, packed[block])
+        }
     for rule in rules.values():
         rule.whole -= set(rule.cols) | rule.rows
         rule.idle -= set(rule.cols) | rule.rows | rule.whole
-    return Derivation(rules, refused, heads)
+    # token ids: transformers' input_ids, or a plain module's first argument (not token types or positions)
+    ids = [inputs["input_ids"]] if has_config(tiny) and "input_ids" in inputs else list(inputs.values())[:1]
+    return Derivation(rules, refused, heads, input_embeddings(tiny, inputs, ids))

@@ -77,12 +77,28 @@ def _head_input_options(args, kwargs, counts: dict[int, str], batch: int, stream
     return found
 
 
-def head_options(parent, args, kwargs, tp, inputs, stream_width) -> list[tuple[dict, dict]]:
-    """Per-head parameter and input cuts to try, the fewest cut tensors first."""
+def bias_options(parent: nn.Module, col_rels: list[str], widths: set[int]) -> dict[str, dict[str, int]]:
+    """1-D float tensors held by the modules owning the columns, as long as a column's block (timm's
+    ``q_bias``, ``k_bias``, ``v_bias`` beside a fused ``qkv``, added to its output): cut with the blocks."""
+    found: dict[str, dict[str, int]] = {}
+    for owner in dict.fromkeys(rel.rpartition(".")[0] for rel in col_rels):
+        module = parent.get_submodule(owner)
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, t in tensors:
+            if t.dim() == 1 and t.is_floating_point() and t.shape[0] in widths:
+                found.setdefault(owner, {})[name] = 0
+    return found
+
+
+def head_options(parent, args, kwargs, tp, inputs, stream_width, biases=None) -> list[tuple[dict, dict]]:
+    """Per-head parameter and input cuts to try (with ``biases``, :func:`bias_options`, cut alike), the
+    fewest cut tensors first."""
     counts = head_counts(parent, tp)
-    if not counts:
+    if not counts and not biases:
         return []
     params = _head_param_options(parent, counts)
+    for rel, dims in (biases or {}).items():
+        params.setdefault(rel, {}).update(dims)
     first = next((t for t in tree_leaves(inputs) if torch.is_tensor(t)), None)
     batch = first.shape[0] if first is not None else 0
     per_input = _head_input_options(args, kwargs, counts, batch, stream_width)

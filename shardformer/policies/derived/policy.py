@@ -18,11 +18,14 @@ from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_
 from shardformer.policies.derived.simulate import cut_options, per_rank_attributes
 from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks, value_at
+from shardformer.policies.derived.widths import local_widths_layer
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
 from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_params_layer
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import is_conv1d
+from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
+from shardformer.tensor_parallel.layers.norm import SplitLayerNorm
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer
 
@@ -87,6 +90,7 @@ class DerivedPolicy(TpPlanPolicy):
         if self.head_path in layers and seq2seq_routable(model):
             layers[self.head_path].gather_output = False  # the loss is taken over, on the vocab slices
         self._tied_embeddings(layers, modules)
+        self._token_embeddings(layers, modules, derivation.embeddings)
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
 
@@ -128,9 +132,28 @@ class DerivedPolicy(TpPlanPolicy):
                     return
                 layers[path] = Col_Layer(path, bias=None, replace_layer=embed_cls)
 
+    def _token_embeddings(self, layers: dict[str, Layer], modules, paths: list[str]) -> None:
+        """Embeddings that look up the caller's token ids and that no LM head shares (CLIP's text token
+        embedding, a plain LM's) are vocab-parallel too: each rank holds 1/tp of the rows, and one
+        all-reduce of the looked-up vectors gives every rank the whole lookup."""
+        tied = {name.rpartition(".")[0] for names in find_ties(self.model) for name in names}
+        for path in paths:
+            module = modules.get(path)
+            if path in layers or path in tied or module is None or module.max_norm is not None or module.sparse:
+                continue
+            embed_cls = embedding_layer(module)
+            if embed_cls is not None:
+                layers[path] = Col_Layer(path, bias=None, replace_layer=embed_cls)
+
     @staticmethod
     def _cut_block(block, modules, rule: BlockRule, tp, config, layers, attrs) -> None:
-        inside = {rel: m for rel, m in modules[block].named_modules() if rel and is_projection(m)}
+        inside = {
+            rel: m
+            for rel, m in modules[block].named_modules()
+            if rel and is_projection(m) and not any(rel.startswith(f"{a}.") for a in rule.attention)
+        }
+        for rel in rule.attention:  # torch's nn.MultiheadAttention, replaced whole by the layer cutting its heads
+            layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=ParallelMultiheadAttention)
         unknown = sorted(set(inside) - set(rule.cols) - rule.rows - rule.whole - rule.idle)
         if unknown:
             raise NotDerivableError(
@@ -152,16 +175,23 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, module in modules[block].named_modules():
             if reads_width_from_input(module) and f"{rel}.qkv".lstrip(".") in rule.cols:
                 layers[f"{block}.{rel}".rstrip(".")] = Layer(f"{block}.{rel}".rstrip("."), replace_layer=ModuleWidth)
+        for rel in rule.split_norms:
+            if f"{block}.{rel}" in modules:
+                layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=SplitLayerNorm)
         for rel in rule.grad_sum:
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=GradAllReduce)
         for rel, dims in rule.head_params.items():
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims))
+        attrs.update({f"{block}.{rel}": value for rel, value in rule.settings.items()})
         for rel, cuts in rule.head_inputs.items():
             path = f"{block}.{rel}" if rel else block
             counts = {key: value_at(modules[block], cut.heads) for key, cut in cuts.items() if cut.heads}
             layers[path] = Layer(path, replace_layer=head_inputs_layer(cuts, counts))
+        for rel, row in rule.local_widths.items():  # after the module's own cut (its biases) above
+            path = f"{block}.{rel}" if rel else block
+            _add_layer(layers, path, local_widths_layer(out_width(modules[f"{block}.{row}"])))
         # a class's blocks differ inside (T5's encoder and decoder blocks): attributes of modules it has
         divide = {d for d in rule.divide if not _owner(d) or f"{block}.{_owner(d)}" in modules}
         attrs.update({f"{block}.{k}": v for k, v in per_rank_attributes(modules[block], divide, tp).items()})
@@ -174,6 +204,20 @@ class DerivedPolicy(TpPlanPolicy):
                 dotted = f"{owner}.{name}" if owner else name
                 if dotted not in divide:
                     attrs.setdefault(f"{block}.{dotted}", value)
+
+
+def _add_layer(layers: dict[str, Layer], path: str, layer_cls: type) -> None:
+    """A layer for the module at ``path``; after one already there (its parameters cut), both in turn."""
+    before = layers.get(path)
+    if before is not None and type(before) is Layer and before.replace_layer is not None:
+        first, then = before.replace_layer, layer_cls
+
+        def from_native(cls, module, process_group=None, **options):
+            module = first.from_native(module, process_group, **options)
+            return then.from_native(module, process_group, **options)
+
+        layer_cls = type(then.__name__, (first, then), {"from_native": classmethod(from_native)})
+    layers[path] = Layer(path, replace_layer=layer_cls)
 
 
 def _all_idle(block: nn.Module, rule: BlockRule | None) -> bool:

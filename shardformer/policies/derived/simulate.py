@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from shardformer.core.compare import ATOL, RTOL, max_error
 from shardformer.core.shard_spec import make_spec, slice_tensor
-from shardformer.policies.derived.heads import HeadCut, head_options, slice_heads
+from shardformer.policies.derived.heads import HeadCut, bias_options, head_options, slice_heads
 from shardformer.policies.derived.rewrites import use_module_width
 from shardformer.policies.derived.trace import (
     Group,
@@ -31,9 +31,11 @@ from shardformer.policies.derived.trace import (
     run_hooked,
     value_at,
 )
+from shardformer.policies.derived.widths import run_in_local_widths
 from shardformer.policies.tp_plan.heads import head_sizes
 from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count
 from shardformer.tensor_parallel.layers.linear import is_conv1d
+from shardformer.tensor_parallel.layers.norm import normalize, splits_features
 from shardformer.tensor_parallel.policy import divide as divide_by
 
 MAX_ATTRIBUTES = 6  # candidates tried in every subset: 64 sets at most
@@ -53,6 +55,8 @@ class Cut:
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)
     head_inputs: dict[str, dict[str | int, HeadCut]] = field(default_factory=dict)
     row_blocks: int = 1  # the row's input features in this many blocks, each cut on its own
+    local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row whose output width it makes local
+    split_norms: set[str] = field(default_factory=set)  # LayerNorms over the cut features (SplitLayerNorm)
 
 
 def common_parent(paths: list[str]) -> str:
@@ -218,12 +222,54 @@ def record_calls(model: nn.Module, paths: list[str], inputs: dict) -> dict[str, 
     return seen
 
 
+def _split_norm_inputs(model, parent_path: str, parent: nn.Module, widths: set[int], inputs) -> dict[str, torch.Tensor]:
+    """``{leaf relative to the parent: its recorded input}`` of the LayerNorms in the parent over one of ``widths``."""
+    found = [
+        rel
+        for rel, m in parent.named_modules()
+        if rel and splits_features(m) and m.normalized_shape[0] in widths and m.normalized_shape[0] > 1
+    ]
+    if not found:
+        return {}
+    paths = {rel: f"{parent_path}.{rel}" if parent_path else rel for rel in found}
+    calls = record_calls(model, list(paths.values()), inputs)
+    return {rel: calls[path][0][0] for rel, path in paths.items() if path in calls and calls[path][0]}
+
+
+def _whole_stats_norm(norm: nn.LayerNorm, whole: torch.Tensor, rank: int, tp: int) -> nn.Module:
+    """``norm`` on this rank's features, with the statistics of the whole recorded input (what the ranks'
+    sums give SplitLayerNorm)."""
+    x = whole.float()
+    sums = iter([x.sum(-1, keepdim=True), (x - x.mean(-1, keepdim=True)).square().sum(-1, keepdim=True)])
+    weight = slice_tensor(norm.weight.detach(), make_spec(norm.weight.shape, 0, rank, tp))
+    bias = None if norm.bias is None else slice_tensor(norm.bias.detach(), make_spec(norm.bias.shape, 0, rank, tp))
+
+    class WholeStats(nn.Module):
+        def forward(self, t):
+            return normalize(t, weight, bias, norm.eps, x.shape[-1], lambda _part: next(sums))
+
+    return WholeStats()
+
+
 def _run_ranks(
-    parent, row_rel, col_rels, blocks, divide, tp, args, kwargs, config, heads=None, row_blocks=1
+    parent,
+    row_rel,
+    col_rels,
+    blocks,
+    divide,
+    tp,
+    args,
+    kwargs,
+    config,
+    heads=None,
+    row_blocks=1,
+    local_width=0,
+    split_norms=None,
 ) -> torch.Tensor:
     """Sum of the row's outputs over ``tp`` simulated ranks (without the row's bias). ``heads``:
     ``(params {leaf: {name: dim}}, inputs {key: HeadCut})`` cut by heads, relative to the parent;
-    ``row_blocks``: the row's input features cut block by block."""
+    ``row_blocks``: the row's input features cut block by block; ``local_width``: the parent runs
+    under :class:`~.widths.LocalWidths` for that width."""
     head_params, head_inputs = heads or ({}, {})
     total = None
     for rank in range(tp):
@@ -232,8 +278,9 @@ def _run_ranks(
         for rel, dims in head_params.items():
             leaf = local.get_submodule(rel)
             for name, dim in dims.items():
-                param = getattr(leaf, name)
-                setattr(leaf, name, nn.Parameter(slice_tensor(param.detach(), make_spec(param.shape, dim, rank, tp))))
+                t = getattr(leaf, name)
+                part = slice_tensor(t.detach(), make_spec(t.shape, dim, rank, tp))
+                setattr(leaf, name, nn.Parameter(part) if isinstance(t, nn.Parameter) else part)
         call_args, call_kwargs = list(copy.deepcopy(args)), copy.deepcopy(kwargs)
         for key, cut in head_inputs.items():
             where = call_args if isinstance(key, int) else call_kwargs
@@ -251,7 +298,11 @@ def _run_ranks(
         captured: list[torch.Tensor] = []
         local_row.register_forward_hook(lambda _m, _a, out, into=captured: into.append(out))
         local.set_submodule(row_rel, local_row)
+        for rel, whole in (split_norms or {}).items():
+            local.set_submodule(rel, _whole_stats_norm(local.get_submodule(rel), whole, rank, tp))
         apply_attributes(local, divide, tp)
+        if local_width:
+            run_in_local_widths(local, local_width, tp)
         with torch.no_grad():
             local(*call_args, **call_kwargs)
         if len(captured) != 1:
@@ -288,11 +339,11 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                 widths.add(out_width(module) // n)
     if in_width(row_module) % tp:
         return None, f"{row}: input width {in_width(row_module)} does not split over tp={tp}"
+    col_rels = [_rel(c, parent_path) for c in cols]
     names = attribute_candidates(parent, widths, tp)
     # every subset of the candidates, the largest first, those keeping the stream's width whole first
     subsets = [c for k in range(len(names), -1, -1) for c in itertools.combinations(names[:MAX_ATTRIBUTES], k)]
     attr_sets = sorted(subsets, key=lambda c: (-len(c), sum(value_at(parent, n) == stream_width for n in c)))
-    col_rels = [_rel(c, parent_path) for c in cols]
     prefix = _rel(parent_path, block) if parent_path != block else ""
 
     def in_block(rel: str) -> str:
@@ -302,16 +353,25 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     # the plain cuts first; per-head parameters and inputs only when none of them is exact; last,
     # blocked cuts (CodeGen regroups its fused qkv into 4 blocks of [q | v | k]: each block cut on its
     # own, and the row's input in as many blocks)
-    stages = [(None, 1, per_col)] + [
-        (h, 1, per_col) for h in head_options(parent, args, kwargs, tp, inputs, stream_width)
-    ]
+    # and last, the module run under LocalWidths (reshapes to the stream's width read off the input)
+    biases = bias_options(parent, col_rels, widths)
+    heads_options = head_options(parent, args, kwargs, tp, inputs, stream_width, biases)
+    stages = [(None, 1, per_col, 0)] + [(h, 1, per_col, 0) for h in heads_options]
     for m in BLOCKED_ROWS:
         if in_width(row_module) % (m * tp) == 0:
             blocked = [[n for n in (m, 3 * m) if _fits(out_width(c), n, tp)] for c in col_modules.values()]
             if all(blocked):
-                stages.append((None, m, blocked))
+                stages.append((None, m, blocked, 0))
+    if stream_width % tp == 0:
+        stages += [(h, 1, per_col, stream_width) for h in [None, *heads_options]]
+    # a LayerNorm over the columns' whole output width between them and the row (EVA-02's MLP): its
+    # statistics summed over ranks (SplitLayerNorm); simulated with the whole input's statistics
+    norms = _split_norm_inputs(model, parent_path, parent, {out_width(m) for m in col_modules.values()}, inputs)
+    stages = [(*stage, {}) for stage in stages]
+    if norms:
+        stages += [(h, 1, per_col, 0, norms) for h in [None, *heads_options]]
     trials = 0
-    for heads, row_blocks, options in stages:
+    for heads, row_blocks, options, local_width, split_norms in stages:
         for choice in sorted(itertools.product(*options), key=_cost):
             blocks = dict(zip(col_rels, choice))
             for divide in attr_sets:
@@ -321,7 +381,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                 try:
                     got = _run_ranks(
                         parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, config, heads,
-                        row_blocks,
+                        row_blocks, local_width, split_norms,
                     )  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - a cut the code cannot run is a rejected candidate
                     errors.append(f"{_describe(blocks, divide)}: {type(e).__name__}: {str(e)[:200]}")
@@ -331,6 +391,9 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                 if got.shape == expected.shape and max_error(got, expected, ATOL, RTOL)[1]:
                     cut = Cut({_rel(c, block): n for c, n in zip(cols, choice)}, tuple(in_block(n) for n in divide))
                     cut.row_blocks = row_blocks
+                    if local_width:  # the width is the row's output, read per block (Swin's stages differ)
+                        cut.local_widths = {prefix: group.row}
+                    cut.split_norms = {in_block(rel) for rel in split_norms}
                     if heads is not None:
                         params, head_inputs = heads
                         cut.head_params = {in_block(rel): dims for rel, dims in params.items()}

@@ -224,11 +224,17 @@ class Group:
     row: str
 
 
-def pair(reads: dict[str, Flow]) -> tuple[list[Group], list[str]]:
-    """The column/row groups of one block's projections, and the projections left whole (with why)."""
+def pair(reads: dict[str, Flow], replicated_columns: bool = False) -> tuple[list[Group], list[str]]:
+    """The column/row groups of one block's projections, and the projections left whole (with why).
+    ``replicated_columns``: a row may also read a projection of a tensor every rank holds whole (timm's
+    Swin-V2 relative position MLP, one value per head): that projection is one more column of the group,
+    cut by its outputs."""
     cols = {rel for rel, f in reads.items() if f.stream}
     rows = {rel: f.sources for rel, f in reads.items() if not f.stream and f.sources}
-    groups = [Group(tuple(sorted(src)), row) for row, src in rows.items() if src <= cols]
+    replicated = {
+        rel for rel, f in reads.items() if replicated_columns and not f.stream and not _from_columns(rel, reads, cols)
+    }
+    groups = [Group(tuple(sorted(src)), row) for row, src in rows.items() if src & cols and src <= cols | replicated]
     used: dict[str, int] = defaultdict(int)
     for g in groups:
         for c in g.cols:
@@ -237,6 +243,62 @@ def pair(reads: dict[str, Flow]) -> tuple[list[Group], list[str]]:
     groups = [g for g in groups if all(used[c] == 1 for c in g.cols)]
     paired = {c for g in groups for c in g.cols} | {g.row for g in groups}
     return groups, [rel for rel in reads if rel not in paired]
+
+
+def _from_columns(rel: str, reads: dict[str, Flow], cols: set[str], seen: frozenset[str] = frozenset()) -> bool:
+    """Whether the input of projection ``rel`` was computed, through any projections, from a column's output."""
+    sources = reads[rel].sources - seen
+    return bool(sources & cols) or any(
+        _from_columns(s, reads, cols, seen | {rel}) for s in sources if s in reads and s not in cols
+    )
+
+
+def mixed_rows(reads: dict[str, Flow], groups: list[Group]) -> list[str]:
+    """Projections computed from columns' outputs that no group holds (CaiT's talking heads: a
+    projection across the heads between q/k and the output projection): no cut over heads computes them."""
+    cols = {rel for rel, f in reads.items() if f.stream}
+    grouped = {g.row for g in groups} | {c for g in groups for c in g.cols}
+    return [rel for rel, f in reads.items() if not f.stream and rel not in grouped and _from_columns(rel, reads, cols)]
+
+
+_SAME_VALUES = {
+    torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten, torch.Tensor.contiguous, torch.Tensor.to,
+    torch.Tensor.__getitem__, torch.Tensor.unsqueeze, torch.Tensor.squeeze, torch.Tensor.clone,
+}  # fmt: skip
+
+
+class _GivenValues(TorchFunctionMode):
+    """Follows the caller's tensors through reshapes and indexing (CLIP's ``input_ids.view(...)``)."""
+
+    def __init__(self, given: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.ids = {id(t) for t in given}
+        self.alive = list(given)  # ids stay unique while the forward runs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _SAME_VALUES and args and id(args[0]) in self.ids and torch.is_tensor(out):
+            self.ids.add(id(out))
+            self.alive.append(out)
+        return out
+
+
+def input_embeddings(model: nn.Module, inputs: dict, token_ids: list[torch.Tensor]) -> list[str]:
+    """Paths of the ``nn.Embedding`` modules that look up ``token_ids`` (tensors of ``inputs``), reshaped
+    or not (a text tower's token embedding, a plain LM's), and not ids the model computes (positions)."""
+    mode = _GivenValues([t for t in token_ids if torch.is_tensor(t)])
+    found: list[str] = []
+    handles = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+
+            def seen(_m, args, path=path):
+                if args and id(args[0]) in mode.ids and path not in found:
+                    found.append(path)
+
+            handles.append(module.register_forward_pre_hook(seen))
+    run_hooked(model, inputs, handles, mode)
+    return found
 
 
 class _MadeInBlocks(TorchFunctionMode):

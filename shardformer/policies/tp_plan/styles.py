@@ -15,7 +15,7 @@ from shardformer.core.comm import all_reduce, copy_to_parallel, group_rank, grou
 from shardformer.tensor_parallel.layers import Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.tensor_parallel.layers.attention_dropout import AttentionDropoutRng  # noqa: F401 - a style's layer
 from shardformer.tensor_parallel.policy import Col_Layer, Layer, Row_Layer
-from shardformer.tensor_parallel.slicer import Slicer, make_shard_param
+from shardformer.tensor_parallel.slicer import Slicer, make_shard_param, slice_tensor
 
 
 class SplitInputRow(Linear1D_Row):
@@ -171,9 +171,16 @@ class HeadParams:
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
         slicer = Slicer(group_rank(process_group), group_size(process_group))
+        buffers = dict(module.named_buffers(recurse=False))
         for name, dim in itertools.zip_longest(cls.names, cls.dims, fillvalue=0):
             param = getattr(module, name)
-            setattr(module, name, make_shard_param(param, slicer.spec(param.shape, dim)))
+            spec = slicer.spec(param.shape, dim)
+            if name in buffers:  # a buffer beside the parameters (timm's zero k_bias) stays a buffer
+                buffer = slice_tensor(param, spec)
+                buffer.shard_spec = spec  # a persistent one is gathered whole on export
+                setattr(module, name, buffer)
+            else:
+                setattr(module, name, make_shard_param(param, spec))
         return module
 
     @classmethod

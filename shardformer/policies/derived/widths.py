@@ -1,0 +1,89 @@
+"""Reshapes to the stream's width, read off the input, made to this rank's share of it.
+
+Much attention code (timm's BEiT, EVA, CaiT and others) merges its heads back with
+``x.transpose(1, 2).reshape(B, N, C)``, ``C`` read off the input (``B, N, C = x.shape``). Under
+tensor parallelism the input stays whole while a rank holds ``1/tp`` of the heads, so that reshape
+asks for ``tp`` times the elements there are. While such a module runs, :class:`LocalWidths` turns a
+``reshape`` / ``view`` whose sizes hold ``C`` and ask for exactly ``tp`` times the tensor's elements
+into the same reshape with ``C / tp`` in that place: the merge of this rank's heads. Nothing else
+changes (a reshape that fits runs as written). It is chosen by the simulation only where no cut of
+the module as written is exact, and the proof compares the module so run, cut, with it whole.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from shardformer.core.comm import group_size
+
+_RESHAPES = {torch.Tensor.reshape, torch.Tensor.view, torch.reshape}
+
+
+def _sizes(args: tuple) -> tuple[list[int] | None, bool]:
+    """The sizes a reshape call asks for (after the tensor), and whether they came as one sequence."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args, packed = tuple(args[0]), True
+    else:
+        packed = False
+    if not args or not all(type(s) is int for s in args):  # a dtype view, symbolic sizes: not a reshape to rewrite
+        return None, packed
+    return list(args), packed
+
+
+def local_sizes(t: torch.Tensor, sizes: list[int], width: int, tp: int) -> list[int] | None:
+    """``sizes`` with the last ``width`` in it made ``width / tp``, when that, and not ``sizes``, fits ``t``."""
+    if -1 in sizes or width not in sizes or math.prod(sizes) == t.numel() or math.prod(sizes) != tp * t.numel():
+        return None
+    at = len(sizes) - 1 - sizes[::-1].index(width)
+    return [*sizes[:at], width // tp, *sizes[at + 1 :]]
+
+
+class LocalWidths(TorchFunctionMode):
+    """Rewrites reshapes to ``width`` into reshapes to ``width / tp`` where only that fits (see above)."""
+
+    def __init__(self, width: int, tp: int) -> None:
+        super().__init__()
+        self.width, self.tp = width, tp
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _RESHAPES and len(args) >= 2 and torch.is_tensor(args[0]):
+            sizes, packed = _sizes(args[1:])
+            local = None if sizes is None else local_sizes(args[0], sizes, self.width, self.tp)
+            if local is not None:
+                args = (args[0], local) if packed else (args[0], *local)
+        return func(*args, **kwargs)
+
+
+def _forward_in_local_widths(self, *args, **kwargs):
+    width, tp = self.shardformer_local_width
+    with LocalWidths(width, tp):
+        return type(self).forward(self, *args, **kwargs)
+
+
+def run_in_local_widths(module: nn.Module, width: int, tp: int) -> None:
+    """``module``'s forward, from now on, under :class:`LocalWidths` (a bound method: copies keep it)."""
+    module.shardformer_local_width = (width, tp)
+    module.forward = types.MethodType(_forward_in_local_widths, module)
+
+
+class LocalWidthsLayer:
+    """A policy layer: the module keeps its weights; its forward runs under :class:`LocalWidths` for
+    ``width`` (set on the subclass :func:`local_widths_layer` makes) over the group's size."""
+
+    width = 0
+
+    @classmethod
+    def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
+        if group_size(process_group) > 1:
+            run_in_local_widths(module, cls.width, group_size(process_group))
+        return module
+
+
+def local_widths_layer(width: int) -> type[LocalWidthsLayer]:
+    return type("LocalWidthsLayer", (LocalWidthsLayer,), {"width": width})
