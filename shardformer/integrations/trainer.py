@@ -17,7 +17,8 @@ changes exactly those places and leaves the rest of Trainer as it is:
   and every RNG (the tp dropout generators too) exactly; ``load_best_model_at_end`` restores the best
   checkpoint the same way.
 
-Pipeline stages cannot run under Trainer's loop: such a model is refused before the first step.
+Pipeline stages cannot run under Trainer's loop, and expert parallelism's gradient reduction (experts
+over the ranks holding them) is ParallelEngine's: such models are refused before the first step.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ class ShardedTrainer(Trainer):
                 f"{type(root).__name__} is split into {info.num_stages} pipeline stages; Trainer's loop runs one "
                 f"forward per micro-batch on every rank and cannot drive a pipeline schedule; train it with "
                 f"ParallelEngine, or shard it with pipeline_parallel_size=1 for ShardedTrainer"
+            )
+        if info.experts is not None:
+            raise ValueError(
+                f"{type(root).__name__} splits its experts over expert_parallel_size={info.experts.ep_size}; "
+                f"ShardedTrainer averages every gradient over all dp ranks, while expert gradients must be summed "
+                f"over the ranks holding the same experts only (and its gradient norm would miss the other ep "
+                f"ranks' experts); train it with ParallelEngine(model, optimizer, EngineConfig(ep=...)), or shard it "
+                f"with expert_parallel_size=1 for ShardedTrainer"
             )
         self._layout = layout_of(root)  # refuses a tp group without a mesh when dp is unknown
         refuse_context_parallel(self._layout, "ShardedTrainer")  # its data split knows dp and tp only
