@@ -1,9 +1,11 @@
-"""Expert parallelism and checkpoints on 4 ranks (one spawn): training checkpoints resharded across ep
+"""Expert parallelism and checkpoints on 4 ranks (two spawns): training checkpoints resharded across ep
 (ep=2, its experts' ZeRO shards over 2 ranks -> ep=1 and ep=2; ep=4 -> tp=2 x ep=2 -> ep=1), each loaded
 run's next steps equal to the run that never stopped (losses and every weight, AdamW); shard-on-load
 reading only this rank's experts (ep=2, tp=2 x ep=2, GPT-OSS at ep=4), equal to from_pretrained +
-shard_model; and the refusals (a ZeroOptimizer over the whole dp holding experts, a folder of per-expert
-weights for shard-on-load, ShardedTrainer at ep > 1).
+shard_model; the refusals (a ZeroOptimizer over the whole dp holding experts, a folder of per-expert
+weights for shard-on-load). And ShardedTrainer at ep=2 x dp=4 against transformers' Trainer on the
+unsharded model in one process: logged losses and gradient norms (clipping active), the weights after 4
+steps, and a run resumed from its step-2 checkpoint.
 """
 
 import os
@@ -13,12 +15,14 @@ import torch
 import transformers
 
 from shardformer import EngineConfig, ParallelEngine, ShardConfig, shard_model
-from shardformer.checkpoint import CheckpointError, load_checkpoint, load_sharded, save_checkpoint
+from shardformer.checkpoint import CheckpointError, gather_full_state, load_checkpoint, load_sharded, save_checkpoint
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.integrations import ShardedTrainer
+from shardformer.tools.testing import run_on_ranks
 from tests.checkpoint.common import remove_dir, shared_dir
 from tests.expert_parallel.common import _config, batch, build, gathered_weights
 from tests.helpers import assert_close, check_table
+from tests.integrations.common import dataset, logged, training_args
 
 
 def _adamw(params):
@@ -77,8 +81,6 @@ def check_refusals_and_shard_on_load():
     with pytest.raises(CheckpointError, match="whose ZeRO group must be the 2 ranks holding the same experts"):
         save_checkpoint(os.path.join(path, "ckpt"), model, opt)
     assert not os.path.exists(os.path.join(path, "ckpt"))
-    with pytest.raises(ValueError, match=r"expert_parallel_size=2; ShardedTrainer .* train it with ParallelEngine"):
-        ShardedTrainer(model)
     # shard-on-load at ep=2 and tp=2 x ep=2 from shardformer's export (the model's own stacked experts)
     # equals from_pretrained + shard_model
     folder, legacy = os.path.join(path, "hf"), os.path.join(path, "legacy")
@@ -131,3 +133,50 @@ def check_reshard_ep4_to_tp2_ep2_to_ep1():
 test_ep_checkpoints = check_table(
     [check_reshard_ep2_to_ep1_and_ep2, check_reshard_ep4_to_tp2_ep2_to_ep1, check_refusals_and_shard_on_load], 4
 )
+
+
+def _mixtral():
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(_config("mixtral"))
+
+
+def _trainer_run(trainer_class, model, out, dp, resume=None):
+    trainer = trainer_class(model=model, args=training_args(out, 4, dp), train_dataset=dataset())
+    trainer.train(resume_from_checkpoint=resume)
+    return {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
+
+
+def _sharded_trainer():
+    import shutil
+
+    import torch.distributed as dist
+
+    from tests.integrations.common import shared_dir as trainer_dir
+
+    out, out2 = trainer_dir(), trainer_dir()
+    model = shard_model(_mixtral(), ShardConfig(expert_parallel_size=2))  # dp=4: experts summed over 2 ranks
+    result = _trainer_run(ShardedTrainer, model, out, 4)
+    state = gather_full_state(model)
+    again = shard_model(_mixtral(), ShardConfig(expert_parallel_size=2))
+    result["resumed"] = _trainer_run(ShardedTrainer, again, out2, 4, os.path.join(out, "checkpoint-2"))["loss"]
+    resumed_state = gather_full_state(again)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return None
+    shutil.rmtree(out, ignore_errors=True), shutil.rmtree(out2, ignore_errors=True)
+    result["state"] = {k: v.numpy().copy() for k, v in state.items()}
+    result["resumed_state"] = {k: v.numpy().copy() for k, v in resumed_state.items()}
+    return result
+
+
+def test_sharded_trainer_at_ep2_dp4_matches_one_process(tmp_path):
+    got = run_on_ranks(_sharded_trainer, 4, timeout=240)[0]
+    model = _mixtral()
+    ref = _trainer_run(transformers.Trainer, model, str(tmp_path), 1)
+    assert ref["grad_norm"][0] > 0.3, "clipping must be active for the test to mean something"
+    for key in ("loss", "grad_norm"):
+        assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), what=f"logged {key}")
+    assert_close(torch.tensor(got["resumed"]), torch.tensor(ref["loss"]), what="resumed losses")
+    for name, value in model.state_dict().items():
+        for key in ("state", "resumed_state"):
+            assert_close(torch.from_numpy(got[key][name]), value, what=f"{name} ({key})")
