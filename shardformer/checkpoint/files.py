@@ -23,7 +23,7 @@ import json
 import os
 import re
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from safetensors import safe_open
@@ -150,6 +150,27 @@ def put_together(
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
+def expert_split(spec: ExpertSpec | None) -> ExpertSpec | None:
+    """How a tensor's experts are split, whichever rank holds which (the ExpertSpec of ep rank 0)."""
+    return None if spec is None else replace(spec, rank=0)
+
+
+def own_piece(
+    saved: dict[tuple[int, int], ShardSpec | None], saved_experts: ExpertSpec | None, spec: ShardSpec | None,
+    experts: ExpertSpec | None,
+) -> tuple[int, int] | None:  # fmt: skip
+    """The (ep rank, tp rank) of the saved piece that is this rank's piece as it is (the layout it was saved
+    at), else None; ``saved`` maps each saved piece to its ShardSpec."""
+    if expert_split(saved_experts) != expert_split(experts):
+        return None
+    ep_rank = 0 if experts is None else experts.rank
+    if spec is not None:
+        key = (ep_rank, spec.rank)
+        return key if key in saved and saved[key] == spec else None
+    whole = sorted(t for (e, t), s in saved.items() if e == ep_rank and s is None)
+    return (ep_rank, whole[0]) if whole else None
+
+
 def cut(full: torch.Tensor, spec: ShardSpec | None, experts: ExpertSpec | None) -> torch.Tensor:
     """This rank's piece of a full tensor: its experts' rows of dim 0, then its tp shard."""
     if experts is not None:
@@ -180,7 +201,7 @@ class ModelIndex:
                     experts = experts_from_json(entry.get("experts"))
                     key = (0 if experts is None else experts.rank, tp_rank)
                     self.pieces.setdefault(name, {}).setdefault(key, (file, spec_from_json(entry["spec"])))
-                    self.experts[name] = experts
+                    self.experts[name] = expert_split(experts)
                     self.shapes[name] = list(entry["shape"])
                     for alias in entry["aliases"]:
                         self.alias.setdefault(alias, name)
@@ -215,10 +236,9 @@ class ModelIndex:
         """This rank's piece of ``name`` for ``spec`` and ``experts`` (the saved piece itself when the
         layout is the same)."""
         pieces = self.pieces[name]
-        if spec is not None and self.experts[name] == experts:
-            key = (0 if experts is None else experts.rank, spec.rank)
-            if key in pieces and pieces[key][1] == spec:
-                return self.handle(pieces[key][0]).get(name)
+        key = own_piece({k: s for k, (_, s) in pieces.items()}, self.experts[name], spec, experts)
+        if key is not None:
+            return self.handle(pieces[key][0]).get(name)
         readers = {key: self._reader(name, file) for key, (file, _) in pieces.items()}
         full = put_together(readers, self.saved_spec(name), self.experts[name], f"{self.path}: {name!r}")
         return cut(full, spec, experts)

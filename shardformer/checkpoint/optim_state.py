@@ -30,6 +30,7 @@ from shardformer.checkpoint.files import (
     expert_spec,
     experts_from_json,
     experts_to_json,
+    own_piece,
     put_together,
     rank_files,
     spec_from_json,
@@ -210,13 +211,14 @@ class _Saved:
 
 
 def _put_together(saved: _Saved, located, key: str, param: torch.Tensor) -> torch.Tensor:
-    """State ``key`` of a parameter, from the saved pieces, cut for this rank's ``param``."""
-    pieces, spec, experts = {}, None, None
+    """State ``key`` of a parameter, from the saved pieces, cut for this rank's ``param`` (only this rank's
+    piece read where the layout is the one saved)."""
+    pieces, specs, experts = {}, {}, None
     for place, replicas in located.items():
         rank0, index0 = replicas[0]
         opt = saved.ranks[rank0]["optimizer"]
         entry = opt["params"][index0]
-        spec, experts = spec_from_json(entry["spec"]), experts_from_json(entry.get("experts"))
+        specs[place], experts = spec_from_json(entry["spec"]), experts_from_json(entry.get("experts"))
         shape = entry["shape"]
         numel = int(torch.Size(shape).numel())
         # dp pieces of the flattened param in dp order: ZeroOptimizer's padded flat pieces, or ZeRO-3's
@@ -229,7 +231,10 @@ def _put_together(saved: _Saved, located, key: str, param: torch.Tensor) -> torc
             pieces[place] = lambda rank0=rank0, index0=index0, shape=shape: saved.tensor(
                 rank0, f"opt.{index0}.{key}"
             ).view(shape)
-    full = put_together(pieces, spec, experts, f"{saved.path}: optimizer state {key!r}")
+    own = own_piece(specs, experts, shard_spec(param), expert_spec(param))
+    if own is not None:
+        return pieces[own]()
+    full = put_together(pieces, next(iter(specs.values())), experts, f"{saved.path}: optimizer state {key!r}")
     return cut(full, shard_spec(param), expert_spec(param))
 
 
