@@ -1,5 +1,6 @@
 """Expert parallelism and checkpoints on 4 ranks (two spawns): training checkpoints resharded across ep
-(ep=2, its experts' ZeRO shards over 2 ranks -> ep=1 and ep=2; ep=4 -> tp=2 x ep=2 -> ep=1), each loaded
+(ep=2, its experts' ZeRO shards over 2 ranks -> ep=1 and ep=2; ep=4 -> tp=2 x ep=2 -> ep=1; DeepSeek-V3
+at pp=2 x ep=2, a stage without experts -> ep=1), each loaded
 run's next steps equal to the run that never stopped (losses and every weight, AdamW); shard-on-load
 reading only this rank's experts (ep=2, tp=2 x ep=2, GPT-OSS at ep=4), equal to from_pretrained +
 shard_model; the refusals (a ZeroOptimizer over the whole dp holding experts, a folder of per-expert
@@ -29,9 +30,9 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _engine(num_microbatches=1, **sizes):
+def _engine(num_microbatches=1, family="mixtral", **sizes):
     torch.manual_seed(0)  # the same start on every rank (the loaded runs are overwritten by the checkpoint)
-    model = transformers.MixtralForCausalLM(_config("mixtral", output_router_logits=True))
+    model = transformers.AutoModelForCausalLM.from_config(_config(family, output_router_logits=True))
     return ParallelEngine(model, _adamw, EngineConfig(num_microbatches=num_microbatches, **sizes))
 
 
@@ -130,9 +131,23 @@ def check_reshard_ep4_to_tp2_ep2_to_ep1():
     remove_dir(path)
 
 
+def check_reshard_pp2_ep2_to_ep1():  # DeepSeek-V3: its first stage holds a dense layer only, no experts
+    path = shared_dir("sf-ep-ckpt-")
+    engine = _engine(num_microbatches=2, family="deepseek_v3", pp=2, ep=2)
+    engine.train_step(DATA[0])
+    save_checkpoint(os.path.join(path, "ckpt"), engine.model, engine.optimizer, step=1)
+    reference = [engine.train_step(DATA[s]) for s in (1, 2)]  # the second loss follows the optimizer's state
+    _resumed_equals(os.path.join(path, "ckpt"), _engine(family="deepseek_v3"), reference, (1, 2), "pp=2 x ep=2 -> ep=1")
+    remove_dir(path)
+
+
 test_ep_checkpoints = check_table(
-    [check_reshard_ep2_to_ep1_and_ep2, check_reshard_ep4_to_tp2_ep2_to_ep1, check_refusals_and_shard_on_load], 4
-)
+    [
+        check_reshard_ep2_to_ep1_and_ep2, check_reshard_ep4_to_tp2_ep2_to_ep1, check_reshard_pp2_ep2_to_ep1,
+        check_refusals_and_shard_on_load,
+    ],
+    4,
+)  # fmt: skip
 
 
 def _mixtral():
