@@ -1,6 +1,6 @@
 """Expert parallelism and checkpoints on 4 ranks (two spawns): training checkpoints resharded across ep
-(ep=2, its experts' ZeRO shards over 2 ranks -> ep=1 and ep=2; ep=4 -> tp=2 x ep=2 -> ep=1; DeepSeek-V3
-at pp=2 x ep=2, a stage without experts -> ep=1), each loaded
+(ep=2, its experts' ZeRO shards over 2 ranks -> ep=1, ep=2 and ZeRO-3 at ep=2 -> ep=1; ep=4 -> tp=2 x
+ep=2 -> ep=1; DeepSeek-V3 at pp=2 x ep=2, a stage without experts -> ep=1), each loaded
 run's next steps equal to the run that never stopped (losses and every weight, AdamW); shard-on-load
 reading only this rank's experts (ep=2, tp=2 x ep=2, GPT-OSS at ep=4), equal to from_pretrained +
 shard_model; the refusals (a ZeroOptimizer over the whole dp holding experts, a folder of per-expert
@@ -70,6 +70,13 @@ def check_reshard_ep2_to_ep1_and_ep2():
         assert info["layout"] == {"tp": 1, "pp": 1, "dp": 4, "world": 4, "ep": 2}, info
         assert info["rng_restored"] == bool(sizes), info
         _same_weights(other, expected, f"ep=2 -> {sizes or 'ep=1'}")
+    # ZeRO-3 (each experts module an FSDP2 unit over the ranks holding its experts): loads, and saves a
+    # checkpoint that ZeRO-1 at ep=1 resumes
+    following = engine.train_step(DATA[2])
+    zero3 = _engine(ep=2, zero_stage=3)
+    _resumed_equals(ckpt, zero3, reference, (1,), "ep=2 -> ZeRO-3 ep=2")
+    save_checkpoint(os.path.join(path, "zero3"), zero3.model, zero3.optimizer, step=2)
+    _resumed_equals(os.path.join(path, "zero3"), _engine(), [following], (2,), "ZeRO-3 ep=2 -> ep=1")
     remove_dir(path)
 
 
