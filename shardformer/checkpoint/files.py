@@ -6,11 +6,15 @@ A checkpoint folder holds
   size and sha256, format, step, ``extra``, the layout it was saved at, the model's class and config,
   the LR scheduler state, and the sha256 of the manifest itself;
 - ``model-pp{p}-tp{t}.safetensors``: stage ``p``'s tensors as tp rank ``t`` holds them (written by
-  dp rank 0), with each tensor's ShardSpec, full shape and tied aliases in the file's metadata;
+  dp rank 0), with each tensor's ShardSpec, ExpertSpec, full shape and tied aliases in the file's
+  metadata;
+- ``model-pp{p}-tp{t}-ep{e}.safetensors`` (expert parallelism): the experts ep rank ``e > 0`` holds
+  (written by dp rank ``e``, the first rank holding them), experts only;
 - ``rank{r}.safetensors`` + ``rank{r}.json``: global rank ``r``'s optimizer shard and RNG states.
 
-:class:`ModelIndex` finds every saved piece of a tensor by name and rebuilds it for a new layout:
-merge the saved tp shards (``merge_shards``), then cut this rank's shard (``slice_tensor``).
+:class:`ModelIndex` finds every saved piece of a tensor by name and rebuilds it for a new layout
+(:func:`put_together`: the saved tp shards merged within each ep rank's experts, the ep ranks'
+experts stacked), then cuts this rank's piece (:func:`cut`: its experts' rows, then its tp shard).
 """
 
 from __future__ import annotations
@@ -18,19 +22,34 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, replace
 
 import torch
 from safetensors import safe_open
 
 from shardformer.checkpoint.errors import CheckpointError
+from shardformer.expert_parallel.experts import ExpertSpec
 from shardformer.tensor_parallel.slicer import ShardSpec, merge_shards, shard_spec, slice_tensor
 
-_MODEL_FILE = re.compile(r"model-pp(\d+)-tp(\d+)\.safetensors$")
+_MODEL_FILE = re.compile(r"model-pp(\d+)-tp(\d+)(?:-ep(\d+))?\.safetensors$")
 
 
-def model_file(pp_rank: int, tp_rank: int) -> str:
-    return f"model-pp{pp_rank}-tp{tp_rank}.safetensors"
+def model_file(pp_rank: int, tp_rank: int, ep_rank: int = 0) -> str:
+    return f"model-pp{pp_rank}-tp{tp_rank}{f'-ep{ep_rank}' if ep_rank else ''}.safetensors"
+
+
+def expert_spec(tensor) -> ExpertSpec | None:
+    """How expert parallelism split ``tensor`` (rows of dim 0), or None."""
+    return getattr(tensor, "expert_spec", None)
+
+
+def experts_to_json(spec: ExpertSpec | None):
+    return None if spec is None else asdict(spec)
+
+
+def experts_from_json(data) -> ExpertSpec | None:
+    return None if data is None else ExpertSpec(**data)
 
 
 def rank_files(rank: int) -> tuple[str, str]:
@@ -81,15 +100,20 @@ class SafeFile:
 
 
 def full_shape(tensor: torch.Tensor) -> list[int]:
+    """The unsharded shape: the tp-cut dimension at full size, every expert counted."""
     shape = list(tensor.shape)
     spec = shard_spec(tensor)
     if spec is not None:
         shape[spec.dim] = spec.full_size
+    experts = expert_spec(tensor)
+    if experts is not None:
+        shape[0] = experts.num_experts
     return shape
 
 
-def model_tensors(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Unique tensors under their first name, and the metadata describing each (spec, shape, aliases)."""
+def model_tensors(named: dict[str, torch.Tensor], experts_only: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """Unique tensors under their first name, and the metadata describing each (specs, shape, aliases);
+    ``experts_only``: just the expert-parallel ones (an ep rank > 0 writes only what differs from ep rank 0)."""
     first: dict[int, str] = {}
     tensors, info = {}, {}
     for name, tensor in named.items():
@@ -97,17 +121,71 @@ def model_tensors(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
             info[first[id(tensor)]]["aliases"].append(name)
             continue
         first[id(tensor)] = name
+        if experts_only and expert_spec(tensor) is None:
+            continue
         tensors[name] = tensor.detach().contiguous().cpu()
-        info[name] = {"spec": spec_to_json(shard_spec(tensor)), "shape": full_shape(tensor), "aliases": []}
+        info[name] = {
+            "spec": spec_to_json(shard_spec(tensor)), "experts": experts_to_json(expert_spec(tensor)),
+            "shape": full_shape(tensor), "aliases": [],
+        }  # fmt: skip
     return tensors, info
 
 
+def put_together(
+    pieces: dict[tuple[int, int], Callable[[], torch.Tensor]], spec: ShardSpec | None, experts: ExpertSpec | None,
+    what: str,
+) -> torch.Tensor:  # fmt: skip
+    """The full tensor from its saved pieces, keyed (ep rank, tp rank) and read when needed: the tp shards
+    merged within each ep rank's experts, the ep ranks' experts stacked on dim 0 in expert order."""
+    parts = []
+    for ep_rank in range(experts.ep_size if experts is not None else 1):
+        mine = {t: read for (e, t), read in pieces.items() if e == ep_rank}
+        needed = range(spec.world_size) if spec is not None else sorted(mine)[:1] or [0]
+        missing = [t for t in needed if t not in mine]
+        if missing:
+            where = f" of ep rank {ep_rank}" if experts is not None else ""
+            raise CheckpointError(f"{what}: the pieces from tp ranks {missing}{where} are missing")
+        read = [mine[t]() for t in needed]
+        parts.append(read[0] if spec is None else merge_shards(read, spec))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def expert_split(spec: ExpertSpec | None) -> ExpertSpec | None:
+    """How a tensor's experts are split, whichever rank holds which (the ExpertSpec of ep rank 0)."""
+    return None if spec is None else replace(spec, rank=0)
+
+
+def own_piece(
+    saved: dict[tuple[int, int], ShardSpec | None], saved_experts: ExpertSpec | None, spec: ShardSpec | None,
+    experts: ExpertSpec | None,
+) -> tuple[int, int] | None:  # fmt: skip
+    """The (ep rank, tp rank) of the saved piece that is this rank's piece as it is (the layout it was saved
+    at), else None; ``saved`` maps each saved piece to its ShardSpec."""
+    if expert_split(saved_experts) != expert_split(experts):
+        return None
+    ep_rank = 0 if experts is None else experts.rank
+    if spec is not None:
+        key = (ep_rank, spec.rank)
+        return key if key in saved and saved[key] == spec else None
+    whole = sorted(t for (e, t), s in saved.items() if e == ep_rank and s is None)
+    return (ep_rank, whole[0]) if whole else None
+
+
+def cut(full: torch.Tensor, spec: ShardSpec | None, experts: ExpertSpec | None) -> torch.Tensor:
+    """This rank's piece of a full tensor: its experts' rows of dim 0, then its tp shard."""
+    if experts is not None:
+        full = full[experts.first : experts.first + experts.local]
+    return full if spec is None else slice_tensor(full, spec)
+
+
 class ModelIndex:
-    """Every model tensor of a checkpoint: name -> {tp rank: (file, spec)}, with full shapes."""
+    """Every model tensor of a checkpoint: name -> {(ep rank, tp rank): (file, spec)}, with full shapes
+    and the ExpertSpec each expert tensor was saved under."""
 
     def __init__(self, path: str, files) -> None:
         self.path = path
-        self.pieces: dict[str, dict[int, tuple[str, ShardSpec | None]]] = {}
+        self.pieces: dict[str, dict[tuple[int, int], tuple[str, ShardSpec | None]]] = {}
+        self.experts: dict[str, ExpertSpec | None] = {}
         self.shapes: dict[str, list[int]] = {}
         self.alias: dict[str, str] = {}
         self._handles: dict[str, SafeFile] = {}
@@ -120,7 +198,10 @@ class ModelIndex:
             info = handle.metadata("shardformer")
             try:
                 for name, entry in info.items():
-                    self.pieces.setdefault(name, {}).setdefault(tp_rank, (file, spec_from_json(entry["spec"])))
+                    experts = experts_from_json(entry.get("experts"))
+                    key = (0 if experts is None else experts.rank, tp_rank)
+                    self.pieces.setdefault(name, {}).setdefault(key, (file, spec_from_json(entry["spec"])))
+                    self.experts[name] = expert_split(experts)
                     self.shapes[name] = list(entry["shape"])
                     for alias in entry["aliases"]:
                         self.alias.setdefault(alias, name)
@@ -148,31 +229,16 @@ class ModelIndex:
     def saved_spec(self, name: str) -> ShardSpec | None:
         return next(iter(self.pieces[name].values()))[1]
 
-    def full(self, name: str) -> torch.Tensor:
-        """The full tensor (saved tp shards merged, padding cut)."""
+    def _reader(self, name: str, file: str) -> Callable[[], torch.Tensor]:
+        return lambda: self.handle(file).get(name)
+
+    def shard(self, name: str, spec: ShardSpec | None, experts: ExpertSpec | None = None) -> torch.Tensor:
+        """This rank's piece of ``name`` for ``spec`` and ``experts`` (the saved piece itself when the
+        layout is the same)."""
         pieces = self.pieces[name]
-        spec = self.saved_spec(name)
-        if spec is None:
-            file = pieces[min(pieces)][0]
-            return self.handle(file).get(name)
-        missing = [t for t in range(spec.world_size) if t not in pieces]
-        if missing:
-            raise CheckpointError(f"{self.path}: the shards of {name!r} from tp ranks {missing} are missing")
-        return merge_shards([self.handle(pieces[t][0]).get(name) for t in range(spec.world_size)], spec)
-
-    def shard(self, name: str, spec: ShardSpec | None) -> torch.Tensor:
-        """This rank's piece of ``name`` for ``spec`` (the saved shard itself when the layout is the same)."""
-        if spec is not None and spec.rank in self.pieces[name]:
-            file, saved = self.pieces[name][spec.rank]
-            if saved == spec:
-                return self.handle(file).get(name)
-        full = self.full(name)
-        return full if spec is None else slice_tensor(full, spec)
-
-
-def reshard_local(pieces: dict[int, torch.Tensor], saved: ShardSpec | None, spec: ShardSpec | None) -> torch.Tensor:
-    """Tensors shaped like saved tp shards (by saved tp rank) -> this rank's piece under ``spec``."""
-    if spec is not None and saved == spec:
-        return pieces[spec.rank]
-    full = pieces[min(pieces)] if saved is None else merge_shards([pieces[t] for t in range(saved.world_size)], saved)
-    return full if spec is None else slice_tensor(full, spec)
+        key = own_piece({k: s for k, (_, s) in pieces.items()}, self.experts[name], spec, experts)
+        if key is not None:
+            return self.handle(pieces[key][0]).get(name)
+        readers = {key: self._reader(name, file) for key, (file, _) in pieces.items()}
+        full = put_together(readers, self.saved_spec(name), self.experts[name], f"{self.path}: {name!r}")
+        return cut(full, spec, experts)

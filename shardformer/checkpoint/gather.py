@@ -1,4 +1,4 @@
-"""Where a rank sits in the (pp, dp, tp) layout, and the full (unsharded) state of a sharded model.
+"""Where a rank sits in the (pp, dp, tp, ep) layout, and the full (unsharded) state of a sharded model.
 
 Everything here reads the layout the sharder left on the model: ``param.shard_spec`` for tensor
 parallelism, and the ``model.shardformer`` record (mesh, tp group, pipeline stage) for the rest;
@@ -37,10 +37,18 @@ class Layout:
     dp_group: object = None
     pp_group: object = None
     cp: int = 1  # context-parallel replicas of this (tp, pp, dp) place
+    ep: int = 1  # expert parallelism: dp ranks ``expert_dp * ep + ep_rank`` split the experts ``ep`` ways
+    ep_rank: int = 0
 
     @property
     def sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+    def record(self) -> dict[str, int]:
+        """The layout as a checkpoint's manifest records it (``ep`` only where experts are split)."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world": self.world} | (
+            {"ep": self.ep} if self.ep > 1 else {}
+        )
 
 
 def _world() -> tuple[int, int]:
@@ -59,7 +67,7 @@ def layout_of(model: nn.Module) -> Layout:
     if mesh is not None:
         return Layout(
             mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.tp_rank, mesh.pp_rank, mesh.dp_rank, rank, world,
-            mesh.tp_group, mesh.dp_group, mesh.pp_group, mesh.cp_size,
+            mesh.tp_group, mesh.dp_group, mesh.pp_group, mesh.cp_size, mesh.ep_size, mesh.ep_rank,
         )  # fmt: skip
     # No mesh: one process, or a tp group given directly. Only a group spanning the whole world
     # says where every rank sits; otherwise the data-parallel place is unknown, and guessing it

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.checkpoint.errors import CheckpointError
+from shardformer.checkpoint.files import expert_spec
 from shardformer.checkpoint.shard_load import SafetensorsReader, read_shard, weight_map
 from shardformer.tensor_parallel.slicer import shard_spec
 
@@ -31,7 +32,7 @@ def load_pretrained_into(model: nn.Module, path: str) -> None:
             saved = next(n for n in names if n in files)
             if files[saved] not in readers:
                 readers[files[saved]] = SafetensorsReader(os.path.join(path, files[saved]))
-            value = read_shard(readers[files[saved]], saved, shard_spec(tensor))
+            value = read_shard(readers[files[saved]], saved, shard_spec(tensor), expert_spec(tensor))
             if value.shape != tensor.shape:
                 raise CheckpointError(
                     f"{saved}: {path} holds {tuple(value.shape)} for this rank, the model {tuple(tensor.shape)}"

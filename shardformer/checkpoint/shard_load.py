@@ -1,8 +1,9 @@
 """Shard-on-load: build a sharded model from a HuggingFace folder, each rank reading only its slices.
 
 The model is built with its parameters on the meta device (no memory, no initialisation), sharded
-by its policy (the slicer cuts meta tensors like real ones, so every parameter gets its ShardSpec),
-and then each rank reads just the rows or columns its ShardSpec names from the safetensors files
+by its policy (the slicer cuts meta tensors like real ones, so every parameter gets its ShardSpec;
+expert parallelism keeps this rank's experts of the meta tensors, tagged with their ExpertSpec),
+and then each rank reads just the rows or columns its specs name from the safetensors files
 (byte runs read with ``pread``, see :class:`SafetensorsReader`), so a rank's peak memory is about model / tp instead
 of the whole model. Tied weights stay one Parameter: it is materialised once and set under all its
 names. Buffers are built for real (they are small, and non-persistent ones are not in the files);
@@ -26,9 +27,10 @@ from transformers.initialization import no_init_weights
 
 from shardformer.api import shard_model
 from shardformer.checkpoint.errors import CheckpointError
-from shardformer.checkpoint.files import dtype_kind, full_shape
+from shardformer.checkpoint.files import dtype_kind, expert_spec, full_shape
 from shardformer.checkpoint.hf_export import SAFE_INDEX, SAFE_WEIGHTS
 from shardformer.core.config import ShardConfig
+from shardformer.expert_parallel.experts import ExpertSpec
 from shardformer.tensor_parallel.slicer import ShardSpec, shard_spec
 
 
@@ -157,15 +159,28 @@ class SafetensorsReader:
                 raise CheckpointError(f"{self.file}: ended inside {name} (the file changed while being read?)")
             view, offset = view[got:], offset + got
 
-    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """``tensor.narrow(dim, start, stop - start)`` of the saved tensor, reading only those bytes."""
+    def read(
+        self, name: str, dim: int = 0, start: int = 0, stop: int | None = None, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """``tensor.narrow(dim, start, stop - start)`` of the saved tensor, reading only those bytes;
+        ``rows`` (with ``dim`` > 0) also narrows dim 0 to ``[rows[0], rows[1])`` (an ep rank's experts)."""
         info = self.header[name]
         dtype, shape = self.dtype(name), list(info["shape"])
+        if rows is not None:
+            if dim == 0 or not 0 <= rows[0] <= rows[1] <= shape[0]:
+                raise CheckpointError(f"{self.file}: rows {rows} of dim 0 of {name} asked with dim {dim}")
+            first = rows[0] * math.prod(shape[1:])
+            begin_rows = self.base + info["data_offsets"][0] + first * _element_size(dtype)
+            return self._narrow(name, dtype, [rows[1] - rows[0], *shape[1:]], begin_rows, dim, start, stop)
         begin = self.base + info["data_offsets"][0]
         if not shape:
             out = torch.empty((), dtype=dtype)
             self._read_into(memoryview(out.reshape(1).view(torch.uint8).numpy()), begin, name)
             return out
+        return self._narrow(name, dtype, shape, begin, dim, start, stop)
+
+    def _narrow(self, name, dtype, shape: list[int], begin: int, dim: int, start: int, stop: int | None):
+        """The narrowing of ``read`` on a tensor of ``shape`` whose bytes start at ``begin``."""
         stop = shape[dim] if stop is None else stop
         if not 0 <= start <= stop <= shape[dim]:
             raise CheckpointError(f"{self.file}: rows {start}:{stop} of {name} asked, it has {shape[dim]} on dim {dim}")
@@ -181,17 +196,29 @@ class SafetensorsReader:
         return out
 
 
-def read_shard(reader: SafetensorsReader, name: str, spec: ShardSpec | None) -> torch.Tensor:
-    """The piece of ``name`` that ``spec`` gives this rank (vocabulary padding rows zero)."""
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def read_shard(
+    reader: SafetensorsReader, name: str, spec: ShardSpec | None, experts: ExpertSpec | None = None
+) -> torch.Tensor:
+    """The piece of ``name`` that ``spec`` (and ``experts``: rows of dim 0) give this rank (vocabulary
+    padding rows zero)."""
+    rows = None if experts is None else (experts.first, experts.first + experts.local)
     if spec is None or spec.world_size == 1 and spec.padded_size == spec.full_size:
-        return reader.read(name)
+        return reader.read(name) if rows is None else reader.read(name, 0, *rows)
+    if rows is not None and spec.dim == 0:
+        raise CheckpointError(f"{reader.file}: {name} is split by experts and by tp on the same dim 0")
     shape = reader.shape(name)
+    if rows is not None:
+        shape[0] = rows[1] - rows[0]
     pieces, offset = [], 0
     for index, (block, per_block) in enumerate(zip(spec.block_sizes, spec.local_block_sizes)):
         start, offset = offset + spec.piece(index) * per_block, offset + block
         stop = min(start + per_block, spec.full_size)
         if stop > start:
-            pieces.append(reader.read(name, spec.dim, start, stop))
+            pieces.append(reader.read(name, spec.dim, start, stop, rows))
         if stop - start < per_block:  # vocabulary padding (n_cast is 1 then)
             pad = list(shape)
             pad[spec.dim] = per_block - max(stop - start, 0)
@@ -222,6 +249,15 @@ def materialize_from_safetensors(model: nn.Module, path: str, device=None) -> No
         if t.device.type == "meta" or not isinstance(t, nn.Parameter) and any(n in files for n in names)
     ]
     missing = [names[0] for names, _ in todo if not any(n in files for n in names)]
+    unknown = sorted(set(files) - {n for names, _ in groups.values() for n in names})
+    if missing and unknown:
+        raise CheckpointError(
+            f"{path} lacks the tensors {missing[:4]}{' ...' if len(missing) > 4 else ''} and holds tensors this "
+            f"model does not name ({unknown[:4]}{' ...' if len(unknown) > 4 else ''}): it is saved in a layout "
+            f"transformers converts when loading (experts one by one, as transformers' own save_pretrained writes "
+            f"Mixtral or Qwen3-MoE, for one); load_sharded reads the model's own layout only: load it with "
+            f"from_pretrained + shard_model, or export it once with shardformer's save_pretrained"
+        )
     if missing:
         raise CheckpointError(f"{path} lacks the tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}; "
                          f"was it saved from this model class? (a buffer built with torch.empty and not saved cannot be restored)")  # fmt: skip
@@ -244,8 +280,8 @@ def materialize_from_safetensors(model: nn.Module, path: str, device=None) -> No
         for names, tensor in todo:
             saved = next(n for n in names if n in files)
             file = files[saved]
-            spec = shard_spec(tensor)
-            value = read_shard(handles[file], saved, spec).to(device=device or "cpu", dtype=tensor.dtype)
+            spec, experts = shard_spec(tensor), expert_spec(tensor)
+            value = read_shard(handles[file], saved, spec, experts).to(device=device or "cpu", dtype=tensor.dtype)
             if value.shape != tensor.shape:
                 raise CheckpointError(
                     f"{saved}: read {tuple(value.shape)} from {file}, this rank holds {tuple(tensor.shape)}"
@@ -254,6 +290,8 @@ def materialize_from_safetensors(model: nn.Module, path: str, device=None) -> No
                 value = nn.Parameter(value, requires_grad=tensor.requires_grad)
             if spec is not None:  # a cut buffer (final_logits_bias with a vocab-parallel head) keeps its layout
                 value.shard_spec = spec
+            if experts is not None:
+                value.expert_spec = experts
             for name in names:
                 _set_tensor(model, name, value)
     finally:

@@ -9,8 +9,9 @@ everything else to typed JSON (int keys and tuples come back as they went in): l
 Loading: every rank reads and checks everything it will need (manifest, checksums, model config,
 names, shapes, optimizer, scheduler and RNG state) without touching the model; one collective then
 tells every rank every problem, and either all ranks raise the same error, nothing changed, or all
-apply what they read. It works at any (tp, pp, dp): every parameter (and per-element optimizer state)
-is put together from the saved pieces and cut again for this rank.
+apply what they read. It works at any (tp, pp, dp, ep): every parameter (and per-element optimizer
+state) is put together from the saved pieces (tp shards, ep ranks' experts, dp pieces) and cut again
+for this rank.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from shardformer.checkpoint.files import (
     ModelIndex,
     SafeFile,
     dtype_kind,
+    expert_spec,
     full_shape,
     model_file,
     model_tensors,
@@ -101,15 +103,18 @@ def _write_rank(tmp: str, model, optimizer, lay: Layout) -> dict[str, dict]:
     """This rank's files, written into ``tmp``; returns their sizes and checksums."""
     written = []
     named = named_tensors(model)  # on every rank: gathering ZeRO-3 shards is a collective over dp
-    if lay.dp_rank == 0:  # dp replicas hold the same model shard: one writes it
-        tensors, info = model_tensors(named)
-        name = model_file(lay.pp_rank, lay.tp_rank)
+    # dp replicas hold the same model shard: one writes it. Under expert parallelism dp ranks 0..ep-1
+    # hold different experts: dp rank 0 writes everything it holds, the others their experts only.
+    if lay.dp_rank < lay.ep:
+        tensors, info = model_tensors(named, experts_only=lay.dp_rank > 0)
+        name = model_file(lay.pp_rank, lay.tp_rank, lay.dp_rank)
         save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt", "shardformer": json.dumps(info)})
         written.append(name)
     tensors, rng_info = _rng_payload(model)
-    info = {"coords": {"pp": lay.pp_rank, "dp": lay.dp_rank, "tp": lay.tp_rank}, "rng": rng_info, "optimizer": None}
+    coords = {"pp": lay.pp_rank, "dp": lay.dp_rank, "tp": lay.tp_rank} | ({"ep": lay.ep_rank} if lay.ep > 1 else {})
+    info = {"coords": coords, "rng": rng_info, "optimizer": None}
     if optimizer is not None:
-        opt_tensors, info["optimizer"] = optimizer_payload(model, optimizer)
+        opt_tensors, info["optimizer"] = optimizer_payload(model, optimizer, lay.dp // lay.ep)
         tensors.update(opt_tensors)
     st_name, json_name = rank_files(lay.rank)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, st_name))
@@ -153,7 +158,7 @@ def _save(path, model, optimizer, scheduler, step, extra, held: contextlib.ExitS
         if lay.rank == 0:  # encoded before any writing: a value JSON cannot hold is refused up front
             manifest = {
                 "format": commit.FORMAT, "step": step, "extra": extra, "model_class": original_class(model).__name__,
-                "config": config_of(model), "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "world": lay.world},
+                "config": config_of(model), "layout": lay.record(),
                 "scheduler": None if scheduler is None else {"class": type(scheduler).__name__, "state": scheduler.state_dict()},
                 "has_optimizer": optimizer is not None,
             }  # fmt: skip
@@ -232,11 +237,11 @@ def _read_model(path: str, meta: dict, model: nn.Module, lay: Layout) -> list:
         )
         raise CheckpointError(
             f"the checkpoint {path} (saved at {meta['layout']}) does not fit this model "
-            f"(tp={lay.tp}, pp={lay.pp}, dp={lay.dp}):\n    {shown}"
+            f"({', '.join(f'{k}={v}' for k, v in lay.record().items() if k != 'world')}):\n    {shown}"
         )
     values = []
     for saved, names, tensor in plan:
-        value = index.shard(saved, shard_spec(tensor))
+        value = index.shard(saved, shard_spec(tensor), expert_spec(tensor))
         if value.shape != tensor.shape:
             raise CheckpointError(f"{path}: {names[0]} comes to a shard of {tuple(value.shape)}, "
                                   f"this rank holds {tuple(tensor.shape)}")  # fmt: skip
@@ -260,7 +265,7 @@ def _read_scheduler(path: str, meta: dict, scheduler) -> dict:
 
 def _read_rng(path: str, model: nn.Module, lay: Layout, meta: dict) -> dict | None:
     """This global rank's RNG states, when the layout is the one saved (else None: left alone)."""
-    if meta["layout"] != {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "world": lay.world}:
+    if meta["layout"] != lay.record():
         return None
     st_name, json_name = rank_files(lay.rank)
     file = os.path.join(path, json_name)

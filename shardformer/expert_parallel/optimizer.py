@@ -77,3 +77,29 @@ class ExpertParallelOptimizer:
         self.dense.load_state_dict(state_dict["dense"])
         if self.experts:
             self.experts.load_state_dict(state_dict["experts"])
+        self._share_groups()
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load a dp-unsharded state numbering the dense parameters first, then the experts (each part
+        keeps its own rows; local, no communication). The training checkpoints' route across ep sizes."""
+        start, first_group = 0, 0
+        zero = state_dict.get("zero") or {}
+        for part in self.parts:
+            count, groups = len(part.slots), len(part.param_groups)
+            mine = range(start, start + count)
+            part.load_full_state_dict({
+                "state": {int(i) - start: v for i, v in state_dict["state"].items() if int(i) in mine},
+                "param_groups": [
+                    {**g, "params": [i - start for i in g["params"]]}
+                    for g in state_dict["param_groups"][first_group : first_group + groups]
+                ],
+                "zero": {**zero, "master_params": {
+                    int(i) - start: t for i, t in zero.get("master_params", {}).items() if int(i) in mine
+                }},
+            })  # fmt: skip
+            start, first_group = start + count, first_group + groups
+        self._share_groups()
+
+    def _share_groups(self) -> None:
+        """Loading gave the parts new param-group dicts: an LR scheduler must reach those."""
+        self.param_groups = [g for part in self.parts for g in part.param_groups]

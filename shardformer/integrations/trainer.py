@@ -15,7 +15,10 @@ changes exactly those places and leaves the rest of Trainer as it is:
 - ``save_model`` and checkpoints write a plain HuggingFace folder through shardformer's export, plus
   one optimizer and RNG file per rank; ``resume_from_checkpoint`` restores model, optimizer, scheduler
   and every RNG (the tp dropout generators too) exactly; ``load_best_model_at_end`` restores the best
-  checkpoint the same way.
+  checkpoint the same way;
+- expert parallelism (``ShardConfig(expert_parallel_size=E)``): an expert's gradient already holds the
+  tokens every ep rank sent it; it is summed over the ranks holding the same experts and divided by
+  the dp size (dense gradients: averaged over dp), and the gradient norm adds every ep rank's experts.
 
 Pipeline stages cannot run under Trainer's loop: such a model is refused before the first step.
 """
@@ -23,6 +26,7 @@ Pipeline stages cannot run under Trainer's loop: such a model is refused before 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from contextlib import ExitStack
 
@@ -38,6 +42,7 @@ from shardformer.core.comm import gather_from_parallel
 from shardformer.core.record import is_sharded, sharding_of
 from shardformer.data_parallel.grad_norm import clip_master_grads, global_grad_norm
 from shardformer.data_parallel.layout import ParamSlot
+from shardformer.expert_parallel.experts import is_expert_param
 from shardformer.tensor_parallel.layers import VocabParallelLMHead1D
 from shardformer.tensor_parallel.lm_head import gathered_logits
 
@@ -73,6 +78,7 @@ class ShardedTrainer(Trainer):
                 f"ParallelEngine, or shard it with pipeline_parallel_size=1 for ShardedTrainer"
             )
         self._layout = layout_of(root)  # refuses a tp group without a mesh when dp is unknown
+        self._experts = info.experts  # the ExpertLayout where experts are split over ep ranks, else None
         refuse_context_parallel(self._layout, "ShardedTrainer")  # its data split knows dp and tp only
         super().__init__(model, args, *rest, **kwargs)
         for option in ("fsdp", "deepspeed", "parallelism_config"):
@@ -164,9 +170,14 @@ class ShardedTrainer(Trainer):
             return
         self._dp_hooks = True
 
+        experts = self._experts
+
         def average(param: torch.Tensor) -> None:
             if self.accelerator.sync_gradients and param.grad is not None:
-                dist.all_reduce(param.grad, group=lay.dp_group)
+                # an expert's gradient holds every ep rank's tokens already: summed over the ranks holding
+                # the same experts only, then divided by the whole dp size like the dense ones
+                expert = experts is not None and is_expert_param(param)
+                dist.all_reduce(param.grad, group=experts.expert_dp_group if expert else lay.dp_group)
                 param.grad.div_(lay.dp)
 
         for param in model.parameters():
@@ -184,7 +195,15 @@ class ShardedTrainer(Trainer):
             return torch.tensor(0.0)
         lay = self._layout
         tp_group = lay.tp_group if lay.tp > 1 else comm.LOCAL
-        total, _ = global_grad_norm(slots, comm.LOCAL, tp_group, comm.LOCAL)  # dp already averaged
+        if self._experts is None:
+            total, _ = global_grad_norm(slots, comm.LOCAL, tp_group, comm.LOCAL)  # dp already averaged
+        else:  # each ep rank holds other experts: their squares are summed over the ep group
+            dense = [s for s in slots if not is_expert_param(s.param)]
+            experts = [s for s in slots if is_expert_param(s.param)]
+            total = math.hypot(
+                global_grad_norm(dense, comm.LOCAL, tp_group, comm.LOCAL)[0],
+                global_grad_norm(experts, self._experts.ep_group, tp_group, comm.LOCAL)[0],
+            )
         if max_norm != float("inf"):
             clip_master_grads(slots, total, max_norm)
         return torch.tensor(total)
