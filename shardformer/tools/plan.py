@@ -27,6 +27,7 @@ from shardformer.policies.auto import get_autopolicy
 from shardformer.tensor_parallel.sharder import ModelSharder
 from shardformer.tensor_parallel.slicer import shard_spec
 from shardformer.tools.activation_estimate import estimate_activations
+from shardformer.tools.experts import expert_lines
 from shardformer.tools.model_source import build_model
 
 BYTES = {name: dtype.itemsize for name, dtype in PRECISIONS.items()}
@@ -62,6 +63,11 @@ class Plan:
     @property
     def rank_numel(self) -> int:
         return sum(_numel(local) for _, _, local in self.params)
+
+    @property
+    def largest_param(self) -> int:
+        """Elements of the largest parameter on a rank (a ZeRO bucket holds at least one)."""
+        return max((_numel(local) for _, _, local in self.params), default=0)
 
     @property
     def full_numel(self) -> int:
@@ -250,7 +256,8 @@ def activation_lines(
     return lines
 
 
-def format_plan(plan: Plan, show_params: bool = True) -> str:
+def format_plan(plan: Plan, show_params: bool = True, config=None) -> str:
+    """The plan as ``shardformer plan`` prints it; ``config``: the model's, to list a MoE model's experts."""
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     lines = [
         f"layout: tp={plan.tp} x "
@@ -273,8 +280,10 @@ def format_plan(plan: Plan, show_params: bool = True) -> str:
         "",
         f"parameters: {plan.full_numel:,} unsharded, {plan.rank_numel:,} per tensor-parallel rank "
         f"({plan.rank_numel / plan.full_numel:.3f})" + (" (cp does not split parameters)" if plan.cp > 1 else ""),
-        "estimated bytes per rank:",
     ]
+    if config is not None:
+        lines += expert_lines(plan.params, config, plan.tp)
+    lines.append("estimated bytes per rank:")
     per_rank = plan.bytes_per_rank()
     for what, b in per_rank.items():
         lines.append(f"  {what}: {mib(b)}")
