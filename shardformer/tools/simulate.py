@@ -323,13 +323,16 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
     attention probabilities (b x heads x s x s); a GPU (and a CPU) runs a fused kernel that keeps q, k,
     v, the output and a log-sum-exp. Run the fused kernel's own meta function instead (CPU flash
     attention's: the same tensors as CUDA's flash kernel, key/value heads not repeated), without the
-    simulation's all-ones mask, so the saved bytes are a training step's without a padding mask."""
+    simulation's all-ones mask, so the saved bytes are a training step's without a padding mask.
+    Attention whose values have another head size than its queries (DeepSeek's MLA) keeps the math
+    path: its measured activations include the probabilities a fused kernel would not keep."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             a = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args)) | kwargs
-            if a["query"].is_meta and not a.get("dropout_p"):
+            q, v = a["query"], a["value"]  # its meta function assumes v's head size is q's (not MLA's)
+            if q.is_meta and not a.get("dropout_p") and q.shape[-1] == v.shape[-1]:
                 fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
                 return fused(a["query"], a["key"], a["value"], 0.0, True, scale=a.get("scale"))[0]
         return func(*args, **kwargs)
