@@ -14,8 +14,9 @@ state tp rank 0 broadcasts never arrives). Data-parallel ranks hold equal padded
 
 Bytes are read at the end of the measured backward, the peak of the model state: the parameters of
 the rank's module tree, their ``.grad``, the ZeRO reducer's bucket buffers, and the optimizer's
-master shards and states (its layout). Activations are not counted (``shardformer
-plan --batch --seq`` estimates them). Collectives are the ones the step issues through
+master shards and states (its layout). Activations: the bytes autograd saves in the measured
+step's forward and loss (given ``batch`` and ``seq``: one micro-batch of the rank's stage), with
+attention run as a fused kernel keeps it (:class:`_FusedAttentionOnMeta`). Collectives are the ones the step issues through
 :mod:`shardformer.core.comm`, recorded with their group (tp, dp, ...). Pipeline sends and receives
 are counted from the p2p schedule (a fake group delivers no data, so the receiving stage cannot
 read an activation's shape header); they are marked as such.
