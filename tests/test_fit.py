@@ -103,6 +103,20 @@ def test_known_names_are_the_builds_unknown_names_get_close_matches(tmp_path, ca
     assert type(build_model(str(folder), weights=False)).__name__ == "LlamaForCausalLM"
 
 
+def test_a_hub_id_downloaded_before_is_read_from_the_local_cache(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    snapshot = tmp_path / "models--some-org--Llama-tiny" / "snapshots" / "abc123"
+    tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                   architectures=["LlamaForCausalLM"]).save_pretrained(snapshot)  # fmt: skip
+    (tmp_path / "models--some-org--Llama-tiny" / "refs").mkdir()
+    (tmp_path / "models--some-org--Llama-tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert build_model("some-org/Llama-tiny", weights=False).config.num_hidden_layers == 3
+    with pytest.raises(ValueError, match="is not a folder with config.json"):
+        build_model("some-org/not-downloaded", weights=False)  # nothing is fetched
+
+
 def test_moe_plan_lists_the_experts(capsys):
     config = tf.MixtralConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

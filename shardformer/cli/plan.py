@@ -26,8 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--microbatches 8 --simulate\n\n" + known_names_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", metavar="MODEL", help="folder with config.json, a built-in name (gpt2, bert-base, "
-                        "vit-base, ...) or timm:<name>")  # fmt: skip
+    parser.add_argument("model", metavar="MODEL", help="folder with config.json, a hub id downloaded before (org/name), "
+                        "a built-in name (listed below) or timm:<name>")  # fmt: skip
     parser.add_argument("--policy", metavar="MODULE:CLASS", help="a custom Policy class (default: the built-in one)")
     parser.add_argument("--model-class", metavar="NAME", help="transformers class for a config.json without "
                         "'architectures' (e.g. LlamaForCausalLM)")  # fmt: skip
