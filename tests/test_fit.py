@@ -5,6 +5,7 @@ import pytest
 import transformers as tf
 
 from shardformer.cli.main import main
+from shardformer.expert_parallel.sizing import expert_sizing
 from shardformer.models import builds
 from shardformer.tools.experts import expert_lines
 from shardformer.tools.fit import GIB, parse_memory, plan_stages
@@ -122,15 +123,17 @@ def test_moe_plan_lists_the_experts(capsys):
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_local_experts=4, num_experts_per_tok=2, vocab_size=100,
     )  # fmt: skip
-    model = build_meta_model(lambda: tf.MixtralForCausalLM(config))
-    plan = plan_model(model, tp=2)
-    lines = expert_lines(plan.params, config, tp=2)
+    plan = plan_model(build_meta_model(lambda: tf.MixtralForCausalLM(config)), tp=2)
+    lines = expert_lines(plan.params, plan.experts, tp=2)
     # per layer: gate_up [4, 256, 64] + down [4, 64, 128] = 98,304 expert parameters; 2 layers
-    assert lines[0] == "experts: 4 routed per MoE layer (2 per token), in 2 of 2 layers"
+    assert lines[0] == "experts: 4 routed per MoE layer (top-2), in 2 layers"
     assert f"routed experts' parameters: {2 * 98304:,} of {plan.full_numel:,} unsharded" in lines[1]
     assert f"{98304:,} of {plan.rank_numel:,} per rank" in lines[1]
     assert (
         lines[-1] == "  per rank: 4 experts of each MoE layer, each cut over tp=2 (expert-internal tensor parallelism)"
     )
-    assert expert_lines(plan.params, config, tp=2, ep=2)[-1].startswith("  per rank: 2 experts of each MoE layer (1/2")
-    assert expert_lines(plan_model(build_meta_model("gpt2")).params, build_meta_model("gpt2").config, 1) == []
+    at_ep2 = expert_sizing(build_meta_model(lambda: tf.MixtralForCausalLM(config)), ep=2)  # ep plugs in here
+    assert expert_lines(plan.params, at_ep2, tp=2)[-1].startswith("  per rank: 2 experts of each MoE layer (1/2")
+    assert plan_model(build_meta_model("gpt2")).experts is None
+    assert main(["plan", "mixtral-8x7b", "--tp", "8", "--summary"]) == 0
+    assert "experts: 8 routed per MoE layer (top-2), in 32 layers" in capsys.readouterr().out

@@ -83,7 +83,7 @@ def plan_command(args: argparse.Namespace) -> int:
         message = str(e).replace("pass it: shard_model(model, config, policy=MyPolicy())", "pass --policy module:Class")
         print(f"shardformer plan: error: {message}", file=sys.stderr)
         return 2
-    print(format_plan(plan, show_params=not args.summary, config=model.config))
+    print(format_plan(plan, show_params=not args.summary))
     if args.gpu_memory:
         from shardformer.tools.fit import format_fit, plan_stages
 

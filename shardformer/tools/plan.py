@@ -20,6 +20,7 @@ from shardformer.context_parallel.checks import check_context_parallel
 from shardformer.core.comm import VirtualGroup
 from shardformer.core.config import CP_MODES, PRECISIONS, ZERO_STAGES, ShardConfig, check_choice
 from shardformer.core.mesh import resolve_sizes
+from shardformer.expert_parallel.sizing import ExpertSizing, expert_sizing
 from shardformer.models import layer_stack, pipeline_spec_for
 from shardformer.pipeline.spec import PipelineSpec, check_split
 from shardformer.pipeline.spec_check import check_pipeline_spec
@@ -55,6 +56,7 @@ class Plan:
     largest_layer: int = 0  # parameters per rank of the largest transformer layer (ZeRO-3's gathered unit)
     cp: int = 1
     cp_mode: str = "ring"
+    experts: ExpertSizing | None = None  # a mixture of experts' experts, found before the model was cut
 
     @property
     def world(self) -> int:
@@ -158,12 +160,13 @@ def plan_model(
     plan_activations = (
         activation_lines(config, batch, seq, tp, precision, device, cp, cp_mode, pp) if batch is not None else []
     )  # before sharding: a bad size fails before the slow part
+    experts = expert_sizing(model)
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     before = {name: type(m).__name__ for name, m in model.named_modules()}
     config = ShardConfig(tensor_parallel_process_group=VirtualGroup(tp_rank, tp), pipeline_parallel_size=1)
     policy = policy or get_autopolicy(model)
     model = ModelSharder(model, policy, config, layers=layer_stack(model)).shard()
-    plan = Plan(tp, pp, dp, zero, precision, activations=plan_activations, cp=cp, cp_mode=cp_mode)
+    plan = Plan(tp, pp, dp, zero, precision, activations=plan_activations, cp=cp, cp_mode=cp_mode, experts=experts)
     for name, m in model.named_modules():
         if name in before and before[name] != type(m).__name__:
             plan.replaced.append((name, before[name], type(m).__name__))
@@ -256,8 +259,7 @@ def activation_lines(
     return lines
 
 
-def format_plan(plan: Plan, show_params: bool = True, config=None) -> str:
-    """The plan as ``shardformer plan`` prints it; ``config``: the model's, to list a MoE model's experts."""
+def format_plan(plan: Plan, show_params: bool = True) -> str:
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     lines = [
         f"layout: tp={plan.tp} x "
@@ -281,8 +283,7 @@ def format_plan(plan: Plan, show_params: bool = True, config=None) -> str:
         f"parameters: {plan.full_numel:,} unsharded, {plan.rank_numel:,} per tensor-parallel rank "
         f"({plan.rank_numel / plan.full_numel:.3f})" + (" (cp does not split parameters)" if plan.cp > 1 else ""),
     ]
-    if config is not None:
-        lines += expert_lines(plan.params, config, plan.tp)
+    lines += expert_lines(plan.params, plan.experts, plan.tp)
     lines.append("estimated bytes per rank:")
     per_rank = plan.bytes_per_rank()
     for what, b in per_rank.items():
