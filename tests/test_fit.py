@@ -67,6 +67,12 @@ def test_memory_sizes_and_microbatches_in_flight(capsys):
     assert main(["plan", "gpt2", "--gpu-memory", "8GB", "--summary"]) == 0
     out = capsys.readouterr().out
     assert "model state and buffers only: yes" in out and "give --batch and --seq" in out
+    # no activation estimate for the family (BERT) or no transformers config (timm): said, model state judged
+    assert main(["plan", "bert-base", "--gpu-memory", "24GB", "--batch", "8", "--seq", "512", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "model state and buffers only: yes" in out and "no activation estimate for model_type='bert'" in out
+    assert main(["plan", "timm:vit_base_patch16_224", "--gpu-memory", "24GB", "--batch", "8", "--seq", "197"]) == 0
+    assert "no activation estimate for a model without a transformers config" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

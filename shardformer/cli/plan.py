@@ -88,7 +88,7 @@ def plan_command(args: argparse.Namespace) -> int:
         from shardformer.tools.fit import format_fit, plan_stages
 
         stages, missing = plan_stages(
-            plan, model.config, args.batch, args.seq, args.microbatches, args.schedule, args.device
+            plan, getattr(model, "config", None), args.batch, args.seq, args.microbatches, args.schedule, args.device
         )  # fmt: skip
         print("\n" + format_fit(stages, args.gpu_memory, plan.world, fit_header(args), missing))
     return 0

@@ -132,10 +132,11 @@ def estimate_activations(
     default: ``tp > 1`` or context parallelism. ``use_cache``: default the config's, as transformers
     does. ``sequence_parallel_regather``: as ShardConfig's (only read with ``sequence_parallel``).
     ``context_parallel_size`` / ``_mode``: as ShardConfig's; ``seq`` is then the whole sequence."""
-    kind = config.model_type
+    kind = getattr(config, "model_type", None)
     if kind not in GPT2_LIKE + LLAMA_LIKE:
+        what = f"model_type={kind!r}" if kind else "a model without a transformers config (timm, your own module)"
         raise NotImplementedError(
-            f"no activation estimate for model_type={kind!r}; it is derived for {', '.join(GPT2_LIKE + LLAMA_LIKE)}"
+            f"no activation estimate for {what}; it is derived for {', '.join(GPT2_LIKE + LLAMA_LIKE)}"
         )
     c, mode = context_parallel_size, context_parallel_mode
     for name, value in (("batch", batch), ("seq", seq), ("tp", tp), ("context_parallel_size", c)):

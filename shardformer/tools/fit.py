@@ -41,21 +41,19 @@ def in_flight(stage: int, pp: int, microbatches: int, schedule: str) -> int:
 
 @dataclass
 class StageFit:
-    """One rank of one pipeline stage: bytes by part. ``activations``: variant -> bytes (None: no estimate)."""
+    """One rank of one pipeline stage: bytes by part. ``activations``: variant -> bytes (empty: none known)."""
 
     stage: int
     layers: range
     numel: int
     state: dict[str, int]
     in_flight: int
-    activations: dict[str, int | None] = field(default_factory=dict)
+    activations: dict[str, int] = field(default_factory=dict)
     comm: dict[str, int] = field(default_factory=dict)
     measured: bool = False  # state and plain activations read from a simulated rank
 
-    def total(self, variant: str | None) -> int | None:
-        act = self.activations.get(variant, 0) if variant else 0
-        if act is None:
-            return None
+    def total(self, variant: str | None) -> int:
+        act = self.activations[variant] if variant else 0
         return sum(self.state.values()) + act + sum(self.comm.values())
 
 
@@ -74,7 +72,7 @@ def comm_buffers(plan: Plan, first: bool, last: bool, in_flight_: int, batch: in
     ZeRO-1/2's buckets in flight (fp32, at least one parameter each). ZeRO-3's gathered layers are in
     the model state."""
     out = {}
-    if plan.pp > 1 and batch:
+    if plan.pp > 1 and batch and hidden:  # hidden unknown (no transformers config): activations are unknown too
         act = batch * seq * hidden * BYTES[plan.precision]
         out["pipeline send/receive"] = in_flight_ * act * ((not first) + (not last)) + act
     if plan.zero in (1, 2) and plan.dp > 1:
@@ -108,9 +106,8 @@ def plan_stages(
         fit = StageFit(s, layers, numel, plan.bytes_per_rank(numel), flight)
         for name, est in estimates.items():
             fit.activations[name] = est.stage(len(layers), first, last, flight)
-        if missing and batch is not None:
-            fit.activations = dict.fromkeys(variants(plan.tp))
-        fit.comm = comm_buffers(plan, first, last, flight, batch or 0, seq or 0, config.hidden_size)
+        hidden = getattr(config, "hidden_size", None)
+        fit.comm = comm_buffers(plan, first, last, flight, batch or 0, seq or 0, hidden)
         out.append(fit)
     return out, missing
 
@@ -123,7 +120,7 @@ def _num_layers(config) -> int:
 
 
 def format_fit(stages: list[StageFit], gpu_memory: int, gpus: int, header: str, missing: str | None) -> str:
-    gib = lambda b: "-" if b is None else f"{b / GIB:,.2f}"  # noqa: E731
+    gib = lambda b: f"{b / GIB:,.2f}"  # noqa: E731
     names = [f"stage {f.stage}" if len(stages) > 1 else "rank" for f in stages]
     width = max(12, *(len(n) + 2 for n in names))
     row = lambda label, values: f"  {label:<46}" + "".join(f"{v:>{width}}" for v in values)  # noqa: E731
@@ -141,16 +138,13 @@ def format_fit(stages: list[StageFit], gpu_memory: int, gpus: int, header: str, 
         lines.append(row(part, [gib(f.comm.get(part, 0)) for f in stages]))
     kinds = list(dict.fromkeys(k for f in stages for k in f.activations))
     for kind in kinds:
-        lines.append(row(f"activations, {kind}", [gib(f.activations.get(kind)) for f in stages]))
+        lines.append(row(f"activations, {kind}", [gib(f.activations[kind]) for f in stages]))
     for kind in kinds or [None]:
         lines.append(row(f"total, {kind}" if kind else "total (no activations)", [gib(f.total(kind)) for f in stages]))
     lines += ["", f"fits on {gpus} x {gpu_memory / GIB:,.1f} GiB?"]
     for kind in kinds or [None]:
         totals = [f.total(kind) for f in stages]
         label = kind or "model state and buffers only"
-        if any(t is None for t in totals):
-            lines.append(f"  {label}: unknown (no activation estimate)")
-            continue
         worst = max(range(len(stages)), key=lambda i: totals[i])
         where = f" on {names[worst]}" if len(stages) > 1 else ""
         spare = gpu_memory - totals[worst]
