@@ -82,7 +82,7 @@ def build(sweeps: list[dict]) -> tuple[list[str], list[list[str]]]:
         what = {
             "verify": "verify sweep",
             "plan": "plan sweep (causal LMs with a tp plan)",
-            "pipeline": f"ParallelEngine sweep at pp={sweep.get('pp')} (2 SGD steps against the unsharded copy)",
+            "pipeline": "ParallelEngine sweep (2 SGD steps against the unsharded copy)",
         }[sweep["sweep"]]
         layout = f"pp={sweep['pp']}" if sweep["sweep"] == "pipeline" else f"tp={sweep.get('tp', 2)}"
         notes.append(
