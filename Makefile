@@ -18,7 +18,7 @@ demo: $(STAMP)
 # Not part of `make test`: every transformers causal LM with a tp plan, sharded at tp=2 against the
 # unsharded model (a few minutes on 2 cores); prints the table docs/models.md shows.
 conformance: $(STAMP)
-	$(PY) benchmarks/conformance.py
+	$(PY) benchmarks/conformance.py --save benchmarks
 
 # The docs site (docs/, mkdocs.yml) built into site/; --strict fails on a broken link, anchor or API reference.
 # tests/test_docs.py runs the same build inside `make test`.

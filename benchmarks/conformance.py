@@ -17,7 +17,7 @@ the causal LMs that ship a ``base_model_tp_plan``, saved and reloaded with ``fro
 compared in training mode (``shardformer.tools.conformance``).
 
     make conformance          # or: .venv/bin/python benchmarks/conformance.py [--task masked-lm,causal-lm]
-                              #     [--only llama,bert] [--limit 20] [--json out.json]
+                              #     [--only llama,bert] [--limit 20] [--json out.json] [--save benchmarks]
     .venv/bin/python benchmarks/conformance.py --plan-sweep [--dense] [--sdpa] [--sequence-parallel]
     .venv/bin/python benchmarks/conformance.py --pp 2 [--task ...] [--only ...]
 
@@ -537,6 +537,41 @@ def table(results, impl, sequence_parallel=False, plan_sweep=False, pp=1) -> str
     return "\n".join(lines)
 
 
+def save(folder, text, results, impl, sequence_parallel, plan_sweep, pp=1) -> str:
+    """The table as ``conformance[-plan][-sdpa][-sp][-ppN]-<date>.md`` and the rows with the sweep's
+    settings, date and versions as the ``.json`` beside it; returns the path without its suffix."""
+    import torch
+
+    now = datetime.datetime.now(datetime.UTC)
+    tags = ("-plan" if plan_sweep else "") + ("-sdpa" if impl == "sdpa" else "") + ("-sp" if sequence_parallel else "")
+    tags += f"-pp{pp}" if pp > 1 else ""
+    stem = os.path.join(folder, f"conformance{tags}-{now:%Y-%m-%d}")
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+    sweep = {
+        "sweep": "pipeline" if pp > 1 else "plan" if plan_sweep else "verify",
+        "date": f"{now:%Y-%m-%d}",
+        "transformers": _tf_version(),
+        "torch": torch.__version__.split("+")[0],
+        "tp": 1 if pp > 1 else 2,
+        "pp": pp,
+        "attention": impl,
+        "sequence_parallel": sequence_parallel,
+        "rows": results,
+    }
+    write_sweep(stem + ".json", sweep)
+    print(f"written: {stem}.md, {stem}.json", file=sys.stderr)
+    return stem
+
+
+def write_sweep(path: str, sweep: dict) -> None:
+    """A sweep as JSON with one row per line (diffs between sweeps stay readable)."""
+    head = {k: v for k, v in sweep.items() if k != "rows"}
+    rows = ",\n".join(json.dumps(r) for r in sweep["rows"])
+    with open(path, "w") as f:
+        f.write(json.dumps(head)[:-1] + ', "rows": [\n' + rows + "\n]}\n")
+
+
 def _tf_version() -> str:
     import transformers
 
@@ -558,7 +593,13 @@ def main() -> None:
     parser.add_argument(
         "--pp", type=int, default=1, help="train each class at this pipeline size through ParallelEngine (on pp ranks)"
     )
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--json", help="also write the results here (a list of rows)")
+    parser.add_argument(
+        "--save",
+        metavar="DIR",
+        help="write the table and the results beside it: DIR/conformance[-plan][-sdpa][-sp][-ppN]-<date>.md and "
+        ".json (the .json, with the sweep's date and versions, is what benchmarks/matrix.py reads)",
+    )
     parser.add_argument(
         "--jsonl",
         help="the per-row JSON lines file, appended as rows finish; rows already in it are not run again "
@@ -599,7 +640,10 @@ def main() -> None:
 
     world = max(2, args.pp)
     results = earlier + run(rows, job, *job_args, row_timeout=args.row_timeout, progress=progress, world=world)
-    print(table(results, impl, args.sequence_parallel, plan_sweep, args.pp))
+    text = table(results, impl, args.sequence_parallel, plan_sweep, args.pp)
+    print(text)
+    if args.save:
+        save(args.save, text, results, impl, args.sequence_parallel, plan_sweep, args.pp)
     print(f"\nper-row results: {jsonl}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:

@@ -8,6 +8,8 @@ import sys
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from shardformer.tools.model_names import known_names_help  # no torch: help stays fast
+
     parser = subparsers.add_parser(
         "plan",
         help="show how a model would be sharded and the bytes per rank, without starting anything",
@@ -17,17 +19,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--precision bf16\n  shardformer plan timm:vit_base_patch16_224 --tp 2 --summary\n"
         "  shardformer plan gpt2 --tp 2 --summary --batch 2 --seq 1024\n"
         "  shardformer plan path/to/llama --tp 2 --cp 2 --cp-mode all_to_all --summary --batch 1 --seq 32768\n"
-        "  shardformer plan llama3-405b --tp 8 --pp 16 --dp 8 --simulate",
+        "  shardformer plan llama3-405b --tp 8 --pp 16 --dp 8 --simulate\n"
+        "  shardformer plan llama-3-70b --tp 8 --gpus 8 --gpu-memory 80GB --zero 1 --precision bf16 "
+        "--batch 1 --seq 4096\n"
+        "  shardformer plan llama-7b --pp 2 --gpus 8 --gpu-memory 80GB --precision bf16 --batch 1 --seq 4096 "
+        "--microbatches 8 --simulate\n\n" + known_names_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", metavar="MODEL", help="folder with config.json, a built-in name (gpt2, bert-base, "
-                        "vit-base, ...) or timm:<name>")  # fmt: skip
+    parser.add_argument("model", metavar="MODEL", help="folder with config.json, a hub id downloaded before (org/name), "
+                        "a built-in name (listed below) or timm:<name>")  # fmt: skip
     parser.add_argument("--policy", metavar="MODULE:CLASS", help="a custom Policy class (default: the built-in one)")
     parser.add_argument("--model-class", metavar="NAME", help="transformers class for a config.json without "
                         "'architectures' (e.g. LlamaForCausalLM)")  # fmt: skip
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument("--dp", type=int, help="data-parallel size (default: --gpus / (tp x cp x pp), else 1)")
+    parser.add_argument("--gpus", type=int, help="GPUs of the job in all: sets --dp (or checks it)")
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="memory of one GPU (80GB, 80GiB, 141GB; GB = 2**30 "
+                        "bytes): add up each stage's bytes per rank and answer whether the job fits")  # fmt: skip
+    parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step and dp rank, each of "
+                        "--batch sequences (default 1; with pp they fill the pipeline)")  # fmt: skip
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule: how "
+                        "many micro-batches a stage keeps activations for (default 1f1b)")  # fmt: skip
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size: the sequence split over this many "
                         "ranks (default 1; world = tp x cp x pp x dp)")  # fmt: skip
     # core.config.CP_MODES, spelled out: importing it would import torch for `shardformer --help`
@@ -40,7 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "training step's collectives (default precision bf16)")  # fmt: skip
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default fp32 (bf16 with --simulate)")
     parser.add_argument("--summary", action="store_true", help="leave out the per-parameter list")
-    parser.add_argument("--batch", type=int, help="with --seq: estimate activation memory per rank for this batch")
+    parser.add_argument("--batch", type=int, help="with --seq: estimate activation memory per rank for micro-batches "
+                        "of this many sequences")  # fmt: skip
     parser.add_argument("--seq", type=int, help="with --batch: sequence length of the activation estimate")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the job runs: torch's "
                         "dropout keeps float masks on cpu, bool masks on cuda (default cpu)")  # fmt: skip
@@ -54,10 +68,11 @@ def plan_command(args: argparse.Namespace) -> int:
     from shardformer.tools.plan import build_meta_model, format_plan, plan_model
 
     sys.path.insert(0, os.getcwd())  # --policy module:Class from the current folder
-    if args.simulate:
-        return simulate_command(args)
-    args.precision = args.precision or "fp32"
     try:
+        check_sizes(args)
+        if args.simulate:
+            return simulate_command(args)
+        args.precision = args.precision or "fp32"
         policy = load_policy(args.policy)
         model = build_meta_model(args.model, args.model_class)
         plan = plan_model(
@@ -69,22 +84,63 @@ def plan_command(args: argparse.Namespace) -> int:
         print(f"shardformer plan: error: {message}", file=sys.stderr)
         return 2
     print(format_plan(plan, show_params=not args.summary))
+    if args.gpu_memory:
+        from shardformer.tools.fit import format_fit, plan_stages
+
+        stages, missing = plan_stages(
+            plan, getattr(model, "config", None), args.batch, args.seq, args.microbatches, args.schedule, args.device
+        )  # fmt: skip
+        print("\n" + format_fit(stages, args.gpu_memory, plan.world, fit_header(args), missing))
     return 0
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    """--gpus sets --dp (or checks it); --gpu-memory becomes bytes; sizes are positive."""
+    from shardformer.tools.fit import parse_memory
+
+    if args.microbatches < 1:
+        raise ValueError(f"--microbatches {args.microbatches} must be at least 1")
+    if args.gpu_memory is not None:
+        args.gpu_memory = parse_memory(args.gpu_memory)
+    per_replica = args.tp * args.cp * args.pp
+    if args.gpus is not None:
+        if args.gpus < 1 or args.gpus % per_replica:
+            raise ValueError(
+                f"--gpus {args.gpus} does not divide into tp x cp x pp = {per_replica}; use a multiple of {per_replica}"
+            )
+        if args.dp is not None and args.dp * per_replica != args.gpus:
+            raise ValueError(
+                f"--gpus {args.gpus} but tp x cp x pp x dp = {args.dp * per_replica}; drop --dp (it is then "
+                f"{args.gpus // per_replica}) or make them agree"
+            )
+        args.dp = args.gpus // per_replica
+    args.dp = args.dp or 1
+
+
+def fit_header(args: argparse.Namespace) -> str:
+    if args.batch is None:
+        return "will it fit? (model state and buffers; give --batch and --seq for activations)"
+    flight = f", {args.microbatches} micro-batches per step ({args.schedule})" if args.pp > 1 else ""
+    return f"will it fit? micro-batch {args.batch} x seq {args.seq}{flight}"
 
 
 def simulate_command(args: argparse.Namespace) -> int:
     from shardformer.tools.simulate import format_simulation, simulate_job
 
-    if args.policy or args.batch or args.seq or args.cp != 1:
-        print("shardformer plan: error: --simulate takes no --policy, --batch, --seq or --cp", file=sys.stderr)
+    if args.policy or args.cp != 1:
+        print("shardformer plan: error: --simulate takes no --policy or --cp", file=sys.stderr)
         return 2
-    try:
-        job = simulate_job(
-            args.model, args.tp, args.pp, args.dp, args.zero or 1, args.precision or "bf16",
-            model_class=args.model_class,
-        )  # fmt: skip
-    except (ValueError, NotImplementedError) as e:
-        print(f"shardformer plan: error: {e}", file=sys.stderr)
-        return 2
+    if (args.batch is None) != (args.seq is None):
+        raise ValueError(f"--batch {args.batch} and --seq {args.seq}: give both, or neither")
+    sizes = {"batch": args.batch, "seq": args.seq} if args.batch is not None else {}
+    job = simulate_job(
+        args.model, args.tp, args.pp, args.dp, args.zero or 1, args.precision or "bf16",
+        model_class=args.model_class, **sizes,
+    )  # fmt: skip
     print(format_simulation(job))
+    if args.gpu_memory:
+        from shardformer.tools.fit import format_fit, simulated_stages
+
+        stages, missing = simulated_stages(job, args.batch, args.seq, args.microbatches, args.schedule, args.device)
+        print("\n" + format_fit(stages, args.gpu_memory, job.world, fit_header(args), missing))
     return 0

@@ -88,10 +88,19 @@ class ActivationEstimate:
     layer_whole: int = 0  # bytes of one layer that tp does not split
     layer_split: int = 0  # bytes of one layer that tp splits
     recompute: int = 0
+    per_layer: int = 0  # bytes one layer keeps (its input alone when checkpointed)
+    first: int = 0  # bytes kept before the layers (the first pipeline stage's)
+    last: int = 0  # bytes kept after the layers: final norm, head input, loss (the last stage's)
 
     @property
     def total(self) -> int:
         return sum(self.parts.values())
+
+    def stage(self, layers: int, first: bool, last: bool, in_flight: int = 1) -> int:
+        """Bytes of a pipeline stage holding ``layers`` layers (and the model's start / end when
+        ``first`` / ``last``) for ``in_flight`` micro-batches, plus one layer recomputing if checkpointed."""
+        one = layers * self.per_layer + (self.first if first else 0) + (self.last if last else 0)
+        return in_flight * one + (self.recompute if layers else 0)
 
 
 def _heads(config) -> tuple[int, int, int, int]:
@@ -123,10 +132,11 @@ def estimate_activations(
     default: ``tp > 1`` or context parallelism. ``use_cache``: default the config's, as transformers
     does. ``sequence_parallel_regather``: as ShardConfig's (only read with ``sequence_parallel``).
     ``context_parallel_size`` / ``_mode``: as ShardConfig's; ``seq`` is then the whole sequence."""
-    kind = config.model_type
+    kind = getattr(config, "model_type", None)
     if kind not in GPT2_LIKE + LLAMA_LIKE:
+        what = f"model_type={kind!r}" if kind else "a model without a transformers config (timm, your own module)"
         raise NotImplementedError(
-            f"no activation estimate for model_type={kind!r}; it is derived for {', '.join(GPT2_LIKE + LLAMA_LIKE)}"
+            f"no activation estimate for {what}; it is derived for {', '.join(GPT2_LIKE + LLAMA_LIKE)}"
         )
     c, mode = context_parallel_size, context_parallel_mode
     for name, value in (("batch", batch), ("seq", seq), ("tp", tp), ("context_parallel_size", c)):
@@ -201,6 +211,9 @@ def estimate_activations(
         t if chunked else 1
     )
     est.parts["loss softmax"] = bs * vocab // t * 4
+    est.per_layer = bs * h * w // (t if sequence_parallel else 1) if checkpointing else whole + split
+    est.first = embd_drop
+    est.last = est.parts["final norm + head input"] + est.parts["loss softmax"]
     return est
 
 

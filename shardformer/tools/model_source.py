@@ -18,6 +18,7 @@ import torch.nn as nn
 import transformers as tf
 
 from shardformer.models import builds, tiny_models
+from shardformer.tools.model_names import close_matches, resolve_name
 
 # Full-size models whose policies come from transformers' own plans (transformers' default configs of
 # these are the published sizes); the hand-written families name their own builds in their records.
@@ -119,13 +120,39 @@ def build_model(model: Any, model_class: str | None = None, weights: bool = True
         return _from_folder(model, model_class, weights)
     if ":" in model:
         return _import(model, "MODEL")()
+    cached = hub_cache_folder(model)
+    if cached is not None:
+        return _from_folder(cached, model_class, weights)
     named = {**builds(), **PLAN_DERIVED}
-    if model not in named:
-        raise ValueError(
-            f"MODEL {model!r} is not a folder with config.json, module:function, timm:<name> or a built-in "
-            f"name ({', '.join(sorted(named))})"
-        )
-    return named[model]()
+    return named[resolve_model_name(model, named)]()
+
+
+def resolve_model_name(model: str, named) -> str:
+    """The built-in name ``model`` spells (``llama-70b``, ``Llama-3.1-70B``, ``meta-llama/Meta-Llama-3-70B``:
+    ``llama3-70b``), or a ValueError listing the close matches and every known name."""
+    name = resolve_name(model, named)
+    if name is not None:
+        return name
+    close = close_matches(model, named)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    raise ValueError(
+        f"MODEL {model!r} is not a folder with config.json, module:function, timm:<name> or a built-in name; "
+        f"{hint}known names: {', '.join(sorted(named))} (the list: shardformer plan --help)"
+    )
+
+
+def hub_cache_folder(model: str) -> str | None:
+    """The folder holding ``config.json`` of hub id ``model`` (``org/name``) in the local Hugging Face
+    cache, if it was downloaded before; nothing is fetched."""
+    if model.count("/") != 1 or os.path.exists(model):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        path = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # not a valid repo id
+        return None
+    return os.path.dirname(path) if isinstance(path, str) else None
 
 
 def check_model_source(model: Any, model_class: str | None = None) -> None:
@@ -143,8 +170,8 @@ def check_model_source(model: Any, model_class: str | None = None) -> None:
         model_class_for(read_config(model), model, model_class)
     elif ":" in model:
         _import(model, "MODEL")
-    elif model not in {**builds(), **PLAN_DERIVED}:
-        build_model(model)  # raises: the message lists what MODEL can be
+    elif hub_cache_folder(model) is None:
+        resolve_model_name(model, {**builds(), **PLAN_DERIVED})  # raises: the message lists what MODEL can be
 
 
 def _timm_name(spec: str) -> str:

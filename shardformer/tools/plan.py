@@ -20,6 +20,7 @@ from shardformer.context_parallel.checks import check_context_parallel
 from shardformer.core.comm import VirtualGroup
 from shardformer.core.config import CP_MODES, PRECISIONS, ZERO_STAGES, ShardConfig, check_choice
 from shardformer.core.mesh import resolve_sizes
+from shardformer.expert_parallel.sizing import ExpertSizing, expert_sizing
 from shardformer.models import layer_stack, pipeline_spec_for
 from shardformer.pipeline.spec import PipelineSpec, check_split
 from shardformer.pipeline.spec_check import check_pipeline_spec
@@ -27,6 +28,7 @@ from shardformer.policies.auto import get_autopolicy
 from shardformer.tensor_parallel.sharder import ModelSharder
 from shardformer.tensor_parallel.slicer import shard_spec
 from shardformer.tools.activation_estimate import estimate_activations
+from shardformer.tools.experts import expert_lines
 from shardformer.tools.model_source import build_model
 
 BYTES = {name: dtype.itemsize for name, dtype in PRECISIONS.items()}
@@ -54,6 +56,7 @@ class Plan:
     largest_layer: int = 0  # parameters per rank of the largest transformer layer (ZeRO-3's gathered unit)
     cp: int = 1
     cp_mode: str = "ring"
+    experts: ExpertSizing | None = None  # a mixture of experts' experts, found before the model was cut
 
     @property
     def world(self) -> int:
@@ -62,6 +65,11 @@ class Plan:
     @property
     def rank_numel(self) -> int:
         return sum(_numel(local) for _, _, local in self.params)
+
+    @property
+    def largest_param(self) -> int:
+        """Elements of the largest parameter on a rank (a ZeRO bucket holds at least one)."""
+        return max((_numel(local) for _, _, local in self.params), default=0)
 
     @property
     def full_numel(self) -> int:
@@ -152,12 +160,13 @@ def plan_model(
     plan_activations = (
         activation_lines(config, batch, seq, tp, precision, device, cp, cp_mode, pp) if batch is not None else []
     )  # before sharding: a bad size fails before the slow part
+    experts = expert_sizing(model)
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     before = {name: type(m).__name__ for name, m in model.named_modules()}
     config = ShardConfig(tensor_parallel_process_group=VirtualGroup(tp_rank, tp), pipeline_parallel_size=1)
     policy = policy or get_autopolicy(model)
     model = ModelSharder(model, policy, config, layers=layer_stack(model)).shard()
-    plan = Plan(tp, pp, dp, zero, precision, activations=plan_activations, cp=cp, cp_mode=cp_mode)
+    plan = Plan(tp, pp, dp, zero, precision, activations=plan_activations, cp=cp, cp_mode=cp_mode, experts=experts)
     for name, m in model.named_modules():
         if name in before and before[name] != type(m).__name__:
             plan.replaced.append((name, before[name], type(m).__name__))
@@ -273,8 +282,9 @@ def format_plan(plan: Plan, show_params: bool = True) -> str:
         "",
         f"parameters: {plan.full_numel:,} unsharded, {plan.rank_numel:,} per tensor-parallel rank "
         f"({plan.rank_numel / plan.full_numel:.3f})" + (" (cp does not split parameters)" if plan.cp > 1 else ""),
-        "estimated bytes per rank:",
     ]
+    lines += expert_lines(plan.params, plan.experts, plan.tp)
+    lines.append("estimated bytes per rank:")
     per_rank = plan.bytes_per_rank()
     for what, b in per_rank.items():
         lines.append(f"  {what}: {mib(b)}")

@@ -14,8 +14,9 @@ state tp rank 0 broadcasts never arrives). Data-parallel ranks hold equal padded
 
 Bytes are read at the end of the measured backward, the peak of the model state: the parameters of
 the rank's module tree, their ``.grad``, the ZeRO reducer's bucket buffers, and the optimizer's
-master shards and states (its layout). Activations are not counted (``shardformer
-plan --batch --seq`` estimates them). Collectives are the ones the step issues through
+master shards and states (its layout). Activations: the bytes autograd saves in the measured
+step's forward and loss (given ``batch`` and ``seq``: one micro-batch of the rank's stage), with
+attention run as a fused kernel keeps it (:class:`_FusedAttentionOnMeta`). Collectives are the ones the step issues through
 :mod:`shardformer.core.comm`, recorded with their group (tp, dp, ...). Pipeline sends and receives
 are counted from the p2p schedule (a fake group delivers no data, so the receiving stage cannot
 read an activation's shape header); they are marked as such.
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.memory import StorageBytes
@@ -54,6 +57,7 @@ class RankSimulation:
     minimum: dict[str, int]  # Megatron's minimum calls per group for one micro-batch
     # ZeRO-3: FSDP2's layers gathered while they compute, from the formula (no step runs on meta)
     formula_only: dict[str, int] = field(default_factory=dict)
+    activations: int = 0  # bytes autograd saved in one micro-batch's forward (+ loss) of this rank's stage
 
     @property
     def total(self) -> int:
@@ -80,6 +84,10 @@ class JobSimulation:
     precision: str
     ranks: list[RankSimulation] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    plan: object = None  # the formula's Plan of the same job (tools.plan)
+    config: object = None  # the model's config
+    batch: int = 1
+    seq: int = 16
 
     @property
     def world(self) -> int:
@@ -110,6 +118,8 @@ def simulate_job(
     no step: FSDP2 refuses to run forward on meta parameters. Its collectives are then those of the
     same rank at ZeRO-2 and the layers gathered during compute come from the formula (both marked).
     ``batch`` x ``seq``: the micro-batch of the simulated steps (meta: no compute, any size is free).
+    The bytes autograd saves in the measured step's forward and loss are each rank's activations of
+    one micro-batch (:func:`saved_activations`).
 
     Runs in this process when torch.distributed is not initialised (the fake group is destroyed
     afterwards), else in a fresh subprocess, so an existing default group is never touched.
@@ -145,9 +155,10 @@ def _simulate(model, tp, pp, dp, zero_stage, precision, model_class, batch, seq)
     with torch.device("meta"):
         probe = factory()
     name = model if isinstance(model, str) else type(probe).__name__
+    config = probe.config
     plan = plan_model(probe, tp, pp, dp, zero_stage, precision)  # also every size check, before any group
     del probe  # its meta tensors would count as another rank's
-    job = JobSimulation(name, tp, pp, dp, zero_stage, precision)
+    job = JobSimulation(name, tp, pp, dp, zero_stage, precision, plan=plan, config=config, batch=batch, seq=seq)
     if tp > 1:
         job.notes.append(_compare_tp_ranks(factory, plan, tp))
     for stage in _stage_kinds(plan, pp):
@@ -212,7 +223,7 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
         _step(engine, batch, seq, hidden_size)  # Adam creates its state in the first step
         engine.optimizer.zero_grad()
         with CollectiveCounter() as counter:
-            measured = _step(engine, batch, seq, hidden_size)
+            measured, activations = _step(engine, batch, seq, hidden_size)
         mesh = engine.mesh
         names = {id(mesh.tp_group): "tp", id(mesh.dp_group): "dp", id(mesh.pp_group): "pp"}
         names[id(mesh.embedding_group)] = "embedding"
@@ -246,6 +257,7 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
             collectives={k: (collectives[k], volume[k]) for k in sorted(collectives)},
             minimum=_megatron_minimum(len(layers), first, last, tp, pp),
             formula_only=formula_only,
+            activations=activations,
         )
     finally:
         dist.destroy_process_group()
@@ -277,8 +289,9 @@ def _zero3_bytes(factory, config) -> dict[str, int]:
     }
 
 
-def _step(engine, batch: int, seq: int, hidden_size: int) -> dict[str, int]:
-    """One training step of one micro-batch through the engine's stage; the bytes held at the end of backward."""
+def _step(engine, batch: int, seq: int, hidden_size: int) -> tuple[dict[str, int], int]:
+    """One training step of one micro-batch through the engine's stage: the bytes held at the end of
+    backward, and the bytes its forward and loss saved for the backward."""
     mesh, model, zero = engine.mesh, engine.model, engine.optimizer
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     inputs = {
@@ -293,15 +306,69 @@ def _step(engine, batch: int, seq: int, hidden_size: int) -> dict[str, int]:
         dtype = next(model.parameters()).dtype
         hidden = torch.empty(batch, seq, hidden_size, dtype=dtype, device="meta", requires_grad=True)
     model.train()
-    out = engine.stage_forward(model, hidden, inputs)
-    if mesh.is_last_stage:
-        engine.loss_fn(out, inputs).backward()
+    with saved_activations(model, hidden) as saved:
+        out = engine.stage_forward(model, hidden, inputs)
+        loss = engine.loss_fn(out, inputs) if mesh.is_last_stage else None
+    if loss is not None:
+        loss.backward()
     else:
         out.backward(torch.empty_like(out))
     engine._sum_shared_grads()  # tied weights over the first and last stage, as train_step does
     held = _held_bytes(model, zero)
     zero.step()
-    return held
+    return held, saved.bytes
+
+
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    """On meta tensors ``F.scaled_dot_product_attention`` always takes its math path, which keeps the
+    attention probabilities (b x heads x s x s); a GPU (and a CPU) runs a fused kernel that keeps q, k,
+    v, the output and a log-sum-exp. Run the fused kernel's own meta function instead (CPU flash
+    attention's: the same tensors as CUDA's flash kernel, key/value heads not repeated), without the
+    simulation's all-ones mask, so the saved bytes are a training step's without a padding mask.
+    Attention whose values have another head size than its queries (DeepSeek's MLA) keeps the math
+    path: its measured activations include the probabilities a fused kernel would not keep."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            a = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args)) | kwargs
+            q, v = a["query"], a["value"]  # its meta function assumes v's head size is q's (not MLA's)
+            if q.is_meta and not a.get("dropout_p") and q.shape[-1] == v.shape[-1]:
+                fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+                return fused(a["query"], a["key"], a["value"], 0.0, True, scale=a.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+class saved_activations:  # noqa: N801 - used as a context manager, like torch's
+    """Inside: count the bytes autograd saves for the backward (each storage once; parameters and the
+    stage's received input aside), with fused attention on meta (:class:`_FusedAttentionOnMeta`)."""
+
+    def __init__(self, model, received=None):
+        self.skip = {p.untyped_storage()._cdata for p in model.parameters()}
+        if received is not None:
+            self.skip.add(received.untyped_storage()._cdata)
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        if storage._cdata not in self.skip:
+            self.storages[storage._cdata] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.mode = _FusedAttentionOnMeta()
+        self.hooks.__enter__()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        self.hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
 
 
 def _held_bytes(model, zero) -> dict[str, int]:
@@ -352,7 +419,7 @@ def format_simulation(job: JobSimulation) -> str:
     gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
     lines = [
         f"simulated: {job.model} at tp={job.tp} x pp={job.pp} x dp={job.dp} = {job.world} ranks, "
-        f"ZeRO-{job.zero}, {job.precision} (fake process group, meta device; activations not included)",
+        f"ZeRO-{job.zero}, {job.precision} (fake process group, meta device; activations apart)",
     ]
     for r in job.ranks:
         pp_rank, _, tp_rank = r.coords
@@ -371,6 +438,9 @@ def format_simulation(job: JobSimulation) -> str:
         lines.append(
             f"  {'total':<28}{gib(r.total):>12}{gib(sum(r.formula.values())):>12}  "
             f"({r.apart:.2%} apart{' where measured' if r.formula_only else ''})"
+        )
+        lines.append(
+            f"  activations of one micro-batch ({job.batch} x {job.seq}), saved by its forward: {gib(r.activations)}"
         )
         per_group: dict[str, list[str]] = {}
         for (group, op), (n, nbytes) in r.collectives.items():

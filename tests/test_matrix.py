@@ -1,0 +1,50 @@
+"""The model x technique matrix in docs/models.md is generated from the committed sweep results, and
+says only what a sweep found."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import matrix  # noqa: E402 - benchmarks/matrix.py
+
+
+def test_the_committed_matrix_is_the_generated_one():
+    with open(matrix.DOCS) as f:
+        text = f.read()
+    expected = matrix.render(matrix.load_sweeps(os.path.join(ROOT, "benchmarks")))
+    assert text[text.index(matrix.BEGIN) : text.index(matrix.END) + len(matrix.END)] == expected, (
+        "docs/models.md's matrix was edited by hand or the sweep JSON changed: run benchmarks/matrix.py"
+    )
+
+
+def test_cells_come_from_sweep_rows_and_unswept_columns_say_so(tmp_path):
+    rows = [
+        {"task": "causal-lm", "model_type": "llama", "class": "LlamaForCausalLM", "result": "passed", "generate_equal": True},
+        {"task": "masked-lm", "model_type": "bert", "class": "BertForMaskedLM", "result": "passed"},
+        {"task": "causal-lm", "model_type": "doge", "class": "DogeForCausalLM", "result": "refused"},
+    ]  # fmt: skip
+    verify = {"sweep": "verify", "date": "2026-01-01", "transformers": "9.9", "tp": 2, "rows": rows, "file": "v.json"}
+    sp_rows = [{"task": "causal-lm", "model_type": "llama", "class": "LlamaForCausalLM", "result": "refused"}]
+    sp = {"sweep": "plan", "date": "2026-01-02", "transformers": "9.9", "sequence_parallel": True, "rows": sp_rows}
+    pp_rows = [{"task": "masked-lm", "model_type": "bert", "class": "BertForMaskedLM", "result": "passed"}]
+    pp = {"sweep": "pipeline", "date": "2026-01-03", "transformers": "9.9", "pp": 2, "rows": pp_rows, "file": "p.json"}
+    notes, table = matrix.build([verify, {**sp, "file": "sp.json"}, pp])
+    assert notes[0].startswith("[1] tp, generate: verify sweep") and "2026-01-01, transformers 9.9" in notes[0]
+    assert notes[1].startswith("[2] sp: plan sweep") and "with sequence parallelism" in notes[1]
+    by_class = {row[2]: dict(zip(("family", "head", "class", *matrix.COLUMNS), row)) for row in table}
+    llama, bert, doge = by_class["LlamaForCausalLM"], by_class["BertForMaskedLM"], by_class["DogeForCausalLM"]
+    assert (llama["tp"], llama["generate"], llama["sp"]) == ("yes (tested) [1]", "yes (tested) [1]", "refused [2]")
+    assert (bert["generate"], bert["sp"]) == ("n/a (no generate) [1]", "not swept")
+    assert notes[2].startswith("[3] pp: ParallelEngine sweep") and "pp=2 on 2 gloo ranks" in notes[2]
+    assert (bert["pp"], llama["pp"], doge["pp"]) == ("yes (tested) [3]", "not swept", "not swept")
+    assert (doge["tp"], doge["generate"]) == ("refused [1]", "refused [1]")
+    for column in ("cp", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ep", "checkpointing", "Trainer", "LoRA"):
+        assert {row[column] for row in by_class.values()} == {"not swept"}
+    # the committed sweeps: as many yes cells in the tp column as the newest verify sweep has passed rows
+    sweeps = matrix.load_sweeps(os.path.join(ROOT, "benchmarks"))
+    newest = [s for s in sweeps if matrix.columns_of(s) == ("tp", "generate")][-1]
+    _, table = matrix.build(sweeps)
+    passed = sum(r["result"] == "passed" for r in newest["rows"])
+    assert len(table) == len(newest["rows"]) and sum(row[3].startswith("yes (tested)") for row in table) == passed
