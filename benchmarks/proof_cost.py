@@ -41,7 +41,7 @@ def time_choose(model, tp: int, routes) -> tuple:
     """``(route name, proven, cold s, cached s, peak MiB the cold run added, resident MiB before)``:
     choosing ``model``'s route among ``routes`` twice in this process, first cold, then cached."""
     from shardformer import ShardConfig
-    from shardformer.models import final_norm, layer_stack
+    from shardformer.policies.anatomy import final_norm, layer_stack
     from shardformer.policies.routes import choose
 
     args = dict(layers=layer_stack(model), adapters=None, final_norm=final_norm(model))

@@ -1,6 +1,6 @@
 """``shard_model``: the one-liner. Picks the first route that proves exact on a tiny copy (the model
 family's policy, transformers' own plan, the derived cut: :mod:`shardformer.policies.routes`) and the
-layer stack (the model's anatomy, :mod:`shardformer.models.anatomy`), then lets the sharder cut."""
+layer stack (the model's anatomy, :mod:`shardformer.policies.anatomy`), then lets the sharder cut."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from shardformer.core.config import ShardConfig
 from shardformer.core.record import attach, build_mesh, sharding_of
 from shardformer.core.versions import warn_if_untested
 from shardformer.expert_parallel import check_expert_parallel, plan_expert_parallel, split_experts
-from shardformer.models import final_norm, layer_stack
+from shardformer.policies.anatomy import final_norm, layer_stack
 from shardformer.policies.routes import candidate_routes, choose, route_of
 from shardformer.tensor_parallel.adapters import SeenThrough
 from shardformer.tensor_parallel.policy import Policy

@@ -30,11 +30,13 @@ from shardformer.data_parallel import ZeroOptimizer
 from shardformer.data_parallel.fsdp import fully_shard_model, local_numel, through_root
 from shardformer.data_parallel.fsdp_optimizer import FullyShardedOptimizer
 from shardformer.expert_parallel.optimizer import ExpertParallelOptimizer
-from shardformer.models import family_spec, layer_stack, pipeline_spec_for
+from shardformer.models import family_spec
 from shardformer.pipeline.schedule import run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
+from shardformer.policies.anatomy import layer_stack
+from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.recompute import checkpoint_layers
 

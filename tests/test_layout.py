@@ -19,6 +19,7 @@ ORDER = [
     "data_parallel",
     "models",
     "policies",
+    "expert_parallel",
     "api",
     "checkpoint",
     "engine",

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from shardformer.core.inputs import make_inputs
-from shardformer.pipeline.from_plan import spec_from_pp_plan
 from shardformer.pipeline.spec import PipelineSpec
 
 
@@ -102,15 +101,6 @@ def tiny_models() -> list[str]:
     return sorted(next(iter(f.builds)) for f in families() if f.builds)
 
 
-def pipeline_spec_for(model: nn.Module) -> PipelineSpec:
-    """The pipeline spec of ``model``'s class: its family's, else one from transformers'
-    ``base_model_pp_plan``, else one from its anatomy, proven on a tiny copy
-    (:mod:`shardformer.pipeline.from_anatomy`); NotImplementedError naming why where none is exact."""
-    from shardformer.pipeline.from_anatomy import spec_from_anatomy
-
-    return family_spec(model) or spec_from_pp_plan(model) or spec_from_anatomy(model)
-
-
 def family_spec(model: nn.Module) -> PipelineSpec | None:
     """The hand-written pipeline spec of ``model``'s class, if its family has one."""
     family = family_of(model)
@@ -121,19 +111,3 @@ def inputs_for(model: nn.Module, seed: int, batch: int = 2) -> dict:
     """Random inputs for ``model``: its family's, else the default from its main input and head."""
     family = family_of(model)
     return (family.inputs if family is not None else make_inputs)(model, seed, batch)
-
-
-def layer_stack(model: nn.Module) -> str | None:
-    """The path of ``model``'s one repeated layer stack (:func:`shardformer.models.anatomy.layer_stack`:
-    its family's, else transformers' ``base_model_pp_plan``'s, else the one its structure shows)."""
-    from shardformer.models.anatomy import layer_stack as found
-
-    return found(model)
-
-
-def final_norm(model: nn.Module, structural: bool = True) -> str | None:
-    """The path of the norm ``model`` applies to its layer stack's output before anything else reads it
-    (:func:`shardformer.models.anatomy.final_norm`)."""
-    from shardformer.models.anatomy import final_norm as found
-
-    return found(model, structural)

@@ -21,9 +21,10 @@ from shardformer.core.comm import VirtualGroup
 from shardformer.core.config import CP_MODES, PRECISIONS, ZERO_STAGES, ShardConfig, check_choice
 from shardformer.core.mesh import resolve_sizes
 from shardformer.expert_parallel.sizing import ExpertSizing, expert_sizing
-from shardformer.models import layer_stack, pipeline_spec_for
 from shardformer.pipeline.spec import PipelineSpec, check_split
 from shardformer.pipeline.spec_check import check_pipeline_spec
+from shardformer.policies.anatomy import layer_stack
+from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.policies.auto import get_autopolicy
 from shardformer.tensor_parallel.sharder import ModelSharder
 from shardformer.tensor_parallel.slicer import shard_spec

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.memory import StorageBytes
-from shardformer.models.anatomy import stacks
+from shardformer.policies.anatomy import stacks
 from shardformer.tools.plan import BYTES, GATHERED, model_state_bytes, plan_model
 
 CATEGORIES = ("parameters", "gradients", "gradient buffers (fp32)", "optimizer (Adam + master)", GATHERED)

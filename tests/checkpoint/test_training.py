@@ -19,7 +19,7 @@ from shardformer.checkpoint import CheckpointError, layout_of, load_checkpoint, 
 from shardformer.core.record import with_stage
 from shardformer.core.tiny import tiny_config
 from shardformer.data_parallel import ZeroOptimizer
-from shardformer.models import pipeline_spec_for
+from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from tests.checkpoint.common import full_logits, remove_dir, sgd_steps, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.policies import zoo

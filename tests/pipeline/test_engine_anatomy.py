@@ -12,9 +12,9 @@ import torch
 import transformers as tf
 
 from shardformer.core.tiny import tiny_config
-from shardformer.models import final_norm, layer_stack, pipeline_spec_for
-from shardformer.pipeline.from_anatomy import AnatomyStageForward, EncoderDecoderStageForward
 from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_spec
+from shardformer.policies.anatomy import final_norm, layer_stack
+from shardformer.policies.anatomy_pipeline import AnatomyStageForward, EncoderDecoderStageForward, pipeline_spec_for
 from shardformer.tools.conformance import load_pair
 from tests.helpers import check_table
 from tests.pipeline import common

@@ -12,7 +12,7 @@ import transformers as tf
 
 from shardformer import shard_model
 from shardformer.core.tiny import tiny_config
-from shardformer.models import pipeline_spec_for
+from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from tests.helpers import assert_close
 
 

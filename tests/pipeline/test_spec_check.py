@@ -6,8 +6,8 @@ import pytest
 import transformers as tf
 
 from shardformer.models import gpt2 as gpt2_family
-from shardformer.models import pipeline_spec_for
 from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_lists, check_pipeline_spec
+from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.tools.model_source import build_model
 from shardformer.tools.plan import plan_model
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from shardformer import EngineConfig, ParallelEngine, PipelineSpec, ShardConfig, shard_model
 from shardformer.core.config import SHARD_FIELDS
 from shardformer.engine import split_batch
-from shardformer.models import pipeline_spec_for
 from shardformer.pipeline import balanced_split, check_split, local_layers, stage_of
+from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from tests.helpers import assert_close
 from tests.pipeline import common
 from tests.policies import zoo

@@ -1,6 +1,6 @@
 """Pipeline specs from a model's anatomy: any model with one layer stack, any head, proven on a tiny copy.
 
-The anatomy (:mod:`shardformer.models.anatomy`) says which ``ModuleList`` is the layer stack and which
+The anatomy (:mod:`shardformer.policies.anatomy`) says which ``ModuleList`` is the layer stack and which
 modules run before it (embeddings: the first stage) and after it (final norm, head: the last stage);
 a module of the first tied to one of the last (input embeddings and the LM head) is on both.
 
@@ -37,10 +37,12 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
 from shardformer.core.record import sharding_of
-from shardformer.models.anatomy import AnatomyError, Ends, ends_of, own_ancestor, stacks, tiny_for
+from shardformer.models import family_spec
+from shardformer.pipeline.from_plan import spec_from_pp_plan
 from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
+from shardformer.policies.anatomy import AnatomyError, Ends, ends_of, own_ancestor, stacks, tiny_for
 
 
 class LayerPassThrough(nn.Module):
@@ -323,3 +325,10 @@ def _grad_in(stage: nn.Module, names: list[str]) -> torch.Tensor | None:
     params = dict(stage.named_parameters(remove_duplicate=False))
     held = next((params[n] for n in names if n in params), None)
     return None if held is None else held.grad
+
+
+def pipeline_spec_for(model: nn.Module) -> PipelineSpec:
+    """The pipeline spec of ``model``'s class: its family's, else one from transformers'
+    ``base_model_pp_plan``, else one from its anatomy, proven on a tiny copy (:func:`spec_from_anatomy`);
+    NotImplementedError naming why where none is exact."""
+    return family_spec(model) or spec_from_pp_plan(model) or spec_from_anatomy(model)
