@@ -143,3 +143,33 @@ def test_moe_plan_lists_the_experts(capsys):
     assert plan_model(build_meta_model("gpt2")).experts is None
     assert main(["plan", "mixtral-8x7b", "--tp", "8", "--summary"]) == 0
     assert "experts: 8 routed per MoE layer (top-2), in 32 layers" in capsys.readouterr().out
+
+
+def test_plan_at_an_expert_parallel_size(capsys):
+    """--ep: each rank holds 1/ep of the routed experts (its parameters and gradients), ZeRO steps them
+    over dp / ep ranks, and the exchange's bytes are counted; sizes that do not fit are refused."""
+    config = tf.MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=100,
+    )  # fmt: skip
+    build = lambda: build_meta_model(lambda: tf.MixtralForCausalLM(config))  # noqa: E731
+    whole = plan_model(build(), tp=2, dp=4, zero=1, precision="bf16")
+    split = plan_model(build(), tp=2, dp=4, zero=1, precision="bf16", ep=2, batch=1, seq=64)
+    assert split.routed_numel * 2 == whole.routed_numel == 98304  # 2 layers x 4 experts cut over tp, 1/ep of them
+    assert split.rank_numel == whole.rank_numel - whole.routed_numel // 2
+    dense = whole.rank_numel - whole.routed_numel
+    # Adam + fp32 master (12 bytes) of the dense part over dp=4, of this rank's experts over dp / ep = 2
+    assert split.bytes_per_rank()["optimizer (Adam + master)"] == 12 * (-(-dense // 4) + split.routed_numel // 2)
+    lines = expert_lines(split.params, split.experts, 2, split.tokens, 2)
+    assert lines[-2].startswith("  per rank: 2 experts of each MoE layer (1/2 of them: ep=2)")
+    # 64 tokens x top-2 x 64 wide x 2 bytes, half of it leaving the rank, 4 exchanges, 2 layers
+    assert lines[-1].startswith(
+        f"  all-to-all: {64 * 2 * 64 * 2 // 2 * 4 / 2**20:,.1f} MiB sent per rank per MoE layer"
+    )
+    assert main(["plan", "mixtral-8x7b", "--tp", "2", "--dp", "4", "--ep", "4", "--summary"]) == 0
+    assert "2 experts of each MoE layer (1/4 of them: ep=4)" in capsys.readouterr().out
+    assert main(["plan", "mixtral-8x7b", "--dp", "4", "--ep", "3"]) == 2
+    assert "expert_parallel_size=3 does not divide data_parallel_size=4" in capsys.readouterr().err
+    assert main(["plan", "gpt2", "--dp", "2", "--ep", "2"]) == 2
+    assert "cannot be split by experts" in capsys.readouterr().err
+    assert main(["plan", "mixtral-8x7b", "--dp", "2", "--ep", "2", "--simulate"]) == 2

@@ -20,6 +20,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "  shardformer plan gpt2 --tp 2 --summary --batch 2 --seq 1024\n"
         "  shardformer plan path/to/llama --tp 2 --cp 2 --cp-mode all_to_all --summary --batch 1 --seq 32768\n"
         "  shardformer plan llama3-405b --tp 8 --pp 16 --dp 8 --simulate\n"
+        "  shardformer plan deepseek-v3 --tp 8 --pp 16 --dp 8 --ep 8 --zero 1 --precision bf16 --summary "
+        "--batch 1 --seq 4096\n"
         "  shardformer plan llama-3-70b --tp 8 --gpus 8 --gpu-memory 80GB --zero 1 --precision bf16 "
         "--batch 1 --seq 4096\n"
         "  shardformer plan llama-7b --pp 2 --gpus 8 --gpu-memory 80GB --precision bf16 --batch 1 --seq 4096 "
@@ -46,6 +48,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     # core.config.CP_MODES, spelled out: importing it would import torch for `shardformer --help`
     parser.add_argument("--cp-mode", default="ring", choices=("ring", "all_to_all"), help="how attention spans the "
                         "split sequence (default ring)")  # fmt: skip
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size: each MoE layer's experts split "
+                        "over this many of the dp ranks (default 1)")  # fmt: skip
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0; with "
                         "--simulate 1; 3: bytes by formula)")  # fmt: skip
     parser.add_argument("--simulate", action="store_true", help="build one rank of every kind for real on the "
@@ -77,7 +81,7 @@ def plan_command(args: argparse.Namespace) -> int:
         model = build_meta_model(args.model, args.model_class)
         plan = plan_model(
             model, args.tp, args.pp, args.dp, args.zero, args.precision, policy=policy, batch=args.batch,
-            seq=args.seq, device=args.device, cp=args.cp, cp_mode=args.cp_mode,
+            seq=args.seq, device=args.device, cp=args.cp, cp_mode=args.cp_mode, ep=args.ep,
         )  # fmt: skip
     except (ValueError, NotImplementedError) as e:
         message = str(e).replace("pass it: shard_model(model, config, policy=MyPolicy())", "pass --policy module:Class")
@@ -127,8 +131,12 @@ def fit_header(args: argparse.Namespace) -> str:
 def simulate_command(args: argparse.Namespace) -> int:
     from shardformer.tools.simulate import format_simulation, simulate_job
 
-    if args.policy or args.cp != 1:
-        print("shardformer plan: error: --simulate takes no --policy or --cp", file=sys.stderr)
+    if args.policy or args.cp != 1 or args.ep != 1:
+        print(
+            "shardformer plan: error: --simulate takes no --policy, --cp or --ep (a fake process group delivers no "
+            "tokens to route; without --simulate, plan counts the experts per rank and the all-to-all bytes)",
+            file=sys.stderr,
+        )
         return 2
     if (args.batch is None) != (args.seq is None):
         raise ValueError(f"--batch {args.batch} and --seq {args.seq}: give both, or neither")

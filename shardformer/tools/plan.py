@@ -20,6 +20,7 @@ from shardformer.context_parallel.checks import check_context_parallel
 from shardformer.core.comm import VirtualGroup
 from shardformer.core.config import CP_MODES, PRECISIONS, ZERO_STAGES, ShardConfig, check_choice
 from shardformer.core.mesh import resolve_sizes
+from shardformer.expert_parallel.find import find_experts
 from shardformer.expert_parallel.sizing import ExpertSizing, expert_sizing
 from shardformer.pipeline.spec import PipelineSpec, check_split
 from shardformer.pipeline.spec_check import check_pipeline_spec
@@ -58,6 +59,8 @@ class Plan:
     cp: int = 1
     cp_mode: str = "ring"
     experts: ExpertSizing | None = None  # a mixture of experts' experts, found before the model was cut
+    ep: int = 1  # expert-parallel size: routed experts split over ep of the dp ranks
+    tokens: int | None = None  # tokens per micro-batch and rank (batch x seq / cp), when given
 
     @property
     def world(self) -> int:
@@ -80,7 +83,22 @@ class Plan:
         """Bytes per rank for ``numel`` parameters (default: the largest pipeline stage's, or the model's)."""
         if numel is None:
             numel = max(n for _, n in self.stages) if self.stages else self.rank_numel
-        return model_state_bytes(numel, self.precision, self.dp, self.zero, self.largest_layer)
+        if self.ep == 1:
+            return model_state_bytes(numel, self.precision, self.dp, self.zero, self.largest_layer)
+        # split experts are stepped by ZeRO over the dp / ep ranks holding them (a stage is taken to hold
+        # the model's share of them)
+        experts = round(numel * self.routed_numel / max(self.rank_numel, 1))
+        dense = model_state_bytes(numel - experts, self.precision, self.dp, self.zero, self.largest_layer)
+        split = model_state_bytes(experts, self.precision, self.dp // self.ep, self.zero)
+        return {k: dense.get(k, 0) + split.get(k, 0) for k in {**dense, **split}}
+
+    @property
+    def routed_numel(self) -> int:
+        """Routed experts' parameters on a rank (after tp and ep)."""
+        if self.experts is None:
+            return 0
+        routed = tuple(path + "." for path in self.experts.paths)
+        return sum(_numel(local) for name, _, local in self.params if name.startswith(routed))
 
 
 def model_state_bytes(n: int, precision: str, dp: int, zero: int, largest_layer: int = 0) -> dict[str, int]:
@@ -139,6 +157,7 @@ def plan_model(
     tp_rank: int = 0,
     cp: int = 1,
     cp_mode: str = "ring",
+    ep: int = 1,
 ) -> Plan:
     """Shard ``model`` (build it on the meta device) for tp rank ``tp_rank`` of ``tp`` and describe the result.
 
@@ -161,19 +180,33 @@ def plan_model(
     plan_activations = (
         activation_lines(config, batch, seq, tp, precision, device, cp, cp_mode, pp) if batch is not None else []
     )  # before sharding: a bad size fails before the slow part
-    experts = expert_sizing(model)
+    if dp % ep:
+        raise ValueError(
+            f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: expert-parallel ranks are "
+            f"data-parallel ranks; pick an ep that divides {dp}"
+        )
+    experts = expert_sizing(model, ep)
+    if ep > 1 and experts is None:
+        find_experts(model, ep)  # raises, naming why the model's experts cannot be split
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     before = {name: type(m).__name__ for name, m in model.named_modules()}
     config = ShardConfig(tensor_parallel_process_group=VirtualGroup(tp_rank, tp), pipeline_parallel_size=1)
     policy = policy or get_autopolicy(model)
     model = ModelSharder(model, policy, config, layers=layer_stack(model)).shard()
-    plan = Plan(tp, pp, dp, zero, precision, activations=plan_activations, cp=cp, cp_mode=cp_mode, experts=experts)
+    tokens = batch * seq // cp if batch is not None else None
+    plan = Plan(
+        tp, pp, dp, zero, precision, activations=plan_activations, cp=cp, cp_mode=cp_mode, experts=experts, ep=ep,
+        tokens=tokens,
+    )  # fmt: skip
     for name, m in model.named_modules():
         if name in before and before[name] != type(m).__name__:
             plan.replaced.append((name, before[name], type(m).__name__))
     for name, p in model.named_parameters():
         spec = shard_spec(p)
-        plan.params.append((name, full_shapes[name], tuple(p.shape) if spec else full_shapes[name]))
+        local = tuple(p.shape) if spec else full_shapes[name]
+        if experts is not None and ep > 1 and name.startswith(tuple(path + "." for path in experts.paths)):
+            local = (local[0] // ep, *local[1:])  # this rank's experts
+        plan.params.append((name, full_shapes[name], local))
     numels = {name: _numel(local) for name, _, local in plan.params}
     if pp > 1:
         plan.stages = stage_split(pipeline, model, pp, numels)
@@ -284,7 +317,7 @@ def format_plan(plan: Plan, show_params: bool = True) -> str:
         f"parameters: {plan.full_numel:,} unsharded, {plan.rank_numel:,} per tensor-parallel rank "
         f"({plan.rank_numel / plan.full_numel:.3f})" + (" (cp does not split parameters)" if plan.cp > 1 else ""),
     ]
-    lines += expert_lines(plan.params, plan.experts, plan.tp)
+    lines += expert_lines(plan.params, plan.experts, plan.tp, plan.tokens, BYTES[plan.precision])
     lines.append("estimated bytes per rank:")
     per_rank = plan.bytes_per_rank()
     for what, b in per_rank.items():
