@@ -34,6 +34,7 @@ from shardformer.pipeline.schedule import run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
+from shardformer.pipeline.virtual import check_virtual, forward_only, in_chunk, keep_chunks
 from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.recompute import checkpoint_layers
 
@@ -118,8 +119,14 @@ class ParallelEngine:
         world = dist.get_world_size() if dist.is_initialized() else 1
         resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
         self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
+        num_chunks, chunk_counts = cfg.pp * cfg.chunks_per_rank, cfg.layers_per_stage
+        if cfg.chunks_per_rank > 1:  # virtual stages: the schedule's needs, the layers per chunk
+            layers = len(self.pipeline.layer_list(model))
+            chunk_counts = check_virtual(
+                cfg.schedule, cfg.pp, cfg.chunks_per_rank, cfg.num_microbatches, layers, cfg.layers_per_stage
+            )
         if cfg.pp > 1:  # the split's sizes, paths and ties, before any process waits
-            check_pipeline_spec(self.pipeline, model, cfg.pp, cfg.layers_per_stage)
+            check_pipeline_spec(self.pipeline, model, num_chunks, chunk_counts)
         if cfg.activation_checkpointing:
             self._checkpoint_activations(model, check_only=True)  # before any collective
         if mesh is not None and (
@@ -132,7 +139,12 @@ class ParallelEngine:
         self._forward_agreement = self.model.shardformer.forward_agreement
         if self._forward_agreement is not None:  # checked per step below: shapes (the step agreement: values)
             self._forward_agreement.in_forward = self._forward_agreement.compare_values = False
-        if cfg.pp > 1:
+        self.chunks = None  # this rank's model chunks under a virtual-stage schedule
+        if cfg.chunks_per_rank > 1:
+            self.chunks = keep_chunks(
+                self.pipeline, self.model, cfg.schedule, self.mesh.pp_rank, cfg.pp, cfg.chunks_per_rank, chunk_counts
+            )
+        elif cfg.pp > 1:
             self.pipeline.keep_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
         # Context parallelism splits the sequence in the model's own forward at pp=1, in each stage's at pp > 1.
         whole = self.pipeline is None or (cfg.cp > 1 and cfg.pp == 1)
@@ -143,15 +155,27 @@ class ParallelEngine:
             self.stage_forward = torch.compile(self.stage_forward, backend=cfg.compile_backend)
         if cfg.activation_checkpointing:
             self._checkpoint_activations(self.model)
+        chunk_forwards = {}  # {chunk: its stage forward} under a virtual-stage schedule
+        if self.chunks is not None:
+            chunk_forwards = {c: in_chunk(self.stage_forward, self.chunks, c) for c in self.chunks.indices}
         grad_hooks = []
         if cfg.zero_stage == 3:  # fp32 shards stay the master weights; FSDP2 casts them for compute
             device = next(self.model.parameters()).device
             grad_hooks = fully_shard_model(self.model, self._layer_list(self.model), self.mesh, device, cfg.precision)
             self.stage_forward = through_root(self.stage_forward, calls_the_model=whole)
+            chunk_forwards = {c: through_root(f) for c, f in chunk_forwards.items()}  # the view inside the root call
         else:
             self.model.to(PRECISIONS[cfg.precision])
+        self._chunk_forwards = chunk_forwards
         first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
+        self._loss_rank = self.mesh.pp_size - 1  # the pp rank of the last stage (chunk): the losses are there
+        if self.chunks is not None:
+            first, last = 0 in self.chunks.indices, num_chunks - 1 in self.chunks.indices
+            self._loss_rank = self.chunks.last_rank
         self.shared = self.pipeline.shared_parameters(self.model) if cfg.pp > 1 and (first or last) else []
+        # A V-shaped schedule puts the first and the last chunk on rank 0: a tied weight there is one
+        # parameter, its two uses accumulated by autograd; nothing to sum over ranks, ZeRO reduces it at step.
+        late_grads, self.shared = self.shared, [] if first and last else self.shared
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = None
         if optimizer is not None and cfg.zero_stage == 3:
@@ -172,7 +196,7 @@ class ParallelEngine:
                 counted_elsewhere=self.shared if last and not first else (),
                 overlap_communication=cfg.overlap_grad_reduce,
                 backwards_per_step=cfg.num_microbatches,  # one backward per micro-batch
-                late_grads=self.shared,  # summed over the stages after backward
+                late_grads=late_grads,  # summed over the stages after backward (or used by two chunks)
                 # cp ranks computed parts of the same sequences: ZeRO sums their gradients bucket by bucket
                 sum_group=self.mesh.cp_group if cfg.cp > 1 else None,
                 release_grads=cfg.zero_stage == 2,  # ZeRO-2 keeps only its 1/dp row of each reduced gradient
@@ -184,8 +208,9 @@ class ParallelEngine:
         self.last_grad_norm: float | None = None
         self._steps_run = 0  # train and eval steps: every rank must be in the same one
         self._torch_pipeline = TorchPipeline(
-            self.model, self.stage_forward, self.mesh, self.device, before_backward=self._before_backward
-        )
+            self.model, self.stage_forward, self.mesh, self.device, before_backward=self._before_backward,
+            stage_forwards=chunk_forwards or None, num_stages=num_chunks,
+        )  # fmt: skip
         if self.mesh.rank == 0:
             logger.info(
                 "ParallelEngine: tp=%d cp=%d (%s) pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
@@ -274,8 +299,7 @@ class ParallelEngine:
         row = [local, batch_fingerprint(batch), self._steps_run, kind]
         table = torch.stack(comm.all_gather(torch.tensor(row, dtype=torch.float64, device=self.device), None)).cpu()
         check_agreement(table[:, 1:], self._batch_peers())
-        last = mesh.pp_size - 1
-        per_dp = [table[mesh.global_rank(last, d, mesh.tp_rank), 0] for d in range(mesh.dp_size)]
+        per_dp = [table[mesh.global_rank(self._loss_rank, d, mesh.tp_rank), 0] for d in range(mesh.dp_size)]
         return (torch.stack(per_dp).float().sum() / mesh.dp_size).item()
 
     def _batch_peers(self) -> list[list[int]]:
@@ -327,11 +351,18 @@ class ParallelEngine:
         self._check_shapes(local)
         micro = split_batch(local, self.config.num_microbatches, "num_microbatches")
         self.model.eval()
-        losses, _ = run_pipeline(
-            self.model, forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device,
+        losses, _ = self._forward_only(forward, micro, self.loss_fn)
+        return self._agreed_loss(losses, batch, kind=2)
+
+    def _forward_only(self, forward, micro, loss_of):
+        """Forward passes of ``micro`` over the stages (our send/recv): ``(losses, outputs)`` on the rank of
+        the last stage."""
+        if self.chunks is not None:
+            return forward_only(self._chunk_forwards, self.chunks, self.model, self.mesh, micro, loss_of, self.device)
+        return run_pipeline(
+            self.model, forward, self.mesh, micro, loss_of, backward=False, device=self.device,
             overlap=self.config.overlap_p2p,
         )  # fmt: skip
-        return self._agreed_loss(losses, batch, kind=2)
 
     @torch.no_grad()
     def forward(self, batch: dict):
@@ -343,16 +374,13 @@ class ParallelEngine:
         self._check_shapes(batch)
         micro = split_batch(self._to_device(batch), self._inference_chunks(batch), "num_microbatches")
         self.model.eval()
-        _, outputs = run_pipeline(
-            self.model, forward, self.mesh, micro, None, backward=False, device=self.device,
-            overlap=self.config.overlap_p2p,
-        )  # fmt: skip
+        _, outputs = self._forward_only(forward, micro, None)
         out = None
         if outputs:
             out = torch.cat([o if torch.is_tensor(o) else o["logits"] for o in outputs]).contiguous()
         if self.mesh.pp_size == 1:
             return out
-        last = self.mesh.pp_size - 1  # the last stage's output, on every stage
+        last = self._loss_rank  # the last stage's output, on every stage
         shape, dtype = comm.broadcast_object(
             None if out is None else (tuple(out.shape), out.dtype), self.mesh.pp_group, last
         )
@@ -377,7 +405,9 @@ class ParallelEngine:
         """ZeRO-3 with micro-batches: FSDP2 accumulates the unsharded gradients of all but the stage's
         last micro-batch and reduce-scatters once, in the last backward (ZeRO-1/2 count backward passes
         themselves: ``backwards_per_step``)."""
-        if self.config.zero_stage == 3 and self.config.num_microbatches > 1:
+        # Several chunks per rank: the root unit's gradients come from two chunks whose last backwards
+        # fall at different times; every backward reduce-scatters (exact, n times the communication).
+        if self.config.zero_stage == 3 and self.config.num_microbatches > 1 and self.chunks is None:
             self.model.set_requires_gradient_sync(last)
 
     def _sum_shared_grads(self) -> None:

@@ -3,6 +3,7 @@
 import torch
 import torch.distributed as dist
 
+from shardformer.data_parallel.fsdp import full_of
 from shardformer.engine import split_batch
 from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 from tests.policies import zoo
@@ -77,7 +78,8 @@ def gathered_weights(model, tp_group):
     mine = {}
     for name, p in model.named_parameters():
         spec = shard_spec(p)
-        mine[name] = (p.detach() if spec is None else gather_tensor(p.detach(), spec, tp_group)).float().clone()
+        value = full_of(p)  # a ZeRO-3 (DTensor) parameter gathered over dp first
+        mine[name] = (value if spec is None else gather_tensor(value, spec, tp_group)).float().clone()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     merged = {}

@@ -1,0 +1,126 @@
+"""Schedules with several model chunks per pipeline rank (interleaved 1F1B, ZBV, DualPipeV) and ZeRO-3 on
+plan-route models at pp=2, through ParallelEngine on 4 gloo ranks, against one process training the
+unsharded model on the same batches: the loss of every step and every weight after the steps (with
+gradient clipping, so the gradient norm over the chunks is checked too). One spawn; the refusals run
+without one.
+"""
+
+import pytest
+import torch
+import transformers as tf
+
+from shardformer import EngineConfig
+from shardformer.core.tiny import tiny_config
+from shardformer.engine import split_batch
+from shardformer.pipeline.virtual import check_virtual, chunk_ranks
+from shardformer.tools.conformance import load_pair
+from tests.helpers import assert_close, check_table
+from tests.pipeline import common
+from tests.pipeline.test_engine import STEPS, _check
+
+
+def _llama(name="LlamaForCausalLM", **config):
+    cls = getattr(tf, name)
+    return load_pair(cls, tiny_config(cls.config_class, num_hidden_layers=common.LAYERS, **config))
+
+
+def _train(name, combo, pair=None, **options):
+    return _check(name, *combo, model_pair=pair or _llama(name), data=common.batches(name, STEPS), **options)
+
+
+def _inference_matches(engine, ref, name):
+    """eval_step and forward walk the chunks (our send/recv) and give the unsharded model's results."""
+    batch = common.batches(name, 1, seed=5)[0]
+    chunks = split_batch(batch, engine.mesh.dp_size * engine.config.num_microbatches, "chunks")
+    with torch.no_grad():
+        expected = sum(ref.eval()(**c).loss for c in chunks).item() / len(chunks)
+        logits = ref(input_ids=batch["input_ids"]).logits
+    assert_close(torch.tensor(engine.eval_step(batch)), torch.tensor(expected), what=f"{name} eval_step")
+    assert_close(engine.forward({"input_ids": batch["input_ids"]}), logits, what=f"{name} forward logits")
+
+
+def check_llama_tp2_pp2_interleaved_and_inference():
+    ref, model = pair = _llama(tie_word_embeddings=False)
+    engine = _train("LlamaForCausalLM", (2, 2, 1, "interleaved_1f1b", 4, 0.5, "torch"), pair, gather_output=True)
+    assert engine.chunks.indices == ((0, 2) if engine.mesh.pp_rank == 0 else (1, 3)), engine.chunks
+    _inference_matches(engine, ref, "LlamaForCausalLM")
+
+
+def check_tied_llama_tp2_pp2_zbv_zero2():
+    """V-shaped: rank 0 holds the first and the last chunk, the tied embedding once, used by both."""
+    engine = _train(
+        "LlamaForCausalLM", (2, 2, 1, "zbv", 4, 0.5, "torch"), _llama(tie_word_embeddings=True), zero_stage=2
+    )
+    assert engine.chunks.indices == ((0, 3) if engine.mesh.pp_rank == 0 else (1, 2)), engine.chunks
+
+
+def check_qwen3_tp2_pp2_dualpipev_with_checkpointing():
+    _train(
+        "Qwen3ForCausalLM", (2, 2, 1, "dualpipev", 4, 0.5, "torch"), _llama("Qwen3ForCausalLM"),
+        activation_checkpointing=True,
+    )  # fmt: skip
+
+
+def check_gpt2_pp2_dp2_interleaved():
+    """A built-in family (tied embedding on ranks 0 and 1: chunk 0 and chunk 3)."""
+    _check("GPT2LMHeadModel", 1, 2, 2, "interleaved_1f1b", 2, 0.5, "torch")
+
+
+def check_zero3_pp2_dp2_plan_route():
+    """ZeRO-3 (FSDP2 over dp) on plan-route models in pipeline stages, one chunk per rank and two."""
+    for name, schedule in (("LlamaForCausalLM", "1f1b"), ("Qwen3ForCausalLM", "gpipe"), ("LlamaForCausalLM", "zbv")):
+        _train(name, (1, 2, 2, schedule, 4, 0.5, "torch"), _llama(name), zero_stage=3)
+    ref, model = pair = _llama(tie_word_embeddings=True)
+    engine = _train("LlamaForCausalLM", (1, 2, 2, "interleaved_1f1b", 2, 0.5, "torch"), pair, zero_stage=3)
+    _inference_matches(engine, ref, "LlamaForCausalLM")
+
+
+CHECKS = [
+    check_llama_tp2_pp2_interleaved_and_inference,
+    check_tied_llama_tp2_pp2_zbv_zero2,
+    check_qwen3_tp2_pp2_dualpipev_with_checkpointing,
+    check_gpt2_pp2_dp2_interleaved,
+    check_zero3_pp2_dp2_plan_route,
+]
+test_schedules_4_ranks = check_table(CHECKS, 4)
+
+
+def test_chunk_placement():
+    assert chunk_ranks("loop", 3, 6) == [0, 1, 2, 0, 1, 2]
+    assert chunk_ranks("v", 3, 6) == [0, 1, 2, 2, 1, 0]
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"schedule": "1f1b", "virtual_stages": 2}, "virtual_stages=2 with schedule='1f1b'"),
+        ({"schedule": "zbv", "virtual_stages": 3}, "exactly 2 chunks per rank"),
+        ({"schedule": "dualpipev", "backend": "p2p"}, "torch.distributed.pipelining only"),
+        ({"schedule": "interleaved_1f1b", "compile": True}, "compile=True"),
+    ],
+)
+def test_config_refusals(options, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(pp=2, **options)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("interleaved_1f1b", 4, 2, 9, 8), "num_microbatches=9 .* 2 rounds.*multiple of pp \\(8\\)"),
+        (("zbv", 2, 2, 2, 8), "at least 2\\*pp-1=3"),
+        (("dualpipev", 2, 2, 3, 8), "at least as many micro-batches as chunks \\(2\\*pp=4\\)"),
+        (("interleaved_1f1b", 2, 3, 2, 4), "6 chunks, more than the model's 4 layers"),
+        (("zbv", 2, 2, 4, 8, [4, 4]), "one count per chunk, pp \\* virtual_stages = 4"),
+    ],
+)
+def test_schedule_refusals(args, match):
+    with pytest.raises(ValueError, match=match):
+        check_virtual(*args)
+
+
+def test_interleaved_counts():
+    assert EngineConfig(pp=2, schedule="interleaved_1f1b").chunks_per_rank == 2
+    assert EngineConfig(pp=2, schedule="interleaved_1f1b", virtual_stages=3).chunks_per_rank == 3
+    assert EngineConfig(pp=1, schedule="zbv").chunks_per_rank == 1  # nothing to interleave
+    assert check_virtual("interleaved_1f1b", 2, 2, 4, 6) == [1, 2, 2, 1]  # the middle chunks first, as stages
