@@ -44,6 +44,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, help="with --batch: sequence length of the activation estimate")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the job runs: torch's "
                         "dropout keeps float masks on cpu, bool masks on cuda (default cpu)")  # fmt: skip
+    parser.add_argument("--schedule", default="1f1b", help="pipeline schedule whose bubble to report (pp > 1): "
+                        "1f1b, gpipe, interleaved_1f1b, zbv, dualpipev (default 1f1b)")  # fmt: skip
+    parser.add_argument("--micro", type=int, default=1, help="micro-batches per step and dp rank (default 1)")
+    parser.add_argument("--virtual-stages", type=int, help="model chunks per pp rank for interleaved_1f1b (default 2)")
     parser.set_defaults(func=plan_command)
     return parser
 
@@ -68,8 +72,27 @@ def plan_command(args: argparse.Namespace) -> int:
         message = str(e).replace("pass it: shard_model(model, config, policy=MyPolicy())", "pass --policy module:Class")
         print(f"shardformer plan: error: {message}", file=sys.stderr)
         return 2
-    print(format_plan(plan, show_params=not args.summary))
+    try:
+        bubble = _bubble(args, plan)
+    except ValueError as e:
+        print(f"shardformer plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan, show_params=not args.summary) + bubble)
     return 0
+
+
+def _bubble(args: argparse.Namespace, plan) -> str:
+    """The schedule's bubble at pp > 1 (EngineConfig's and the schedule's checks first)."""
+    from shardformer.core.config import EngineConfig
+    from shardformer.pipeline.bubble import bubble_report
+
+    if args.pp == 1:
+        return ""
+    cfg = EngineConfig(
+        pp=args.pp, schedule=args.schedule, virtual_stages=args.virtual_stages, num_microbatches=args.micro
+    )
+    layers = plan.stages[-1][0].stop
+    return "\n\n" + bubble_report(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks_per_rank, layers)
 
 
 def simulate_command(args: argparse.Namespace) -> int:

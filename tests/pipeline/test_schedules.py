@@ -10,8 +10,12 @@ import torch
 import transformers as tf
 
 from shardformer import EngineConfig
+from shardformer.cli.config_file import ConfigError, build_config
+from shardformer.cli.main import main
 from shardformer.core.tiny import tiny_config
 from shardformer.engine import split_batch
+from shardformer.pipeline.bubble import bubble_fraction, simulate
+from shardformer.pipeline.schedule import order as schedule_order
 from shardformer.pipeline.virtual import check_virtual, chunk_ranks
 from shardformer.tools.conformance import load_pair
 from tests.helpers import assert_close, check_table
@@ -124,3 +128,33 @@ def test_interleaved_counts():
     assert EngineConfig(pp=2, schedule="interleaved_1f1b", virtual_stages=3).chunks_per_rank == 3
     assert EngineConfig(pp=1, schedule="zbv").chunks_per_rank == 1  # nothing to interleave
     assert check_virtual("interleaved_1f1b", 2, 2, 4, 6) == [1, 2, 2, 1]  # the middle chunks first, as stages
+
+
+def test_config_file_keys():
+    """The config file (and ``--set``) selects the schedule; the examples pass it to EngineConfig."""
+    cfg = build_config({"schedule": "interleaved_1f1b", "virtual_stages": 3})
+    assert (cfg.schedule, cfg.virtual_stages) == ("interleaved_1f1b", 3)
+    assert build_config({}).schedule == EngineConfig.schedule
+    with pytest.raises(ConfigError, match="schedule='zb' is not one of"):
+        build_config({"schedule": "zb"})
+
+
+def test_plan_reports_the_bubble(capsys):
+    """``shardformer plan`` prints the chosen schedule's bubble, and refuses what the schedule refuses."""
+    assert main(["plan", "gpt2", "--pp", "2", "--summary", "--micro", "8", "--schedule", "interleaved_1f1b"]) == 0
+    assert (
+        "pipeline bubble: 5.9% of each step idle per rank (interleaved_1f1b, 2 chunks per rank"
+        in capsys.readouterr().out
+    )
+    assert main(["plan", "gpt2", "--pp", "4", "--summary", "--micro", "4"]) == 0
+    assert f"pipeline bubble: {3 / 7:.1%}" in capsys.readouterr().out  # (pp-1) / (m + pp-1)
+    assert main(["plan", "gpt2", "--pp", "2", "--summary", "--schedule", "dualpipev", "--micro", "2"]) == 2
+    assert "DualPipeV needs at least as many micro-batches as chunks" in capsys.readouterr().err
+
+
+def test_bubble_counted_from_actions():
+    """The replay of a schedule's actions gives the formula where it holds: 1F1B at pp=2, 4 micro-batches."""
+    order = {r: [(r, kind, i) for kind, i in schedule_order("1f1b", 4, r, 2)] for r in range(2)}
+    assert simulate(order) == pytest.approx({0: 0.2, 1: 0.2})
+    assert bubble_fraction("1f1b", 2, 4) == pytest.approx(0.2)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 3) == pytest.approx(3 / 27)
