@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 
-from shardformer import EngineConfig
+from shardformer import EngineConfig, ParallelEngine
 from shardformer.cli.config_file import ConfigError, build_config
 from shardformer.cli.main import main
 from shardformer.core.tiny import tiny_config
@@ -18,6 +18,7 @@ from shardformer.pipeline.bubble import bubble_fraction, simulate
 from shardformer.pipeline.schedule import order as schedule_order
 from shardformer.pipeline.virtual import check_virtual, chunk_ranks
 from shardformer.tools.conformance import load_pair
+from tests.context_parallel import common as cp_common
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common
 from tests.pipeline.test_engine import STEPS, _check
@@ -50,12 +51,15 @@ def check_llama_tp2_pp2_interleaved_and_inference():
     _inference_matches(engine, ref, "LlamaForCausalLM")
 
 
-def check_tied_llama_tp2_pp2_zbv_zero2():
+def check_tied_llama_tp2_pp2_zbv_zero2_sequence_parallel():
     """V-shaped: rank 0 holds the first and the last chunk, the tied embedding once, used by both."""
+    ref, model = pair = _llama(tie_word_embeddings=True)
     engine = _train(
-        "LlamaForCausalLM", (2, 2, 1, "zbv", 4, 0.5, "torch"), _llama(tie_word_embeddings=True), zero_stage=2
-    )
+        "LlamaForCausalLM", (2, 2, 1, "zbv", 4, 0.5, "torch"), pair, zero_stage=2, sequence_parallel=True,
+        gather_output=True,
+    )  # fmt: skip
     assert engine.chunks.indices == ((0, 3) if engine.mesh.pp_rank == 0 else (1, 2)), engine.chunks
+    _inference_matches(engine, ref, "LlamaForCausalLM")  # the last chunk's outputs come from rank 0
 
 
 def check_qwen3_tp2_pp2_dualpipev_with_checkpointing():
@@ -70,9 +74,21 @@ def check_gpt2_pp2_dp2_interleaved():
     _check("GPT2LMHeadModel", 1, 2, 2, "interleaved_1f1b", 2, 0.5, "torch")
 
 
+def check_gpt2_cp2_pp2_dualpipev():
+    """Context parallelism inside the chunks of a hand-written stage forward (GPT-2's)."""
+    ref, model = cp_common.pair("gpt2", n_layer=common.LAYERS)
+    data = [cp_common.batch(13, rows=4, seed=s) for s in range(STEPS)]
+    engine = ParallelEngine(model, common.sgd, EngineConfig(cp=2, pp=2, schedule="dualpipev", num_microbatches=4))
+    got = [engine.train_step(b) for b in data]
+    assert_close(torch.tensor(got), torch.tensor(common.reference_run(ref, data, 4)), what="cp2 pp2 dualpipev: losses")
+    weights, _ = common.gathered_weights(engine.model, engine.mesh.tp_group)
+    for key, value in ref.named_parameters():
+        assert_close(weights[key], value.detach(), what=f"cp2 pp2 dualpipev: {key} after {STEPS} steps")
+
+
 def check_zero3_pp2_dp2_plan_route():
     """ZeRO-3 (FSDP2 over dp) on plan-route models in pipeline stages, one chunk per rank and two."""
-    for name, schedule in (("LlamaForCausalLM", "1f1b"), ("Qwen3ForCausalLM", "gpipe"), ("LlamaForCausalLM", "zbv")):
+    for name, schedule in (("LlamaForCausalLM", "1f1b"), ("Qwen3ForCausalLM", "zbv")):
         _train(name, (1, 2, 2, schedule, 4, 0.5, "torch"), _llama(name), zero_stage=3)
     ref, model = pair = _llama(tie_word_embeddings=True)
     engine = _train("LlamaForCausalLM", (1, 2, 2, "interleaved_1f1b", 2, 0.5, "torch"), pair, zero_stage=3)
@@ -81,7 +97,8 @@ def check_zero3_pp2_dp2_plan_route():
 
 CHECKS = [
     check_llama_tp2_pp2_interleaved_and_inference,
-    check_tied_llama_tp2_pp2_zbv_zero2,
+    check_tied_llama_tp2_pp2_zbv_zero2_sequence_parallel,
+    check_gpt2_cp2_pp2_dualpipev,
     check_qwen3_tp2_pp2_dualpipev_with_checkpointing,
     check_gpt2_pp2_dp2_interleaved,
     check_zero3_pp2_dp2_plan_route,
