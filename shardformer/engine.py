@@ -401,14 +401,22 @@ class ParallelEngine:
 
     # -- gradients ----------------------------------------------------------------------------------
 
-    def _before_backward(self, last: bool) -> None:
+    def _before_backward(self, last: bool, stage: int | None = None) -> None:
         """ZeRO-3 with micro-batches: FSDP2 accumulates the unsharded gradients of all but the stage's
         last micro-batch and reduce-scatters once, in the last backward (ZeRO-1/2 count backward passes
-        themselves: ``backwards_per_step``)."""
-        # Several chunks per rank: the root unit's gradients come from two chunks whose last backwards
-        # fall at different times; every backward reduce-scatters (exact, n times the communication).
-        if self.config.zero_stage == 3 and self.config.num_microbatches > 1 and self.chunks is None:
+        themselves: ``backwards_per_step``). With several chunks per rank (``stage``: the chunk whose
+        backward comes), each chunk's layer units wait for that chunk's last backward; the root's own
+        parameters (embedding, norm, head), which two chunks may share, are reduce-scattered in every
+        backward that reaches them (exact: FSDP2 adds each reduced part to the sharded gradient)."""
+        if self.config.zero_stage != 3 or self.config.num_microbatches == 1:
+            return
+        if self.chunks is None:
             self.model.set_requires_gradient_sync(last)
+            return
+        self.model.set_requires_gradient_sync(True, recurse=False)
+        stack = self.pipeline.layer_list(self.model)
+        for i in self.chunks.layers[self.chunks.indices.index(stage)]:
+            stack[i].set_requires_gradient_sync(last)
 
     def _sum_shared_grads(self) -> None:
         """Tied weights on the first and last stage: sum their gradients over the two stages."""

@@ -80,7 +80,7 @@ class _Stage(nn.Module):
 
 
 def _announcing(stage, n, before_backward):
-    """``stage.backward_one_chunk`` calling ``before_backward(last)`` first, ``last`` for the stage's
+    """``stage.backward_one_chunk`` calling ``before_backward(last, stage index)`` first, ``last`` for the stage's
     last micro-batch (counted here: split-backward schedules call it with last_backward=False and
     announce the last one to the weight step). Its own FSDP2 handling applies only when the stage
     module itself is the FSDP2 root, and ours wraps it."""
@@ -88,7 +88,7 @@ def _announcing(stage, n, before_backward):
 
     def run(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         seen[0] = seen[0] % n + 1
-        before_backward(seen[0] == n)
+        before_backward(seen[0] == n, stage.stage_index)
         return backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     return run
@@ -129,7 +129,7 @@ class TorchPipeline:
         self.stage_forwards = stage_forwards or {mesh.pp_rank: stage_forward}
         self.num_stages = num_stages or mesh.pp_size
         self.device = device or torch.device("cpu")
-        self.before_backward = before_backward  # (last: bool) -> None, before each micro-batch's backward
+        self.before_backward = before_backward  # (last: bool, stage: int) -> None, before each backward
         self._built = None  # (key, stage modules, schedule)
 
     def step(self, micro_batches, loss_of, *, schedule="1f1b", scale=1.0) -> list[torch.Tensor]:
