@@ -9,10 +9,11 @@ hits all alike). Per schedule and rank:
 
 - **counted**: the idle fraction of the step when the schedule's own action lists (torch's
   ``pipeline_order``) are replayed with a forward costing 1 and a backward 2
-  (:func:`shardformer.pipeline.bubble.simulate`), as the engine runs them, and, for ZBV and DualPipeV,
-  with the backward split into input and weight halves as torch designed them ("split" column);
+  (:func:`shardformer.pipeline.bubble.simulate`); ZBV and DualPipeV split the backward into input
+  and weight halves (at tp=1 with ZeRO-1/2, as here: the "backward" column says which ran);
 - **timed**: 1 - (time the rank spends in its stages' forward and backward) / (step time);
-- **step / 1F1B**: the median step time over the median 1F1B step.
+- **step / 1F1B**: the median over rounds of the step time over the same round's 1F1B step (a round
+  runs every schedule once, so load from elsewhere hits both alike).
 All schedules must train identically: the table shows the largest loss difference from 1F1B.
 """
 
@@ -110,11 +111,11 @@ def run_schedules(args):
                 counters[schedule] = [0.0]
                 for stage in getattr(sched, "_stages", None) or [sched._stage]:
                     _timed(stage, counters[schedule])
-                from shardformer.pipeline.bubble import AS_RUN, SPLIT, simulate
+                from shardformer.pipeline.bubble import SPLIT_BACKWARD, WHOLE_BACKWARD, simulate
 
                 actions = _actions(sched, schedule, args.pp, args.micro)
-                counted[schedule] = simulate(actions, AS_RUN)
-                split[schedule] = simulate(actions, SPLIT)
+                split[schedule] = engine._torch_pipeline.split_backward and schedule in ("zbv", "dualpipev")
+                counted[schedule] = simulate(actions, SPLIT_BACKWARD if split[schedule] else WHOLE_BACKWARD)
             elif i >= args.warmup:
                 times[schedule].append(took)
                 busy[schedule].append(counters[schedule][0])
@@ -149,29 +150,28 @@ def main(argv=None):
     per_rank = run_on_ranks(run_schedules, args.pp, args, timeout=1800, threads_per_rank=1)
     # a step counts at its slowest rank; a rank's timed bubble is its idle share of that step
     steps = {s: [max(ts) for ts in zip(*(r["times"][s] for r in per_rank))] for s in SCHEDULES}
-    base = statistics.median(steps["1f1b"])
     print(
         f"\n## Pipeline schedules on one job ({date.today()}): Llama through ParallelEngine, pp={args.pp}, "
         f"{args.micro} micro-batches, gloo on CPU\n"
     )
     print(
-        "| schedule | chunks per rank | formula | counted, as run (per rank) | counted, split backward | timed (per rank) | step (ms) | step / 1F1B | max loss diff vs 1F1B |"
+        "| schedule | chunks per rank | backward | formula | counted (per rank) | timed (per rank) | step (ms) "
+        "| step / 1F1B | max loss diff vs 1F1B |"
     )
-    print("|---|---:|---:|---|---|---|---:|---:|---:|")
+    print("|---|---:|---|---:|---|---|---:|---:|---:|")
     for s in SCHEDULES:
         chunks = 2 if s in ("interleaved_1f1b", "zbv", "dualpipev") else 1
         timed = [
             statistics.median(1 - b / t for b, t in zip(r["busy"][s], steps[s])) for r in per_rank
         ]  # fmt: skip
         counted = per_rank[0]["counted"][s]
-        split = per_rank[0]["split"][s]
+        backward = "split" if per_rank[0]["split"][s] else "whole"
         diff = max(abs(a - b) for a, b in zip(per_rank[-1]["losses"][s], per_rank[-1]["losses"]["1f1b"]))
         fmt = lambda d: " / ".join(f"{d[r]:.2f}" for r in sorted(d))  # noqa: E731
-        split_text = fmt(split) if s in ("zbv", "dualpipev") else "="
         print(
-            f"| {s} | {chunks} | {bubble_fraction(s, args.pp, args.micro, chunks):.2f} | {fmt(counted)} | {split_text} | "
+            f"| {s} | {chunks} | {backward} | {bubble_fraction(s, args.pp, args.micro, chunks):.2f} | {fmt(counted)} | "
             f"{' / '.join(f'{x:.2f}' for x in timed)} | {statistics.median(steps[s]) * 1e3:.0f} | "
-            f"{statistics.median(steps[s]) / base:.2f} | {diff:.1e} |"
+            f"{statistics.median(a / b for a, b in zip(steps[s], steps['1f1b'])):.2f} | {diff:.1e} |"
         )
     print(
         f"\nHow it was run: `{' '.join([os.path.basename(sys.executable), *sys.argv])}` on {platform.machine()} with "

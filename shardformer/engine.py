@@ -209,7 +209,7 @@ class ParallelEngine:
         self._steps_run = 0  # train and eval steps: every rank must be in the same one
         self._torch_pipeline = TorchPipeline(
             self.model, self.stage_forward, self.mesh, self.device, before_backward=self._before_backward,
-            stage_forwards=chunk_forwards or None, num_stages=num_chunks,
+            stage_forwards=chunk_forwards or None, num_stages=num_chunks, split_backward=self._split_backward_is_exact(),
         )  # fmt: skip
         if self.mesh.rank == 0:
             logger.info(
@@ -220,6 +220,15 @@ class ParallelEngine:
                 "every layer" if self.model.shardformer.layers is None else f"layers {list(self.model.shardformer.layers)}",
                 f"{sum(local_numel(p) for p in params):,}",
             )  # fmt: skip
+
+    def _split_backward_is_exact(self) -> bool:
+        """ZBV / DualPipeV may use torch's weight step, which writes ``.grad`` outside autograd's
+        accumulation, only where nothing hooks into it: no FSDP2 (ZeRO-3), no gradient hooks on the
+        parameters (tensor-/context-parallel sums), no recompute in backward."""
+        cfg = self.config
+        if cfg.zero_stage == 3 or cfg.activation_checkpointing or cfg.tp > 1 or cfg.cp > 1:
+            return False
+        return not any(p._backward_hooks for p in self.model.parameters())
 
     def _layer_list(self, model: nn.Module) -> nn.Module | None:
         """The repeated layers (each is one FSDP2 unit at zero_stage=3): the pipeline spec's, else the

@@ -12,25 +12,27 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# Costs of the actions as the engine runs them: a backward is twice a forward; ZBV and DualPipeV run
-# the whole backward in their input step (shardformer.pipeline.torch_schedule), leaving the weight step empty.
-AS_RUN = {"F": 1.0, "B": 2.0, "I": 2.0, "W": 0.0}
-# ... and as the zero-bubble schedules are designed: the backward split into equal input and weight halves.
-SPLIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+# Costs of the actions: a backward is twice a forward. ZBV and DualPipeV split it into equal input and
+# weight halves, or, where gradient hooks must run (tp, cp, ZeRO-3, checkpointing), run the whole
+# backward in their input step and leave the weight step empty (shardformer.pipeline.torch_schedule).
+SPLIT_BACKWARD = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+WHOLE_BACKWARD = {"F": 1.0, "B": 2.0, "I": 2.0, "W": 0.0}
 
 
 def bubble_fraction(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int = 1) -> float:
     """Idle fraction of a step for equal stages, no communication: ``(pp-1) / (V*m + pp-1)``, with
-    ``V`` chunks per rank (1 for GPipe and 1F1B, whose bubbles are the same; the V-shaped ZBV and
-    DualPipeV have 2 and, with the weight step run inside the input step here, the bubble of
-    interleaving 2 chunks)."""
+    ``V`` chunks per rank (1 for GPipe and 1F1B, whose bubbles are the same). For the V-shaped ZBV and
+    DualPipeV (2 chunks) this is the bound with the whole backward in the input step; their split
+    backward fills most of it (``benchmarks/pipeline_schedules.py`` counts both)."""
     if pp <= 1:
         return 0.0
     v = chunks_per_rank if schedule == "interleaved_1f1b" else 2 if schedule in ("zbv", "dualpipev") else 1
     return (pp - 1) / (v * num_microbatches + pp - 1)
 
 
-def simulate(order: dict[int, Iterable[tuple[int, str, int]]], cost: dict[str, float] = AS_RUN) -> dict[int, float]:
+def simulate(
+    order: dict[int, Iterable[tuple[int, str, int]]], cost: dict[str, float] = SPLIT_BACKWARD
+) -> dict[int, float]:
     """Every rank's idle fraction of the step when it runs ``order[rank]`` in turn (see the module doc)."""
     todo = {rank: list(actions) for rank, actions in order.items()}
     last_stage = max(s for actions in todo.values() for s, _, _ in actions)
@@ -73,7 +75,13 @@ def bubble_report(schedule: str, pp: int, num_microbatches: int, chunks_per_rank
         check_virtual(schedule, pp, chunks_per_rank, num_microbatches, num_layers)
     fraction = bubble_fraction(schedule, pp, num_microbatches, chunks_per_rank)
     chunks = f", {chunks_per_rank} chunks per rank" if chunks_per_rank > 1 else ""
+    split = (
+        " with the whole backward; the split backward (tp=1, ZeRO-1/2) fills most of it"
+        if chunks_per_rank == 2 and schedule in ("zbv", "dualpipev")
+        else ""
+    )
     return (
         f"pipeline bubble: {fraction:.1%} of each step idle per rank ({schedule}{chunks}, {num_microbatches} "
-        f"micro-batch(es): (pp-1) / (chunks*m + pp-1) for equal stages; more micro-batches or chunks shrink it)"
+        f"micro-batch(es): (pp-1) / (chunks*m + pp-1) for equal stages{split}; more micro-batches or chunks "
+        f"shrink it)"
     )

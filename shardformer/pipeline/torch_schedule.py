@@ -19,8 +19,12 @@ micro-batch shapes change.
 A rank of a virtual-stage schedule (interleaved 1F1B, ZBV, DualPipeV) runs one PipelineStage per
 model chunk, each a :class:`_Stage` over the same model whose forward runs the chunk's view
 (:mod:`shardformer.pipeline.virtual`). ZBV and DualPipeV split a backward into an input part and a
-weight part; here the input part runs the whole backward (see :func:`_no_weight_step`), so their
-order of forwards and backwards is kept but not the bubble that the separate weight part fills.
+weight part, torch's weight step computing the weight gradients from what the input step kept and
+writing ``.grad`` itself. That skips what hooks into autograd's accumulation of ``.grad`` (ZeRO-3's
+FSDP2, the tensor-parallel and context-parallel gradient sums): with any of those the input part
+runs the whole backward (see :func:`_no_weight_step`), keeping the schedule's order but not the
+bubble the separate weight part fills. ZeRO-1/2's overlapped reduction only loses its overlap there:
+a bucket whose gradients no hook announced is reduced at the step from ``.grad``.
 """
 
 from __future__ import annotations
@@ -72,8 +76,8 @@ class _Stage(nn.Module):
         i = int(value.round().clamp(0, len(self.micro) - 1).item())
         batch = self.micro[i]
         out = self.stage_forward(self.model, hidden, batch)
-        if not self.last:
-            return out, index
+        if not self.last:  # not a view: torch's split backward detaches the stage's outputs in place
+            return (out.clone() if out._base is not None else out), index
         loss = self.loss_of(out, batch)
         self.losses[i] = loss.detach()
         return (loss * self.scale).reshape(1)
@@ -95,10 +99,10 @@ def _announcing(stage, n, before_backward):
 
 
 def _no_weight_step():
-    """A ``dw_builder`` for the split-backward schedules (ZBV, DualPipeV): the input-gradient step runs
-    the whole backward through autograd, as every other schedule does (ZeRO's overlapped reduction and
-    the tensor-parallel gradient sums hook into autograd's accumulation of ``.grad``, which torch's own
-    weight step bypasses), and the weight step has nothing left to do."""
+    """A ``dw_builder`` for the split-backward schedules (ZBV, DualPipeV) where gradient hooks must run:
+    the input-gradient step runs the whole backward through autograd, as every other schedule does
+    (FSDP2 and the tensor-parallel gradient sums hook into autograd's accumulation of ``.grad``, which
+    torch's own weight step bypasses), and the weight step has nothing left to do."""
     return lambda: None
 
 
@@ -124,10 +128,12 @@ class TorchPipeline:
         before_backward=None,
         stage_forwards=None,
         num_stages=None,
+        split_backward=False,
     ) -> None:
         self.model, self.mesh = model, mesh
         self.stage_forwards = stage_forwards or {mesh.pp_rank: stage_forward}
         self.num_stages = num_stages or mesh.pp_size
+        self.split_backward = split_backward  # ZBV / DualPipeV: torch's weight step (see _no_weight_step)
         self.device = device or torch.device("cpu")
         self.before_backward = before_backward  # (last: bool, stage: int) -> None, before each backward
         self._built = None  # (key, stage modules, schedule)
@@ -165,13 +171,13 @@ class TorchPipeline:
         return [last.losses[i] for i in range(n)] if last is not None else []
 
     def _build(self, schedule, n, loss_of):
-        mesh, split_backward = self.mesh, schedule in ("zbv", "dualpipev")
+        mesh, fused = self.mesh, schedule in ("zbv", "dualpipev") and not self.split_backward
         modules, stages = {}, []
         for index, forward in sorted(self.stage_forwards.items()):
             module = modules[index] = _Stage(self.model, forward, loss_of, index == self.num_stages - 1)
             stage = PipelineStage(
                 module, index, self.num_stages, self.device, group=mesh.pp_group,
-                dw_builder=_no_weight_step if split_backward else None,
+                dw_builder=_no_weight_step if fused else None,
             )  # fmt: skip
             if self.before_backward is not None:
                 stage.backward_one_chunk = _announcing(stage, n, self.before_backward)

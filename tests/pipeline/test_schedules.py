@@ -60,6 +60,7 @@ def check_tied_llama_tp2_pp2_zbv_zero2_sequence_parallel():
         gather_output=True,
     )  # fmt: skip
     assert engine.chunks.indices == ((0, 3) if engine.mesh.pp_rank == 0 else (1, 2)), engine.chunks
+    assert not engine._torch_pipeline.split_backward  # tp's gradient hooks: the input step runs the whole backward
     _inference_matches(engine, ref, "LlamaForCausalLM")  # the last chunk's outputs come from rank 0
 
 
@@ -70,9 +71,10 @@ def check_qwen3_tp2_pp2_dualpipev_with_checkpointing():
     )  # fmt: skip
 
 
-def check_gpt2_pp2_dp2_interleaved():
-    """A built-in family (tied embedding on ranks 0 and 1: chunk 0 and chunk 3)."""
-    _check("GPT2LMHeadModel", 1, 2, 2, "interleaved_1f1b", 2, 0.5, "torch")
+def check_gpt2_pp2_dp2_zbv_split_backward():
+    """A built-in family, tied embedding on rank 0; no gradient hooks at tp=1: torch's own weight step."""
+    engine = _check("GPT2LMHeadModel", 1, 2, 2, "zbv", 4, 0.5, "torch", zero_stage=2)
+    assert engine._torch_pipeline.split_backward
 
 
 def check_gpt2_cp2_pp2_dualpipev():
@@ -108,7 +110,7 @@ CHECKS = [
     check_tied_llama_tp2_pp2_zbv_zero2_sequence_parallel,
     check_gpt2_cp2_pp2_dualpipev,
     check_qwen3_tp2_pp2_dualpipev_with_checkpointing,
-    check_gpt2_pp2_dp2_interleaved,
+    check_gpt2_pp2_dp2_zbv_split_backward,
     check_zero3_pp2_dp2_plan_route,
 ]
 test_schedules_4_ranks = check_table(CHECKS, 4)
