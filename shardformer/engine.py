@@ -211,6 +211,12 @@ class ParallelEngine:
             self.model, self.stage_forward, self.mesh, self.device, before_backward=self._before_backward,
             stage_forwards=chunk_forwards or None, num_stages=num_chunks, split_backward=self._split_backward_is_exact(),
         )  # fmt: skip
+        if self.chunks is not None and self.mesh.rank == 0:
+            split = self._torch_pipeline.split_backward and cfg.schedule in ("zbv", "dualpipev")
+            logger.info(
+                "ParallelEngine: %s over %d chunks of %s layers, rank 0 holds chunks %s; %s backward", cfg.schedule,
+                num_chunks, chunk_counts, list(self.chunks.indices), "split (input, then weight)" if split else "whole",
+            )  # fmt: skip
         if self.mesh.rank == 0:
             logger.info(
                 "ParallelEngine: tp=%d cp=%d (%s) pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
