@@ -30,7 +30,8 @@ from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.record import sharding_of
 from shardformer.core.tiny_run import tiny_copy
-from shardformer.models import final_norm, inputs_for, layer_stack
+from shardformer.models import inputs_for
+from shardformer.policies.anatomy import final_norm, layer_stack
 from shardformer.policies.copies import architecture, no_dropout, two_blocks
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy
