@@ -35,6 +35,7 @@ from shardformer.pipeline.schedule import run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.torch_schedule import TorchPipeline
+from shardformer.pipeline.virtual import check_virtual, forward_only, in_chunk, keep_chunks
 from shardformer.policies.anatomy import layer_stack
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.tensor_parallel.detect import call_optional
@@ -126,8 +127,14 @@ class ParallelEngine:
                 f"data-parallel ranks; pick an ep that divides {dp}"
             )
         self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
+        num_chunks, chunk_counts = cfg.pp * cfg.chunks_per_rank, cfg.layers_per_stage
+        if cfg.chunks_per_rank > 1:  # virtual stages: the schedule's needs, the layers per chunk
+            layers = len(self.pipeline.layer_list(model))
+            chunk_counts = check_virtual(
+                cfg.schedule, cfg.pp, cfg.chunks_per_rank, cfg.num_microbatches, layers, cfg.layers_per_stage
+            )
         if cfg.pp > 1:  # the split's sizes, paths and ties, before any process waits
-            check_pipeline_spec(self.pipeline, model, cfg.pp, cfg.layers_per_stage)
+            check_pipeline_spec(self.pipeline, model, num_chunks, chunk_counts)
         if cfg.activation_checkpointing:
             self._checkpoint_activations(model, check_only=True)  # before any collective
         if mesh is not None and (
@@ -143,7 +150,12 @@ class ParallelEngine:
         self._forward_agreement = self.model.shardformer.forward_agreement
         if self._forward_agreement is not None:  # checked per step below: shapes (the step agreement: values)
             self._forward_agreement.in_forward = self._forward_agreement.compare_values = False
-        if cfg.pp > 1:
+        self.chunks = None  # this rank's model chunks under a virtual-stage schedule
+        if cfg.chunks_per_rank > 1:
+            self.chunks = keep_chunks(
+                self.pipeline, self.model, cfg.schedule, self.mesh.pp_rank, cfg.pp, cfg.chunks_per_rank, chunk_counts
+            )
+        elif cfg.pp > 1:
             self.pipeline.keep_stage(self.model, self.mesh.pp_rank, cfg.pp, cfg.layers_per_stage)
         # Context parallelism splits the sequence in the model's own forward at pp=1, in each stage's at pp > 1.
         whole = self.pipeline is None or (cfg.cp > 1 and cfg.pp == 1)
@@ -154,15 +166,27 @@ class ParallelEngine:
             self.stage_forward = torch.compile(self.stage_forward, backend=cfg.compile_backend)
         if cfg.activation_checkpointing:
             self._checkpoint_activations(self.model)
+        chunk_forwards = {}  # {chunk: its stage forward} under a virtual-stage schedule
+        if self.chunks is not None:
+            chunk_forwards = {c: in_chunk(self.stage_forward, self.chunks, c) for c in self.chunks.indices}
         grad_hooks = []
         if cfg.zero_stage == 3:  # fp32 shards stay the master weights; FSDP2 casts them for compute
             device = next(self.model.parameters()).device
             grad_hooks = fully_shard_model(self.model, self._layer_list(self.model), self.mesh, device, cfg.precision)
             self.stage_forward = through_root(self.stage_forward, calls_the_model=whole)
+            chunk_forwards = {c: through_root(f) for c, f in chunk_forwards.items()}  # the view inside the root call
         else:
             self.model.to(PRECISIONS[cfg.precision])
+        self._chunk_forwards = chunk_forwards
         first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
+        self._loss_rank = self.mesh.pp_size - 1  # the pp rank of the last stage (chunk): the losses are there
+        if self.chunks is not None:
+            first, last = 0 in self.chunks.indices, num_chunks - 1 in self.chunks.indices
+            self._loss_rank = self.chunks.last_rank
         self.shared = self.pipeline.shared_parameters(self.model) if cfg.pp > 1 and (first or last) else []
+        # A V-shaped schedule puts the first and the last chunk on rank 0: a tied weight there is one
+        # parameter, its two uses accumulated by autograd; nothing to sum over ranks, ZeRO reduces it at step.
+        late_grads, self.shared = self.shared, [] if first and last else self.shared
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = None
         if optimizer is not None and cfg.zero_stage == 3:
@@ -179,7 +203,7 @@ class ParallelEngine:
                 counted_elsewhere=self.shared if last and not first else (),
                 overlap_communication=cfg.overlap_grad_reduce,
                 backwards_per_step=cfg.num_microbatches,  # one backward per micro-batch
-                late_grads=self.shared,  # summed over the stages after backward
+                late_grads=late_grads,  # summed over the stages after backward (or used by two chunks)
                 # cp ranks computed parts of the same sequences: ZeRO sums their gradients bucket by bucket
                 sum_group=self.mesh.cp_group if cfg.cp > 1 else None,
                 release_grads=cfg.zero_stage == 2,  # ZeRO-2 keeps only its 1/dp row of each reduced gradient
@@ -197,8 +221,15 @@ class ParallelEngine:
         self.last_grad_norm: float | None = None
         self._steps_run = 0  # train and eval steps: every rank must be in the same one
         self._torch_pipeline = TorchPipeline(
-            self.model, self.stage_forward, self.mesh, self.device, before_backward=self._before_backward
-        )
+            self.model, self.stage_forward, self.mesh, self.device, before_backward=self._before_backward,
+            stage_forwards=chunk_forwards or None, num_stages=num_chunks, split_backward=self._split_backward_is_exact(),
+        )  # fmt: skip
+        if self.chunks is not None and self.mesh.rank == 0:
+            split = self._torch_pipeline.split_backward and cfg.schedule in ("zbv", "dualpipev")
+            logger.info(
+                "ParallelEngine: %s over %d chunks of %s layers, rank 0 holds chunks %s; %s backward", cfg.schedule,
+                num_chunks, chunk_counts, list(self.chunks.indices), "split (input, then weight)" if split else "whole",
+            )  # fmt: skip
         if self.mesh.rank == 0:
             logger.info(
                 "ParallelEngine: tp=%d cp=%d (%s) pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
@@ -208,6 +239,15 @@ class ParallelEngine:
                 "every layer" if self.model.shardformer.layers is None else f"layers {list(self.model.shardformer.layers)}",
                 f"{sum(local_numel(p) for p in params):,}",
             )  # fmt: skip
+
+    def _split_backward_is_exact(self) -> bool:
+        """ZBV / DualPipeV may use torch's weight step, which writes ``.grad`` outside autograd's
+        accumulation, only where nothing hooks into it: no FSDP2 (ZeRO-3), no gradient hooks on the
+        parameters (tensor-/context-parallel sums), no recompute in backward."""
+        cfg = self.config
+        if cfg.zero_stage == 3 or cfg.activation_checkpointing or cfg.tp > 1 or cfg.cp > 1:
+            return False
+        return not any(p._backward_hooks for p in self.model.parameters())
 
     def _layer_list(self, model: nn.Module) -> nn.Module | None:
         """The repeated layers (each is one FSDP2 unit at zero_stage=3): the pipeline spec's, else the
@@ -287,8 +327,7 @@ class ParallelEngine:
         row = [local, batch_fingerprint(batch), self._steps_run, kind]
         table = torch.stack(comm.all_gather(torch.tensor(row, dtype=torch.float64, device=self.device), None)).cpu()
         check_agreement(table[:, 1:], self._batch_peers())
-        last = mesh.pp_size - 1
-        per_dp = [table[mesh.global_rank(last, d, mesh.tp_rank), 0] for d in range(mesh.dp_size)]
+        per_dp = [table[mesh.global_rank(self._loss_rank, d, mesh.tp_rank), 0] for d in range(mesh.dp_size)]
         return (torch.stack(per_dp).float().sum() / mesh.dp_size).item()
 
     def _batch_peers(self) -> list[list[int]]:
@@ -340,11 +379,18 @@ class ParallelEngine:
         self._check_shapes(local)
         micro = split_batch(local, self.config.num_microbatches, "num_microbatches")
         self.model.eval()
-        losses, _ = run_pipeline(
-            self.model, forward, self.mesh, micro, self.loss_fn, backward=False, device=self.device,
+        losses, _ = self._forward_only(forward, micro, self.loss_fn)
+        return self._agreed_loss(losses, batch, kind=2)
+
+    def _forward_only(self, forward, micro, loss_of):
+        """Forward passes of ``micro`` over the stages (our send/recv): ``(losses, outputs)`` on the rank of
+        the last stage."""
+        if self.chunks is not None:
+            return forward_only(self._chunk_forwards, self.chunks, self.model, self.mesh, micro, loss_of, self.device)
+        return run_pipeline(
+            self.model, forward, self.mesh, micro, loss_of, backward=False, device=self.device,
             overlap=self.config.overlap_p2p,
         )  # fmt: skip
-        return self._agreed_loss(losses, batch, kind=2)
 
     @torch.no_grad()
     def forward(self, batch: dict):
@@ -356,16 +402,13 @@ class ParallelEngine:
         self._check_shapes(batch)
         micro = split_batch(self._to_device(batch), self._inference_chunks(batch), "num_microbatches")
         self.model.eval()
-        _, outputs = run_pipeline(
-            self.model, forward, self.mesh, micro, None, backward=False, device=self.device,
-            overlap=self.config.overlap_p2p,
-        )  # fmt: skip
+        _, outputs = self._forward_only(forward, micro, None)
         out = None
         if outputs:
             out = torch.cat([o if torch.is_tensor(o) else o["logits"] for o in outputs]).contiguous()
         if self.mesh.pp_size == 1:
             return out
-        last = self.mesh.pp_size - 1  # the last stage's output, on every stage
+        last = self._loss_rank  # the last stage's output, on every stage
         shape, dtype = comm.broadcast_object(
             None if out is None else (tuple(out.shape), out.dtype), self.mesh.pp_group, last
         )
@@ -386,12 +429,22 @@ class ParallelEngine:
 
     # -- gradients ----------------------------------------------------------------------------------
 
-    def _before_backward(self, last: bool) -> None:
+    def _before_backward(self, last: bool, stage: int | None = None) -> None:
         """ZeRO-3 with micro-batches: FSDP2 accumulates the unsharded gradients of all but the stage's
         last micro-batch and reduce-scatters once, in the last backward (ZeRO-1/2 count backward passes
-        themselves: ``backwards_per_step``)."""
-        if self.config.zero_stage == 3 and self.config.num_microbatches > 1:
+        themselves: ``backwards_per_step``). With several chunks per rank (``stage``: the chunk whose
+        backward comes), each chunk's layer units wait for that chunk's last backward; the root's own
+        parameters (embedding, norm, head), which two chunks may share, are reduce-scattered in every
+        backward that reaches them (exact: FSDP2 adds each reduced part to the sharded gradient)."""
+        if self.config.zero_stage != 3 or self.config.num_microbatches == 1:
+            return
+        if self.chunks is None:
             self.model.set_requires_gradient_sync(last)
+            return
+        self.model.set_requires_gradient_sync(True, recurse=False)
+        stack = self.pipeline.layer_list(self.model)
+        for i in self.chunks.layers[self.chunks.indices.index(stage)]:
+            stack[i].set_requires_gradient_sync(last)
 
     def _sum_shared_grads(self) -> None:
         """Tied weights on the first and last stage: sum their gradients over the two stages."""

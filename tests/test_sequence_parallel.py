@@ -246,6 +246,13 @@ def check_refusals_name_the_fix():
         assert "experts" in str(e) and "sequence_parallel=False" in str(e), e
     else:
         raise AssertionError("a mixture of experts was sharded with sequence parallelism")
+    # OPT flattens its hidden states to [tokens, hidden] before fc1: the route proof, run with sequence
+    # parallelism, refuses it in shard_model (before the user's model is cut or runs), naming fc1
+    _, opt = zoo.load_twice("OPTForCausalLM", config=tiny_config(tf.OPTConfig, ffn_dim=64))
+    with pytest.raises(ValueError, match=r"(?s)fc1 expected .*sequence_parallel=False") as refused:
+        shard_model(opt, _sp())
+    assert "no route shards OPTForCausalLM" in str(refused.value), refused.value
+    assert "shardformer" not in vars(opt) and opt.model.decoder.layers[0].fc1.weight.shape == (64, 32)  # untouched
     _, gpt2 = zoo.load_twice("GPT2LMHeadModel", "sdpa")
     gpt2 = shard_model(gpt2, _sp())
     base, ids = gpt2.transformer, zoo.inputs_for("GPT2LMHeadModel")["input_ids"]

@@ -82,6 +82,10 @@ BASE_KEYS: dict[str, Key] = {
         "zero_stage", "ZeRO stage: 1 shards optimizer state over dp, 2 also gradients, 3 also parameters (FSDP2)"
     ),
     "precision": _engine_key("precision", "parameter/compute precision"),
+    "schedule": _engine_key("schedule", "pipeline schedule (pp > 1): 1f1b, gpipe, interleaved_1f1b, zbv, dualpipev"),
+    "virtual_stages": _engine_key(
+        "virtual_stages", "model chunks per pp rank for interleaved_1f1b (default 2; zbv/dualpipev: 2)", minimum=1
+    ),
     "sequence_parallel": _engine_key("sequence_parallel", "Megatron sequence parallelism inside the tp group"),
     "activation_checkpointing": _engine_key(
         "activation_checkpointing", "recompute each layer's activations in backward (exact)"

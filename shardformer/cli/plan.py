@@ -41,8 +41,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "bytes): add up each stage's bytes per rank and answer whether the job fits")  # fmt: skip
     parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step and dp rank, each of "
                         "--batch sequences (default 1; with pp they fill the pipeline)")  # fmt: skip
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule: how "
-                        "many micro-batches a stage keeps activations for (default 1f1b)")  # fmt: skip
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"),
+                        help="pipeline schedule (pp > 1): its bubble, and how many micro-batches a stage keeps "
+                        "activations for (1f1b: up to pp; the others counted as all of them, an upper bound; "
+                        "default 1f1b)")  # fmt: skip
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size: the sequence split over this many "
                         "ranks (default 1; world = tp x cp x pp x dp)")  # fmt: skip
     # core.config.CP_MODES, spelled out: importing it would import torch for `shardformer --help`
@@ -62,6 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, help="with --batch: sequence length of the activation estimate")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the job runs: torch's "
                         "dropout keeps float masks on cpu, bool masks on cuda (default cpu)")  # fmt: skip
+    parser.add_argument("--virtual-stages", type=int, help="model chunks per pp rank for interleaved_1f1b (default 2)")
     parser.set_defaults(func=plan_command)
     return parser
 
@@ -87,7 +90,12 @@ def plan_command(args: argparse.Namespace) -> int:
         message = str(e).replace("pass it: shard_model(model, config, policy=MyPolicy())", "pass --policy module:Class")
         print(f"shardformer plan: error: {message}", file=sys.stderr)
         return 2
-    print(format_plan(plan, show_params=not args.summary))
+    try:
+        bubble = _bubble(args, plan)
+    except ValueError as e:
+        print(f"shardformer plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan, show_params=not args.summary) + bubble)
     if args.gpu_memory:
         from shardformer.tools.fit import format_fit, plan_stages
 
@@ -126,6 +134,20 @@ def fit_header(args: argparse.Namespace) -> str:
         return "will it fit? (model state and buffers; give --batch and --seq for activations)"
     flight = f", {args.microbatches} micro-batches per step ({args.schedule})" if args.pp > 1 else ""
     return f"will it fit? micro-batch {args.batch} x seq {args.seq}{flight}"
+
+
+def _bubble(args: argparse.Namespace, plan) -> str:
+    """The schedule's bubble at pp > 1 (EngineConfig's and the schedule's checks first)."""
+    from shardformer.core.config import EngineConfig
+    from shardformer.pipeline.bubble import bubble_report
+
+    if args.pp == 1:
+        return ""
+    cfg = EngineConfig(
+        pp=args.pp, schedule=args.schedule, virtual_stages=args.virtual_stages, num_microbatches=args.microbatches
+    )
+    layers = plan.stages[-1][0].stop
+    return "\n\n" + bubble_report(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks_per_rank, layers)
 
 
 def simulate_command(args: argparse.Namespace) -> int:

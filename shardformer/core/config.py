@@ -24,6 +24,9 @@ DEFAULT_SEED = 1024  # base seed of the tensor-parallel dropout RNG
 ZERO_STAGES = (1, 2)  # ZeroOptimizer's own: 1 optimizer states sharded over dp; 2 also the reduced gradients
 ENGINE_ZERO_STAGES = (*ZERO_STAGES, 3)  # 3: parameters too, on PyTorch FSDP2 (shardformer.data_parallel.fsdp)
 SCHEDULES = ("gpipe", "1f1b")  # the pipeline schedules (shardformer.pipeline.schedule runs them)
+# Schedules with several model chunks (virtual stages) per pp rank, on torch.distributed.pipelining only
+# (shardformer.pipeline.virtual): interleaved 1F1B (chunks looped over the ranks), ZBV and DualPipeV (V-shaped).
+VIRTUAL_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")
 BACKENDS = ("p2p", "torch")  # how the engine runs a pipeline schedule
 # Short names of the parallel sizes (EngineConfig's fields) and their long ones (ShardConfig's, the CLI's).
 SIZE_NAMES = {
@@ -257,7 +260,7 @@ class ShardConfig:
 # The EngineConfig fields with a fixed set of values, and those values.
 CHOICES = {
     "zero_stage": ENGINE_ZERO_STAGES,
-    "schedule": SCHEDULES,
+    "schedule": SCHEDULES + VIRTUAL_SCHEDULES,
     "precision": tuple(PRECISIONS),
     "backend": BACKENDS,
     "cp_mode": CP_MODES,
@@ -286,7 +289,10 @@ class EngineConfig:
     zero_stage: 1 or 2 (our ZeRO over the dp ranks: optimizer states, then also gradients), or 3
     (parameters too: each transformer layer on PyTorch FSDP2 over the dp ranks; precision "fp32" or
     "bf16", no compile). num_microbatches: micro-batches per step and
-    dp rank (gradient accumulation; also what fills the pipeline). schedule: "1f1b" or "gpipe".
+    dp rank (gradient accumulation; also what fills the pipeline). schedule: "1f1b" or "gpipe", or
+    one with ``virtual_stages`` model chunks per pp rank (backend "torch"): "interleaved_1f1b"
+    (chunks r, r+pp, ... on rank r; virtual_stages >= 2, default 2), "zbv" or "dualpipev" (V-shaped:
+    chunks r and 2*pp-1-r; virtual_stages 2). See docs/guides/pipeline.md for how to choose.
     precision: "fp32", "bf16" or "fp16" (fp32 master weights in the optimizer; fp16 adds dynamic
     loss scaling). max_grad_norm: clip the global gradient norm (None: no clipping).
     layers_per_stage: explicit split (one count per stage; default balanced).
@@ -320,6 +326,7 @@ class EngineConfig:
     zero_stage: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int | None = None  # model chunks per pp rank; None: 2 for VIRTUAL_SCHEDULES, else 1
     precision: str = "fp32"
     max_grad_norm: float | None = None
     layers_per_stage: list[int] | None = None
@@ -363,6 +370,8 @@ class EngineConfig:
             )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")
+        check_positive_int("EngineConfig.virtual_stages", self.virtual_stages, optional=True)
+        self._check_virtual_stages()
         if self.zero_stage == 3:
             self._check_zero3()
         if self.ep > 1:
@@ -379,6 +388,37 @@ class EngineConfig:
         for name, (bad, fix) in refused.items():
             if bad:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} with ep={self.ep}: {fix}")
+
+    def _check_virtual_stages(self) -> None:
+        """Several model chunks per pp rank: only with the schedules that run them, on torch's backend."""
+        virtual, v = self.schedule in VIRTUAL_SCHEDULES, self.virtual_stages
+        if not virtual and v not in (None, 1):
+            raise ValueError(
+                f"EngineConfig.virtual_stages={v} with schedule={self.schedule!r}: one chunk per rank runs "
+                f"1f1b/gpipe; use schedule='interleaved_1f1b' (or 'zbv' / 'dualpipev' with 2) or virtual_stages=1"
+            )
+        if self.schedule in ("zbv", "dualpipev") and v not in (None, 2):
+            raise ValueError(
+                f"EngineConfig.virtual_stages={v} with schedule={self.schedule!r}: its V shape holds exactly 2 "
+                f"chunks per rank; use virtual_stages=2 (or leave it out), or schedule='interleaved_1f1b'"
+            )
+        if virtual and self.pp > 1 and self.backend != "torch":
+            raise ValueError(
+                f"EngineConfig.schedule={self.schedule!r} with backend={self.backend!r}: it runs on "
+                f"torch.distributed.pipelining only; use backend='torch', or schedule='1f1b' / 'gpipe'"
+            )
+        if virtual and self.pp > 1 and self.compile:
+            raise ValueError(
+                f"EngineConfig.schedule={self.schedule!r} with compile=True: a rank's chunks run the one model "
+                f"under different views, which torch.compile does not trace; use compile=False or schedule='1f1b'"
+            )
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks (virtual stages) each pp rank holds: 1 but for the virtual schedules at pp > 1."""
+        if self.pp == 1 or self.schedule not in VIRTUAL_SCHEDULES:
+            return 1
+        return self.virtual_stages or 2
 
     def _check_zero3(self) -> None:
         """What ZeRO-3 (FSDP2) is not proven with here is refused, naming the fix."""

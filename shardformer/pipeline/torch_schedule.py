@@ -15,13 +15,30 @@ every RNG the model draws from (global, seeded dropout layers, attention streams
 A build step must see exactly one forward more than its micro-batches, or it is refused. Stage and
 schedule are kept by a :class:`TorchPipeline` (one per engine) and rebuilt only when the
 micro-batch shapes change.
+
+A rank of a virtual-stage schedule (interleaved 1F1B, ZBV, DualPipeV) runs one PipelineStage per
+model chunk, each a :class:`_Stage` over the same model whose forward runs the chunk's view
+(:mod:`shardformer.pipeline.virtual`). ZBV and DualPipeV split a backward into an input part and a
+weight part, torch's weight step computing the weight gradients from what the input step kept and
+writing ``.grad`` itself. That skips what hooks into autograd's accumulation of ``.grad`` (ZeRO-3's
+FSDP2, the tensor-parallel and context-parallel gradient sums): with any of those the input part
+runs the whole backward (see :func:`_no_weight_step`), keeping the schedule's order but not the
+bubble the separate weight part fills. ZeRO-1/2's overlapped reduction only loses its overlap there:
+a bucket whose gradients no hook announced is reduced at the step from ``.grad``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 
 from shardformer.core.rng import get_rng_state, set_rng_state
 from shardformer.tensor_parallel.recompute import seeded_dropouts
@@ -59,23 +76,34 @@ class _Stage(nn.Module):
         i = int(value.round().clamp(0, len(self.micro) - 1).item())
         batch = self.micro[i]
         out = self.stage_forward(self.model, hidden, batch)
-        if not self.last:
-            return out, index
+        if not self.last:  # not a view: torch's split backward detaches the stage's outputs in place
+            return (out.clone() if out._base is not None else out), index
         loss = self.loss_of(out, batch)
         self.losses[i] = loss.detach()
         return (loss * self.scale).reshape(1)
 
 
-def _announcing(backward_one_chunk, before_backward):
-    """``PipelineStage.backward_one_chunk`` calling ``before_backward(last_backward)`` first: the
-    schedules say which micro-batch's backward is the stage's last (its own FSDP2 handling applies
-    only when the stage module itself is the FSDP2 root, and ours wraps it)."""
+def _announcing(stage, n, before_backward):
+    """``stage.backward_one_chunk`` calling ``before_backward(last, stage index)`` first, ``last`` for the stage's
+    last micro-batch (counted here: split-backward schedules call it with last_backward=False and
+    announce the last one to the weight step). Its own FSDP2 handling applies only when the stage
+    module itself is the FSDP2 root, and ours wraps it."""
+    backward_one_chunk, seen = stage.backward_one_chunk, [0]
 
     def run(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        before_backward(last_backward)
+        seen[0] = seen[0] % n + 1
+        before_backward(seen[0] == n, stage.stage_index)
         return backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     return run
+
+
+def _no_weight_step():
+    """A ``dw_builder`` for the split-backward schedules (ZBV, DualPipeV) where gradient hooks must run:
+    the input-gradient step runs the whole backward through autograd, as every other schedule does
+    (FSDP2 and the tensor-parallel gradient sums hook into autograd's accumulation of ``.grad``, which
+    torch's own weight step bypasses), and the weight step has nothing left to do."""
+    return lambda: None
 
 
 def _signature(micro_batches) -> tuple:
@@ -85,41 +113,81 @@ def _signature(micro_batches) -> tuple:
 
 
 class TorchPipeline:
-    """Runs training steps of one model's stage on torch.distributed.pipelining, keeping its
-    PipelineStage and schedule between steps of the same micro-batch shapes."""
+    """Runs training steps of one model's stage(s) on torch.distributed.pipelining, keeping its
+    PipelineStages and schedule between steps of the same micro-batch shapes.
 
-    def __init__(self, model: nn.Module, stage_forward, mesh, device=None, before_backward=None) -> None:
-        self.model, self.stage_forward, self.mesh = model, stage_forward, mesh
+    ``stage_forwards``: ``{stage index: stage forward}`` of the stages this rank runs, among
+    ``num_stages`` (default: one, ``stage_forward`` as stage ``pp_rank`` of ``pp``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stage_forward,
+        mesh,
+        device=None,
+        before_backward=None,
+        stage_forwards=None,
+        num_stages=None,
+        split_backward=False,
+    ) -> None:
+        self.model, self.mesh = model, mesh
+        self.stage_forwards = stage_forwards or {mesh.pp_rank: stage_forward}
+        self.num_stages = num_stages or mesh.pp_size
+        self.split_backward = split_backward  # ZBV / DualPipeV: torch's weight step (see _no_weight_step)
         self.device = device or torch.device("cpu")
-        self.before_backward = before_backward  # (last: bool) -> None, before each micro-batch's backward
-        self._built = None  # (key, stage module, schedule)
+        self.before_backward = before_backward  # (last: bool, stage: int) -> None, before each backward
+        self._built = None  # (key, stage modules, schedule)
 
     def step(self, micro_batches, loss_of, *, schedule="1f1b", scale=1.0) -> list[torch.Tensor]:
-        """Forward and backward of every micro-batch; the last stage returns their losses."""
-        mesh, device, n = self.mesh, self.device, len(micro_batches)
+        """Forward and backward of every micro-batch; the rank of the last stage returns their losses."""
+        device, n = self.device, len(micro_batches)
         key = (_signature(micro_batches), schedule)
         if self._built is None or self._built[0] != key:
-            module = _Stage(self.model, self.stage_forward, loss_of, mesh.is_last_stage)
-            stage = PipelineStage(module, mesh.pp_rank, mesh.pp_size, device, group=mesh.pp_group)
-            if self.before_backward is not None:
-                stage.backward_one_chunk = _announcing(stage.backward_one_chunk, self.before_backward)
-            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            # scale_grads=False: ``scale`` already divides by the number of micro-batches
-            sched = cls(stage, n_microbatches=n, loss_fn=lambda out, _: out.sum(), scale_grads=False)
-            self._built = (key, module, sched)
-        _, module, sched = self._built
-        module.micro, module.scale, module.losses, module.loss_of = micro_batches, scale, {}, loss_of
-        kwargs = {}
-        if mesh.is_first_stage:
-            kwargs["arg_mbs"] = [(torch.full((1,), float(i), device=device),) for i in range(n)]
-        if mesh.is_last_stage:
-            kwargs["target_mbs"] = [torch.zeros(1, device=device) for _ in range(n)]
-        module.calls, built = 0, module.shape_probe
-        sched.step(**kwargs)
-        if module.calls != n + built:
-            raise RuntimeError(
-                f"torch.distributed.pipelining ran stage {mesh.pp_rank}'s forward {module.calls} times for {n} "
-                f"micro-batches{' on its first step (one shape inference expected)' if built else ''}; dropout masks "
-                f"would not be those of EngineConfig(backend='p2p'): use backend='p2p'"
+            self._built = (key, *self._build(schedule, n, loss_of))
+        _, modules, sched = self._built
+        for module in modules.values():
+            module.micro, module.scale, module.losses, module.loss_of, module.calls = (
+                micro_batches,
+                scale,
+                {},
+                loss_of,
+                0,
             )
-        return [module.losses[i] for i in range(n)] if mesh.is_last_stage else []
+        built = next(iter(modules.values())).shape_probe
+        kwargs = {}
+        if 0 in modules:
+            kwargs["arg_mbs"] = [(torch.full((1,), float(i), device=device),) for i in range(n)]
+        last = modules.get(self.num_stages - 1)
+        if last is not None:
+            kwargs["target_mbs"] = [torch.zeros(1, device=device) for _ in range(n)]
+        sched.step(**kwargs)
+        for index, module in modules.items():
+            if module.calls != n + built:
+                raise RuntimeError(
+                    f"torch.distributed.pipelining ran stage {index}'s forward {module.calls} times for {n} "
+                    f"micro-batches{' on its first step (one shape inference expected)' if built else ''}; dropout "
+                    f"masks would not be those of EngineConfig(backend='p2p'): use backend='p2p'"
+                )
+        return [last.losses[i] for i in range(n)] if last is not None else []
+
+    def _build(self, schedule, n, loss_of):
+        mesh, fused = self.mesh, schedule in ("zbv", "dualpipev") and not self.split_backward
+        modules, stages = {}, []
+        for index, forward in sorted(self.stage_forwards.items()):
+            module = modules[index] = _Stage(self.model, forward, loss_of, index == self.num_stages - 1)
+            stage = PipelineStage(
+                module, index, self.num_stages, self.device, group=mesh.pp_group,
+                dw_builder=_no_weight_step if fused else None,
+            )  # fmt: skip
+            if self.before_backward is not None:
+                stage.backward_one_chunk = _announcing(stage, n, self.before_backward)
+            stages.append(stage)
+        # scale_grads=False: ``scale`` already divides by the number of micro-batches
+        options = {"n_microbatches": n, "loss_fn": lambda out, _: out.sum(), "scale_grads": False}
+        if schedule in _SINGLE:
+            return modules, _SINGLE[schedule](stages[0], **options)
+        return modules, _MULTI[schedule](stages, **options)
+
+
+_SINGLE = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+_MULTI = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}

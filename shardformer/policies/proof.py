@@ -3,9 +3,10 @@
 A route (the family's hand-written policy, transformers' tensor-parallel plan, the derived cut) is a
 hypothesis. On the ranks that will hold the model, a tiny copy of its class and architecture is
 sharded with the route's policy and run against the unsharded tiny copy on the same inputs: outputs,
-loss and every gradient (gathered) must match, each gradient against its own scale. Every rank reaches
-the same verdict (one all-reduce). The verdict is cached per route, model class, architecture, tp and
-library versions (a new transformers release can change a plan, a forward or a helper).
+loss and every gradient (gathered) must match, each gradient against its own scale; with sequence
+parallelism asked for, the copy runs with it. Every rank reaches the same verdict (one all-reduce).
+The verdict is cached per route, model class, architecture, tp, sequence parallelism and library
+versions (a new transformers release can change a plan, a forward or a helper).
 
 The tiny copy is the user's config scaled down (:func:`~shardformer.core.tiny_run.tiny_copy`);
 a model with no transformers config (timm) is copied with each repeated stack cut to two blocks
@@ -30,6 +31,7 @@ from shardformer.core.divergence import ActivationRecorder, first_divergence, fi
 from shardformer.core.record import sharding_of
 from shardformer.core.tiny_run import tiny_copy
 from shardformer.models import inputs_for
+from shardformer.policies.anatomy import final_norm, layer_stack
 from shardformer.policies.copies import architecture, no_dropout, two_blocks
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy
@@ -76,10 +78,19 @@ def _proven(model, shard_config, route, make_policy, heads) -> str | None:
     plan = model_tp_plan(model)
     if plan:  # the user's model's plan, as it is (changed by hand, or not): the one to prove
         tiny.tp_plan = plan
-    key = (route, type(model), tp, heads, _architecture(tiny), json.dumps(plan, sort_keys=True), _versions())
+    sequence = tuple(_sequence_parallel(shard_config).items())
+    key = (route, type(model), tp, heads, sequence, _architecture(tiny), json.dumps(plan, sort_keys=True), _versions())
     if key not in _VERDICTS:
         _VERDICTS[key] = _prove(tiny, shard_config, make_policy, _device(model))
     return _VERDICTS[key]
+
+
+def _sequence_parallel(shard_config: ShardConfig) -> dict:
+    """The sequence-parallel options the user asked for: proven with the route (a model that reshapes
+    its hidden states inside a layer, as OPT before fc1, cannot be run with its sequence split)."""
+    if not shard_config.sequence_parallel:
+        return {}
+    return {"sequence_parallel": True, "sequence_parallel_regather": shard_config.sequence_parallel_regather}
 
 
 def _versions() -> tuple[str, ...]:
@@ -138,11 +149,15 @@ def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device) -> s
     group = shard_config.tensor_parallel_process_group
     if group is None and shard_config.mesh is not None:
         group = shard_config.mesh.tp_group  # the tp group alone: the copy has no cp, pp or dp of its own
-    config = ShardConfig(tensor_parallel_size=tp, tensor_parallel_process_group=group, seed=shard_config.seed)
+    sequence = _sequence_parallel(shard_config)
+    config = ShardConfig(
+        tensor_parallel_size=tp, tensor_parallel_process_group=group, seed=shard_config.seed, **sequence
+    )
+    stack = dict(layers=layer_stack(sharded), final_norm=final_norm(sharded)) if sequence else {}
     failures: list[str] = []
     try:
         with _quiet():  # the tiny copy's "sharded ..." line would read like the user's model's
-            sharded = ModelSharder(sharded, make_policy(), config).shard()
+            sharded = ModelSharder(sharded, make_policy(), config, **stack).shard()
     except Exception as e:  # noqa: BLE001 - the route cannot cut the tiny copy: the same on every rank
         failures.append(f"the tiny copy cannot be cut: {type(e).__name__}: {str(e)[:300]}")
     if not failures:

@@ -36,7 +36,7 @@ def parse_memory(text: str) -> int:
 def in_flight(stage: int, pp: int, microbatches: int, schedule: str) -> int:
     """Micro-batches whose activations a stage holds at once: all of them under GPipe; under 1F1B
     the first stage's warm-up forwards plus one (pipeline.schedule), fewer down the pipeline."""
-    return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
+    return min(pp - stage, microbatches) if schedule == "1f1b" else microbatches  # others: at most all of them
 
 
 @dataclass

@@ -88,7 +88,8 @@ def gathered_weights(model, tp_group):
     for name, p in model.named_parameters():
         p = full_of(p)  # a ZeRO-3 (DTensor) parameter gathered over dp first
         spec = shard_spec(p)
-        mine[name] = (p.detach() if spec is None else gather_tensor(p.detach(), spec, tp_group)).float().clone()
+        value = full_of(p)  # a ZeRO-3 (DTensor) parameter gathered over dp first
+        mine[name] = (value if spec is None else gather_tensor(value, spec, tp_group)).float().clone()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     merged = {}
