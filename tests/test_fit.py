@@ -172,4 +172,3 @@ def test_plan_at_an_expert_parallel_size(capsys):
     assert "expert_parallel_size=3 does not divide data_parallel_size=4" in capsys.readouterr().err
     assert main(["plan", "gpt2", "--dp", "2", "--ep", "2"]) == 2
     assert "cannot be split by experts" in capsys.readouterr().err
-    assert main(["plan", "mixtral-8x7b", "--dp", "2", "--ep", "2", "--simulate"]) == 2

@@ -218,7 +218,7 @@ def test_cli_plans_context_parallelism(tmp_path, capsys):
     for argv, message in [
         (["--tp", "2", "--cp", "4", "--cp-mode", "all_to_all"], "4 heads, which tensor_parallel_size=2 x context_"),
         (["--cp", "0"], "context_parallel_size=0"),
-        (["--cp", "2", "--simulate"], "--simulate takes no --policy, --cp or --ep"),
+        (["--cp", "2", "--simulate"], "--simulate takes no --policy or --cp"),
     ]:
         assert main(["plan", folder, *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv

@@ -106,3 +106,42 @@ def test_cli_simulate_and_its_size_check(capsys):
     out = capsys.readouterr().out
     assert "simulated: llama3-8b at tp=8 x pp=2 x dp=4 = 64 ranks" in out and "(0.00% apart)" in out
     assert main(["plan", "llama3-8b", "--tp", "3", "--simulate"]) == 2
+
+
+def test_expert_parallel_rank_bytes_experts_and_all_to_alls(tmp_path, capsys):
+    """ep=4 of dp=8: each rank is built with EngineConfig(ep=4); on meta the routing is taken as even
+    (no router choice can be read), so the all-to-alls carry tokens x top-k rows each way."""
+    h, ffn, tokens, k = 64, 128, 2 * 8, 2
+    config = tf.MixtralConfig(
+        hidden_size=h, intermediate_size=ffn, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=8, num_experts_per_tok=k, vocab_size=256, architectures=["MixtralForCausalLM"],
+    )  # fmt: skip
+    job = simulate_job(config, tp=2, pp=2, dp=8, zero_stage=1, precision="bf16", ep=4, batch=2, seq=8)
+    assert [r.coords[0] for r in job.ranks] == [0, 1]
+    for rank in job.ranks:
+        assert rank.experts == (2, 8, 2)  # 2 of 8 experts in each of the stage's 2 MoE layers
+        # 1/ep of the stage's routed experts, each cut over tp: gate_up [E, 2 ffn, h] + down [E, h, ffn]
+        assert rank.expert_numel * 4 == 2 * 8 * 3 * h * ffn // 2
+        dense = rank.numel - rank.expert_numel
+        measured = dict(rank.measured)
+        assert measured["parameters"] == measured["gradients"] == 2 * rank.numel
+        # fp32 buckets: dense over dp=8, experts over the dp / ep = 2 ranks holding the same ones
+        assert measured["gradient buffers (fp32)"] == 4 * 8 * -(-dense // 8) + 4 * rank.expert_numel
+        adam = 12 * (-(-dense // 8) + rank.expert_numel // 2)
+        assert 0 <= measured.pop("optimizer (Adam + master)") - adam < 4096  # + Adam's step counters
+        assert rank.formula["optimizer (Adam + master)"] == adam
+        assert measured == {k: v for k, v in rank.formula.items() if k in measured}  # plan's formula at ep
+        # per MoE layer: forward the tokens, their expert ids, the outputs back; backward both token exchanges
+        calls, nbytes = rank.collectives[("ep", "all_to_all")]
+        assert calls == rank.calls("ep") == 5 * 2
+        assert nbytes == 2 * (4 * tokens * k * h * 2 + tokens * k * 8)
+        # plan's formula counts what leaves the rank: (ep - 1) / ep of the tokens, over all 4 MoE layers
+        assert job.plan.experts.exchange_bytes(tokens, 2) // 2 == 2 * 4 * tokens * k * h * 2 * 3 // 4
+        assert rank.calls("expert-dp") > 0 and rank.calls("dp") > 0
+    (tmp_path / "mixtral").mkdir()
+    config.save_pretrained(tmp_path / "mixtral")
+    args = ["plan", str(tmp_path / "mixtral"), "--tp", "2", "--dp", "8", "--ep", "4", "--simulate"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "16 ranks (ep=4 of the dp ranks)" in out and "experts: 2 of 8 per MoE layer (ep=4), in 4 MoE layers" in out
+    assert "    ep: 20 all_to_all" in out

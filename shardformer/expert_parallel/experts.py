@@ -80,15 +80,24 @@ class ExpertParallel:
         flat = top_k_index.reshape(-1)
         slot = torch.arange(k, device=flat.device).repeat(tokens)
         token = torch.arange(tokens, device=flat.device).repeat_interleave(k)
-        # the module's own loop adds expert by expert, slot by slot, token by token: the same order
-        real = (flat >= 0) & (flat < spec.num_experts)  # an index past the experts means "none" to the module
-        order = torch.argsort((flat * k + slot) * tokens + token)
-        order = order[real[order]]
-        expert, token = flat[order], token[order]
-        owner = torch.div(expert, spec.local, rounding_mode="floor")
-        send_t = torch.bincount(owner, minlength=spec.ep_size)
-        send = send_t.tolist()
-        recv = exchange_counts(send_t, group)
+        if hidden_states.is_meta:
+            # a meta tensor holds no router choices to count (``shardformer plan --simulate``): take the
+            # routing as spread evenly, each rank sending and receiving ``tokens * k / ep`` rows per rank;
+            # the token exchanges below then run with those sizes (the counts' exchange is skipped)
+            order = torch.arange(tokens * k, device=flat.device)
+            expert, owner = flat, torch.div(flat, spec.local, rounding_mode="floor")
+            rows, extra = divmod(tokens * k, spec.ep_size)
+            send = recv = [rows + (r < extra) for r in range(spec.ep_size)]
+        else:
+            # the module's own loop adds expert by expert, slot by slot, token by token: the same order
+            real = (flat >= 0) & (flat < spec.num_experts)  # an index past the experts means "none" to the module
+            order = torch.argsort((flat * k + slot) * tokens + token)
+            order = order[real[order]]
+            expert, token = flat[order], token[order]
+            owner = torch.div(expert, spec.local, rounding_mode="floor")
+            send_t = torch.bincount(owner, minlength=spec.ep_size)
+            send = send_t.tolist()
+            recv = exchange_counts(send_t, group)
         received = exchange(hidden_states[token], send, recv, group)
         local_index = exchange_ids(expert - owner * spec.local, send, recv, group)
         ones = torch.ones((received.shape[0], 1), dtype=top_k_weights.dtype, device=received.device)

@@ -79,15 +79,17 @@ class Plan:
     def full_numel(self) -> int:
         return sum(_numel(full) for _, full, _ in self.params)
 
-    def bytes_per_rank(self, numel: int | None = None) -> dict[str, int]:
-        """Bytes per rank for ``numel`` parameters (default: the largest pipeline stage's, or the model's)."""
+    def bytes_per_rank(self, numel: int | None = None, experts: int | None = None) -> dict[str, int]:
+        """Bytes per rank for ``numel`` parameters (default: the largest pipeline stage's, or the model's),
+        ``experts`` of them split by expert parallelism (default: the model's share of ``numel``)."""
         if numel is None:
             numel = max(n for _, n in self.stages) if self.stages else self.rank_numel
         if self.ep == 1:
             return model_state_bytes(numel, self.precision, self.dp, self.zero, self.largest_layer)
         # split experts are stepped by ZeRO over the dp / ep ranks holding them (a stage is taken to hold
-        # the model's share of them)
-        experts = round(numel * self.routed_numel / max(self.rank_numel, 1))
+        # the model's share of them unless told)
+        if experts is None:
+            experts = round(numel * self.routed_numel / max(self.rank_numel, 1))
         dense = model_state_bytes(numel - experts, self.precision, self.dp, self.zero, self.largest_layer)
         split = model_state_bytes(experts, self.precision, self.dp // self.ep, self.zero)
         return {k: dense.get(k, 0) + split.get(k, 0) for k in {**dense, **split}}

@@ -17,7 +17,7 @@ the rank's module tree, their ``.grad``, the ZeRO reducer's bucket buffers, and 
 master shards and states (its layout). Activations: the bytes autograd saves in the measured
 step's forward and loss (given ``batch`` and ``seq``: one micro-batch of the rank's stage), with
 attention run as a fused kernel keeps it (:class:`_FusedAttentionOnMeta`). Collectives are the ones the step issues through
-:mod:`shardformer.core.comm`, recorded with their group (tp, dp, ...). Pipeline sends and receives
+:mod:`shardformer.core.comm`, recorded with their group (tp, dp, ep, ...). Pipeline sends and receives
 are counted from the p2p schedule (a fake group delivers no data, so the receiving stage cannot
 read an activation's shape header); they are marked as such.
 """
@@ -37,8 +37,9 @@ from torch.overrides import TorchFunctionMode
 
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.memory import StorageBytes
+from shardformer.expert_parallel.experts import is_expert_param
 from shardformer.policies.anatomy import stacks
-from shardformer.tools.plan import BYTES, GATHERED, model_state_bytes, plan_model
+from shardformer.tools.plan import BYTES, GATHERED, plan_model
 
 CATEGORIES = ("parameters", "gradients", "gradient buffers (fp32)", "optimizer (Adam + master)", GATHERED)
 
@@ -58,6 +59,8 @@ class RankSimulation:
     # ZeRO-3: FSDP2's layers gathered while they compute, from the formula (no step runs on meta)
     formula_only: dict[str, int] = field(default_factory=dict)
     activations: int = 0  # bytes autograd saved in one micro-batch's forward (+ loss) of this rank's stage
+    experts: tuple[int, int, int] = (0, 0, 0)  # ep > 1: (experts per MoE layer here, of all, MoE layers here)
+    expert_numel: int = 0  # ep > 1: parameters of this rank's experts (ZeRO steps them over dp / ep ranks)
 
     @property
     def total(self) -> int:
@@ -82,6 +85,7 @@ class JobSimulation:
     dp: int
     zero: int
     precision: str
+    ep: int = 1
     ranks: list[RankSimulation] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     plan: object = None  # the formula's Plan of the same job (tools.plan)
@@ -108,6 +112,7 @@ def simulate_job(
     model_class: str | None = None,
     batch: int = 1,
     seq: int = 16,
+    ep: int = 1,
 ) -> JobSimulation:
     """Build every distinct kind of rank of a ``tp x pp x dp`` job for real, on the meta device, in one process.
 
@@ -119,12 +124,14 @@ def simulate_job(
     same rank at ZeRO-2 and the layers gathered during compute come from the formula (both marked).
     ``batch`` x ``seq``: the micro-batch of the simulated steps (meta: no compute, any size is free).
     The bytes autograd saves in the measured step's forward and loss are each rank's activations of
-    one micro-batch (:func:`saved_activations`).
+    one micro-batch (:func:`saved_activations`). ``ep``: expert parallelism over ep of the dp ranks;
+    on meta no router's choice can be read, so the experts' all-to-alls carry an even spread of the
+    routed tokens (:class:`~shardformer.expert_parallel.experts.ExpertParallel`).
 
     Runs in this process when torch.distributed is not initialised (the fake group is destroyed
     afterwards), else in a fresh subprocess, so an existing default group is never touched.
     """
-    args = (model, tp, pp, dp, zero_stage, precision, model_class, batch, seq)
+    args = (model, tp, pp, dp, zero_stage, precision, model_class, batch, seq, ep)
     if not dist.is_initialized():
         return _simulate(*args)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -150,15 +157,15 @@ def _from_config(config, model_class):
     return tf.AutoModelForCausalLM.from_config(config)
 
 
-def _simulate(model, tp, pp, dp, zero_stage, precision, model_class, batch, seq) -> JobSimulation:
+def _simulate(model, tp, pp, dp, zero_stage, precision, model_class, batch, seq, ep) -> JobSimulation:
     factory = _factory(model, model_class)
     with torch.device("meta"):
         probe = factory()
     name = model if isinstance(model, str) else type(probe).__name__
     config = probe.config
-    plan = plan_model(probe, tp, pp, dp, zero_stage, precision)  # also every size check, before any group
+    plan = plan_model(probe, tp, pp, dp, zero_stage, precision, ep=ep)  # also every size check, before any group
     del probe  # its meta tensors would count as another rank's
-    job = JobSimulation(name, tp, pp, dp, zero_stage, precision, plan=plan, config=config, batch=batch, seq=seq)
+    job = JobSimulation(name, tp, pp, dp, zero_stage, precision, ep, plan=plan, config=config, batch=batch, seq=seq)
     if tp > 1:
         job.notes.append(_compare_tp_ranks(factory, plan, tp))
     for stage in _stage_kinds(plan, pp):
@@ -170,6 +177,13 @@ def _simulate(model, tp, pp, dp, zero_stage, precision, model_class, batch, seq)
             "forward on meta parameters, so the layers it gathers while computing are the formula's, and the "
             "collectives are the same rank's at ZeRO-2 (ZeRO-3 gathers and reduce-scatters per layer over dp "
             "instead of per bucket, and gathers again in backward)"
+        )
+    if ep > 1:
+        job.notes.append(
+            "ep all-to-alls carry the routed tokens spread evenly over the ep ranks (a meta router's choices "
+            "cannot be read): tokens x top-k / ep rows to each rank and back; their bytes are the tensors handed "
+            "to the all-to-all, (ep - 1) / ep of which leave the rank; the exchange of the row counts before the "
+            "tokens (ep integers) is not counted"
         )
     job.notes.append(
         "pp sends/receives are counted from the p2p schedule (a fake group delivers no shape header): each "
@@ -183,7 +197,7 @@ def _compare_tp_ranks(factory, plan, tp: int) -> str:
     ranks differ (vocabulary padding, the last of replicated key/value heads) the last one differs.
     A fake group cannot run it for real: it would receive tp rank 0's RNG state, and gets no data."""
     with torch.device("meta"):
-        last = plan_model(factory(), tp, 1, 1, 0, plan.precision, tp_rank=tp - 1)
+        last = plan_model(factory(), tp, 1, plan.ep, 0, plan.precision, tp_rank=tp - 1, ep=plan.ep)
     if [shape for _, _, shape in last.params] != [shape for _, _, shape in plan.params]:
         raise NotImplementedError(f"tp rank {tp - 1} holds other parameter shapes than tp rank 0")
     return f"tp rank {tp - 1} holds tp rank 0's parameter shapes (sharded at that rank)"
@@ -217,7 +231,9 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
             model = factory()
         # prove=False: a fake group delivers no data, so no proof can run on it; the numbers simulated
         # here are bytes and calls, which do not depend on the route being exact
-        config = EngineConfig(tp=tp, pp=pp, dp=dp, zero_stage=min(zero_stage, 2), precision=plan.precision, prove=False)
+        config = EngineConfig(
+            tp=tp, pp=pp, dp=dp, ep=plan.ep, zero_stage=min(zero_stage, 2), precision=plan.precision, prove=False
+        )
         engine = ParallelEngine(model, lambda p: torch.optim.AdamW(p, lr=1e-4), config)
         hidden_size = model.config.hidden_size
         _step(engine, batch, seq, hidden_size)  # Adam creates its state in the first step
@@ -227,6 +243,8 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
         mesh = engine.mesh
         names = {id(mesh.tp_group): "tp", id(mesh.dp_group): "dp", id(mesh.pp_group): "pp"}
         names[id(mesh.embedding_group)] = "embedding"
+        if plan.ep > 1:
+            names |= {id(mesh.ep_group): "ep", id(mesh.expert_dp_group): "expert-dp"}
         collectives: Counter = Counter()
         volume: Counter = Counter()
         for (op, _, nbytes), group in zip(counter.calls, counter.groups):
@@ -234,6 +252,9 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
             collectives[key] += 1
             volume[key] += nbytes
         numel = sum(p.numel() for p in engine.model.parameters())
+        split = [p for p in engine.model.parameters() if is_expert_param(p)]
+        experts = (split[0].expert_spec.local, split[0].expert_spec.num_experts) if split else (0, 0)
+        moe_layers = sum(getattr(m, "ep_spec", None) is not None for m in engine.model.modules())
         layers = engine.model.shardformer.layers
         if layers is None:  # pp=1: every layer (of every stack: an encoder-decoder has two)
             layers = range(sum(len(engine.model.get_submodule(s)) for s in stacks(engine.model)))
@@ -241,10 +262,11 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
         first, last = stage == 0, stage == pp - 1
         for key, (n, nbytes) in _pipeline_messages(first, last, batch, seq, hidden_size, plan.precision).items():
             collectives[key], volume[key] = n, nbytes
-        formula = model_state_bytes(numel, plan.precision, dp, zero_stage, plan.largest_layer)
+        expert_numel = sum(p.numel() for p in split)
+        formula = plan.bytes_per_rank(numel, experts=expert_numel)
         formula_only = {}
         if zero_stage == 3:
-            zero3 = EngineConfig(tp=tp, pp=pp, dp=dp, zero_stage=3, precision=plan.precision, prove=False)
+            zero3 = EngineConfig(tp=tp, pp=pp, dp=dp, ep=plan.ep, zero_stage=3, precision=plan.precision, prove=False)
             measured = _zero3_bytes(factory, zero3)
             formula_only = {GATHERED: formula[GATHERED]}
         return RankSimulation(
@@ -258,6 +280,8 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
             minimum=_megatron_minimum(len(layers), first, last, tp, pp),
             formula_only=formula_only,
             activations=activations,
+            experts=(*experts, moe_layers),
+            expert_numel=expert_numel,
         )
     finally:
         dist.destroy_process_group()
@@ -377,11 +401,13 @@ def _held_bytes(model, zero) -> dict[str, int]:
     size = StorageBytes()
     params = list(model.parameters())
     held = {"parameters": size(params), "gradients": size(p.grad for p in params if p.grad is not None)}
-    buffers = zero.reducer.held_buffers()  # the [dp, row] buffers and reduce-scatter outputs held now
+    parts = getattr(zero, "parts", (zero,))  # ep > 1: dense and experts' ZeroOptimizers
+    # the [dp, row] buffers and reduce-scatter outputs held now
+    buffers = [b for part in parts for b in part.reducer.held_buffers()]
     if buffers:
         held["gradient buffers (fp32)"] = size(buffers)
-    states = [v for st in zero.optim.state.values() for v in st.values() if torch.is_tensor(v)]
-    held["optimizer (Adam + master)"] = size([s.master for s in zero.slots] + states)
+    states = [v for part in parts for st in part.optim.state.values() for v in st.values() if torch.is_tensor(v)]
+    held["optimizer (Adam + master)"] = size([s.master for part in parts for s in part.slots] + states)
     return held
 
 
@@ -418,7 +444,8 @@ def _megatron_minimum(layers: int, first: bool, last: bool, tp: int, pp: int) ->
 def format_simulation(job: JobSimulation) -> str:
     gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
     lines = [
-        f"simulated: {job.model} at tp={job.tp} x pp={job.pp} x dp={job.dp} = {job.world} ranks, "
+        f"simulated: {job.model} at tp={job.tp} x pp={job.pp} x dp={job.dp} = {job.world} ranks"
+        f"{f' (ep={job.ep} of the dp ranks)' if job.ep > 1 else ''}, "
         f"ZeRO-{job.zero}, {job.precision} (fake process group, meta device; activations apart)",
     ]
     for r in job.ranks:
@@ -439,6 +466,9 @@ def format_simulation(job: JobSimulation) -> str:
             f"  {'total':<28}{gib(r.total):>12}{gib(sum(r.formula.values())):>12}  "
             f"({r.apart:.2%} apart{' where measured' if r.formula_only else ''})"
         )
+        if r.experts[2]:
+            local, total, layers = r.experts
+            lines.append(f"  experts: {local} of {total} per MoE layer (ep={job.ep}), in {layers} MoE layers here")
         lines.append(
             f"  activations of one micro-batch ({job.batch} x {job.seq}), saved by its forward: {gib(r.activations)}"
         )
