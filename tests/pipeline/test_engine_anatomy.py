@@ -119,6 +119,23 @@ def check_t5_tp2_pp2_zero2_sgd():  # each stack's first layer computes the posit
     )  # fmt: skip
 
 
+def check_whisper_tp2_pp2_zero1_sgd():  # speech: the encoder's stage takes log-mel frames, not token ids
+    g = torch.Generator().manual_seed(0)
+    data = [
+        {
+            "input_features": torch.randn(common.BATCH, 8, 32, generator=g),
+            "labels": torch.randint(3, 99, (common.BATCH, 6), generator=g),
+        }
+        for _ in range(STEPS)
+    ]
+    _run(
+        "WhisperForConditionalGeneration", (2, 2, 1, "1f1b", 2, 0.5, "torch"), data=data, optimizer=common.sgd,
+        num_hidden_layers=2, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        num_mel_bins=8,
+        max_source_positions=16, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+
+
 def _timm_loss(out, micro_batch):
     return torch.nn.functional.cross_entropy(out, micro_batch["y"])
 
@@ -144,6 +161,7 @@ def check_timm_deit_tp2_pp2_zero1_sgd():  # no transformers config: the stack fo
 
 
 CHECKS = [
+    check_whisper_tp2_pp2_zero1_sgd,
     check_timm_deit_tp2_pp2_zero1_sgd,
     check_opt_causal_lm_tp2_pp2_zero1,
     check_bloom_causal_lm_tp2_pp2_zero2,
