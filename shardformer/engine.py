@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from shardformer.api import shard_model
 from shardformer.context_parallel import context_parallel_stage_forward
 from shardformer.core import comm
-from shardformer.core.config import PRECISIONS, EngineConfig
+from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divides
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
 from shardformer.core.record import sharding_of
 from shardformer.core.step_agreement import batch_fingerprint, check_agreement
@@ -121,11 +121,7 @@ class ParallelEngine:
         # Every check that can fail runs before the first collective.
         world = dist.get_world_size() if dist.is_initialized() else 1
         _, dp, _ = resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
-        if dp % cfg.ep:
-            raise ValueError(
-                f"EngineConfig.ep={cfg.ep} does not divide the data-parallel size {dp}: expert-parallel ranks are "
-                f"data-parallel ranks; pick an ep that divides {dp}"
-            )
+        check_expert_divides(cfg.ep, dp, "EngineConfig.ep")
         self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
         num_chunks, chunk_counts = cfg.pp * cfg.chunks_per_rank, cfg.layers_per_stage
         if cfg.chunks_per_rank > 1:  # virtual stages: the schedule's needs, the layers per chunk

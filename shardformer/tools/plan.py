@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from shardformer.context_parallel.checks import check_context_parallel
 from shardformer.core.comm import VirtualGroup
-from shardformer.core.config import CP_MODES, PRECISIONS, ZERO_STAGES, ShardConfig, check_choice
+from shardformer.core.config import CP_MODES, PRECISIONS, ZERO_STAGES, ShardConfig, check_choice, check_expert_divides
 from shardformer.core.mesh import resolve_sizes
 from shardformer.expert_parallel.find import find_experts
 from shardformer.expert_parallel.sizing import ExpertSizing, expert_sizing
@@ -182,11 +182,7 @@ def plan_model(
     plan_activations = (
         activation_lines(config, batch, seq, tp, precision, device, cp, cp_mode, pp) if batch is not None else []
     )  # before sharding: a bad size fails before the slow part
-    if dp % ep:
-        raise ValueError(
-            f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: expert-parallel ranks are "
-            f"data-parallel ranks; pick an ep that divides {dp}"
-        )
+    check_expert_divides(ep, dp)
     experts = expert_sizing(model, ep)
     if ep > 1 and experts is None:
         find_experts(model, ep)  # raises, naming why the model's experts cannot be split
