@@ -160,7 +160,21 @@ def check_timm_deit_tp2_pp2_zero1_sgd():  # no transformers config: the stack fo
     )  # fmt: skip
 
 
+def check_convnext_tp2_pp2_zero1_sgd():  # a stage hands on a channels-last permute: sent contiguous both ways
+    config = tf.ConvNextConfig(
+        hidden_sizes=[8, 16], depths=[2, 2], num_stages=2, image_size=32, num_labels=3, drop_path_rate=0.0
+    )
+    pair = load_pair(tf.ConvNextForImageClassification, config)
+    g = torch.Generator().manual_seed(0)
+    data = [
+        {"pixel_values": torch.randn(4, 3, 32, 32, generator=g), "labels": torch.randint(0, 3, (4,), generator=g)}
+        for _ in range(STEPS)
+    ]
+    _check("convnext", 2, 2, 1, "1f1b", 2, 0.5, "torch", model_pair=pair, data=data)
+
+
 CHECKS = [
+    check_convnext_tp2_pp2_zero1_sgd,
     check_whisper_tp2_pp2_zero1_sgd,
     check_timm_deit_tp2_pp2_zero1_sgd,
     check_opt_causal_lm_tp2_pp2_zero1,
