@@ -78,30 +78,13 @@ def build(sweeps: list[dict]) -> tuple[list[str], list[list[str]]]:
     verify = [s for s in sweeps if columns_of(s) == ("tp", "generate")]
     if not verify:
         raise SystemExit("no verify sweep (benchmarks/conformance-<date>.json): run make conformance")
-    notes: list[str] = []
-    cells: dict[tuple[str, str, str], str] = {}  # (column, model type, class) -> cell; later sweeps win
+    notes: list[str] = []  # one per sweep that fills columns, numbered below by the cells that cite it
+    cells: dict[tuple[str, str, str], tuple[str, int]] = {}  # (column, model type, class) -> (cell, note); later wins
     for sweep in sweeps:
         columns = columns_of(sweep)
         if not columns:
             continue
-        n = len(notes) + 1
-        what = {
-            "verify": "verify sweep",
-            "plan": "plan sweep (causal LMs with a tp plan)",
-            "pipeline": "ParallelEngine sweep (2 SGD steps against the unsharded copy)",
-            "engine": "engine sweep (2 SGD steps of each ParallelEngine layout against the unsharded copy, "
-            f"{len(sweep['rows'])} {'/'.join(sorted({r['task'] for r in sweep['rows']}))} classes)",
-        }[sweep["sweep"]]
-        layout = f"tp={sweep.get('tp', 2)}"
-        if sweep["sweep"] == "pipeline":
-            layout = f"pp={sweep['pp']}"
-        elif sweep["sweep"] == "engine":
-            layout = "; ".join(f"{t}: {v}" for t, v in sweep["layouts"].items())
-        notes.append(
-            f"[{n}] {', '.join(columns)}: {what}{' with sequence parallelism' if 'sp' in columns else ''}, "
-            f"{layout} on 2 gloo ranks, {sweep.get('attention', 'eager')} attention, {sweep['date']}, "
-            f"transformers {sweep['transformers']} (`{sweep['file']}`)"
-        )
+        notes.append(_note(sweep, columns))
         for r in sweep["rows"]:
             for column in columns:
                 if sweep["sweep"] == "engine":
@@ -110,15 +93,40 @@ def build(sweeps: list[dict]) -> tuple[list[str], list[list[str]]]:
                     value = CELL[r["techniques"][column]["result"]]
                 else:
                     value = _generate(r) if column == "generate" else CELL[r["result"]]
-                cells[(column, r["model_type"], r["class"])] = f"{value} [{n}]"
+                cells[(column, r["model_type"], r["class"])] = (value, len(notes) - 1)
+    # only the sweeps a cell cites (a later sweep of the same columns replaces an earlier one), numbered 1, 2, ...
+    number = {i: n for n, i in enumerate(sorted({i for _, i in cells.values()}), 1)}
     order = {t: i for i, t in enumerate(TASK_ORDER)}
     rows = sorted(verify[-1]["rows"], key=lambda r: (r["model_type"], order.get(r["task"], 99), r["class"]))
     out = []
     for r in rows:
         line = [r["model_type"], r["task"], r["class"]]
-        line += [cells.get((column, r["model_type"], r["class"]), NOT_SWEPT) for column in COLUMNS]
+        for column in COLUMNS:
+            found = cells.get((column, r["model_type"], r["class"]))
+            line.append(NOT_SWEPT if found is None else f"{found[0]} [{number[found[1]]}]")
         out.append(line)
-    return notes, out
+    return [f"[{n}] {notes[i]}" for i, n in number.items()], out
+
+
+def _note(sweep: dict, columns: tuple[str, ...]) -> str:
+    """What a sweep ran: its columns, kind, layout(s), attention, date, transformers version and file."""
+    what = {
+        "verify": "verify sweep",
+        "plan": "plan sweep (causal LMs with a tp plan)",
+        "pipeline": "ParallelEngine sweep (2 SGD steps against the unsharded copy)",
+        "engine": "engine sweep (2 SGD steps of each ParallelEngine layout against the unsharded copy, "
+        f"{len(sweep['rows'])} {'/'.join(sorted({r['task'] for r in sweep['rows']}))} classes)",
+    }[sweep["sweep"]]
+    layout = f"tp={sweep.get('tp', 2)}"
+    if sweep["sweep"] == "pipeline":
+        layout = f"pp={sweep['pp']}"
+    elif sweep["sweep"] == "engine":
+        layout = "; ".join(f"{t}: {v}" for t, v in sweep["layouts"].items())
+    return (
+        f"{', '.join(columns)}: {what}{' with sequence parallelism' if 'sp' in columns else ''}, "
+        f"{layout} on 2 gloo ranks, {sweep.get('attention', 'eager')} attention, {sweep['date']}, "
+        f"transformers {sweep['transformers']} (`{sweep['file']}`)"
+    )
 
 
 def _generate(row: dict) -> str:
