@@ -84,6 +84,11 @@ class AnatomyError(ValueError):
     """What runs around the layer stack cannot be told apart (the reason names the module)."""
 
 
+class HandOverError(AnatomyError):
+    """A layer reads what the layer before it returned besides the hidden states: no stage boundary can
+    pass it on."""
+
+
 @dataclass(frozen=True)
 class Ends:
     """What runs around one layer stack, by path in the model.
@@ -248,7 +253,7 @@ def _check_hand_over(first_output, received, layers: str) -> None:
     names = [f"argument {i}" for i, t in enumerate(args) if id(t) in extra]
     names += [name for name, t in kwargs.items() if torch.is_tensor(t) and id(t) in extra]
     if names:
-        raise AnatomyError(
+        raise HandOverError(
             f"layer 1 of {layers!r} reads {names[0]} from what layer 0 returned besides the hidden states: a "
             f"pipeline stage that starts past layer 0 cannot receive it"
         )
