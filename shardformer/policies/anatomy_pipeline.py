@@ -39,13 +39,14 @@ from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
 from shardformer.core.record import sharding_of
 from shardformer.models import family_spec
 from shardformer.pipeline.from_plan import spec_from_pp_plan
+from shardformer.pipeline.skeleton import StandIn
 from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
 from shardformer.policies.anatomy import AnatomyError, Ends, HandOverError, ends_of, own_ancestor, stacks, tiny_for
 
 
-class LayerPassThrough(nn.Module):
+class LayerPassThrough(StandIn):
     """Another stage's layer: hands its input hidden states on, as a layer returns them (a tuple of
     ``outputs`` values with the hidden states first, or the bare tensor when ``outputs`` is 0)."""
 
@@ -66,7 +67,7 @@ class _Reached(Exception):
         self.hidden = hidden
 
 
-class Capture(nn.Module):
+class Capture(StandIn):
     """The layer after this stage's last one: takes the hidden states this stage hands on and ends
     the forward (the rest of the model runs on later stages)."""
 
