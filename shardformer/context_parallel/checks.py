@@ -8,6 +8,7 @@ import torch.nn as nn
 from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from shardformer.context_parallel.anatomy import stack_problem
 from shardformer.context_parallel.positions import position_rule, takes_position_ids
 
 # attention layer kinds whose masks transformers' create_*_mask functions describe
@@ -60,6 +61,8 @@ def check_context_parallel(model: nn.Module, shard_config) -> ContextParallelPla
             f"it was loaded with attn_implementation={config._attn_implementation!r}; load it with "
             f"attn_implementation='sdpa' or 'eager'"
         )
+    else:
+        why = stack_problem(model)  # the model's anatomy: one layer stack, per-token modules after it
     if why is not None:
         raise ValueError(f"context_parallel_size={cp}: {name} cannot be split over the sequence: {why}")
     heads = getattr(text, "num_attention_heads", None)
