@@ -1,14 +1,15 @@
-"""What context parallelism reads from the model's anatomy (:mod:`shardformer.policies.anatomy`).
+"""What context parallelism needs of the model's anatomy, and the checks it makes on it.
 
 A split forward runs every module on this rank's tokens only. Attention sees the whole sequence
 (through transformers' attention interface), the embeddings get the tokens' global positions
-(:mod:`.positions`); everything else must compute each token from that token alone. The anatomy
-says where to look:
+(:mod:`.positions`); everything else must compute each token from that token alone. The model's
+anatomy (found once, in :mod:`shardformer.policies.anatomy`, which fills a :class:`StackAnatomy`) says
+where to look:
 
-- the layer stack: context parallelism splits the sequence of ONE stack (an encoder-decoder or two
+- the layer stacks: context parallelism splits the sequence of ONE stack (an encoder-decoder or two
   towers has several: refused);
 - what runs after the stack (final norm, head, pooler): each such module of the user's model is
-  proven per-token on a tiny copy of it, by changing its input at the first and the last token and
+  proven per-token on a tiny copy of it, by moving its input at the first and at the last token and
   checking that no other token's output moves, and that it returns one output per token. A pooler
   (BERT's reads the first token) would give each cp rank the pooling of its own tokens: refused,
   naming the module. So is a model whose forward itself pools (CLIP's text model picks each row's
@@ -17,17 +18,29 @@ says where to look:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
-from shardformer.policies.anatomy import AnatomyError, ends_of, stacks, tiny_for
+
+@dataclass(frozen=True)
+class StackAnatomy:
+    """The parts of a model's anatomy context parallelism reads (see the module doc)."""
+
+    stacks: tuple[str, ...]  # paths of its repeated layer stacks
+    after: Callable[[], tuple[str, ...]]  # the modules run after its one stack (ValueError: cannot be told)
+    tiny: Callable[[], tuple[nn.Module, dict]]  # a tiny copy of the model and inputs for it
+    key: Hashable  # the model's class and architecture (verdicts are cached per key)
+
 
 _VERDICTS: dict[tuple, str | None] = {}
 
 
-def stack_problem(model: nn.Module) -> str | None:
-    """Why ``model``'s anatomy does not let its sequence be split (one stack, per-token ends), or None."""
-    found = stacks(model)
+def anatomy_problem(model: nn.Module, anatomy: StackAnatomy) -> str | None:
+    """Why ``model``'s sequence cannot be split, read from its ``anatomy``; None when it can."""
+    found = anatomy.stacks
     if len(found) != 1:
         what = ", ".join(found) if found else "none"
         return (
@@ -35,16 +48,15 @@ def stack_problem(model: nn.Module) -> str | None:
             f"use context_parallel_size=1"
         )
     try:
-        after = ends_of(model, found[0]).after
-    except AnatomyError as e:
-        return f"what runs after its layer stack {found[0]!r} cannot be told apart ({e})"
+        after = anatomy.after()
+    except ValueError as e:
+        return f"what runs after its layer stack {found[0]!r} cannot be told apart ({e}); use context_parallel_size=1"
     present = tuple(p for p in after if _module_at(model, p) is not None)  # BertModel(add_pooling_layer=False)
-    from shardformer.policies.derived.derive import _key
-
-    key = (_key(model, 1), present)
+    key = (anatomy.key, present)
     if key not in _VERDICTS:
+        absent = tuple(p for p in after if p not in present)
         try:
-            _VERDICTS[key] = _not_per_token(model, present, tuple(p for p in after if p not in present))
+            _VERDICTS[key] = _not_per_token(anatomy.tiny, present, absent)
         except Exception as e:  # noqa: BLE001 - a copy that does not run proves nothing: refused, said why
             _VERDICTS[key] = f"the modules after its layer stack cannot be checked on a tiny copy ({e})"
     return _VERDICTS[key]
@@ -57,11 +69,11 @@ def _module_at(model: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-def _not_per_token(model: nn.Module, paths: tuple[str, ...], absent: tuple[str, ...]) -> str | None:
+def _not_per_token(make_tiny, paths: tuple[str, ...], absent: tuple[str, ...]) -> str | None:
     """The first of ``paths`` (after the layer stack) that does not compute each token from that token
-    alone on a tiny copy of ``model``, with why, or an output pooled per row; None when every one is
-    per-token. ``absent``: modules the user's model leaves out (None), left out of the copy too."""
-    tiny, inputs = tiny_for(model)
+    alone on a tiny copy, with why, or an output pooled per row; None when every one is per-token.
+    ``absent``: modules the user's model leaves out (None), left out of the copy too."""
+    tiny, inputs = make_tiny()
     tiny.eval()
     for path in absent:
         parent, _, name = path.rpartition(".")
@@ -70,10 +82,8 @@ def _not_per_token(model: nn.Module, paths: tuple[str, ...], absent: tuple[str, 
     handles = []
     for path in paths:
         module = _module_at(tiny, path)
-        if module is None:
-            continue
-        record = _recorder(calls, path)
-        handles.append(module.register_forward_hook(record, with_kwargs=True))
+        if module is not None:
+            handles.append(module.register_forward_hook(_recorder(calls, path), with_kwargs=True))
     try:
         with torch.no_grad():
             output = tiny(**inputs)
@@ -91,24 +101,6 @@ def _not_per_token(model: nn.Module, paths: tuple[str, ...], absent: tuple[str, 
                 f"the model without it (BertModel(config, add_pooling_layer=False) for a pooler)"
             )
     return _pooled_output(output, inputs)
-
-
-def _pooled_output(output, inputs: dict) -> str | None:
-    """An output of the forward with one value per row (batch first, no sequence dimension): pooled
-    from this rank's tokens only under context parallelism."""
-    ids = inputs.get("input_ids")
-    if ids is None or not hasattr(output, "items"):
-        return None
-    batch, seq = ids.shape[:2]
-    for name, value in output.items():
-        if name == "loss" or not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != batch:
-            continue
-        if value.dim() < 2 or value.shape[1] != seq:
-            return (
-                f"its forward returns {name} {tuple(value.shape)}, one value per row rather than per token (pooled), "
-                f"and each cp rank holds other tokens of the sequence; use context_parallel_size=1"
-            )
-    return None
 
 
 def _recorder(calls: dict, path: str):
@@ -132,14 +124,31 @@ def _token_mixing(module: nn.Module, args, kwargs, output) -> str | None:
         moved = hidden.clone()
         moved[:, changed] += 1.0
         with torch.no_grad():
-            new = _first(
-                module(moved, *args[1:], **kwargs)
-                if hidden_in_args
-                else module(*args, **kwargs | {"hidden_states": moved})
-            )
+            if hidden_in_args:
+                new = _first(module(moved, *args[1:], **kwargs))
+            else:
+                new = _first(module(*args, **kwargs | {"hidden_states": moved}))
         others = [t for t in range(hidden.shape[1]) if t != changed]
         if new is None or not torch.allclose(new[:, others], out[:, others], atol=1e-6, rtol=0):
             return f"computes other tokens' outputs from token {changed}"
+    return None
+
+
+def _pooled_output(output, inputs: dict) -> str | None:
+    """An output of the forward with one value per row (batch first, no sequence dimension): pooled
+    from this rank's tokens only under context parallelism."""
+    ids = inputs.get("input_ids")
+    if ids is None or not hasattr(output, "items"):
+        return None
+    batch, seq = ids.shape[:2]
+    for name, value in output.items():
+        if name == "loss" or not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != batch:
+            continue
+        if value.dim() < 2 or value.shape[1] != seq:
+            return (
+                f"its forward returns {name} {tuple(value.shape)}, one value per row rather than per token (pooled), "
+                f"and each cp rank holds other tokens of the sequence; use context_parallel_size=1"
+            )
     return None
 
 

@@ -18,6 +18,7 @@ from shardformer.context_parallel import check_context_parallel
 from shardformer.context_parallel.attention import SplitMask
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.tiny import tiny_config
+from shardformer.policies.anatomy import stack_anatomy
 from shardformer.tools.conformance import load_pair
 from tests.context_parallel import common, trust
 from tests.helpers import assert_grads_match, check_table
@@ -202,14 +203,18 @@ def test_anatomy_decides_what_is_split():
     from positions included, is their own code), a pooler after the layer stack (the anatomy's, proven
     per-token on a tiny copy), a forward that pools itself (CLIP's text model), two stacks."""
     config = ShardConfig(context_parallel_size=2)
+
+    def check(model):  # as shard_model checks it: with what the model's anatomy says
+        return check_context_parallel(model, config, stack_anatomy(model))
+
     for cls, config_cls in ((tf.BloomForCausalLM, tf.BloomConfig), (tf.MptForCausalLM, tf.MptConfig)):
         with pytest.raises(ValueError, match="does not go through transformers' attention interface"):
-            check_context_parallel(cls(tiny_config(config_cls)), config)
+            check(cls(tiny_config(config_cls)))
     bert = tiny_config(tf.BertConfig)
     with pytest.raises(ValueError, match=r"pooler \(BertPooler\) turns the hidden states .* add_pooling_layer=False"):
-        check_context_parallel(tf.BertModel(bert), config)
-    assert check_context_parallel(tf.BertModel(bert, add_pooling_layer=False), config).positions == "arange"
+        check(tf.BertModel(bert))
+    assert check(tf.BertModel(bert, add_pooling_layer=False)).positions == "arange"
     with pytest.raises(ValueError, match=r"its forward returns pooler_output \(2, 32\), one value per row"):
-        check_context_parallel(tf.CLIPTextModel(tiny_config(tf.CLIPTextConfig)), config)
+        check(tf.CLIPTextModel(tiny_config(tf.CLIPTextConfig)))
     with pytest.raises(ValueError, match="its anatomy finds 2 .text_model.encoder.layers, vision_model"):
-        check_context_parallel(tf.CLIPModel(tiny_config(tf.CLIPConfig)), config)
+        check(tf.CLIPModel(tiny_config(tf.CLIPConfig)))
