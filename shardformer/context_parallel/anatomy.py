@@ -13,7 +13,9 @@ where to look:
   checking that no other token's output moves, and that it returns one output per token. A pooler
   (BERT's reads the first token) would give each cp rank the pooling of its own tokens: refused,
   naming the module. So is a model whose forward itself pools (CLIP's text model picks each row's
-  end-of-text token): an output of one value per row, not per token, is refused by its name.
+  end-of-text token): an output of one value per row, not per token, is refused by its name;
+- inside the stack: attention must be the only thing that mixes tokens (:mod:`.mixing`, on the
+  same tiny copy).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from shardformer.context_parallel.mixing import mixing_outside_attention
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ def _not_per_token(make_tiny, paths: tuple[str, ...], absent: tuple[str, ...]) -
                 f"{path} ({type(module).__name__}) {why}, and each cp rank holds other tokens of the sequence; load "
                 f"the model without it (BertModel(config, add_pooling_layer=False) for a pooler)"
             )
-    return _pooled_output(output, inputs)
+    return _pooled_output(output, inputs) or mixing_outside_attention(tiny, inputs)
 
 
 def _recorder(calls: dict, path: str):

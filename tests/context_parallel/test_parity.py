@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers as tf
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from shardformer import ShardConfig, shard_model, sharding_of
 from shardformer.checkpoint.training import save_checkpoint
@@ -198,10 +199,23 @@ def test_positions_refused_where_unknown():
     ]
 
 
+class _TokenShiftMLP(LlamaMLP):
+    def forward(self, x):
+        return super().forward(torch.roll(x, 1, dims=1))  # reads the previous token: mixing outside attention
+
+
+class _TokenShiftLlama(tf.LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.mlp.__class__ = _TokenShiftMLP
+
+
 def test_anatomy_decides_what_is_split():
     """Refused before anything is cut, naming why: ALiBi models (BLOOM, MPT: their attention, biases
     from positions included, is their own code), a pooler after the layer stack (the anatomy's, proven
-    per-token on a tiny copy), a forward that pools itself (CLIP's text model), two stacks."""
+    per-token on a tiny copy), a forward that pools itself (CLIP's text model), two stacks, and a layer
+    that mixes tokens outside attention (found on a tiny copy with attention made per-token)."""
     config = ShardConfig(context_parallel_size=2)
 
     def check(model):  # as shard_model checks it: with what the model's anatomy says
@@ -218,3 +232,6 @@ def test_anatomy_decides_what_is_split():
         check(tf.CLIPTextModel(tiny_config(tf.CLIPTextConfig)))
     with pytest.raises(ValueError, match="its anatomy finds 2 .text_model.encoder.layers, vision_model"):
         check(tf.CLIPModel(tiny_config(tf.CLIPConfig)))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp \(_TokenShiftMLP\) mixes tokens outside attention"):
+        check(_TokenShiftLlama(tiny_config(tf.LlamaConfig)))
+    assert check(tf.LlamaForCausalLM(tiny_config(tf.LlamaConfig))).positions == "arange"
