@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from shardformer.context_parallel.mixing import mixing_outside_attention
+from shardformer.context_parallel.mixing import mixing_outside_attention, run_hooked
 
 
 @dataclass(frozen=True)
@@ -83,17 +83,8 @@ def _not_per_token(make_tiny, paths: tuple[str, ...], absent: tuple[str, ...]) -
         parent, _, name = path.rpartition(".")
         setattr(tiny.get_submodule(parent), name, None)
     calls: dict[str, tuple] = {}
-    handles = []
-    for path in paths:
-        module = _module_at(tiny, path)
-        if module is not None:
-            handles.append(module.register_forward_hook(_recorder(calls, path), with_kwargs=True))
-    try:
-        with torch.no_grad():
-            output = tiny(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    hooks = [(m, _recorder(calls, p)) for p in paths if (m := _module_at(tiny, p)) is not None]
+    output = run_hooked(tiny, inputs, hooks)
     for path in paths:
         if path not in calls:
             continue  # never runs in a forward

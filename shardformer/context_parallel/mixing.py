@@ -78,29 +78,33 @@ def _run(tiny: nn.Module, inputs: dict):
     """The forward's per-token output, and each module's (input, output) by path in the order they finish."""
     batch, seq = inputs["input_ids"].shape
     outputs: dict[str, tuple] = {}
-    handles = []
-    for path, module in tiny.named_modules():
-        if path:
-            handles.append(module.register_forward_hook(_recorder(outputs, path, batch, seq)))
-    try:
-        with torch.no_grad():
-            out = tiny(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    hooks = [(m, _recorder(outputs, path, batch, seq)) for path, m in tiny.named_modules() if path]
+    out = run_hooked(tiny, inputs, hooks)
     values = out.values() if hasattr(out, "values") else [out]
     main = next((v for v in values if _per_token(v, batch, seq)), None)
     return main, outputs
 
 
 def _recorder(outputs: dict, path: str, batch: int, seq: int):
-    def record(_module, args, output):
+    def record(_module, args, _kwargs, output):
         first = output if torch.is_tensor(output) else output[0] if isinstance(output, tuple) and output else None
         if path not in outputs and _per_token(first, batch, seq):
             hidden = args[0] if args and _per_token(args[0], batch, seq) else None
             outputs[path] = (None if hidden is None else hidden.detach().clone(), first.detach().clone())
 
     return record
+
+
+def run_hooked(tiny: nn.Module, inputs: dict, hooks: list[tuple[nn.Module, object]]):
+    """One forward of ``tiny`` without autograd, each ``(module, hook)`` a forward hook (taking kwargs)
+    for its length."""
+    handles = [module.register_forward_hook(hook, with_kwargs=True) for module, hook in hooks]
+    try:
+        with torch.no_grad():
+            return tiny(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _per_token(t, batch: int, seq: int) -> bool:
