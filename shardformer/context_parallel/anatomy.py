@@ -62,7 +62,9 @@ def anatomy_problem(model: nn.Module, anatomy: StackAnatomy) -> str | None:
         try:
             _VERDICTS[key] = _not_per_token(anatomy.tiny, present, absent)
         except Exception as e:  # noqa: BLE001 - a copy that does not run proves nothing: refused, said why
-            _VERDICTS[key] = f"the modules after its layer stack cannot be checked on a tiny copy ({e})"
+            _VERDICTS[key] = (
+                f"a tiny copy of it, which proves what mixes tokens, does not run ({type(e).__name__}: {e})"
+            )
     return _VERDICTS[key]
 
 
