@@ -2,7 +2,8 @@
 (embeddings), what runs after them (final norm, head) and the final norm.
 
 Every technique that works on the layer stack reads it from here: pipeline stages, sequence
-parallelism, activation checkpointing and ZeRO-3's per-layer wrapping. Three sources, first that
+parallelism, context parallelism (:func:`stack_anatomy`), activation checkpointing and ZeRO-3's
+per-layer wrapping. Three sources, first that
 answers wins:
 
 1. the model's family record (:mod:`shardformer.models`: ``layers``, ``final_norm``);
@@ -23,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from shardformer.context_parallel.anatomy import StackAnatomy
 from shardformer.policies.derived.trace import repeated_blocks
 
 
@@ -78,6 +80,15 @@ def final_norm(model: nn.Module, structural: bool = True) -> str | None:
         return ends_of(model, layers).final_norm
     except AnatomyError:
         return None
+
+
+def stack_anatomy(model: nn.Module) -> StackAnatomy:
+    """What context parallelism reads of ``model``'s anatomy: its stacks, what runs after its one stack
+    (read off a tiny copy when asked, :func:`ends_of`), and how to build that copy."""
+    from shardformer.policies.derived.derive import _key
+
+    found = stacks(model)
+    return StackAnatomy(found, lambda: ends_of(model, found[0]).after, lambda: tiny_for(model), _key(model, 1))
 
 
 class AnatomyError(ValueError):

@@ -24,7 +24,7 @@ from shardformer.expert_parallel.find import find_experts
 from shardformer.expert_parallel.sizing import ExpertSizing, expert_sizing
 from shardformer.pipeline.spec import PipelineSpec, check_split
 from shardformer.pipeline.spec_check import check_pipeline_spec
-from shardformer.policies.anatomy import layer_stack
+from shardformer.policies.anatomy import layer_stack, stack_anatomy
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.policies.auto import get_autopolicy
 from shardformer.tensor_parallel.sharder import ModelSharder
@@ -175,7 +175,7 @@ def plan_model(
     resolve_sizes(tp * cp * pp * dp, tp, pp, dp, cp)
     if cp > 1:
         sizes = SimpleNamespace(context_parallel_size=cp, context_parallel_mode=cp_mode, tensor_parallel_size=tp)
-        check_context_parallel(model, sizes)
+        check_context_parallel(model, sizes, stack_anatomy(model))
     if pp > 1:
         pipeline = pipeline or pipeline_spec_for(model)  # before sharding: an unknown family fails fast
     config = getattr(model, "config", None)
