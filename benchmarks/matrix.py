@@ -38,6 +38,7 @@ CELL = {
     "refused at step": "refused (at the first step)",
     "not tested": "not tested",
     "failed": "failed",
+    "random in training": "random in training (no two runs agree)",
     "error": "error",
     "n/a": "n/a",
 }
