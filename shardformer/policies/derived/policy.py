@@ -9,6 +9,7 @@ against unsharded on the same ranks, before it cuts the user's model (:mod:`.pro
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch.nn as nn
 
@@ -17,7 +18,7 @@ from shardformer.policies.derived.heads import head_inputs_layer
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
 from shardformer.policies.derived.simulate import cut_options, per_rank_attributes
 from shardformer.policies.derived.towers import uncovered_blocks
-from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks, value_at
+from shardformer.policies.derived.trace import is_projection, out_width, pooling_heads, repeated_blocks, value_at
 from shardformer.policies.derived.widths import local_widths_layer
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
@@ -28,6 +29,8 @@ from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttent
 from shardformer.tensor_parallel.layers.norm import SplitLayerNorm
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer
+
+logger = logging.getLogger("shardformer")
 
 HOW_TO = "write a Policy for it (docs/writing-a-policy.md) and pass it: shard_model(model, config, policy=...)"
 
@@ -74,6 +77,7 @@ class DerivedPolicy(TpPlanPolicy):
                     f"{type(model).__name__}, so no cut of it was proven; {HOW_TO}"
                 )
             self._cut_block(block, modules, rule, tp, config, layers, attrs)
+        self._cut_heads(model, derivation, modules, tp, config, layers, attrs)
         if not layers:
             raise NotDerivableError(
                 f"no projection of {type(model).__name__} reads and writes a block's stream"
@@ -112,6 +116,32 @@ class DerivedPolicy(TpPlanPolicy):
             for layer in func()
         ]
         return layers, {f"{tower}.{k}": v for k, v in argument.attr_dict.items()}
+
+    @classmethod
+    def cut_heads(cls, model: nn.Module, shard_config) -> tuple[list[Layer], dict[str, object]]:
+        """The layers and per-rank attributes cutting ``model``'s attention pooling heads (timm's
+        ``AttentionPoolLatent``), for a policy of another route that cuts the blocks and leaves the heads
+        whole; none where the model has none, or where no exact cut of one was derived (it stays whole)."""
+        tp = shard_config.tensor_parallel_size
+        if tp == 1 or not pooling_heads(model):
+            return [], {}
+        try:
+            derivation = derive(model, tp)
+        except NotDerivableError as e:
+            logger.info("%s: its pooling heads stay whole on every rank: %s", type(model).__name__, e)
+            return [], {}
+        layers: dict[str, Layer] = {}
+        attrs: dict[str, object] = {}
+        cls._cut_heads(model, derivation, dict(model.named_modules()), tp, None, layers, attrs)
+        return list(layers.values()), attrs
+
+    @classmethod
+    def _cut_heads(cls, model, derivation, modules, tp, config, layers, attrs) -> None:
+        """Each pooling head of a class the derivation found a cut for, cut by that rule."""
+        for head in pooling_heads(model):
+            rule = derivation.rules.get(type(modules[head]))
+            if rule is not None:
+                cls._cut_block(head, modules, rule, tp, config, layers, attrs)
 
     def _tied_embeddings(self, layers: dict[str, Layer], modules) -> None:
         """Embeddings tied to the cut input embedding (an encoder's and a decoder's, sharing one
