@@ -184,6 +184,7 @@ def _ranks(exact, refused):
     report = verify_on_this_rank(derived_factory("SiglipModel"))  # its logits read the pooling head's output
     out["siglip"] = (report.ok, report.format())
     out["siglip vision"] = _pooled_output_matches("SiglipVisionModel")
+    out["wrong head"] = _wrong_head_is_refused()
     out["multihead"] = _multihead_matches()
     builds = {"mix_heads": lambda: plain_lm(mix_heads=True), "no_inputs": no_inputs}
     for name in refused:
@@ -231,6 +232,29 @@ def _pooled_output_matches(name: str) -> dict:
         "head ratio": sum(p.numel() for p in sharded.get_submodule(path).parameters()) / head,
         "attention": type(sharded.get_submodule(f"{path}.attention")).__name__,
     }
+
+
+def _wrong_head_is_refused() -> str:
+    """The proof of SiglipVisionModel with its pooling head's attention computing 1% off (a wrapped
+    forward): refused, though the last hidden states (its first output) are right."""
+    from shardformer import ShardConfig, shard_model
+    from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
+    from tests.policies.derived_models import transformers_model
+
+    right = ParallelMultiheadAttention.forward
+
+    def wrong(self, *args, **kwargs):
+        out, weights = right(self, *args, **kwargs)
+        return out * 1.01, weights
+
+    ParallelMultiheadAttention.forward = wrong
+    try:  # another config than the test's own (proofs are cached per architecture)
+        shard_model(transformers_model("SiglipVisionModel", layer_norm_eps=1e-5), ShardConfig(tensor_parallel_size=2))
+        return "sharded"
+    except ValueError as e:
+        return str(e)
+    finally:
+        ParallelMultiheadAttention.forward = right
 
 
 def _export_reloads_into_timm(name: str) -> float | None:
@@ -290,6 +314,7 @@ def test_plain_and_timm_models_are_exact_or_refused():
     assert vision["pooled"] < 1e-5 and vision["grads ok"] and vision["weights ok"], vision
     assert vision["head grads"] == 11 and 0.5 < vision["head ratio"] < 0.55, vision  # probe, norm, row biases whole
     assert vision["attention"] == "ParallelMultiheadAttention", vision
+    assert "first diverging module: head.attention (ParallelMultiheadAttention)" in out["wrong head"], out["wrong head"]
     assert "MultiScaleVit" in out["mvit"] and "stages (4 x MultiScaleVitStage)" in out["mvit"], out["mvit"]
     assert "data parallelism" in out["mvit"] and "ZeRO" in out["mvit"], out["mvit"]
     assert [results[1][n][0] for n in EXACT] == [True] * len(EXACT)  # rank 1 agrees
