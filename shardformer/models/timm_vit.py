@@ -33,18 +33,13 @@ class TimmViTPolicy(Policy):
             raise NotImplementedError("timm Mlp with scale_mlp_norm has no built-in policy yet")
         heads = divide(attn.num_heads, tp, "num_heads")
         divide(self.model.blocks[0].mlp.fc1.out_features, tp, "mlp hidden features")
-        # an attention pooling head (global_pool="map": AttentionPoolLatent) is cut as the derived route
-        # cuts it, from a traced copy; the proof of this route covers it
-        from shardformer.policies.derived import DerivedPolicy
-
-        pool_layers, pool_attrs = DerivedPolicy.cut_heads(self.model, shard_config)
         return {
             Block: Argument(
                 # Attention reshapes qkv with num_heads and its output with attn_dim: both become local.
                 {"attn.num_heads": heads, "attn.attn_dim": heads * attn.head_dim},
                 [self.attn_in, self.attn_out, self.mlp_in, self.mlp_out],
             ),
-            type(self.model): Argument(pool_attrs, [self.embedding, lambda: pool_layers]),
+            type(self.model): Argument({}, [self.embedding]),
         }
 
     @staticmethod
