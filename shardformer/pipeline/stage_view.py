@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 import torch.nn as nn
 
 from shardformer.core.record import sharding_of
@@ -67,23 +68,25 @@ def _absent(model: nn.Module, path: str) -> bool:
 
 
 @contextmanager
-def stand_in(model: nn.Module, modules: dict[str, nn.Module]):
-    """``modules`` at their paths in ``model`` while the block runs (parameter names do not change)."""
+def stand_in(model: nn.Module, modules: dict[str, nn.Module | torch.Tensor]):
+    """``modules`` at their paths in ``model`` while the block runs (parameter names do not change); a
+    tensor stands in for a parameter (the zeros a later stage reads for timm's ``cls_token``)."""
     kept = []
     try:
         for path, module in modules.items():
             parent_path, _, name = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
-            kept.append((parent, name, parent._modules[name]))
-            parent._modules[name] = module
+            slots = parent._modules if isinstance(module, nn.Module) else parent._parameters
+            kept.append((slots, name, slots[name]))
+            slots[name] = module
         yield
     finally:
-        for parent, name, module in reversed(kept):
-            parent._modules[name] = module
+        for slots, name, module in reversed(kept):
+            slots[name] = module
 
 
 @contextmanager
-def stage_view(model: nn.Module, stand_ins: dict[str, nn.Module] | None = None):
+def stage_view(model: nn.Module, stand_ins: dict[str, nn.Module | torch.Tensor] | None = None):
     """The stage's model as a whole model while the block runs: other stages' layers as pass-throughs,
     the modules this stage dropped as identities, and ``stand_ins`` at their paths."""
     with stand_in(model, {**_holes(model), **(stand_ins or {})}):
