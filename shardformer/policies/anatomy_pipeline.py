@@ -15,6 +15,12 @@ while :func:`~shardformer.pipeline.stage_view.stage_view` fills its holes:
   states, as the model passes them on) and stops the forward there: the head never runs on a
   partial model.
 
+An embedding whose output is not shaped as the hidden states (timm's ``patch_embed``: the class
+token is put in front after it) answers with zeros of its shape instead, and a parameter the model
+holds itself (``cls_token``, ``pos_embed``) sits on the stage whose forward reads it (the anatomy
+finds where) and reads as zeros of its shape elsewhere. Several stacks, one in each item of one list
+(Swin's stages of blocks of different widths), split between the items: they are the layers.
+
 So masks, position ids, ALiBi biases and the head's pooling and loss are the model's own. What a
 layer receives besides the hidden states must be computed from the inputs alone, not from the
 embeddings' values, and layers must hand each other nothing but the hidden states: the split is

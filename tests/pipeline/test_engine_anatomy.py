@@ -4,7 +4,8 @@ batches: the loss of every step and every weight after the steps (AdamW, and SGD
 proportional to the gradient). Derived-route decoders (OPT, BLOOM), a derived encoder's classifier
 (RoBERTa), and built-in families' heads that have no spec of their own (BERT, GPT-2 classifiers).
 Sequence parallelism on the derived route (GPT-Neo) at tp=2, and encoder-decoders (BART, T5) split at
-their boundary. One spawn.
+their boundary. timm models with no family record (their tokens held by the model itself, Swin split
+between its stages; the export reloaded by timm) and a hand-written plain-module LM. One spawn.
 """
 
 import pytest
@@ -228,6 +229,10 @@ def check_timm_swin_tp2_pp2_zero1():  # split between its stages (widths 16 and 
     _run_timm("swin", (2, 2, 1, "1f1b", 2, 0.5, "torch"), drop_path_rate=0.0)  # no random drop to compare
 
 
+def check_timm_swinv2_tp2_pp2_zero1():  # its per-head position MLP and logit scale cut with the heads
+    _run_timm("swinv2", (2, 2, 1, "gpipe", 2, None, "torch"), drop_path_rate=0.0)
+
+
 def check_plain_lm_tp2_pp2_zero1():  # a hand-written nn.Module: no config, no family record
     import copy
 
@@ -255,6 +260,7 @@ CHECKS = [
     check_timm_eva02_tp2_pp2_zero3_export,
     check_timm_deit_distilled_tp2_pp2_zero1,
     check_timm_swin_tp2_pp2_zero1,
+    check_timm_swinv2_tp2_pp2_zero1,
     check_plain_lm_tp2_pp2_zero1,
     check_opt_causal_lm_tp2_pp2_zero1,
     check_bloom_causal_lm_tp2_pp2_zero2,
