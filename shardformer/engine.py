@@ -34,6 +34,7 @@ from shardformer.models import family_spec
 from shardformer.pipeline.schedule import run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
+from shardformer.pipeline.stage_view import taken_inputs
 from shardformer.pipeline.torch_schedule import TorchPipeline
 from shardformer.pipeline.virtual import check_virtual, forward_only, in_chunk, keep_chunks
 from shardformer.policies.anatomy import layer_stack
@@ -72,8 +73,9 @@ def split_batch(batch: dict, parts: int, what: str) -> list[dict]:
 
 
 def whole_model_forward(model: nn.Module, hidden, inputs: dict):
-    """The stage forward of an unsplit model (pp=1) that has no pipeline spec: its own forward."""
-    return model(**inputs)
+    """The stage forward of an unsplit model (pp=1) that has no pipeline spec: its own forward (given
+    the inputs it takes: a timm model's ``x``, not the ``loss_fn``'s targets)."""
+    return model(**taken_inputs(type(model).forward, inputs))
 
 
 def _pipeline_for(model: nn.Module, pp: int, given: PipelineSpec | None) -> PipelineSpec | None:

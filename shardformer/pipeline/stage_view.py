@@ -14,6 +14,7 @@ engine's call of the model (FSDP2's root hooks), or beside it, and the model's h
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -45,6 +46,15 @@ def own_forward(model: nn.Module):
     """``model``'s class forward, bound to it: the model's forward without its ``__call__`` hooks (and
     without a forward the engine set on the instance to route FSDP2's root call through the stage)."""
     return type(model).forward.__get__(model)
+
+
+def taken_inputs(forward, inputs: dict) -> dict:
+    """The inputs ``forward`` takes by name (all of them where it takes ``**kwargs``): the others (a
+    ``loss_fn``'s targets beside a timm model's ``x``) are for the loss only."""
+    params = inspect.signature(forward).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return inputs
+    return {k: v for k, v in inputs.items() if k in params}
 
 
 def _holes(model: nn.Module) -> dict[str, nn.Module]:

@@ -47,7 +47,7 @@ from shardformer.models import family_spec
 from shardformer.pipeline.from_plan import spec_from_pp_plan
 from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.spec_check import check_pipeline_spec
-from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
+from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, taken_inputs
 from shardformer.policies.anatomy import AnatomyError, Ends, ends_of, own_ancestor, part, stacks, tiny_for
 
 
@@ -135,7 +135,9 @@ class AnatomyStageForward:
         if not last:
             stand_ins[f"{self.layers}.{kept[-1] + 1}"] = Capture()
         forward = own_forward(model)
-        kwargs = {k: v for k, v in _taken(forward, inputs).items() if v is not None and (last or k not in HEAD_INPUTS)}
+        kwargs = {
+            k: v for k, v in taken_inputs(forward, inputs).items() if v is not None and (last or k not in HEAD_INPUTS)
+        }
         if "use_cache" in inspect.signature(forward).parameters:
             kwargs["use_cache"] = False  # no KV cache in training: layers of other stages would never fill it
         with stage_view(model, stand_ins):
@@ -148,14 +150,6 @@ class AnatomyStageForward:
         raise RuntimeError(
             f"pipeline stage {stage}: {type(model).__name__}'s forward never reached layer {kept[-1] + 1}"
         )
-
-
-def _taken(forward, inputs: dict) -> dict:
-    """The inputs ``forward`` takes by name (all of them where it takes ``**kwargs``)."""
-    params = inspect.signature(forward).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return inputs
-    return {k: v for k, v in inputs.items() if k in params}
 
 
 FIX = "pass ParallelEngine(..., pipeline=PipelineSpec(layers=..., first=..., last=..., shared=..., stage_forward=...))"

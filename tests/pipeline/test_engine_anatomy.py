@@ -233,7 +233,7 @@ def check_timm_swinv2_tp2_pp2_zero1():  # its per-head position MLP and logit sc
     _run_timm("swinv2", (2, 2, 1, "gpipe", 2, None, "torch"), drop_path_rate=0.0)
 
 
-def check_plain_lm_tp2_pp2_zero1():  # a hand-written nn.Module: no config, no family record
+def check_plain_lm_tp2_pp2_and_dp2_zero1():  # a hand-written nn.Module: no config, no family record
     import copy
 
     from tests.policies.plain_models import plain_lm
@@ -246,11 +246,13 @@ def check_plain_lm_tp2_pp2_zero1():  # a hand-written nn.Module: no config, no f
         tokens = torch.randint(0, 96, (4, 8), generator=g)
         # the reference calls model(x); the stage forward passes what the forward takes by name (tokens)
         data.append({"tokens": tokens, "x": tokens, "y": torch.randint(0, 96, (4, 8), generator=g)})
-    _check(
-        "plain", 2, 2, 1, "1f1b", 2, 0.5, "torch", model_pair=(copy.deepcopy(model), model), data=data,
-        loss_fn=lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1), b["y"].flatten()),
-        optimizer=common.sgd,  # its key biases' gradients are zero in theory: AdamW makes their rounding steps
-    )  # fmt: skip
+    for tp, pp, dp in ((2, 2, 1), (2, 1, 2)):  # pp=1: its own forward, given the inputs it takes
+        model = plain_lm()
+        _check(
+            "plain", tp, pp, dp, "1f1b", 2, 0.5, "torch", model_pair=(copy.deepcopy(model), model), data=data,
+            loss_fn=lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1), b["y"].flatten()),
+            optimizer=common.sgd,  # its key biases' gradients are zero in theory: AdamW makes their rounding steps
+        )  # fmt: skip
 
 
 CHECKS = [
@@ -261,7 +263,7 @@ CHECKS = [
     check_timm_deit_distilled_tp2_pp2_zero1,
     check_timm_swin_tp2_pp2_zero1,
     check_timm_swinv2_tp2_pp2_zero1,
-    check_plain_lm_tp2_pp2_zero1,
+    check_plain_lm_tp2_pp2_and_dp2_zero1,
     check_opt_causal_lm_tp2_pp2_zero1,
     check_bloom_causal_lm_tp2_pp2_zero2,
     check_bloom_causal_lm_tp2_pp2_zero3_sgd,
