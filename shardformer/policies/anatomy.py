@@ -239,8 +239,13 @@ def held_params(model: nn.Module, stacks: tuple[str, ...]) -> dict[str, nn.Param
     return found
 
 
+# what reads a tensor's metadata only (``.dtype``, ``.shape``: property getters): the zeros a stage
+# without the parameter reads in its place have the same, so such a read places nothing
+_METADATA = ("__get__", "size", "dim", "numel", "stride", "is_floating_point", "element_size")
+
+
 class _ReadsOf(TorchFunctionMode):
-    """Marks in ``order`` each torch call that reads one of ``params`` (by its name)."""
+    """Marks in ``order`` each torch call that reads one of ``params``' values (by its name)."""
 
     def __init__(self, params: dict[str, nn.Parameter], order: list[str]) -> None:
         super().__init__()
@@ -248,7 +253,7 @@ class _ReadsOf(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.names:
+        if self.names and getattr(func, "__name__", "") not in _METADATA:
             self.order += [self.names[id(t)] for t in tree_leaves((args, kwargs)) if id(t) in self.names]
         return func(*args, **kwargs)
 
