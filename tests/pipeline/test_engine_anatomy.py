@@ -177,7 +177,8 @@ def _run_timm(name, combo, zero_stage=1, optimizer=common.adamw, export=False, s
     from tests.policies.plain_models import timm_model
 
     model = timm_model(name, **options)
-    assert isinstance(pipeline_spec_for(model).stage_forward, AnatomyStageForward)
+    spec = pipeline_spec_for(model)
+    assert isinstance(spec.stage_forward, AnatomyStageForward)
     ref = copy.deepcopy(model)
     engine = _check(
         name, *combo, zero_stage=zero_stage, model_pair=(ref, model), data=_images(size), loss_fn=_timm_loss,
@@ -185,6 +186,7 @@ def _run_timm(name, combo, zero_stage=1, optimizer=common.adamw, export=False, s
     )  # fmt: skip
     if export:
         _export_matches(engine, ref, name, options)
+    return spec
 
 
 def _export_matches(engine, ref, name, options):
@@ -218,7 +220,9 @@ def check_timm_beit_tp2_pp2_zero1_export():  # cls_token on the first stage, rea
 
 
 def check_timm_eva02_tp2_pp2_zero3_export():  # rotary positions computed on every stage from buffers
-    _run_timm("eva02", (2, 2, 1, "gpipe", 2, None, "torch"), zero_stage=3, size=28, export=True)
+    spec = _run_timm("eva02", (2, 2, 1, "gpipe", 2, None, "torch"), zero_stage=3, size=28, export=True)
+    # the parameters it holds itself are read before the blocks: on the first stage
+    assert spec.first == ("patch_embed", "cls_token", "pos_embed") and spec.last == ("fc_norm", "head")
 
 
 def check_timm_deit_distilled_tp2_pp2_zero1():  # class, distillation tokens and position embedding
@@ -226,7 +230,8 @@ def check_timm_deit_distilled_tp2_pp2_zero1():  # class, distillation tokens and
 
 
 def check_timm_swin_tp2_pp2_zero1():  # split between its stages (widths 16 and 32, a patch merging between)
-    _run_timm("swin", (2, 2, 1, "1f1b", 2, 0.5, "torch"), drop_path_rate=0.0)  # no random drop to compare
+    spec = _run_timm("swin", (2, 2, 1, "1f1b", 2, 0.5, "torch"), drop_path_rate=0.0)  # no random drop to compare
+    assert spec.layers == "layers"  # its stages are the layers of the split
 
 
 def check_timm_swinv2_tp2_pp2_zero1():  # its per-head position MLP and logit scale cut with the heads
@@ -341,12 +346,9 @@ class _ScaledAfterEachBlock(torch.nn.Module):
         return self.head(x)
 
 
-def test_parameters_held_by_the_model_itself_are_placed_where_the_forward_reads_them():
+def test_a_parameter_held_by_the_model_and_read_while_the_layers_run_is_refused():
     from tests.policies.plain_models import timm_model
 
-    spec = pipeline_spec_for(timm_model("eva02"))  # read before the blocks: on the first stage
-    assert spec.first == ("patch_embed", "cls_token", "pos_embed") and spec.last == ("fc_norm", "head")
-    assert pipeline_spec_for(timm_model("swin")).layers == "layers"  # Swin's stages are the layers
     with pytest.raises(NotImplementedError, match=r"scale runs \(or is read\) while the layers blocks of _Scaled"):
         pipeline_spec_for(_ScaledAfterEachBlock())
     # CaiT's class token joins between its two stacks
