@@ -44,6 +44,20 @@ from shardformer.core.rng import get_rng_state, set_rng_state
 from shardformer.tensor_parallel.recompute import seeded_dropouts
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: torch sends the gradient of a stage's
+    input as autograd computed it, and gloo sends only contiguous tensors (a conv net's first op may
+    permute its input to channels-last)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 class _Stage(nn.Module):
     def __init__(self, model, stage_forward, loss_of, last) -> None:
         super().__init__()
@@ -71,12 +85,13 @@ class _Stage(nn.Module):
 
     def _run(self, *args):
         index = args[-1]
-        hidden = args[0] if len(args) > 1 else None
+        hidden = _ContiguousGrad.apply(args[0]) if len(args) > 1 else None
         value = torch.nan_to_num(index.detach().reshape(-1)[:1].double(), nan=0.0, posinf=0.0, neginf=0.0)
         i = int(value.round().clamp(0, len(self.micro) - 1).item())
         batch = self.micro[i]
         out = self.stage_forward(self.model, hidden, batch)
-        if not self.last:  # not a view: torch's split backward detaches the stage's outputs in place
+        if not self.last:  # not a view: torch's split backward detaches the stage's outputs in place;
+            out = out.contiguous()  # gloo sends only contiguous tensors (a conv net's stage may hand on a permute)
             return (out.clone() if out._base is not None else out), index
         loss = self.loss_of(out, batch)
         self.losses[i] = loss.detach()
