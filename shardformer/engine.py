@@ -35,6 +35,7 @@ from shardformer.models import family_spec
 from shardformer.pipeline.schedule import run_pipeline
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.pipeline.spec_check import check_pipeline_spec
+from shardformer.pipeline.stage_view import taken_inputs
 from shardformer.pipeline.torch_schedule import TorchPipeline
 from shardformer.pipeline.virtual import check_virtual, forward_only, in_chunk, keep_chunks
 from shardformer.policies.anatomy import layer_stack
@@ -73,9 +74,11 @@ def split_batch(batch: dict, parts: int, what: str) -> list[dict]:
 
 
 def whole_model_forward(model: nn.Module, hidden, inputs: dict):
-    """The stage forward of an unsplit model (pp=1) that has no pipeline spec: its own forward, in
-    training without a KV cache (a recomputed layer would find its keys already in the cache: CpmAnt,
-    GPT-NeoX-Japanese under activation checkpointing), as the pipeline stages run."""
+    """The stage forward of an unsplit model (pp=1) that has no pipeline spec: its own forward, given
+    the inputs it takes (a timm model's ``x``, not the ``loss_fn``'s targets), in training without a KV
+    cache (a recomputed layer would find its keys already in the cache: CpmAnt, GPT-NeoX-Japanese under
+    activation checkpointing), as the pipeline stages run."""
+    inputs = taken_inputs(type(model).forward, inputs)
     if model.training and "use_cache" not in inputs and "use_cache" in inspect.signature(model.forward).parameters:
         inputs = {**inputs, "use_cache": False}
     return model(**inputs)

@@ -180,6 +180,11 @@ class GradientReducer:
         return None
 
     def _on_grad(self, slot: ParamSlot, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is not None and grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+            # a slice of a gradient other parameters' share (autograd keeps cat's backward output whole:
+            # BEiT's q_bias and v_bias): its own storage, or their accumulation would look like an edit of it
+            param.grad = grad.clone()
         if self.accumulating:
             return
         if self.synced:

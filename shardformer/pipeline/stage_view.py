@@ -14,8 +14,10 @@ engine's call of the model (FSDP2's root hooks), or beside it, and the model's h
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
+import torch
 import torch.nn as nn
 
 from shardformer.core.record import sharding_of
@@ -47,6 +49,15 @@ def own_forward(model: nn.Module):
     return type(model).forward.__get__(model)
 
 
+def taken_inputs(forward, inputs: dict) -> dict:
+    """The inputs ``forward`` takes by name (all of them where it takes ``**kwargs``): the others (a
+    ``loss_fn``'s targets beside a timm model's ``x``) are for the loss only."""
+    params = inspect.signature(forward).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return inputs
+    return {k: v for k, v in inputs.items() if k in params}
+
+
 def _holes(model: nn.Module) -> dict[str, nn.Module]:
     """{path: stand-in} for the modules this stage does not hold."""
     info = sharding_of(model)
@@ -68,26 +79,28 @@ def _absent(model: nn.Module, path: str) -> bool:
 
 
 @contextmanager
-def stand_in(model: nn.Module, modules: dict[str, nn.Module]):
-    """``modules`` at their paths in ``model`` while the block runs (parameter names do not change)."""
+def stand_in(model: nn.Module, modules: dict[str, nn.Module | torch.Tensor]):
+    """``modules`` at their paths in ``model`` while the block runs (parameter names do not change); a
+    tensor stands in for a parameter (the zeros a later stage reads for timm's ``cls_token``)."""
     kept = []
     try:
         for path, module in modules.items():
             parent_path, _, name = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
-            kept.append((parent, name, parent._modules[name]))
-            skeleton = skeleton_of(model, path)
-            if isinstance(module, StandIn) and skeleton is not None and "skeleton" not in module.__dict__:
+            slots = parent._modules if isinstance(module, nn.Module) else parent._parameters
+            kept.append((slots, name, slots[name]))
+            skeleton = skeleton_of(model, path) if isinstance(module, StandIn) else None
+            if skeleton is not None and "skeleton" not in module.__dict__:
                 module.__dict__["skeleton"] = skeleton  # not a submodule: the stage's parameters stay its own
-            parent._modules[name] = module
+            slots[name] = module
         yield
     finally:
-        for parent, name, module in reversed(kept):
-            parent._modules[name] = module
+        for slots, name, module in reversed(kept):
+            slots[name] = module
 
 
 @contextmanager
-def stage_view(model: nn.Module, stand_ins: dict[str, nn.Module] | None = None):
+def stage_view(model: nn.Module, stand_ins: dict[str, nn.Module | torch.Tensor] | None = None):
     """The stage's model as a whole model while the block runs: other stages' layers as pass-throughs,
     the modules this stage dropped as identities, and ``stand_ins`` at their paths."""
     with stand_in(model, {**_holes(model), **(stand_ins or {})}):

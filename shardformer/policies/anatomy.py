@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from shardformer.context_parallel.anatomy import StackAnatomy
@@ -105,15 +106,19 @@ class Ends:
     """What runs around one layer stack, by path in the model.
 
     before: the outermost modules with parameters that finish before the first layer starts (the
-    embeddings); after: those that start after the last layer finished (final norm, head) or never run;
-    final_norm: the first of ``after`` when it is a per-token norm fed the last layer's output;
-    layer_outputs: how many values a layer returns (0: a bare tensor, n: a tuple whose first is the
-    hidden states)."""
+    embeddings), and the parameters held directly by the model (or a module above the stack: timm's
+    ``cls_token``, ``pos_embed``) that the forward reads only then; after: those that start (are read)
+    after the last layer finished (final norm, head) or never run; final_norm: the first of ``after``
+    when it is a per-token norm fed the last layer's output; layer_outputs: how many values a layer
+    returns (0: a bare tensor, n: a tuple whose first is the hidden states); offsets: ``(path, per-dim
+    difference)`` of each module of ``before`` whose output is not shaped as the first layer's input
+    (timm's ``patch_embed``: the class and register tokens are put in front of its output after it)."""
 
     before: tuple[str, ...]
     after: tuple[str, ...]
     final_norm: str | None
     layer_outputs: int
+    offsets: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 _ENDS: dict[tuple, Ends | AnatomyError] = {}
@@ -153,23 +158,28 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     the head); a module both run (embeddings shared by encoder and decoder) is in both."""
     stacks = (layers,) if isinstance(layers, str) else tuple(layers)
     tiny, inputs = tiny_for(model)
-    order: list[str] = []  # the path of each start and end of a call, in call order
+    order: list[str] = []  # the path of each start and end of a call (or read of a held parameter), in call order
     outputs: list = []
+    shapes: dict[str, torch.Size | None] = {}  # each module's first output's shape (None: not a tensor)
     handles = []
     for path, module in tiny.named_modules():
         if any(_inside_layer(path, stack) for stack in stacks):
             continue  # inside a layer: only the layers themselves mark the stack
         handles.append(module.register_forward_pre_hook(lambda *_, p=path: order.append(p)))
-        handles.append(module.register_forward_hook(lambda *_, p=path: order.append(p)))
+        handles.append(module.register_forward_hook(lambda _m, _a, out, p=path: _mark_end(order, shapes, p, out)))
     first_stack = tiny.get_submodule(stacks[0])
     handles.append(first_stack[0].register_forward_hook(lambda _m, _a, out: outputs.append(out)))
+    first_input: list = []  # what the first layer is handed
+    handles.append(
+        first_stack[0].register_forward_pre_hook(lambda _m, a, k: first_input.append(_hidden(a, k)), with_kwargs=True)
+    )
     received: list = []  # what the second layer is called with
     if len(first_stack) > 1:
         handles.append(
             first_stack[1].register_forward_pre_hook(lambda _m, a, k: received.append((a, k)), with_kwargs=True)
         )
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _ReadsOf(held_params(tiny, stacks), order):
             tiny(inputs["x"]) if "x" in inputs else tiny(**inputs)
     except Exception as e:  # noqa: BLE001
         raise AnatomyError(f"a tiny {type(model).__name__} does not run: {type(e).__name__}: {e}") from e
@@ -190,6 +200,23 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     ancestors = {".".join(stack.split(".")[:n]) for stack in stacks for n in range(len(stack.split(".")))}
     own = own_ancestor(stacks)  # the encoder module: what runs between the stacks under it ends the encoder
     before, after, between = [], [], []
+
+    def place(path: str, container: bool) -> None:
+        places = {_window(i, windows) for i in spans.get(path, [len(order)])}
+        if "in" in places:
+            if not container:
+                between.append(path)
+            return
+        if len(stacks) == 1 and places == {0, 1}:
+            if not container:
+                between.append(path)  # one stack: a module both before and after it has no one stage
+            return
+        under_own = own is not None and (path == own or path.startswith(own + "."))
+        if 0 in places or 1 in places and under_own:
+            before.append(path)
+        if places - {0} - ({1} if under_own else set()):
+            after.append(path)
+
     for path, module in tiny.named_modules():
         if path in ancestors or any(path == st or path.startswith(st + ".") for st in stacks):
             continue
@@ -197,23 +224,12 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
             continue
         if not any(True for _ in module.parameters()):
             continue  # no weights to place: it runs on every stage as the model calls it
-        places = {_window(i, windows) for i in spans.get(path, [len(order)])}
-        if "in" in places:
-            if not _holds_placed(module):
-                between.append(path)
-            continue
-        if len(stacks) == 1 and places == {0, 1}:
-            if not _holds_placed(module):
-                between.append(path)  # one stack: a module both before and after it has no one stage
-            continue
-        under_own = own is not None and (path == own or path.startswith(own + "."))
-        if 0 in places or 1 in places and under_own:
-            before.append(path)
-        if places - {0} - ({1} if under_own else set()):
-            after.append(path)
+        place(path, _holds_placed(module))
+    for name in held_params(tiny, stacks):  # read where the forward reads them (timm's cls_token: before)
+        place(name, False)
     if between:
         raise AnatomyError(
-            f"{between[0]} runs while the layers {', '.join(stacks)} of {type(model).__name__} run (or both before "
+            f"{between[0]} runs (or is read) while the layers {', '.join(stacks)} of {type(model).__name__} run (or both before "
             f"and after them): no stage can hold it alone"
         )
     out = outputs[0] if outputs else None
@@ -223,8 +239,70 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     if len(stacks) == 1:
         _check_hand_over(out, received, stacks[0])
     after.sort(key=lambda p: min(spans.get(p, [len(order)])))  # in call order; never run: last
-    norm = after[0] if len(stacks) == 1 and after and _is_norm(tiny.get_submodule(after[0])) else None
-    return Ends(_with_aliases(tiny, before), _with_aliases(tiny, after), norm, arity)
+    norm = after[0] if len(stacks) == 1 and after and _is_norm(part(tiny, after[0])) else None
+    offsets = _offsets(before, shapes, first_input[0].shape if first_input else None)
+    return Ends(_with_aliases(tiny, before), _with_aliases(tiny, after), norm, arity, offsets)
+
+
+def held_params(model: nn.Module, stacks: tuple[str, ...]) -> dict[str, nn.Parameter]:
+    """Parameters held directly by ``model`` or by a module above one of its ``stacks`` (not by a
+    submodule the anatomy places whole): timm's ``cls_token``, ``pos_embed``, ``reg_token``."""
+    above = {".".join(stack.split(".")[:n]) for stack in stacks for n in range(len(stack.split(".")))}
+    found = {}
+    for path in sorted(above):
+        for name, param in model.get_submodule(path).named_parameters(recurse=False):
+            found[f"{path}.{name}" if path else name] = param
+    return found
+
+
+# what reads a tensor's metadata only (``.dtype``, ``.shape``: property getters): the zeros a stage
+# without the parameter reads in its place have the same, so such a read places nothing
+_METADATA = ("__get__", "size", "dim", "numel", "stride", "is_floating_point", "element_size")
+
+
+class _ReadsOf(TorchFunctionMode):
+    """Marks in ``order`` each torch call that reads one of ``params``' values (by its name)."""
+
+    def __init__(self, params: dict[str, nn.Parameter], order: list[str]) -> None:
+        super().__init__()
+        self.names, self.order = {id(p): name for name, p in params.items()}, order
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.names and getattr(func, "__name__", "") not in _METADATA:
+            self.order += [self.names[id(t)] for t in tree_leaves((args, kwargs)) if id(t) in self.names]
+        return func(*args, **kwargs)
+
+
+def _mark_end(order: list[str], shapes: dict, path: str, out) -> None:
+    order.append(path)
+    shapes.setdefault(path, out.shape if torch.is_tensor(out) else None)
+
+
+def _hidden(args, kwargs):
+    return args[0] if args and torch.is_tensor(args[0]) else kwargs.get("hidden_states")
+
+
+def _offsets(before: list[str], shapes: dict, hidden: torch.Size | None) -> tuple:
+    """(path, per-dim difference to the first layer's input) of each of ``before`` shaped otherwise, for
+    the same samples (an output that broadcasts over the batch, GPT-2's position embeddings, is left
+    out: the hidden states stand in for it, as for any other)."""
+    found = []
+    for path in before:
+        shape = shapes.get(path)
+        if hidden is None or shape is None or len(shape) != len(hidden) or shape[0] != hidden[0]:
+            continue
+        if shape != hidden:
+            found.append((path, tuple(a - b for a, b in zip(shape, hidden, strict=True))))
+    return tuple(found)
+
+
+def part(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
+    """The module or the parameter at ``path``."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return model.get_parameter(path)
 
 
 def _inside_layer(path: str, stack: str) -> bool:
@@ -274,7 +352,7 @@ def _with_aliases(model: nn.Module, paths: list[str]) -> tuple[str, ...]:
     """``paths`` and every other path of the same modules (T5's ``shared`` is also ``encoder.embed_tokens``:
     a stage drops, and stands in for, the module under each name the forward may call it by)."""
     found = list(paths)
-    chosen = {id(model.get_submodule(p)) for p in paths}
+    chosen = {id(part(model, p)) for p in paths}
     for path, module in model.named_modules(remove_duplicate=False):
         if id(module) in chosen and path not in found:
             found.append(path)

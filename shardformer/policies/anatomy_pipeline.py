@@ -15,6 +15,12 @@ while :func:`~shardformer.pipeline.stage_view.stage_view` fills its holes:
   states, as the model passes them on) and stops the forward there: the head never runs on a
   partial model.
 
+An embedding whose output is not shaped as the hidden states (timm's ``patch_embed``: the class
+token is put in front after it) answers with zeros of its shape instead, and a parameter the model
+holds itself (``cls_token``, ``pos_embed``) sits on the stage whose forward reads it (the anatomy
+finds where) and reads as zeros of its shape elsewhere. Several stacks, one in each item of one list
+(Swin's stages of blocks of different widths), split between the items: they are the layers.
+
 So masks, position ids, ALiBi biases and the head's pooling and loss are the model's own. What a
 layer receives besides the hidden states must be computed from the inputs alone, not from the
 embeddings' values, and layers must hand each other nothing but the hidden states: the split is
@@ -42,8 +48,17 @@ from shardformer.pipeline.from_plan import spec_from_pp_plan
 from shardformer.pipeline.skeleton import StandIn
 from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.spec_check import check_pipeline_spec
-from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
-from shardformer.policies.anatomy import AnatomyError, Ends, HandOverError, ends_of, own_ancestor, stacks, tiny_for
+from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, taken_inputs
+from shardformer.policies.anatomy import (
+    AnatomyError,
+    Ends,
+    HandOverError,
+    ends_of,
+    own_ancestor,
+    part,
+    stacks,
+    tiny_for,
+)
 
 
 class LayerPassThrough(StandIn):
@@ -83,27 +98,56 @@ def _hidden_of(args, kwargs) -> torch.Tensor:
     raise RuntimeError("pipeline stage: a layer was called without its hidden states first (or as hidden_states=)")
 
 
+class ZerosShaped(StandIn):
+    """Stands in, on a later stage, for an embedding whose output is not shaped as the hidden states
+    (timm's ``patch_embed``: the class token is put in front after it): zeros shaped as the hidden
+    states plus ``offset`` per dimension (what follows only needs the shape; the layer before this
+    stage's first one hands on the received hidden states instead)."""
+
+    def __init__(self, hidden: torch.Tensor, offset: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape = [n + d for n, d in zip(hidden.shape, offset, strict=True)]
+        self.like = hidden
+
+    def forward(self, *args, **kwargs):
+        return self.like.new_zeros(self.shape)
+
+
 class AnatomyStageForward:
-    """The stage forward of a :class:`PipelineSpec` found from a model's anatomy (see the module doc)."""
+    """The stage forward of a :class:`PipelineSpec` found from a model's anatomy (see the module doc).
+
+    ``held``: {name: shape} of the parameters held directly by the model that only the first stage
+    holds (timm's ``cls_token``): later stages read zeros of that shape in their place, as they read
+    the received hidden states in place of the embeddings. Inputs the model's forward does not take
+    (a ``loss_fn``'s targets) are not passed to it."""
 
     __name__ = "anatomy_stage_forward"
 
-    def __init__(self, layers: str, entries: tuple[str, ...], layer_outputs: int) -> None:
+    def __init__(self, layers: str, entries: tuple[str, ...], layer_outputs: int, offsets=(), held=None) -> None:
         self.layers, self.entries, self.layer_outputs = layers, entries, layer_outputs
+        self.offsets, self.held = dict(offsets), held or {}
 
     def __call__(self, model: nn.Module, hidden, inputs: dict):
         stage, num_stages = stage_of(model)
         kept = sharding_of(model).layers
         holes = [int(k) for k, v in model.get_submodule(self.layers)._modules.items() if v is None]
-        stand_ins: dict[str, nn.Module] = {f"{self.layers}.{i}": LayerPassThrough(self.layer_outputs) for i in holes}
+        stand_ins: dict[str, nn.Module | torch.Tensor] = {
+            f"{self.layers}.{i}": LayerPassThrough(self.layer_outputs) for i in holes
+        }
         if stage > 0:
-            stand_ins |= {path: Returns(hidden) for path in self.entries}
+            modules = [path for path in self.entries if path not in self.held]
+            stand_ins |= {
+                p: ZerosShaped(hidden, self.offsets[p]) if p in self.offsets else Returns(hidden) for p in modules
+            }
             stand_ins[f"{self.layers}.{kept[0] - 1}"] = LayerPassThrough(self.layer_outputs, hidden)
+            stand_ins |= {name: hidden.new_zeros(shape) for name, shape in self.held.items()}
         last = stage == num_stages - 1
         if not last:
             stand_ins[f"{self.layers}.{kept[-1] + 1}"] = Capture()
         forward = own_forward(model)
-        kwargs = {k: v for k, v in inputs.items() if v is not None and (last or k not in HEAD_INPUTS)}
+        kwargs = {
+            k: v for k, v in taken_inputs(forward, inputs).items() if v is not None and (last or k not in HEAD_INPUTS)
+        }
         if "use_cache" in inspect.signature(forward).parameters:
             kwargs["use_cache"] = False  # no KV cache in training: layers of other stages would never fill it
         with stage_view(model, stand_ins):
@@ -134,10 +178,14 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
             f"use pipeline_parallel_size=1 (tensor and data parallelism apply), or {FIX}"
         )
     encoder_decoder = len(found) == 2 and getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    stages = _stages_of(model, found) if len(found) > 1 and not encoder_decoder else None
+    if stages is not None:
+        found = (stages,)  # Swin: split between its stages, each a stack of blocks of its own width
     if len(found) > 1 and not encoder_decoder:
         raise NotImplementedError(
-            f"{name} has {len(found)} layer stacks ({', '.join(found)}) that are not an encoder and a decoder (two "
-            f"towers): pipeline stages over them are not supported; use pipeline_parallel_size=1, or {FIX}"
+            f"{name} has {len(found)} layer stacks ({', '.join(found)}) that are not an encoder and a decoder, nor "
+            f"one each in the items of one list (as Swin's stages are): pipeline stages over them are not "
+            f"supported; use pipeline_parallel_size=1, or {FIX}"
         )
     layers = found if encoder_decoder else found[0]
     try:
@@ -153,6 +201,26 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
             f"use pipeline_parallel_size=1, or {FIX}"
         )
     return spec
+
+
+def _stages_of(model: nn.Module, found: tuple[str, ...]) -> str | None:
+    """The list whose items each hold one of the stacks ``found`` (Swin's ``layers``: stages of blocks
+    of one width, a patch merging between them), or None: its items are the layers of a split at
+    stage boundaries."""
+    places = set()
+    for path in found:
+        parts = path.split(".")
+        at = next((i for i, name in enumerate(parts[:-1]) if name.isdigit() and i), None)
+        if at is None:
+            return None
+        places.add((".".join(parts[:at]), parts[at]))
+    parents = {parent for parent, _ in places}
+    if len(parents) != 1 or len(places) != len(found):  # one list, one stack per item
+        return None
+    parent = parents.pop()
+    items = model.get_submodule(parent)
+    same = isinstance(items, (nn.ModuleList, nn.Sequential)) and len({type(m) for m in items}) == 1
+    return parent if same else None
 
 
 def _boundary(model: nn.Module, spec: PipelineSpec) -> list[int] | None:
@@ -172,11 +240,15 @@ def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends) 
     shared: list[str] = []
 
     def place(path: str) -> None:
-        module = model.get_submodule(path)
-        ids = {id(p) for p in module.parameters()}
+        module = part(model, path)
+        ids = {id(p) for p in _params(model, path)}
         if not ids & tied:
             first.append(path)
-        elif any(True for _ in module.parameters(recurse=False)) or not list(module.children()):
+        elif (
+            isinstance(module, nn.Parameter)
+            or any(True for _ in module.parameters(recurse=False))
+            or not list(module.children())
+        ):
             shared.append(path)
         else:
             for child, sub in module.named_children():
@@ -185,11 +257,12 @@ def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends) 
 
     for path in ends.before:
         place(path)
-    held = {id(model.get_submodule(p)) for p in shared}  # a module of both ends (under each of its names)
-    shared += [p for p in ends.after if id(model.get_submodule(p)) in held and p not in shared]
+    held = {id(part(model, p)) for p in shared}  # a module of both ends (under each of its names)
+    shared += [p for p in ends.after if id(part(model, p)) in held and p not in shared]
     last = tuple(p for p in ends.after if p not in shared)
     if isinstance(layers, str):
-        stage = AnatomyStageForward(layers, ends.before, ends.layer_outputs)
+        tokens = {p: tuple(part(model, p).shape) for p in first if isinstance(part(model, p), nn.Parameter)}
+        stage = AnatomyStageForward(layers, ends.before, ends.layer_outputs, ends.offsets, tokens)
         return PipelineSpec(layers, stage, first=tuple(first), last=last, shared=tuple(shared))
     stage = EncoderDecoderStageForward(own_ancestor(layers))
     return PipelineSpec(layers[0], stage, tuple(first), last, tuple(shared), second_layers=layers[1])
@@ -231,9 +304,10 @@ def _hand_on(_module, _args, output):
 
 def _params(model: nn.Module, path: str) -> list[nn.Parameter]:
     try:
-        return list(model.get_submodule(path).parameters())
+        found = part(model, path)
     except AttributeError:
         return []
+    return [found] if isinstance(found, nn.Parameter) else list(found.parameters())
 
 
 _PROOFS: dict[tuple, str | None] = {}
@@ -254,6 +328,8 @@ def _proof(model: nn.Module, layers, ends: Ends) -> str | None:
 
 
 def _scalar(output) -> torch.Tensor:
+    if torch.is_tensor(output):
+        return output.float().pow(2).mean()
     loss = output.get("loss") if hasattr(output, "get") else None
     if loss is not None:
         return loss

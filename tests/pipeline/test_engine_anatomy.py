@@ -4,7 +4,8 @@ batches: the loss of every step and every weight after the steps (AdamW, and SGD
 proportional to the gradient). Derived-route decoders (OPT, BLOOM), a derived encoder's classifier
 (RoBERTa), and built-in families' heads that have no spec of their own (BERT, GPT-2 classifiers).
 Sequence parallelism on the derived route (GPT-Neo) at tp=2, and encoder-decoders (BART, T5) split at
-their boundary. One spawn.
+their boundary. timm models with no family record (their tokens held by the model itself, Swin split
+between its stages; the export reloaded by timm) and a hand-written plain-module LM. One spawn.
 """
 
 import pytest
@@ -160,6 +161,105 @@ def check_timm_deit_tp2_pp2_zero1_sgd():  # no transformers config: the stack fo
     )  # fmt: skip
 
 
+def _images(size=32, steps=STEPS, classes=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"x": torch.randn(4, 3, size, size, generator=g), "y": torch.randint(0, classes, (4,), generator=g)}
+        for _ in range(steps)
+    ]
+
+
+def _run_timm(name, combo, zero_stage=1, optimizer=common.adamw, export=False, size=32, **options):
+    """A timm model with no family record (its stack, tokens and head placed by the anatomy) against
+    the unsharded one; ``export``: the trained stages written back in timm's own layout."""
+    import copy
+
+    from tests.policies.plain_models import timm_model
+
+    model = timm_model(name, **options)
+    spec = pipeline_spec_for(model)
+    assert isinstance(spec.stage_forward, AnatomyStageForward)
+    ref = copy.deepcopy(model)
+    engine = _check(
+        name, *combo, zero_stage=zero_stage, model_pair=(ref, model), data=_images(size), loss_fn=_timm_loss,
+        optimizer=optimizer,
+    )  # fmt: skip
+    if export:
+        _export_matches(engine, ref, name, options)
+    return spec
+
+
+def _export_matches(engine, ref, name, options):
+    """``save_pretrained`` after pp training: a fresh ``timm.create_model`` loads it strictly and holds
+    the unsharded model's weights after the same steps."""
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from shardformer.checkpoint import save_pretrained
+    from tests.checkpoint.common import remove_dir, shared_dir
+    from tests.helpers import assert_close
+    from tests.policies.plain_models import timm_model
+
+    path = shared_dir()
+    save_pretrained(engine.model, path)
+    if dist.get_rank() == 0:
+        fresh = timm_model(name, **options)  # the same architecture, seeded alike: every weight is replaced below
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.add_(1.0)
+        fresh.load_state_dict(load_file(os.path.join(path, "model.safetensors")))  # strict: timm's own names
+        for key, value in ref.state_dict().items():
+            assert_close(fresh.state_dict()[key], value, what=f"{name} export after pp=2: {key}")
+    remove_dir(path)
+
+
+def check_timm_beit_tp2_pp2_zero1_export():  # cls_token on the first stage, read there only
+    _run_timm("beit", (2, 2, 1, "1f1b", 2, 0.5, "torch"), export=True)
+
+
+def check_timm_eva02_tp2_pp2_zero3_export():  # rotary positions computed on every stage from buffers
+    spec = _run_timm("eva02", (2, 2, 1, "gpipe", 2, None, "torch"), zero_stage=3, size=28, export=True)
+    # the parameters it holds itself are read before the blocks: on the first stage
+    assert spec.first == ("patch_embed", "cls_token", "pos_embed") and spec.last == ("fc_norm", "head")
+
+
+def check_timm_deit_distilled_tp2_pp2_zero1():  # class, distillation tokens and position embedding
+    _run_timm("deit", (2, 2, 1, "1f1b", 2, None, "torch"))
+
+
+def check_timm_swin_tp2_pp2_zero1():  # split between its stages (widths 16 and 32, a patch merging between)
+    spec = _run_timm("swin", (2, 2, 1, "1f1b", 2, 0.5, "torch"), drop_path_rate=0.0)  # no random drop to compare
+    assert spec.layers == "layers"  # its stages are the layers of the split
+
+
+def check_timm_swinv2_tp2_pp2_zero1():  # its per-head position MLP and logit scale cut with the heads
+    _run_timm("swinv2", (2, 2, 1, "gpipe", 2, None, "torch"), drop_path_rate=0.0)
+
+
+def check_plain_lm_tp2_pp2_and_dp2_zero1():  # a hand-written nn.Module: no config, no family record
+    import copy
+
+    from tests.policies.plain_models import plain_lm
+
+    model = plain_lm()
+    assert isinstance(pipeline_spec_for(model).stage_forward, AnatomyStageForward)
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 96, (4, 8), generator=g)
+        # the reference calls model(x); the stage forward passes what the forward takes by name (tokens)
+        data.append({"tokens": tokens, "x": tokens, "y": torch.randint(0, 96, (4, 8), generator=g)})
+    for tp, pp, dp in ((2, 2, 1), (2, 1, 2)):  # pp=1: its own forward, given the inputs it takes
+        model = plain_lm()
+        _check(
+            "plain", tp, pp, dp, "1f1b", 2, 0.5, "torch", model_pair=(copy.deepcopy(model), model), data=data,
+            loss_fn=lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1), b["y"].flatten()),
+            optimizer=common.sgd,  # its key biases' gradients are zero in theory: AdamW makes their rounding steps
+        )  # fmt: skip
+
+
 def check_convnext_tp2_pp2_zero1_sgd():  # a stage hands on a channels-last permute: sent contiguous both ways
     config = tf.ConvNextConfig(
         hidden_sizes=[8, 16], depths=[2, 2], num_stages=2, image_size=32, num_labels=3, drop_path_rate=0.0
@@ -192,6 +292,12 @@ CHECKS = [
     check_convnext_tp2_pp2_zero1_sgd,
     check_whisper_tp2_pp2_zero1_sgd,
     check_timm_deit_tp2_pp2_zero1_sgd,
+    check_timm_beit_tp2_pp2_zero1_export,
+    check_timm_eva02_tp2_pp2_zero3_export,
+    check_timm_deit_distilled_tp2_pp2_zero1,
+    check_timm_swin_tp2_pp2_zero1,
+    check_timm_swinv2_tp2_pp2_zero1,
+    check_plain_lm_tp2_pp2_and_dp2_zero1,
     check_opt_causal_lm_tp2_pp2_zero1,
     check_bloom_causal_lm_tp2_pp2_zero2,
     check_bloom_causal_lm_tp2_pp2_zero3_sgd,
@@ -248,3 +354,32 @@ def test_a_head_registered_before_the_base_model_keeps_its_tie():
 def test_splits_that_cannot_be_exact_are_refused_naming_why(cls, why):
     with pytest.raises(NotImplementedError, match=why):
         pipeline_spec_for(cls(tiny_config(cls.config_class)))
+
+
+class _ScaledAfterEachBlock(torch.nn.Module):
+    """A root parameter read while the layers run (after every block): no one stage can hold it."""
+
+    def __init__(self):
+        from tests.policies.plain_models import PlainBlock
+
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 32)
+        self.blocks = torch.nn.ModuleList(PlainBlock(32, 4) for _ in range(3))
+        self.scale = torch.nn.Parameter(torch.ones(32))
+        self.head = torch.nn.Linear(32, 96)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x) * self.scale
+        return self.head(x)
+
+
+def test_a_parameter_held_by_the_model_and_read_while_the_layers_run_is_refused():
+    from tests.policies.plain_models import timm_model
+
+    with pytest.raises(NotImplementedError, match=r"scale runs \(or is read\) while the layers blocks of _Scaled"):
+        pipeline_spec_for(_ScaledAfterEachBlock())
+    # CaiT's class token joins between its two stacks
+    with pytest.raises(NotImplementedError, match=r"2 layer stacks \(blocks, blocks_token_only\) that are not an"):
+        pipeline_spec_for(timm_model("cait"))

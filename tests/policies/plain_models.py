@@ -123,14 +123,14 @@ TIMM = {  # small random timm models: widths and depths a tp=2 cut and a quick r
 }
 
 
-def timm_model(name: str) -> nn.Module:
+def timm_model(name: str, **overrides) -> nn.Module:
     """A small random timm model; parameters timm starts at zero (BEiT's q/v biases and relative position
-    table) random too, so that a wrong cut of them shows."""
+    table) random too, so that a wrong cut of them shows. ``overrides``: more ``timm.create_model`` options."""
     import timm
 
     arch, options = TIMM[name]
     torch.manual_seed(0)
-    model = timm.create_model(arch, pretrained=False, num_classes=10, **options)
+    model = timm.create_model(arch, pretrained=False, num_classes=10, **options, **overrides)
     with torch.no_grad():
         for param in model.parameters():
             if not param.any():

@@ -368,6 +368,18 @@ def gradients_edited_after_backward_are_refused_on_every_rank_before_the_step():
     zero.backward(loss_of(model, local_rows(x, rank, 2), local_rows(y, rank, 2)))
     edits["fc2.weight"](model)
     zero.step()
+    # two parameters read through one cat: autograd gives each a slice of one gradient buffer, so adding
+    # into one moves the other's version counter; not an edit (BEiT's q_bias and v_bias)
+    pair = [torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    ref = [p.detach().clone().requires_grad_() for p in pair]
+    zero, plain = ZeroOptimizer(torch.optim.SGD(pair, lr=0.1), backwards_per_step=2), torch.optim.SGD(ref, lr=0.1)
+    for _ in range(2):
+        zero.backward(torch.cat(pair).mul(torch.arange(8.0)).square().sum())
+        torch.cat(ref).mul(torch.arange(8.0)).square().sum().backward()
+    zero.step()
+    plain.step()
+    for got, expected in zip(pair, ref, strict=True):
+        torch.testing.assert_close(got.detach(), expected.detach(), atol=1e-6, rtol=1e-5)
 
 
 def errors_name_the_value_and_the_fix():
