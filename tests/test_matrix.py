@@ -60,3 +60,14 @@ def test_cells_come_from_sweep_rows_and_unswept_columns_say_so(tmp_path):
     _, table = matrix.build(sweeps)
     passed = sum(r["result"] == "passed" for r in newest["rows"])
     assert len(table) == len(newest["rows"]) and sum(row[3].startswith("yes (tested)") for row in table) == passed
+
+
+def test_the_readme_summary_is_the_generated_one():
+    with open(matrix.README) as f:
+        text = f.read()
+    expected = matrix.render_summary(matrix.load_sweeps(os.path.join(ROOT, "benchmarks")))
+    committed = text[text.index(matrix.SUMMARY_BEGIN) : text.index(matrix.SUMMARY_END) + len(matrix.SUMMARY_END)]
+    assert committed == expected, (
+        "README's summary was edited by hand or the sweep JSON changed: run benchmarks/matrix.py"
+    )
+    assert "| LlamaForCausalLM | yes |" in committed  # tp, from the verify sweep
