@@ -87,7 +87,7 @@ def stand_in(model: nn.Module, modules: dict[str, nn.Module | torch.Tensor]):
         for path, module in modules.items():
             parent_path, _, name = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
-            slots = parent._modules if isinstance(module, nn.Module) else parent._parameters
+            slots = parent._parameters if torch.is_tensor(module) else parent._modules  # None: a hidden module
             kept.append((slots, name, slots[name]))
             skeleton = skeleton_of(model, path) if isinstance(module, StandIn) else None
             if skeleton is not None and "skeleton" not in module.__dict__:
