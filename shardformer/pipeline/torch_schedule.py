@@ -70,14 +70,16 @@ class _Stage(nn.Module):
                 d.rng_restore(state)
 
     def _run(self, *args):
-        index = args[-1]
-        hidden = args[0] if len(args) > 1 else None
+        index, received = args[-1], args[:-1]  # a stage may hand on several tensors (an encoder-decoder's)
+        hidden = None if not received else received[0] if len(received) == 1 else received
         value = torch.nan_to_num(index.detach().reshape(-1)[:1].double(), nan=0.0, posinf=0.0, neginf=0.0)
         i = int(value.round().clamp(0, len(self.micro) - 1).item())
         batch = self.micro[i]
         out = self.stage_forward(self.model, hidden, batch)
-        if not self.last:  # not a view: torch's split backward detaches the stage's outputs in place
-            return (out.clone() if out._base is not None else out), index
+        if not self.last:  # not a view nor an input (torch's split backward detaches the stage's outputs in place),
+            parts = out if isinstance(out, tuple) else (out,)  # and contiguous (torch sends them as they are)
+            copy = lambda t: t._base is not None or any(t is r for r in received) or not t.is_contiguous()  # noqa: E731
+            return *(t.clone(memory_format=torch.contiguous_format) if copy(t) else t for t in parts), index
         loss = self.loss_of(out, batch)
         self.losses[i] = loss.detach()
         return (loss * self.scale).reshape(1)

@@ -92,12 +92,17 @@ class Ends:
     embeddings); after: those that start after the last layer finished (final norm, head) or never run;
     final_norm: the first of ``after`` when it is a per-token norm fed the last layer's output;
     layer_outputs: how many values a layer returns (0: a bare tensor, n: a tuple whose first is the
-    hidden states)."""
+    hidden states); sections (two stacks): the modules run before the first stack, after it under the
+    encoder (its final norm), between the stacks elsewhere (the decoder's embeddings), and after the
+    second (or never); outputs: per stack, which values of what its layers return are tensors (None:
+    a bare tensor), the same for every layer, else None for the whole field."""
 
     before: tuple[str, ...]
     after: tuple[str, ...]
     final_norm: str | None
     layer_outputs: int
+    sections: tuple[tuple[str, ...], ...] = ()
+    outputs: tuple[tuple[bool, ...] | None, ...] | None = None
 
 
 _ENDS: dict[tuple, Ends | AnatomyError] = {}
@@ -147,6 +152,10 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
         handles.append(module.register_forward_hook(lambda *_, p=path: order.append(p)))
     first_stack = tiny.get_submodule(stacks[0])
     handles.append(first_stack[0].register_forward_hook(lambda _m, _a, out: outputs.append(out)))
+    patterns: dict[str, set] = {stack: set() for stack in stacks}  # which values each stack's layers return
+    for stack in stacks:
+        for layer in tiny.get_submodule(stack):
+            handles.append(layer.register_forward_hook(lambda _m, _a, out, s=stack: patterns[s].add(_pattern(out))))
     received: list = []  # what the second layer is called with
     if len(first_stack) > 1:
         handles.append(
@@ -174,6 +183,7 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     ancestors = {".".join(stack.split(".")[:n]) for stack in stacks for n in range(len(stack.split(".")))}
     own = own_ancestor(stacks)  # the encoder module: what runs between the stacks under it ends the encoder
     before, after, between = [], [], []
+    sections: tuple[list[str], ...] = ([], [], [], [])
     for path, module in tiny.named_modules():
         if path in ancestors or any(path == st or path.startswith(st + ".") for st in stacks):
             continue
@@ -191,6 +201,10 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
                 between.append(path)  # one stack: a module both before and after it has no one stage
             continue
         under_own = own is not None and (path == own or path.startswith(own + "."))
+        for place in places:  # first, the encoder's end, the decoder's start, last
+            section = sections[{0: 0, 1: 1 if under_own else 2}.get(place, 3)]
+            if path not in section:
+                section.append(path)
         if 0 in places or 1 in places and under_own:
             before.append(path)
         if places - {0} - ({1} if under_own else set()):
@@ -208,7 +222,20 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
         _check_hand_over(out, received, stacks[0])
     after.sort(key=lambda p: min(spans.get(p, [len(order)])))  # in call order; never run: last
     norm = after[0] if len(stacks) == 1 and after and _is_norm(tiny.get_submodule(after[0])) else None
-    return Ends(_with_aliases(tiny, before), _with_aliases(tiny, after), norm, arity)
+    found = tuple(tuple(sorted(patterns[stack])) for stack in stacks)
+    outputs = tuple(p[0] for p in found) if all(len(p) == 1 for p in found) else None
+    sorted_sections = tuple(tuple(sorted(sec, key=lambda p: min(spans.get(p, [len(order)])))) for sec in sections)
+    return Ends(
+        _with_aliases(tiny, before), _with_aliases(tiny, after), norm, arity,
+        tuple(_with_aliases(tiny, list(sec)) for sec in sorted_sections) if len(stacks) == 2 else (), outputs,
+    )  # fmt: skip
+
+
+def _pattern(output) -> tuple[bool, ...] | None:
+    """Which values of a layer's output are tensors (None: the output is a bare tensor)."""
+    if torch.is_tensor(output):
+        return None
+    return tuple(torch.is_tensor(v) for v in output) if isinstance(output, tuple) else (False,)
 
 
 def _inside_layer(path: str, stack: str) -> bool:

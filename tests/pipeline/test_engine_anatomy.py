@@ -14,7 +14,8 @@ import transformers as tf
 from shardformer.core.tiny import tiny_config
 from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_spec
 from shardformer.policies.anatomy import final_norm, layer_stack
-from shardformer.policies.anatomy_pipeline import AnatomyStageForward, EncoderDecoderStageForward, pipeline_spec_for
+from shardformer.policies.anatomy_pipeline import AnatomyStageForward, pipeline_spec_for
+from shardformer.policies.encoder_decoder import EncoderDecoderStageForward
 from shardformer.tools.conformance import load_pair
 from tests.helpers import check_table
 from tests.pipeline import common
@@ -187,14 +188,31 @@ def test_anatomy_of_a_derived_decoder():
     assert spec.last == ("model.decoder.final_layer_norm", "lm_head")
 
 
-def test_an_encoder_decoder_splits_only_at_the_boundary_into_two_stages():
+def test_an_encoder_decoder_splits_where_its_tiny_copy_proves_it_exact():
+    """BART: stages cut inside either stack and across the boundary, each module with the layer next to it.
+    Whisper's encoder embeds log-mel frames through convolutions that no stand-in answers for: a stage
+    that starts inside its encoder is refused, naming why, while its decoder splits anywhere."""
     model = tf.BartForConditionalGeneration(tiny_config(tf.BartConfig, encoder_layers=4, decoder_layers=2))
     spec = pipeline_spec_for(model)
     assert (spec.layers, spec.second_layers) == ("model.encoder.layers", "model.decoder.layers")
-    check_pipeline_spec(spec, model, 2, [4, 2])
-    for pp, split in ((2, None), (3, None), (2, [3, 3])):
-        with pytest.raises(PipelineSpecError, match=r"encoder/decoder boundary only .*layers_per_stage=\[4, 2\]"):
-            check_pipeline_spec(spec, model, pp, split)
+    assert spec.second_start == tuple(
+        f"model.decoder.{m}" for m in ("embed_tokens", "embed_positions", "layernorm_embedding")
+    )
+    assert spec.stage_forward.refusals == {}
+    for pp, split in ((2, [4, 2]), (3, None), (4, None), (2, [3, 3])):
+        check_pipeline_spec(spec, model, pp, split)
+    stage = spec.keep_stage(model, 1, 3)  # layers 2-3 of the encoder: its end, not its start
+    assert stage.model.encoder.embed_tokens is None and stage.model.decoder.embed_tokens is None
+    whisper = tf.WhisperForConditionalGeneration(
+        tiny_config(tf.WhisperConfig, encoder_attention_heads=4, decoder_attention_heads=4)
+    )
+    spec = pipeline_spec_for(whisper)
+    check_pipeline_spec(spec, whisper, 3, [2, 2, 2])
+    with pytest.raises(
+        PipelineSpecError,
+        match=r"starts inside the encoder is not exact on a tiny copy \(.*layers_per_stage=\[2, \.\.\.\]",
+    ):
+        check_pipeline_spec(spec, whisper, 4)
 
 
 def test_a_head_registered_before_the_base_model_keeps_its_tie():
