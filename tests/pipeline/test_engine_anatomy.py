@@ -3,12 +3,13 @@
 batches: the loss of every step and every weight after the steps (AdamW, and SGD where the step is
 proportional to the gradient). Derived-route decoders (OPT, BLOOM), a derived encoder's classifier
 (RoBERTa), and built-in families' heads that have no spec of their own (BERT, GPT-2 classifiers).
-Sequence parallelism on the derived route (GPT-Neo) at tp=2, and encoder-decoders (BART, T5) split at
-their boundary. One spawn.
+Sequence parallelism on the derived route (GPT-Neo) at tp=2, and encoder-decoders: Whisper and T5 split at
+their boundary, T5 in four stages, BART in four chunks. One spawn.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers as tf
 
 from shardformer.core.tiny import tiny_config
@@ -109,8 +110,11 @@ def check_sequence_parallel_gpt_neo_tp2_pp2_zero1_sgd():  # a derived decoder: i
     assert engine.model.shardformer.route == "derived"
 
 
-def check_bart_tp2_pp2_zero1():  # the encoder on the first stage, its output carried to the decoder's
-    _run("BartForConditionalGeneration", (2, 2, 1, "1f1b", 2, 0.5, "torch"), num_hidden_layers=2, decoder_layers=2)
+def check_bart_tp2_pp2_interleaved_zero1():  # chunks of one layer: the encoder's output carried past the decoder's
+    _run(
+        "BartForConditionalGeneration", (2, 2, 1, "interleaved_1f1b", 2, 0.5, "torch"), num_hidden_layers=2,
+        decoder_layers=2, data=common.batches("Bart", 2),
+    )  # fmt: skip
 
 
 def check_t5_tp2_pp2_zero2_sgd():  # each stack's first layer computes the position bias on its own stage
@@ -118,6 +122,16 @@ def check_t5_tp2_pp2_zero2_sgd():  # each stack's first layer computes the posit
         "T5ForConditionalGeneration", (2, 2, 1, "gpipe", 2, None, "p2p"), zero_stage=2, optimizer=common.sgd,
         num_hidden_layers=2, num_decoder_layers=2, decoder_start_token_id=0,
     )  # fmt: skip
+
+
+def check_t5_pp4_adamw():
+    """One layer per stage: the tied embedding on stages 0 (encoder), 2 (decoder) and 3 (head), summed over them."""
+    engine = _run(
+        "T5ForConditionalGeneration", (1, 4, 1, "1f1b", 4, 0.5, "p2p"), num_hidden_layers=2, num_decoder_layers=2,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    groups = [dist.get_process_group_ranks(group) for group, _ in engine.shared]
+    assert groups == ([] if engine.mesh.pp_rank == 1 else [[0, 2, 3]]), groups
 
 
 def check_whisper_tp2_pp2_zero1_sgd():  # speech: the encoder's stage takes log-mel frames, not token ids
@@ -171,7 +185,8 @@ CHECKS = [
     check_bert_sequence_classification_tp2_pp2_zero2_sgd,
     check_gpt2_sequence_classification_tp2_pp2_zero1,
     check_sequence_parallel_gpt_neo_tp2_pp2_zero1_sgd,
-    check_bart_tp2_pp2_zero1,
+    check_bart_tp2_pp2_interleaved_zero1,
+    check_t5_pp4_adamw,
     check_t5_tp2_pp2_zero2_sgd,
 ]
 test_engine_anatomy_4_ranks = check_table(CHECKS, 4)
