@@ -77,6 +77,11 @@ def whole_model_forward(model: nn.Module, hidden, inputs: dict):
     return model(**inputs)
 
 
+def _module_at(model: nn.Module, path: str) -> nn.Module | None:
+    parent, _, name = path.rpartition(".")
+    return model.get_submodule(parent)._modules[name]
+
+
 def _pipeline_for(model: nn.Module, pp: int, given: PipelineSpec | None) -> PipelineSpec | None:
     """The spec the model is cut by: the given one, else its family's (required only at pp > 1)."""
     if given is not None:
@@ -255,10 +260,13 @@ class ParallelEngine:
             return False
         return not any(p._backward_hooks for p in self.model.parameters())
 
-    def _layer_list(self, model: nn.Module) -> nn.Module | None:
-        """The repeated layers (each is one FSDP2 unit at zero_stage=3): the pipeline spec's, else the
-        family's or transformers' plan's; None when neither names them (the model is one unit)."""
-        path = self.pipeline.layers if self.pipeline is not None else layer_stack(model)
+    def _layer_list(self, model: nn.Module) -> list | nn.Module | None:
+        """The repeated layers (each is one FSDP2 unit at zero_stage=3): the pipeline spec's (every stack's:
+        an encoder-decoder's two; None where another stage holds it), else the family's or transformers'
+        plan's; None when neither names them (the model is one unit)."""
+        if self.pipeline is not None:
+            return [_module_at(model, path) for path in self.pipeline.layer_paths(model)]
+        path = layer_stack(model)
         return model.get_submodule(path) if path is not None else None
 
     def _checkpoint_activations(self, model: nn.Module, check_only: bool = False) -> None:

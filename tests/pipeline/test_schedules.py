@@ -138,14 +138,14 @@ def check_t5_pp2_dp2_zbv_adamw():
     assert not engine._torch_pipeline.split_backward  # chunks hand received tensors on: one whole backward
 
 
-def check_t5_pp2_dp2_dualpipev():
-    _train_t5((1, 2, 2, "dualpipev", 4, 0.5, "torch"))
+def check_t5_pp2_dp2_dualpipev_zero3():  # both stacks' layers are FSDP2 units; the root's embedding in 3 chunks
+    _train_t5((1, 2, 2, "dualpipev", 4, 0.5, "torch"), zero_stage=3)
 
 
 CHECKS = [
     check_t5_tp2_pp2_interleaved_zero2_and_inference,
     check_t5_pp2_dp2_zbv_adamw,
-    check_t5_pp2_dp2_dualpipev,
+    check_t5_pp2_dp2_dualpipev_zero3,
     check_llama_tp2_pp2_interleaved_and_inference,
     check_tied_llama_tp2_pp2_zbv_zero2_sequence_parallel,
     check_gpt2_cp2_pp2_dualpipev,
