@@ -3,10 +3,11 @@
 A spec names, by dotted path, the ``nn.ModuleList`` of transformer layers that is divided among
 the stages, the modules only the first stage needs (embeddings), those only the last needs (final
 norm, head), and those both ends hold (input embeddings tied to the output head: their gradients
-are summed over the two stages). Its ``stage_forward(model, hidden, inputs)`` runs one stage on a
-micro-batch: ``hidden`` is the previous stage's output (None on the first stage), ``inputs`` the
-micro-batch (every stage sees it: masks and labels come from it); it returns the hidden states for
-the next stage, or on the last stage the model's output (a ModelOutput with ``loss`` when labels are
+are summed over the two stages; :mod:`shardformer.pipeline.tied` finds every weight several stages
+hold). Its ``stage_forward(model, hidden, inputs)`` runs one stage on a micro-batch: ``hidden`` is
+the previous stage's output (None on the first stage; a tuple where a stage hands on several
+tensors), ``inputs`` the micro-batch (every stage sees it: masks and labels come from it); it
+returns the hidden states (or a tuple of tensors) for the next stage, or on the last stage the model's output (a ModelOutput with ``loss`` when labels are
 given, or a tensor of logits). The built-in ones run the model's own forward while
 :func:`~shardformer.pipeline.stage_view.stage_view` fills the holes of the stage; a custom one may
 loop over :func:`local_layers`.
@@ -105,16 +106,6 @@ class PipelineSpec:
             else:
                 drop += [p for p in paths if p not in drop]
         return [p for p in drop if p not in kept]
-
-    def shared_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        """Parameters of the modules both end stages hold (tied input/output weights), each once."""
-        unique: dict[int, nn.Parameter] = {}
-        for path in self.shared:
-            module = _find(model, path)
-            if module is not None:
-                for p in [module] if isinstance(module, nn.Parameter) else module.parameters():
-                    unique.setdefault(id(p), p)
-        return list(unique.values())
 
 
 def _refuse_generate(name: str, stage: int, num_stages: int, *args, **kwargs):
