@@ -137,9 +137,9 @@ def tiny_for(model: nn.Module):
 
 def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     """One stack: ``before`` runs before its first layer, ``after`` after its last. Two stacks (an
-    encoder-decoder, split at their boundary): ``before`` is what the encoder's stage runs (embeddings,
-    the encoder's final norm), ``after`` what the decoder's stage runs (its embeddings, final norm and
-    the head); a module both run (embeddings shared by encoder and decoder) is in both."""
+    encoder-decoder): ``before`` is what the encoder runs (embeddings, its final norm), ``after`` what
+    the decoder runs (its embeddings, final norm and the head), a module both run in both; ``sections``
+    tells the encoder's embeddings, its final norm, the decoder's embeddings and the rest apart."""
     stacks = (layers,) if isinstance(layers, str) else tuple(layers)
     tiny, inputs = tiny_for(model)
     order: list[str] = []  # the path of each start and end of a call, in call order
