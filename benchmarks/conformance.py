@@ -20,10 +20,23 @@ compared in training mode (``shardformer.tools.conformance``).
                               #     [--only llama,bert] [--limit 20] [--json out.json] [--save benchmarks]
     .venv/bin/python benchmarks/conformance.py --plan-sweep [--dense] [--sdpa] [--sequence-parallel]
     .venv/bin/python benchmarks/conformance.py --pp 2 [--task ...] [--only ...]
+    .venv/bin/python benchmarks/conformance.py --engine all --task causal-lm [--only ...] [--save benchmarks]
 
 ``--pp 2`` trains each class at pp=2 through ``ParallelEngine`` (2 micro-batches, 2 SGD steps) on 2 ranks
 against its unsharded copy (losses, every weight after the steps): passed, refused (the engine's reason:
 no split, or one the tiny-copy proof found inexact), failed, not tested or error.
+
+``--engine TECHNIQUES`` (comma-separated, or ``all``) trains each class through ``ParallelEngine`` on 2
+ranks once per technique, in that technique's layout (``ENGINE_LAYOUTS``): ``pp`` (pp=2, 2
+micro-batches), ``zero1`` / ``zero2`` / ``zero3`` (dp=2 at that ZeRO stage), ``checkpointing`` (dp=2,
+ZeRO-1, activation checkpointing), ``cp`` (cp=2, 2 micro-batches) and ``ep`` (dp=2 with the experts
+split over both ranks; "n/a" for a class without experts). Each run splits a step's batch into 2 equal
+chunks, as its unsharded copy's reference step does; 2 SGD steps, then the losses and every weight
+(gathered over ep, ZeRO-3 and the stages). One row per class and technique in the ``--jsonl`` file (one
+technique that hangs costs only its own row); ``--save`` writes ``conformance-engine-<date>.md`` (one
+column per technique, then the reason of every cell that did not pass) and the ``.json`` whose rows
+carry ``techniques: {technique: {result, reason, logits (loss error), grad (weight error), ...}}``, from
+which ``benchmarks/matrix.py`` fills the matrix's columns.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import inspect
 import json
 import os
 import re
@@ -65,7 +79,13 @@ ENCODER_MAPPINGS = (
 # what a row's result can be; "not tested": no tiny copy of the class builds and runs unsharded (a
 # limit of the recipe, not a refusal of the library), counted apart from the library's refusals
 NOT_TESTED = "not tested"
-RESULTS = ("passed", "refused", "failed", NOT_TESTED, "error")
+# "refused at step": refused with a reason, but by the first training step, not when the engine was built
+REFUSED_AT_STEP = "refused at step"
+# "random in training": the class draws random numbers in its training forward beyond dropout (PhiMoE's
+# sampled routing): two unsharded runs from the same weights with other RNG seeds differ as well, so the
+# comparison cannot decide (a "failed" that is not the library's)
+RANDOM_IN_TRAINING = "random in training"
+RESULTS = ("passed", "refused", REFUSED_AT_STEP, "failed", RANDOM_IN_TRAINING, NOT_TESTED, "error")
 ROW_TIMEOUT_EXIT = 75  # a rank's exit code when its row ran past --row-timeout
 ROWS_PER_SPAWN = 100
 
@@ -268,16 +288,24 @@ def classify(row: dict, report) -> None:
         row.update(result="passed", reason="")
 
 
+_UNSHARDED: dict[str, dict] = {}  # class -> what _check_unsharded found (the engine sweep has a row per technique)
+
+
 def _check_unsharded(row: dict) -> None:
     """Mark ``row`` not tested when no tiny copy of its class runs unsharded (nothing of ours to test)."""
-    try:
-        tiny_config_of(row["class"])
-    except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
-        _reason(row, NOT_TESTED, f"no tiny copy that runs: {type(e).__name__}: {e}")
-    else:
-        broken = unsharded_failure(row["class"])  # the tiny model itself: nothing to shard
-        if broken is not None:
-            _reason(row, NOT_TESTED, broken)
+    name = row["class"]
+    if name not in _UNSHARDED:
+        found: dict = {}
+        try:
+            tiny_config_of(name)
+        except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
+            _reason(found, NOT_TESTED, f"no tiny copy that runs: {type(e).__name__}: {e}")
+        else:
+            broken = unsharded_failure(name)  # the tiny model itself: nothing to shard
+            if broken is not None:
+                _reason(found, NOT_TESTED, broken)
+        _UNSHARDED[name] = found
+    row.update(_UNSHARDED[name])
 
 
 def _verify_job(rows, out_path, row_timeout):
@@ -381,21 +409,51 @@ def _scalar_loss(output, _batch=None):
     return next(t for t in values if torch.is_tensor(t) and t.is_floating_point()).float().pow(2).mean()
 
 
+# --engine: each technique a layout of ParallelEngine on 2 ranks, trained against the unsharded copy;
+# every layout splits a step's batch into 2 equal chunks (dp=2, or 2 micro-batches), as the reference does
+ENGINE_LAYOUTS = {
+    "pp": {"pp": 2, "num_microbatches": 2},
+    "ZeRO-1": {"zero_stage": 1},  # dp=2
+    "ZeRO-2": {"zero_stage": 2},
+    "ZeRO-3": {"zero_stage": 3},
+    "checkpointing": {"zero_stage": 1, "activation_checkpointing": True},
+    "cp": {"cp": 2, "num_microbatches": 2},
+    "ep": {"ep": 2},  # dp=2, the experts split over both ranks; MoE classes only
+}
+ENGINE_NAMES = {"pp": "pp", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "checkpointing": "checkpointing",
+                "cp": "cp", "ep": "ep"}  # fmt: skip
+NOT_APPLICABLE = "n/a"
+
+
 def _pipeline_job(rows, out_path, row_timeout, pp):
     """On every rank: each class at pp = the group size through ParallelEngine against its unsharded
-    copy (:func:`_train_at_pp`); rank 0 appends one JSON line per row."""
-    _each_row(rows, out_path, row_timeout, functools.partial(_train_at_pp, pp=pp))
+    copy (:func:`_train_with`); rank 0 appends one JSON line per row."""
+    layout = {"pp": pp, "num_microbatches": 2}
+    _each_row(rows, out_path, row_timeout, functools.partial(_train_with, layout=layout))
 
 
-def _train_at_pp(row: dict, pp: int) -> None:
-    """2 micro-batches, 2 SGD steps of the class at ``pp`` through ParallelEngine and of its unsharded
-    copy: the losses, then every weight (gathered over the stages). Fills ``row``."""
+def _engine_job(rows, out_path, row_timeout):
+    """On every rank: each (class, technique) row trained in its technique's layout (``ENGINE_LAYOUTS``)."""
+    _each_row(rows, out_path, row_timeout, _train_technique)
+
+
+def _train_technique(row: dict) -> None:
+    if row["technique"] == "ep" and row["kind"] != "moe":
+        row.update(result=NOT_APPLICABLE, reason="no experts (a dense class)")
+        return
+    _train_with(row, ENGINE_LAYOUTS[row["technique"]])
+
+
+def _train_with(row: dict, layout: dict) -> None:
+    """2 SGD steps of the class through ParallelEngine in ``layout`` (EngineConfig fields) and of its
+    unsharded copy, each step's batch split in the same equal chunks: the losses, then every weight
+    (gathered over tp, ep, ZeRO-3 and the stages). Fills ``row``."""
     import torch
     import torch.distributed as dist
 
     from shardformer import EngineConfig, ParallelEngine
+    from shardformer.checkpoint.gather import gather_full_state
     from shardformer.core.compare import GRAD_ATOL, GRAD_RTOL, max_error
-    from shardformer.engine import split_batch
     from shardformer.models import inputs_for
 
     def sgd(params):
@@ -406,40 +464,81 @@ def _train_at_pp(row: dict, pp: int) -> None:
     model = build_tiny(row["class"])
     model.load_state_dict(ref.state_dict())
     batches = [inputs_for(ref, seed, batch=4) for seed in (1, 2)]
+    if row.get("task") == "causal-lm" and "labels" in inspect.signature(ref.forward).parameters:
+        for b in batches:  # the model's own loss, also where the class's name does not say it is a causal
+            b.setdefault("labels", b["input_ids"].clone())  # LM (BertGenerationDecoder)
+    # the model's own loss where the batch has labels (context parallelism refuses any other loss_fn)
+    loss_fn = None if "labels" in batches[0] else _scalar_loss
     try:
-        engine = ParallelEngine(model, sgd, EngineConfig(pp=pp, num_microbatches=2), loss_fn=_scalar_loss)
+        engine = ParallelEngine(model, sgd, EngineConfig(**layout), loss_fn=loss_fn)
     except (NotImplementedError, ValueError, TypeError) as e:
         _reason(row, "refused", f"{type(e).__name__}: {e}")
         return
     row["route"] = engine.model.shardformer.route
-    got = [engine.train_step(b) for b in batches]
-    ref.train()
-    opt = sgd(ref.parameters())
-    expected = []
-    for b in batches:
-        opt.zero_grad()
-        loss = sum(_scalar_loss(ref(**part)) for part in split_batch(b, 2, "chunks")) / 2
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
+    try:
+        got = [engine.train_step(b) for b in batches]
+    except (NotImplementedError, ValueError) as e:  # a refusal the engine could not tell before the step
+        _reason(row, REFUSED_AT_STEP, f"{type(e).__name__}: {e}")
+        return
+    chunks = engine.mesh.dp_size * engine.config.num_microbatches
+    initial = {k: v.clone() for k, v in ref.state_dict().items()}
+    expected = _reference_steps(ref, batches, chunks, sgd)
     row["logits"], ok = max_error(torch.tensor(got), torch.tensor(expected))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {n: p.detach().clone() for n, p in engine.model.named_parameters()})
-    merged = {n: t for d in everyone for n, t in d.items()}
+    merged = gather_full_state(engine.model)  # on rank 0, which writes the row (None elsewhere)
     row["grad"] = 0.0  # in this sweep: the largest weight error after the steps
     failures = [] if ok else [f"losses differ by {row['logits']:.2e}"]
-    for name, p in ref.named_parameters():
+    for name, p in ref.named_parameters() if dist.get_rank() == 0 else ():
         if name not in merged:
             failures.append(f"{name} is on no stage")
             continue
-        error, good = max_error(merged[name], p, GRAD_ATOL, GRAD_RTOL)
+        error, good = max_error(merged[name].float(), p.detach(), GRAD_ATOL, GRAD_RTOL)
         row["grad"] = max(row["grad"], error)
         if not good:
             failures.append(f"{name} differs by {error:.2e} after the steps")
-    if failures:
+    if failures and dist.get_rank() == 0 and _random_in_training(ref, initial, batches, chunks, sgd):
+        _reason(row, RANDOM_IN_TRAINING, "two unsharded runs with other RNG seeds differ too: " + failures[0], 400)
+    elif failures:
         _reason(row, "failed", "; ".join(failures[:3]), 400)
     else:
         row.update(result="passed", reason="")
+
+
+def _reference_steps(ref, batches, chunks, optimizer) -> list[float]:
+    """The unsharded model's training steps, each batch's loss the mean over ``chunks`` equal chunks."""
+    from shardformer.engine import split_batch
+
+    ref.train()
+    opt = optimizer(ref.parameters())
+    losses = []
+    for b in batches:
+        opt.zero_grad()
+        loss = sum(_scalar_loss(ref(**part)) for part in split_batch(b, chunks, "chunks")) / chunks
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _random_in_training(ref, initial: dict, batches, chunks, optimizer) -> bool:
+    """Whether the same steps from the same weights under another RNG seed end elsewhere than ``ref``."""
+    import copy
+
+    import torch
+
+    from shardformer.core.compare import GRAD_ATOL, GRAD_RTOL, max_error
+
+    again = copy.deepcopy(ref)
+    again.load_state_dict(initial)
+    kept = torch.random.get_rng_state()
+    torch.manual_seed(12345)
+    try:
+        _reference_steps(again, batches, chunks, optimizer)
+    finally:
+        torch.random.set_rng_state(kept)
+    trained = dict(ref.named_parameters())
+    return any(
+        not max_error(p.detach(), trained[n].detach(), GRAD_ATOL, GRAD_RTOL)[1] for n, p in again.named_parameters()
+    )
 
 
 # -- in the parent ------------------------------------------------------------------------------------
@@ -491,7 +590,8 @@ def run(rows, job=_verify_job, *job_args, row_timeout=300.0, progress=None, worl
 
 def _progress(row: dict) -> None:
     print(
-        f"{row.get('task', '')} {row['model_type']} {row['class']} {row.get('route', '')}: {row['result']} "
+        f"{row.get('task', '')} {row['model_type']} {row['class']} {row.get('technique', '')} "
+        f"{row.get('route', '')}: {row['result']} "
         f"({row.get('seconds', '-')} s) {row.get('reason', '')[:120]}",
         file=sys.stderr,
         flush=True,
@@ -535,6 +635,84 @@ def table(results, impl, sequence_parallel=False, plan_sweep=False, pp=1) -> str
         lines.append(f"- {task}: {counts(rows)}" + (f" ({by_kind})" if len(kinds) > 1 else ""))
     lines.append(f"\ntotal: {counts(results)}")
     return "\n".join(lines)
+
+
+def by_class(units: list[dict], techniques: list[str]) -> list[dict]:
+    """The engine sweep's (class, technique) rows as one row per class: ``techniques`` maps each
+    technique to its result, reason, loss error (``logits``), weight error (``grad``), route and seconds."""
+    rows: dict[str, dict] = {}
+    for u in units:
+        row = rows.setdefault(
+            u["class"], {k: u[k] for k in ("task", "model_type", "class", "kind")} | {"techniques": {}}
+        )
+        row["techniques"][u["technique"]] = {
+            k: u[k] for k in ("result", "reason", "logits", "grad", "route", "seconds") if k in u
+        }
+    for row in rows.values():
+        row["techniques"] = {t: row["techniques"][t] for t in techniques if t in row["techniques"]}
+    return list(rows.values())
+
+
+def engine_table(rows: list[dict], techniques: list[str]) -> str:
+    """The engine sweep's table: one row per class, one column per technique, then the reason of every
+    cell that did not pass."""
+    layouts = "; ".join(f"{t}: {_layout(t)}" for t in techniques)
+    lines = [
+        f"conformance of ParallelEngine layouts on 2 ranks, eager attention, engine sweep (2 SGD steps against the "
+        f"unsharded copy: losses and every weight), transformers {_tf_version()}, "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        "",
+        f"layouts (EngineConfig): {layouts}",
+        "",
+        "| task | architecture | class | kind | " + " | ".join(techniques) + " | s |",
+        "|---|---|---|---|" + "---|" * len(techniques) + "---|",
+    ]
+    order = {t: i for i, t in enumerate(TASKS)}
+    rows = sorted(rows, key=lambda r: (order.get(r["task"], 99), r["kind"], r["model_type"], r["class"]))
+    notes = []
+    for r in rows:
+        cells = []
+        for t in techniques:
+            cell = r["techniques"].get(t, {"result": ""})
+            cells.append(cell["result"])
+            if cell["result"] not in ("passed", NOT_APPLICABLE, NOT_TESTED, ""):
+                notes.append(f"- {r['class']} {t}: {cell['result']}: {cell.get('reason', '')}")
+        seconds = sum(c.get("seconds") or 0 for c in r["techniques"].values())
+        lines.append(
+            f"| {r['task']} | {r['model_type']} | {r['class']} | {r['kind']} | {' | '.join(cells)} | {seconds:.1f} |"
+        )
+    lines += ["", "Cells that did not pass (not tested: no tiny copy of the class runs unsharded):", "", *notes, ""]
+    for t in techniques:
+        cells = [r["techniques"][t] for r in rows if t in r["techniques"]]
+        counts = {k: sum(c["result"] == k for c in cells) for k in (*RESULTS, NOT_APPLICABLE)}
+        lines.append(
+            f"- {t}: {len(cells)} classes: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v or k in RESULTS)
+        )
+    return "\n".join(lines)
+
+
+def _layout(technique: str) -> str:
+    return ", ".join(f"{k}={v}" for k, v in ENGINE_LAYOUTS[technique].items()) + (
+        "" if "pp" in ENGINE_LAYOUTS[technique] or "cp" in ENGINE_LAYOUTS[technique] else ", dp=2"
+    )
+
+
+def save_engine(folder: str, text: str, rows: list[dict], techniques: list[str]) -> str:
+    """The engine sweep's table and rows as ``conformance-engine-<date>.md`` / ``.json``."""
+    import torch
+
+    now = datetime.datetime.now(datetime.UTC)
+    stem = os.path.join(folder, f"conformance-engine-{now:%Y-%m-%d}")
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+    sweep = {
+        "sweep": "engine", "date": f"{now:%Y-%m-%d}", "transformers": _tf_version(),
+        "torch": torch.__version__.split("+")[0], "attention": "eager", "techniques": techniques,
+        "layouts": {t: _layout(t) for t in techniques}, "rows": rows,
+    }  # fmt: skip
+    write_sweep(stem + ".json", sweep)
+    print(f"written: {stem}.md, {stem}.json", file=sys.stderr)
+    return stem
 
 
 def save(folder, text, results, impl, sequence_parallel, plan_sweep, pp=1) -> str:
@@ -593,6 +771,13 @@ def main() -> None:
     parser.add_argument(
         "--pp", type=int, default=1, help="train each class at this pipeline size through ParallelEngine (on pp ranks)"
     )
+    parser.add_argument(
+        "--engine",
+        default="",
+        metavar="TECHNIQUES",
+        help="train each class through ParallelEngine on 2 ranks in each technique's layout, against its "
+        f"unsharded copy: comma-separated {','.join(ENGINE_NAMES)} or 'all' (ep: MoE classes only)",
+    )
     parser.add_argument("--json", help="also write the results here (a list of rows)")
     parser.add_argument(
         "--save",
@@ -612,7 +797,15 @@ def main() -> None:
         parser.error(f"unknown task(s) {', '.join(sorted(unknown))}; known: {', '.join(TASKS)}")
     impl = "sdpa" if args.sdpa else "eager"
     plan_sweep = args.plan_sweep or args.sdpa or args.sequence_parallel
-    if args.pp > 1:
+    techniques = [ENGINE_NAMES[t] for t in ENGINE_NAMES] if args.engine == "all" else []
+    for name in filter(None, args.engine.split(",")) if args.engine != "all" else ():
+        if name not in ENGINE_NAMES:
+            parser.error(f"unknown --engine technique {name!r}; known: {', '.join(ENGINE_NAMES)}, all")
+        techniques.append(ENGINE_NAMES[name])
+    if techniques:
+        rows = [dict(r, technique=t) for r in task_rows(tasks, only) for t in techniques]
+        job, job_args = _engine_job, ()
+    elif args.pp > 1:
         rows, job, job_args = task_rows(tasks, only), _pipeline_job, (args.pp,)
     elif plan_sweep:
         rows, job, job_args = architectures(only), _plan_job, (impl, args.sequence_parallel)
@@ -629,8 +822,8 @@ def main() -> None:
     if os.path.exists(jsonl):
         with open(jsonl) as f:
             earlier = [json.loads(line) for line in f if line.strip()]
-    done = {r["class"] for r in earlier}
-    rows = [r for r in rows if r["class"] not in done]
+    done = {(r["class"], r.get("technique")) for r in earlier}
+    rows = [r for r in rows if (r["class"], r.get("technique")) not in done]
     print(f"{len(rows)} classes to check ({len(earlier)} already in {jsonl})", file=sys.stderr, flush=True)
 
     def progress(row: dict) -> None:
@@ -640,9 +833,15 @@ def main() -> None:
 
     world = max(2, args.pp)
     results = earlier + run(rows, job, *job_args, row_timeout=args.row_timeout, progress=progress, world=world)
-    text = table(results, impl, args.sequence_parallel, plan_sweep, args.pp)
+    if techniques:
+        results = by_class(results, techniques)
+        text = engine_table(results, techniques)
+    else:
+        text = table(results, impl, args.sequence_parallel, plan_sweep, args.pp)
     print(text)
-    if args.save:
+    if args.save and techniques:
+        save_engine(args.save, text, results, techniques)
+    elif args.save:
         save(args.save, text, results, impl, args.sequence_parallel, plan_sweep, args.pp)
     print(f"\nper-row results: {jsonl}", file=sys.stderr)
     if args.json:

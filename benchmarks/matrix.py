@@ -5,7 +5,8 @@ sweep's settings, date, versions and one row per model class) and writes the tab
 marker comments of docs/models.md. One row per model class of the verify sweep (family = model type,
 head = task). A cell is what a sweep found for that class with that technique: "yes (tested)",
 "refused", "not tested" (no tiny copy of the class runs), "failed" or "error", with a note naming the
-sweep (date, transformers version); "not swept" where no sweep covers that technique or class. It
+sweep (date, transformers version); "n/a" where the technique does not apply (ep on a class without
+experts); "not swept" where no sweep covers that technique or class. It
 never writes a result no sweep produced. tests/test_matrix.py checks the committed table equals
 what this script generates from the committed JSON.
 
@@ -34,9 +35,12 @@ COLUMNS = ("tp", "sp", "cp", "pp", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ep", "checkpoi
 CELL = {
     "passed": "yes (tested)",
     "refused": "refused",
+    "refused at step": "refused (at the first step)",
     "not tested": "not tested",
     "failed": "failed",
+    "random in training": "random in training (no two runs agree)",
     "error": "error",
+    "n/a": "n/a",
 }
 NOT_SWEPT = "not swept"
 TASK_ORDER = (
@@ -58,8 +62,11 @@ def load_sweeps(folder: str) -> list[dict]:
 
 def columns_of(sweep: dict) -> tuple[str, ...]:
     """The columns a sweep fills: the verify sweep tp and generate, a sequence-parallel sweep sp, the
-    ParallelEngine sweep (``--pp N``) pp; a plan sweep without sequence parallelism repeats the verify
-    sweep's tp rows for causal LMs and adds none."""
+    ParallelEngine sweep (``--pp N``) pp, the engine sweep (``--engine``) its techniques (pp, ZeRO-1/2/3,
+    checkpointing, cp, ep); a plan sweep without sequence parallelism repeats the verify sweep's tp rows
+    for causal LMs and adds none."""
+    if sweep["sweep"] == "engine":
+        return tuple(sweep["techniques"])
     if sweep["sweep"] == "pipeline":
         return ("pp",)
     if sweep.get("sequence_parallel"):
@@ -72,36 +79,55 @@ def build(sweeps: list[dict]) -> tuple[list[str], list[list[str]]]:
     verify = [s for s in sweeps if columns_of(s) == ("tp", "generate")]
     if not verify:
         raise SystemExit("no verify sweep (benchmarks/conformance-<date>.json): run make conformance")
-    notes: list[str] = []
-    cells: dict[tuple[str, str, str], str] = {}  # (column, model type, class) -> cell; later sweeps win
+    notes: list[str] = []  # one per sweep that fills columns, numbered below by the cells that cite it
+    cells: dict[tuple[str, str, str], tuple[str, int]] = {}  # (column, model type, class) -> (cell, note); later wins
     for sweep in sweeps:
         columns = columns_of(sweep)
         if not columns:
             continue
-        n = len(notes) + 1
-        what = {
-            "verify": "verify sweep",
-            "plan": "plan sweep (causal LMs with a tp plan)",
-            "pipeline": "ParallelEngine sweep (2 SGD steps against the unsharded copy)",
-        }[sweep["sweep"]]
-        layout = f"pp={sweep['pp']}" if sweep["sweep"] == "pipeline" else f"tp={sweep.get('tp', 2)}"
-        notes.append(
-            f"[{n}] {', '.join(columns)}: {what}{' with sequence parallelism' if 'sp' in columns else ''}, "
-            f"{layout} on 2 gloo ranks, {sweep.get('attention', 'eager')} attention, {sweep['date']}, "
-            f"transformers {sweep['transformers']} (`{sweep['file']}`)"
-        )
+        notes.append(_note(sweep, columns))
         for r in sweep["rows"]:
             for column in columns:
-                value = _generate(r) if column == "generate" else CELL[r["result"]]
-                cells[(column, r["model_type"], r["class"])] = f"{value} [{n}]"
+                if sweep["sweep"] == "engine":
+                    if column not in r["techniques"]:
+                        continue
+                    value = CELL[r["techniques"][column]["result"]]
+                else:
+                    value = _generate(r) if column == "generate" else CELL[r["result"]]
+                cells[(column, r["model_type"], r["class"])] = (value, len(notes) - 1)
+    # only the sweeps a cell cites (a later sweep of the same columns replaces an earlier one), numbered 1, 2, ...
+    number = {i: n for n, i in enumerate(sorted({i for _, i in cells.values()}), 1)}
     order = {t: i for i, t in enumerate(TASK_ORDER)}
     rows = sorted(verify[-1]["rows"], key=lambda r: (r["model_type"], order.get(r["task"], 99), r["class"]))
     out = []
     for r in rows:
         line = [r["model_type"], r["task"], r["class"]]
-        line += [cells.get((column, r["model_type"], r["class"]), NOT_SWEPT) for column in COLUMNS]
+        for column in COLUMNS:
+            found = cells.get((column, r["model_type"], r["class"]))
+            line.append(NOT_SWEPT if found is None else f"{found[0]} [{number[found[1]]}]")
         out.append(line)
-    return notes, out
+    return [f"[{n}] {notes[i]}" for i, n in number.items()], out
+
+
+def _note(sweep: dict, columns: tuple[str, ...]) -> str:
+    """What a sweep ran: its columns, kind, layout(s), attention, date, transformers version and file."""
+    what = {
+        "verify": "verify sweep",
+        "plan": "plan sweep (causal LMs with a tp plan)",
+        "pipeline": "ParallelEngine sweep (2 SGD steps against the unsharded copy)",
+        "engine": "engine sweep (2 SGD steps of each ParallelEngine layout against the unsharded copy, "
+        f"{len(sweep['rows'])} {'/'.join(sorted({r['task'] for r in sweep['rows']}))} classes)",
+    }[sweep["sweep"]]
+    layout = f"tp={sweep.get('tp', 2)}"
+    if sweep["sweep"] == "pipeline":
+        layout = f"pp={sweep['pp']}"
+    elif sweep["sweep"] == "engine":
+        layout = "; ".join(f"{t}: {v}" for t, v in sweep["layouts"].items())
+    return (
+        f"{', '.join(columns)}: {what}{' with sequence parallelism' if 'sp' in columns else ''}, "
+        f"{layout} on 2 gloo ranks, {sweep.get('attention', 'eager')} attention, {sweep['date']}, "
+        f"transformers {sweep['transformers']} (`{sweep['file']}`)"
+    )
 
 
 def _generate(row: dict) -> str:

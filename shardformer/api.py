@@ -12,7 +12,7 @@ from shardformer.core.config import ShardConfig
 from shardformer.core.record import attach, build_mesh, sharding_of
 from shardformer.core.versions import warn_if_untested
 from shardformer.expert_parallel import check_expert_parallel, plan_expert_parallel, split_experts
-from shardformer.policies.anatomy import final_norm, layer_stack
+from shardformer.policies.anatomy import final_norm, layer_stack, stack_anatomy
 from shardformer.policies.routes import candidate_routes, choose, route_of
 from shardformer.tensor_parallel.adapters import SeenThrough
 from shardformer.tensor_parallel.policy import Policy
@@ -60,6 +60,8 @@ def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, a
     # the structural final norm needs a forward of a tiny copy: only sequence parallelism reads it
     norm = final_norm(model, structural=shard_config.sequence_parallel)
     sharder_args = dict(layers=layer_stack(model), adapters=adapters, final_norm=norm)
+    if shard_config.context_parallel_size > 1:  # context parallelism checks the stack and what runs after it
+        sharder_args["stack_anatomy"] = stack_anatomy(model)
     experts = None
     if shard_config.expert_parallel_size > 1:  # found and proven on the model as the user gave it
         check_expert_parallel(model, shard_config.expert_parallel_size)  # before any collective

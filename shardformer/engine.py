@@ -11,6 +11,7 @@ pipeline schedule over micro-batches. Its settings, :class:`EngineConfig`, live 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from shardformer.api import shard_model
 from shardformer.context_parallel import context_parallel_stage_forward
 from shardformer.core import comm
-from shardformer.core.config import PRECISIONS, EngineConfig
+from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divides
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
 from shardformer.core.record import sharding_of
 from shardformer.core.step_agreement import batch_fingerprint, check_agreement
@@ -73,7 +74,11 @@ def split_batch(batch: dict, parts: int, what: str) -> list[dict]:
 
 
 def whole_model_forward(model: nn.Module, hidden, inputs: dict):
-    """The stage forward of an unsplit model (pp=1) that has no pipeline spec: its own forward."""
+    """The stage forward of an unsplit model (pp=1) that has no pipeline spec: its own forward, in
+    training without a KV cache (a recomputed layer would find its keys already in the cache: CpmAnt,
+    GPT-NeoX-Japanese under activation checkpointing), as the pipeline stages run."""
+    if model.training and "use_cache" not in inputs and "use_cache" in inspect.signature(model.forward).parameters:
+        inputs = {**inputs, "use_cache": False}
     return model(**inputs)
 
 
@@ -100,7 +105,8 @@ class ParallelEngine:
         policy: a custom tensor-parallel Policy (default: the built-in one for the model's class).
         pipeline: a custom :class:`~shardformer.pipeline.PipelineSpec` (default: the family's
             built-in one; at pp=1 a model without one runs its own forward).
-        loss_fn: ``(last-stage output, micro_batch) -> loss``; default: the output's ``loss``.
+        loss_fn: ``(last-stage output, micro_batch) -> loss``; default: the output's ``loss`` (refused
+            with cp > 1, where each rank's output is its chunk of the sequence).
         mesh: an existing :class:`~shardformer.ProcessMesh` with the same sizes (default: built here).
 
     ``train_step(batch)`` returns the step's loss, the same on every rank: the mean over the
@@ -125,13 +131,15 @@ class ParallelEngine:
                 "the parameters it steps exist only after sharding"
             )
         # Every check that can fail runs before the first collective.
+        if cfg.cp > 1 and loss_fn is not None:  # the model's own loss is computed over the whole sequence
+            raise ValueError(
+                f"EngineConfig.cp={cfg.cp} with a loss_fn: each context-parallel rank's output holds its chunk of "
+                "the sequence, so loss_fn would not see what the unsharded model outputs; put the labels in the "
+                "batch (the model's own loss), or use cp=1"
+            )
         world = dist.get_world_size() if dist.is_initialized() else 1
         _, dp, _ = resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
-        if dp % cfg.ep:
-            raise ValueError(
-                f"EngineConfig.ep={cfg.ep} does not divide the data-parallel size {dp}: expert-parallel ranks are "
-                f"data-parallel ranks; pick an ep that divides {dp}"
-            )
+        check_expert_divides(cfg.ep, dp, "EngineConfig.ep")
         self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
         num_chunks, chunk_counts = cfg.pp * cfg.chunks_per_rank, cfg.layers_per_stage
         if cfg.chunks_per_rank > 1:  # virtual stages: the schedule's needs, the layers per chunk

@@ -30,7 +30,16 @@ def test_cells_come_from_sweep_rows_and_unswept_columns_say_so(tmp_path):
     sp = {"sweep": "plan", "date": "2026-01-02", "transformers": "9.9", "sequence_parallel": True, "rows": sp_rows}
     pp_rows = [{"task": "masked-lm", "model_type": "bert", "class": "BertForMaskedLM", "result": "passed"}]
     pp = {"sweep": "pipeline", "date": "2026-01-03", "transformers": "9.9", "pp": 2, "rows": pp_rows, "file": "p.json"}
-    notes, table = matrix.build([verify, {**sp, "file": "sp.json"}, pp])
+    engine_rows = [
+        {"task": "causal-lm", "model_type": "llama", "class": "LlamaForCausalLM",
+         "techniques": {"ZeRO-3": {"result": "passed"}, "ep": {"result": "n/a"}}},
+        {"task": "causal-lm", "model_type": "doge", "class": "DogeForCausalLM", "techniques": {"ZeRO-3": {"result": "failed"}}},
+    ]  # fmt: skip
+    engine = {
+        "sweep": "engine", "date": "2026-01-04", "transformers": "9.9", "techniques": ["ZeRO-3", "ep"],
+        "layouts": {"ZeRO-3": "zero_stage=3, dp=2", "ep": "ep=2, dp=2"}, "rows": engine_rows, "file": "e.json",
+    }  # fmt: skip
+    notes, table = matrix.build([verify, {**sp, "file": "sp.json"}, pp, engine])
     assert notes[0].startswith("[1] tp, generate: verify sweep") and "2026-01-01, transformers 9.9" in notes[0]
     assert notes[1].startswith("[2] sp: plan sweep") and "with sequence parallelism" in notes[1]
     by_class = {row[2]: dict(zip(("family", "head", "class", *matrix.COLUMNS), row)) for row in table}
@@ -40,7 +49,10 @@ def test_cells_come_from_sweep_rows_and_unswept_columns_say_so(tmp_path):
     assert notes[2].startswith("[3] pp: ParallelEngine sweep") and "pp=2 on 2 gloo ranks" in notes[2]
     assert (bert["pp"], llama["pp"], doge["pp"]) == ("yes (tested) [3]", "not swept", "not swept")
     assert (doge["tp"], doge["generate"]) == ("refused [1]", "refused [1]")
-    for column in ("cp", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ep", "checkpointing", "Trainer", "LoRA"):
+    assert notes[3].startswith("[4] ZeRO-3, ep: engine sweep") and "ZeRO-3: zero_stage=3, dp=2" in notes[3]
+    assert (llama["ZeRO-3"], llama["ep"], doge["ZeRO-3"]) == ("yes (tested) [4]", "n/a [4]", "failed [4]")
+    assert (doge["ep"], bert["ZeRO-3"]) == ("not swept", "not swept")  # a technique the class's row lacks
+    for column in ("cp", "ZeRO-1", "ZeRO-2", "checkpointing", "Trainer", "LoRA"):
         assert {row[column] for row in by_class.values()} == {"not swept"}
     # the committed sweeps: as many yes cells in the tp column as the newest verify sweep has passed rows
     sweeps = matrix.load_sweeps(os.path.join(ROOT, "benchmarks"))

@@ -131,10 +131,11 @@ def test_expert_parallel_rank_bytes_experts_and_all_to_alls(tmp_path, capsys):
         assert 0 <= measured.pop("optimizer (Adam + master)") - adam < 4096  # + Adam's step counters
         assert rank.formula["optimizer (Adam + master)"] == adam
         assert measured == {k: v for k, v in rank.formula.items() if k in measured}  # plan's formula at ep
-        # per MoE layer: forward the tokens, their expert ids, the outputs back; backward both token exchanges
+        # per MoE layer: forward the row counts per expert ([ep, 2] int64), the tokens, the outputs back;
+        # backward both token exchanges
         calls, nbytes = rank.collectives[("ep", "all_to_all")]
         assert calls == rank.calls("ep") == 5 * 2
-        assert nbytes == 2 * (4 * tokens * k * h * 2 + tokens * k * 8)
+        assert nbytes == 2 * (4 * tokens * k * h * 2 + 8 * 8)
         # plan's formula counts what leaves the rank: (ep - 1) / ep of the tokens, over all 4 MoE layers
         assert job.plan.experts.exchange_bytes(tokens, 2) // 2 == 2 * 4 * tokens * k * h * 2 * 3 // 4
         assert rank.calls("expert-dp") > 0 and rank.calls("dp") > 0

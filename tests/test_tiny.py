@@ -77,3 +77,13 @@ def test_no_scaling_that_runs_names_each_attempt():
 
     with pytest.raises(TinyCopyError, match=r"does not run \(scaled: inputs: KeyError.*keep widths"):
         runnable_tiny_config(tf.LlamaForCausalLM, tf.LlamaConfig(num_hidden_layers=3), tp=2, inputs=no_inputs)
+
+
+def test_no_dropout_of_any_kind():
+    """Stochastic depth and LayerDrop are dropout too: a tiny BEiT with its default drop_path_rate=0.1
+    trained at pp=2 differed from its unsharded copy by the layers each dropped, not by the split."""
+    from shardformer.core.tiny import tiny_config
+
+    beit = tiny_config(tf.BeitConfig)
+    assert beit.drop_path_rate == 0.0 and beit.hidden_dropout_prob == 0.0
+    assert tiny_config(tf.HubertConfig).layerdrop == 0.0

@@ -8,6 +8,7 @@ import torch.nn as nn
 from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from shardformer.context_parallel.anatomy import StackAnatomy, anatomy_problem
 from shardformer.context_parallel.positions import position_rule, takes_position_ids
 
 # attention layer kinds whose masks transformers' create_*_mask functions describe
@@ -28,8 +29,10 @@ class ContextParallelPlan:
     positions: str | None  # how it derives position ids (a rule of positions.RULES; None: not known)
 
 
-def check_context_parallel(model: nn.Module, shard_config) -> ContextParallelPlan:
-    """Raise if ``model`` cannot run with the config's context parallelism; return its plan."""
+def check_context_parallel(model: nn.Module, shard_config, anatomy: StackAnatomy | None = None) -> ContextParallelPlan:
+    """Raise if ``model`` cannot run with the config's context parallelism; return its plan. ``anatomy``:
+    what the model's anatomy says of its layer stack (:func:`shardformer.policies.anatomy.stack_anatomy`),
+    checked when given (shard_model and ``shardformer plan`` give it)."""
     cp, mode = shard_config.context_parallel_size, shard_config.context_parallel_mode
     name = type(model).__name__
     why = None
@@ -60,6 +63,8 @@ def check_context_parallel(model: nn.Module, shard_config) -> ContextParallelPla
             f"it was loaded with attn_implementation={config._attn_implementation!r}; load it with "
             f"attn_implementation='sdpa' or 'eager'"
         )
+    elif anatomy is not None:
+        why = anatomy_problem(model, anatomy)  # one layer stack, per-token modules after it
     if why is not None:
         raise ValueError(f"context_parallel_size={cp}: {name} cannot be split over the sequence: {why}")
     heads = getattr(text, "num_attention_heads", None)

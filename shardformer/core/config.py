@@ -9,6 +9,7 @@ the tools validate with: each error names the setting and its value and says wha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,16 @@ def resolve_sizes(
             f"of processes"
         )
     return pp, dp, tp
+
+
+def check_expert_divides(ep: int, dp: int, setting: str = "expert_parallel_size") -> None:
+    """Expert-parallel ranks are drawn from the data-parallel ranks: ``ep`` must divide ``dp``."""
+    if dp % ep:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ValueError(
+            f"{setting}={ep} does not divide data_parallel_size={dp}: expert-parallel ranks are data-parallel "
+            f"ranks; pick ep in {divisors} or launch {ep // math.gcd(ep, dp)} times as many data-parallel ranks"
+        )
 
 
 @dataclass
@@ -236,12 +247,7 @@ class ShardConfig:
             world, self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size, cp
         )
         ep = self.expert_parallel_size
-        if dp % ep:
-            raise ValueError(
-                f"expert_parallel_size={ep} does not divide data_parallel_size={dp} (world {world} / "
-                f"(tp x cp x pp)); expert-parallel ranks are data-parallel ranks: launch a multiple of "
-                f"{ep * self.tensor_parallel_size * cp * self.pipeline_parallel_size} processes or pick a divisor of {dp}"
-            )
+        check_expert_divides(ep, dp)
         mesh = self.mesh
         if mesh is not None and mesh.ep_size != ep:
             raise ValueError(f"ShardConfig.mesh {mesh} has ep_size={mesh.ep_size}, not expert_parallel_size={ep}")

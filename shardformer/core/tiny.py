@@ -49,7 +49,7 @@ SIZES = {
 # schedules over the layers that two layers must still contain (one full-attention layer, no shared KV)
 _FIT_TWO_LAYERS = {"full_attention_interval": 2, "num_kv_shared_layers": 0}
 _MLA = {"head_dim": SIZES["qk_rope_head_dim"], "num_key_value_heads": SIZES["num_attention_heads"]}
-_DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate")
+_DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate", "drop_path", "layerdrop", "stochastic_depth")  # + stochastic depth
 # keys of a saved config that its class recomputes (or refuses as arguments)
 _DERIVED = ("transformers_version", "architectures", "_name_or_path", "model_type", "dtype", "torch_dtype")
 

@@ -10,6 +10,7 @@ per class, user config and tp: every rank and every later proof gets the same co
 
 from __future__ import annotations
 
+import copy
 import json
 
 import torch
@@ -47,7 +48,7 @@ def runnable_tiny_config(model_class, config, tp: int = 2, heads: int | None = N
     found = _CHOSEN[key]
     if isinstance(found, TinyCopyError):
         raise found
-    return found
+    return copy.deepcopy(found)  # each caller's own: sharding a model may change its config
 
 
 def _first_that_runs(model_class, config, tp, heads, inputs):

@@ -1,5 +1,6 @@
 """The token exchange of expert parallelism: each (token, chosen expert) pair goes to the rank that
-holds the expert, is computed there, and comes back, by two all-to-alls over the ep group.
+holds the expert, is computed there, and comes back, by two all-to-alls over the ep group, after
+a small one of the row counts per expert (which also tells the receiver each row's expert).
 
 Every rank of the group issues the same collectives in the same order, forward and backward: a
 rank that receives no token still takes part in both exchanges (with zero rows), and its output stays
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shardformer.core.comm import all_to_all_uneven
+from shardformer.core.comm import all_to_all, all_to_all_uneven
 
 
 class _Exchange(torch.autograd.Function):
@@ -30,16 +31,10 @@ def exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.
     return _Exchange.apply(x, send, recv, group)
 
 
-def exchange_counts(send: torch.Tensor, group) -> list[int]:
-    """How many rows each rank will send here, given how many this rank sends to each (``send``, [ep])."""
-    recv = torch.empty_like(send)
-    torch.distributed.all_to_all_single(recv, send, group=group)
-    return recv.tolist()
-
-
-def exchange_ids(ids: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    """Integer rows (no gradient) sent as the tokens are."""
-    return all_to_all_uneven(ids, send, recv, group)
+def exchange_counts(sent: torch.Tensor, group) -> torch.Tensor:
+    """``sent[r]``: how many rows this rank sends rank ``r`` for each of its experts ([ep, experts per
+    rank]); returns what every rank sends here, the same way (row ``r``: from rank ``r``)."""
+    return all_to_all(sent, group)
 
 
 def kept_in_graph(y: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:

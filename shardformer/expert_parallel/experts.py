@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.comm import all_gather, group_rank, group_size
-from shardformer.expert_parallel.dispatch import exchange, exchange_counts, exchange_ids, kept_in_graph
+from shardformer.expert_parallel.dispatch import exchange, exchange_counts, kept_in_graph
 
 
 @dataclass(frozen=True)
@@ -82,24 +82,27 @@ class ExpertParallel:
         token = torch.arange(tokens, device=flat.device).repeat_interleave(k)
         if hidden_states.is_meta:
             # a meta tensor holds no router choices to count (``shardformer plan --simulate``): take the
-            # routing as spread evenly, each rank sending and receiving ``tokens * k / ep`` rows per rank;
-            # the token exchanges below then run with those sizes (the counts' exchange is skipped)
+            # routing as spread evenly, each rank sending and receiving ``tokens * k / ep`` rows per rank
+            # (the counts are still exchanged, so the simulated job issues every collective a real one does)
             order = torch.arange(tokens * k, device=flat.device)
-            expert, owner = flat, torch.div(flat, spec.local, rounding_mode="floor")
+            exchange_counts(flat.new_empty((spec.ep_size, spec.local)), group)
             rows, extra = divmod(tokens * k, spec.ep_size)
             send = recv = [rows + (r < extra) for r in range(spec.ep_size)]
+            local_index = flat.new_empty(sum(recv))
         else:
             # the module's own loop adds expert by expert, slot by slot, token by token: the same order
             real = (flat >= 0) & (flat < spec.num_experts)  # an index past the experts means "none" to the module
             order = torch.argsort((flat * k + slot) * tokens + token)
             order = order[real[order]]
             expert, token = flat[order], token[order]
-            owner = torch.div(expert, spec.local, rounding_mode="floor")
-            send_t = torch.bincount(owner, minlength=spec.ep_size)
-            send = send_t.tolist()
-            recv = exchange_counts(send_t, group)
+            # rows per (destination rank, its local expert); rows leave sorted by expert, so each sender's
+            # rows arrive grouped by local expert and the counts alone give every row's expert
+            sent = torch.bincount(expert, minlength=spec.num_experts).view(spec.ep_size, spec.local)
+            received_counts = exchange_counts(sent, group)
+            send, recv = sent.sum(1).tolist(), received_counts.sum(1).tolist()
+            local_ids = torch.arange(spec.local, device=flat.device).repeat(spec.ep_size)
+            local_index = local_ids.repeat_interleave(received_counts.reshape(-1))
         received = exchange(hidden_states[token], send, recv, group)
-        local_index = exchange_ids(expert - owner * spec.local, send, recv, group)
         ones = torch.ones((received.shape[0], 1), dtype=top_k_weights.dtype, device=received.device)
         own = super().forward(received, local_index.unsqueeze(1), ones, *args, **kwargs)
         own = kept_in_graph(own, [received, *expert_params(self).values()])

@@ -110,6 +110,8 @@ def plan_stage_forward(model: nn.Module, hidden, inputs: dict):
         # found from input_ids), its embedding answering with the received hidden states
         ids = inputs["input_ids"]
         if ids.shape != hidden.shape[:-1]:
-            raise ValueError(f"input_ids {tuple(ids.shape)} do not match the hidden states received")
+            raise ValueError(
+                f"input_ids {tuple(ids.shape)} do not match the hidden states received {tuple(hidden.shape)}"
+            )
         with stand_in(model, {embedding: Returns(hidden)}):
             return forward(input_ids=ids, **extra, labels=inputs.get("labels"), use_cache=False)

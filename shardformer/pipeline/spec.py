@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from shardformer.core.config import check_positive_int, is_positive_int
 from shardformer.core.record import ATTRIBUTE, ShardedModelInfo, attach, sharding_of, with_stage
+from shardformer.pipeline.skeleton import keep_skeleton
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ def _set_none(root: nn.Module, path: str) -> None:
     if parent is None:
         return
     if name in parent._modules:
+        keep_skeleton(root, path, parent._modules[name])
         parent._modules[name] = None
     elif name in parent._parameters:
         parent._parameters[name] = None

@@ -19,16 +19,17 @@ from contextlib import contextmanager
 import torch.nn as nn
 
 from shardformer.core.record import sharding_of
+from shardformer.pipeline.skeleton import Identity, StandIn, skeleton_of
 
 
-class PassThrough(nn.Module):
+class PassThrough(StandIn):
     """Stands in for another stage's layer: returns the hidden states unchanged."""
 
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
 
 
-class Returns(nn.Module):
+class Returns(StandIn):
     """Stands in for a module whose output this stage already has (the hidden states it received):
     whatever it is called with, it answers with that output."""
 
@@ -57,7 +58,7 @@ def _holes(model: nn.Module) -> dict[str, nn.Module]:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         if name in parent._modules:  # a parameter (timm's cls_token) is read by no forward of this stage
-            holes[path] = nn.Identity()
+            holes[path] = Identity()
     return holes
 
 
@@ -75,6 +76,9 @@ def stand_in(model: nn.Module, modules: dict[str, nn.Module]):
             parent_path, _, name = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
             kept.append((parent, name, parent._modules[name]))
+            skeleton = skeleton_of(model, path)
+            if isinstance(module, StandIn) and skeleton is not None and "skeleton" not in module.__dict__:
+                module.__dict__["skeleton"] = skeleton  # not a submodule: the stage's parameters stay its own
             parent._modules[name] = module
         yield
     finally:

@@ -44,6 +44,20 @@ from shardformer.core.rng import get_rng_state, set_rng_state
 from shardformer.tensor_parallel.recompute import seeded_dropouts
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: torch sends the gradient of a stage's
+    input as autograd computed it, and gloo sends only contiguous tensors (a conv net's first op may
+    permute its input to channels-last)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 class _Stage(nn.Module):
     def __init__(self, model, stage_forward, loss_of, last) -> None:
         super().__init__()
@@ -70,14 +84,15 @@ class _Stage(nn.Module):
                 d.rng_restore(state)
 
     def _run(self, *args):
-        index, received = args[-1], args[:-1]  # a stage may hand on several tensors (an encoder-decoder's)
+        # a stage may hand on several tensors (an encoder-decoder's); their gradients go back contiguous
+        index, received = args[-1], tuple(_ContiguousGrad.apply(a) for a in args[:-1])
         hidden = None if not received else received[0] if len(received) == 1 else received
         value = torch.nan_to_num(index.detach().reshape(-1)[:1].double(), nan=0.0, posinf=0.0, neginf=0.0)
         i = int(value.round().clamp(0, len(self.micro) - 1).item())
         batch = self.micro[i]
         out = self.stage_forward(self.model, hidden, batch)
         if not self.last:  # not a view nor an input (torch's split backward detaches the stage's outputs in place),
-            parts = out if isinstance(out, tuple) else (out,)  # and contiguous (torch sends them as they are)
+            parts = out if isinstance(out, tuple) else (out,)  # and contiguous (gloo sends only contiguous tensors)
             copy = lambda t: t._base is not None or any(t is r for r in received) or not t.is_contiguous()  # noqa: E731
             return *(t.clone(memory_format=torch.contiguous_format) if copy(t) else t for t in parts), index
         loss = self.loss_of(out, batch)

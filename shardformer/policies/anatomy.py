@@ -2,7 +2,8 @@
 (embeddings), what runs after them (final norm, head) and the final norm.
 
 Every technique that works on the layer stack reads it from here: pipeline stages, sequence
-parallelism, activation checkpointing and ZeRO-3's per-layer wrapping. Three sources, first that
+parallelism, context parallelism (:func:`stack_anatomy`), activation checkpointing and ZeRO-3's
+per-layer wrapping. Three sources, first that
 answers wins:
 
 1. the model's family record (:mod:`shardformer.models`: ``layers``, ``final_norm``);
@@ -23,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from shardformer.context_parallel.anatomy import StackAnatomy
 from shardformer.policies.derived.trace import repeated_blocks
 
 
@@ -80,8 +82,22 @@ def final_norm(model: nn.Module, structural: bool = True) -> str | None:
         return None
 
 
+def stack_anatomy(model: nn.Module) -> StackAnatomy:
+    """What context parallelism reads of ``model``'s anatomy: its stacks, what runs after its one stack
+    (read off a tiny copy when asked, :func:`ends_of`), and how to build that copy."""
+    from shardformer.policies.derived.derive import _key
+
+    found = stacks(model)
+    return StackAnatomy(found, lambda: ends_of(model, found[0]).after, lambda: tiny_for(model), _key(model, 1))
+
+
 class AnatomyError(ValueError):
     """What runs around the layer stack cannot be told apart (the reason names the module)."""
+
+
+class HandOverError(AnatomyError):
+    """A layer reads what the layer before it returned besides the hidden states: no stage boundary can
+    pass it on."""
 
 
 @dataclass(frozen=True)
@@ -275,7 +291,7 @@ def _check_hand_over(first_output, received, layers: str) -> None:
     names = [f"argument {i}" for i, t in enumerate(args) if id(t) in extra]
     names += [name for name, t in kwargs.items() if torch.is_tensor(t) and id(t) in extra]
     if names:
-        raise AnatomyError(
+        raise HandOverError(
             f"layer 1 of {layers!r} reads {names[0]} from what layer 0 returned besides the hidden states: a "
             f"pipeline stage that starts past layer 0 cannot receive it"
         )

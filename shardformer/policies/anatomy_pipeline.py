@@ -37,13 +37,14 @@ from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
 from shardformer.core.record import sharding_of
 from shardformer.models import family_spec
 from shardformer.pipeline.from_plan import spec_from_pp_plan
+from shardformer.pipeline.skeleton import StandIn
 from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
-from shardformer.policies.anatomy import AnatomyError, Ends, ends_of, own_ancestor, stacks, tiny_for
+from shardformer.policies.anatomy import AnatomyError, Ends, HandOverError, ends_of, own_ancestor, stacks, tiny_for
 
 
-class LayerPassThrough(nn.Module):
+class LayerPassThrough(StandIn):
     """Another stage's layer: hands its input hidden states on, as a layer returns them (a tuple of
     ``outputs`` values with the hidden states first, or the bare tensor when ``outputs`` is 0)."""
 
@@ -64,7 +65,7 @@ class _Reached(Exception):
         self.hidden = hidden
 
 
-class Capture(nn.Module):
+class Capture(StandIn):
     """The layer after this stage's last one: takes the hidden states this stage hands on and ends
     the forward (the rest of the model runs on later stages)."""
 
@@ -368,4 +369,20 @@ def pipeline_spec_for(model: nn.Module) -> PipelineSpec:
     """The pipeline spec of ``model``'s class: its family's, else one from transformers'
     ``base_model_pp_plan``, else one from its anatomy, proven on a tiny copy (:func:`spec_from_anatomy`);
     NotImplementedError naming why where none is exact."""
-    return family_spec(model) or spec_from_pp_plan(model) or spec_from_anatomy(model)
+    return family_spec(model) or _plan_spec(model) or spec_from_anatomy(model)
+
+
+def _plan_spec(model: nn.Module) -> PipelineSpec | None:
+    """The pp plan's spec where its layers hand each other the hidden states alone, as the plan says
+    and its stages assume. A layer that returns a tuple (GLM-MoE-DSA's hands its top-k indices to the
+    next layer) goes to the anatomy route, which refuses a hand-over a stage cannot receive or proves
+    the split on a tiny copy: a plan stage would unpack its pass-through's bare tensor along the batch."""
+    spec = spec_from_pp_plan(model)
+    if spec is None:
+        return None
+    try:
+        return spec if ends_of(model, spec.layers).layer_outputs == 0 else None
+    except HandOverError:
+        return None  # the anatomy route refuses, naming what the layer reads
+    except AnatomyError:
+        return spec  # no tiny copy to tell from: the plan's word, as before

@@ -140,6 +140,19 @@ def _main_output(out):
     return first_tensor(out), (out.get("loss") if isinstance(out, dict) else None)
 
 
+def _other_outputs(ref_out, out, ref_main) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(reference, sharded)`` pairs of the other float tensors a model without a loss returns beside its
+    main output, of one shape on both (SiglipVisionModel's ``pooler_output``, which its attention pooling
+    head computes): the proof covers every part that runs."""
+
+    def tensors(o):
+        values = o.values() if isinstance(o, dict) else o if isinstance(o, (tuple, list)) else ()
+        return [v for v in values if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
+
+    pairs = [(a, b) for a, b in zip(tensors(ref_out), tensors(out)) if a is not ref_main]
+    return [(a, b) for a, b in pairs if a.shape == b.shape] if len(tensors(ref_out)) == len(tensors(out)) else []
+
+
 def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device) -> str | None:
     tp = shard_config.tensor_parallel_size
     ref = tiny.to(device)
@@ -182,17 +195,24 @@ def _compare(ref: nn.Module, sharded: nn.Module, group, inputs: dict, device, fa
     args = {k: v for k, v in inputs.items() if k != "x"}
     positional = [inputs["x"]] if "x" in inputs else []  # timm models take their images positionally
     with torch.random.fork_rng(devices=[]):
-        ref_main, ref_loss = _main_output(ref(*positional, **args))
-        main, loss = _main_output(sharded(*positional, **args))
+        ref_out, out = ref(*positional, **args), sharded(*positional, **args)
+    ref_main, ref_loss = _main_output(ref_out)
+    main, loss = _main_output(out)
     rec_ref.remove(), rec_sh.remove()
     if main.shape != ref_main.shape:
         main = gather_from_parallel(main, group, ref_main.shape[-1])
     weights = torch.randn(ref_main.shape, generator=torch.Generator().manual_seed(2)).to(device)
-    if ref_loss is None:  # no loss of its own: a fixed random projection of the output
+    extras = [] if ref_loss is not None else _other_outputs(ref_out, out, ref_main)
+    if ref_loss is None:  # no loss of its own: a fixed random projection of the outputs
         ref_loss, loss = (ref_main.float() * weights).sum(), (main.float() * weights).sum()
+        for i, (a, b) in enumerate(extras):
+            w = torch.randn(a.shape, generator=torch.Generator().manual_seed(3 + i)).to(device)
+            ref_loss, loss = ref_loss + (a.float() * w).sum(), loss + (b.float() * w).sum()
     divergence = first_divergence(rec_ref, rec_sh, group)
     where = f"first diverging module: {divergence}" if divergence else "no single module diverges first"
     err, ok = max_error(main, ref_main)
+    for a, b in extras:
+        err, ok = max(err, max_error(b, a)[0]), ok and max_error(b, a)[1]
     if not ok:
         failures.append(f"outputs differ by {err:.2e}; {where}")
     err, ok = max_error(loss, ref_loss)

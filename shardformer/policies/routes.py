@@ -24,7 +24,7 @@ from shardformer.core.config import ShardConfig
 from shardformer.core.record import build_mesh
 from shardformer.models import family_of, model_class_name, supported_models
 from shardformer.policies.derived import DerivedPolicy, NotDerivableError, NotProvenError, derive, derived_model
-from shardformer.policies.derived.policy import HOW_TO
+from shardformer.policies.derived.policy import HOW_TO, with_pooling_heads
 from shardformer.policies.proof import prove
 from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError, has_tp_plan
 from shardformer.policies.tp_plan.policy import plan_leaves_whole
@@ -55,7 +55,7 @@ def candidate_routes(model: nn.Module) -> list[Route]:
     routes = []
     family = family_of(model)
     if family is not None:
-        routes.append(Route(BUILT_IN, family.policies[model_class_name(model)]))
+        routes.append(Route(BUILT_IN, with_pooling_heads(family.policies[model_class_name(model)])))
     plan = Route(PLAN, lambda: TpPlanPolicy(tower_policy=DerivedPolicy)) if has_tp_plan(model) else None
     if plan is not None:  # a vision tower the plan leaves whole is derived
         plan.leaves_whole = plan_leaves_whole(model)
@@ -73,7 +73,8 @@ def route_of(policy: Policy, model: nn.Module) -> Route:
     one; the user's own Policy subclass is the user's word)."""
     fresh = lambda: copy.copy(policy)  # noqa: E731 - set_model and argument_policy rewrite its state
     family = family_of(model)
-    if family is not None and type(policy) is family.policies.get(model_class_name(model)):
+    built_in = family.policies.get(model_class_name(model)) if family is not None else None
+    if built_in is not None and type(policy) in (built_in, with_pooling_heads(built_in)):
         return Route(BUILT_IN, fresh)
     if type(policy) is DerivedPolicy:
         return Route(DERIVED, fresh)

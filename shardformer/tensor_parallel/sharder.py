@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.context_parallel import apply_context_parallel, check_context_parallel
+from shardformer.context_parallel.anatomy import StackAnatomy
 from shardformer.context_parallel.checks import ContextParallelPlan
 from shardformer.context_parallel.model import splits
 from shardformer.context_parallel.rng import rank_seed
@@ -107,8 +108,10 @@ class ModelSharder:
         layers: str | None = None,
         adapters: SeenThrough | None = None,
         final_norm: str | None = None,
+        stack_anatomy: StackAnatomy | None = None,
     ) -> None:
         self.model, self.policy, self.shard_config, self.layers = model, policy, shard_config, layers
+        self.stack_anatomy = stack_anatomy  # what context parallelism checks (shard_model gives it at cp > 1)
         self.final_norm = final_norm  # where sequence parallelism ends (None: after the last layer)
         self.adapters = adapters  # adapter wrappers shard_model took out of the model, checked here
 
@@ -128,7 +131,7 @@ class ModelSharder:
         self.shard_config.check_world()
         attention = None
         if self.shard_config.context_parallel_size > 1:
-            attention = check_context_parallel(self.model, self.shard_config)
+            attention = check_context_parallel(self.model, self.shard_config, self.stack_anatomy)
         targets = [(name, m, arguments[type(m)]) for name, m in self.model.named_modules() if type(m) in arguments]
         if not targets:
             raise ValueError(

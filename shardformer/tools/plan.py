@@ -18,13 +18,13 @@ import torch.nn as nn
 
 from shardformer.context_parallel.checks import check_context_parallel
 from shardformer.core.comm import VirtualGroup
-from shardformer.core.config import CP_MODES, PRECISIONS, ZERO_STAGES, ShardConfig, check_choice
+from shardformer.core.config import CP_MODES, PRECISIONS, ZERO_STAGES, ShardConfig, check_choice, check_expert_divides
 from shardformer.core.mesh import resolve_sizes
 from shardformer.expert_parallel.find import find_experts
 from shardformer.expert_parallel.sizing import ExpertSizing, expert_sizing
 from shardformer.pipeline.spec import PipelineSpec, check_split
 from shardformer.pipeline.spec_check import check_pipeline_spec
-from shardformer.policies.anatomy import layer_stack
+from shardformer.policies.anatomy import layer_stack, stack_anatomy
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.policies.auto import get_autopolicy
 from shardformer.tensor_parallel.sharder import ModelSharder
@@ -175,18 +175,14 @@ def plan_model(
     resolve_sizes(tp * cp * pp * dp, tp, pp, dp, cp)
     if cp > 1:
         sizes = SimpleNamespace(context_parallel_size=cp, context_parallel_mode=cp_mode, tensor_parallel_size=tp)
-        check_context_parallel(model, sizes)
+        check_context_parallel(model, sizes, stack_anatomy(model))
     if pp > 1:
         pipeline = pipeline or pipeline_spec_for(model)  # before sharding: an unknown family fails fast
     config = getattr(model, "config", None)
     plan_activations = (
         activation_lines(config, batch, seq, tp, precision, device, cp, cp_mode, pp) if batch is not None else []
     )  # before sharding: a bad size fails before the slow part
-    if dp % ep:
-        raise ValueError(
-            f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: expert-parallel ranks are "
-            f"data-parallel ranks; pick an ep that divides {dp}"
-        )
+    check_expert_divides(ep, dp)
     experts = expert_sizing(model, ep)
     if ep > 1 and experts is None:
         find_experts(model, ep)  # raises, naming why the model's experts cannot be split

@@ -16,6 +16,7 @@ MODELS = {
     "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config, {}),
     "mistral": (tf.MistralForCausalLM, tf.MistralConfig, {"sliding_window": 4}),  # shorter than the sequence
     "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config, {}),
+    "opt": (tf.OPTForCausalLM, tf.OPTConfig, {}),  # the derived route: no transformers tp plan
 }
 
 
@@ -44,15 +45,24 @@ def full_logits(model, logits, seq):
 
 
 def parity(ref, model, inputs, what):
+    """A causal LM: logits and loss; a base model (no labels): its hidden states and a fixed random
+    projection of them as the loss."""
     ref.train()
     model.train()
     seq = inputs["input_ids"].shape[1]
     expected, got = ref(**inputs), model(**inputs)
-    # every position, the padded ones too (right padding: they attend the real tokens before them)
-    assert_close(full_logits(model, got.logits, seq), expected.logits, what=f"{what}: logits")
-    assert_close(got.loss, expected.loss, what=f"{what}: loss")
-    expected.loss.backward()
-    got.loss.backward()
+    if "labels" in inputs:
+        # every position, the padded ones too (right padding: they attend the real tokens before them)
+        assert_close(full_logits(model, got.logits, seq), expected.logits, what=f"{what}: logits")
+        expected_loss, loss = expected.loss, got.loss
+    else:
+        hidden = sharding_of(model).context_parallel.gather(got.last_hidden_state, seq)
+        assert_close(hidden, expected.last_hidden_state, what=f"{what}: hidden states")
+        weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5))
+        expected_loss, loss = (expected.last_hidden_state * weights).sum(), (hidden * weights).sum()
+    assert_close(loss, expected_loss, what=f"{what}: loss")
+    expected_loss.backward()
+    loss.backward()
     tp_group = sharding_of(model).tp_group
     assert_grads_match(model, ref, tp_group)
     for m in (ref, model):

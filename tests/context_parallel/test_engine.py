@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from shardformer import EngineConfig, ParallelEngine, ProcessMesh, ShardConfig, shard_model
 from shardformer.core.comm import CollectiveCounter
-from tests.context_parallel import common
+from shardformer.policies.anatomy_pipeline import AnatomyStageForward
+from tests.context_parallel import common, trust
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common as engine_common
 
@@ -49,6 +50,14 @@ def check_qwen3_tp2_cp2_all_to_all():
     ref, model = common.pair("qwen3", "eager")
     config = ShardConfig(tensor_parallel_size=2, context_parallel_size=2, context_parallel_mode="all_to_all")
     common.parity(ref, shard_model(model, config), common.batch(16), "qwen3 tp=2 cp=2 all_to_all")
+
+
+def check_opt_tp2_cp2_derived_route():
+    # no transformers tp plan: the derived cut; positions counted over the attention mask (left padding)
+    ref, model = common.pair("opt")
+    model = shard_model(model, ShardConfig(tensor_parallel_size=2, context_parallel_size=2))
+    assert model.shardformer.route == "derived", model.shardformer.route
+    common.parity(ref, model, trust.left_padded(13, pad=1), "opt tp=2 cp=2 ring")
 
 
 def check_tp2_cp2_peers_given_different_batches_raise():
@@ -100,8 +109,10 @@ def check_engine_tp2_cp2_sequence_parallel():
 
 def check_engine_cp2_pp2_zero1_both_backends():
     # every stage of a cp rank splits the micro-batch the same way; chunk-sized hidden states between stages
-    # llama: transformers' pp plan (the model's own forward per stage); gpt2: a hand-written stage forward
+    # llama: transformers' pp plan (the model's own forward per stage); gpt2: a hand-written stage forward;
+    # opt: the derived route, stages from its anatomy (AnatomyStageForward: the model's own forward per stage)
     runs = [("llama", "p2p", "1f1b", False), ("llama", "torch", "gpipe", True), ("gpt2", "p2p", "1f1b", False)]
+    runs.append(("opt", "p2p", "1f1b", False))
     for name, backend, schedule, checkpointing in runs:
         cfg = EngineConfig(
             cp=2, pp=2, backend=backend, schedule=schedule, zero_stage=1, num_microbatches=2,
@@ -109,6 +120,8 @@ def check_engine_cp2_pp2_zero1_both_backends():
         )  # fmt: skip
         engine = _engine_run(name, cfg, 2, "send")  # the ring (and p2p between stages)
         assert engine.mesh.pp_size == 2 and len(list(engine.model.shardformer.layers)) == 1
+        if name == "opt":
+            assert isinstance(engine.pipeline.stage_forward, AnatomyStageForward), engine.pipeline.stage_forward
 
 
 test_cp_4_ranks = check_table(
@@ -116,6 +129,7 @@ test_cp_4_ranks = check_table(
         check_mesh_layout_with_cp,
         check_llama_tp2_cp2_ring,
         check_qwen3_tp2_cp2_all_to_all,
+        check_opt_tp2_cp2_derived_route,
         check_tp2_cp2_peers_given_different_batches_raise,
         check_engine_cp2_dp2_zero2_checkpointing,
         check_engine_tp2_cp2_sequence_parallel,

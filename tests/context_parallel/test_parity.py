@@ -11,13 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers as tf
+from transformers.models.llama.modeling_llama import LlamaMLP
 
-from shardformer import ShardConfig, shard_model
+from shardformer import ShardConfig, shard_model, sharding_of
 from shardformer.checkpoint.training import save_checkpoint
 from shardformer.context_parallel import check_context_parallel
 from shardformer.context_parallel.attention import SplitMask
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.tiny import tiny_config
+from shardformer.policies.anatomy import stack_anatomy
 from shardformer.tools.conformance import load_pair
 from tests.context_parallel import common, trust
 from tests.helpers import assert_grads_match, check_table
@@ -107,6 +109,22 @@ def check_gpt_oss_at_tp1_with_attention_sinks():
         model(**common.batch(16))
 
 
+def check_derived_route_decoder_and_encoder():
+    """No transformers tp plan: GPT-BigCode (one key/value head) and a RoBERTa encoder without its
+    pooler (bidirectional, positions counted from its ids) are cut by the derived route."""
+    ref, model = load_pair(tf.GPTBigCodeForCausalLM, tiny_config(tf.GPTBigCodeConfig), "sdpa")
+    model = shard_model(model, _cp("ring"))
+    assert sharding_of(model).route == "derived", sharding_of(model).route
+    common.parity(ref, model, common.batch(13), "gpt-bigcode/sdpa cp=2 ring")
+    ref, model = load_pair(tf.RobertaModel, tiny_config(tf.RobertaConfig, pad_token_id=1), "eager")
+    ref.pooler = model.pooler = None  # its pooler reads the first token: refused (test_anatomy_decides...)
+    model = shard_model(model, _cp("all_to_all"))
+    assert sharding_of(model).route == "derived", sharding_of(model).route
+    inputs = common.batch(13)
+    inputs.pop("labels")
+    common.parity(ref, model, inputs, "roberta encoder/eager cp=2 all_to_all")
+
+
 def check_refusals_before_any_collective():
     _, model = common.pair("gpt2")
     classifier = tf.GPT2ForSequenceClassification(model.config)
@@ -134,6 +152,7 @@ test_cp2 = check_table(
         check_generate_and_gathered_logits,
         check_ring_keeps_no_block_masks_for_backward,
         check_gpt_oss_at_tp1_with_attention_sinks,
+        check_derived_route_decoder_and_encoder,
         check_refusals_before_any_collective,
         *trust.CHECKS,
     ],
@@ -178,3 +197,41 @@ def test_positions_refused_where_unknown():
     assert whole_positions("ids", "Roberta", 1, torch.tensor([[1, 1, 5, 6]]), None, 1, 4, "cpu").tolist() == [
         [1, 1, 2, 3]
     ]
+
+
+class _TokenShiftMLP(LlamaMLP):
+    def forward(self, x):
+        return super().forward(torch.roll(x, 1, dims=1))  # reads the previous token: mixing outside attention
+
+
+class _TokenShiftLlama(tf.LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.mlp.__class__ = _TokenShiftMLP
+
+
+def test_anatomy_decides_what_is_split():
+    """Refused before anything is cut, naming why: ALiBi models (BLOOM, MPT: their attention, biases
+    from positions included, is their own code), a pooler after the layer stack (the anatomy's, proven
+    per-token on a tiny copy), a forward that pools itself (CLIP's text model), two stacks, and a layer
+    that mixes tokens outside attention (found on a tiny copy with attention made per-token)."""
+    config = ShardConfig(context_parallel_size=2)
+
+    def check(model):  # as shard_model checks it: with what the model's anatomy says
+        return check_context_parallel(model, config, stack_anatomy(model))
+
+    for cls, config_cls in ((tf.BloomForCausalLM, tf.BloomConfig), (tf.MptForCausalLM, tf.MptConfig)):
+        with pytest.raises(ValueError, match="does not go through transformers' attention interface"):
+            check(cls(tiny_config(config_cls)))
+    bert = tiny_config(tf.BertConfig)
+    with pytest.raises(ValueError, match=r"pooler \(BertPooler\) turns the hidden states .* add_pooling_layer=False"):
+        check(tf.BertModel(bert))
+    assert check(tf.BertModel(bert, add_pooling_layer=False)).positions == "arange"
+    with pytest.raises(ValueError, match=r"its forward returns pooler_output \(2, 32\), one value per row"):
+        check(tf.CLIPTextModel(tiny_config(tf.CLIPTextConfig)))
+    with pytest.raises(ValueError, match="its anatomy finds 2 .text_model.encoder.layers, vision_model"):
+        check(tf.CLIPModel(tiny_config(tf.CLIPConfig)))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp \(_TokenShiftMLP\) mixes tokens outside attention"):
+        check(_TokenShiftLlama(tiny_config(tf.LlamaConfig)))
+    assert check(tf.LlamaForCausalLM(tiny_config(tf.LlamaConfig))).positions == "arange"

@@ -99,16 +99,6 @@ def gathered_weights(model):
 
 def reference_steps(ref, data, chunks, max_grad_norm=None, lr=0.05):
     """One process, the unsharded model, SGD with momentum: each step's loss is the mean over ``chunks``."""
-    from shardformer.engine import split_batch
+    from tests.pipeline.common import reference_run
 
-    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
-    losses = []
-    for step in data:
-        opt.zero_grad()
-        loss = sum(ref(**p).loss for p in split_batch(step, chunks, "chunks")) / chunks
-        loss.backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return reference_run(ref, data, chunks, max_grad_norm, optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9))

@@ -161,7 +161,7 @@ def check_refusals():
         shard_model(model, ShardConfig(expert_parallel_size=4))
     with pytest.raises(ValueError, match="precision='fp16' with ep=2"):
         EngineConfig(ep=2, precision="fp16")
-    with pytest.raises(ValueError, match="ep=3 does not divide the data-parallel size 2"):
+    with pytest.raises(ValueError, match="EngineConfig.ep=3 does not divide data_parallel_size=2"):
         ParallelEngine(model, _sgd, EngineConfig(ep=3))
     dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4))  # fmt: skip

@@ -175,7 +175,36 @@ def check_timm_deit_tp2_pp2_zero1_sgd():  # no transformers config: the stack fo
     )  # fmt: skip
 
 
+def check_convnext_tp2_pp2_zero1_sgd():  # a stage hands on a channels-last permute: sent contiguous both ways
+    config = tf.ConvNextConfig(
+        hidden_sizes=[8, 16], depths=[2, 2], num_stages=2, image_size=32, num_labels=3, drop_path_rate=0.0
+    )
+    pair = load_pair(tf.ConvNextForImageClassification, config)
+    g = torch.Generator().manual_seed(0)
+    data = [
+        {"pixel_values": torch.randn(4, 3, 32, 32, generator=g), "labels": torch.randint(0, 3, (4,), generator=g)}
+        for _ in range(STEPS)
+    ]
+    _check("convnext", 2, 2, 1, "1f1b", 2, 0.5, "torch", model_pair=pair, data=data)
+
+
+def check_deit_image_classification_tp2_pp2_zero1():  # reads embeddings.patch_embeddings on every stage
+    config = tf.DeiTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+        patch_size=8, num_labels=3,
+    )  # fmt: skip
+    pair = load_pair(tf.DeiTForImageClassification, config)
+    g = torch.Generator().manual_seed(0)
+    data = [
+        {"pixel_values": torch.randn(4, 3, 16, 16, generator=g), "labels": torch.randint(0, 3, (4,), generator=g)}
+        for _ in range(STEPS)
+    ]
+    _check("deit-hf", 2, 2, 1, "1f1b", 2, 0.5, "p2p", model_pair=pair, data=data, optimizer=common.adamw)
+
+
 CHECKS = [
+    check_deit_image_classification_tp2_pp2_zero1,
+    check_convnext_tp2_pp2_zero1_sgd,
     check_whisper_tp2_pp2_zero1_sgd,
     check_timm_deit_tp2_pp2_zero1_sgd,
     check_opt_causal_lm_tp2_pp2_zero1,

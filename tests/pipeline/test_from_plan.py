@@ -64,3 +64,13 @@ def test_a_plan_naming_children_the_model_lacks_gives_no_spec():
     model = model_class(tiny_config(model_class.config_class))
     assert "layers" in model.config.base_model_pp_plan
     assert spec_from_pp_plan(model) is None and final_norm_from_pp_plan(model) is None
+
+
+def test_a_plan_whose_layers_hand_on_more_than_hidden_states_is_refused():
+    """GLM-MoE-DSA's pp plan says its layers return the hidden states, but each returns (hidden states,
+    top-k indices) and the next layer reads the indices: the plan's stages would unpack a pass-through's
+    bare tensor along the batch (the pp=2 sweep hung on it). Refused before any collective, naming why."""
+    model_class = tf.GlmMoeDsaForCausalLM
+    model = model_class(tiny_config(model_class.config_class, num_hidden_layers=2))
+    with pytest.raises(NotImplementedError, match="reads prev_topk_indices from what layer 0 returned"):
+        pipeline_spec_for(model)

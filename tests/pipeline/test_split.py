@@ -207,3 +207,29 @@ def test_custom_policy_splits_the_same_way():
     x = torch.randn(4, 3)
     assert_close(_chain(TINY_SPEC, stages, {"x": x}), model(x), what="custom stages")
     assert F.mse_loss(_chain(TINY_SPEC, stages, {"x": x}), model(x)).item() < 1e-12
+
+
+def test_a_stage_reads_dropped_modules_from_their_skeletons_and_holds_none_of_their_weights():
+    """BigBird sets every layer's attention type, DeiT reads its patch embedding's sizes: on a stage
+    that dropped them, their stand-ins answer from a meta-device skeleton outside the module tree."""
+    import transformers as tf
+
+    from shardformer.pipeline.skeleton import skeleton_of
+    from shardformer.pipeline.stage_view import stage_view
+
+    config = tf.BigBirdConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        attention_type="original_full",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    full = tf.BigBirdForMaskedLM(config).eval()
+    spec = pipeline_spec_for(full)
+    stages = [spec.keep_stage(copy.deepcopy(full), s, 2) for s in range(2)]
+    ids = torch.randint(3, 99, (2, 8))
+    assert_close(_chain(spec, stages, {"input_ids": ids, "labels": ids}).loss, full(input_ids=ids, labels=ids).loss)
+    layer = skeleton_of(stages[1], spec.layer_paths(full)[0])
+    assert layer is not None and all(p.is_meta for p in layer.parameters())
+    held = {id(p) for p in stages[1].parameters()}
+    assert not held & {id(p) for p in layer.parameters()}
+    with stage_view(stages[1]):  # the stand-in answers a method call from the skeleton
+        stages[1].get_submodule(spec.layer_paths(full)[0]).set_attention_type("original_full")

@@ -113,6 +113,11 @@ TIMM = {  # small random timm models: widths and depths a tp=2 cut and a quick r
     ),
     "cait": ("cait_xxs24_224", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
     "vit_reg": ("vit_base_patch16_reg4_gap_256", dict(img_size=32, depth=3, embed_dim=32, num_heads=4)),
+    # an attention pooling head (AttentionPoolLatent: a latent query, q, kv, proj, norm and an MLP) after the blocks
+    "vit_map": (
+        "vit_base_patch16_224",
+        dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, global_pool="map"),
+    ),
     # an MLP of nn.Linear on channels-last features beside depthwise convolutions (conv_mlp=False)
     "convnext": ("convnext_atto", dict(depths=(2, 2, 3, 2), dims=(8, 16, 32, 64), conv_mlp=False)),
 }
@@ -133,8 +138,18 @@ def timm_model(name: str) -> nn.Module:
     return model
 
 
+def mvit() -> nn.Module:
+    """timm's MViT-v2 (pooled q/k/v attention, stages that change width and resolution), small."""
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    torch.manual_seed(0)
+    return MultiScaleVit(MultiScaleVitCfg(depths=(1, 2, 2, 1), embed_dim=16, num_heads=2), img_size=32, num_classes=10)
+
+
 def factory(name: str, **options):
     """A picklable factory for spawned ranks."""
+    if name == "mvit":
+        return mvit
     if name == "plain":
         return functools.partial(plain_lm, **options)
     if name == "torch_encoder":

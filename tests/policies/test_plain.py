@@ -20,10 +20,17 @@ from tests.policies.plain_models import TorchEncoderLM, factory, no_inputs, plai
 # relative position MLP per head) take the setting that calls qkv, their biases cut with the [Q|K|V]
 # blocks and the heads' merge to the input's width made this rank's width; ViT with registers takes
 # the ViT family's own policy; EVA-02 base/large's LayerNorm over the MLP's cut hidden features sums
-# its statistics over ranks; nn.TransformerEncoder's nn.MultiheadAttention is cut by heads by its own layer
-EXACT = ["plain", "torch_encoder", "deit", "swin", "beit", "eva02", "eva02_fused", "eva02_base", "swinv2", "vit_reg"]
-# CaiT's self-attention mixes its heads (talking heads): refused naming the projections
-REFUSED = ["convnext", "cait", "mix_heads", "no_inputs"]
+# its statistics over ranks
+# nn.TransformerEncoder's nn.MultiheadAttention is cut by heads by its own layer; timm's ViT with an attention
+# pooling head (global_pool="map") takes the ViT family's policy, and its AttentionPoolLatent the derived cut
+EXACT = [
+    "plain", "torch_encoder", "deit", "swin", "beit", "eva02", "eva02_fused", "eva02_base", "swinv2", "vit_reg",
+    "vit_map",
+]  # fmt: skip
+BUILT_IN = {"vit_reg", "vit_map"}
+# CaiT's self-attention mixes its heads (talking heads): refused naming the projections; MViT's stages
+# change width from one to the next: no two-block copy runs, refused pointing at data parallelism
+REFUSED = ["convnext", "cait", "mix_heads", "no_inputs", "mvit"]
 
 
 def test_repeated_blocks_of_plain_and_timm_models():
@@ -70,6 +77,14 @@ def test_beit_and_swin_v2_rules_call_qkv_and_cut_its_biases_with_it():
     (rule,) = derive(timm_model("swinv2"), 2).rules.values()
     assert rule.cols["attn.cpb_mlp.2"] == 1  # the per-head relative position MLP's output, cut by heads
     assert rule.head_params["attn"]["logit_scale"] == 0
+
+
+def test_pooling_heads_are_modules_beside_the_stacks_with_attention_inside():
+    from shardformer.policies.derived.trace import pooling_heads
+
+    assert pooling_heads(timm_model("vit_map")) == ["attn_pool"]  # AttentionPoolLatent: q, kv, proj, MLP
+    assert pooling_heads(timm_model("deit")) == []  # classifier Linears are no heads
+    assert pooling_heads(torch_encoder_lm()) == []  # the MultiheadAttention modules are inside the blocks
 
 
 def test_local_widths_rewrite_only_the_reshape_that_cannot_fit():
@@ -142,6 +157,7 @@ def _ranks(exact, refused):
     from shardformer import ShardConfig, shard_model
     from shardformer.policies.derived import NotDerivableError
     from shardformer.tools.verify import verify_on_this_rank
+    from tests.policies.derived_models import factory as derived_factory
     from tests.policies.derived_models import transformers_model
 
     out = {}
@@ -159,6 +175,16 @@ def _ranks(exact, refused):
     embeddings = clip.text_model.embeddings
     out["clip embeddings"] = (type(embeddings.token_embedding).__name__, type(embeddings.position_embedding).__name__)
     out["beit export"] = _export_reloads_into_timm("beit")
+    vit = timm_model("vit_map")
+    pool = sum(p.numel() for p in vit.attn_pool.parameters())
+    shard_model(vit, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    out["vit_map pool ratio"] = sum(p.numel() for p in vit.attn_pool.parameters()) / pool
+    rule = derive(timm_model("vit_map"), dist.get_world_size()).rules[type(vit.attn_pool)]  # cached: no new trace
+    out["vit_map rule"] = (rule.cols, rule.rows, rule.divide, rule.local_widths)
+    report = verify_on_this_rank(derived_factory("SiglipModel"))  # its logits read the pooling head's output
+    out["siglip"] = (report.ok, report.format())
+    out["siglip vision"] = _pooled_output_matches("SiglipVisionModel")
+    out["wrong head"] = _wrong_head_is_refused()
     out["multihead"] = _multihead_matches()
     builds = {"mix_heads": lambda: plain_lm(mix_heads=True), "no_inputs": no_inputs}
     for name in refused:
@@ -168,6 +194,67 @@ def _ranks(exact, refused):
         except (NotDerivableError, ValueError) as e:
             out[name] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _pooled_output_matches(name: str) -> dict:
+    """A transformers model sharded against its unsharded copy through its pooled output (SigLIP's
+    attention pooling head; ``verify`` compares the first output, the last hidden states): the largest
+    differences of the pooled output, of every gradient and of the weights after an SGD step, how many
+    of the head's parameters had gradients, and the fraction of the head's parameters this rank holds."""
+    import copy
+
+    import torch.distributed as dist
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.core.compare import compare_params
+    from shardformer.models import inputs_for
+    from tests.policies.derived_models import transformers_model
+
+    ref = transformers_model(name)
+    sharded = copy.deepcopy(ref)
+    path = next(n for n, m in ref.named_modules() if type(m).__name__.endswith("PoolingHead"))
+    head = sum(p.numel() for p in ref.get_submodule(path).parameters())
+    shard_model(sharded, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    pixels = inputs_for(ref, 1)["pixel_values"]
+    pooled = [m(pixel_values=pixels).pooler_output for m in (ref, sharded)]
+    weights = torch.randn(pooled[0].shape, generator=torch.Generator().manual_seed(2))
+    for out in pooled:
+        (out * weights).sum().backward()
+    grads = compare_params(ref, sharded, dist.group.WORLD, grads=True)
+    for m in (ref, sharded):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    after = compare_params(ref, sharded, dist.group.WORLD, grads=False)
+    return {
+        "pooled": (pooled[0] - pooled[1]).abs().max().item(),
+        "grads ok": all(d.ok for d in grads),
+        "head grads": sum(d.name.startswith(f"{path}.") for d in grads),
+        "weights ok": all(d.ok for d in after),
+        "head ratio": sum(p.numel() for p in sharded.get_submodule(path).parameters()) / head,
+        "attention": type(sharded.get_submodule(f"{path}.attention")).__name__,
+    }
+
+
+def _wrong_head_is_refused() -> str:
+    """The proof of SiglipVisionModel with its pooling head's attention computing 1% off (a wrapped
+    forward): refused, though the last hidden states (its first output) are right."""
+    from shardformer import ShardConfig, shard_model
+    from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
+    from tests.policies.derived_models import transformers_model
+
+    right = ParallelMultiheadAttention.forward
+
+    def wrong(self, *args, **kwargs):
+        out, weights = right(self, *args, **kwargs)
+        return out * 1.01, weights
+
+    ParallelMultiheadAttention.forward = wrong
+    try:  # another config than the test's own (proofs are cached per architecture)
+        shard_model(transformers_model("SiglipVisionModel", layer_norm_eps=1e-5), ShardConfig(tensor_parallel_size=2))
+        return "sharded"
+    except ValueError as e:
+        return str(e)
+    finally:
+        ParallelMultiheadAttention.forward = right
 
 
 def _export_reloads_into_timm(name: str) -> float | None:
@@ -205,7 +292,7 @@ def test_plain_and_timm_models_are_exact_or_refused():
     for name in EXACT:
         ok, text = out[name]
         assert ok, text
-        assert ("built-in policy route" if name == "vit_reg" else "derived route") in text, text
+        assert ("built-in policy route" if name in BUILT_IN else "derived route") in text, text
     assert 0.5 < out["plain blocks ratio"] < 0.52, out["plain blocks ratio"]  # norms and row biases whole
     assert out["plain embedding"] == "VocabParallelEmbedding1D"
     assert out["multihead"] < 1e-5, out["multihead"]
@@ -215,6 +302,21 @@ def test_plain_and_timm_models_are_exact_or_refused():
     assert "attn.proj_w reads attn.proj_l" in out["cait"] and "talking-heads" in out["cait"], out["cait"]
     assert "attn.k, attn.q, attn.v -> attn.o" in out["mix_heads"], out["mix_heads"]
     assert "cannot make inputs for Sequential" in out["no_inputs"], out["no_inputs"]
+    # the attention pooling heads are cut: timm's AttentionPoolLatent and SigLIP's (nn.MultiheadAttention, MLP)
+    assert 0.5 < out["vit_map pool ratio"] < 0.52, out["vit_map pool ratio"]  # norms and row biases whole
+    # the latent query's q and the [K | V] kv by heads, proj row-parallel; the MLP after proj reads its
+    # all-reduced output (no residual around the attention): cut as any MLP; reshape(B, len, C): C / tp
+    cols, rows, divide, local_widths = out["vit_map rule"]
+    assert cols == {"q": 1, "kv": 2, "mlp.fc1": 1} and rows == {"proj", "mlp.fc2"}, out["vit_map rule"]
+    assert "num_heads" in divide and local_widths == {"": "proj"}, out["vit_map rule"]
+    assert out["siglip"][0] and "derived route" in out["siglip"][1], out["siglip"][1]
+    vision = out["siglip vision"]
+    assert vision["pooled"] < 1e-5 and vision["grads ok"] and vision["weights ok"], vision
+    assert vision["head grads"] == 11 and 0.5 < vision["head ratio"] < 0.55, vision  # probe, norm, row biases whole
+    assert vision["attention"] == "ParallelMultiheadAttention", vision
+    assert "first diverging module: head.attention (ParallelMultiheadAttention)" in out["wrong head"], out["wrong head"]
+    assert "MultiScaleVit" in out["mvit"] and "stages (4 x MultiScaleVitStage)" in out["mvit"], out["mvit"]
+    assert "data parallelism" in out["mvit"] and "ZeRO" in out["mvit"], out["mvit"]
     assert [results[1][n][0] for n in EXACT] == [True] * len(EXACT)  # rank 1 agrees
 
 

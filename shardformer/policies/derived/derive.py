@@ -20,10 +20,10 @@ import torch.nn as nn
 from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import tiny_copy_config
 from shardformer.core.tiny_run import tiny_copy
-from shardformer.policies.copies import architecture, two_blocks
+from shardformer.policies.copies import architecture, repeated_stacks, two_blocks
 from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import find_cut, record_calls
-from shardformer.policies.derived.trace import input_embeddings, is_projection, mixed_rows, pair, trace
+from shardformer.policies.derived.trace import attends, input_embeddings, is_projection, mixed_rows, pair, trace
 from shardformer.tensor_parallel.layers.multihead import refusal as multihead_refusal
 
 logger = logging.getLogger("shardformer")
@@ -62,6 +62,7 @@ class Derivation:
     refused: list[str]  # groups no candidate cut computes exactly, with why
     heads: int | None = None  # the tiny copy's query heads, when not the recipe's default
     embeddings: list[str] = field(default_factory=list)  # embeddings that look up the caller's token ids
+    whole_heads: dict[str, str] = field(default_factory=dict)  # pooling heads left whole, with why
 
 
 DP_HINT = (
@@ -152,6 +153,19 @@ def _between_cols_and_rows(leaf_reads, rule: BlockRule, block: nn.Module) -> set
     return found
 
 
+def _copy_does_not_run(model: nn.Module, error: Exception) -> str:
+    """Why a model with no config to scale down (timm's MViT) is refused when its two-block copy fails."""
+    stacks = ", ".join(
+        f"{path} ({len(model.get_submodule(path))} x {type(model.get_submodule(path)[0]).__name__})"
+        for path in repeated_stacks(model)
+    )
+    return (
+        f"{type(model).__name__}: its copy with each repeated stack cut to two items ({stacks}) does not run "
+        f"({type(error).__name__}: {str(error)[:200]}): the items of a stack change width or resolution from one "
+        f"to the next (stages, as MViT's), so no cut can be derived and proven on a copy{DP_HINT}"
+    )
+
+
 def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None) -> Derivation:
     name = type(model.get_submodule(tower)).__name__
     try:
@@ -168,79 +182,103 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
     try:
         flows = trace(tiny, inputs)
     except Exception as e:  # noqa: BLE001
+        if not has_config(tiny):
+            raise NotDerivableError(_copy_does_not_run(model, e)) from e
         raise NotDerivableError(f"a tiny {name} does not run: {type(e).__name__}: {e}") from e
     if not flows.blocks:
         raise NotDerivableError(f"{name} has no stack of repeated blocks with projections to cut{DP_HINT}")
+    units = flows.blocks + flows.heads
     packed = {  # torch's nn.MultiheadAttention: cut whole by its own layer; its out_proj is read by weight
         block: [rel for rel, m in tiny.get_submodule(block).named_modules() if isinstance(m, nn.MultiheadAttention)]
-        for block in flows.blocks
+        for block in units
     }
     for block, owners in packed.items():
         flows.bypassed[block] = [r for r in flows.bypassed.get(block, []) if not _inside(r, owners)]
-    settings = calling_settings(tiny, inputs, {b: rels for b, rels in flows.bypassed.items() if rels})
+    bypassed = {b: rels for b, rels in flows.bypassed.items() if rels and b in flows.blocks}
+    settings = calling_settings(tiny, inputs, bypassed)
     if settings:  # the projections their code read by weight are called now: traced again
         flows = trace(tiny, inputs)
     rules: dict[type, BlockRule] = {cls: BlockRule(settings=found) for cls, found in settings.items()}
     refused: list[str] = []
     for block in flows.blocks:
         rule = rules.setdefault(type(tiny.get_submodule(block)), BlockRule())
-        reads = {rel: flow for rel, flow in flows.reads.get(block, {}).items() if not _inside(rel, packed[block])}
-        for rel in packed[block]:
-            why = multihead_refusal(tiny.get_submodule(block).get_submodule(rel), tp)
-            if why is None:
-                rule.attention.add(rel)
-            else:
-                refused.append(
-                    f"{type(tiny.get_submodule(block)).__name__}: {rel} is torch's nn.MultiheadAttention, and {why}"
-                )
-        for rel in flows.bypassed.get(block, []):
-            refused.append(
-                f"{type(tiny.get_submodule(block)).__name__}: {rel} is never called: the block's code reads its "
-                f"weight itself (F.linear(x, {rel.rpartition('.')[2]}.weight, ...)), which no cut layer can stand in for"
-            )
-        # a timm or plain module: projections of replicated tensors join a group, and a projection on the
-        # heads' outputs left whole is refused (transformers models keep the rules their sweep was run with)
-        groups, whole = pair(reads, replicated_columns=not has_config(tiny))
-        if not has_config(tiny):
-            for rel in mixed_rows(reads, groups):
-                refused.append(
-                    f"{type(tiny.get_submodule(block)).__name__}: {rel} reads {', '.join(sorted(reads[rel].sources))}, "
-                    f"computed from the attention's column projections but not cut with them (it mixes what the "
-                    f"heads compute, as talking-heads attention does): no cut over heads computes it"
-                )
-        rule.whole |= set(whole) - set(rule.cols) - rule.rows
-        for group in groups:
-            if group.row in rule.rows and all(c in rule.cols for c in group.cols):
-                continue  # decided on an earlier block of this class
-            cut, why = find_cut(tiny, block, group, tp, inputs)
-            if cut is None:
-                refused.append(
-                    f"{type(tiny.get_submodule(block)).__name__}: {', '.join(group.cols)} -> {group.row}: {why}"
-                )
-                rule.whole |= {*group.cols, group.row}
-                continue
-            rule.cols.update(cut.blocks)
-            rule.rows.add(group.row)
-            if cut.row_blocks > 1:
-                rule.row_blocks[group.row] = cut.row_blocks
-            rule.divide |= set(cut.divide)
-            rule.head_params.update(cut.head_params)
-            for module, cuts in cut.head_inputs.items():
-                rule.head_inputs.setdefault(module, {}).update(cuts)
-            rule.local_widths.update(cut.local_widths)
-            rule.split_norms |= cut.split_norms
-        rule.grad_sum |= (
-            _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, tiny.get_submodule(block)) - rule.split_norms
-        )
-        # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
-        rule.idle |= {
-            rel
-            for rel, m in tiny.get_submodule(block).named_modules()
-            if rel and is_projection(m) and rel not in reads and not _inside(rel, packed[block])
-        }
+        refused += _block_rule(tiny, block, rule, flows, packed[block], tp, inputs)
+    whole_heads: dict[str, str] = {}
+    for head in flows.heads:  # a pooling head is cut where that is exact, else left whole as it was
+        cls = type(tiny.get_submodule(head))
+        if cls in rules:
+            continue
+        rule = BlockRule()
+        why = _block_rule(tiny, head, rule, flows, packed[head], tp, inputs, head=True)
+        if why:
+            whole_heads[head] = "; ".join(why)
+            logger.info("%s (%s) stays whole on every rank: %s", head, cls.__name__, whole_heads[head])
+        elif rule.cols or rule.attention:
+            rules[cls] = rule
     for rule in rules.values():
         rule.whole -= set(rule.cols) | rule.rows
         rule.idle -= set(rule.cols) | rule.rows | rule.whole
     # token ids: transformers' input_ids, or a plain module's first argument (not token types or positions)
     ids = [inputs["input_ids"]] if has_config(tiny) and "input_ids" in inputs else list(inputs.values())[:1]
-    return Derivation(rules, refused, heads, input_embeddings(tiny, inputs, ids))
+    return Derivation(rules, refused, heads, input_embeddings(tiny, inputs, ids), whole_heads)
+
+
+def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp: int, inputs, head=False) -> list[str]:
+    """Fill ``rule`` with the cut of the block (or pooling head) at ``block`` of the traced ``tiny``; the
+    reasons no exact cut of a part of it was found. A pooling head that does not attend is left empty."""
+    module = tiny.get_submodule(block)
+    name = type(module).__name__
+    refused = []
+    reads = {rel: flow for rel, flow in flows.reads.get(block, {}).items() if not _inside(rel, packed)}
+    # a timm or plain module, or a pooling head: projections of replicated tensors join a group, and a
+    # projection on the heads' outputs left whole is refused (transformers models' blocks keep the rules
+    # their sweep was run with); in a head, projections after its attention's row read the stream
+    plain = head or not has_config(tiny)
+    groups, whole = pair(reads, replicated_columns=plain, after_rows=head)
+    if head and not attends(groups, set(packed)):
+        return []
+    for rel in packed:
+        why = multihead_refusal(module.get_submodule(rel), tp)
+        if why is None:
+            rule.attention.add(rel)
+        else:
+            refused.append(f"{name}: {rel} is torch's nn.MultiheadAttention, and {why}")
+    for rel in flows.bypassed.get(block, []):
+        refused.append(
+            f"{name}: {rel} is never called: the {'head' if head else 'block'}'s code reads its weight itself "
+            f"(F.linear(x, {rel.rpartition('.')[2]}.weight, ...)), which no cut layer can stand in for"
+        )
+    if plain:
+        for rel in mixed_rows(reads, groups):
+            refused.append(
+                f"{name}: {rel} reads {', '.join(sorted(reads[rel].sources))}, computed from the attention's column "
+                f"projections but not cut with them (it mixes what the heads compute, as talking-heads attention "
+                f"does): no cut over heads computes it"
+            )
+    rule.whole |= set(whole) - set(rule.cols) - rule.rows
+    for group in groups:
+        if group.row in rule.rows and all(c in rule.cols for c in group.cols):
+            continue  # decided on an earlier block of this class
+        cut, why = find_cut(tiny, block, group, tp, inputs)
+        if cut is None:
+            refused.append(f"{name}: {', '.join(group.cols)} -> {group.row}: {why}")
+            rule.whole |= {*group.cols, group.row}
+            continue
+        rule.cols.update(cut.blocks)
+        rule.rows.add(group.row)
+        if cut.row_blocks > 1:
+            rule.row_blocks[group.row] = cut.row_blocks
+        rule.divide |= set(cut.divide)
+        rule.head_params.update(cut.head_params)
+        for owner, cuts in cut.head_inputs.items():
+            rule.head_inputs.setdefault(owner, {}).update(cuts)
+        rule.local_widths.update(cut.local_widths)
+        rule.split_norms |= cut.split_norms
+    rule.grad_sum |= _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, module) - rule.split_norms
+    # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
+    rule.idle |= {
+        rel
+        for rel, m in module.named_modules()
+        if rel and is_projection(m) and rel not in reads and not _inside(rel, packed)
+    }
+    return refused

@@ -9,6 +9,8 @@ against unsharded on the same ranks, before it cuts the user's model (:mod:`.pro
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import torch.nn as nn
 
@@ -17,7 +19,7 @@ from shardformer.policies.derived.heads import head_inputs_layer
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
 from shardformer.policies.derived.simulate import cut_options, per_rank_attributes
 from shardformer.policies.derived.towers import uncovered_blocks
-from shardformer.policies.derived.trace import is_projection, out_width, repeated_blocks, value_at
+from shardformer.policies.derived.trace import is_projection, out_width, pooling_heads, repeated_blocks, value_at
 from shardformer.policies.derived.widths import local_widths_layer
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
@@ -27,7 +29,9 @@ from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
 from shardformer.tensor_parallel.layers.norm import SplitLayerNorm
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
-from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Row_Layer
+from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Policy, Row_Layer
+
+logger = logging.getLogger("shardformer")
 
 HOW_TO = "write a Policy for it (docs/writing-a-policy.md) and pass it: shard_model(model, config, policy=...)"
 
@@ -74,6 +78,7 @@ class DerivedPolicy(TpPlanPolicy):
                     f"{type(model).__name__}, so no cut of it was proven; {HOW_TO}"
                 )
             self._cut_block(block, modules, rule, tp, config, layers, attrs)
+        self._cut_heads(pooling_heads(model), derivation, modules, tp, config, layers, attrs)
         if not layers:
             raise NotDerivableError(
                 f"no projection of {type(model).__name__} reads and writes a block's stream"
@@ -112,6 +117,34 @@ class DerivedPolicy(TpPlanPolicy):
             for layer in func()
         ]
         return layers, {f"{tower}.{k}": v for k, v in argument.attr_dict.items()}
+
+    @classmethod
+    def cut_heads(cls, model: nn.Module, shard_config, cut_paths=()) -> tuple[list[Layer], dict[str, object]]:
+        """The layers and per-rank attributes cutting ``model``'s attention pooling heads (timm's
+        ``AttentionPoolLatent``) with no path of ``cut_paths`` inside, for a policy of another route that
+        cuts the blocks and leaves the heads whole; none where the model has none, or where no exact cut
+        of one was derived (it stays whole)."""
+        tp = shard_config.tensor_parallel_size
+        heads = [h for h in pooling_heads(model) if not any(p.startswith(f"{h}.") for p in cut_paths)]
+        if tp == 1 or not heads:
+            return [], {}
+        try:
+            derivation = derive(model, tp)
+        except NotDerivableError as e:
+            logger.info("%s: its pooling heads stay whole on every rank: %s", type(model).__name__, e)
+            return [], {}
+        layers: dict[str, Layer] = {}
+        attrs: dict[str, object] = {}
+        cls._cut_heads(heads, derivation, dict(model.named_modules()), tp, None, layers, attrs)
+        return list(layers.values()), attrs
+
+    @classmethod
+    def _cut_heads(cls, heads, derivation, modules, tp, config, layers, attrs) -> None:
+        """Each pooling head of a class the derivation found a cut for, cut by that rule."""
+        for head in heads:
+            rule = derivation.rules.get(type(modules[head]))
+            if rule is not None:
+                cls._cut_block(head, modules, rule, tp, config, layers, attrs)
 
     def _tied_embeddings(self, layers: dict[str, Layer], modules) -> None:
         """Embeddings tied to the cut input embedding (an encoder's and a decoder's, sharing one
@@ -237,3 +270,30 @@ def derived_model(model: nn.Module) -> bool:
     config is scaled down to a tiny copy; any other module is copied with two blocks per stack), or it
     is no transformers model (the route then refuses it with the reason: a convolutional network)."""
     return bool(repeated_blocks(model)) or not has_config(model)
+
+
+@functools.cache
+def with_pooling_heads(policy_cls: type[Policy]) -> type[Policy]:
+    """``policy_cls`` (a family's hand-written policy) that also cuts the attention pooling heads it
+    leaves whole (timm's ViT with ``global_pool="map"``), as the derived route cuts them; the route's
+    proof on a tiny copy covers both. Same name: the record and the logs name the family's policy."""
+
+    def argument_policy(self, config, shard_config):
+        arguments = policy_cls.argument_policy(self, config, shard_config)
+        layers, attrs = DerivedPolicy.cut_heads(self.model, shard_config, _cut_paths(self.model, arguments))
+        if layers:
+            own = arguments.get(type(self.model), Argument())
+            arguments[type(self.model)] = Argument({**own.attr_dict, **attrs}, [*own.param_funcs, lambda: layers])
+        return arguments
+
+    return type(policy_cls.__name__, (policy_cls,), {"argument_policy": argument_policy})
+
+
+def _cut_paths(model: nn.Module, arguments: dict) -> list[str]:
+    """The module paths the layers of ``arguments`` (``{module class: Argument}``) name in ``model``."""
+    paths = []
+    for path, module in model.named_modules():
+        argument = arguments.get(type(module))
+        for func in argument.param_funcs if argument is not None else ():
+            paths += [f"{path}.{layer.suffix}" if path else layer.suffix for layer in func()]
+    return paths

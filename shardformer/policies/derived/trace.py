@@ -91,6 +91,34 @@ def _like_blocks(stack: nn.Module, name: str) -> list[str]:
     return [path for paths in classes.values() if len(paths) >= 2 for path in paths]
 
 
+def pooling_heads(model: nn.Module) -> list[str]:
+    """Paths of the modules beside the repeated stacks that may pool with attention of their own (SigLIP's
+    head: an ``nn.MultiheadAttention`` whose query is a learned probe; timm's ``AttentionPoolLatent``):
+    outside every block, a child of the model or of a module holding a stack, with an
+    ``nn.MultiheadAttention`` or three projections or more inside. Candidates: the derivation cuts one
+    only where its traced projections form attention (:func:`attends`)."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        return []
+    found = []
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        if not name or any(f"{b}.".startswith(f"{name}.") or name.startswith(f"{b}.") for b in blocks):
+            continue  # a block, inside one, or holding one
+        if parent and not any(b.startswith(f"{parent}.") for b in blocks):
+            continue  # not beside a stack (inside a head found already, an embedding module's parts)
+        inside = list(module.modules())
+        if any(isinstance(m, nn.MultiheadAttention) for m in inside) or sum(map(is_projection, inside)) >= 3:
+            found.append(name)
+    return found
+
+
+def attends(groups: list, attention: set[str]) -> bool:
+    """A head's projections form attention: an ``nn.MultiheadAttention``, or a row projection reading
+    two column projections or more (queries and keys / values); an MLP alone is not a pooling head."""
+    return bool(attention) or any(len(g.cols) >= 2 for g in groups)
+
+
 def _holds_stack(module: nn.Module) -> bool:
     return any(
         isinstance(m, (nn.ModuleList, nn.Sequential)) and _like_blocks(m, "") for _, m in module.named_modules() if _
@@ -144,6 +172,7 @@ class Trace:
     """Per block path: each projection's input flow (relative suffix -> Flow), in call order."""
 
     blocks: list[str]
+    heads: list[str] = field(default_factory=list)  # pooling heads beside the stacks (:func:`pooling_heads`)
     reads: dict[str, dict[str, Flow]] = field(default_factory=dict)
     leaf_reads: dict[str, dict[str, Flow]] = field(default_factory=dict)  # other leaves with parameters
     # projections never called whose weight the block's code reads itself (``F.linear(x, self.qkv.weight,
@@ -158,7 +187,7 @@ def _leaf_with_params(module: nn.Module) -> bool:
 def trace(model: nn.Module, inputs: dict) -> Trace:
     """One forward of ``model`` on ``inputs``, following the flows inside every repeated block."""
     blocks = repeated_blocks(model)
-    result = Trace(blocks)
+    result = Trace(blocks, pooling_heads(model))
     mode = FlowMode()
     handles = []
     current: list[str] = []
@@ -198,7 +227,7 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
         return before, after
 
     modules = dict(model.named_modules())
-    for path in blocks:
+    for path in blocks + result.heads:
         block = modules[path]
         handles.append(block.register_forward_pre_hook(enter_block(path, block), with_kwargs=True))
         handles.append(block.register_forward_hook(leave_block))
@@ -207,7 +236,7 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
                 before, after = leaf_hooks(path, rel, m)
                 handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
     run_hooked(model, inputs, handles, mode)
-    for path in blocks:
+    for path in blocks + result.heads:
         result.bypassed[path] = [
             rel
             for rel, m in modules[path].named_modules()
@@ -224,11 +253,27 @@ class Group:
     row: str
 
 
-def pair(reads: dict[str, Flow], replicated_columns: bool = False) -> tuple[list[Group], list[str]]:
+def pair(
+    reads: dict[str, Flow], replicated_columns: bool = False, after_rows: bool = False
+) -> tuple[list[Group], list[str]]:
     """The column/row groups of one block's projections, and the projections left whole (with why).
     ``replicated_columns``: a row may also read a projection of a tensor every rank holds whole (timm's
     Swin-V2 relative position MLP, one value per head): that projection is one more column of the group,
-    cut by its outputs."""
+    cut by its outputs. ``after_rows``: a projection reading only rows' outputs (whole on every rank
+    after the row's all-reduce) reads the stream: a pooling head's MLP after its attention, with no
+    residual around the attention to carry the stream on."""
+    groups, whole = _pair(reads, replicated_columns)
+    while after_rows:
+        rows = {g.row for g in groups}
+        fed = {rel: Flow(stream=True) for rel, f in reads.items() if not f.stream and f.sources and f.sources <= rows}
+        if not fed:
+            break
+        reads = {**reads, **fed}
+        groups, whole = _pair(reads, replicated_columns)
+    return groups, whole
+
+
+def _pair(reads: dict[str, Flow], replicated_columns: bool) -> tuple[list[Group], list[str]]:
     cols = {rel for rel, f in reads.items() if f.stream}
     rows = {rel: f.sources for rel, f in reads.items() if not f.stream and f.sources}
     replicated = {

@@ -1,0 +1,58 @@
+"""What a stage keeps of the modules it drops: their skeletons, on the meta device.
+
+A stage's model runs the model's own forward with stand-ins where other stages' modules were
+(:mod:`~shardformer.pipeline.stage_view`). Some forwards read more than a module's output: BigBird
+calls ``layer.set_attention_type(...)`` on every layer, DeiT reads ``embeddings.patch_embeddings``'s
+sizes, Swin a stage's ``downsample``. A stand-in answers such reads from the dropped module's
+skeleton: a copy whose parameters and buffers live on the meta device (no memory), kept outside the
+module tree (no stage's parameters, state dict or optimizer see it). What a forward then computes
+from a skeleton is checked like everything else: the split is proven on a tiny copy before use.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+import torch.nn as nn
+
+_SKELETONS = "_pipeline_skeletons"  # root.__dict__ key: {path: skeleton}
+
+
+def keep_skeleton(root: nn.Module, path: str, module: nn.Module | None) -> None:
+    """Keep a meta-device copy of ``module`` (about to be dropped from ``root`` at ``path``)."""
+    if module is None:
+        return
+    memo: dict[int, torch.Tensor] = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
+    try:
+        skeleton = copy.deepcopy(module, memo)
+    except Exception:  # noqa: BLE001 - a module that cannot be copied (a process group inside) keeps none
+        return
+    root.__dict__.setdefault(_SKELETONS, {})[path] = skeleton
+
+
+def skeleton_of(root: nn.Module, path: str) -> nn.Module | None:
+    return root.__dict__.get(_SKELETONS, {}).get(path)
+
+
+class StandIn(nn.Module):
+    """A module standing in for a dropped one: attributes it lacks are read from the dropped module's
+    skeleton (set by :func:`~shardformer.pipeline.stage_view.stand_in`)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            skeleton = self.__dict__.get("skeleton")
+            if skeleton is None or name.startswith("__"):
+                raise
+            return getattr(skeleton, name)
+
+
+class Identity(StandIn):
+    def forward(self, x, *args, **kwargs):
+        return x
