@@ -33,11 +33,12 @@ from shardformer.data_parallel.fsdp_optimizer import FullyShardedOptimizer
 from shardformer.expert_parallel.optimizer import ExpertParallelOptimizer
 from shardformer.models import family_spec
 from shardformer.pipeline.schedule import run_pipeline
-from shardformer.pipeline.spec import PipelineSpec
+from shardformer.pipeline.spec import PipelineSpec, check_split
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.stage_view import taken_inputs
+from shardformer.pipeline.tied import tied_weights
 from shardformer.pipeline.torch_schedule import TorchPipeline
-from shardformer.pipeline.virtual import check_virtual, forward_only, in_chunk, keep_chunks
+from shardformer.pipeline.virtual import PLACEMENT, check_virtual, chunk_ranks, forward_only, in_chunk, keep_chunks
 from shardformer.policies.anatomy import layer_stack
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.tensor_parallel.detect import call_optional
@@ -82,6 +83,11 @@ def whole_model_forward(model: nn.Module, hidden, inputs: dict):
     if model.training and "use_cache" not in inputs and "use_cache" in inspect.signature(model.forward).parameters:
         inputs = {**inputs, "use_cache": False}
     return model(**inputs)
+
+
+def _module_at(model: nn.Module, path: str) -> nn.Module | None:
+    parent, _, name = path.rpartition(".")
+    return model.get_submodule(parent)._modules[name]
 
 
 def _pipeline_for(model: nn.Module, pp: int, given: PipelineSpec | None) -> PipelineSpec | None:
@@ -140,7 +146,7 @@ class ParallelEngine:
         self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
         num_chunks, chunk_counts = cfg.pp * cfg.chunks_per_rank, cfg.layers_per_stage
         if cfg.chunks_per_rank > 1:  # virtual stages: the schedule's needs, the layers per chunk
-            layers = len(self.pipeline.layer_list(model))
+            layers = len(self.pipeline.layer_paths(model))  # every stack's (an encoder-decoder's two)
             chunk_counts = check_virtual(
                 cfg.schedule, cfg.pp, cfg.chunks_per_rank, cfg.num_microbatches, layers, cfg.layers_per_stage
             )
@@ -162,6 +168,7 @@ class ParallelEngine:
         if self._forward_agreement is not None:  # checked per step below: shapes (the step agreement: values)
             self._forward_agreement.in_forward = self._forward_agreement.compare_values = False
         self.chunks = None  # this rank's model chunks under a virtual-stage schedule
+        tied = [] if cfg.pp == 1 else self._tied_weights(num_chunks, chunk_counts)
         if cfg.chunks_per_rank > 1:
             self.chunks = keep_chunks(
                 self.pipeline, self.model, cfg.schedule, self.mesh.pp_rank, cfg.pp, cfg.chunks_per_rank, chunk_counts
@@ -189,29 +196,29 @@ class ParallelEngine:
         else:
             self.model.to(PRECISIONS[cfg.precision])
         self._chunk_forwards = chunk_forwards
-        first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
         self._loss_rank = self.mesh.pp_size - 1  # the pp rank of the last stage (chunk): the losses are there
         if self.chunks is not None:
-            first, last = 0 in self.chunks.indices, num_chunks - 1 in self.chunks.indices
             self._loss_rank = self.chunks.last_rank
-        self.shared = self.pipeline.shared_parameters(self.model) if cfg.pp > 1 and (first or last) else []
-        # A V-shaped schedule puts the first and the last chunk on rank 0: a tied weight there is one
-        # parameter, its two uses accumulated by autograd; nothing to sum over ranks, ZeRO reduces it at step.
-        late_grads, self.shared = self.shared, [] if first and last else self.shared
+        # Weights several chunks hold (tied embeddings): summed over the ranks holding them after the backward;
+        # two chunks of one rank (a V-shaped schedule's first and last) share one parameter, autograd adds up.
+        # Groups are made on every rank, in one order (collective).
+        me, held = self.mesh.pp_rank, [t for t in tied if t.chunks_here]
+        groups = {ranks: self.mesh.stages_group(ranks) for ranks in sorted({t.ranks for t in tied if len(t.ranks) > 1})}
+        self.shared = [(groups[t.ranks], t.param(self.model)) for t in held if len(t.ranks) > 1]
+        late_grads = [t.param(self.model) for t in held]  # changed after backward, or by two chunks' backwards
+        counted_elsewhere = [t.param(self.model) for t in held if me != t.ranks[0]]  # counted once in the norm
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = None
         if optimizer is not None and cfg.zero_stage == 3:
             self.optimizer = FullyShardedOptimizer(
                 optimizer(params), self.model, self.mesh.dp_group, tp_group=self.mesh.tp_group,
-                pp_group=self.mesh.pp_group, grad_hooks=grad_hooks,
-                counted_elsewhere=self.shared if last and not first else (),  # tied weights count once
+                pp_group=self.mesh.pp_group, grad_hooks=grad_hooks, counted_elsewhere=counted_elsewhere,
             )  # fmt: skip
         elif optimizer is not None:
             zero_kwargs = dict(
                 tp_group=self.mesh.tp_group,
                 pp_group=self.mesh.pp_group,
-                # tied weights count once in the norm: the first stage's copy
-                counted_elsewhere=self.shared if last and not first else (),
+                counted_elsewhere=counted_elsewhere,  # tied weights count once in the norm: the first holder's copy
                 overlap_communication=cfg.overlap_grad_reduce,
                 backwards_per_step=cfg.num_microbatches,  # one backward per micro-batch
                 late_grads=late_grads,  # summed over the stages after backward (or used by two chunks)
@@ -258,12 +265,19 @@ class ParallelEngine:
         cfg = self.config
         if cfg.zero_stage == 3 or cfg.activation_checkpointing or cfg.tp > 1 or cfg.cp > 1:
             return False
+        if self.pipeline is not None and self.pipeline.second_layers is not None:
+            # an encoder-decoder's chunks hand on received tensors (the encoder's output, T5's position bias):
+            # torch's weight step walks a graph its input step already freed there ("backward a second time")
+            return False
         return not any(p._backward_hooks for p in self.model.parameters())
 
-    def _layer_list(self, model: nn.Module) -> nn.Module | None:
-        """The repeated layers (each is one FSDP2 unit at zero_stage=3): the pipeline spec's, else the
-        family's or transformers' plan's; None when neither names them (the model is one unit)."""
-        path = self.pipeline.layers if self.pipeline is not None else layer_stack(model)
+    def _layer_list(self, model: nn.Module) -> list | nn.Module | None:
+        """The repeated layers (each is one FSDP2 unit at zero_stage=3): the pipeline spec's (every stack's:
+        an encoder-decoder's two; None where another stage holds it), else the family's or transformers'
+        plan's; None when neither names them (the model is one unit)."""
+        if self.pipeline is not None:
+            return [_module_at(model, path) for path in self.pipeline.layer_paths(model)]
+        path = layer_stack(model)
         return model.get_submodule(path) if path is not None else None
 
     def _checkpoint_activations(self, model: nn.Module, check_only: bool = False) -> None:
@@ -453,16 +467,24 @@ class ParallelEngine:
             self.model.set_requires_gradient_sync(last)
             return
         self.model.set_requires_gradient_sync(True, recurse=False)
-        stack = self.pipeline.layer_list(self.model)
+        paths = self.pipeline.layer_paths(self.model)
         for i in self.chunks.layers[self.chunks.indices.index(stage)]:
-            stack[i].set_requires_gradient_sync(last)
+            self.model.get_submodule(paths[i]).set_requires_gradient_sync(last)
+
+    def _tied_weights(self, num_chunks: int, counts) -> list:
+        """The weights several chunks hold, from the spec's placement of the model not yet split."""
+        cfg, spec = self.config, self.pipeline
+        counts = check_split(len(spec.layer_paths(self.model)), num_chunks, counts)
+        starts = [sum(counts[:c]) for c in range(num_chunks)]
+        layers = [tuple(range(starts[c], starts[c] + counts[c])) for c in range(num_chunks)]
+        ranks = chunk_ranks(PLACEMENT[cfg.schedule], cfg.pp, num_chunks) if cfg.chunks_per_rank > 1 else range(cfg.pp)
+        placement = [[layers[c] for c, r in enumerate(ranks) if r == pp_rank] for pp_rank in range(cfg.pp)]
+        return tied_weights(spec, self.model, placement, self.mesh.pp_rank)
 
     def _sum_shared_grads(self) -> None:
-        """Tied weights on the first and last stage: sum their gradients over the two stages."""
-        if not self.shared:
-            return
-        for p in self.shared:
+        """Tied weights held by several stages: sum their gradients over the stages holding them."""
+        for group, p in self.shared:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            # at ZeRO-3 both stages hold the same dp shard of the tied weight: sum the shards
-            comm.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, self.mesh.embedding_group)
+            # at ZeRO-3 the stages hold the same dp shard of the tied weight: sum the shards
+            comm.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group)

@@ -9,6 +9,7 @@ import transformers as tf
 
 from shardformer import ShardConfig, shard_model
 from shardformer.cli.main import main
+from shardformer.core.tiny import tiny_config
 from shardformer.tools.activation_estimate import estimate_activations
 from shardformer.tools.plan import build_meta_model, plan_model
 from shardformer.tools.testing import run_on_ranks
@@ -225,3 +226,22 @@ def test_cli_plans_context_parallelism(tmp_path, capsys):
     bert = _saved("BertForMaskedLM", tmp_path / "bert")
     assert main(["plan", bert, "--cp", "2"]) == 2
     assert "BertForMaskedLM cannot be split over the sequence" in capsys.readouterr().err
+
+
+def test_plan_splits_an_encoder_decoder_over_four_stages(tmp_path):
+    """T5 at pp=4, one layer per stage: the shared embedding is held by the encoder's first stage, the decoder's
+    first stage and the head's; the encoder's final norm by the stage of its last layer."""
+    cls = tf.T5ForConditionalGeneration
+    model = cls(tiny_config(cls.config_class, num_layers=2, num_decoder_layers=2))
+    model.save_pretrained(tmp_path / "t5")
+    stages = plan_model(build_meta_model(str(tmp_path / "t5")), pp=4).stages
+    assert [list(layers) for layers, _ in stages] == [[0], [1], [2], [3]]
+    size = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    embedding, norm = size(model.shared), size(model.encoder.final_layer_norm)
+    blocks = [*model.encoder.block, *model.decoder.block]
+    assert [n for _, n in stages] == [
+        size(blocks[0]) + embedding,
+        size(blocks[1]) + norm,
+        size(blocks[2]) + embedding,
+        size(blocks[3]) + norm + embedding,
+    ]

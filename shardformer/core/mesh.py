@@ -134,6 +134,25 @@ class ProcessMesh:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
+    def stages_group(self, stages) -> dist.ProcessGroup | None:
+        """The group of this rank's (dp, cp, tp) column at pipeline stages ``stages`` (None off them): the
+        stages holding one weight sum its gradients over it (an encoder-decoder's embeddings are on up to
+        three). Collective on first use: every rank asks for the same stages in one order."""
+        stages = tuple(sorted(set(stages)))
+        if stages == tuple(sorted({0, self.pp_size - 1})):
+            return self.embedding_group
+        groups = self.__dict__.setdefault("_stages_groups", {})
+        if stages not in groups:
+            mine = None
+            for d in range(self.dp_size):
+                for c in range(self.cp_size):
+                    for t in range(self.tp_size):
+                        ranks = [self.global_rank(p, d, t, c) for p in stages]
+                        group = dist.new_group(ranks, timeout=_timeout())
+                        mine = group if self.rank in ranks else mine
+            groups[stages] = mine
+        return groups[stages]
+
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the process at pipeline stage ``pp_rank`` with this rank's (dp, tp) place."""
         return self.global_rank(pp_rank, self.dp_rank, self.tp_rank)

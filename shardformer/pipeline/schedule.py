@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from shardformer.core.config import SCHEDULES, check_choice
-from shardformer.pipeline.p2p import P2P
+from shardformer.pipeline.p2p import P2P, pack, unpack
 
 
 def order(schedule: str, num_microbatches: int, stage: int, num_stages: int) -> list[tuple[str, int]]:
@@ -63,12 +63,13 @@ def run_pipeline(
     losses, outputs = [], []
 
     def forward(i):
-        hidden = None
+        hidden = received = None
         if not first:
             hidden = p2p.take(("act", i))
             if backward:
                 hidden.requires_grad_(True)
-        out = stage_forward(model, hidden, micro_batches[i])
+            received = unpack(hidden, p2p.layouts.pop(i))  # several tensors: views of one message
+        out = stage_forward(model, received, micro_batches[i])
         if last:
             if backward or loss_of is not None:
                 loss = loss_of(out, micro_batches[i])
@@ -78,9 +79,9 @@ def run_pipeline(
             else:
                 outputs.append(out)
         else:
-            p2p.send_activation(out.detach(), i)
+            p2p.send_activation(out, i)
             if backward:
-                saved[i] = (hidden, out)
+                saved[i] = (hidden, pack(out))  # one tensor, as sent: its gradient comes back as one
 
     def backward_step(i):
         hidden, out = saved.pop(i)

@@ -3,10 +3,11 @@
 A spec names, by dotted path, the ``nn.ModuleList`` of transformer layers that is divided among
 the stages, the modules only the first stage needs (embeddings), those only the last needs (final
 norm, head), and those both ends hold (input embeddings tied to the output head: their gradients
-are summed over the two stages). Its ``stage_forward(model, hidden, inputs)`` runs one stage on a
-micro-batch: ``hidden`` is the previous stage's output (None on the first stage), ``inputs`` the
-micro-batch (every stage sees it: masks and labels come from it); it returns the hidden states for
-the next stage, or on the last stage the model's output (a ModelOutput with ``loss`` when labels are
+are summed over the two stages; :mod:`shardformer.pipeline.tied` finds every weight several stages
+hold). Its ``stage_forward(model, hidden, inputs)`` runs one stage on a micro-batch: ``hidden`` is
+the previous stage's output (None on the first stage; a tuple where a stage hands on several
+tensors), ``inputs`` the micro-batch (every stage sees it: masks and labels come from it); it
+returns the hidden states (or a tuple of tensors) for the next stage, or on the last stage the model's output (a ModelOutput with ``loss`` when labels are
 given, or a tensor of logits). The built-in ones run the model's own forward while
 :func:`~shardformer.pipeline.stage_view.stage_view` fills the holes of the stage; a custom one may
 loop over :func:`local_layers`.
@@ -36,8 +37,14 @@ class PipelineSpec:
     last: tuple[str, ...] = ()
     shared: tuple[str, ...] = ()
     # an encoder-decoder's decoder stack, after ``layers`` (the encoder's): the layers of both are numbered
-    # as one list, and every stage holds layers of one stack only (checked by spec_check)
+    # as one list, cut anywhere its stage forward proved exact (checked by spec_check)
     second_layers: str | None = None
+    # an encoder-decoder's modules between its stacks: those that end the first (its final norm), held with
+    # the first stack's last layer, and those that start the second (its embeddings), held with its first
+    # layer. With two stacks a module may be listed in several of first / first_end / second_start / last:
+    # every stage holding one of them keeps it, and the stages holding a weight sum its gradients
+    first_end: tuple[str, ...] = ()
+    second_start: tuple[str, ...] = ()
 
     def layer_list(self, model: nn.Module) -> nn.ModuleList:
         return self._stack(model, self.layers)
@@ -70,7 +77,7 @@ class PipelineSpec:
         for i, path in enumerate(paths):
             if i not in mine:
                 _set_none(model, path)
-        for path in self.dropped(stage, num_stages):
+        for path in self.dropped(model, mine):
             _set_none(model, path)
         if ATTRIBUTE not in model.__dict__:
             attach(model, ShardedModelInfo.unsharded())
@@ -79,21 +86,27 @@ class PipelineSpec:
             model.generate = partial(_refuse_generate, type(model).__name__, stage, num_stages)
         return model
 
-    def dropped(self, stage: int, num_stages: int) -> list[str]:
-        """The paths of the end modules stage ``stage`` of ``num_stages`` does not hold."""
-        first, last = stage == 0, stage == num_stages - 1
-        drop = [p for p in self.first if not first] + [p for p in self.last if not last]
-        return drop + [p for p in self.shared if not (first or last)]
+    def sections(self, model: nn.Module) -> dict[str, tuple[tuple[str, ...], int]]:
+        """{kind: (its module paths, the global index of the layer whose stage holds them)}; ``shared``
+        goes with the first and the last layer (two entries)."""
+        count = len(self.layer_paths(model))
+        found = {"first": (self.first, 0), "last": (self.last, count - 1)}
+        found |= {"shared first": (self.shared, 0), "shared last": (self.shared, count - 1)}
+        if self.second_layers is not None:
+            boundary = len(self._stack(model, self.layers))  # the second stack's first layer
+            found |= {"first_end": (self.first_end, boundary - 1), "second_start": (self.second_start, boundary)}
+        return found
 
-    def shared_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        """Parameters of the modules both end stages hold (tied input/output weights), each once."""
-        unique: dict[int, nn.Parameter] = {}
-        for path in self.shared:
-            module = _find(model, path)
-            if module is not None:
-                for p in [module] if isinstance(module, nn.Parameter) else module.parameters():
-                    unique.setdefault(id(p), p)
-        return list(unique.values())
+    def dropped(self, model: nn.Module, layers) -> list[str]:
+        """The paths of the end modules a stage holding the (global) layer indices ``layers`` does not hold."""
+        held = set(layers)
+        kept, drop = set(), []
+        for paths, layer in self.sections(model).values():
+            if layer in held:
+                kept.update(paths)
+            else:
+                drop += [p for p in paths if p not in drop]
+        return [p for p in drop if p not in kept]
 
 
 def _refuse_generate(name: str, stage: int, num_stages: int, *args, **kwargs):

@@ -11,6 +11,12 @@ two drifting copies. :func:`check_pipeline_lists` refuses both, naming the modul
 - every parameter of the model is in exactly one place (the layer list, first, last or shared);
 - parameters tied across places (one tensor under two names) are held by the same stages, or the
   tie spans the first and last stage through a module in ``shared``.
+
+An encoder-decoder (two stacks) places its modules in four sections, each held with one layer: first
+(layer 0), first_end (the encoder's last layer), second_start (the decoder's first) and last; a module
+may be in several, and a weight held by several stages has its gradients summed over them (the
+engine finds the stages from the placement). Where its stages may be cut is the stage forward's to
+say (``split_refusal``): the proof on a tiny copy decides.
 """
 
 from __future__ import annotations
@@ -53,9 +59,16 @@ def check_pipeline_lists(
     num_stages: int = 2,
     layers_per_stage=None,
     second_layers: str | None = None,
+    first_end=(),
+    second_start=(),
 ) -> None:
     """Raise :class:`PipelineSpecError` naming the module if the spec cannot split ``model`` correctly."""
     lists = {"first": list(first), "last": list(last), "shared": list(shared)}
+    two = second_layers is not None
+    if two:
+        lists |= {"first_end": list(first_end), "second_start": list(second_start)}
+    elif first_end or second_start:
+        raise PipelineSpecError("first_end and second_start place the modules between two stacks: set second_layers")
     stacks = [layers] + ([second_layers] if second_layers is not None else [])
     offsets, count = {}, 0
     for stack in stacks:
@@ -69,6 +82,8 @@ def check_pipeline_lists(
         for path in paths:
             _resolve(model, path, f"pipeline {kind}")
             for other, other_kind in placed:
+                if two and path == other and "layers" not in (kind, other_kind) and "shared" not in (kind, other_kind):
+                    continue  # two stacks: a module in several sections is held with each
                 if _under(path, other) or _under(other, path):
                     same = "listed twice" if path == other else f"overlaps {other!r}"
                     raise PipelineSpecError(
@@ -79,17 +94,22 @@ def check_pipeline_lists(
 
     layer_stage = stages_of_layers(count, num_stages, layers_per_stage)
     last_stage = num_stages - 1
-    if second_layers is not None:
-        _check_two_stacks(stacks, offsets[second_layers], count, layer_stage, num_stages)
     held = {"first": {0}, "last": {last_stage}, "shared": {0, last_stage}}
+    if two:
+        boundary = offsets[second_layers]
+        held |= {"first_end": {layer_stage[boundary - 1]}, "second_start": {layer_stage[boundary]}}
 
     def place(name: str) -> tuple[str, frozenset[int]]:
+        kinds, stages = [], set()
         for path, kind in placed:
             if _under(name, path):
                 if kind == "layers":
                     index = offsets[path] + int(name[len(path) + 1 :].split(".")[0])
                     return f"layer {index}", frozenset({layer_stage[index]})
-                return kind, frozenset(held[kind])
+                kinds.append(kind)
+                stages |= held[kind]
+        if kinds:
+            return " and ".join(kinds), frozenset(stages)
         raise PipelineSpecError(
             f"parameter {name!r} is in no pipeline list; add its module to first (embeddings), last (norm, head) "
             f"or shared (tied to the head), so exactly one place holds it"
@@ -100,7 +120,7 @@ def check_pipeline_lists(
     for names in find_ties(model):
         places = {n: place(n) for n in names}
         stage_sets = {s for _, s in places.values()}
-        if len(stage_sets) == 1:
+        if len(stage_sets) == 1 or two:  # two stacks: every stage holding the weight sums its gradient
             continue
         spans_ends = set().union(*stage_sets) <= {0, last_stage}
         if spans_ends and any(kind == "shared" for kind, _ in places.values()):
@@ -113,22 +133,27 @@ def check_pipeline_lists(
         )
 
 
-def _check_two_stacks(stacks, decoder_start: int, count: int, layer_stage: list[int], num_stages: int) -> None:
-    """Two stacks (an encoder-decoder) split in two stages, the encoder's layers on the first and the
-    decoder's on the last: the decoder's embeddings are tied to the encoder's and to the head, which
-    only the two end stages can share, and a decoder stage would need the encoder's output besides."""
-    split = [decoder_start, count - decoder_start]
-    if num_stages != 2 or layer_stage != [0] * split[0] + [1] * split[1]:
-        raise PipelineSpecError(
-            f"an encoder-decoder ({stacks[0]!r}, {stacks[1]!r}) splits into two pipeline stages at the encoder/"
-            f"decoder boundary only (the decoder's embeddings, tied to the encoder's and the head, and the "
-            f"encoder's output must be on the decoder's stage); use pipeline_parallel_size=2 with "
-            f"layers_per_stage={split}"
-        )
-
-
 def check_pipeline_spec(spec, model: nn.Module, num_stages: int, layers_per_stage=None) -> None:
     """:func:`check_pipeline_lists` over a :class:`~shardformer.pipeline.PipelineSpec`."""
     check_pipeline_lists(
-        model, spec.layers, spec.first, spec.last, spec.shared, num_stages, layers_per_stage, spec.second_layers
+        model, spec.layers, spec.first, spec.last, spec.shared, num_stages, layers_per_stage, spec.second_layers,
+        spec.first_end, spec.second_start,
+    )  # fmt: skip
+    if spec.second_layers is None:
+        return
+    counts = check_split(len(spec.layer_paths(model)), num_stages, layers_per_stage)
+    boundary = len(model.get_submodule(spec.layers))
+    refusal = getattr(spec.stage_forward, "split_refusal", None)
+    why = refusal(counts, boundary) if refusal is not None else _boundary_only(counts, boundary)
+    if why is not None:
+        raise PipelineSpecError(f"{spec.layers!r} and {spec.second_layers!r} cannot be split as {counts}: {why}")
+
+
+def _boundary_only(counts: list[int], boundary: int) -> str | None:
+    """A two-stack spec whose stage forward says nothing of its cuts: two stages at the boundary only."""
+    if counts == [boundary, sum(counts) - boundary]:
+        return None
+    return (
+        f"this stage forward splits an encoder-decoder into two stages at the encoder/decoder boundary only; use "
+        f"pipeline_parallel_size=2 with layers_per_stage={[boundary, sum(counts) - boundary]}"
     )

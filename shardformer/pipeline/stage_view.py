@@ -65,7 +65,7 @@ def _holes(model: nn.Module) -> dict[str, nn.Module]:
     if spec is None:  # never cut into stages: every module is here
         return {}
     holes: dict[str, nn.Module] = {path: PassThrough() for path in spec.layer_paths(model) if _absent(model, path)}
-    for path in spec.dropped(info.stage, info.num_stages):
+    for path in spec.dropped(model, info.layers):
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         if name in parent._modules:  # a parameter (timm's cls_token) is read by no forward of this stage

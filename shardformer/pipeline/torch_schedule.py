@@ -84,15 +84,17 @@ class _Stage(nn.Module):
                 d.rng_restore(state)
 
     def _run(self, *args):
-        index = args[-1]
-        hidden = _ContiguousGrad.apply(args[0]) if len(args) > 1 else None
+        # a stage may hand on several tensors (an encoder-decoder's); their gradients go back contiguous
+        index, received = args[-1], tuple(_ContiguousGrad.apply(a) for a in args[:-1])
+        hidden = None if not received else received[0] if len(received) == 1 else received
         value = torch.nan_to_num(index.detach().reshape(-1)[:1].double(), nan=0.0, posinf=0.0, neginf=0.0)
         i = int(value.round().clamp(0, len(self.micro) - 1).item())
         batch = self.micro[i]
         out = self.stage_forward(self.model, hidden, batch)
-        if not self.last:  # not a view: torch's split backward detaches the stage's outputs in place;
-            out = out.contiguous()  # gloo sends only contiguous tensors (a conv net's stage may hand on a permute)
-            return (out.clone() if out._base is not None else out), index
+        if not self.last:  # not a view nor an input (torch's split backward detaches the stage's outputs in place),
+            parts = out if isinstance(out, tuple) else (out,)  # and contiguous (gloo sends only contiguous tensors)
+            copy = lambda t: t._base is not None or any(t is r for r in received) or not t.is_contiguous()  # noqa: E731
+            return *(t.clone(memory_format=torch.contiguous_format) if copy(t) else t for t in parts), index
         loss = self.loss_of(out, batch)
         self.losses[i] = loss.detach()
         return (loss * self.scale).reshape(1)

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from shardformer.core import comm
 from shardformer.core.record import ATTRIBUTE, ShardedModelInfo, attach, sharding_of, with_stage
-from shardformer.pipeline.p2p import _header, _shape_of
+from shardformer.pipeline.p2p import _empty, _header, _layout_of, pack, unpack
 from shardformer.pipeline.spec import PipelineSpec, _set_none, check_split
 from shardformer.pipeline.stage_view import stand_in
 
@@ -104,11 +104,10 @@ def keep_chunks(
     starts = [sum(counts[:c]) for c in range(num_chunks)]
     layers = tuple(tuple(range(starts[c], starts[c] + counts[c])) for c in mine)
     held = {i for chunk in layers for i in chunk}
-    stack = spec.layer_list(model)
-    for i in range(len(stack)):
+    for i, path in enumerate(spec.layer_paths(model)):  # every stack's layers, in one numbering
         if i not in held:
-            stack._modules[str(i)] = None
-    needed = [set(spec.dropped(c, num_chunks)) for c in mine]
+            _set_none(model, path)
+    needed = [set(spec.dropped(model, chunk)) for chunk in layers]
     for path in sorted(set.intersection(*needed)):  # dropped by every chunk of this rank
         _set_none(model, path)
     if ATTRIBUTE not in model.__dict__:
@@ -124,7 +123,8 @@ def chunk_view(model: nn.Module, chunks: Chunks, chunk: int):
     info = sharding_of(model)
     layers = chunks.layers[chunks.indices.index(chunk)]
     others = {i for held in chunks.layers for i in held} - set(layers)
-    hidden = {f"{info.pipeline.layers}.{i}": None for i in sorted(others)}
+    paths = info.pipeline.layer_paths(model)
+    hidden = {paths[i]: None for i in sorted(others)}
     object.__setattr__(model, ATTRIBUTE, replace(info, stage=chunk, num_stages=chunks.num_chunks, layers=layers))
     try:
         with stand_in(model, hidden):
@@ -167,7 +167,7 @@ def forward_only(forwards: dict, chunks: Chunks, model, mesh, micro_batches, los
                 if ranks[c + 1] == me:
                     kept[(c + 1, i)] = out
                 else:
-                    sends += _send(out.detach().contiguous(), mesh.stage_rank(ranks[c + 1]), group)
+                    sends += _send(out, mesh.stage_rank(ranks[c + 1]), group)
             elif loss_of is not None:
                 losses.append(loss_of(out, batch).detach())
             else:
@@ -177,15 +177,15 @@ def forward_only(forwards: dict, chunks: Chunks, model, mesh, micro_batches, los
     return losses, outputs
 
 
-def _send(tensor: torch.Tensor, dst: int, group) -> list:
-    header = _header(tensor)
+def _send(value, dst: int, group) -> list:
+    header, tensor = _header(value), pack(value).detach().contiguous()
     return [(comm.isend(t, dst, group), t) for t in (header, tensor)]
 
 
-def _receive(src: int, group, device) -> torch.Tensor:
+def _receive(src: int, group, device):
     header = torch.zeros_like(_header(torch.zeros(())), device=device)
     comm.irecv(header, src, group).wait()
-    shape, dtype = _shape_of(header)
-    out = torch.empty(shape, dtype=dtype, device=device)
+    layout = _layout_of(header)
+    out = _empty(layout, device)
     comm.irecv(out, src, group).wait()
-    return out
+    return unpack(out, layout)

@@ -112,13 +112,19 @@ class Ends:
     when it is a per-token norm fed the last layer's output; layer_outputs: how many values a layer
     returns (0: a bare tensor, n: a tuple whose first is the hidden states); offsets: ``(path, per-dim
     difference)`` of each module of ``before`` whose output is not shaped as the first layer's input
-    (timm's ``patch_embed``: the class and register tokens are put in front of its output after it)."""
+    (timm's ``patch_embed``: the class and register tokens are put in front of its output after it);
+    sections (two stacks): the modules run before the first stack, after it under the encoder (its
+    final norm), between the stacks elsewhere (the decoder's embeddings), and after the second (or
+    never); outputs: per stack, which values of what its layers return are tensors (None: a bare
+    tensor), the same for every layer, else None for the whole field."""
 
     before: tuple[str, ...]
     after: tuple[str, ...]
     final_norm: str | None
     layer_outputs: int
     offsets: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    sections: tuple[tuple[str, ...], ...] = ()
+    outputs: tuple[tuple[bool, ...] | None, ...] | None = None
 
 
 _ENDS: dict[tuple, Ends | AnatomyError] = {}
@@ -153,9 +159,9 @@ def tiny_for(model: nn.Module):
 
 def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     """One stack: ``before`` runs before its first layer, ``after`` after its last. Two stacks (an
-    encoder-decoder, split at their boundary): ``before`` is what the encoder's stage runs (embeddings,
-    the encoder's final norm), ``after`` what the decoder's stage runs (its embeddings, final norm and
-    the head); a module both run (embeddings shared by encoder and decoder) is in both."""
+    encoder-decoder): ``before`` is what the encoder runs (embeddings, its final norm), ``after`` what
+    the decoder runs (its embeddings, final norm and the head), a module both run in both; ``sections``
+    tells the encoder's embeddings, its final norm, the decoder's embeddings and the rest apart."""
     stacks = (layers,) if isinstance(layers, str) else tuple(layers)
     tiny, inputs = tiny_for(model)
     order: list[str] = []  # the path of each start and end of a call (or read of a held parameter), in call order
@@ -173,6 +179,10 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     handles.append(
         first_stack[0].register_forward_pre_hook(lambda _m, a, k: first_input.append(_hidden(a, k)), with_kwargs=True)
     )
+    patterns: dict[str, set] = {stack: set() for stack in stacks}  # which values each stack's layers return
+    for stack in stacks:
+        for layer in tiny.get_submodule(stack):
+            handles.append(layer.register_forward_hook(lambda _m, _a, out, s=stack: patterns[s].add(_pattern(out))))
     received: list = []  # what the second layer is called with
     if len(first_stack) > 1:
         handles.append(
@@ -200,6 +210,7 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     ancestors = {".".join(stack.split(".")[:n]) for stack in stacks for n in range(len(stack.split(".")))}
     own = own_ancestor(stacks)  # the encoder module: what runs between the stacks under it ends the encoder
     before, after, between = [], [], []
+    sections: tuple[list[str], ...] = ([], [], [], [])
 
     def place(path: str, container: bool) -> None:
         places = {_window(i, windows) for i in spans.get(path, [len(order)])}
@@ -212,6 +223,10 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
                 between.append(path)  # one stack: a module both before and after it has no one stage
             return
         under_own = own is not None and (path == own or path.startswith(own + "."))
+        for where in places:  # first, the encoder's end, the decoder's start, last
+            section = sections[{0: 0, 1: 1 if under_own else 2}.get(where, 3)]
+            if path not in section:
+                section.append(path)
         if 0 in places or 1 in places and under_own:
             before.append(path)
         if places - {0} - ({1} if under_own else set()):
@@ -241,7 +256,13 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     after.sort(key=lambda p: min(spans.get(p, [len(order)])))  # in call order; never run: last
     norm = after[0] if len(stacks) == 1 and after and _is_norm(part(tiny, after[0])) else None
     offsets = _offsets(before, shapes, first_input[0].shape if first_input else None)
-    return Ends(_with_aliases(tiny, before), _with_aliases(tiny, after), norm, arity, offsets)
+    found = tuple(tuple(sorted(patterns[stack])) for stack in stacks)
+    outputs = tuple(p[0] for p in found) if all(len(p) == 1 for p in found) else None
+    sorted_sections = tuple(tuple(sorted(sec, key=lambda p: min(spans.get(p, [len(order)])))) for sec in sections)
+    return Ends(
+        _with_aliases(tiny, before), _with_aliases(tiny, after), norm, arity, offsets,
+        tuple(_with_aliases(tiny, list(sec)) for sec in sorted_sections) if len(stacks) == 2 else (), outputs,
+    )  # fmt: skip
 
 
 def held_params(model: nn.Module, stacks: tuple[str, ...]) -> dict[str, nn.Parameter]:
@@ -303,6 +324,13 @@ def part(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
         return model.get_submodule(path)
     except AttributeError:
         return model.get_parameter(path)
+
+
+def _pattern(output) -> tuple[bool, ...] | None:
+    """Which values of a layer's output are tensors (None: the output is a bare tensor)."""
+    if torch.is_tensor(output):
+        return None
+    return tuple(torch.is_tensor(v) for v in output) if isinstance(output, tuple) else (False,)
 
 
 def _inside_layer(path: str, stack: str) -> bool:

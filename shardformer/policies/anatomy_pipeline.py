@@ -27,9 +27,8 @@ embeddings' values, and layers must hand each other nothing but the hidden state
 proven on a tiny copy (two stages, loss and every gradient against the unsplit copy) before it is
 used, and refused otherwise, naming why.
 
-An encoder-decoder (two stacks) splits into two stages at the encoder/decoder boundary
-(:class:`EncoderDecoderStageForward`): the first stage runs the model until its encoder has run and
-hands on the encoder's output; the last runs the model with it as ``encoder_outputs``.
+An encoder-decoder (two stacks) splits anywhere in its layers, the encoder's output carried to the
+decoder's stages (:mod:`shardformer.policies.encoder_decoder`); each kind of cut is proven apart.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ import inspect
 
 import torch
 import torch.nn as nn
-from transformers.modeling_outputs import BaseModelOutput
 
 from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
 from shardformer.core.record import sharding_of
@@ -194,7 +192,9 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
         raise NotImplementedError(f"no pipeline split of {name}: {e}; use pipeline_parallel_size=1") from e
     spec = spec_from_ends(model, layers, ends)
     check_pipeline_spec(spec, model, 2, _boundary(model, spec))  # every parameter placed (the copy's may differ)
-    error = _proof(model, layers, ends)
+    error, refusals = _proof(model, layers, ends)
+    if encoder_decoder:
+        spec.stage_forward.refusals = dict(refusals)  # the cuts inside the stacks that are not exact
     if error is not None:
         raise NotImplementedError(
             f"the pipeline split of {name} at its layers {layers!r} is not exact on a tiny copy ({error}); "
@@ -233,7 +233,15 @@ def _boundary(model: nn.Module, spec: PipelineSpec) -> list[int] | None:
 def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends) -> PipelineSpec:
     """The spec: ``ends.before`` on the first stage, ``ends.after`` on the last, and the modules of the
     first that hold a weight tied to one of the last on both (``shared``). Two stacks (an encoder and a
-    decoder): the encoder's layers on the first stage, the decoder's on the last."""
+    decoder): the modules of each of ``ends.sections`` with the layer next to them."""
+    if not isinstance(layers, str):
+        from shardformer.policies.encoder_decoder import EncoderDecoderStageForward
+
+        first, first_end, second_start, last = ends.sections
+        stage = EncoderDecoderStageForward(own_ancestor(layers), layers, (first, second_start), ends.outputs)
+        return PipelineSpec(
+            layers[0], stage, first, last, second_layers=layers[1], first_end=first_end, second_start=second_start
+        )
     after_ids = {id(p) for path in ends.after for p in _params(model, path)}
     tied = {id(p) for path in ends.before for p in _params(model, path) if id(p) in after_ids}
     first: list[str] = []
@@ -260,46 +268,9 @@ def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends) 
     held = {id(part(model, p)) for p in shared}  # a module of both ends (under each of its names)
     shared += [p for p in ends.after if id(part(model, p)) in held and p not in shared]
     last = tuple(p for p in ends.after if p not in shared)
-    if isinstance(layers, str):
-        tokens = {p: tuple(part(model, p).shape) for p in first if isinstance(part(model, p), nn.Parameter)}
-        stage = AnatomyStageForward(layers, ends.before, ends.layer_outputs, ends.offsets, tokens)
-        return PipelineSpec(layers, stage, first=tuple(first), last=last, shared=tuple(shared))
-    stage = EncoderDecoderStageForward(own_ancestor(layers))
-    return PipelineSpec(layers[0], stage, tuple(first), last, tuple(shared), second_layers=layers[1])
-
-
-class EncoderDecoderStageForward:
-    """An encoder-decoder in two stages: the first runs the model's forward until its encoder has run
-    and hands on the encoder's output; the last runs the model's forward given that output as
-    ``encoder_outputs`` (the model skips its encoder), decoder, head and loss included."""
-
-    __name__ = "encoder_decoder_stage_forward"
-
-    def __init__(self, encoder: str) -> None:
-        self.encoder = encoder
-
-    def __call__(self, model: nn.Module, hidden, inputs: dict):
-        stage, num_stages = stage_of(model)
-        forward = own_forward(model)
-        last = stage == num_stages - 1
-        kwargs = {k: v for k, v in inputs.items() if v is not None and (last or k not in HEAD_INPUTS)}
-        if "use_cache" in inspect.signature(forward).parameters:
-            kwargs["use_cache"] = False
-        with stage_view(model):
-            if last:
-                return forward(**kwargs, encoder_outputs=BaseModelOutput(last_hidden_state=hidden))
-            handle = model.get_submodule(self.encoder).register_forward_hook(_hand_on)
-            try:
-                forward(**kwargs)
-            except _Reached as reached:
-                return reached.hidden
-            finally:
-                handle.remove()
-        raise RuntimeError(f"pipeline stage {stage}: {type(model).__name__}'s forward never ran {self.encoder}")
-
-
-def _hand_on(_module, _args, output):
-    raise _Reached(_first(output))
+    tokens = {p: tuple(part(model, p).shape) for p in first if isinstance(part(model, p), nn.Parameter)}
+    stage = AnatomyStageForward(layers, ends.before, ends.layer_outputs, ends.offsets, tokens)
+    return PipelineSpec(layers, stage, first=tuple(first), last=last, shared=tuple(shared))
 
 
 def _params(model: nn.Module, path: str) -> list[nn.Parameter]:
@@ -310,12 +281,13 @@ def _params(model: nn.Module, path: str) -> list[nn.Parameter]:
     return [found] if isinstance(found, nn.Parameter) else list(found.parameters())
 
 
-_PROOFS: dict[tuple, str | None] = {}
+_PROOFS: dict[tuple, tuple[str | None, dict[str, str]]] = {}
 
 
-def _proof(model: nn.Module, layers, ends: Ends) -> str | None:
-    """Why two stages of a tiny copy do not compute what the copy computes (loss or output, every
-    gradient), or None. Cached per class, architecture and stack."""
+def _proof(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, str]]:
+    """(why two stages of a tiny copy do not compute what the copy computes (loss or output, every
+    gradient), or None; for an encoder-decoder, {cut kind: why stages cut there are not exact}).
+    Cached per class, architecture and stack."""
     from shardformer.policies.derived.derive import _key
 
     key = (_key(model, 1), str(layers))
@@ -323,8 +295,12 @@ def _proof(model: nn.Module, layers, ends: Ends) -> str | None:
         try:
             _PROOFS[key] = _prove(model, layers, ends)
         except Exception as e:  # noqa: BLE001 - a split that crashes is not exact: say how
-            _PROOFS[key] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            _PROOFS[key] = (_why(e), {})
     return _PROOFS[key]
+
+
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def _scalar(output) -> torch.Tensor:
@@ -337,35 +313,86 @@ def _scalar(output) -> torch.Tensor:
     return first.float().pow(2).mean()
 
 
-def _prove(model: nn.Module, layers, ends: Ends) -> str | None:
+def _prove(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, str]]:
     tiny, inputs = tiny_for(model)
     if isinstance(layers, str) and len(tiny.get_submodule(layers)) < 2:
-        return f"the tiny copy has fewer than two layers in {layers}"
+        return f"the tiny copy has fewer than two layers in {layers}", {}
     tiny.eval()
     spec = spec_from_ends(tiny, layers, ends)
-    stages = [spec.keep_stage(copy.deepcopy(tiny), s, 2, _boundary(tiny, spec)) for s in range(2)]
-    hidden = spec.stage_forward(stages[0], None, inputs)
-    received = hidden.detach().requires_grad_()
-    got = _scalar(spec.stage_forward(stages[1], received, inputs))
+    error = _prove_split(tiny, inputs, spec, _boundary(tiny, spec) or [1, len(spec.layer_paths(tiny)) - 1])
+    if isinstance(layers, str) or error is not None:
+        return error, {}
+    from shardformer.policies.encoder_decoder import proof_splits
+
+    if ends.outputs is None:
+        why = f"the layers of {layers[0]} or {layers[1]} do not all return alike"
+        return None, {kind: why for kind in ("encoder", "decoder", "mixed")}
+
+    def refusal(split) -> str | None:
+        try:
+            return split if isinstance(split, str) else _prove_split(tiny, inputs, spec, split)
+        except Exception as e:  # noqa: BLE001 - a cut that crashes is not exact: say how
+            return _why(e)
+
+    # the mixed split cuts inside both stacks too: when it holds, so do they (T5, BART); else each apart
+    splits = proof_splits(*_boundary(tiny, spec))
+    mixed = refusal(splits.pop("mixed"))
+    if mixed is None:
+        return None, {}
+    found = {kind: refusal(split) for kind, split in splits.items()}
+    return None, {"mixed": mixed} | {kind: why for kind, why in found.items() if why is not None}
+
+
+def _parts(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _received(value):
+    """What the next stage receives: detached copies of the tensors handed on, floating ones requiring grad."""
+    parts = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _parts(value))
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _prove_split(tiny: nn.Module, inputs: dict, spec: PipelineSpec, counts: list[int]) -> str | None:
+    """Why stages of ``counts`` layers of ``tiny`` do not compute what ``tiny`` computes, or None: the loss,
+    what each stage hands on and the gradient sent back for it (the hidden states), every weight's gradient."""
+    tiny.zero_grad(set_to_none=True)  # a copy split before: no gradient left from it
+    stages = [spec.keep_stage(copy.deepcopy(tiny), s, len(counts), counts) for s in range(len(counts))]
+    sent, received = [], [None]
+    for s, stage in enumerate(stages):
+        sent.append(spec.stage_forward(stage, received[-1], inputs))
+        if s < len(stages) - 1:
+            received.append(_received(sent[-1]))
+    got = _scalar(sent[-1])
     got.backward()
-    hidden.backward(received.grad)
-    handed, handle = _watch_hand_over(tiny, spec, sharding_of(stages[1]).layers[0])
+    for s in reversed(range(len(stages) - 1)):
+        pairs = zip(_parts(sent[s]), _parts(received[s + 1]))
+        pairs = [(o, r.grad) for o, r in pairs if r.grad is not None and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    cuts = [sum(counts[: s + 1]) for s in range(len(counts) - 1)]
+    handed, handles = _watch_hand_over(tiny, spec, cuts)
     try:
         expected = _scalar(tiny(**inputs))
     finally:
-        handle.remove()
-    if not handed:
-        return "the unsplit copy never computes what the first stage hands on"
-    handed[0].retain_grad()
+        for handle in handles:
+            handle.remove()
+    if any(not seen for seen in handed):
+        return "the unsplit copy never computes what a stage hands on"
+    for seen in handed:
+        seen[0].retain_grad()
     expected.backward()
     if not torch.allclose(got, expected, atol=ATOL, rtol=RTOL):
         return f"the loss (or output) differs: {got.item():.6g} vs {expected.item():.6g}"
-    # the hand-over itself, both ways: a small model's loss barely moves with it (weights of std 0.02)
-    if hidden.shape != handed[0].shape or not torch.allclose(hidden, handed[0], atol=ATOL, rtol=RTOL):
-        return "what the first stage hands on differs from what the unsplit copy computes there"
-    scale = handed[0].grad.abs().max().item() if handed[0].grad is not None else 0.0
-    if handed[0].grad is None or not torch.allclose(received.grad, handed[0].grad, atol=1e-4 * scale, rtol=RTOL):
-        return "the gradient the last stage sends back differs from the unsplit copy's at the hand-over"
+    # the hand-overs themselves, both ways: a small model's loss barely moves with them (weights of std 0.02)
+    for cut, seen, value in zip(cuts, handed, received[1:]):
+        hidden, there = _parts(value)[0], seen[0]
+        if hidden.shape != there.shape or not torch.allclose(hidden, there, atol=ATOL, rtol=RTOL):
+            return (
+                f"what the stage ending before layer {cut} hands on differs from what the unsplit copy computes there"
+            )
+        scale = there.grad.abs().max().item() if there.grad is not None else 0.0
+        if there.grad is None or not torch.allclose(hidden.grad, there.grad, atol=1e-4 * scale, rtol=RTOL):
+            return f"the gradient sent back to the stage ending before layer {cut} differs from the unsplit copy's"
     names: dict[int, list[str]] = {}  # a tied weight's names (a stage without the module of one uses another)
     for name, p in tiny.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -382,15 +409,25 @@ def _prove(model: nn.Module, layers, ends: Ends) -> str | None:
     return None
 
 
-def _watch_hand_over(tiny: nn.Module, spec: PipelineSpec, start: int):
-    """([the activation], hook handle): in a forward of the unsplit ``tiny``, what the stage that starts at
-    layer ``start`` receives (the encoder's output for an encoder-decoder)."""
-    seen: list[torch.Tensor] = []
-    if isinstance(spec.stage_forward, EncoderDecoderStageForward):
-        encoder = tiny.get_submodule(spec.stage_forward.encoder)
-        return seen, encoder.register_forward_hook(lambda _m, _a, out: seen.append(_first(out)))
-    layer = tiny.get_submodule(spec.layer_paths(tiny)[start])
-    return seen, layer.register_forward_pre_hook(lambda _m, a, k: seen.append(_hidden_of(a, k)), with_kwargs=True)
+def _watch_hand_over(tiny: nn.Module, spec: PipelineSpec, cuts: list[int]):
+    """([[the activation]] per cut, hook handles): in a forward of the unsplit ``tiny``, the hidden states a
+    stage that starts at layer ``cut`` receives (the encoder's output at an encoder-decoder's boundary)."""
+    seen: list[list[torch.Tensor]] = [[] for _ in cuts]
+    handles = []
+    paths = spec.layer_paths(tiny)
+    boundary = len(tiny.get_submodule(spec.layers)) if spec.second_layers is not None else None
+    for cut, found in zip(cuts, seen):
+        if cut == boundary:
+            encoder = tiny.get_submodule(spec.stage_forward.encoder)
+            handles.append(encoder.register_forward_hook(lambda _m, _a, out, f=found: f.append(_first(out))))
+        elif boundary is not None:  # what the loop reads off the layer before (the stage's first layer's input)
+            layer = tiny.get_submodule(paths[cut - 1])
+            handles.append(layer.register_forward_hook(lambda _m, _a, out, f=found: f.append(_first(out))))
+        else:
+            layer = tiny.get_submodule(paths[cut])
+            hook = lambda _m, a, k, f=found: f.append(_hidden_of(a, k))  # noqa: E731
+            handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+    return seen, handles
 
 
 def _first(output) -> torch.Tensor:

@@ -232,24 +232,22 @@ def stage_split(spec: PipelineSpec, model: nn.Module, pp: int, numels: dict[str,
     starts = [sum(counts[:s]) for s in range(pp)]
     layer_stage = {i: s for s in range(pp) for i in range(starts[s], starts[s] + counts[s])}
     under = lambda name, paths: any(name == q or name.startswith(q + ".") for q in paths)  # noqa: E731
-    first, last, shared = spec.first, spec.last, spec.shared
-    params = dict(model.named_parameters())  # a tied weight counts as shared under any of its names
-    shared_ids = {id(q) for path in shared for q in model.get_submodule(path).parameters()}
+    ends = [path for paths, _ in spec.sections(model).values() for path in paths]
+    aliases: dict[int, list[str]] = {}  # a tied weight is held wherever any of its names is
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    params = dict(model.named_parameters())
     per_stage = [0] * pp
-    for name, n in numels.items():
-        layer = next((i for i, p in enumerate(layer_paths) if name.startswith(p + ".")), None)
-        if layer is not None:
-            per_stage[layer_stage[layer]] += n
-        elif under(name, shared) or id(params.get(name)) in shared_ids:
-            for s in {0, pp - 1}:
-                per_stage[s] += n
-        elif under(name, first):
-            per_stage[0] += n
-        elif under(name, last):
-            per_stage[pp - 1] += n
-        else:  # not named by the spec: every stage keeps it
-            for s in range(pp):
-                per_stage[s] += n
+    for s in range(pp):
+        dropped = set(spec.dropped(model, range(starts[s], starts[s] + counts[s])))
+        kept = [path for path in ends if path not in dropped]
+        for name, n in numels.items():
+            layer = next((i for i, p in enumerate(layer_paths) if name.startswith(p + ".")), None)
+            names = aliases.get(id(params.get(name)), [name])
+            if layer is not None:
+                per_stage[s] += n if layer_stage[layer] == s else 0
+            elif any(under(alias, kept) for alias in names) or not any(under(alias, ends) for alias in names):
+                per_stage[s] += n  # an end module this stage holds, or a weight the spec does not name (everywhere)
     return [(range(starts[s], starts[s] + counts[s]), per_stage[s]) for s in range(pp)]
 
 

@@ -88,7 +88,7 @@ def _check(
     assert mine <= set(full), f"{what}: names not in the unsharded model: {mine - set(full)}"
     assert set(weights) == set(full), f"{what}: missing on every stage: {set(full) - set(weights)}"
     for key, value in full.items():
-        assert_close(weights[key], value.detach(), what=f"{what}: {key} after {STEPS} steps")
+        assert_close(weights[key], value.detach(), what=f"{what}: {key} after {len(data)} steps")
     return engine
 
 

@@ -3,19 +3,22 @@
 batches: the loss of every step and every weight after the steps (AdamW, and SGD where the step is
 proportional to the gradient). Derived-route decoders (OPT, BLOOM), a derived encoder's classifier
 (RoBERTa), and built-in families' heads that have no spec of their own (BERT, GPT-2 classifiers).
-Sequence parallelism on the derived route (GPT-Neo) at tp=2, and encoder-decoders (BART, T5) split at
-their boundary. timm models with no family record (their tokens held by the model itself, Swin split
-between its stages; the export reloaded by timm) and a hand-written plain-module LM. One spawn.
+Sequence parallelism on the derived route (GPT-Neo) at tp=2, and encoder-decoders: Whisper and T5 split at
+their boundary, T5 in four stages, BART in four chunks. timm models with no family record (their tokens
+held by the model itself, Swin split between its stages; the export reloaded by timm) and a
+hand-written plain-module LM. One spawn.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers as tf
 
 from shardformer.core.tiny import tiny_config
 from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_spec
 from shardformer.policies.anatomy import final_norm, layer_stack
-from shardformer.policies.anatomy_pipeline import AnatomyStageForward, EncoderDecoderStageForward, pipeline_spec_for
+from shardformer.policies.anatomy_pipeline import AnatomyStageForward, pipeline_spec_for
+from shardformer.policies.encoder_decoder import EncoderDecoderStageForward
 from shardformer.tools.conformance import load_pair
 from tests.helpers import check_table
 from tests.pipeline import common
@@ -109,8 +112,11 @@ def check_sequence_parallel_gpt_neo_tp2_pp2_zero1_sgd():  # a derived decoder: i
     assert engine.model.shardformer.route == "derived"
 
 
-def check_bart_tp2_pp2_zero1():  # the encoder on the first stage, its output carried to the decoder's
-    _run("BartForConditionalGeneration", (2, 2, 1, "1f1b", 2, 0.5, "torch"), num_hidden_layers=2, decoder_layers=2)
+def check_bart_tp2_pp2_interleaved_zero1():  # chunks of one layer: the encoder's output carried past the decoder's
+    _run(
+        "BartForConditionalGeneration", (2, 2, 1, "interleaved_1f1b", 2, 0.5, "torch"), num_hidden_layers=2,
+        decoder_layers=2, data=common.batches("Bart", 2),
+    )  # fmt: skip
 
 
 def check_t5_tp2_pp2_zero2_sgd():  # each stack's first layer computes the position bias on its own stage
@@ -118,6 +124,16 @@ def check_t5_tp2_pp2_zero2_sgd():  # each stack's first layer computes the posit
         "T5ForConditionalGeneration", (2, 2, 1, "gpipe", 2, None, "p2p"), zero_stage=2, optimizer=common.sgd,
         num_hidden_layers=2, num_decoder_layers=2, decoder_start_token_id=0,
     )  # fmt: skip
+
+
+def check_t5_pp4_adamw():
+    """One layer per stage: the tied embedding on stages 0 (encoder), 2 (decoder) and 3 (head), summed over them."""
+    engine = _run(
+        "T5ForConditionalGeneration", (1, 4, 1, "1f1b", 4, 0.5, "p2p"), num_hidden_layers=2, num_decoder_layers=2,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    groups = [dist.get_process_group_ranks(group) for group, _ in engine.shared]
+    assert groups == ([] if engine.mesh.pp_rank == 1 else [[0, 2, 3]]), groups
 
 
 def check_whisper_tp2_pp2_zero1_sgd():  # speech: the encoder's stage takes log-mel frames, not token ids
@@ -305,7 +321,8 @@ CHECKS = [
     check_bert_sequence_classification_tp2_pp2_zero2_sgd,
     check_gpt2_sequence_classification_tp2_pp2_zero1,
     check_sequence_parallel_gpt_neo_tp2_pp2_zero1_sgd,
-    check_bart_tp2_pp2_zero1,
+    check_bart_tp2_pp2_interleaved_zero1,
+    check_t5_pp4_adamw,
     check_t5_tp2_pp2_zero2_sgd,
 ]
 test_engine_anatomy_4_ranks = check_table(CHECKS, 4)
@@ -322,14 +339,31 @@ def test_anatomy_of_a_derived_decoder():
     assert spec.last == ("model.decoder.final_layer_norm", "lm_head")
 
 
-def test_an_encoder_decoder_splits_only_at_the_boundary_into_two_stages():
+def test_an_encoder_decoder_splits_where_its_tiny_copy_proves_it_exact():
+    """BART: stages cut inside either stack and across the boundary, each module with the layer next to it.
+    Whisper's encoder embeds log-mel frames through convolutions that no stand-in answers for: a stage
+    that starts inside its encoder is refused, naming why, while its decoder splits anywhere."""
     model = tf.BartForConditionalGeneration(tiny_config(tf.BartConfig, encoder_layers=4, decoder_layers=2))
     spec = pipeline_spec_for(model)
     assert (spec.layers, spec.second_layers) == ("model.encoder.layers", "model.decoder.layers")
-    check_pipeline_spec(spec, model, 2, [4, 2])
-    for pp, split in ((2, None), (3, None), (2, [3, 3])):
-        with pytest.raises(PipelineSpecError, match=r"encoder/decoder boundary only .*layers_per_stage=\[4, 2\]"):
-            check_pipeline_spec(spec, model, pp, split)
+    assert spec.second_start == tuple(
+        f"model.decoder.{m}" for m in ("embed_tokens", "embed_positions", "layernorm_embedding")
+    )
+    assert spec.stage_forward.refusals == {}
+    for pp, split in ((2, [4, 2]), (3, None), (4, None), (2, [3, 3])):
+        check_pipeline_spec(spec, model, pp, split)
+    stage = spec.keep_stage(model, 1, 3)  # layers 2-3 of the encoder: its end, not its start
+    assert stage.model.encoder.embed_tokens is None and stage.model.decoder.embed_tokens is None
+    whisper = tf.WhisperForConditionalGeneration(
+        tiny_config(tf.WhisperConfig, encoder_attention_heads=4, decoder_attention_heads=4)
+    )
+    spec = pipeline_spec_for(whisper)
+    check_pipeline_spec(spec, whisper, 3, [2, 2, 2])
+    with pytest.raises(
+        PipelineSpecError,
+        match=r"starts inside the encoder is not exact on a tiny copy \(.*layers_per_stage=\[2, \.\.\.\]",
+    ):
+        check_pipeline_spec(spec, whisper, 4)
 
 
 def test_a_head_registered_before_the_base_model_keeps_its_tie():

@@ -1,5 +1,5 @@
-"""Schedules with several model chunks per pipeline rank (interleaved 1F1B, ZBV, DualPipeV) and ZeRO-3 on
-plan-route models at pp=2, through ParallelEngine on 4 gloo ranks, against one process training the
+"""Schedules with several model chunks per pipeline rank (interleaved 1F1B, ZBV, DualPipeV) on Llama, Qwen3,
+GPT-2 and T5 (an encoder-decoder in chunks of one layer), and ZeRO-3 on plan-route models at pp=2, through ParallelEngine on 4 gloo ranks, against one process training the
 unsharded model on the same batches: the loss of every step and every weight after the steps (with
 gradient clipping, so the gradient norm over the chunks is checked too). One spawn; the refusals run
 without one.
@@ -105,7 +105,47 @@ def check_zero3_pp2_dp2_plan_route():
     _inference_matches(engine, ref, "LlamaForCausalLM")
 
 
+def _t5():
+    cls = tf.T5ForConditionalGeneration
+    return load_pair(cls, tiny_config(cls.config_class, num_layers=2, num_decoder_layers=2, decoder_start_token_id=0))
+
+
+def _train_t5(combo, optimizer=common.adamw, **options):
+    """A 2+2-layer T5 in 4 chunks of one layer: cut inside the encoder (T5's position bias handed on with
+    the hidden states), at the boundary and inside the decoder (the encoder's output carried along)."""
+    ref, model = pair = _t5()
+    engine = _check("T5", *combo, model_pair=pair, data=common.batches("T5", 2), optimizer=optimizer, **options)
+    return ref, engine
+
+
+def check_t5_tp2_pp2_interleaved_zero2_and_inference():
+    """The shared embedding on three chunks (encoder's, decoder's, head's) over two ranks: one weight."""
+    ref, engine = _train_t5(
+        (2, 2, 1, "interleaved_1f1b", 2, 0.5, "torch"), common.sgd, zero_stage=2, gather_output=True
+    )
+    assert engine.chunks.layers == (((0,), (2,)) if engine.mesh.pp_rank == 0 else ((1,), (3,)))
+    batch = common.batches("T5", 1, seed=5)[0]
+    chunks = split_batch(batch, 2, "chunks")
+    with torch.no_grad():
+        expected = sum(ref.eval()(**c).loss for c in chunks).item() / len(chunks)
+        logits = ref(**batch).logits
+    assert_close(torch.tensor(engine.eval_step(batch)), torch.tensor(expected), what="T5 eval_step")
+    assert_close(engine.forward(batch), logits, what="T5 forward logits")
+
+
+def check_t5_pp2_dp2_zbv_adamw():
+    _, engine = _train_t5((1, 2, 2, "zbv", 4, 0.5, "torch"))
+    assert not engine._torch_pipeline.split_backward  # chunks hand received tensors on: one whole backward
+
+
+def check_t5_pp2_dp2_dualpipev_zero3():  # both stacks' layers are FSDP2 units; the root's embedding in 3 chunks
+    _train_t5((1, 2, 2, "dualpipev", 4, 0.5, "torch"), zero_stage=3)
+
+
 CHECKS = [
+    check_t5_tp2_pp2_interleaved_zero2_and_inference,
+    check_t5_pp2_dp2_zbv_adamw,
+    check_t5_pp2_dp2_dualpipev_zero3,
     check_llama_tp2_pp2_interleaved_and_inference,
     check_tied_llama_tp2_pp2_zbv_zero2_sequence_parallel,
     check_gpt2_cp2_pp2_dualpipev,
