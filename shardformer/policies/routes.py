@@ -112,7 +112,11 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
             if chosen or len(routes) == 1 and getattr(model, "config", None) is not None:
                 raise
             if [r.name for r in routes] == [DERIVED] and getattr(model, "config", None) is None:  # a plain module
-                raise NotDerivableError(f"{no_route_error(model)}. The derived route: {e}") from e
+                # the derived route's reason first: it names the module and why (a long list of the
+                # families with a built-in policy after it)
+                raise NotDerivableError(
+                    f"{type(model).__name__}: the derived route refuses it: {e}. {no_route_error(model)}"
+                ) from e
             reasons.append(f"{route.name}: {e}")
             continue
         if tp == 1 or route.name == CUSTOM:

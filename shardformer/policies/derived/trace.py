@@ -65,18 +65,21 @@ def run_hooked(model: nn.Module, inputs: dict, handles: list, mode=None) -> None
 def repeated_blocks(model: nn.Module) -> list[str]:
     """Paths of the items of every ``ModuleList`` or ``Sequential`` that holds at least two modules of
     one class with projections inside, outermost stacks only (experts inside a layer belong to their
-    layer), except a ``Sequential`` of stages that each hold such a stack (Swin's stages of blocks):
-    the blocks inside them are the repeated blocks."""
+    layer), except a ``Sequential`` of stages that each hold such a stack (Swin's stages of blocks)
+    or are one (CSATv2's stages, each a ``Sequential`` of blocks), and a ``ModuleList`` of stacks
+    (Twins', VOLO's): the blocks inside them are the repeated blocks."""
     found: list[str] = []
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(name.startswith(b + ".") for b in found):
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(
+            name == b or name.startswith(b + ".") for b in found
+        ):
             continue
         like = _like_blocks(module, name)
-        if (
-            isinstance(module, nn.Sequential)
-            and like
-            and all(_holds_stack(module[int(p.rpartition(".")[2])]) for p in like)
-        ):
+        items = [module[int(p.rpartition(".")[2])] for p in like]
+        # a ModuleList of stages only where each is a stack itself (Twins', VOLO's): a ModuleList of
+        # layers holding a stack (experts) is a stack of layers
+        stage = _is_stage if isinstance(module, nn.Sequential) else _is_stack
+        if like and all(stage(item) for item in items):
             continue  # stages of blocks: the blocks are found inside each stage
         found += like
     return found
@@ -89,6 +92,15 @@ def _like_blocks(stack: nn.Module, name: str) -> list[str]:
         if any(is_projection(m) for m in item.modules()) and list(item.children()):
             classes[type(item)].append(f"{name}.{index}" if name else str(index))
     return [path for paths in classes.values() if len(paths) >= 2 for path in paths]
+
+
+def _is_stage(item: nn.Module) -> bool:
+    """A stage: it holds a stack of like blocks, or is one."""
+    return _holds_stack(item) or _is_stack(item)
+
+
+def _is_stack(item: nn.Module) -> bool:
+    return isinstance(item, (nn.ModuleList, nn.Sequential)) and bool(_like_blocks(item, ""))
 
 
 def _holds_stack(module: nn.Module) -> bool:
