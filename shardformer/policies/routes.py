@@ -36,7 +36,7 @@ logger = logging.getLogger("shardformer")
 BUILT_IN, PLAN, DERIVED, CUSTOM = "built-in policy", "tp plan", "derived", "custom policy"
 # what a route raises when it cannot cut this model: the next route is tried (anything else is the
 # user's input, raised as it is)
-_ROUTE_ERRORS = (NotDerivableError, UnsupportedStyleError, NotImplementedError)
+ROUTE_ERRORS = (NotDerivableError, UnsupportedStyleError, NotImplementedError)
 
 
 @dataclass
@@ -108,7 +108,7 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
         sharder = ModelSharder(model, route.make(), mesh_config or shard_config, **sharder_args)
         try:
             plan = sharder.plan()  # every refusal first, before any collective
-        except _ROUTE_ERRORS as e:
+        except ROUTE_ERRORS as e:
             if chosen or len(routes) == 1 and getattr(model, "config", None) is not None:
                 raise
             if [r.name for r in routes] == [DERIVED] and getattr(model, "config", None) is None:  # a plain module

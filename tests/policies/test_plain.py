@@ -55,6 +55,11 @@ def test_repeated_blocks_of_plain_and_timm_models():
         nn.Sequential(nn.Linear(8, 16), PlainBlockNoEmbed(16), PlainBlockNoEmbed(16)),
     )
     assert repeated_blocks(nn.Sequential(stages)) == ["0.0.0", "0.0.1", "0.1.1", "0.1.2"]
+    # a ModuleList of such stacks (Twins', VOLO's): the same; a stack of layers that each hold a stack
+    # of experts is a stack of layers
+    assert repeated_blocks(nn.ModuleList(stages)) == ["0.0", "0.1", "1.1", "1.2"]
+    layers = nn.ModuleList(nn.ModuleDict({"experts": nn.ModuleList(stages[0])}) for _ in range(2))
+    assert repeated_blocks(nn.Sequential(layers)) == ["0.0", "0.1"]
 
 
 def test_plain_inputs_are_token_ids_or_refused():
@@ -259,5 +264,8 @@ def test_cli_plans_any_timm_model_by_name(capsys):
     assert main(["plan", "timm:eva02_small_patch14_224", "--tp", "2", "--summary"]) == 0
     out = capsys.readouterr().out
     assert "Linear -> Linear1D_Col: 24 (e.g. blocks.0.attn.qkv)" in out and "(0.508)" in out, out
+    # ViTamin: a VisionTransformer whose MLP the family's policy refuses; the plan takes the next route
+    assert main(["plan", "timm:vitamin_small_224", "--tp", "2", "--summary"]) == 0
+    assert "per tensor-parallel rank (0.534)" in capsys.readouterr().out
     assert main(["verify", "timm:eva02_smal", "--tp", "2"]) == 2  # refused before any process starts
     assert "timm has no model named 'eva02_smal' (similar: eva02_" in capsys.readouterr().err
