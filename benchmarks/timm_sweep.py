@@ -43,7 +43,6 @@ EXTRA = {
     "vision_transformer": [
         "vit_wee_patch16_reg1_gap_256",  # registers, global average pooling
         "vit_base_patch16_siglip_224",  # SigLIP: attention pooling (global_pool='map')
-        "vit_base_patch16_rope_reg1_gap_256",  # rotary positions
     ],
     "eva": ["eva02_tiny_patch14_224", "eva02_base_patch14_224"],  # EVA-02; base: LayerNorm in the SwiGLU MLP
     "deit": ["deit3_small_patch16_224", "deit_tiny_distilled_patch16_224"],  # DeiT-III (layer scale); distilled
@@ -55,7 +54,6 @@ SHRINK = {
     "deepseek_vit_412m": dict(depth=4),
     "gemma4_vit_167m": dict(depth=4),
     "vit_base_patch16_siglip_224": dict(depth=4),
-    "vit_base_patch16_rope_reg1_gap_256": dict(depth=4),
     "eva02_base_patch14_224": dict(depth=4),
     "beit_base_patch16_224": dict(depth=4),
     "samvit_base_patch16_224": dict(depth=4),
