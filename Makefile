@@ -16,7 +16,8 @@ demo: $(STAMP)
 	$(VENV)/bin/shardformer run --nproc_per_node 2 examples/gpt2/main.py --config examples/gpt2/config.py --mode inference
 
 # Not part of `make test`: every transformers causal LM with a tp plan, sharded at tp=2 against the
-# unsharded model (a few minutes on 2 cores); prints the table docs/models.md shows.
+# unsharded model (a few minutes on 2 cores); prints the table docs/models.md shows. Its timm
+# counterpart, every timm architecture at tp=2: $(PY) benchmarks/timm_sweep.py --save benchmarks
 conformance: $(STAMP)
 	$(PY) benchmarks/conformance.py --save benchmarks
 

@@ -90,7 +90,9 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
     SmolVLM: their ``pixel_attention_mask``); or patches with their grid (Qwen2-VL: ``image_grid_thw``,
     a 2×2 grid of merged patches per image)."""
     vision = getattr(config, "vision_config", config)
-    size = getattr(vision, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", (224,))
+    size = getattr(vision, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", None)
+    # a timm model without a patch embedding (HaloNet: 256 x 256 only): the size it was built for
+    size = size or (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224))[1:] or (224,)
     size = size[0] if isinstance(size, (tuple, list)) else size
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None)
     channels = channels or getattr(model, "in_chans", 3)

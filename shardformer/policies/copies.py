@@ -19,7 +19,8 @@ KEEP = 2  # blocks kept of each repeated stack
 
 def repeated_stacks(model: nn.Module) -> list[str]:
     """Paths of the stacks :func:`~shardformer.policies.derived.trace.repeated_blocks` finds whose
-    blocks are all of one class (a stack of mixed classes is kept whole in a copy)."""
+    blocks are all of one class and one shape (a stack of mixed classes, or of stages that widen as
+    ConvNeXt's do, is kept whole in a copy: the layers after it read the last item's width)."""
     from shardformer.policies.derived.trace import repeated_blocks
 
     stacks: list[str] = []
@@ -27,7 +28,11 @@ def repeated_stacks(model: nn.Module) -> list[str]:
         stack = block.rpartition(".")[0]
         if stack and stack not in stacks:
             stacks.append(stack)
-    return [s for s in stacks if len({type(m) for m in model.get_submodule(s)}) == 1]
+    return [s for s in stacks if len({_shape(m) for m in model.get_submodule(s)}) == 1]
+
+
+def _shape(block: nn.Module) -> tuple:
+    return type(block), tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
 
 
 @contextlib.contextmanager

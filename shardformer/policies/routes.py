@@ -36,7 +36,7 @@ logger = logging.getLogger("shardformer")
 BUILT_IN, PLAN, DERIVED, CUSTOM = "built-in policy", "tp plan", "derived", "custom policy"
 # what a route raises when it cannot cut this model: the next route is tried (anything else is the
 # user's input, raised as it is)
-_ROUTE_ERRORS = (NotDerivableError, UnsupportedStyleError, NotImplementedError)
+ROUTE_ERRORS = (NotDerivableError, UnsupportedStyleError, NotImplementedError)
 
 
 @dataclass
@@ -109,11 +109,15 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
         sharder = ModelSharder(model, route.make(), mesh_config or shard_config, **sharder_args)
         try:
             plan = sharder.plan()  # every refusal first, before any collective
-        except _ROUTE_ERRORS as e:
+        except ROUTE_ERRORS as e:
             if chosen or len(routes) == 1 and getattr(model, "config", None) is not None:
                 raise
             if [r.name for r in routes] == [DERIVED] and getattr(model, "config", None) is None:  # a plain module
-                raise NotDerivableError(f"{no_route_error(model)}. The derived route: {e}") from e
+                # the derived route's reason first: it names the module and why (a long list of the
+                # families with a built-in policy after it)
+                raise NotDerivableError(
+                    f"{type(model).__name__}: the derived route refuses it: {e}. {no_route_error(model)}"
+                ) from e
             reasons.append(f"{route.name}: {e}")
             continue
         if tp == 1 or route.name == CUSTOM:

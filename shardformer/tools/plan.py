@@ -26,7 +26,7 @@ from shardformer.pipeline.spec import PipelineSpec, check_split
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.policies.anatomy import layer_stack, stack_anatomy
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
-from shardformer.policies.auto import get_autopolicy
+from shardformer.policies.routes import ROUTE_ERRORS, candidate_routes, no_route_error
 from shardformer.tensor_parallel.sharder import ModelSharder
 from shardformer.tensor_parallel.slicer import shard_spec
 from shardformer.tools.activation_estimate import estimate_activations
@@ -189,7 +189,7 @@ def plan_model(
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     before = {name: type(m).__name__ for name, m in model.named_modules()}
     config = ShardConfig(tensor_parallel_process_group=VirtualGroup(tp_rank, tp), pipeline_parallel_size=1)
-    policy = policy or get_autopolicy(model)
+    policy = policy or first_resolving_policy(model, config)
     model = ModelSharder(model, policy, config, layers=layer_stack(model)).shard()
     tokens = batch * seq // cp if batch is not None else None
     plan = Plan(
@@ -210,6 +210,22 @@ def plan_model(
         plan.stages = stage_split(pipeline, model, pp, numels)
     plan.largest_layer = largest_layer(numels, layer_stack(model))
     return plan
+
+
+def first_resolving_policy(model: nn.Module, config: ShardConfig):
+    """The first candidate route's policy whose cut resolves against ``model``, as ``shard_model``
+    tries them (unproven: a plan runs no proof): timm's ViTamin is a ``VisionTransformer`` whose MLP
+    the built-in policy refuses, and the derived route cuts it."""
+    routes = candidate_routes(model)
+    if not routes:
+        raise no_route_error(model)
+    for route in routes[:-1]:
+        try:
+            ModelSharder(model, route.make(), config, layers=layer_stack(model)).plan()
+        except ROUTE_ERRORS:
+            continue
+        return route.make()
+    return routes[-1].make()
 
 
 def largest_layer(numels: dict[str, int], layers_path: str | None) -> int:

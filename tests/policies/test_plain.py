@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 from shardformer import ShardConfig
 from shardformer.core.inputs import make_inputs
@@ -14,7 +15,15 @@ from shardformer.policies.copies import two_blocks
 from shardformer.policies.derived import DerivedPolicy, derive
 from shardformer.policies.derived.trace import repeated_blocks
 from shardformer.tools.testing import run_on_ranks
-from tests.policies.plain_models import TorchEncoderLM, factory, no_inputs, plain_lm, timm_model, torch_encoder_lm
+from tests.policies.plain_models import (
+    PlainBlockNoEmbed,
+    TorchEncoderLM,
+    factory,
+    no_inputs,
+    plain_lm,
+    timm_model,
+    torch_encoder_lm,
+)
 
 # BEiT, EVA-02 (fused qkv read through F.linear with q/v biases, and separate q/k/v) and Swin-V2 (its
 # relative position MLP per head) take the setting that calls qkv, their biases cut with the [Q|K|V]
@@ -46,12 +55,28 @@ def test_repeated_blocks_of_plain_and_timm_models():
     ]
     copy = two_blocks(timm_model("swin"))
     assert [len(stage.blocks) for stage in copy.layers] == [2, 2]  # each stack cut to two, the stages kept
+    # stages that are themselves Sequentials of blocks, the first item of a stage unlike the rest (a
+    # downsampling layer, as CSATv2's): the blocks inside are the repeated ones, each found once
+    stages = nn.Sequential(
+        nn.Sequential(PlainBlockNoEmbed(8), PlainBlockNoEmbed(8)),
+        nn.Sequential(nn.Linear(8, 16), PlainBlockNoEmbed(16), PlainBlockNoEmbed(16)),
+    )
+    assert repeated_blocks(nn.Sequential(stages)) == ["0.0.0", "0.0.1", "0.1.1", "0.1.2"]
+    # a ModuleList of such stacks (Twins', VOLO's): the same; a stack of layers that each hold a stack
+    # of experts is a stack of layers
+    assert repeated_blocks(nn.ModuleList(stages)) == ["0.0", "0.1", "1.1", "1.2"]
+    layers = nn.ModuleList(nn.ModuleDict({"experts": nn.ModuleList(stages[0])}) for _ in range(2))
+    assert repeated_blocks(nn.Sequential(layers)) == ["0.0", "0.1"]
 
 
 def test_plain_inputs_are_token_ids_or_refused():
     inputs = make_inputs(plain_lm(), seed=0)
     assert list(inputs) == ["tokens"] and inputs["tokens"].max() < 96
     assert list(make_inputs(timm_model("deit"), seed=0)) == ["x"]
+    import timm
+
+    # no patch embedding to read the size from: the size the model was built for (its pretrained_cfg)
+    assert make_inputs(timm.create_model("test_convnext"), seed=0)["x"].shape == (2, 3, 160, 160)
     with pytest.raises(ValueError, match="cannot make inputs for Sequential"):
         make_inputs(no_inputs(), seed=0)
 
@@ -106,12 +131,26 @@ def test_a_convolutional_network_is_refused_pointing_at_data_parallelism():
     from shardformer.policies.derived import NotDerivableError
     from shardformer.policies.derived.policy import derived_model
 
-    for model in (timm.create_model("resnet18", pretrained=False), timm_model("convnext")):
+    # test_convnext: a first stage of one block, so its stages (not its blocks) are the repeated stack;
+    # stages that widen are kept whole in the copy (cut to two, the head would read the wrong width)
+    convnets = [timm.create_model(n, pretrained=False) for n in ("resnet18", "test_convnext")]
+    for model in (*convnets, timm_model("convnext")):
         assert derived_model(model)  # tried, to say why not
         policy = DerivedPolicy()
         policy.set_model(model)
         with pytest.raises(NotDerivableError, match=r"data parallelism .* ZeRO"):
             policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
+
+
+def test_heads_that_tp_does_not_split_are_named():
+    import timm
+
+    # EVA-02 tiny's 3 heads at tp=2: no cut of its attention is exact, and the refusal says why
+    model = timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=28, depth=2)
+    (why,) = set(derive(model, 2).refused)
+    assert (
+        "EvaBlock: attn.qkv -> attn.proj: attn.num_heads=3: its heads do not split over tensor_parallel_size=2" in why
+    )
 
 
 def test_torch_transformer_encoder_cuts_multihead_attention_by_heads():
@@ -327,5 +366,8 @@ def test_cli_plans_any_timm_model_by_name(capsys):
     assert main(["plan", "timm:eva02_small_patch14_224", "--tp", "2", "--summary"]) == 0
     out = capsys.readouterr().out
     assert "Linear -> Linear1D_Col: 24 (e.g. blocks.0.attn.qkv)" in out and "(0.508)" in out, out
+    # ViTamin: a VisionTransformer whose MLP the family's policy refuses; the plan takes the next route
+    assert main(["plan", "timm:vitamin_small_224", "--tp", "2", "--summary"]) == 0
+    assert "per tensor-parallel rank (0.534)" in capsys.readouterr().out
     assert main(["verify", "timm:eva02_smal", "--tp", "2"]) == 2  # refused before any process starts
     assert "timm has no model named 'eva02_smal' (similar: eva02_" in capsys.readouterr().err

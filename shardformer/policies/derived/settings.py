@@ -68,7 +68,12 @@ def _apply(tiny: nn.Module, cls: type, setting: str, value) -> list[tuple[nn.Mod
     before = []
     for module in tiny.modules():
         if type(module) is cls:
-            target = module.get_submodule(owner) if owner else module
+            try:  # a block of the class without this submodule or setting (stacks of unlike blocks) keeps its own
+                target = module.get_submodule(owner) if owner else module
+            except AttributeError:
+                continue
+            if not hasattr(target, name):
+                continue
             before.append((target, getattr(target, name)))
             setattr(target, name, value)
     return before

@@ -406,7 +406,25 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                         cut.head_inputs = {prefix: passed_whole} if passed_whole else {}
                     return cut, ""
                 errors.append(f"{_describe(blocks, divide)}: the ranks' summed output differs from the group's")
-    return None, errors[0] if errors else "no candidate cut"
+    return None, _why_none(parent, prefix, tp, errors[0] if errors else "no candidate cut")
+
+
+def _why_none(parent: nn.Module, prefix: str, tp: int, first_error: str) -> str:
+    """Why no cut of a group is exact: a head count its code reads that ``tp`` cannot split (3 heads
+    at tp=2, the likeliest reason, named first), then the first candidate's failure."""
+    unsplit = []
+    for rel, module in parent.named_modules():
+        read = attributes_read(type(module))
+        for name, value in int_attributes(module).items():
+            if is_head_count(name) and (read is None or name in read) and value > 1 and not _splits(name, value, tp):
+                unsplit.append(".".join(p for p in (prefix, rel, name) if p) + f"={value}")
+    if not unsplit:
+        return first_error
+    return (
+        f"{', '.join(unsplit)}: {'these heads do' if len(unsplit) > 1 else 'its heads do'} not split over "
+        f"tensor_parallel_size={tp} (use a tp that divides the head count, or data parallelism / ZeRO); "
+        f"the first candidate: {first_error}"
+    )
 
 
 MAX_TRIALS = 200  # simulated candidates per group (many projections in one group multiply them)

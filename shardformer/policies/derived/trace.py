@@ -65,18 +65,21 @@ def run_hooked(model: nn.Module, inputs: dict, handles: list, mode=None) -> None
 def repeated_blocks(model: nn.Module) -> list[str]:
     """Paths of the items of every ``ModuleList`` or ``Sequential`` that holds at least two modules of
     one class with projections inside, outermost stacks only (experts inside a layer belong to their
-    layer), except a ``Sequential`` of stages that each hold such a stack (Swin's stages of blocks):
-    the blocks inside them are the repeated blocks."""
+    layer), except a ``Sequential`` of stages that each hold such a stack (Swin's stages of blocks)
+    or are one (CSATv2's stages, each a ``Sequential`` of blocks), and a ``ModuleList`` of stacks
+    (Twins', VOLO's): the blocks inside them are the repeated blocks."""
     found: list[str] = []
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(name.startswith(b + ".") for b in found):
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(
+            name == b or name.startswith(b + ".") for b in found
+        ):
             continue
         like = _like_blocks(module, name)
-        if (
-            isinstance(module, nn.Sequential)
-            and like
-            and all(_holds_stack(module[int(p.rpartition(".")[2])]) for p in like)
-        ):
+        items = [module[int(p.rpartition(".")[2])] for p in like]
+        # a ModuleList of stages only where each is a stack itself (Twins', VOLO's): a ModuleList of
+        # layers holding a stack (experts) is a stack of layers
+        stage = _is_stage if isinstance(module, nn.Sequential) else _is_stack
+        if like and all(stage(item) for item in items):
             continue  # stages of blocks: the blocks are found inside each stage
         found += like
     return found
@@ -117,6 +120,15 @@ def attends(groups: list, attention: set[str]) -> bool:
     """A head's projections form attention: an ``nn.MultiheadAttention``, or a row projection reading
     two column projections or more (queries and keys / values); an MLP alone is not a pooling head."""
     return bool(attention) or any(len(g.cols) >= 2 for g in groups)
+
+
+def _is_stage(item: nn.Module) -> bool:
+    """A stage: it holds a stack of like blocks, or is one."""
+    return _holds_stack(item) or _is_stack(item)
+
+
+def _is_stack(item: nn.Module) -> bool:
+    return isinstance(item, (nn.ModuleList, nn.Sequential)) and bool(_like_blocks(item, ""))
 
 
 def _holds_stack(module: nn.Module) -> bool:
