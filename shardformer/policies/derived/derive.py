@@ -20,7 +20,7 @@ import torch.nn as nn
 from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import tiny_copy_config
 from shardformer.core.tiny_run import tiny_copy
-from shardformer.policies.copies import architecture, repeated_stacks, two_blocks
+from shardformer.policies.copies import architecture, two_blocks
 from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import find_cut, record_calls
 from shardformer.policies.derived.trace import attends, input_embeddings, is_projection, mixed_rows, pair, trace
@@ -155,9 +155,13 @@ def _between_cols_and_rows(leaf_reads, rule: BlockRule, block: nn.Module) -> set
 
 def _copy_does_not_run(model: nn.Module, error: Exception) -> str:
     """Why a model with no config to scale down (timm's MViT) is refused when its two-block copy fails."""
+    from shardformer.policies.derived.trace import repeated_blocks
+
+    paths = dict.fromkeys(b.rpartition(".")[0] for b in repeated_blocks(model))  # every stack, also those kept whole
     stacks = ", ".join(
         f"{path} ({len(model.get_submodule(path))} x {type(model.get_submodule(path)[0]).__name__})"
-        for path in repeated_stacks(model)
+        for path in paths
+        if path
     )
     return (
         f"{type(model).__name__}: its copy with each repeated stack cut to two items ({stacks}) does not run "
