@@ -62,20 +62,39 @@ def original_attention(module, implementation: str):
 
 
 class MaskReadAsTensor(AttributeError, ValueError):
-    """A model's code read its :class:`SplitMask` as a tensor (an AttributeError too, so ``hasattr``
-    and ``getattr(..., default)`` answer as they would for any object without that attribute)."""
+    """A model's code read its attention mask as a tensor where context parallelism hands it an
+    :class:`OpaqueMask` (an AttributeError too, so ``hasattr`` and ``getattr(..., default)`` answer as
+    for any object without that attribute). ``reason``: why, for a refusal naming the model."""
 
     def __init__(self, what: str) -> None:
-        super().__init__(
-            f"context parallelism: this model's code reads its attention mask as a tensor ({what}), but in a "
-            f"split forward the mask is the model's mask pattern over the whole sequence (a SplitMask), which only "
-            f"transformers' attention interface may use; this model cannot be split over the sequence: shard it "
-            f"with context_parallel_size=1"
+        self.reason = (
+            f"its code reads its attention mask as a tensor ({what}), but a split forward hands it the model's "
+            f"mask pattern over the whole sequence, which only transformers' attention interface can use"
         )
+        super().__init__(f"context parallelism: {self.reason}; shard it with context_parallel_size=1")
+
+
+class OpaqueMask:
+    """A mask only the attention interface reads. A model whose own code reads it as a tensor (Doge:
+    ``attention_mask.dtype``, slices, torch ops) cannot be split: every such read raises
+    :class:`MaskReadAsTensor`, the same on every rank, before its attention communicates (and on the
+    tiny copy that proves what mixes tokens, :mod:`.mixing`, when the model is sharded)."""
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # copy, pickle and dataclass machinery probe these
+            raise AttributeError(name)
+        raise MaskReadAsTensor(f".{name}")
+
+    def __getitem__(self, index):
+        raise MaskReadAsTensor("an index")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise MaskReadAsTensor(getattr(func, "__name__", str(func)))
 
 
 @dataclass(eq=False)
-class SplitMask:
+class SplitMask(OpaqueMask):
     """The model's mask in a split forward: its pattern, the padding, and where the tokens are."""
 
     layout: ZigzagLayout
@@ -89,21 +108,6 @@ class SplitMask:
     _cache: dict = field(default_factory=dict)
     _caching: bool = True  # the forward's layers share the block masks; backward recomputes them
     _dead: Any = False  # the query rows that see no key ([b, 1, n, 1]; None: none), once found
-
-    # A model whose own code reads its mask as a tensor (Doge: ``attention_mask.dtype``, slices,
-    # torch ops) cannot be split: it gets this object, not a tensor. Every such read raises one clear
-    # error, the same on every rank, before its attention (the ring) communicates.
-    def __getattr__(self, name):
-        if name.startswith("_"):  # copy, pickle and dataclass machinery probe these
-            raise AttributeError(name)
-        raise MaskReadAsTensor(f".{name}")
-
-    def __getitem__(self, index):
-        raise MaskReadAsTensor("an index")
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        raise MaskReadAsTensor(getattr(func, "__name__", str(func)))
 
     @property
     def uniform_dead_rows(self) -> bool:

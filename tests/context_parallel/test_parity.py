@@ -141,11 +141,6 @@ def check_refusals_before_any_collective():
     # (GotOcr2 hung: one rank's image-token count check failed while the other waited in the ring)
     with pytest.raises(ValueError, match="cannot split a forward with pixel_values: it splits the token inputs"):
         model(**common.batch(16), pixel_values=torch.zeros(2, 3, 4, 4))
-    # an attention that reads its mask as a tensor (Doge: attention_mask.dtype) is refused by name
-    _, doge = load_pair(tf.DogeForCausalLM, tiny_config(tf.DogeConfig), "eager")
-    doge = shard_model(doge, _cp("ring"))
-    with pytest.raises(ValueError, match=r"reads its attention mask as a tensor \(\.dtype\)"):
-        doge(**common.batch(16))
     assert_close(model(**common.batch(16)).loss, ref(**common.batch(16)).loss, what="llama after the refusals")
 
 
@@ -262,15 +257,16 @@ def test_ring_refuses_softcap_and_sinks_when_sharded():
 
 
 def test_a_mask_read_as_tensor_is_refused():
-    """A model's own code that reads its mask as a tensor gets a clear error, a ValueError (and an
-    AttributeError, so hasattr still answers False)."""
+    """A model whose own code reads its attention mask as a tensor (Doge: ``attention_mask.dtype``) is
+    refused when sharded, found on the tiny copy that proves what mixes tokens; in a split forward the
+    mask (a SplitMask) gives the same error on any such read, a ValueError (and an AttributeError, so
+    hasattr still answers False)."""
+    doge = tf.DogeForCausalLM(tiny_config(tf.DogeConfig))
+    with pytest.raises(ValueError, match=r"DogeForCausalLM cannot .* reads its attention mask as a tensor \(\.dtype\)"):
+        check_context_parallel(doge, ShardConfig(context_parallel_size=2), stack_anatomy(doge))
     mask = SplitMask(None, None, "ring", None, torch.ones(1, 4, dtype=torch.bool), {}, "sdpa", None)
-    for read in (
-        lambda: mask.dtype,
-        lambda: mask[:, :2],
-        lambda: torch.where(mask, 0.0, 1.0),
-        lambda: torch.ones(1) + mask,
-    ):
+    reads = (lambda: mask.dtype, lambda: mask[:, :2], lambda: torch.where(mask, 0.0, 1.0), lambda: torch.ones(1) + mask)
+    for read in reads:
         with pytest.raises(ValueError, match="reads its attention mask as a tensor"):
             read()
     assert not hasattr(mask, "shape") and mask.layout is None
