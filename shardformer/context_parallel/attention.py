@@ -61,8 +61,40 @@ def original_attention(module, implementation: str):
     return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
+class MaskReadAsTensor(AttributeError, ValueError):
+    """A model's code read its attention mask as a tensor where context parallelism hands it an
+    :class:`OpaqueMask` (an AttributeError too, so ``hasattr`` and ``getattr(..., default)`` answer as
+    for any object without that attribute). ``reason``: why, for a refusal naming the model."""
+
+    def __init__(self, what: str) -> None:
+        self.reason = (
+            f"its code reads its attention mask as a tensor ({what}), but a split forward hands it the model's "
+            f"mask pattern over the whole sequence, which only transformers' attention interface can use"
+        )
+        super().__init__(f"context parallelism: {self.reason}; shard it with context_parallel_size=1")
+
+
+class OpaqueMask:
+    """A mask only the attention interface reads. A model whose own code reads it as a tensor (Doge:
+    ``attention_mask.dtype``, slices, torch ops) cannot be split: every such read raises
+    :class:`MaskReadAsTensor`, the same on every rank, before its attention communicates (and on the
+    tiny copy that proves what mixes tokens, :mod:`.mixing`, when the model is sharded)."""
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # copy, pickle and dataclass machinery probe these
+            raise AttributeError(name)
+        raise MaskReadAsTensor(f".{name}")
+
+    def __getitem__(self, index):
+        raise MaskReadAsTensor("an index")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise MaskReadAsTensor(getattr(func, "__name__", str(func)))
+
+
 @dataclass(eq=False)
-class SplitMask:
+class SplitMask(OpaqueMask):
     """The model's mask in a split forward: its pattern, the padding, and where the tokens are."""
 
     layout: ZigzagLayout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -75,4 +76,24 @@ def check_context_parallel(model: nn.Module, shard_config, anatomy: StackAnatomy
             f"{heads} heads, which tensor_parallel_size={tp} x context_parallel_size={cp} = {tp * cp} does not "
             f"divide; use context_parallel_mode='ring' (any head count) or other sizes"
         )
+    if mode == "ring":
+        refuse_ring_softmax_changes(model)
     return ContextParallelPlan(config._attn_implementation, position_rule(model))
+
+
+def refuse_ring_softmax_changes(model: nn.Module) -> None:
+    """The ring merges its blocks with a plain online softmax: logit soft-capping and attention sinks
+    change that softmax. Attention modules keep them on themselves (``attn_logit_softcapping``, a
+    ``sinks`` parameter) and pass them to the attention interface as ``softcap`` / ``s_aux``, where
+    the ring would refuse them at the first step; refused here, when the model is sharded."""
+    for module in model.modules():
+        passed = []
+        if getattr(module, "attn_logit_softcapping", None) is not None:
+            passed.append("softcap")
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            passed.append("s_aux")
+        if passed:
+            raise ValueError(
+                f"context_parallel_mode='ring' cannot compute {type(module).__name__}'s attention with "
+                f"{', '.join(passed)} exactly; use context_parallel_mode='all_to_all'"
+            )

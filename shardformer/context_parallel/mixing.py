@@ -19,6 +19,8 @@ import torch.nn as nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from shardformer.context_parallel.attention import OpaqueMask
+
 PROBE = "shardformer_token_probe"
 
 
@@ -29,7 +31,8 @@ def _own_value(module, query, key, value, attention_mask, scaling=None, dropout=
 
 
 def _mask(**kwargs):
-    return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**kwargs)  # built as sdpa's, and ignored by _own_value
+    # ignored by _own_value; opaque as a split forward's mask is: a model reading it as a tensor is found here
+    return OpaqueMask()
 
 
 def mixing_outside_attention(tiny: nn.Module, inputs: dict) -> str | None:

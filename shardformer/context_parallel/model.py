@@ -47,6 +47,7 @@ from shardformer.core.record import sharding_of
 
 IGNORE = -100
 _SPLIT_IDS = ("input_ids", "token_type_ids")  # [batch, seq] inputs taken like input_ids
+_TOKEN_INPUTS = (*_SPLIT_IDS, "inputs_embeds", "attention_mask", "position_ids", "labels", "num_items_in_batch")
 
 
 @dataclass
@@ -188,15 +189,13 @@ class ContextParallel:
             "output_attentions=True": bool(kw.get("output_attentions")),
             "shift_labels": kw.get("shift_labels") is not None,
         }
-        for key, value in kw.items():
-            if torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (batch, length):
-                refused[key] = key not in (*_SPLIT_IDS, "inputs_embeds", "attention_mask", "position_ids", "labels")
         bad = [k for k, v in refused.items() if v]
         if bad:
             raise ValueError(
                 f"context parallelism cannot split a forward with {', '.join(bad)}; pass the batch's input_ids "
                 f"(or inputs_embeds), attention_mask, position_ids and labels only"
             )
+        refuse_other_inputs(kw)
         layout = layout_for(length, self.group)
         device = source.device
         mask = kw.get("attention_mask")
@@ -248,6 +247,26 @@ class ContextParallel:
         if not self.grad_split or param_id in self._summed_elsewhere:
             return grad
         return all_reduce(grad.clone(memory_format=torch.contiguous_format), self.group)
+
+
+def refuse_other_inputs(arguments: dict) -> None:
+    """A split forward takes the token inputs only. A model merges other inputs (image or audio
+    features) into the sequence at the positions of their tokens, which only the whole sequence
+    holds: each rank would place them differently (one rank's check of the feature count fails while
+    the other waits in attention). Refused here, before anything communicates; the inputs are the
+    same on every cp rank, so every rank refuses alike."""
+    other = [k for k, v in arguments.items() if k not in _TOKEN_INPUTS and _holds_tensor(v)]
+    if other:
+        raise ValueError(
+            f"context parallelism cannot split a forward with {', '.join(other)}: it splits the token inputs "
+            f"only (input_ids or inputs_embeds, token_type_ids, attention_mask, position_ids, labels), and a model "
+            f"merges other inputs (image or audio features) into the sequence at the positions of their tokens, "
+            f"which no rank holds whole; pass text only, or shard with context_parallel_size=1"
+        )
+
+
+def _holds_tensor(value) -> bool:
+    return torch.is_tensor(value) or (isinstance(value, (list, tuple)) and any(map(torch.is_tensor, value)))
 
 
 def splits(arguments: dict) -> bool:

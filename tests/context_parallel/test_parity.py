@@ -22,7 +22,7 @@ from shardformer.core.tiny import tiny_config
 from shardformer.policies.anatomy import stack_anatomy
 from shardformer.tools.conformance import load_pair
 from tests.context_parallel import common, trust
-from tests.helpers import assert_grads_match, check_table
+from tests.helpers import assert_close, assert_grads_match, check_table
 
 
 def _cp(mode, **kw):
@@ -104,9 +104,8 @@ def check_gpt_oss_at_tp1_with_attention_sinks():
     ref, model = load_pair(tf.GptOssForCausalLM, tiny_config(tf.GptOssConfig), "eager")
     common.parity(ref, shard_model(model, _cp("all_to_all")), common.batch(16), "gpt-oss/eager cp=2 all_to_all")
     _, model = load_pair(tf.GptOssForCausalLM, tiny_config(tf.GptOssConfig), "eager")
-    model = shard_model(model, _cp("ring"))
     with pytest.raises(ValueError, match="context_parallel_mode='ring' cannot compute GptOssAttention's attention"):
-        model(**common.batch(16))
+        shard_model(model, _cp("ring"))  # when sharded, not at the first step
 
 
 def check_derived_route_decoder_and_encoder():
@@ -134,10 +133,15 @@ def check_refusals_before_any_collective():
     _, odd_heads = load_pair(tf.LlamaForCausalLM, config, "sdpa")
     with pytest.raises(ValueError, match="use context_parallel_mode='ring'"):
         shard_model(odd_heads, _cp("all_to_all"))
-    _, model = common.pair("llama")
+    ref, model = common.pair("llama")
     model = shard_model(model, _cp("ring"))
     with pytest.raises(ValueError, match="a resumable training checkpoint does not support context parallelism"):
         save_checkpoint("/nonexistent-cp-checkpoint", model)
+    # inputs other than tokens (an image's features go where its tokens are): refused on both ranks alike
+    # (GotOcr2 hung: one rank's image-token count check failed while the other waited in the ring)
+    with pytest.raises(ValueError, match="cannot split a forward with pixel_values: it splits the token inputs"):
+        model(**common.batch(16), pixel_values=torch.zeros(2, 3, 4, 4))
+    assert_close(model(**common.batch(16)).loss, ref(**common.batch(16)).loss, what="llama after the refusals")
 
 
 test_cp2 = check_table(
@@ -235,3 +239,34 @@ def test_anatomy_decides_what_is_split():
     with pytest.raises(ValueError, match=r"model.layers.0.mlp \(_TokenShiftMLP\) mixes tokens outside attention"):
         check(_TokenShiftLlama(tiny_config(tf.LlamaConfig)))
     assert check(tf.LlamaForCausalLM(tiny_config(tf.LlamaConfig))).positions == "arange"
+
+
+def test_ring_refuses_softcap_and_sinks_when_sharded():
+    """Logit soft-capping (Gemma-2) and attention sinks (GPT-OSS) change the softmax the ring merges:
+    refused from the attention modules when the model is sharded; all-to-all computes them."""
+    for config, attention, passed in (
+        (tiny_config(tf.Gemma2Config), "Gemma2Attention", "softcap"),
+        (tiny_config(tf.GptOssConfig), "GptOssAttention", "s_aux"),
+    ):
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        with pytest.raises(ValueError, match=f"cannot compute {attention}'s attention with {passed} exactly"):
+            check_context_parallel(model, ShardConfig(context_parallel_size=2))
+        check_context_parallel(model, ShardConfig(context_parallel_size=2, context_parallel_mode="all_to_all"))
+    no_cap = tf.AutoModelForCausalLM.from_config(tiny_config(tf.Gemma2Config, attn_logit_softcapping=None))
+    check_context_parallel(no_cap, ShardConfig(context_parallel_size=2))
+
+
+def test_a_mask_read_as_tensor_is_refused():
+    """A model whose own code reads its attention mask as a tensor (Doge: ``attention_mask.dtype``) is
+    refused when sharded, found on the tiny copy that proves what mixes tokens; in a split forward the
+    mask (a SplitMask) gives the same error on any such read, a ValueError (and an AttributeError, so
+    hasattr still answers False)."""
+    doge = tf.DogeForCausalLM(tiny_config(tf.DogeConfig))
+    with pytest.raises(ValueError, match=r"DogeForCausalLM cannot .* reads its attention mask as a tensor \(\.dtype\)"):
+        check_context_parallel(doge, ShardConfig(context_parallel_size=2), stack_anatomy(doge))
+    mask = SplitMask(None, None, "ring", None, torch.ones(1, 4, dtype=torch.bool), {}, "sdpa", None)
+    reads = (lambda: mask.dtype, lambda: mask[:, :2], lambda: torch.where(mask, 0.0, 1.0), lambda: torch.ones(1) + mask)
+    for read in reads:
+        with pytest.raises(ValueError, match="reads its attention mask as a tensor"):
+            read()
+    assert not hasattr(mask, "shape") and mask.layout is None
