@@ -43,7 +43,6 @@ from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
 from shardformer.core.record import sharding_of
 from shardformer.models import family_spec
 from shardformer.pipeline.from_plan import spec_from_pp_plan
-from shardformer.pipeline.skeleton import StandIn
 from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, taken_inputs
@@ -57,58 +56,7 @@ from shardformer.policies.anatomy import (
     stacks,
     tiny_for,
 )
-
-
-class LayerPassThrough(StandIn):
-    """Another stage's layer: hands its input hidden states on, as a layer returns them (a tuple of
-    ``outputs`` values with the hidden states first, or the bare tensor when ``outputs`` is 0)."""
-
-    def __init__(self, outputs: int, value: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.outputs, self.value = outputs, value
-
-    def forward(self, *args, **kwargs):
-        hidden = self.value if self.value is not None else _hidden_of(args, kwargs)
-        return hidden if not self.outputs else (hidden,) + (None,) * (self.outputs - 1)
-
-
-class _Reached(Exception):
-    """Raised by :class:`Capture`: this stage's layers are done."""
-
-    def __init__(self, hidden: torch.Tensor) -> None:
-        super().__init__()
-        self.hidden = hidden
-
-
-class Capture(StandIn):
-    """The layer after this stage's last one: takes the hidden states this stage hands on and ends
-    the forward (the rest of the model runs on later stages)."""
-
-    def forward(self, *args, **kwargs):
-        raise _Reached(_hidden_of(args, kwargs))
-
-
-def _hidden_of(args, kwargs) -> torch.Tensor:
-    if args and torch.is_tensor(args[0]):
-        return args[0]
-    if torch.is_tensor(kwargs.get("hidden_states")):
-        return kwargs["hidden_states"]
-    raise RuntimeError("pipeline stage: a layer was called without its hidden states first (or as hidden_states=)")
-
-
-class ZerosShaped(StandIn):
-    """Stands in, on a later stage, for an embedding whose output is not shaped as the hidden states
-    (timm's ``patch_embed``: the class token is put in front after it): zeros shaped as the hidden
-    states plus ``offset`` per dimension (what follows only needs the shape; the layer before this
-    stage's first one hands on the received hidden states instead)."""
-
-    def __init__(self, hidden: torch.Tensor, offset: tuple[int, ...]) -> None:
-        super().__init__()
-        self.shape = [n + d for n, d in zip(hidden.shape, offset, strict=True)]
-        self.like = hidden
-
-    def forward(self, *args, **kwargs):
-        return self.like.new_zeros(self.shape)
+from shardformer.policies.stage_parts import Capture, LayerPassThrough, Reached, ZerosShaped, hidden_of
 
 
 class AnatomyStageForward:
@@ -153,7 +101,7 @@ class AnatomyStageForward:
                 return forward(**kwargs)
             try:
                 forward(**kwargs)
-            except _Reached as reached:
+            except Reached as reached:
                 return reached.hidden
         raise RuntimeError(
             f"pipeline stage {stage}: {type(model).__name__}'s forward never reached layer {kept[-1] + 1}"
@@ -425,7 +373,7 @@ def _watch_hand_over(tiny: nn.Module, spec: PipelineSpec, cuts: list[int]):
             handles.append(layer.register_forward_hook(lambda _m, _a, out, f=found: f.append(_first(out))))
         else:
             layer = tiny.get_submodule(paths[cut])
-            hook = lambda _m, a, k, f=found: f.append(_hidden_of(a, k))  # noqa: E731
+            hook = lambda _m, a, k, f=found: f.append(hidden_of(a, k))  # noqa: E731
             handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
     return seen, handles
 

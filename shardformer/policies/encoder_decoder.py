@@ -30,7 +30,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from shardformer.core.record import sharding_of
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view
-from shardformer.policies.anatomy_pipeline import LayerPassThrough, _Reached
+from shardformer.policies.stage_parts import LayerPassThrough, Reached
 
 CUTS = {
     "encoder": "a stage that starts inside the encoder",
@@ -48,7 +48,7 @@ class HandOn(nn.Module):
         self.layer = layer
 
     def forward(self, *args, **kwargs):
-        raise _Reached(self.layer(*args, **kwargs))
+        raise Reached(self.layer(*args, **kwargs))
 
 
 class EncoderDecoderStageForward:
@@ -111,7 +111,7 @@ class EncoderDecoderStageForward:
                 if ends_stage:
                     return forward(**kwargs)
                 forward(**kwargs)
-            except _Reached as reached:
+            except Reached as reached:
                 if last == boundary - 1:
                     return reached.hidden
                 values = _values(reached.hidden, self.outputs, int(last >= boundary), paths[last])
@@ -125,7 +125,7 @@ class EncoderDecoderStageForward:
 
 
 def _raise_output(_module, _args, output):
-    raise _Reached(_first(output))
+    raise Reached(_first(output))
 
 
 def _first(output) -> torch.Tensor:
