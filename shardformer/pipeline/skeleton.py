@@ -12,7 +12,6 @@ from a skeleton is checked like everything else: the split is proven on a tiny c
 from __future__ import annotations
 
 import copy
-import itertools
 
 import torch
 import torch.nn as nn
@@ -22,17 +21,23 @@ _SKELETONS = "_pipeline_skeletons"  # root.__dict__ key: {path: skeleton}
 
 def keep_skeleton(root: nn.Module, path: str, module: nn.Module | None) -> None:
     """Keep a meta-device copy of ``module`` (about to be dropped from ``root`` at ``path``)."""
-    if module is None:
-        return
-    memo: dict[int, torch.Tensor] = {}
-    for t in itertools.chain(module.parameters(), module.buffers()):
-        empty = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
-    try:
-        skeleton = copy.deepcopy(module, memo)
-    except Exception:  # noqa: BLE001 - a module that cannot be copied (a process group inside) keeps none
-        return
-    root.__dict__.setdefault(_SKELETONS, {})[path] = skeleton
+    if module is not None:
+        root.__dict__.setdefault(_SKELETONS, {})[path] = _skeleton(module)
+
+
+def _skeleton(module: nn.Module) -> nn.Module:
+    """``module``'s tree, each module a shallow copy (its plain attributes shared, process groups and
+    configs included) whose parameters and buffers are empty meta tensors of the same shapes."""
+    clone = copy.copy(module)
+    clone._parameters = {
+        n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), False)
+        for n, p in module._parameters.items()
+    }
+    clone._buffers = {
+        n: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta") for n, b in module._buffers.items()
+    }
+    clone._modules = {n: None if m is None else _skeleton(m) for n, m in module._modules.items()}
+    return clone
 
 
 def skeleton_of(root: nn.Module, path: str) -> nn.Module | None:
