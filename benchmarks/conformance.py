@@ -327,9 +327,9 @@ def _verify_row(row: dict) -> None:
     classify(row, merge_reports(reports))
 
 
-def _each_row(rows, out_path, row_timeout, check) -> None:
-    """On every rank: ``check(row)`` for each class whose tiny copy runs unsharded (it fills the row);
-    rank 0 appends one JSON line per row."""
+def _each_row(rows, out_path, row_timeout, check, precheck=None) -> None:
+    """On every rank: ``check(row)`` for each row ``precheck`` leaves without a result (default: each
+    class whose tiny copy runs unsharded); ``check`` fills the row. Rank 0 appends one JSON line per row."""
     import traceback
 
     import torch.distributed as dist
@@ -338,7 +338,7 @@ def _each_row(rows, out_path, row_timeout, check) -> None:
         row = {k: v for k, v in row.items() if k != "skip"}
         start = time.time()
         with _Watchdog(row_timeout):
-            _check_unsharded(row)
+            (precheck or _check_unsharded)(row)
             if "result" not in row:
                 try:
                     check(row)

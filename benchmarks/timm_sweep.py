@@ -32,11 +32,10 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.conformance import NOT_TESTED, RESULTS, _reason, _Watchdog, classify, run, write_sweep  # noqa: E402
+from benchmarks.conformance import NOT_TESTED, RESULTS, _each_row, _reason, classify, run, write_sweep  # noqa: E402
 
 # named variants beside each module's smallest model: the families issue 38 names and what sets them apart
 EXTRA = {
@@ -172,42 +171,36 @@ def per_rank_fraction(name: str) -> float:
     return plan.rank_numel / plan.full_numel
 
 
-def _timm_job(rows, out_path, row_timeout, max_params):
-    """On every rank: each model in turn; rank 0 appends one JSON line per row."""
-    import traceback
+def _options(row: dict, max_params: float) -> None:
+    """The options the model is built with, or the row "not tested" (too large, or it does not run)."""
+    options, why = options_for(row["name"], max_params)
+    if options is None:
+        _reason(row, NOT_TESTED, why)
+    else:
+        row["options"] = options
 
+
+def _verify(row: dict) -> None:
+    """What ``shardformer verify timm:<name>`` runs, at tp=2, and rank 0's share of the full-size model."""
     import torch.distributed as dist
 
     from shardformer.tools.verify import verify_on_this_rank
     from shardformer.tools.verify_report import merge_reports
 
-    for row in rows:
-        row = dict(row)
-        start = time.time()
-        with _Watchdog(row_timeout):
-            options, why = options_for(row["name"], max_params)
-            if options is None:
-                _reason(row, NOT_TESTED, why)
-            else:
-                row["options"] = options
-                try:
-                    report = verify_on_this_rank(functools.partial(build, row["name"], options))
-                    reports = [None] * dist.get_world_size()
-                    dist.all_gather_object(reports, report)
-                    classify(row, merge_reports(reports))
-                    if row["result"] == "passed":
-                        try:
-                            row["per_rank"] = per_rank_fraction(row["name"])
-                        except Exception as e:  # noqa: BLE001 - the plan's own failure, beside a passed verify
-                            row["reason"] = f"`shardformer plan` fails: {type(e).__name__}: {str(e)[:200]}"
-                except Exception as e:  # noqa: BLE001
-                    last = traceback.format_exc().strip().splitlines()[-1]
-                    _reason(row, "error", f"{type(e).__name__}: {last}", 300)
-            row["seconds"] = round(time.time() - start, 1)
-            dist.barrier()  # ranks stay in step: a rank that fails alone shows as a timeout here
-        if dist.get_rank() == 0:
-            with open(out_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    report = verify_on_this_rank(functools.partial(build, row["name"], row["options"]))
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    classify(row, merge_reports(reports))
+    if row["result"] == "passed":
+        try:
+            row["per_rank"] = per_rank_fraction(row["name"])
+        except Exception as e:  # noqa: BLE001 - the plan's own failure, beside a passed verify
+            row["reason"] = f"`shardformer plan` fails: {type(e).__name__}: {str(e)[:200]}"
+
+
+def _timm_job(rows, out_path, row_timeout, max_params):
+    """On every rank: each model in turn; rank 0 appends one JSON line per row."""
+    _each_row(rows, out_path, row_timeout, _verify, functools.partial(_options, max_params=max_params))
 
 
 # -- in the parent ------------------------------------------------------------------------------------
