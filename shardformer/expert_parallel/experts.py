@@ -99,7 +99,7 @@ class ExpertParallel:
             # rows arrive grouped by local expert and the counts alone give every row's expert
             sent = torch.bincount(expert, minlength=spec.num_experts).view(spec.ep_size, spec.local)
             received_counts = exchange_counts(sent, group)
-            send, recv = sent.sum(1).tolist(), received_counts.sum(1).tolist()
+            send, recv = torch.stack((sent.sum(1), received_counts.sum(1))).tolist()  # one device sync
             local_ids = torch.arange(spec.local, device=flat.device).repeat(spec.ep_size)
             local_index = local_ids.repeat_interleave(received_counts.reshape(-1))
         received = exchange(hidden_states[token], send, recv, group)
