@@ -9,6 +9,7 @@ import dataclasses
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
+from shardformer.core.instance import studied_once
 from shardformer.core.record import attach, build_mesh, sharding_of
 from shardformer.core.versions import warn_if_untested
 from shardformer.expert_parallel import check_expert_parallel, plan_expert_parallel, split_experts
@@ -39,7 +40,8 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
     target = _wrapped_model(model)
     adapters = SeenThrough.unwrap(target)  # PEFT's LoRA layers: the policy sees the layers they wrap
     try:
-        _shard(target, shard_config, policy, adapters)
+        with studied_once():  # the instance is studied once: its tiny copy, derivation, proofs and anatomy
+            _shard(target, shard_config, policy, adapters)
     except BaseException:
         adapters.restore()
         raise

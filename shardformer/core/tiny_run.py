@@ -16,6 +16,7 @@ import json
 import torch
 
 from shardformer.core.inputs import make_inputs
+from shardformer.core.instance import set_attention, study_instance
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_configs
 
 MAX_PARAMS = 40_000_000  # the scalings that keep the user's widths are used only while the copy stays small
@@ -29,35 +30,44 @@ _CHOSEN: dict[tuple, object] = {}
 
 
 def tiny_copy(model, tp: int, seed: int = 0, heads: int | None = None):
-    """A tiny random model of ``model``'s class and architecture that runs (the caller's RNG left as it
-    was; :class:`TinyCopyError` when no scaling of its config runs)."""
-    config = runnable_tiny_config(type(model), model.config, tp, heads)
+    """A tiny random model of ``model``'s class and architecture that runs, with what ``model``'s instance
+    adds to its class (swapped modules, hooks, patched methods, its attention implementation:
+    :mod:`shardformer.core.instance`) put on it (the caller's RNG left as it was; :class:`TinyCopyError`
+    when no scaling of its config runs, :class:`~shardformer.core.instance.CannotReproduce` when an
+    addition cannot be rebuilt small)."""
+    instance = study_instance(model)
+    config = runnable_tiny_config(type(model), model.config, tp, heads, attention=instance.attention)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         tiny = type(model)(config)
+        instance.reproduce(model, tiny)
         fill_zero_matrices(tiny)
     return tiny.eval()
 
 
-def runnable_tiny_config(model_class, config, tp: int = 2, heads: int | None = None, inputs=make_inputs):
-    """The config of the first tiny copy of ``model_class`` (from the user's ``config``) that builds, takes
-    ``inputs(model, seed)`` and runs forward; :class:`TinyCopyError` when none does."""
-    key = (model_class, tp, heads, json.dumps(config.to_dict(), sort_keys=True, default=str))
+def runnable_tiny_config(
+    model_class, config, tp: int = 2, heads: int | None = None, inputs=make_inputs, attention=None
+):
+    """The config of the first tiny copy of ``model_class`` (from the user's ``config``, with the attention
+    implementation ``attention`` where not None) that builds, takes ``inputs(model, seed)`` and runs
+    forward; :class:`TinyCopyError` when none does."""
+    key = (model_class, tp, heads, json.dumps(config.to_dict(), sort_keys=True, default=str), repr(attention))
     if key not in _CHOSEN:
-        _CHOSEN[key] = _first_that_runs(model_class, config, tp, heads, inputs)
+        _CHOSEN[key] = _first_that_runs(model_class, config, tp, heads, inputs, attention)
     found = _CHOSEN[key]
     if isinstance(found, TinyCopyError):
         raise found
     return copy.deepcopy(found)  # each caller's own: sharding a model may change its config
 
 
-def _first_that_runs(model_class, config, tp, heads, inputs):
+def _first_that_runs(model_class, config, tp, heads, inputs, attention):
     tried = []
     try:
         candidates = list(tiny_copy_configs(config, tp, heads))
     except Exception as e:  # noqa: BLE001 - no small config the class accepts
         return TinyCopyError(f"a tiny {model_class.__name__} cannot be configured: {type(e).__name__}: {_short(e)}")
     for scaling, tiny in candidates:
+        set_attention(tiny, attention)
         error = run_error(model_class, tiny, inputs, MAX_PARAMS if scaling.keep_widths else None)
         if error is None:
             return tiny

@@ -24,6 +24,7 @@ import torch.nn as nn
 from shardformer.core.comm import all_reduce, group_rank, group_size
 from shardformer.core.compare import max_error
 from shardformer.core.divergence import first_tensor
+from shardformer.core.instance import CannotReproduce, set_attention, study_instance
 from shardformer.core.tiny_run import runnable_tiny_config
 from shardformer.expert_parallel.experts import make_expert_parallel
 from shardformer.expert_parallel.find import _EXPERT_COUNTS, find_experts
@@ -43,9 +44,11 @@ def prove_expert_parallel(model: nn.Module, group) -> str | None:
         except Exception as e:  # noqa: BLE001 - the same on every rank
             return f"a tiny copy of {type(model).__name__} cannot be built to prove it on: {type(e).__name__}: {e}"
         device = _device(model)
+        instance = study_instance(model)  # the user's modules, hooks and attention, not only the class
         key = (type(model), ep, json.dumps(config.to_dict(), sort_keys=True, default=str), _versions(), device)
+        key += (instance.key,)
         if key not in _VERDICTS:
-            _VERDICTS[key] = _prove(type(model), config, group, device)
+            _VERDICTS[key] = _prove(model, config, group, device, instance)
         return _VERDICTS[key]
 
 
@@ -61,11 +64,17 @@ def _tiny_config(model: nn.Module, ep: int):
     return config
 
 
-def _prove(model_class, config, group, device) -> str | None:
+def _prove(model, config, group, device, instance) -> str | None:
     ep, rank = group_size(group), group_rank(group)
+    set_attention(config, instance.attention)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
-        ref = model_class(config).to(device)
+        ref = type(model)(config)
+        try:
+            instance.reproduce(model, ref)
+        except CannotReproduce as e:
+            return str(e)
+        ref = ref.to(device)
     no_dropout(ref)
     ref.train()
     failures: list[str] = []

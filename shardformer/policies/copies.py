@@ -10,11 +10,54 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 
 import torch
 import torch.nn as nn
 
+from shardformer.core.inputs import make_inputs
+from shardformer.core.instance import CannotReproduce, study_instance
+from shardformer.core.tiny_run import MAX_PARAMS, tiny_copy
+
 KEEP = 2  # blocks kept of each repeated stack
+logger = logging.getLogger("shardformer")
+
+
+def instance_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None) -> nn.Module:
+    """The small model every proof, derivation and anatomy reads, with everything the user's instance
+    has: for a transformers model, a tiny copy of its class from its config with the instance's
+    additions put on it (:mod:`shardformer.core.instance`); where an addition cannot be rebuilt small
+    (a module whose constructor takes other than a config), the instance itself with each stack cut
+    to two blocks, while that is small; else :class:`~shardformer.core.instance.CannotReproduce`
+    naming the module. A model with no transformers config: the instance cut (:func:`two_blocks`)."""
+    if not hasattr(getattr(model, "config", None), "to_dict"):
+        return two_blocks(model)
+    instance = study_instance(model)
+    try:
+        tiny = tiny_copy(model, tp, seed=seed, heads=heads)
+        if instance.extras:  # what was put on it must run on the small widths
+            _runs(tiny, instance.describe())
+        return tiny
+    except CannotReproduce as e:
+        with stacks_cut(model):
+            count = sum(p.numel() for p in model.parameters())
+        if count > MAX_PARAMS:
+            raise CannotReproduce(
+                f"{e}; and {type(model).__name__} cut to two blocks has {count / 1e6:.0f}M parameters, too many to "
+                f"prove it on at its own widths. Give the module a constructor that takes the config "
+                f"(MyModule(config)), or shard with ShardConfig(prove=False) and check it with `shardformer verify`"
+            ) from e
+        logger.info("%s: proven on the instance itself, cut to two blocks per stack (%s)", type(model).__name__, e)
+        return two_blocks(model)
+
+
+def _runs(tiny: nn.Module, what: str) -> None:
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            batch = make_inputs(tiny, 0)
+            tiny(batch["x"]) if "x" in batch else tiny(**batch)
+    except Exception as e:  # noqa: BLE001 - the additions do not fit the small widths
+        raise CannotReproduce(f"a tiny copy given {what} does not run: {type(e).__name__}: {str(e)[:200]}") from e
 
 
 def repeated_stacks(model: nn.Module) -> list[str]:
@@ -31,17 +74,33 @@ def repeated_stacks(model: nn.Module) -> list[str]:
     return [s for s in stacks if len({_shape(m) for m in model.get_submodule(s)}) == 1]
 
 
+def _kept(model: nn.Module, path: str, stack: nn.Module) -> list[int]:
+    extras = study_instance(model).extras
+    kept, kinds = [], set()
+    for index in range(len(stack)):
+        prefix = f"{path}.{index}"
+        kind = tuple(
+            (p[len(prefix) :], e.key()) for p, e in extras.items() if p == prefix or p.startswith(prefix + ".")
+        )
+        if index < KEEP or kind not in kinds:
+            kept.append(index)
+        kinds.add(kind)
+    return kept
+
+
 def _shape(block: nn.Module) -> tuple:
     return type(block), tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
 
 
 @contextlib.contextmanager
 def stacks_cut(model: nn.Module):
-    """``model`` with each of its repeated stacks holding its first two blocks, restored on exit."""
+    """``model`` with each of its repeated stacks holding its first two blocks and the first block of each
+    other kind the instance holds (a block with a hook or a patched method of its own), restored on exit."""
     saved = {path: model.get_submodule(path) for path in repeated_stacks(model)}
-    saved = {path: stack for path, stack in saved.items() if len(stack) > KEEP}
+    kept_of = {path: _kept(model, path, stack) for path, stack in saved.items()}
+    saved = {path: stack for path, stack in saved.items() if len(kept_of[path]) < len(stack)}
     for path, stack in saved.items():
-        kept = list(stack)[:KEEP]
+        kept = [stack[i] for i in kept_of[path]]
         _set(model, path, type(stack)(*kept) if isinstance(stack, nn.Sequential) else nn.ModuleList(kept))
     try:
         yield model
@@ -96,6 +155,7 @@ def architecture(model: nn.Module) -> str:
     """A cache key for the two-block copy: every module's class and sizes in order, and the plain
     settings each module holds (a flag its forward reads, such as timm's ``fused_attn``), so that two
     models cut alike only when they compute alike at any depth."""
+    key = repr(study_instance(model).key)  # hooks, patched methods, classes' code: read on the whole model
     with stacks_cut(model):
         settings = [
             (path, name, value)
@@ -103,7 +163,7 @@ def architecture(model: nn.Module) -> str:
             for name, value in sorted(vars(module).items())
             if not name.startswith("_") and name != "training" and isinstance(value, _SETTINGS)
         ]
-        return repr(model) + repr(settings)
+        return repr(model) + repr(settings) + key
 
 
 _SETTINGS = (bool, int, float, str, tuple, type(None))

@@ -28,11 +28,11 @@ from shardformer.core.comm import all_reduce, gather_from_parallel
 from shardformer.core.compare import compare_params, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
+from shardformer.core.instance import study_instance
 from shardformer.core.record import sharding_of
-from shardformer.core.tiny_run import tiny_copy
 from shardformer.models import inputs_for
 from shardformer.policies.anatomy import final_norm, layer_stack
-from shardformer.policies.copies import architecture, no_dropout, two_blocks
+from shardformer.policies.copies import architecture, instance_copy, no_dropout
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy
 from shardformer.tensor_parallel.sharder import ModelSharder
@@ -80,6 +80,7 @@ def _proven(model, shard_config, route, make_policy, heads) -> str | None:
         tiny.tp_plan = plan
     sequence = tuple(_sequence_parallel(shard_config).items())
     key = (route, type(model), tp, heads, sequence, _architecture(tiny), json.dumps(plan, sort_keys=True), _versions())
+    key += (study_instance(model).key,)  # the instance's own modules, hooks, methods, attention, dtype
     if key not in _VERDICTS:
         _VERDICTS[key] = _prove(tiny, shard_config, make_policy, _device(model))
     return _VERDICTS[key]
@@ -110,15 +111,15 @@ def _architecture(tiny: nn.Module) -> str:
 
 
 def _tiny(model: nn.Module, tp: int, heads: int | None) -> nn.Module:
-    """A small model of ``model``'s class and architecture, in train mode with dropout off where a
-    config says so (the recipe's), or a copy of ``model`` with each repeated stack cut to two blocks."""
-    if hasattr(getattr(model, "config", None), "to_dict"):
-        tiny = tiny_copy(model, tp, seed=1, heads=heads)
-        no_dropout(tiny)
-        return tiny
-    if any(p.device.type == "meta" for p in model.parameters()):
+    """A small model of ``model``'s class and architecture with everything its instance adds
+    (:func:`~shardformer.policies.copies.instance_copy`), dropout off."""
+    if not hasattr(getattr(model, "config", None), "to_dict") and any(
+        p.device.type == "meta" for p in model.parameters()
+    ):
         raise ValueError("the model is on the meta device and has no transformers config to build a copy from")
-    return two_blocks(model)
+    tiny = instance_copy(model, tp, seed=1, heads=heads)
+    no_dropout(tiny)
+    return tiny
 
 
 @contextlib.contextmanager

@@ -156,6 +156,8 @@ class ModelSharder:
                             f"layer ignore=True if the module is optional"
                         )
                     replacements.append(self._check_layer(name, module, layer, where, input_copy))
+        for replacement in replacements:
+            _refuse_dropped(replacement.path, replacement.module)
         if self.adapters is not None:
             self.adapters.check(replacements, self.shard_config)
         detected = detect_from_model(self.model, config, self.shard_config, targets, replacements)
@@ -284,6 +286,7 @@ class ModelSharder:
             options["pad_to_multiple"] = cfg.vocab_pad_multiple
         new = cls.from_native(replacement.module, group, **options)
         new.train(replacement.module.training)  # a model sharded in eval() stays in eval()
+        carry_hooks(replacement.module, new)
         self.model.set_submodule(replacement.path, new)
         return new
 
@@ -295,8 +298,53 @@ class ModelSharder:
         for index, (name, old) in enumerate(leftovers):
             options = {} if sequence is None else sequence.layer_options(name, DropoutForReplicatedInput)
             new = DropoutForReplicatedInput.from_native(old, group, seed + index, **options).train(old.training)
+            carry_hooks(old, new)
             self.model.set_submodule(name, new)
         return len(leftovers)
+
+
+# a module's hook tables (the options of each hook are kept in the tables keyed by the same handle ids)
+HOOK_TABLES = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
+def carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """The hooks the user registered on ``old`` run on ``new``, the parallel layer in its place (the
+    proof, whose copy carries them too, shows the result exact, or the route is refused). The tables
+    themselves move, so the user's handles still remove them."""
+    for table in HOOK_TABLES:
+        theirs = getattr(old, table)
+        theirs.update(getattr(new, table))  # the layer's own after the user's
+        setattr(new, table, theirs)
+    if old._backward_hooks:
+        new._is_full_backward_hook = old._is_full_backward_hook
+
+
+def _refuse_dropped(path: str, module: nn.Module) -> None:
+    """What a replaced module holds that its parallel layer cannot: a method set on the instance (a
+    patched ``forward``) or a hook on one of its weights, which the cut splits into new tensors."""
+    own = [name for name, value in vars(module).items() if callable(value) and not isinstance(value, (type, nn.Module))]
+    if own:
+        raise ValueError(
+            f"{path} ({type(module).__name__}) has its own {', '.join(own)} set on the instance; tensor "
+            f"parallelism replaces this module with a parallel layer, which would drop it. Remove it before "
+            f"sharding, or register it as a forward hook (hooks move to the parallel layer, and the proof checks "
+            f"them), or keep the module whole with a Policy subclass that does not name it"
+        )
+    hooked = [name for name, p in module.named_parameters() if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if hooked:
+        raise ValueError(
+            f"{path}.{hooked[0]} has a hook registered on the tensor (register_hook / "
+            f"register_post_accumulate_grad_hook); tensor parallelism splits this weight into a new tensor per "
+            f"rank, which the hook is not on. Register it after shard_model, on the parallel layer's weight"
+        )
 
 
 def _refuse_adapter_layers(model: nn.Module) -> None:

@@ -18,9 +18,9 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.inputs import make_inputs
+from shardformer.core.instance import study_instance
 from shardformer.core.tiny import tiny_copy_config
-from shardformer.core.tiny_run import tiny_copy
-from shardformer.policies.copies import architecture, two_blocks
+from shardformer.policies.copies import architecture, instance_copy, two_blocks
 from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import find_cut, record_calls
 from shardformer.policies.derived.trace import attends, input_embeddings, is_projection, mixed_rows, pair, trace
@@ -84,7 +84,7 @@ def tiny_with_inputs(model: nn.Module, tp: int, tower: str = "", heads: int | No
     if not has_config(model):
         tiny = two_blocks(model).eval()
         return tiny, make_inputs(tiny, seed=seed)
-    whole = tiny_copy(model, tp, heads=heads)
+    whole = instance_copy(model, tp, heads=heads)
     if not tower:
         return whole, make_inputs(whole, seed=seed)
     sub = whole.get_submodule(tower)
@@ -115,7 +115,8 @@ def _key(model: nn.Module, tp: int, tower: str = "") -> tuple:
     if not has_config(model):
         return type(model), tower, tp, architecture(model)
     config = tiny_copy_config(model.config, tp)
-    return type(model), tower, tp, json.dumps(config.to_dict(), sort_keys=True, default=str)
+    key = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return type(model), tower, tp, key, study_instance(model).key  # what the instance adds: its own cut
 
 
 def derive(model: nn.Module, tp: int, tower: str = "") -> Derivation:
