@@ -338,7 +338,11 @@ def _refuse_dropped(path: str, module: nn.Module) -> None:
             f"sharding, or register it as a forward hook (hooks move to the parallel layer, and the proof checks "
             f"them), or keep the module whole with a Policy subclass that does not name it"
         )
-    hooked = [name for name, p in module.named_parameters() if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    hooked = [
+        name
+        for name, p in module.named_parameters()
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+    ]
     if hooked:
         raise ValueError(
             f"{path}.{hooked[0]} has a hook registered on the tensor (register_hook / "
