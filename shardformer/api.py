@@ -9,7 +9,7 @@ import dataclasses
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
-from shardformer.core.instance import studied_once
+from shardformer.core.instance import guard_attention, studied_once
 from shardformer.core.record import attach, build_mesh, sharding_of
 from shardformer.core.versions import warn_if_untested
 from shardformer.expert_parallel import check_expert_parallel, plan_expert_parallel, split_experts
@@ -76,4 +76,5 @@ def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, a
     if experts is not None:
         split_experts(model, experts)
     attach(model, dataclasses.replace(sharding_of(model), route=route.name, proven=proven, experts=experts))
+    guard_attention(model)  # the attention implementation stays the one proven (context parallelism's own under cp)
     return model

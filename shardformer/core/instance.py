@@ -123,7 +123,7 @@ def _study(model: nn.Module) -> Instance:
     clean = _clean_modules(model)
     extras = _extras(model, clean)
     config = getattr(model, "config", None)
-    attention = _attention(config)
+    attention = attention_of(config)
     param = next(model.parameters(), None)
     key = (
         tuple(sorted({class_key(type(m)) for m in model.modules()})),
@@ -134,6 +134,25 @@ def _study(model: nn.Module) -> Instance:
         _param_hooks(model),
     )
     return Instance(extras, attention, key)
+
+
+def guard_attention(model: nn.Module) -> None:
+    """A forward pre-hook on the sharded ``model``: its attention implementation stays the one it was
+    sharded with (``model.set_attn_implementation`` afterwards would switch to code nothing proved)."""
+    attention = attention_of(getattr(model, "config", None))
+    if attention is None:
+        return
+
+    def check(module, args, kwargs):
+        now = attention_of(module.config)
+        if now != attention:
+            raise ValueError(
+                f"{type(module).__name__}'s attention implementation is {now!r}, but it was sharded and proven with "
+                f"{attention!r}; set it back (model.set_attn_implementation({attention!r})), or shard a fresh model "
+                f"loaded with attn_implementation={now!r}"
+            )
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def pattern(path: str) -> str:
@@ -151,7 +170,7 @@ def _clean_modules(model: nn.Module) -> dict[str, nn.Module] | None:
     if not hasattr(config, "to_dict"):
         return None
     key = (type(model), class_key(type(model)), json.dumps(config.to_dict(), sort_keys=True, default=str))
-    key += (repr(_attention(config)),)
+    key += (repr(attention_of(config)),)
     if key not in _CLEAN:
         try:
             with torch.device("meta"), _quiet_transformers(), torch.random.fork_rng(devices=[]):
@@ -307,10 +326,11 @@ def _called(func) -> list[tuple[str, object]]:
 # --- attention ---------------------------------------------------------------------------------------
 
 
-def _attention(config) -> object:
+def attention_of(config) -> object:
+    """The attention implementation ``config`` names (with its sub-configs' where they differ)."""
     if config is None or not hasattr(config, "to_dict"):
         return None
-    subs = {k: _attention(getattr(config, k, None)) for k in getattr(config, "sub_configs", {}) or {}}
+    subs = {k: attention_of(getattr(config, k, None)) for k in getattr(config, "sub_configs", {}) or {}}
     own = getattr(config, "_attn_implementation", None)
     subs = {k: v for k, v in subs.items() if v is not None and v != own}
     return (own, tuple(sorted(subs.items(), key=repr))) if subs else own

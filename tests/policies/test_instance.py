@@ -151,6 +151,16 @@ def _ranks():
     falcon = tf.FalconForCausalLM._from_config(falcon_cfg, attn_implementation="eager").eval()
     out["falcon eager"] = _outcome(falcon, deep, cfg)
 
+    from shardformer import shard_model
+
+    switched = shard_model(_llama(), cfg)  # proven with sdpa, then switched to eager: refused at the forward
+    switched.set_attn_implementation("eager")
+    try:
+        switched(input_ids=torch.ones(1, 4, dtype=torch.long))
+        out["switched"] = "ran"
+    except ValueError as e:
+        out["switched"] = str(e)
+
     plain_cfg = ShardConfig(tensor_parallel_size=2)
     torch.manual_seed(0)
     out["plain clean"] = _outcome(Plain(), deep, plain_cfg, labels=False)
@@ -182,6 +192,7 @@ def test_the_proof_runs_the_instance():
         refused, message = out["weight hook"]
         assert refused == "refused" and "model.layers.0.mlp.up_proj.weight" in message, message
         _exact_or_refused(out["falcon eager"], "falcon eager")
+        assert "sharded and proven with 'sdpa'" in out["switched"], out["switched"]
         assert out["plain clean"][1] and out["plain clean"][2] < 1e-4, out["plain clean"]
 
 
