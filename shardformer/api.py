@@ -76,5 +76,6 @@ def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, a
     if experts is not None:
         split_experts(model, experts)
     attach(model, dataclasses.replace(sharding_of(model), route=route.name, proven=proven, experts=experts))
-    guard_attention(model)  # the attention implementation stays the one proven (context parallelism's own under cp)
+    if sharding_of(model).context_parallel is None:  # context parallelism sets it itself, forward by forward
+        guard_attention(model)  # the attention implementation stays the one proven
     return model
