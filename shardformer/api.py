@@ -9,7 +9,7 @@ import dataclasses
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
-from shardformer.core.instance import guard_attention, studied_once
+from shardformer.core.instance import guard_attention, studied_once, study_instance
 from shardformer.core.record import attach, build_mesh, sharding_of
 from shardformer.core.versions import warn_if_untested
 from shardformer.expert_parallel import check_expert_parallel, plan_expert_parallel, split_experts
@@ -58,6 +58,7 @@ def _wrapped_model(model: nn.Module) -> nn.Module:
 
 
 def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, adapters: SeenThrough) -> nn.Module:
+    instance = study_instance(model)  # first, before anything is cut: every copy and verdict reads this study
     routes = candidate_routes(model) if policy is None else [route_of(policy, model)]
     # the structural final norm needs a forward of a tiny copy: only sequence parallelism reads it
     norm = final_norm(model, structural=shard_config.sequence_parallel)
@@ -75,7 +76,8 @@ def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, a
     sharder.shard(plan)
     if experts is not None:
         split_experts(model, experts)
-    attach(model, dataclasses.replace(sharding_of(model), route=route.name, proven=proven, experts=experts))
+    record = dataclasses.replace(sharding_of(model), route=route.name, proven=proven, experts=experts)
+    attach(model, dataclasses.replace(record, instance=instance))
     if sharding_of(model).context_parallel is None:  # context parallelism sets it itself, forward by forward
         guard_attention(model)  # the attention implementation stays the one proven
     return model
