@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
+from shardformer.core.instance import study_instance
 from shardformer.core.record import build_mesh
 from shardformer.models import family_of, model_class_name, supported_models
 from shardformer.policies.derived import DerivedPolicy, NotDerivableError, NotProvenError, derive, derived_model
@@ -158,9 +159,11 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
             why,
         )
     tried = "\n  ".join(reasons)
+    instance = study_instance(model)
+    own = f"\nEach proof ran what this instance adds to its class: {instance.describe()}" if instance.extras else ""
     raise NoExactRouteError(
         f"no route shards {type(model).__name__} exactly at tensor_parallel_size={tp}; shardformer refuses rather "
-        f"than compute something else. Routes tried:\n  {tried}\n{HOW_TO}"
+        f"than compute something else. Routes tried:\n  {tried}{own}\n{HOW_TO}"
     )
 
 

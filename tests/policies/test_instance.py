@@ -193,6 +193,8 @@ def test_the_proof_runs_the_instance():
         assert refused == "refused" and "model.layers.0.mlp.up_proj.weight" in message, message
         _exact_or_refused(out["falcon eager"], "falcon eager")
         assert "sharded and proven with 'sdpa'" in out["switched"], out["switched"]
+        refused, message = out["rms hook"]  # the cut hands the hook one rank's part: refused, naming it
+        assert refused == "refused" and "model.layers.1.mlp.down_proj: a forward pre hook" in message, message
         assert out["plain clean"][1] and out["plain clean"][2] < 1e-4, out["plain clean"]
 
 
