@@ -89,7 +89,7 @@ def _prove(tiny: nn.Module, shard_config, make_policy, device) -> str | None:
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs_for(ref, seed=1).items()}
     split = copy.deepcopy(ref)
     ref.train(), split.train()  # the training path (the recipe's dropout is 0)
-    config = dataclasses.replace(shard_config, gather_output=False, expert_parallel_size=1)
+    config = shard_config  # as the user gave it (experts are split after the cut, and proven by their own proof)
     stack = dict(layers=layer_stack(split), final_norm=final_norm(split)) if config.sequence_parallel else {}
     failures: list[str] = []
     try:
@@ -119,7 +119,7 @@ def _compare(ref: nn.Module, split: nn.Module, info, inputs: dict, device, failu
     rec_ref.remove(), rec_split.remove()
     (ref_main, ref_loss), (main, loss) = _main_output(ref_out), _main_output(out)
     seq = next(v for k, v in inputs.items() if k in ("input_ids", "inputs_embeds")).shape[1]
-    if main.dim() > 1 and main.shape[1] != ref_main.shape[1]:
+    if main.dim() > 1 and main.shape[1] != ref_main.shape[1]:  # not gathered (gather_output=False)
         main = state.gather(main, seq)  # this rank's tokens -> the whole sequence
     if main.shape != ref_main.shape:  # vocab-parallel logits
         main = gather_from_parallel(main, tp_group, ref_main.shape[-1])
@@ -182,10 +182,10 @@ def require_context_parallel(model: nn.Module, shard_config, route) -> bool:
     why = prove_context_parallel(model, shard_config, route.name, route.make, heads)
     if why is not None:
         raise NotProvenError(
-            f"context_parallel_size={cp} (context_parallel_mode={mode!r}) on the {route.name} route at "
-            f"tensor_parallel_size={tp} is not exact on {name} (proven on a tiny copy of the instance, with its "
-            f"hooks, patched methods and swapped modules): {why}. Shard it with context_parallel_size=1, or remove "
-            f"what reads across the sequence from the model"
+            f"context_parallel_size={cp} (context_parallel_mode={mode!r}) is not exact on {name}: shard it with "
+            f"context_parallel_size=1, or take out of the model what reads the sequence's positions, length or other "
+            f"tokens. Proven on a tiny copy of the instance (its hooks, patched methods and swapped modules), cut by "
+            f"the {route.name} route at tensor_parallel_size={tp}: {why}"
         )
     if group_rank(None) == 0:
         logger.info("%s: context parallelism proven at cp=%d (%s) x tp=%d on a tiny copy (outputs, loss and every "
