@@ -89,12 +89,12 @@ def _prove(tiny: nn.Module, shard_config, make_policy, device) -> str | None:
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs_for(ref, seed=1).items()}
     split = copy.deepcopy(ref)
     ref.train(), split.train()  # the training path (the recipe's dropout is 0)
-    config = shard_config  # as the user gave it (experts are split after the cut, and proven by their own proof)
-    stack = dict(layers=layer_stack(split), final_norm=final_norm(split)) if config.sequence_parallel else {}
+    # the user's config as given (its gather_output too); experts are split after the cut, by their own proof
+    stack = dict(layers=layer_stack(split), final_norm=final_norm(split)) if shard_config.sequence_parallel else {}
     failures: list[str] = []
     try:
         with _quiet():  # the tiny copy's "sharded ..." line would read like the user's model's
-            split = ModelSharder(split, make_policy(), config, **stack).shard()
+            split = ModelSharder(split, make_policy(), shard_config, **stack).shard()
     except Exception as e:  # noqa: BLE001 - the tiny copy cannot be split: the same on every rank
         return f"the tiny copy cannot be split: {type(e).__name__}: {str(e)[:300]}"
     info = sharding_of(split)
