@@ -8,6 +8,7 @@ import dataclasses
 
 import torch.nn as nn
 
+from shardformer.context_parallel.proof import require_context_parallel, with_mesh
 from shardformer.core.config import ShardConfig
 from shardformer.core.instance import guard_attention, studied_once, study_instance
 from shardformer.core.record import attach, build_mesh, sharding_of
@@ -73,7 +74,13 @@ def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, a
             shard_config = dataclasses.replace(shard_config, mesh=build_mesh(shard_config)[0])
         experts = plan_expert_parallel(model, shard_config.mesh, shard_config.prove)
     sharder, plan, route, proven = choose(model, shard_config, routes, sharder_args, chosen=policy is not None)
+    context_proven = False
+    if plan.attention is not None:  # cp > 1: the split of the instance proven at the user's tp x cp before the cut
+        sharder.shard_config = with_mesh(sharder.shard_config)
+        context_proven = require_context_parallel(model, sharder.shard_config, route)
     sharder.shard(plan)
+    if context_proven:
+        sharding_of(model).context_parallel.proven = True
     if experts is not None:
         split_experts(model, experts)
     record = dataclasses.replace(sharding_of(model), route=route.name, proven=proven, experts=experts)

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.comm import all_reduce, gather_from_parallel
-from shardformer.core.compare import compare_params, max_error
+from shardformer.core.compare import gradient_failures, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.instance import study_instance
@@ -220,12 +220,4 @@ def _compare(ref: nn.Module, sharded: nn.Module, group, inputs: dict, device, fa
     if not ok:
         failures.append(f"loss differs by {err:.2e}" + ("" if failures else f"; {where}"))
     ref_loss.backward(), loss.backward()
-    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
-    largest = max((g.abs().max().item() for g in ref_grads.values() if g is not None and g.numel()), default=0.0)
-    floor = FLOOR_RTOL * largest  # gradients that are zero in exact arithmetic (a key bias) are rounding only
-    for diff in compare_params(ref, sharded, group, grads=True):
-        # also relative to the gradient's own scale: a tiny copy's small gradients (a per-head scale
-        # before a near-uniform softmax) would hide a missing rank's part inside an absolute tolerance
-        scale = ref_grads[diff.name].abs().max().item() if ref_grads.get(diff.name) is not None else 0.0
-        if diff.only_in is not None or not diff.ok or diff.error > SCALE_RTOL * scale + floor:
-            failures.append(f"gradient of {diff.name} differs" + ("" if diff.only_in else f" by {diff.error:.2e}"))
+    failures += gradient_failures(ref, sharded, group, SCALE_RTOL, FLOOR_RTOL)

@@ -42,6 +42,7 @@ def check_mesh_layout_with_cp():
 def check_llama_tp2_cp2_ring():
     ref, model = common.pair("llama")
     model = shard_model(model, ShardConfig(tensor_parallel_size=2, context_parallel_size=2))
+    assert model.shardformer.context_parallel.proven  # the split proven at tp=2 x cp=2 (context_parallel/proof.py)
     common.parity(ref, model, common.batch(13), "llama tp=2 cp=2 ring")
 
 
@@ -56,7 +57,7 @@ def check_opt_tp2_cp2_derived_route():
     # no transformers tp plan: the derived cut; positions counted over the attention mask (left padding)
     ref, model = common.pair("opt")
     model = shard_model(model, ShardConfig(tensor_parallel_size=2, context_parallel_size=2))
-    assert model.shardformer.route == "derived", model.shardformer.route
+    assert model.shardformer.route == "derived" and model.shardformer.context_parallel.proven, model.shardformer
     common.parity(ref, model, trust.left_padded(13, pad=1), "opt tp=2 cp=2 ring")
 
 

@@ -32,6 +32,7 @@ def _cp(mode, **kw):
 def _check(name, mode, impl, seq, **overrides):
     ref, model = common.pair(name, impl, **overrides)
     model = shard_model(model, _cp(mode))
+    assert sharding_of(model).context_parallel.proven, f"{name} {mode}: the split was not proven"
     with CollectiveCounter() as counter:
         common.parity(ref, model, common.batch(seq), f"{name}/{impl} cp=2 {mode} seq={seq}")
     kind = "all_to_all" if mode == "all_to_all" else "send"

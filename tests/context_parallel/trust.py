@@ -1,15 +1,20 @@
 """Context parallelism where a split could silently differ from the whole sequence: left padding
 (query rows that see no key), positions the model derives itself (RoBERTa from its ids, OPT from the
 mask), dynamic-NTK rotary, Phi-3 (attention modules with their own config copy), generate without a
-cache, and dropout masks per cp rank. Checks run in test_parity.py's spawn."""
+cache, dropout masks per cp rank, and instances whose additions read the sequence's index or length
+(refused by the proof before any cut). Checks run in test_parity.py's spawn."""
 
+import types
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers as tf
 
-from shardformer import ShardConfig, shard_model
+from shardformer import ShardConfig, shard_model, sharding_of
 from shardformer.core.tiny import tiny_config
+from shardformer.policies.derived import NotProvenError
 from shardformer.tensor_parallel.layers.dropout import SeededDropout
 from shardformer.tools.conformance import load_pair
 from tests.context_parallel import common
@@ -122,6 +127,41 @@ def check_dropout_masks_differ_across_cp_ranks_and_replay():
         assert not torch.equal(theirs[0], theirs[1]), f"{cls.__name__}: cp ranks drew the same dropout masks"
 
 
+def _position_signal(_module, args):
+    """A position signal from the index along the sequence: a cp rank counts from 0 on its own tokens."""
+    (x,) = args
+    return (x + 0.5 * torch.arange(x.shape[1], dtype=x.dtype)[None, :, None],)
+
+
+def _length_scaled(mlp):
+    """A forward patched on the instance that scales by the sequence's length: a cp rank sees its own."""
+    forward = type(mlp).forward
+    mlp.forward = types.MethodType(lambda self, x: forward(self, x * x.shape[1] ** 0.5), mlp)
+
+
+def check_proof_refuses_instances_the_split_changes():
+    """Token by token these additions mix nothing (the probes admit them), yet a split computes something
+    else: the proof runs the instance's tiny copy split and refuses before any cut, naming the module;
+    unproven (as before the proof), the same model is silently wrong. A clean instance of the class is
+    proven in the same process: its verdict does not cover the changed one."""
+    inputs = common.batch(16)
+    for mode, change in (
+        ("all_to_all", lambda m: m.model.layers[0].mlp.register_forward_pre_hook(_position_signal)),
+        ("ring", lambda m: _length_scaled(m.model.layers[1].mlp)),
+    ):
+        _, clean = common.pair("llama")
+        assert sharding_of(shard_model(clean, _cp(mode))).context_parallel.proven
+        ref, model = common.pair("llama")
+        change(ref), change(model)
+        layer = "0" if mode == "all_to_all" else "1"
+        with pytest.raises(NotProvenError, match=rf"not exact .*first diverging module: model.layers.{layer}.mlp"):
+            shard_model(model, _cp(mode))
+        model = shard_model(model, _cp(mode, prove=False))
+        with torch.no_grad():
+            got, expected = common.full_logits(model, model(**inputs).logits, 16), ref(**inputs).logits
+        assert (got - expected).abs().max() > 1e-2, f"{mode}: the unproven split is not wrong: nothing to refuse"
+
+
 CHECKS = [
     check_left_padding_llama_both_modes_eager_and_sdpa,
     check_left_padding_gemma2_all_to_all_eager,
@@ -130,4 +170,5 @@ CHECKS = [
     check_phi3_attention_config_copies,
     check_generate_without_cache_and_logits_to_keep,
     check_dropout_masks_differ_across_cp_ranks_and_replay,
+    check_proof_refuses_instances_the_split_changes,
 ]
