@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardformer.api import shard_model
+from shardformer.api import shard_before_split
 from shardformer.context_parallel import context_parallel_stage_forward
 from shardformer.core import comm
 from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divides
@@ -162,7 +162,7 @@ class ParallelEngine:
                 f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, cp={cfg.cp}, ep={cfg.ep}, dp={cfg.dp}"
             )
         self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
-        self.model = shard_model(model, cfg.shard_config(self.mesh), policy)
+        self.model = shard_before_split(model, cfg.shard_config(self.mesh), policy, self.pipeline)  # split below
         self.policy = sharding_of(self.model).policy  # the route's (proven) or the one passed
         self._forward_agreement = self.model.shardformer.forward_agreement
         if self._forward_agreement is not None:  # checked per step below: shapes (the step agreement: values)
