@@ -106,8 +106,9 @@ class ParallelEngine:
             for an engine that only runs ``forward`` / ``eval_step`` (inference).
         config: an :class:`EngineConfig`.
         policy: a custom tensor-parallel Policy (default: the built-in one for the model's class).
-        pipeline: a custom :class:`~shardformer.pipeline.PipelineSpec` (default: the family's
-            built-in one; at pp=1 a model without one runs its own forward).
+        pipeline: a custom :class:`~shardformer.pipeline.PipelineSpec`, used as written (default at
+            pp > 1: the first route proven exact on a tiny copy, ``pipeline_spec_for``; at pp=1 the
+            family's, else the model's own forward).
         loss_fn: ``(last-stage output, micro_batch) -> loss``; default: the output's ``loss`` (refused
             with cp > 1, where each rank's output is its chunk of the sequence).
         mesh: an existing :class:`~shardformer.ProcessMesh` with the same sizes (default: built here).
