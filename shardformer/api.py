@@ -14,6 +14,7 @@ from shardformer.core.instance import guard_attention, studied_once, study_insta
 from shardformer.core.record import attach, build_mesh, sharding_of
 from shardformer.core.versions import warn_if_untested
 from shardformer.expert_parallel import check_expert_parallel, plan_expert_parallel, split_experts
+from shardformer.pipeline.spec import PipelineSpec
 from shardformer.policies.anatomy import final_norm, layer_stack, stack_anatomy
 from shardformer.policies.routes import candidate_routes, choose, route_of
 from shardformer.tensor_parallel.adapters import SeenThrough
@@ -35,9 +36,31 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
 
     PEFT LoRA layers in the model (or a ``PeftModel``, whose wrapped model is sharded) are seen
     through: their base layers are cut by the policy, and their adapters the same way.
+
+    ``pipeline_parallel_size > 1`` is refused before any collective: ``shard_model`` does not split a
+    model into stages (every rank would hold every layer and train a copy of the others' work);
+    ``ParallelEngine(model, optimizer, EngineConfig(pp=...))`` does.
     """
-    warn_if_untested()  # once per process: a transformers or timm release the suite did not run on
     shard_config = shard_config or ShardConfig()
+    pp = shard_config.pipeline_parallel_size
+    if pp > 1:
+        raise ValueError(
+            f"train in pipeline stages with ParallelEngine(model, optimizer, EngineConfig(pp={pp}, tp=...)), or use "
+            f"ShardConfig(pipeline_parallel_size=1): shard_model does not split a model into stages, so at "
+            f"pipeline_parallel_size={pp} every rank would hold every layer and train a copy of the others' work"
+        )
+    return shard_before_split(model, shard_config, policy, None)
+
+
+def shard_before_split(
+    model: nn.Module, shard_config: ShardConfig, policy: Policy | None, pipeline: PipelineSpec | None
+) -> nn.Module:
+    """:func:`shard_model` for a caller that keeps one pipeline stage of ``model`` right after, by
+    ``pipeline`` (ParallelEngine): the model is cut for tensor parallelism over a mesh with pp > 1. A
+    spec is required at pp > 1, so that no model is left whole on a pipeline mesh."""
+    if shard_config.pipeline_parallel_size > 1 and not isinstance(pipeline, PipelineSpec):
+        raise TypeError(f"shard_before_split at pipeline_parallel_size > 1 needs the PipelineSpec, not {pipeline!r}")
+    warn_if_untested()  # once per process: a transformers or timm release the suite did not run on
     target = _wrapped_model(model)
     adapters = SeenThrough.unwrap(target)  # PEFT's LoRA layers: the policy sees the layers they wrap
     try:

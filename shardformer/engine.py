@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardformer.api import shard_model
+from shardformer.api import shard_before_split
 from shardformer.context_parallel import context_parallel_stage_forward
 from shardformer.core import comm
 from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divides
@@ -106,8 +106,9 @@ class ParallelEngine:
             for an engine that only runs ``forward`` / ``eval_step`` (inference).
         config: an :class:`EngineConfig`.
         policy: a custom tensor-parallel Policy (default: the built-in one for the model's class).
-        pipeline: a custom :class:`~shardformer.pipeline.PipelineSpec` (default: the family's
-            built-in one; at pp=1 a model without one runs its own forward).
+        pipeline: a custom :class:`~shardformer.pipeline.PipelineSpec`, used as written (default at
+            pp > 1: the first route proven exact on a tiny copy, ``pipeline_spec_for``; at pp=1 the
+            family's, else the model's own forward).
         loss_fn: ``(last-stage output, micro_batch) -> loss``; default: the output's ``loss`` (refused
             with cp > 1, where each rank's output is its chunk of the sequence).
         mesh: an existing :class:`~shardformer.ProcessMesh` with the same sizes (default: built here).
@@ -162,7 +163,7 @@ class ParallelEngine:
                 f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, cp={cfg.cp}, ep={cfg.ep}, dp={cfg.dp}"
             )
         self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
-        self.model = shard_model(model, cfg.shard_config(self.mesh), policy)
+        self.model = shard_before_split(model, cfg.shard_config(self.mesh), policy, self.pipeline)  # split below
         self.policy = sharding_of(self.model).policy  # the route's (proven) or the one passed
         self._forward_agreement = self.model.shardformer.forward_agreement
         if self._forward_agreement is not None:  # checked per step below: shapes (the step agreement: values)

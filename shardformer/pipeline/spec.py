@@ -45,6 +45,9 @@ class PipelineSpec:
     # every stage holding one of them keeps it, and the stages holding a weight sum its gradients
     first_end: tuple[str, ...] = ()
     second_start: tuple[str, ...] = ()
+    # modules every stage holds, as every layer reads them (DeBERTa's relative position embeddings and their
+    # norm, handed to each layer beside the hidden states): each stage's gradient is summed with the others'
+    every: tuple[str, ...] = ()
 
     def layer_list(self, model: nn.Module) -> nn.ModuleList:
         return self._stack(model, self.layers)
@@ -88,13 +91,15 @@ class PipelineSpec:
 
     def sections(self, model: nn.Module) -> dict[str, tuple[tuple[str, ...], int]]:
         """{kind: (its module paths, the global index of the layer whose stage holds them)}; ``shared``
-        goes with the first and the last layer (two entries)."""
+        goes with the first and the last layer (two entries), ``every`` with each layer."""
         count = len(self.layer_paths(model))
         found = {"first": (self.first, 0), "last": (self.last, count - 1)}
         found |= {"shared first": (self.shared, 0), "shared last": (self.shared, count - 1)}
         if self.second_layers is not None:
             boundary = len(self._stack(model, self.layers))  # the second stack's first layer
             found |= {"first_end": (self.first_end, boundary - 1), "second_start": (self.second_start, boundary)}
+        if self.every:  # held with each layer: every stage keeps them
+            found |= {f"every {i}": (self.every, i) for i in range(count)}
         return found
 
     def dropped(self, model: nn.Module, layers) -> list[str]:

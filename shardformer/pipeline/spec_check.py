@@ -8,7 +8,7 @@ two drifting copies. :func:`check_pipeline_lists` refuses both, naming the modul
 
 - every path exists in the model (a module or parameter; one the model sets to None is fine);
 - the lists are disjoint, no path lies inside another listed path or inside the layer list;
-- every parameter of the model is in exactly one place (the layer list, first, last or shared);
+- every parameter of the model is in exactly one place (the layer list, first, last, shared or every);
 - parameters tied across places (one tensor under two names) are held by the same stages, or the
   tie spans the first and last stage through a module in ``shared``.
 
@@ -61,9 +61,10 @@ def check_pipeline_lists(
     second_layers: str | None = None,
     first_end=(),
     second_start=(),
+    every=(),
 ) -> None:
     """Raise :class:`PipelineSpecError` naming the module if the spec cannot split ``model`` correctly."""
-    lists = {"first": list(first), "last": list(last), "shared": list(shared)}
+    lists = {"first": list(first), "last": list(last), "shared": list(shared), "every": list(every)}
     two = second_layers is not None
     if two:
         lists |= {"first_end": list(first_end), "second_start": list(second_start)}
@@ -88,13 +89,13 @@ def check_pipeline_lists(
                     same = "listed twice" if path == other else f"overlaps {other!r}"
                     raise PipelineSpecError(
                         f"{path!r} is in pipeline {kind} and {same} (in {other_kind}); every module belongs to "
-                        f"exactly one of layers / first / last / shared (a module in two lists deadlocks the stages)"
+                        f"exactly one of layers / first / last / shared / every (a module in two lists deadlocks the stages)"
                     )
             placed.append((path, kind))
 
     layer_stage = stages_of_layers(count, num_stages, layers_per_stage)
     last_stage = num_stages - 1
-    held = {"first": {0}, "last": {last_stage}, "shared": {0, last_stage}}
+    held = {"first": {0}, "last": {last_stage}, "shared": {0, last_stage}, "every": set(range(num_stages))}
     if two:
         boundary = offsets[second_layers]
         held |= {"first_end": {layer_stage[boundary - 1]}, "second_start": {layer_stage[boundary]}}
@@ -137,7 +138,7 @@ def check_pipeline_spec(spec, model: nn.Module, num_stages: int, layers_per_stag
     """:func:`check_pipeline_lists` over a :class:`~shardformer.pipeline.PipelineSpec`."""
     check_pipeline_lists(
         model, spec.layers, spec.first, spec.last, spec.shared, num_stages, layers_per_stage, spec.second_layers,
-        spec.first_end, spec.second_start,
+        spec.first_end, spec.second_start, spec.every,
     )  # fmt: skip
     if spec.second_layers is None:
         return

@@ -92,6 +92,7 @@ def stand_in(model: nn.Module, modules: dict[str, nn.Module | torch.Tensor]):
             skeleton = skeleton_of(model, path) if isinstance(module, StandIn) else None
             if skeleton is not None and "skeleton" not in module.__dict__:
                 module.__dict__["skeleton"] = skeleton  # not a submodule: the stage's parameters stay its own
+                module.__dict__["path"] = path
             slots[name] = module
         yield
     finally:

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardformer.context_parallel.anatomy import StackAnatomy
 from shardformer.policies.derived.trace import repeated_blocks
+from shardformer.policies.layer_reads import LayerReads, untied
 
 
 def _models():
@@ -116,7 +117,9 @@ class Ends:
     sections (two stacks): the modules run before the first stack, after it under the encoder (its
     final norm), between the stacks elsewhere (the decoder's embeddings), and after the second (or
     never); outputs: per stack, which values of what its layers return are tensors (None: a bare
-    tensor), the same for every layer, else None for the whole field."""
+    tensor), the same for every layer, else None for the whole field; every (one stack): the modules whose
+    output or weights the layers are handed beside the hidden states (:mod:`~shardformer.policies.layer_reads`),
+    in neither before nor after."""
 
     before: tuple[str, ...]
     after: tuple[str, ...]
@@ -125,6 +128,7 @@ class Ends:
     offsets: tuple[tuple[str, tuple[int, ...]], ...] = ()
     sections: tuple[tuple[str, ...], ...] = ()
     outputs: tuple[tuple[bool, ...] | None, ...] | None = None
+    every: tuple[str, ...] = ()
 
 
 _ENDS: dict[tuple, Ends | AnatomyError] = {}
@@ -188,12 +192,14 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
         handles.append(
             first_stack[1].register_forward_pre_hook(lambda _m, a, k: received.append((a, k)), with_kwargs=True)
         )
+    reads = LayerReads(tiny, stacks)  # what the layers are handed from modules outside the stack
     try:
         with torch.no_grad(), _ReadsOf(held_params(tiny, stacks), order):
             tiny(inputs["x"]) if "x" in inputs else tiny(**inputs)
     except Exception as e:  # noqa: BLE001
         raise AnatomyError(f"a tiny {type(model).__name__} does not run: {type(e).__name__}: {e}") from e
     finally:
+        reads.remove()
         for h in handles:
             h.remove()
     windows = []  # (first, last) call index of each stack
@@ -251,8 +257,12 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     arity = 0 if torch.is_tensor(out) else len(out) if isinstance(out, tuple) else -1
     if arity < 0 or (arity and not torch.is_tensor(out[0])):
         raise AnatomyError(f"a layer of {stacks[0]!r} returns {type(out).__name__}, not the hidden states (first)")
+    every: list[str] = []
     if len(stacks) == 1:
         _check_hand_over(out, received, stacks[0])
+        if received:
+            every = untied(tiny, reads.every(received[0], _hidden(*received[0]), before + after))
+            before, after = [p for p in before if p not in every], [p for p in after if p not in every]
     after.sort(key=lambda p: min(spans.get(p, [len(order)])))  # in call order; never run: last
     norm = after[0] if len(stacks) == 1 and after and _is_norm(part(tiny, after[0])) else None
     offsets = _offsets(before, shapes, first_input[0].shape if first_input else None)
@@ -262,6 +272,7 @@ def _trace_ends(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     return Ends(
         _with_aliases(tiny, before), _with_aliases(tiny, after), norm, arity, offsets,
         tuple(_with_aliases(tiny, list(sec)) for sec in sorted_sections) if len(stacks) == 2 else (), outputs,
+        _with_aliases(tiny, every),
     )  # fmt: skip
 
 

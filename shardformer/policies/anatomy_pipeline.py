@@ -33,13 +33,12 @@ decoder's stages (:mod:`shardformer.policies.encoder_decoder`); each kind of cut
 
 from __future__ import annotations
 
-import copy
 import inspect
+import logging
 
 import torch
 import torch.nn as nn
 
-from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
 from shardformer.core.record import sharding_of
 from shardformer.models import family_spec
 from shardformer.pipeline.from_plan import spec_from_pp_plan
@@ -49,14 +48,14 @@ from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, ta
 from shardformer.policies.anatomy import (
     AnatomyError,
     Ends,
-    HandOverError,
     ends_of,
     own_ancestor,
     part,
     stacks,
     tiny_for,
 )
-from shardformer.policies.stage_parts import Capture, LayerPassThrough, Reached, ZerosShaped, hidden_of
+from shardformer.policies.pipeline_proof import failure_of, prove_split, route_verdict, verdict_key
+from shardformer.policies.stage_parts import Capture, LayerPassThrough, Reached, ZerosShaped
 
 
 class AnatomyStageForward:
@@ -108,6 +107,7 @@ class AnatomyStageForward:
         )
 
 
+logger = logging.getLogger("shardformer")
 FIX = "pass ParallelEngine(..., pipeline=PipelineSpec(layers=..., first=..., last=..., shared=..., stage_forward=...))"
 # what only a head reads (its loss's targets): given to the last stage only
 HEAD_INPUTS = ("labels", "start_positions", "end_positions", "next_sentence_label", "mc_labels")
@@ -218,7 +218,7 @@ def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends) 
     last = tuple(p for p in ends.after if p not in shared)
     tokens = {p: tuple(part(model, p).shape) for p in first if isinstance(part(model, p), nn.Parameter)}
     stage = AnatomyStageForward(layers, ends.before, ends.layer_outputs, ends.offsets, tokens)
-    return PipelineSpec(layers, stage, first=tuple(first), last=last, shared=tuple(shared))
+    return PipelineSpec(layers, stage, first=tuple(first), last=last, shared=tuple(shared), every=ends.every)
 
 
 def _params(model: nn.Module, path: str) -> list[nn.Parameter]:
@@ -235,30 +235,14 @@ _PROOFS: dict[tuple, tuple[str | None, dict[str, str]]] = {}
 def _proof(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, str]]:
     """(why two stages of a tiny copy do not compute what the copy computes (loss or output, every
     gradient), or None; for an encoder-decoder, {cut kind: why stages cut there are not exact}).
-    Cached per class, architecture and stack."""
-    from shardformer.policies.derived.derive import _key
-
-    key = (_key(model, 1), str(layers))
+    Cached per stack under everything the verdict depends on (:func:`verdict_key`)."""
+    key = (verdict_key(model), str(layers))
     if key not in _PROOFS:
         try:
             _PROOFS[key] = _prove(model, layers, ends)
         except Exception as e:  # noqa: BLE001 - a split that crashes is not exact: say how
-            _PROOFS[key] = (_why(e), {})
+            _PROOFS[key] = (failure_of(e), {})
     return _PROOFS[key]
-
-
-def _why(e: Exception) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-
-
-def _scalar(output) -> torch.Tensor:
-    if torch.is_tensor(output):
-        return output.float().pow(2).mean()
-    loss = output.get("loss") if hasattr(output, "get") else None
-    if loss is not None:
-        return loss
-    first = next(t for t in (output.values() if hasattr(output, "values") else [output]) if torch.is_tensor(t))
-    return first.float().pow(2).mean()
 
 
 def _prove(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, str]]:
@@ -267,7 +251,7 @@ def _prove(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, 
         return f"the tiny copy has fewer than two layers in {layers}", {}
     tiny.eval()
     spec = spec_from_ends(tiny, layers, ends)
-    error = _prove_split(tiny, inputs, spec, _boundary(tiny, spec) or [1, len(spec.layer_paths(tiny)) - 1])
+    error = prove_split(tiny, inputs, spec, _boundary(tiny, spec) or [1, len(spec.layer_paths(tiny)) - 1])
     if isinstance(layers, str) or error is not None:
         return error, {}
     from shardformer.policies.encoder_decoder import proof_splits
@@ -278,9 +262,9 @@ def _prove(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, 
 
     def refusal(split) -> str | None:
         try:
-            return split if isinstance(split, str) else _prove_split(tiny, inputs, spec, split)
+            return split if isinstance(split, str) else prove_split(tiny, inputs, spec, split)
         except Exception as e:  # noqa: BLE001 - a cut that crashes is not exact: say how
-            return _why(e)
+            return failure_of(e)
 
     # the mixed split cuts inside both stacks too: when it holds, so do they (T5, BART); else each apart
     splits = proof_splits(*_boundary(tiny, spec))
@@ -291,122 +275,47 @@ def _prove(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, 
     return None, {"mixed": mixed} | {kind: why for kind, why in found.items() if why is not None}
 
 
-def _parts(value) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-def _received(value):
-    """What the next stage receives: detached copies of the tensors handed on, floating ones requiring grad."""
-    parts = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _parts(value))
-    return parts[0] if len(parts) == 1 else parts
-
-
-def _prove_split(tiny: nn.Module, inputs: dict, spec: PipelineSpec, counts: list[int]) -> str | None:
-    """Why stages of ``counts`` layers of ``tiny`` do not compute what ``tiny`` computes, or None: the loss,
-    what each stage hands on and the gradient sent back for it (the hidden states), every weight's gradient."""
-    tiny.zero_grad(set_to_none=True)  # a copy split before: no gradient left from it
-    stages = [spec.keep_stage(copy.deepcopy(tiny), s, len(counts), counts) for s in range(len(counts))]
-    sent, received = [], [None]
-    for s, stage in enumerate(stages):
-        sent.append(spec.stage_forward(stage, received[-1], inputs))
-        if s < len(stages) - 1:
-            received.append(_received(sent[-1]))
-    got = _scalar(sent[-1])
-    got.backward()
-    for s in reversed(range(len(stages) - 1)):
-        pairs = zip(_parts(sent[s]), _parts(received[s + 1]))
-        pairs = [(o, r.grad) for o, r in pairs if r.grad is not None and o.requires_grad]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    cuts = [sum(counts[: s + 1]) for s in range(len(counts) - 1)]
-    handed, handles = _watch_hand_over(tiny, spec, cuts)
-    try:
-        expected = _scalar(tiny(**inputs))
-    finally:
-        for handle in handles:
-            handle.remove()
-    if any(not seen for seen in handed):
-        return "the unsplit copy never computes what a stage hands on"
-    for seen in handed:
-        seen[0].retain_grad()
-    expected.backward()
-    if not torch.allclose(got, expected, atol=ATOL, rtol=RTOL):
-        return f"the loss (or output) differs: {got.item():.6g} vs {expected.item():.6g}"
-    # the hand-overs themselves, both ways: a small model's loss barely moves with them (weights of std 0.02)
-    for cut, seen, value in zip(cuts, handed, received[1:]):
-        hidden, there = _parts(value)[0], seen[0]
-        if hidden.shape != there.shape or not torch.allclose(hidden, there, atol=ATOL, rtol=RTOL):
-            return (
-                f"what the stage ending before layer {cut} hands on differs from what the unsplit copy computes there"
-            )
-        scale = there.grad.abs().max().item() if there.grad is not None else 0.0
-        if there.grad is None or not torch.allclose(hidden.grad, there.grad, atol=1e-4 * scale, rtol=RTOL):
-            return f"the gradient sent back to the stage ending before layer {cut} differs from the unsplit copy's"
-    names: dict[int, list[str]] = {}  # a tied weight's names (a stage without the module of one uses another)
-    for name, p in tiny.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for name, p in tiny.named_parameters():
-        if p.grad is None:
-            continue
-        found = [_grad_in(stage, names[id(p)]) for stage in stages]
-        found = [g for g in found if g is not None]
-        if not found:
-            return f"no stage computes the gradient of {name}"
-        total = torch.stack(found).sum(0)
-        if not torch.allclose(total, p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL):
-            return f"the gradient of {name} differs by {(total - p.grad).abs().max().item():.2e}"
-    return None
-
-
-def _watch_hand_over(tiny: nn.Module, spec: PipelineSpec, cuts: list[int]):
-    """([[the activation]] per cut, hook handles): in a forward of the unsplit ``tiny``, the hidden states a
-    stage that starts at layer ``cut`` receives (the encoder's output at an encoder-decoder's boundary)."""
-    seen: list[list[torch.Tensor]] = [[] for _ in cuts]
-    handles = []
-    paths = spec.layer_paths(tiny)
-    boundary = len(tiny.get_submodule(spec.layers)) if spec.second_layers is not None else None
-    for cut, found in zip(cuts, seen):
-        if cut == boundary:
-            encoder = tiny.get_submodule(spec.stage_forward.encoder)
-            handles.append(encoder.register_forward_hook(lambda _m, _a, out, f=found: f.append(_first(out))))
-        elif boundary is not None:  # what the loop reads off the layer before (the stage's first layer's input)
-            layer = tiny.get_submodule(paths[cut - 1])
-            handles.append(layer.register_forward_hook(lambda _m, _a, out, f=found: f.append(_first(out))))
-        else:
-            layer = tiny.get_submodule(paths[cut])
-            hook = lambda _m, a, k, f=found: f.append(hidden_of(a, k))  # noqa: E731
-            handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
-    return seen, handles
-
-
-def _first(output) -> torch.Tensor:
-    return output if torch.is_tensor(output) else output[0]
-
-
-def _grad_in(stage: nn.Module, names: list[str]) -> torch.Tensor | None:
-    """The gradient a stage holds for the parameter known by ``names`` (None: not on this stage)."""
-    params = dict(stage.named_parameters(remove_duplicate=False))
-    held = next((params[n] for n in names if n in params), None)
-    return None if held is None else held.grad
-
-
 def pipeline_spec_for(model: nn.Module) -> PipelineSpec:
-    """The pipeline spec of ``model``'s class: its family's, else one from transformers'
-    ``base_model_pp_plan``, else one from its anatomy, proven on a tiny copy (:func:`spec_from_anatomy`);
-    NotImplementedError naming why where none is exact."""
-    return family_spec(model) or _plan_spec(model) or spec_from_anatomy(model)
+    """The pipeline spec of ``model``: the first route whose split is exact on a tiny copy of it, with its
+    config values (:mod:`~shardformer.policies.pipeline_proof`): its family's hand-written spec, transformers'
+    ``base_model_pp_plan``, its anatomy (:func:`spec_from_anatomy`). A route that does not prove passes to
+    the next; where none does, NotImplementedError naming each route's reason."""
+    reasons = []
+    for route, spec_of in (("the family's pipeline spec", _family_route), ("transformers' pp plan", _plan_route)):
+        spec, reason = spec_of(model)
+        if spec is not None and reason is None:
+            return spec
+        if reason is not None:
+            logger.info("%s: %s passed over: %s", type(model).__name__, route, reason)
+            reasons.append((route, reason))
+    try:
+        return spec_from_anatomy(model)
+    except NotImplementedError as e:
+        if not reasons:
+            raise
+        said = [f"{route}: {'the same' if reason in str(e) else reason}" for route, reason in reasons]
+        raise NotImplementedError(f"{e}. The other routes: {'; '.join(said)}") from None
 
 
-def _plan_spec(model: nn.Module) -> PipelineSpec | None:
-    """The pp plan's spec where its layers hand each other the hidden states alone, as the plan says
-    and its stages assume. A layer that returns a tuple (GLM-MoE-DSA's hands its top-k indices to the
-    next layer) goes to the anatomy route, which refuses a hand-over a stage cannot receive or proves
-    the split on a tiny copy: a plan stage would unpack its pass-through's bare tensor along the batch."""
+def _family_route(model: nn.Module) -> tuple[PipelineSpec | None, str | None]:
+    """(the family's spec, why it is not exact on a tiny copy or None); (None, None): no spec."""
+    spec = family_spec(model)
+    return (None, None) if spec is None else (spec, route_verdict(model, "family", family_spec))
+
+
+def _plan_route(model: nn.Module) -> tuple[PipelineSpec | None, str | None]:
+    """(the pp plan's spec, why it is not exact or None); (None, None): no plan. The plan's stages
+    assume layers that hand each other the hidden states alone: a layer that returns more (GLM-MoE-DSA's
+    hands its top-k indices to the next) is refused from the anatomy, before a proof whose stages would
+    unpack a pass-through's bare tensor along the batch; Granite's stages skip its embedding multiplier,
+    which the proof sees."""
     spec = spec_from_pp_plan(model)
     if spec is None:
-        return None
+        return None, None
     try:
-        return spec if ends_of(model, spec.layers).layer_outputs == 0 else None
-    except HandOverError:
-        return None  # the anatomy route refuses, naming what the layer reads
-    except AnatomyError:
-        return spec  # no tiny copy to tell from: the plan's word, as before
+        outputs = ends_of(model, spec.layers).layer_outputs
+    except AnatomyError as e:
+        return spec, str(e)
+    if outputs:
+        return spec, f"its layers return {outputs} values, not the hidden states alone as the plan's stages assume"
+    return spec, route_verdict(model, "pp plan", spec_from_pp_plan)

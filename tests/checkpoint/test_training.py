@@ -15,6 +15,7 @@ import transformers as tf
 
 import shardformer.checkpoint.training as training
 from shardformer import ShardConfig, shard_model
+from shardformer.api import shard_before_split
 from shardformer.checkpoint import CheckpointError, layout_of, load_checkpoint, save_checkpoint, save_pretrained
 from shardformer.core.record import with_stage
 from shardformer.core.tiny import tiny_config
@@ -32,7 +33,12 @@ def _gpt2(tp, pp=1, dropout=0.0, seed=0):
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = dropout
     torch.manual_seed(seed)
     model = tf.GPT2LMHeadModel(config)
-    return shard_model(model, ShardConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    if pp == 1:
+        return shard_model(model, ShardConfig(tensor_parallel_size=tp))
+    # ParallelEngine's way: shard_model refuses pp > 1 (it does not split), the caller keeps a stage after
+    return shard_before_split(
+        model, ShardConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp), None, pipeline_spec_for(model)
+    )
 
 
 def _trainer(model, optim="sgd"):
@@ -237,7 +243,7 @@ def check_real_pipeline_split_export():
     torch.manual_seed(0)
     model = tf.GPT2LMHeadModel(zoo.gpt2_config())
     spec = pipeline_spec_for(model)
-    model = shard_model(model, ShardConfig(tensor_parallel_size=2, pipeline_parallel_size=2))
+    model = shard_before_split(model, ShardConfig(tensor_parallel_size=2, pipeline_parallel_size=2), None, spec)
     spec.keep_stage(model, model.shardformer.mesh.pp_rank, 2)
     path = shared_dir()
     save_pretrained(model, os.path.join(path, "hf"))

@@ -279,7 +279,27 @@ def check_deit_image_classification_tp2_pp2_zero1():  # reads embeddings.patch_e
     _check("deit-hf", 2, 2, 1, "1f1b", 2, 0.5, "p2p", model_pair=pair, data=data, optimizer=common.adamw)
 
 
+# DeBERTa-v3's setting: the encoder normalises its relative position embeddings once and hands them to every layer
+DEBERTA_RELATIVE = dict(
+    relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
+    max_relative_positions=-1,
+)  # fmt: skip
+
+
+def check_deberta_v2_relative_attention_tp2_pp2_and_pp4():
+    """Every stage holds ``encoder.rel_embeddings`` and ``encoder.LayerNorm`` (at pp=4 the middle stages
+    too) and their gradients are summed over the stages: losses and weights after AdamW steps."""
+    engine = _run(
+        "DebertaV2ForMaskedLM", (2, 2, 1, "1f1b", 2, 0.5, "torch"), optimizer=common.adamw, **DEBERTA_RELATIVE
+    )
+    assert engine.model.deberta.encoder.rel_embeddings is not None
+    engine = _run("DebertaV2ForMaskedLM", (1, 4, 1, "1f1b", 4, None, "p2p"), **DEBERTA_RELATIVE)
+    encoder = engine.model.deberta.encoder
+    assert encoder.rel_embeddings is not None and encoder.LayerNorm is not None, engine.mesh.pp_rank
+
+
 CHECKS = [
+    check_deberta_v2_relative_attention_tp2_pp2_and_pp4,
     check_deit_image_classification_tp2_pp2_zero1,
     check_convnext_tp2_pp2_zero1_sgd,
     check_whisper_tp2_pp2_zero1_sgd,

@@ -7,6 +7,7 @@ import torch
 import transformers as tf
 
 from shardformer.core.tiny import tiny_config
+from shardformer.policies.anatomy_pipeline import AnatomyStageForward, pipeline_spec_for
 from shardformer.tools.conformance import load_pair
 from tests.helpers import check_table
 from tests.pipeline import common
@@ -74,7 +75,25 @@ def check_llama_sequence_classification_pp2_on_right_padded_batches():
     _check(cls.__name__, 2, 2, 1, "1f1b", 2, None, "torch", model_pair=pair, data=data)
 
 
+def check_granite_with_its_multipliers_pp2_is_exact_through_the_anatomy_route():
+    """Granite multiplies its embeddings by ``embedding_multiplier`` (12.0 in released checkpoints) inside
+    its forward: the pp plan's stages miss it (the first step's loss was off, the embeddings drifted). Its
+    proof on a tiny copy with these values refuses the plan, and the anatomy route is exact: the loss of
+    two AdamW steps and every weight after them, against the unsharded model; saved and reloaded first."""
+    cls, name = tf.GraniteForCausalLM, "GraniteForCausalLM"
+    config = tiny_config(
+        cls.config_class, num_hidden_layers=common.LAYERS, embedding_multiplier=12.0, residual_multiplier=0.5,
+        attention_multiplier=0.3, logits_scaling=2.0,
+    )  # fmt: skip
+    pair = load_pair(cls, config)  # save_pretrained, then from_pretrained twice
+    assert pair[1].config.embedding_multiplier == 12.0
+    assert isinstance(pipeline_spec_for(pair[1]).stage_forward, AnatomyStageForward)
+    data = common.batches(name, 2)
+    _check(name, 2, 2, 1, "1f1b", 2, None, "torch", model_pair=pair, data=data, optimizer=common.adamw)
+
+
 CHECKS = [
+    check_granite_with_its_multipliers_pp2_is_exact_through_the_anatomy_route,
     check_llama_sequence_classification_pp2_on_right_padded_batches,
     check_llama_tp2_pp2_zero1_with_activation_checkpointing,
     check_tied_llama_tp2_pp2_zero2,
