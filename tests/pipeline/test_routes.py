@@ -114,3 +114,22 @@ def test_shard_model_refuses_pipeline_stages_before_any_collective():
         shard_model(model, ShardConfig(tensor_parallel_size=2, pipeline_parallel_size=2))
     assert ATTRIBUTE not in model.__dict__
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_pipeline_route_is_proven_on_the_instance():
+    """The same class, clean and then changed on the instance, in one process: a forward patched on the
+    base model (the plan's stages never call it) sends the proof to the anatomy route, which runs the
+    model's own forward per stage; a clean instance still takes the plan."""
+    import types
+
+    def scaled_forward(self, *args, **kwargs):
+        out = type(self).forward(self, *args, **kwargs)
+        out.last_hidden_state = out.last_hidden_state * 3.0
+        return out
+
+    clean = _granite()
+    assert pipeline_spec_for(clean).stage_forward is plan_stage_forward
+    patched = _granite()
+    patched.model.forward = types.MethodType(scaled_forward, patched.model)
+    assert route_verdict(patched, "pp plan", spec_from_pp_plan) is not None
+    assert pipeline_spec_for(patched).stage_forward is not plan_stage_forward
