@@ -125,7 +125,7 @@ def check_t5_tp2_pp2_zero2_sgd():  # each stack's first layer computes the posit
 def check_t5_pp4_adamw():
     """One layer per stage: the tied embedding on stages 0 (encoder), 2 (decoder) and 3 (head), summed over them."""
     engine = _run(
-        "T5ForConditionalGeneration", (1, 4, 1, "1f1b", 4, 0.5, "p2p"), num_hidden_layers=2, num_decoder_layers=2,
+        "T5ForConditionalGeneration", (1, 4, 1, "1f1b", 4, 0.5, "p2p"), num_hidden_layers=2, num_decoder_layers=2, d_ff=64,
         decoder_start_token_id=0,
     )  # fmt: skip
     groups = [dist.get_process_group_ranks(group) for group, _ in engine.shared]
