@@ -174,7 +174,7 @@ def _info(message: str, *args) -> None:
         logger.info(message, *args)
 
 
-def _warn_partial(model: nn.Module, route: Route, reasons: list[str]) -> None:
+def _warn_partial(model: nn.Module, route: Route, reasons: list[tuple]) -> None:
     """A plan that leaves projections inside its blocks whole is used: say which."""
     whole = route.leaves_whole
     if whole and (not dist.is_initialized() or dist.get_rank() == 0):

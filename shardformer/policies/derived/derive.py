@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.inputs import NoInputsError, make_inputs
-from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refusal, fix_of, has_convolutions
+from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refusal, has_convolutions
 from shardformer.core.tiny import tiny_copy_config
 from shardformer.core.tiny_run import tiny_copy
 from shardformer.policies.copies import architecture, two_blocks
@@ -213,7 +213,7 @@ def _fix(block: nn.Module, group, why: str) -> str:
     if isinstance(why, Reason):
         return why.fix
     owner = common_parent([*group.cols, group.row])
-    return DATA_PARALLEL if has_convolutions(block.get_submodule(owner) if owner else block) else fix_of(why)
+    return DATA_PARALLEL if has_convolutions(block.get_submodule(owner) if owner else block) else POLICY
 
 
 def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None) -> Derivation:
