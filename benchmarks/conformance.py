@@ -200,13 +200,17 @@ class TinyBuildError(Exception):
     """The tiny model could not be constructed from its config (the same on every rank)."""
 
 
-def build_tiny(class_name: str):
-    """The factory handed to ``verify_on_this_rank`` (module-level: ``functools.partial(build_tiny, name)``)."""
+def build_tiny(class_name: str, flip: dict | None = None):
+    """The factory handed to ``verify_on_this_rank`` (module-level: ``functools.partial(build_tiny, name)``);
+    ``flip``: config values set on the tiny config before the model is built (``benchmarks/config_flips.py``)."""
     import transformers as tf
 
     from shardformer.core.tiny import fill_zero_matrices
 
     config = tiny_config_of(class_name)
+    for key, value in (flip or {}).items():  # on the config that holds the key (a text config's, else the top)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        setattr(text if key in text.to_dict() else config, key, value)
     try:
         model = getattr(tf, class_name)(config)
     except Exception as e:  # noqa: BLE001
@@ -215,7 +219,7 @@ def build_tiny(class_name: str):
     return model
 
 
-def unsharded_failure(class_name: str) -> str | None:
+def unsharded_failure(class_name: str, flip: dict | None = None) -> str | None:
     """What stops the tiny model unsharded (forward, backward, generate as verify runs them), or None."""
     import torch
 
@@ -225,7 +229,7 @@ def unsharded_failure(class_name: str) -> str | None:
     step = "build"
     try:
         torch.manual_seed(0)
-        model = build_tiny(class_name)
+        model = build_tiny(class_name, flip)
         model.eval()
         step = "forward"
         inputs = inputs_for(model, 1)
@@ -260,6 +264,12 @@ def _reason(row: dict, result: str, text: str, limit: int = 200) -> None:
         row["detail"] = text[:4000]
 
 
+def _reason_first(text: str) -> str:
+    """A refusal as a row holds it: its reason, then its fix (the library prints the fix first)."""
+    fix, newline, reason = text.partition("\n")
+    return f"{reason} (fix: {fix})" if newline else text
+
+
 def classify(row: dict, report) -> None:
     """Fill ``row`` from a merged VerifyReport: route, result, reason, max errors, the checks."""
     row["route"] = report.policy
@@ -274,7 +284,7 @@ def classify(row: dict, report) -> None:
     bad = [c for c in report.checks if not c.ok]
     error = report.error or ""
     if "sharding refused: " in error:
-        _reason(row, "refused", error.split("sharding refused: ", 1)[1])
+        _reason(row, "refused", _reason_first(error.split("sharding refused: ", 1)[1]))
     elif bad:
         reason = "; ".join(f"{c.name}: {c.detail}" for c in bad)
         if report.divergence is not None:
@@ -288,24 +298,25 @@ def classify(row: dict, report) -> None:
         row.update(result="passed", reason="")
 
 
-_UNSHARDED: dict[str, dict] = {}  # class -> what _check_unsharded found (the engine sweep has a row per technique)
+_UNSHARDED: dict[str, dict] = {}  # (class, flip) -> what _check_unsharded found (a row per technique)
 
 
 def _check_unsharded(row: dict) -> None:
-    """Mark ``row`` not tested when no tiny copy of its class runs unsharded (nothing of ours to test)."""
-    name = row["class"]
-    if name not in _UNSHARDED:
+    """Mark ``row`` not tested when no tiny copy of its class (with the row's ``flip``) runs unsharded."""
+    name, flip = row["class"], row.get("flip")
+    key = (name, json.dumps(flip, sort_keys=True))
+    if key not in _UNSHARDED:
         found: dict = {}
         try:
             tiny_config_of(name)
         except Exception as e:  # noqa: BLE001 - a config we cannot scale down is reported, not fatal
             _reason(found, NOT_TESTED, f"no tiny copy that runs: {type(e).__name__}: {e}")
         else:
-            broken = unsharded_failure(name)  # the tiny model itself: nothing to shard
+            broken = unsharded_failure(name, flip)  # the tiny model itself: nothing to shard
             if broken is not None:
                 _reason(found, NOT_TESTED, broken)
-        _UNSHARDED[name] = found
-    row.update(_UNSHARDED[name])
+        _UNSHARDED[key] = found
+    row.update(_UNSHARDED[key])
 
 
 def _verify_job(rows, out_path, row_timeout):
@@ -321,7 +332,7 @@ def _verify_row(row: dict) -> None:
     from shardformer.tools.verify import verify_on_this_rank
     from shardformer.tools.verify_report import merge_reports
 
-    report = verify_on_this_rank(functools.partial(build_tiny, row["class"]))
+    report = verify_on_this_rank(functools.partial(build_tiny, row["class"], row.get("flip")))
     reports = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     classify(row, merge_reports(reports))
@@ -460,8 +471,8 @@ def _train_with(row: dict, layout: dict) -> None:
         return torch.optim.SGD(params, lr=0.1)
 
     torch.manual_seed(0)
-    ref = build_tiny(row["class"])
-    model = build_tiny(row["class"])
+    ref = build_tiny(row["class"], row.get("flip"))
+    model = build_tiny(row["class"], row.get("flip"))
     model.load_state_dict(ref.state_dict())
     batches = [inputs_for(ref, seed, batch=4) for seed in (1, 2)]
     if row.get("task") == "causal-lm" and "labels" in inspect.signature(ref.forward).parameters:
@@ -472,13 +483,13 @@ def _train_with(row: dict, layout: dict) -> None:
     try:
         engine = ParallelEngine(model, sgd, EngineConfig(**layout), loss_fn=loss_fn)
     except (NotImplementedError, ValueError, TypeError) as e:
-        _reason(row, "refused", f"{type(e).__name__}: {e}")
+        _reason(row, "refused", f"{type(e).__name__}: {_reason_first(str(e))}")
         return
     row["route"] = engine.model.shardformer.route
     try:
         got = [engine.train_step(b) for b in batches]
     except (NotImplementedError, ValueError) as e:  # a refusal the engine could not tell before the step
-        _reason(row, REFUSED_AT_STEP, f"{type(e).__name__}: {e}")
+        _reason(row, REFUSED_AT_STEP, f"{type(e).__name__}: {_reason_first(str(e))}")
         return
     chunks = engine.mesh.dp_size * engine.config.num_microbatches
     initial = {k: v.clone() for k, v in ref.state_dict().items()}

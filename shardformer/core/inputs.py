@@ -8,6 +8,8 @@ import inspect
 import torch
 import torch.nn as nn
 
+from shardformer.core.refusal import POLICY, Refusal
+
 SEQ = 8  # tokens per sequence
 
 
@@ -65,17 +67,38 @@ def _is_timm(model: nn.Module) -> bool:
     return type(model).__module__.startswith("timm.")
 
 
+class NoInputsError(Refusal):
+    """The recipe cannot make inputs for a model: its copy cannot be run, so no cut can be derived or proven."""
+
+
 def _plain_inputs(model: nn.Module, params, batch: int, g: torch.Generator) -> dict:
     """A plain module's inputs: token ids as its forward's first parameter, when it embeds tokens
-    (ids below every ``nn.Embedding``'s size, so any of them may read them); else refused."""
+    (ids below every ``nn.Embedding``'s size, so any of them may read them) and every other parameter
+    has a default; else refused, naming what the recipe cannot supply."""
+    name = type(model).__name__
     first = next(iter(params), None)
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     if first is None or not sizes:
-        raise ValueError(
-            f"shardformer cannot make inputs for {type(model).__name__} (a plain module: no transformers config, "
-            f"not a timm model, no nn.Embedding to give token ids as its first forward argument"
-            f"{f' {first!r}' if first else ''}); give it an nn.Embedding input, or pass your own Policy: "
-            f"shard_model(model, config, policy=...)"
+        raise NoInputsError(
+            f"shardformer cannot make inputs for {name} (a plain module: no transformers config, not a timm "
+            f"model, no nn.Embedding to give token ids as its first forward argument{f' {first!r}' if first else ''}), "
+            f"so no copy of it can be run to derive or prove a cut",
+            f"give {name} an nn.Embedding that reads its first forward argument, or {POLICY}",
+        )
+    required = [
+        p.name
+        for p in list(params.values())[1:]
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if required:
+        named = ", ".join(repr(r) for r in required)
+        example = ", ".join(f"{r}=None" for r in required)
+        raise NoInputsError(
+            f"shardformer cannot make inputs for {name}: the derived route runs a copy of it (two blocks per "
+            f"stack) to find and prove its cut, and the recipe gives a plain module token ids as its first "
+            f"argument {first!r} only; {name}.forward requires {named} as well",
+            f"give {name}.forward's {named} a default (def forward(self, {first}, {example})) with which it runs "
+            f"on token ids alone, or {POLICY}",
         )
     return {first: torch.randint(0, min(sizes), (batch, SEQ), generator=g)}
 

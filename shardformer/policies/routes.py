@@ -23,9 +23,10 @@ import torch.nn as nn
 from shardformer.core.config import ShardConfig
 from shardformer.core.instance import study_instance
 from shardformer.core.record import build_mesh
+from shardformer.core.refusal import DATA_PARALLEL, POLICY, Refusal, has_convolutions, indent, parts_of
 from shardformer.models import family_of, model_class_name, supported_models
 from shardformer.policies.derived import DerivedPolicy, NotDerivableError, NotProvenError, derive, derived_model
-from shardformer.policies.derived.policy import HOW_TO, with_pooling_heads
+from shardformer.policies.derived.policy import with_pooling_heads
 from shardformer.policies.proof import prove
 from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError, has_tp_plan
 from shardformer.policies.tp_plan.policy import plan_leaves_whole
@@ -84,12 +85,20 @@ def route_of(policy: Policy, model: nn.Module) -> Route:
     return Route(CUSTOM, fresh)
 
 
-def no_route_error(model: nn.Module) -> ValueError:
-    """The error for a model no route applies to."""
-    return ValueError(
-        f"no built-in policy for {type(model).__name__}; supported: {', '.join(supported_models())}, and any "
-        f"transformers model whose config has a base_model_tp_plan or whose blocks can be traced. For another model, "
-        f"write a Policy subclass and pass it: shard_model(model, config, policy=MyPolicy())"
+def no_route_error(model: nn.Module) -> Refusal:
+    """The error for a model no route applies to: a convolutional network is pointed at data
+    parallelism (no policy cuts a convolution), any other at a Policy of its own."""
+    name = type(model).__name__
+    if has_convolutions(model):
+        return Refusal(
+            f"no route cuts {name}: it has no built-in policy, no tp plan and no stack of repeated blocks with "
+            f"projections to cut; its layers are convolutions, which tensor parallelism does not cut",
+            DATA_PARALLEL,
+        )
+    return Refusal(
+        f"no built-in policy for {name}; supported: {', '.join(supported_models())}, and any transformers model "
+        f"whose config has a base_model_tp_plan or whose blocks can be traced",
+        POLICY,
     )
 
 
@@ -111,15 +120,9 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
         try:
             plan = sharder.plan()  # every refusal first, before any collective
         except ROUTE_ERRORS as e:
-            if chosen or len(routes) == 1 and getattr(model, "config", None) is not None:
+            if chosen or len(routes) == 1:  # the one route's own refusal, its fix first (a plain module's)
                 raise
-            if [r.name for r in routes] == [DERIVED] and getattr(model, "config", None) is None:  # a plain module
-                # the derived route's reason first: it names the module and why (a long list of the
-                # families with a built-in policy after it)
-                raise NotDerivableError(
-                    f"{type(model).__name__}: the derived route refuses it: {e}. {no_route_error(model)}"
-                ) from e
-            reasons.append(f"{route.name}: {e}")
+            reasons.append((route.name, *parts_of(e)))
             continue
         if tp == 1 or route.name == CUSTOM:
             return sharder, plan, route, False
@@ -139,7 +142,7 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
         try:
             heads = route.heads(model, tp)
         except NotDerivableError as e:
-            reasons.append(f"{route.name}: {e}")
+            reasons.append((route.name, *parts_of(e)))
             continue
         why = prove(model, mesh_config, route.name, route.make, heads)
         if why is None:
@@ -151,19 +154,20 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
             )
             _warn_partial(model, route, reasons)
             return sharder, plan, route, True
-        reasons.append(f"{route.name}: not exact on a tiny copy at tensor_parallel_size={tp} ({why})")
+        reasons.append((route.name, f"not exact on a tiny copy at tensor_parallel_size={tp} ({why})", (POLICY,)))
         logger.info(
             "%s: the %s route is not exact on a tiny copy (%s); trying the next route",
             type(model).__name__,
             route.name,
             why,
         )
-    tried = "\n  ".join(reasons)
+    tried = "\n  ".join(f"{name}: {indent(reason)}" for name, reason, _ in reasons)
     instance = study_instance(model)
     own = f"\nEach proof ran what this instance adds to its class: {instance.describe()}" if instance.extras else ""
     raise NoExactRouteError(
         f"no route shards {type(model).__name__} exactly at tensor_parallel_size={tp}; shardformer refuses rather "
-        f"than compute something else. Routes tried:\n  {tried}{own}\n{HOW_TO}"
+        f"than compute something else. Routes tried:\n  {tried}{own}",
+        *(fix for _, _, fixes in reasons for fix in fixes),
     )
 
 
@@ -173,7 +177,7 @@ def _info(message: str, *args) -> None:
         logger.info(message, *args)
 
 
-def _warn_partial(model: nn.Module, route: Route, reasons: list[str]) -> None:
+def _warn_partial(model: nn.Module, route: Route, reasons: list[tuple]) -> None:
     """A plan that leaves projections inside its blocks whole is used: say which."""
     whole = route.leaves_whole
     if whole and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -184,5 +188,5 @@ def _warn_partial(model: nn.Module, route: Route, reasons: list[str]) -> None:
             len(whole),
             ", ".join(whole[:3]),
             " ..." if len(whole) > 3 else "",
-            "; ".join(reasons) or "not tried",
+            "; ".join(reason for _, reason, _ in reasons) or "not tried",
         )

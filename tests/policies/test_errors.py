@@ -21,11 +21,20 @@ class _Gpt2BlockPolicy(Policy):
         return {GPT2Block: Argument({}, [lambda: self.layers])}
 
 
-def test_model_without_policy_names_the_supported_classes():
+def test_model_without_blocks_is_pointed_at_a_policy_or_data_parallelism():
+    # no stack of blocks to derive a cut from, but projections a Policy could name: both fixes, first
     with pytest.raises(
-        ValueError, match=r"no built-in policy for Sequential; supported: .*BertForMaskedLM.*tp_plan.*policy=MyPolicy"
+        ValueError, match=r"^Write your own Policy subclass .*policy=MyPolicy.*; or train it with data "
     ):
         shard_model(nn.Sequential(nn.Linear(2, 2)), ShardConfig(tensor_parallel_size=2))
+
+
+def test_model_no_route_applies_to_names_the_supported_classes():
+    from shardformer.policies.routes import no_route_error
+
+    error = no_route_error(nn.Sequential(nn.Linear(2, 2)))
+    assert str(error).startswith("Write your own Policy subclass"), error
+    assert "no built-in policy for Sequential; supported: " in str(error) and "BertForMaskedLM" in str(error), error
 
 
 def test_heads_that_tp_does_not_divide_are_named():

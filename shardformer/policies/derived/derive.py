@@ -17,20 +17,21 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from shardformer.core.inputs import make_inputs
+from shardformer.core.inputs import NoInputsError, make_inputs
 from shardformer.core.instance import study_instance
+from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refusal, has_convolutions
 from shardformer.core.tiny import tiny_copy_config
 from shardformer.policies.copies import architecture, instance_copy, two_blocks
 from shardformer.policies.derived.settings import calling_settings
-from shardformer.policies.derived.simulate import find_cut, record_calls
+from shardformer.policies.derived.simulate import common_parent, find_cut, record_calls
 from shardformer.policies.derived.trace import attends, input_embeddings, is_projection, mixed_rows, pair, trace
 from shardformer.tensor_parallel.layers.multihead import refusal as multihead_refusal
 
 logger = logging.getLogger("shardformer")
 
 
-class NotDerivableError(ValueError):
-    """The model's structure gives no exact cut (the reason says where and why)."""
+class NotDerivableError(Refusal):
+    """The model's structure gives no exact cut (the fix first, then where and why)."""
 
 
 class NotProvenError(NotDerivableError):
@@ -65,10 +66,7 @@ class Derivation:
     whole_heads: dict[str, str] = field(default_factory=dict)  # pooling heads left whole, with why
 
 
-DP_HINT = (
-    "; convolutions and other layers are not cut by tensor parallelism: train it with data parallelism "
-    "(EngineConfig(dp=...)) and ZeRO (zero_stage=1, 2 or 3), which work for any model"
-)
+NO_STACK = "has no stack of repeated blocks with projections to cut (tensor parallelism cuts linear projections)"
 WIDER = 4  # a refused derivation is tried once more with this many times the heads (CodeGen's 4 fixed blocks)
 
 
@@ -154,31 +152,81 @@ def _between_cols_and_rows(leaf_reads, rule: BlockRule, block: nn.Module) -> set
     return found
 
 
-def _copy_does_not_run(model: nn.Module, error: Exception) -> str:
-    """Why a model with no config to scale down (timm's MViT) is refused when its two-block copy fails."""
+def _copy_does_not_run(model: nn.Module, inputs: dict, error: Exception) -> NotDerivableError:
+    """Why a model with no config to scale down is refused when its two-block copy fails: the cut, where
+    the whole model runs on the same inputs (stages that change width from one to the next), else the
+    recipe's inputs (a size the model was not built for), named with their shapes."""
+    from shardformer.policies.copies import KEEP, repeated_stacks
     from shardformer.policies.derived.trace import repeated_blocks
 
+    name = type(model).__name__
+    failed = f"{type(error).__name__}: {str(error)[:200]}"
+    cut = any(len(model.get_submodule(p)) > KEEP for p in repeated_stacks(model))
+    if not cut or not _runs(model, inputs):
+        shapes = ", ".join(f"{k}: {list(v.shape)}" for k, v in inputs.items() if torch.is_tensor(v))
+        return NotDerivableError(
+            f"{name} does not run on the inputs shardformer makes for it ({shapes}; {failed}), so no cut can be "
+            f"derived and proven on a copy of it",
+            POLICY,
+            DATA_PARALLEL,
+        )
     paths = dict.fromkeys(b.rpartition(".")[0] for b in repeated_blocks(model))  # every stack, also those kept whole
     stacks = ", ".join(
         f"{path} ({len(model.get_submodule(path))} x {type(model.get_submodule(path)[0]).__name__})"
         for path in paths
         if path
     )
-    return (
-        f"{type(model).__name__}: its copy with each repeated stack cut to two items ({stacks}) does not run "
-        f"({type(error).__name__}: {str(error)[:200]}): the items of a stack change width or resolution from one "
-        f"to the next (stages, as MViT's), so no cut can be derived and proven on a copy{DP_HINT}"
+    return NotDerivableError(
+        f"{name} runs, but its copy with each repeated stack cut to two items ({stacks}) does not ({failed}): the "
+        f"items of a stack change width or resolution from one to the next (stages), so no cut can be derived "
+        f"and proven on a copy",
+        DATA_PARALLEL,
     )
+
+
+def _runs(model: nn.Module, inputs: dict) -> bool:
+    """Whether ``model`` itself (in eval mode, its modes restored) runs on ``inputs``; not on the meta device."""
+    if any(t.device.type == "meta" for t in model.parameters()):
+        return False
+    modes = {m: m.training for m in model.modules()}
+    try:
+        with torch.no_grad():
+            model.eval()(**inputs)
+        return True
+    except Exception:  # noqa: BLE001 - any failure: the inputs, not the cut
+        return False
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+
+
+def no_stack(model: nn.Module) -> NotDerivableError:
+    """A model with no stack of blocks to cut: a convolutional network (data parallelism), else a model
+    whose projections a Policy may still name."""
+    fixes = (DATA_PARALLEL,) if has_convolutions(model) else (POLICY, DATA_PARALLEL)
+    return NotDerivableError(f"{type(model).__name__} {NO_STACK}", *fixes)
+
+
+def _fix(block: nn.Module, group, why: str) -> str:
+    """The fix for a group no candidate cut computes: the one its reason carries (a head count), else
+    data parallelism where the group runs through a convolution (a Mamba-style mixer's causal conv and
+    scan, which no cut of its projections computes), else a Policy."""
+    if isinstance(why, Reason):
+        return why.fix
+    owner = common_parent([*group.cols, group.row])
+    return DATA_PARALLEL if has_convolutions(block.get_submodule(owner) if owner else block) else POLICY
 
 
 def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None) -> Derivation:
     name = type(model.get_submodule(tower)).__name__
     try:
         tiny, inputs = tiny_with_inputs(model, tp, tower, heads)
+    except NoInputsError as e:
+        raise NotDerivableError(e.reason, *e.fixes) from None  # its own words: printed once
     except Exception as e:  # noqa: BLE001 - a config the class refuses at small sizes, inputs the recipe lacks
         raise NotDerivableError(
             f"a tiny {name} cannot be built from a scaled-down config or given inputs: {type(e).__name__}: {e}"
-        ) from e
+        ) from None  # the error's text is in the message: not printed twice
     if has_config(tiny):
         tiny.config.use_cache = False
     inputs.pop("labels", None)
@@ -188,10 +236,10 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
         flows = trace(tiny, inputs)
     except Exception as e:  # noqa: BLE001
         if not has_config(tiny):
-            raise NotDerivableError(_copy_does_not_run(model, e)) from e
-        raise NotDerivableError(f"a tiny {name} does not run: {type(e).__name__}: {e}") from e
+            raise _copy_does_not_run(model, inputs, e) from None
+        raise NotDerivableError(f"a tiny {name} does not run: {type(e).__name__}: {e}") from None
     if not flows.blocks:
-        raise NotDerivableError(f"{name} has no stack of repeated blocks with projections to cut{DP_HINT}")
+        raise no_stack(tiny)
     units = flows.blocks + flows.heads
     packed = {  # torch's nn.MultiheadAttention: cut whole by its own layer; its out_proj is read by weight
         block: [rel for rel, m in tiny.get_submodule(block).named_modules() if isinstance(m, nn.MultiheadAttention)]
@@ -247,26 +295,29 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
         if why is None:
             rule.attention.add(rel)
         else:
-            refused.append(f"{name}: {rel} is torch's nn.MultiheadAttention, and {why}")
+            text = f"{name}: {rel} is torch's nn.MultiheadAttention, and {why}"
+            refused.append(Reason(text, HEADS if "heads do not split" in why else DATA_PARALLEL))
     for rel in flows.bypassed.get(block, []):
-        refused.append(
+        text = (
             f"{name}: {rel} is never called: the {'head' if head else 'block'}'s code reads its weight itself "
             f"(F.linear(x, {rel.rpartition('.')[2]}.weight, ...)), which no cut layer can stand in for"
         )
+        refused.append(Reason(text, DATA_PARALLEL))
     if plain:
         for rel in mixed_rows(reads, groups):
-            refused.append(
+            text = (
                 f"{name}: {rel} reads {', '.join(sorted(reads[rel].sources))}, computed from the attention's column "
                 f"projections but not cut with them (it mixes what the heads compute, as talking-heads attention "
                 f"does): no cut over heads computes it"
             )
+            refused.append(Reason(text, DATA_PARALLEL))
     rule.whole |= set(whole) - set(rule.cols) - rule.rows
     for group in groups:
         if group.row in rule.rows and all(c in rule.cols for c in group.cols):
             continue  # decided on an earlier block of this class
         cut, why = find_cut(tiny, block, group, tp, inputs)
         if cut is None:
-            refused.append(f"{name}: {', '.join(group.cols)} -> {group.row}: {why}")
+            refused.append(Reason(f"{name}: {', '.join(group.cols)} -> {group.row}: {why}", _fix(module, group, why)))
             rule.whole |= {*group.cols, group.row}
             continue
         rule.cols.update(cut.blocks)

@@ -14,7 +14,8 @@ import logging
 
 import torch.nn as nn
 
-from shardformer.policies.derived.derive import DP_HINT, BlockRule, NotDerivableError, derive, has_config
+from shardformer.core.refusal import HEADS, POLICY, fix_of
+from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
 from shardformer.policies.derived.heads import head_inputs_layer
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
 from shardformer.policies.derived.simulate import cut_options, per_rank_attributes
@@ -33,8 +34,6 @@ from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Polic
 
 logger = logging.getLogger("shardformer")
 
-HOW_TO = "write a Policy for it (docs/writing-a-policy.md) and pass it: shard_model(model, config, policy=...)"
-
 
 class DerivedPolicy(TpPlanPolicy):
     """Cuts any transformers model, timm model or plain module by the roles its projections play in a traced tiny copy."""
@@ -46,9 +45,7 @@ class DerivedPolicy(TpPlanPolicy):
         if tp == 1:  # nothing to cut (cp-only, dp-only): derive nothing, the model stays as it is
             return {type(model): Argument({}, [list])}
         if getattr(model, "config", None) is None and not repeated_blocks(model):
-            raise NotDerivableError(
-                f"{type(model).__name__} has no stack of repeated blocks with projections to cut{DP_HINT}"
-            )
+            raise no_stack(model)
         whole, tower = self.tower_of or (model, "")
         derivation = derive(whole, tp, tower)
         config = getattr(model, "config", None)  # None: a timm model or a plain module (counts read off modules)
@@ -58,14 +55,17 @@ class DerivedPolicy(TpPlanPolicy):
             raise NotDerivableError(
                 f"{type(model).__name__}'s cut at tensor_parallel_size={tp} was derived and proven on a copy with "
                 f"{derivation.heads} heads (its layout groups heads in fixed blocks); this model has {heads}, too "
-                f"few to cut that way; {HOW_TO}"
+                f"few to cut that way",
+                HEADS,
+                POLICY,
             )
         if derivation.refused:
             raise NotDerivableError(
                 f"no exact cut of {type(model).__name__} at tensor_parallel_size={tp} was found for:\n  "
                 + "\n  ".join(dict.fromkeys(derivation.refused))
-                + f"\n(the rest of the model would shard, but shardformer does not leave projections whole "
-                f"without a word); {HOW_TO}"
+                + "\n(the rest of the model would shard, but shardformer does not leave projections whole "
+                "without a word)",
+                *(fix_of(r) for r in derivation.refused),
             )
         modules = dict(model.named_modules())
         layers: dict[str, Layer] = {}
@@ -75,21 +75,20 @@ class DerivedPolicy(TpPlanPolicy):
             if rule is None:
                 raise NotDerivableError(
                     f"{block} ({type(modules[block]).__name__}) did not appear in the tiny copy of "
-                    f"{type(model).__name__}, so no cut of it was proven; {HOW_TO}"
+                    f"{type(model).__name__}, so no cut of it was proven"
                 )
             self._cut_block(block, modules, rule, tp, config, layers, attrs)
         self._cut_heads(pooling_heads(model), derivation, modules, tp, config, layers, attrs)
         if not layers:
-            raise NotDerivableError(
-                f"no projection of {type(model).__name__} reads and writes a block's stream"
-                + ("" if config is not None else DP_HINT)
-            )
+            if config is None:  # a timm model or a plain module: convolutions, or projections a Policy may name
+                raise no_stack(model)
+            raise NotDerivableError(f"no projection of {type(model).__name__} reads and writes a block's stream")
         idle = [b for b in repeated_blocks(model) if _all_idle(modules[b], derivation.rules.get(type(modules[b])))]
         whole = uncovered_blocks(model, layers, idle)
         if whole:
             raise NotDerivableError(
                 f"no projection of {', '.join(whole[:4])}{' ...' if len(whole) > 4 else ''} reads and writes its "
-                f"block's stream: the blocks would stay whole; {HOW_TO}"
+                f"block's stream: the blocks would stay whole"
             )
         self._vocab(layers, modules)
         if self.head_path in layers and seq2seq_routable(model):
@@ -190,8 +189,7 @@ class DerivedPolicy(TpPlanPolicy):
         unknown = sorted(set(inside) - set(rule.cols) - rule.rows - rule.whole - rule.idle)
         if unknown:
             raise NotDerivableError(
-                f"{block} ({type(modules[block]).__name__}) has projections the tiny copy did not run: {unknown}; "
-                f"{HOW_TO}"
+                f"{block} ({type(modules[block]).__name__}) has projections the tiny copy did not run: {unknown}"
             )
         for rel, spec in rule.cols.items():  # widths are checked by the sharder's plan
             if rel in inside:

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.compare import ATOL, RTOL, max_error
+from shardformer.core.refusal import HEADS, Reason
 from shardformer.core.shard_spec import make_spec, slice_tensor
 from shardformer.policies.derived.heads import HeadCut, bias_options, head_options, slice_heads
 from shardformer.policies.derived.rewrites import use_module_width
@@ -420,11 +421,11 @@ def _why_none(parent: nn.Module, prefix: str, tp: int, first_error: str) -> str:
                 unsplit.append(".".join(p for p in (prefix, rel, name) if p) + f"={value}")
     if not unsplit:
         return first_error
-    return (
+    text = (
         f"{', '.join(unsplit)}: {'these heads do' if len(unsplit) > 1 else 'its heads do'} not split over "
-        f"tensor_parallel_size={tp} (use a tp that divides the head count, or data parallelism / ZeRO); "
-        f"the first candidate: {first_error}"
+        f"tensor_parallel_size={tp}; the first candidate: {first_error}"
     )
+    return Reason(text, HEADS)
 
 
 MAX_TRIALS = 200  # simulated candidates per group (many projections in one group multiply them)

@@ -53,8 +53,7 @@ def towers(model: nn.Module, cut_paths) -> list[str]:
             raise NotDerivableError(
                 f"{block} ({type(modules[block]).__name__}) is a repeated block that the "
                 f"{'plan' if cut else 'route'} leaves whole, and it sits in no sub-model of its own "
-                f"to derive a cut for; shardformer does not leave a stack unsharded without a word. "
-                f"Pass your own Policy"
+                f"to derive a cut for; shardformer does not leave a stack unsharded without a word"
             )
         if owner not in found:
             found.append(owner)

@@ -14,6 +14,7 @@ import re
 
 import torch.nn as nn
 
+from shardformer.core.refusal import POLICY
 from shardformer.policies.tp_plan import experts, heads, styles
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.tensor_parallel.detect import call_optional
@@ -150,8 +151,10 @@ class TpPlanPolicy(Policy):
             self.towers = towers(model, layers)
             if self.towers and self.tower_policy is None:
                 raise styles.UnsupportedStyleError(
-                    f"the tp plan of {type(model).__name__} leaves {', '.join(self.towers)} whole; pass no policy "
-                    f"(shard_model derives and proves a cut of it), or your own Policy"
+                    f"the tp plan of {type(model).__name__} leaves {', '.join(self.towers)} whole, and a "
+                    f"TpPlanPolicy() made by hand has no policy for them",
+                    "pass no policy (shard_model derives and proves a cut of the towers)",
+                    POLICY,
                 )
             for tower in self.towers:
                 more, more_attrs = self.tower_policy.cut_tower(model, tower, shard_config)
@@ -238,7 +241,7 @@ class TpPlanPolicy(Policy):
             if uncut:
                 raise styles.UnsupportedStyleError(
                     f"{parent} ({type(module).__name__}) holds parameters of its own beside heads split over tp "
-                    f"({uncut}); the tp plan does not say how to cut them. Pass your own Policy"
+                    f"({uncut}); the tp plan does not say how to cut them"
                 )
             for name, child in module.named_children():
                 path = f"{parent}.{name}" if parent else name
@@ -254,7 +257,7 @@ class TpPlanPolicy(Policy):
                 else:
                     raise styles.UnsupportedStyleError(
                         f"{path} ({type(child).__name__}) has parameters, sits beside heads split over tp and is "
-                        f"not in the tp plan; shardformer cannot tell how to cut it. Pass your own Policy"
+                        f"not in the tp plan; shardformer cannot tell how to cut it"
                     )
         return attrs
 
@@ -271,7 +274,9 @@ def _check_layers_matched(model: nn.Module, plan: dict[str, str], resolved, para
         raise styles.UnsupportedStyleError(
             f"none of the tp plan's per-layer entries ({', '.join(layer_keys[:3])}, ...) names a module of "
             f"{type(model).__name__}: the model is not what its plan describes (is it wrapped, e.g. by PEFT?), "
-            f"and sharding it would leave every layer whole. Shard the model before wrapping it, or pass a Policy"
+            f"and sharding it would leave every layer whole",
+            "shard the model before wrapping it",
+            POLICY,
         )
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.comm import all_reduce, copy_to_parallel, group_rank, group_size, reduce_from_parallel
+from shardformer.core.refusal import Refusal
 from shardformer.tensor_parallel.layers import Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.tensor_parallel.layers.attention_dropout import AttentionDropoutRng  # noqa: F401 - a style's layer
 from shardformer.tensor_parallel.policy import Col_Layer, Layer, Row_Layer
@@ -115,8 +116,8 @@ STYLES = {
 _NEEDS = {"embedding_rowwise": "a plain nn.Embedding"}
 
 
-class UnsupportedStyleError(ValueError):
-    """A plan entry shardformer cannot carry out exactly."""
+class UnsupportedStyleError(Refusal):
+    """A plan entry shardformer cannot carry out exactly (the fix first: by default your own Policy)."""
 
 
 def descriptor(style: str, path: str, module: nn.Module) -> Layer:
@@ -124,7 +125,7 @@ def descriptor(style: str, path: str, module: nn.Module) -> Layer:
     if style not in STYLES:
         raise UnsupportedStyleError(
             f"tp plan style {style!r} at {path} ({type(module).__name__}) is not supported; supported styles: "
-            f"{', '.join(sorted(STYLES))}. Pass your own Policy to shard this model"
+            f"{', '.join(sorted(STYLES))}"
         )
     fits, make = STYLES[style]
     if not fits(module):
