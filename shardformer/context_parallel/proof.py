@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.context_parallel.layout import gather_split, layout_for
-from shardformer.core.comm import all_reduce, gather_from_parallel, group_rank
+from shardformer.core.comm import all_reduce, every_rank, gather_from_parallel, group_rank
 from shardformer.core.compare import gradient_failures, max_error
 from shardformer.core.divergence import ActivationRecorder, first_divergence
 from shardformer.core.instance import study_instance
@@ -79,7 +79,9 @@ def prove_context_parallel(model: nn.Module, shard_config, route: str, make_poli
         options = (shard_config.sequence_parallel, shard_config.sequence_parallel_regather, shard_config.seed)
         key = (route, type(model), cp, mode, tp, heads, options, _architecture(tiny), json.dumps(plan, sort_keys=True))
         key += (_versions(), device, study_instance(model).key)  # the instance's modules, hooks, methods, attention
-        if key not in _VERDICTS:
+        mesh = shard_config.mesh
+        groups = (mesh.tp_group, mesh.cp_group) if mesh is not None else (None,)  # the tp x cp block together
+        if not every_rank(key in _VERDICTS, *groups, device=device):
             _VERDICTS[key] = _prove(tiny, shard_config, make_policy, device)
         return _VERDICTS[key]
 

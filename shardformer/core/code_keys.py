@@ -41,10 +41,10 @@ def code_key(obj, depth: int = 0) -> str:
 def _value_key(value, depth: int = 0) -> str:
     if isinstance(value, (bool, int, float, str, bytes, type(None))):
         return repr(value)
-    if isinstance(value, (tuple, list)) and depth < 4:
+    if isinstance(value, tuple) and depth < 4:
         return "(" + ",".join(_value_key(v, depth + 1) for v in value) + ")"
-    if isinstance(value, dict) and depth < 4:
-        return "{" + ",".join(f"{k!r}:{_value_key(v, depth + 1)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, dict, set)):  # mutable: a cache or a registry filling up as the process runs
+        return type(value).__qualname__
     if isinstance(value, torch.Tensor):
         return f"tensor{tuple(value.shape)}{value.dtype}:{float(value.detach().float().sum()) if value.numel() and value.device.type != 'meta' else 0}"
     if isinstance(value, nn.Module):
@@ -54,8 +54,10 @@ def _value_key(value, depth: int = 0) -> str:
     return type(value).__qualname__
 
 
-def _plain_vars(obj) -> dict:
-    return {k: v for k, v in getattr(obj, "__dict__", {}).items() if isinstance(v, (bool, int, float, str))}
+def _plain_vars(obj) -> tuple:
+    return tuple(
+        sorted((k, v) for k, v in getattr(obj, "__dict__", {}).items() if isinstance(v, (bool, int, float, str)))
+    )
 
 
 def class_key(cls: type) -> str:

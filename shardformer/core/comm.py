@@ -159,6 +159,16 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     return tensor
 
 
+def every_rank(flag: bool, *groups, device=None) -> bool:
+    """Whether ``flag`` holds on every rank of ``groups`` (all-reduced over each in turn). A proof asks it
+    before using a cached verdict: a cache filled on some ranks only, or a key that came out differently on
+    one rank, would otherwise leave the ranks that prove waiting in collectives the others skip."""
+    missing = torch.tensor([0.0 if flag else 1.0], device=device)
+    for group in groups:
+        missing = all_reduce(missing, group)
+    return missing.item() == 0
+
+
 def start_all_reduce(tensor: torch.Tensor, group) -> tuple[torch.Tensor, Handle]:
     """Start a sum all-reduce of a contiguous tensor in place; returns ``(result, handle)``: compute that
     does not need the result may run before ``handle.wait()``. Compiling, the functional collective

@@ -21,7 +21,7 @@ import json
 import torch
 import torch.nn as nn
 
-from shardformer.core.comm import all_reduce, group_rank, group_size
+from shardformer.core.comm import all_reduce, every_rank, group_rank, group_size
 from shardformer.core.compare import max_error
 from shardformer.core.divergence import first_tensor
 from shardformer.core.instance import CannotReproduce, set_attention, study_instance
@@ -47,7 +47,7 @@ def prove_expert_parallel(model: nn.Module, group) -> str | None:
         instance = study_instance(model)  # the user's modules, hooks and attention, not only the class
         key = (type(model), ep, json.dumps(config.to_dict(), sort_keys=True, default=str), _versions(), device)
         key += (instance.key,)
-        if key not in _VERDICTS:
+        if not every_rank(key in _VERDICTS, group, device=device):
             _VERDICTS[key] = _prove(model, config, group, device, instance)
         return _VERDICTS[key]
 

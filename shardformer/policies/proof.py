@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from shardformer.core.comm import all_reduce, gather_from_parallel
+from shardformer.core.comm import all_reduce, every_rank, gather_from_parallel
 from shardformer.core.compare import gradient_failures, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
@@ -81,9 +81,17 @@ def _proven(model, shard_config, route, make_policy, heads) -> str | None:
     sequence = tuple(_sequence_parallel(shard_config).items())
     key = (route, type(model), tp, heads, sequence, _architecture(tiny), json.dumps(plan, sort_keys=True), _versions())
     key += (study_instance(model).key,)  # the instance's own modules, hooks, methods, attention, dtype
-    if key not in _VERDICTS:
+    if not every_rank(key in _VERDICTS, _tp_group(shard_config), device=_device(model)):
         _VERDICTS[key] = _prove(tiny, shard_config, make_policy, _device(model))
     return _VERDICTS[key]
+
+
+def _tp_group(shard_config: ShardConfig):
+    """The tp group alone: the copy has no cp, pp or dp of its own."""
+    group = shard_config.tensor_parallel_process_group
+    if group is None and shard_config.mesh is not None:
+        group = shard_config.mesh.tp_group
+    return group
 
 
 def _sequence_parallel(shard_config: ShardConfig) -> dict:
@@ -160,9 +168,7 @@ def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device) -> s
     inputs = inputs_for(ref, seed=1)
     sharded = copy.deepcopy(ref)
     ref.train(), sharded.train()  # the training path (the recipe's dropout is 0)
-    group = shard_config.tensor_parallel_process_group
-    if group is None and shard_config.mesh is not None:
-        group = shard_config.mesh.tp_group  # the tp group alone: the copy has no cp, pp or dp of its own
+    group = _tp_group(shard_config)
     sequence = _sequence_parallel(shard_config)
     config = ShardConfig(
         tensor_parallel_size=tp, tensor_parallel_process_group=group, seed=shard_config.seed, **sequence
