@@ -164,10 +164,14 @@ def test_a_timeout_names_the_stuck_rank_not_the_waiting_one():
     failures[3] = _failure(-signal.SIGTERM)
     summary, _ = summarize_failure(SimpleNamespace(failures=failures), 4)
     assert summary.startswith("shardformer run: one of ranks 1, 3 of 4 stopped making progress"), summary
-    # a rank stopped while exiting after its own exception failed when it recorded it, not last
+    # a rank stopped while exiting after its own exception failed when it recorded it, not last, and
+    # with its own status (recorded, else 1), not torchrun's SIGTERM
     crashed = {0: _failure(1, "RuntimeError: Connection closed by peer", 9), 1: _failure(-signal.SIGTERM, "E: mine", 3)}
-    summary, _ = summarize_failure(SimpleNamespace(failures=crashed), 2)
-    assert summary.startswith("shardformer run: rank 1 of 2 failed (killed by SIGTERM): E: mine"), summary
+    summary, code = summarize_failure(SimpleNamespace(failures=crashed), 2)
+    assert summary.startswith("shardformer run: rank 1 of 2 failed (exit code 1): E: mine"), summary
+    assert code == 1
+    crashed[1].error_file_data["message"]["extraInfo"]["exit_code"] = "3"
+    assert summarize_failure(SimpleNamespace(failures=crashed), 2)[1] == 3
     # any other first failure is named as it is
     failures[0] = _failure(1, "ValueError: bad value", 5)
     summary, _ = summarize_failure(SimpleNamespace(failures=failures), 4)
