@@ -25,12 +25,12 @@ def main() -> None:
     sys.path[0] = os.path.dirname(script)  # as `python script.py` does
     try:
         runpy.run_path(script, run_name="__main__")
+        _record_finished()
     except KeyboardInterrupt:
         raise
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)  # as Python exits
-        if code != 0:
-            _record(exc, code)
+        _record(exc, code) if code != 0 else _record_finished()
         raise
     except BaseException as exc:
         _record(exc, 1)
@@ -46,6 +46,26 @@ def main() -> None:
         raise SystemExit(1) from None
 
 
+def _record_finished() -> None:
+    """The script returned: a signal after this (an abort in a library's threads during the
+    interpreter's teardown, torchrun stopping a rank that was exiting) ends no work of the rank.
+    torchrun reads the file only for a rank that fails."""
+    now = time.time_ns()
+    info = {"py_callstack": "", "timestamp": str(now // 1_000_000_000), "finished_ns": str(now)}
+    _write({"message": {"message": "", "extraInfo": info}})
+
+
+def _write(data: dict) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as file:
+            json.dump(data, file)
+    except OSError:
+        pass  # the report is a courtesy; the exit code carries the failure
+
+
 def _record(exc: BaseException, exit_code: int) -> None:
     """Write torchelastic's error-file JSON (what its ``@record`` writes), plus a nanosecond time and
     the exit status the rank is about to exit with.
@@ -54,26 +74,20 @@ def _record(exc: BaseException, exit_code: int) -> None:
     rank died ("connection closed by peer") would tie. The finer time lets the launcher name the cause.
     The status is the rank's own even when torchrun stops the rank (SIGTERM) during its teardown.
     """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
     now = time.time_ns()
-    data = {
-        "message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": traceback.format_exc(),
-                "timestamp": str(now // 1_000_000_000),
-                "time_ns": str(now),
-                "exit_code": str(exit_code),
-            },
+    _write(
+        {
+            "message": {
+                "message": f"{type(exc).__name__}: {exc}",
+                "extraInfo": {
+                    "py_callstack": traceback.format_exc(),
+                    "timestamp": str(now // 1_000_000_000),
+                    "time_ns": str(now),
+                    "exit_code": str(exit_code),
+                },
+            }
         }
-    }
-    try:
-        with open(path, "w") as file:
-            json.dump(data, file)
-    except OSError:
-        pass  # the report is a courtesy; the exit code carries the failure
+    )
 
 
 if __name__ == "__main__":

@@ -242,6 +242,9 @@ def launch(argv: list[str], world_size: int, verbose: bool = False) -> int:
         try:
             run(parse_args(argv))
         except ChildFailedError as exc:
+            if all_finished(exc):  # the ranks' work is done: a teardown crash is not the run's failure
+                print(finished_note(exc, world_size), file=sys.stderr)
+                return 0
             summary, code = summarize_failure(exc, world_size)
             print(summary, file=sys.stderr)
             return code
@@ -307,6 +310,21 @@ def _failure_time(failure) -> tuple[int, int]:
     (one that recorded its own exception and was stopped while exiting failed when it recorded it)."""
     recorded = _recorded_ns(failure)
     return int(_stopped(failure)), recorded if recorded is not None else int(failure.timestamp * 1_000_000_000)
+
+
+def all_finished(exc) -> bool:
+    """Every rank torchrun reports failed had returned from its script (rank_entry's record) and then
+    died by a signal: an abort in a library's native threads during the interpreter's teardown
+    ("terminate called without an active exception"), or torchrun stopping a rank that was exiting."""
+    return all(f.exitcode < 0 and "finished_ns" in _extra(f) for f in exc.failures.values())
+
+
+def finished_note(exc, world_size: int) -> str:
+    died = ", ".join(f"rank {r} ({_how(exc.failures[r])})" for r in sorted(exc.failures))
+    return (
+        f"{PROG}: every rank of {world_size} finished its script; {died} then died in the interpreter's "
+        f"teardown, after its work was done: exit status 0"
+    )
 
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)

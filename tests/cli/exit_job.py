@@ -1,8 +1,7 @@
-"""Tiny job for the launcher's exit-status tests: ``exit_job.py all-raise | exit-3``.
+"""Tiny job for the launcher's exit-status test: every rank fails.
 
-all-raise: every rank raises; rank 0 first, with a slow teardown (an exit handler that sleeps), so
-torchrun stops it (SIGTERM) while it exits, after rank 1's failure reached torchrun. exit-3: rank 1
-exits with status 3 while rank 0 waits for it in a collective.
+Rank 0 raises first, with a slow teardown (an exit handler that sleeps), so torchrun stops it (SIGTERM)
+while it exits, after the failure of rank 1 (``sys.exit(3)`` a second later) reached torchrun.
 """
 
 import atexit
@@ -15,14 +14,9 @@ import torch.distributed as dist
 from shardformer import init_distributed
 
 init_distributed()
-rank = dist.get_rank()
 dist.all_reduce(torch.ones(1))
-if sys.argv[1] == "exit-3":
-    if rank == 1:
-        sys.exit(3)
-    dist.all_reduce(torch.ones(1))  # rank 1 never comes: torchrun stops this rank
-elif rank == 0:
+if dist.get_rank() == 0:
     atexit.register(time.sleep, 30)
-else:
-    time.sleep(1)
-raise RuntimeError(f"deliberate failure on rank {rank}")
+    raise RuntimeError("deliberate failure on rank 0")
+time.sleep(1)
+sys.exit(3)
