@@ -4,7 +4,9 @@
 
 Each launch is ``shardformer run --nproc_per_node 2 examples/finetune/main.py --moe`` (a tiny Mixtral at
 expert_parallel_size=2 under ShardedTrainer). Not part of ``make test``: too slow. Prints every launch's exit
-status and, for one that is not 0, the end of its output; exits 1 unless every launch exited 0.
+status and, for one that is not 0, the end of its output; exits 1 unless every launch exited 0. A launch
+whose ranks all finished but one then died in the interpreter's teardown exits 0 with a note
+(shardformer run says so); the count of those is printed too.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=20)
     runs = parser.parse_args().runs
-    codes = []
+    codes, teardown = [], 0
     for run in range(1, runs + 1):
         with tempfile.TemporaryDirectory() as out:
             argv = [sys.executable, "-m", "shardformer.cli.main", "run", "--nproc_per_node", "2"]
@@ -33,10 +35,15 @@ def main() -> int:
             start = time.monotonic()
             result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
         codes.append(result.returncode)
-        print(f"launch {run}/{runs}: exit status {result.returncode} ({time.monotonic() - start:.1f} s)", flush=True)
+        note = [line for line in result.stderr.splitlines() if "died in the interpreter's teardown" in line]
+        teardown += bool(note)
+        took = f"{time.monotonic() - start:.1f} s"
+        print(
+            f"launch {run}/{runs}: exit status {result.returncode} ({took}){' ' + note[0] if note else ''}", flush=True
+        )
         if result.returncode != 0:
             print(result.stdout[-2000:], result.stderr[-4000:], sep="\n", flush=True)
-    print(f"{codes.count(0)}/{runs} launches exited 0; statuses {sorted(set(codes))}")
+    print(f"{codes.count(0)}/{runs} launches exited 0; statuses {sorted(set(codes))}; {teardown} with a teardown note")
     return 0 if codes.count(0) == runs else 1
 
 
