@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardformer-installed
 
-.PHONY: test demo conformance config-flips compat docs
+.PHONY: test demo conformance config-flips compat docs exit-loop
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -26,6 +26,11 @@ conformance: $(STAMP)
 # on 2 busy cores; --dense: half); lists the rows whose verdict changes (passed -> failed: silently wrong)
 config-flips: $(STAMP)
 	nice -n 10 $(PY) benchmarks/config_flips.py --save benchmarks
+
+# Not part of `make test` (about 15 s a launch): the ep=2 ShardedTrainer example (examples/finetune/main.py
+# --moe) launched 20 times in a row; fails unless every launch exits 0.
+exit-loop: $(STAMP)
+	$(PY) benchmarks/exit_loop.py --runs 20
 
 # The docs site (docs/, mkdocs.yml) built into site/; --strict fails on a broken link, anchor or API reference.
 # tests/test_docs.py runs the same build inside `make test`.

@@ -3,11 +3,12 @@
     .venv/bin/python benchmarks/forward_agreement_bench.py [--layers 4] [--seq 256] [--batch 4] [--steps 30]
 
 A GPT-2 (hidden 256, vocabulary 8192) on 2 gloo ranks, one thread each, at tp=2 and at cp=2: the
-median time of a training step (forward, backward, SGD) with the check off, on its default
-schedule (the first 3 forwards and every 100th compared; the others bind the arguments and count),
-and compared on every forward (the cost of one comparison: a checksum of the inputs and one
-fixed-size all-gather). The variants alternate step by step in one process, so machine load hits
-them alike; ratios are against "off". Checked in the same run: every variant gives the same losses.
+median time of a training step (forward, backward, SGD) with the check off (the baseline, measured in
+the same run), on its default (every forward compared: a checksum of the inputs and one fixed-size
+all-gather, read back once), and with ``ShardConfig(forward_agreement_every=10)`` (the others bind
+the arguments and count). The variants alternate step by step in one process, so machine load hits
+them alike; ratios are against "off". Then the pieces alone: one comparison, and the hook on a
+forward that is not compared.
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from shardformer import ShardConfig, shard_model  # noqa: E402
-from shardformer.core.forward_agreement import FIRST_CALLS  # noqa: E402
 from shardformer.tools.testing import run_on_ranks  # noqa: E402
 
-VARIANTS = ("off", "default schedule", "every forward")
-FIRST = FIRST_CALLS + 1
+VARIANTS = ("off", "every forward (default)", "every 10th")
 
 
 def _run(parallel: str, layers: int, seq: int, batch: int, steps: int) -> dict:
@@ -48,11 +47,10 @@ def _run(parallel: str, layers: int, seq: int, batch: int, steps: int) -> dict:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for step in range(steps + 2):  # two warm-up rounds
         for variant in VARIANTS:
-            agreement.in_forward = variant == "default schedule"
+            agreement.in_forward = variant != "off"
+            agreement.every = 10 if variant == "every 10th" else 1
             dist.barrier()
             start = time.perf_counter()
-            if variant == "every forward":
-                agreement.check(model, inputs, group, count=1)
             loss = model(**inputs).loss
             loss.backward()
             optimizer.step()
@@ -62,12 +60,12 @@ def _run(parallel: str, layers: int, seq: int, batch: int, steps: int) -> dict:
                 times[variant].append(elapsed)
     result = {v: statistics.median(t) for v, t in times.items()}
     # the pieces alone: one comparison, and the hook on a forward that is not compared (bind + count)
-    agreement.in_forward = True
+    agreement.in_forward, agreement.every = True, 10
     for name, call in (("one comparison", lambda: agreement.check(model, inputs, group, count=1)),
                        ("hook, not compared", lambda: agreement.before(model, (), inputs))):  # fmt: skip
         pieces = []
         for _ in range(50):
-            agreement.calls.update(tp=FIRST, block=FIRST)  # past the first calls, before the next 100th
+            agreement.returned.update(tp=1, block=1)  # not due: 1 forward returned since the last compared
             dist.barrier()
             start = time.perf_counter()
             call()

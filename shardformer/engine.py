@@ -340,7 +340,7 @@ class ParallelEngine:
 
     def _check_shapes(self, batch: dict) -> None:
         """tp/cp peers hold batches of the same shapes, compared before the forward's collectives (which
-        abort on other sizes) on the first steps and every Nth (core/forward_agreement.py)."""
+        abort on other sizes) before every step (core/forward_agreement.py)."""
         if self._forward_agreement is not None:
             self._forward_agreement.check_inputs(self.model, batch, split=self.mesh.cp_size > 1)
 

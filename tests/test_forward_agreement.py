@@ -5,8 +5,11 @@
   and takes labels given by position as the model does;
 - tensor- or context-parallel peers given different batches (other values, other lengths) raise the
   same clear error on every rank before any collective of the forward (cp ranks given different
-  lengths used to die in a gloo SIGABRT), on the first forwards and every EVERY-th; the same batch
-  stays exact, and generate and eval run as before. Under ParallelEngine the forward compares shapes
+  lengths used to die in a gloo SIGABRT), on every forward: forward 5 after four agreeing ones, and
+  after three refused ones (the old schedule, forwards 1-3 then every 100th, missed both: one shared
+  wrong loss, or an abort); the same batch stays exact, and generate and eval run as before;
+  ``forward_agreement_every=N`` compares every N-th forward that returned (a refused one uses up
+  nothing) and ranks given different N are refused. Under ParallelEngine the forward compares shapes
   only: the engine's own step agreement compares the values.
 (tp=2 x cp=2 on 4 ranks: tests/context_parallel/test_engine.py.)
 """
@@ -19,7 +22,6 @@ import torch.distributed as dist
 import transformers as tf
 
 from shardformer import EngineConfig, ParallelEngine, ShardConfig, shard_model
-from shardformer.core.forward_agreement import EVERY, FIRST_CALLS
 from shardformer.core.tiny import tiny_config
 from shardformer.tools.conformance import load_pair
 from tests.helpers import assert_close, check_table
@@ -79,17 +81,15 @@ def check_tensor_parallel_ranks_given_different_batches_raise():
     ref, model = _pair(tf.GPT2LMHeadModel, tf.GPT2Config, tensor_parallel_size=2)
     rank = dist.get_rank()
     same = _batch(0)
-    assert_close(model(**same).loss, ref(**same).loss, what="the same batch on both ranks")  # forward #1
-    peers = "ranks 0, 1 are tensor-parallel peers and must run the same batch, but forward #2"
+    for _ in range(4):  # a few agreeing forwards (evaluation calls, say) before the user's loop starts
+        assert_close(model(**same).loss, ref(**same).loss, what="the same batch on both ranks")
+    peers = "ranks 0, 1 are tensor-parallel peers and must run the same batch, but forward #5"
     _refused(model, _batch(rank), peers, "input_ids (same shape [2, 8], other values); labels (same", FIX)
-    lengths = "input_ids (rank 0: [2, 8] int64, rank 1: [2, 12] int64)"
-    _refused(model, _batch(0, seq=8 + 4 * rank), "forward #3", lengths)
-    agreement = model.shardformer.forward_agreement
-    assert agreement.calls["tp"] == FIRST_CALLS
-    agreement.calls["tp"] = EVERY - 1  # later forwards: every EVERY-th is checked
-    _refused(model, _batch(rank), f"forward #{EVERY} got different inputs")
+    lengths = "input_ids (rank 0: [2, 8] int64, rank 1: [2, 12] int64)"  # gloo used to abort (SIGABRT)
+    _refused(model, _batch(0, seq=8 + 4 * rank), "forward #6", lengths)
     assert_close(model(**same).loss, ref(**same).loss, what="after the refusals")
     model.eval(), ref.eval()
+    agreement = model.shardformer.forward_agreement
     agreement.calls["tp"] = 0  # generate's forwards are checked too (each step's inputs agree)
     prompt = same["input_ids"][:1, :4]
     tokens = model.generate(prompt, max_new_tokens=5, do_sample=False)
@@ -97,6 +97,35 @@ def check_tensor_parallel_ranks_given_different_batches_raise():
     assert agreement.calls["tp"] == 5
     with torch.no_grad():
         assert_close(model(**same).loss, ref(**same).loss, what="eval")
+
+
+def _bad_ids(model):
+    """The same batch on both ranks with a token id past the vocabulary: refused inside the forward."""
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        model(input_ids=torch.full((2, 8), VOCAB + 5))
+
+
+def check_refused_forwards_use_up_nothing():
+    _, model = _pair(tf.GPT2LMHeadModel, tf.GPT2Config, tensor_parallel_size=2)
+    rank = dist.get_rank()
+    for _ in range(3):
+        _bad_ids(model)
+    _refused(model, _batch(rank), "forward #4 got different inputs: input_ids (same shape [2, 8], other values)")
+    # a lower frequency, asked for: forwards 1 and 3 compared (after 0 and 2 that returned), 2 not; the
+    # refused 3rd leaves the count at 2, so the 4th is compared too
+    _, model = _pair(tf.GPT2LMHeadModel, tf.GPT2Config, tensor_parallel_size=2, forward_agreement_every=2)
+    agreement = model.shardformer.forward_agreement
+    compared, check = [], agreement.check
+    agreement.check = lambda model, inputs, group, count: (compared.append(count), check(model, inputs, group, count))
+    model(**_batch(0)), model(**_batch(0))
+    _bad_ids(model)
+    _refused(model, _batch(rank), "forward #4 got different inputs")
+    assert compared == [1, 3, 4] and agreement.returned["tp"] == 2, (compared, agreement.returned)
+    with pytest.raises(ValueError, match="forward_agreement_every=0 must be a positive integer"):
+        ShardConfig(tensor_parallel_size=2, forward_agreement_every=0)
+    _, model = _pair(tf.GPT2LMHeadModel, tf.GPT2Config, tensor_parallel_size=2, forward_agreement_every=1 + rank)
+    with pytest.raises(ValueError, match=r"forward_agreement_every differs .* \(rank 0: 1, rank 1: 2\)"):
+        model(**_batch(0))
 
 
 def check_context_parallel_ranks_given_different_batches_raise():
@@ -131,6 +160,7 @@ test_two_ranks = check_table(
     [
         check_forward_keeps_its_signature_on_every_route,
         check_tensor_parallel_ranks_given_different_batches_raise,
+        check_refused_forwards_use_up_nothing,
         check_context_parallel_ranks_given_different_batches_raise,
         check_engine_forward_compares_shapes_its_steps_compare_values,
     ],

@@ -106,6 +106,8 @@ def test_init_distributed_tears_its_process_group_down_at_exit(tmp_path):
         "init_distributed()\nprint('initialised:', dist.is_initialized())\n"
     )
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's shardformer
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["initialised: True", "initialised at exit: False"], result.stdout
@@ -114,3 +116,13 @@ def test_init_distributed_tears_its_process_group_down_at_exit(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1 and "deliberate" in result.stderr, result.stderr
     assert result.stdout.split("\n")[:2] == ["initialised: True", "initialised at exit: True"], result.stdout
+    # a group someone else started (accelerate's TrainingArguments does): torn down once a mesh uses it
+    script.write_text(
+        script.read_text()
+        .replace("init_distributed()", "dist.init_process_group('gloo'); shardformer.ProcessMesh()")
+        .replace("import atexit", "import atexit\nimport shardformer")
+        .replace("raise RuntimeError('deliberate')\n", "")
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["initialised: True", "initialised at exit: False"], result.stdout

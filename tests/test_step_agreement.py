@@ -33,3 +33,13 @@ def test_ranks_in_different_steps_are_named():
     check_agreement(table, [[0, 2]])
     with pytest.raises(RuntimeError, match=r"ranks 1, 3 must get the same batch .*\(ranks 1; ranks 3 hold"):
         check_agreement(table, [[0, 2], [1, 3]])
+
+
+def test_the_fingerprint_is_the_same_summed_in_chunks_and_stays_on_the_device(monkeypatch):
+    import shardformer.core.step_agreement as agreement
+
+    batch = {"pixels": torch.randn(3, 100, 7), "input_ids": torch.randint(0, 10**6, (5, 33))}
+    whole = agreement.fingerprint_tensor(batch)
+    assert torch.is_tensor(whole) and whole.dtype == torch.int64 and int(whole) == agreement.batch_fingerprint(batch)
+    monkeypatch.setattr(agreement, "_CHUNK", 64)  # large tensors are summed in chunks: the same number
+    assert agreement.batch_fingerprint(batch) == int(whole)

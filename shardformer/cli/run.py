@@ -242,6 +242,9 @@ def launch(argv: list[str], world_size: int, verbose: bool = False) -> int:
         try:
             run(parse_args(argv))
         except ChildFailedError as exc:
+            if all_finished(exc):  # the ranks' work is done: a teardown crash is not the run's failure
+                print(finished_note(exc, world_size), file=sys.stderr)
+                return 0
             summary, code = summarize_failure(exc, world_size)
             print(summary, file=sys.stderr)
             return code
@@ -266,19 +269,34 @@ def _error_text(failure, limit: int = 300) -> str:
     return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
+def _own_code(failure) -> int:
+    """The rank's own exit status. One that recorded its failure (rank_entry) and then died by a signal
+    during its teardown (torchrun's SIGTERM, a peer's failure having reached torchrun first; an abort in
+    a library's threads) had already failed with the status in its record (1 for an exception)."""
+    if failure.exitcode < 0 and _recorded_ns(failure) is not None:
+        return int(_extra(failure).get("exit_code", 1))
+    return failure.exitcode
+
+
 def _how(failure) -> str:
-    if failure.exitcode < 0:
+    code = _own_code(failure)
+    if code < 0:
         try:
-            return f"killed by {signal.Signals(-failure.exitcode).name}"
+            return f"killed by {signal.Signals(-code).name}"
         except ValueError:
-            return f"killed by signal {-failure.exitcode}"
-    return f"exit code {failure.exitcode}"
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _extra(failure) -> dict:
+    info = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
+    extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
+    return extra if isinstance(extra, dict) else {}
 
 
 def _recorded_ns(failure) -> int | None:
     """When the rank's own exception was recorded (by rank_entry), in ns, or None."""
-    info = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
-    extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
+    extra = _extra(failure)
     return int(extra["time_ns"]) if "time_ns" in extra else None
 
 
@@ -292,6 +310,21 @@ def _failure_time(failure) -> tuple[int, int]:
     (one that recorded its own exception and was stopped while exiting failed when it recorded it)."""
     recorded = _recorded_ns(failure)
     return int(_stopped(failure)), recorded if recorded is not None else int(failure.timestamp * 1_000_000_000)
+
+
+def all_finished(exc) -> bool:
+    """Every rank torchrun reports failed had returned from its script (rank_entry's record) and then
+    died by a signal: an abort in a library's native threads during the interpreter's teardown
+    ("terminate called without an active exception"), or torchrun stopping a rank that was exiting."""
+    return all(f.exitcode < 0 and "finished_ns" in _extra(f) for f in exc.failures.values())
+
+
+def finished_note(exc, world_size: int) -> str:
+    died = ", ".join(f"rank {r} ({_how(exc.failures[r])})" for r in sorted(exc.failures))
+    return (
+        f"{PROG}: every rank of {world_size} finished its script; {died} then died in the interpreter's "
+        f"teardown, after its work was done: exit status 0"
+    )
 
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
@@ -327,5 +360,6 @@ def summarize_failure(exc, world_size: int) -> tuple[str, int]:
         text = _error_text(f, limit=120)
         lines.append(f"{PROG}: rank {other} also failed ({_how(f)})" + (f": {text}" if text else ""))
     lines.append(f"{PROG}: the other ranks were stopped; the ranks' own output above has the details")
-    code = failure.exitcode if failure.exitcode > 0 else (128 - failure.exitcode if failure.exitcode < 0 else 1)
+    code = _own_code(failure)
+    code = code if code > 0 else (128 - code if code < 0 else 1)
     return "\n".join(lines), code

@@ -176,6 +176,14 @@ class ShardConfig:
         mixture-of-experts models: each of this many ranks holds ``1/ep`` of every MoE layer's experts,
         and tokens travel to the experts they are routed to (all-to-all) and back. The ep ranks are
         data-parallel ranks (each passes its own batch); ep must divide the data-parallel size.
+    forward_agreement_every:
+        tp and cp peers must run the same batch; the sharded model's forward compares their inputs
+        (shapes, dtypes, a checksum of the values) before its first collective and raises on every rank
+        when they differ. 1 (the default): on every forward, for one small all-gather and, on a GPU, one
+        device sync per forward (benchmarks/forward_agreement_bench.py). N > 1: on every N-th forward
+        that returned; a forward not compared that got another batch than its peers returns a loss no
+        batch gives, or aborts the job inside the collective library when the lengths differ. A trade
+        for a data path you have checked, not a default to copy.
     """
 
     tensor_parallel_size: int = 1
@@ -192,6 +200,7 @@ class ShardConfig:
     context_parallel_size: int = 1
     context_parallel_mode: str = "ring"
     expert_parallel_size: int = 1
+    forward_agreement_every: int = 1
     mesh: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -208,7 +217,7 @@ class ShardConfig:
             self,
             check_positive_int,
             ("tensor_parallel_size", "pipeline_parallel_size", "vocab_pad_multiple", "context_parallel_size",
-             "expert_parallel_size"),
+             "expert_parallel_size", "forward_agreement_every"),
         )  # fmt: skip
         check_positive_int("ShardConfig.data_parallel_size", self.data_parallel_size, optional=True)
         _check_fields(

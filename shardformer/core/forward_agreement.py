@@ -8,16 +8,21 @@ library (gloo: SIGABRT, no Python message). ParallelEngine compares its ranks' b
 (:mod:`~shardformer.core.step_agreement`); a model from ``shard_model`` driven by a user's own loop
 or a Trainer is checked here, in a forward pre-hook that runs before context parallelism splits.
 
-Cost: on the first :data:`FIRST_CALLS` forwards and every :data:`EVERY`-th after, each rank takes
-a fingerprint of the forward's tensor inputs (names, dtypes and shapes hashed; values checksummed
-as the engine's step agreement does, :func:`batch_fingerprint`) and the ranks that must hold the same
-inputs all-gather those two numbers: a fixed-size collective, so ranks whose inputs differ in shape
-still meet in it, before any collective of the forward. Other forwards cost a counter
-(benchmarks/forward_agreement_bench.py measures it). On a difference every rank of the group raises
-the same error naming the inputs that differ, the ranks and the fix. A forward that runs whole on
-every cp rank (one with a cache: ``generate``) is checked over the tp group only. ParallelEngine,
-which compares every step's batch itself after the step, has its local batch's shapes compared
-here before the step (its stage forwards need not call the model's forward).
+Cost: on every forward (by default), each rank hashes its tensor inputs' names, dtypes and shapes on
+the host and checksums their values on their device (:func:`fingerprint_tensor`, the engine's step
+checksum), and the ranks that must hold the same inputs all-gather those numbers: a fixed-size
+collective, so ranks whose inputs differ in shape still meet in it, before any collective of the
+forward. The verdict is then read on the host, because raising is the host's business: on a GPU that
+is the check's one device sync per forward (the host waits for the work queued before the forward,
+usually the previous step, and the small gather; nothing else is read back). It is the price of an
+error before a wrong loss is returned, measured in benchmarks/forward_agreement_bench.py.
+``ShardConfig(forward_agreement_every=N)`` compares on every N-th forward instead (counted over
+forwards that returned, so a refused forward uses up nothing): the others cost a counter, and a wrong
+batch there returns a loss no batch gives, or aborts the job (other lengths). On a difference every
+rank of the group raises the same error naming the inputs that differ, the ranks and the fix. A
+forward that runs whole on every cp rank (one with a cache: ``generate``) is checked over the tp group
+only. ParallelEngine, which compares every step's batch itself after the step, has its local batch's
+shapes compared here before every step (its stage forwards need not call the model's forward).
 """
 
 from __future__ import annotations
@@ -31,10 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.core.comm import VirtualGroup, all_gather_control, global_rank, group_size
-from shardformer.core.step_agreement import batch_fingerprint
-
-FIRST_CALLS = 3  # the first forwards are checked: a wrong data split shows at once
-EVERY = 100  # then every 100th, for a data order that goes wrong later (one small all-gather per 100 forwards)
+from shardformer.core.step_agreement import batch_fingerprint, fingerprint_tensor
 
 
 class ForwardAgreement:
@@ -46,32 +48,46 @@ class ForwardAgreement:
     (``in_forward`` off) and compares shapes only (``compare_values`` off): its step agreement
     compares the values."""
 
-    def __init__(self, model: nn.Module, tp_group, block_group=None, splits: Callable[[dict], bool] | None = None):
+    def __init__(self, model: nn.Module, tp_group, block_group=None, splits: Callable[[dict], bool] | None = None,
+                 every: int = 1):  # fmt: skip
         self.tp_group = tp_group if _checkable(tp_group) else None
         self.block_group = block_group if _checkable(block_group) else None
         self.splits = splits
+        self.every = every  # ShardConfig.forward_agreement_every
         self.in_forward = True
         self.compare_values = True
-        self.calls: dict[str, int] = {"tp": 0, "block": 0}  # forwards over each group (checked or not)
+        self.calls: dict[str, int] = {"tp": 0, "block": 0}  # forwards begun over each group (checked or not)
+        self.returned: dict[str, int] = {"tp": 0, "block": 0}  # of them, those that returned: the schedule
+        self._running: str | None = None  # the group of the forward under way
         self._signature = inspect.signature(model.forward)
 
     def before(self, model: nn.Module, args, kwargs):
         """The forward pre-hook."""
+        self._running = None
         if self.in_forward and not torch.compiler.is_compiling():
             arguments = self._arguments(args, kwargs)
-            self.check_inputs(model, arguments, self.block_group is not None and self.splits(arguments))
+            split = self.block_group is not None and self.splits(arguments)
+            self._running = self.check_inputs(model, arguments, split)
         return None
 
-    def check_inputs(self, model: nn.Module, inputs: dict, split: bool) -> None:
-        """Count a forward on ``inputs`` (split by context parallelism or not); compare the peers'
-        inputs on the first FIRST_CALLS and every EVERY-th."""
+    def after(self, model: nn.Module, args, output):
+        """The forward hook: the forward returned (a refused one never gets here, and is not counted)."""
+        if self._running is not None:
+            self.returned[self._running] += 1
+            self._running = None
+        return None
+
+    def check_inputs(self, model: nn.Module, inputs: dict, split: bool) -> str | None:
+        """Count a forward on ``inputs`` (split by context parallelism or not) and compare the peers'
+        inputs when due: on every forward, or with ``every`` N on the first and then after every N
+        that returned. Returns the group's key ("tp" or "block"), None where no group pairs the ranks."""
         group, which = (self.block_group, "block") if split else (self.tp_group, "tp")
         if group is None:  # a whole forward on cp ranks without tp: no collective pairs the ranks
-            return
+            return None
         self.calls[which] += 1
-        count = self.calls[which]
-        if count <= FIRST_CALLS or count % EVERY == 0:
-            self.check(model, inputs, group, count)
+        if self.returned[which] % self.every == 0:
+            self.check(model, inputs, group, self.calls[which])
+        return which
 
     def _arguments(self, args, kwargs) -> dict:
         bound = self._signature.bind_partial(*args, **kwargs).arguments
@@ -86,15 +102,25 @@ class ForwardAgreement:
         device = _device(model, inputs)
         if device.type == "meta":  # a plan on meta tensors: nothing to compare
             return
-        values = batch_fingerprint(inputs) if self.compare_values else 0
-        row = torch.tensor([_layout_hash(inputs), values], dtype=torch.int64, device=device)
-        table = all_gather_control(row, group).cpu()
-        if (table == table[0]).all():
+        # built on the device without reading anything back: the verdict below is the one host read
+        row = torch.zeros(3, dtype=torch.int64, device=device)
+        row[0], row[2] = _layout_hash(inputs), self.every  # the schedule too: ranks must gather alike
+        if self.compare_values:
+            row[1] = fingerprint_tensor(inputs, device)
+        table = all_gather_control(row, group)
+        if not bool((table != table[0]).any()):  # a device sync on a GPU: one per compared forward
             return
+        table = table.cpu()
+        ranks = [global_rank(group, r) for r in range(group_size(group))]
+        if len(set(table[:, 2].tolist())) > 1:
+            given = ", ".join(f"rank {r}: {int(n)}" for r, n in zip(ranks, table[:, 2]))
+            raise ValueError(
+                f"ShardConfig.forward_agreement_every differs between the ranks of one model ({given}): they "
+                f"would compare their inputs on different forwards; give every rank the same value"
+            )
         # every rank saw the difference: the details travel in a second gather all of them join
         details = [None] * group_size(group)
         dist.all_gather_object(details, _describe(inputs, self.compare_values), group=group)
-        ranks = [global_rank(group, r) for r in range(group_size(group))]
         kind = "tensor-parallel" if group is self.tp_group else "context-parallel"
         if group is self.block_group and self.tp_group is not None:
             kind = "tensor- and context-parallel"
@@ -167,10 +193,13 @@ def block_group(mesh):
     return mine
 
 
-def install(model: nn.Module, mesh, tp_group, splits: Callable[[dict], bool] | None) -> ForwardAgreement | None:
+def install(
+    model: nn.Module, mesh, tp_group, splits: Callable[[dict], bool] | None, every: int = 1
+) -> ForwardAgreement | None:
     """Check ``model``'s forwards (before any other pre-hook: context parallelism's split comes after)."""
-    agreement = ForwardAgreement(model, tp_group, block_group(mesh) if splits is not None else None, splits)
+    agreement = ForwardAgreement(model, tp_group, block_group(mesh) if splits is not None else None, splits, every)
     if agreement.tp_group is None and agreement.block_group is None:
         return None
     model.register_forward_pre_hook(agreement.before, with_kwargs=True, prepend=True)
+    model.register_forward_hook(agreement.after)
     return agreement

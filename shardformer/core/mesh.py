@@ -54,6 +54,7 @@ class ProcessMesh:
                 "torch.distributed is not initialised; call shardformer.init_distributed() first "
                 "(or start the script with `shardformer run`)"
             )
+        _tear_down_at_exit()  # also a group started by someone else (accelerate's TrainingArguments, torch)
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.pp_size, self.dp_size, self.tp_size = resolve_sizes(
@@ -190,12 +191,20 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else _timeout()
         dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"), timeout=timeout)
-        atexit.register(_tear_down)
+    _tear_down_at_exit()
     return device
 
 
+_EXIT_HANDLER: list = []  # registered once per process
+
+
+def _tear_down_at_exit() -> None:
+    if not _EXIT_HANDLER:
+        _EXIT_HANDLER.append(atexit.register(_tear_down))
+
+
 def _tear_down() -> None:
-    """At exit, the process groups this module started (a script need not call destroy_process_group):
+    """At exit, the process groups the library used (a script need not call destroy_process_group):
     left to the interpreter's teardown, their threads can be destroyed still running, and the process
     ends with SIGABRT ("terminate called without an active exception") after the script succeeded.
     After an uncaught exception it does nothing: peers may still wait in a collective on this rank,

@@ -15,22 +15,34 @@ import torch
 
 _MOD = 65521  # a prime below 2**16: products of two residues summed over 2**31 elements fit in int64
 _KINDS = {1: "train_step", 2: "eval_step"}
+_CHUNK = 1 << 22  # elements per pass of the checksum: ~100 MB of temporaries at most
 
 
 def batch_fingerprint(batch: dict) -> int:
     """A position-weighted checksum of every tensor in ``batch`` (float tensors by their bits), < 2**31."""
-    total = 0
+    return int(fingerprint_tensor(batch))
+
+
+def fingerprint_tensor(batch: dict, device: torch.device | None = None) -> torch.Tensor:
+    """:func:`batch_fingerprint` as an int64 scalar on ``device`` (default: the tensors'), computed
+    where the tensors are and never read on the host: no device sync. Large tensors (embeddings,
+    pixels) are summed in chunks, so the temporaries stay small whatever the batch."""
+    total = None
     for key in sorted(batch):
         value = batch[key]
         if not torch.is_tensor(value):
             continue
         flat = value.detach().reshape(-1)
-        if flat.is_floating_point():
-            flat = flat.float().view(torch.int32)
-        flat = flat.long() % _MOD
-        weights = torch.arange(flat.numel(), device=flat.device) % _MOD + 1
-        total = (total * 31 + int((flat * weights).sum()) + len(key)) % 2**31
-    return total
+        term = torch.zeros((), dtype=torch.int64, device=flat.device)
+        for start in range(0, flat.numel(), _CHUNK):
+            part = flat[start : start + _CHUNK]
+            if part.is_floating_point():
+                part = part.float().view(torch.int32)
+            weights = torch.arange(start, start + part.numel(), device=part.device) % _MOD + 1
+            term = term + (part.long() % _MOD * weights).sum()
+        term = (term + len(key)).to(device or flat.device)
+        total = term % 2**31 if total is None else (total * 31 + term) % 2**31
+    return total if total is not None else torch.zeros((), dtype=torch.int64, device=device)
 
 
 def _groups(values: dict[int, float]) -> str:

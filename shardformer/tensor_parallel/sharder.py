@@ -228,7 +228,8 @@ class ModelSharder:
             context = apply_context_parallel(
                 self.model, mesh.cp_group, cfg.context_parallel_mode, plan.attention, cfg.gather_output
             )
-        agreement = forward_agreement.install(self.model, mesh, group, None if context is None else splits)
+        every = self.shard_config.forward_agreement_every
+        agreement = forward_agreement.install(self.model, mesh, group, None if context is None else splits, every)
         info = ShardedModelInfo(
             self.shard_config, self.policy, mesh, group, sequence_parallel=sequence, context_parallel=context,
             forward_agreement=agreement,

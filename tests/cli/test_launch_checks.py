@@ -164,11 +164,38 @@ def test_a_timeout_names_the_stuck_rank_not_the_waiting_one():
     failures[3] = _failure(-signal.SIGTERM)
     summary, _ = summarize_failure(SimpleNamespace(failures=failures), 4)
     assert summary.startswith("shardformer run: one of ranks 1, 3 of 4 stopped making progress"), summary
-    # a rank stopped while exiting after its own exception failed when it recorded it, not last
+    # a rank stopped while exiting after its own exception failed when it recorded it, not last, and
+    # with its own status (recorded, else 1), not torchrun's SIGTERM
     crashed = {0: _failure(1, "RuntimeError: Connection closed by peer", 9), 1: _failure(-signal.SIGTERM, "E: mine", 3)}
-    summary, _ = summarize_failure(SimpleNamespace(failures=crashed), 2)
-    assert summary.startswith("shardformer run: rank 1 of 2 failed (killed by SIGTERM): E: mine"), summary
+    summary, code = summarize_failure(SimpleNamespace(failures=crashed), 2)
+    assert summary.startswith("shardformer run: rank 1 of 2 failed (exit code 1): E: mine"), summary
+    assert code == 1
+    crashed[1].error_file_data["message"]["extraInfo"]["exit_code"] = "3"
+    assert summarize_failure(SimpleNamespace(failures=crashed), 2)[1] == 3
     # any other first failure is named as it is
     failures[0] = _failure(1, "ValueError: bad value", 5)
     summary, _ = summarize_failure(SimpleNamespace(failures=failures), 4)
     assert summary.startswith("shardformer run: rank 0 of 4 failed (exit code 1): ValueError: bad value"), summary
+
+
+def test_ranks_that_finished_their_script_and_died_in_teardown_make_a_run_that_succeeded():
+    """A rank aborted by a library's threads in the interpreter's teardown ("terminate called without an
+    active exception", SIGABRT) after its script returned, its peer stopped by torchrun while exiting:
+    the run's work is done, exit status 0, said in one line. A rank stopped before it finished: a failure."""
+    import signal
+    from types import SimpleNamespace
+
+    from shardformer.cli.run import all_finished, finished_note
+
+    def finished(exitcode):
+        data = {"message": {"message": "", "extraInfo": {"finished_ns": "5"}}}
+        return SimpleNamespace(exitcode=exitcode, message="", error_file_data=data, timestamp=0)
+
+    done = SimpleNamespace(failures={0: finished(-signal.SIGTERM), 1: finished(-signal.SIGABRT)})
+    assert all_finished(done)
+    assert finished_note(done, 2) == (
+        "shardformer run: every rank of 2 finished its script; rank 0 (killed by SIGTERM), rank 1 (killed by "
+        "SIGABRT) then died in the interpreter's teardown, after its work was done: exit status 0"
+    )
+    assert not all_finished(SimpleNamespace(failures={0: _failure(-signal.SIGTERM), 1: finished(-signal.SIGABRT)}))
+    assert not all_finished(SimpleNamespace(failures={1: finished(3)}))  # a status of its own: a failure

@@ -14,6 +14,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "all_reduce_job.py")
+EXIT_JOB = os.path.join(HERE, "exit_job.py")  # every rank fails: rank 0 raises, rank 1 exits with status 3
 CONFIG = os.path.join(HERE, "tiny_config.py")  # tensor_parallel_size = 2, BATCH_SIZE = 4
 LIMIT_S = 120  # a hang fails the test instead of the suite
 # A lost peer must end a collective long before the test's limit.
@@ -54,6 +55,26 @@ def test_a_crashed_rank_ends_the_job_and_is_named():
     # rank 0 was left waiting in all_reduce: torchrun stopped it instead of the collective timeout (60 s).
     assert elapsed < 45, f"job took {elapsed:.0f} s to end"
     assert rank_lines(result.stdout) == {}
+
+
+def _summary(*argv: str) -> tuple[int, list[str]]:
+    result = subprocess.run(
+        launcher("--nproc_per_node", "2", *argv), capture_output=True, text=True, timeout=LIMIT_S, env=ENV
+    )
+    return result.returncode, [line for line in result.stderr.splitlines() if line.startswith("shardformer run:")]
+
+
+def test_a_failed_run_exits_with_the_first_failed_ranks_own_status():
+    """Every rank fails, rank 0 first (it raises); torchrun stops rank 0 during its (slow) teardown, after
+    rank 1's failure (sys.exit(3)) reached it: rank 0 is named with its own status, 1, not torchrun's
+    SIGTERM (143); rank 1's own status, 3, is recorded too."""
+    result = subprocess.run(
+        launcher("--nproc_per_node", "2", EXIT_JOB), capture_output=True, text=True, timeout=LIMIT_S, env=ENV
+    )
+    summary = [line for line in result.stderr.splitlines() if line.startswith("shardformer run:")]
+    assert result.returncode == 1, result.stderr
+    assert summary[0] == "shardformer run: rank 0 of 2 failed (exit code 1): RuntimeError: deliberate failure on rank 0"
+    assert summary[1] == "shardformer run: rank 1 also failed (exit code 3): SystemExit: 3", summary
 
 
 def free_port() -> int:
