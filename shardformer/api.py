@@ -8,7 +8,6 @@ import dataclasses
 
 import torch.nn as nn
 
-from shardformer.context_parallel.proof import require_context_parallel, with_mesh
 from shardformer.core.config import ShardConfig
 from shardformer.core.instance import guard_attention, studied_once, study_instance
 from shardformer.core.record import attach, build_mesh, sharding_of
@@ -16,6 +15,7 @@ from shardformer.core.versions import warn_if_untested
 from shardformer.expert_parallel import check_expert_parallel, plan_expert_parallel, split_experts
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.policies.anatomy import final_norm, layer_stack, stack_anatomy
+from shardformer.policies.context_proof import require_context_parallel, with_mesh
 from shardformer.policies.routes import candidate_routes, choose, route_of
 from shardformer.tensor_parallel.adapters import SeenThrough
 from shardformer.tensor_parallel.policy import Policy

@@ -74,7 +74,7 @@ class ContextParallel:
         self.stream = RankStream(group_rank(group))  # functional dropout: each rank's tokens their own masks
         self.world = group_size(group)
         self.causal_lm = is_causal_lm(model)
-        self.proven = False  # shard_model proved the split on a tiny copy of the instance (context_parallel/proof.py)
+        self.proven = False  # shard_model proved the split on a tiny copy of the instance (policies/context_proof.py)
         self.current: SplitForward | None = None  # set while a split forward runs
         self.grad_split = False  # the latest forward under autograd was split
         self.stage_split = False  # a pipeline stage split its micro-batch itself (split_stage): hooks stand by

@@ -16,48 +16,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from shardformer.core.code_keys import class_key, code_key
-from shardformer.core.reproduce import CannotReproduce, pattern, reproduce
+from shardformer.core.reproduce import CannotReproduce, Extras, pattern, reproduce
 
 __all__ = ["CannotReproduce", "Extras", "Instance", "pattern", "study_instance", "studied_once"]
 
 HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _PLAIN = (bool, float, str, type(None))  # settings carried to the copy; an int is a width or a count
-
-
-@dataclass
-class Extras:
-    """What one module of the user's instance has beyond what its class builds at that path."""
-
-    cls: type | None = None  # the module is of another class than the one built there (None: same class)
-    methods: dict[str, object] = field(default_factory=dict)  # callables set on the instance (a patched forward)
-    hooks: list[tuple[str, object, dict]] = field(default_factory=list)  # (kind, hook, registration options)
-    settings: dict[str, object] = field(default_factory=dict)  # plain values other than the class sets
-    inside: dict[str, Extras] = field(default_factory=dict)  # below a swapped module: its own extras, by path
-
-    def __bool__(self) -> bool:
-        return bool(self.cls or self.methods or self.hooks or self.settings or self.inside)
-
-    def key(self) -> tuple:
-        return (
-            class_key(self.cls) if self.cls else None,
-            tuple((n, code_key(f)) for n, f in sorted(self.methods.items())),
-            tuple((kind, code_key(h), tuple(sorted(o.items()))) for kind, h, o in self.hooks),
-            tuple(sorted((n, repr(v)) for n, v in self.settings.items())),
-            tuple((p, e.key()) for p, e in sorted(self.inside.items())),
-        )
-
-    def describe(self) -> str:
-        said = [f"a {self.cls.__name__}"] if self.cls else []
-        said += [f"its own {n}" for n in self.methods]
-        said += [f"a {kind.strip('_').replace('_', ' ')[:-1]}" for kind, _, _ in self.hooks]
-        said += [f"{n}={v!r}" for n, v in self.settings.items()]
-        return ", ".join(said) or "changes below it"
 
 
 @dataclass

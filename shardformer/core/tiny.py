@@ -35,6 +35,8 @@ SIZES = {
     "ffn_hidden_size": 64,
     "expert_ffn_hidden_size": 32,
     "moe_topk": 2,
+    "n_group": 2,  # grouped routing (DeepSeek-V3): the 4 experts in 2 groups, the best group chosen
+    "topk_group": 1,
     "zero_expert_num": 2,
     "q_lora_rank": 24,  # multi-head latent attention (ranks unlike any head width)
     "kv_lora_rank": 24,
@@ -208,6 +210,8 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         name = aliases.get(key, key)
         if name in data and not key.endswith("_id") and name not in _KV_HEADS and _scalar(data[name]):
             out[name] = value
+    if "head_dim" in out and data.get("head_dim") == data.get("qk_rope_head_dim") is not None:
+        out["head_dim"] = out.get("qk_rope_head_dim", data["head_dim"])  # multi-head latent attention rotates head_dim
     if scaling.keep_widths:  # the recipe's own sizes (tiny_config's) give way to the user's widths
         for key in SIZES.keys() - _COUNTS:
             name = aliases.get(key, key)

@@ -42,7 +42,7 @@ def check_mesh_layout_with_cp():
 def check_llama_tp2_cp2_ring():
     ref, model = common.pair("llama")
     model = shard_model(model, ShardConfig(tensor_parallel_size=2, context_parallel_size=2))
-    assert model.shardformer.context_parallel.proven  # the split proven at tp=2 x cp=2 (context_parallel/proof.py)
+    assert model.shardformer.context_parallel.proven  # the split proven at tp=2 x cp=2 (policies/context_proof.py)
     common.parity(ref, model, common.batch(13), "llama tp=2 cp=2 ring")
 
 
