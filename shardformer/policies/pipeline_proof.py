@@ -45,19 +45,23 @@ def route_verdict(model: nn.Module, route: str, spec_of: Callable[[nn.Module], P
     is); cached per route under :func:`verdict_key`."""
     key = (verdict_key(model), route)
     if key not in _VERDICTS:
-        try:
-            tiny, inputs = tiny_for(model)
-            spec = spec_of(tiny)
-            layers = None if spec is None else len(spec.layer_paths(tiny))
-            if spec is None:
-                _VERDICTS[key] = "it gives no spec for the tiny copy"
-            elif layers < 2:
-                _VERDICTS[key] = f"the tiny copy has fewer than two layers in {spec.layers}"
-            else:
-                _VERDICTS[key] = prove_split(tiny.eval(), inputs, spec, [1, layers - 1])
+        try:  # the training path is proven, whatever the caller's grad mode (an engine built under no_grad)
+            with torch.inference_mode(False), torch.enable_grad():
+                _VERDICTS[key] = _verdict(model, spec_of)
         except Exception as e:  # noqa: BLE001 - a split that crashes is not exact: say how
             _VERDICTS[key] = failure_of(e)
     return _VERDICTS[key]
+
+
+def _verdict(model: nn.Module, spec_of) -> str | None:
+    tiny, inputs = tiny_for(model)
+    spec = spec_of(tiny)
+    layers = None if spec is None else len(spec.layer_paths(tiny))
+    if spec is None:
+        return "it gives no spec for the tiny copy"
+    if layers < 2:
+        return f"the tiny copy has fewer than two layers in {spec.layers}"
+    return prove_split(tiny.eval(), inputs, spec, [1, layers - 1])
 
 
 def failure_of(e: Exception) -> str:
