@@ -11,6 +11,7 @@ pipeline schedule over micro-batches. Its settings, :class:`EngineConfig`, live 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from shardformer.pipeline.torch_schedule import TorchPipeline
 from shardformer.pipeline.virtual import PLACEMENT, check_virtual, chunk_ranks, forward_only, in_chunk, keep_chunks
 from shardformer.policies.anatomy import layer_stack
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
+from shardformer.policies.pipeline_proof import verdicts_from_first_rank
 from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.recompute import checkpoint_layers
 
@@ -144,7 +146,9 @@ class ParallelEngine:
         world = dist.get_world_size() if dist.is_initialized() else 1
         _, dp, _ = resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
         check_expert_divides(cfg.ep, dp, "EngineConfig.ep")
-        self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
+        # the route proofs run on the first rank, every rank takes its verdicts (a mesh passed in may be a subset)
+        with verdicts_from_first_rank() if mesh is None else contextlib.nullcontext():
+            self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
         num_chunks, chunk_counts = cfg.pp * cfg.chunks_per_rank, cfg.layers_per_stage
         if cfg.chunks_per_rank > 1:  # virtual stages: the schedule's needs, the layers per chunk
             layers = len(self.pipeline.layer_paths(model))  # every stack's (an encoder-decoder's two)

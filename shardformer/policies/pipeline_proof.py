@@ -10,11 +10,13 @@ its split is exact there; :func:`route_verdict` caches the verdict under everyth
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
@@ -40,9 +42,35 @@ def verdict_key(model: nn.Module) -> tuple:
     return _key(model, 1), getattr(config, "_attn_implementation", None), dtype, versions
 
 
+_SHARED: list[bool] = []  # inside verdicts_from_first_rank(): every rank takes the first rank's verdicts
+
+
+@contextlib.contextmanager
+def verdicts_from_first_rank():
+    """Within the block, every rank of the world takes the first rank's pipeline route verdicts (one
+    broadcast each) instead of proving them itself: the proof runs in one process and would compute the
+    same on every rank, so the others wait for its word rather than repeat it. Only where every rank
+    chooses its spec in lockstep (ParallelEngine over the whole world does); the verdicts decide which
+    route is asked next, so every rank asks the same questions."""
+    shared = dist.is_initialized() and dist.get_world_size() > 1
+    _SHARED.append(shared)
+    try:
+        yield
+    finally:
+        _SHARED.pop()
+
+
 def route_verdict(model: nn.Module, route: str, spec_of: Callable[[nn.Module], PipelineSpec | None]) -> str | None:
     """Why the spec ``spec_of`` gives a tiny copy of ``model`` is not exact at two stages there (None: it
     is); cached per route under :func:`verdict_key`."""
+    if _SHARED and _SHARED[-1]:
+        box = [_local_verdict(model, route, spec_of) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return _local_verdict(model, route, spec_of)
+
+
+def _local_verdict(model: nn.Module, route: str, spec_of) -> str | None:
     key = (verdict_key(model), route)
     if key not in _VERDICTS:
         try:  # the training path is proven, whatever the caller's grad mode (an engine built under no_grad)

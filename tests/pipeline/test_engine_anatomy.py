@@ -286,20 +286,19 @@ DEBERTA_RELATIVE = dict(
 )  # fmt: skip
 
 
-def check_deberta_v2_relative_attention_tp2_pp2_and_pp4():
-    """Every stage holds ``encoder.rel_embeddings`` and ``encoder.LayerNorm`` (at pp=4 the middle stages
-    too) and their gradients are summed over the stages: losses and weights after AdamW steps."""
+def check_deberta_v2_relative_attention_tp2_pp2():
+    """Every stage holds ``encoder.rel_embeddings`` and ``encoder.LayerNorm`` and their gradients are summed
+    over the stages: losses and weights after AdamW steps (pp=4's placement, middle stages included, is
+    checked in one process: tests/pipeline/test_routes.py)."""
     engine = _run(
         "DebertaV2ForMaskedLM", (2, 2, 1, "1f1b", 2, 0.5, "torch"), optimizer=common.adamw, **DEBERTA_RELATIVE
     )
-    assert engine.model.deberta.encoder.rel_embeddings is not None
-    engine = _run("DebertaV2ForMaskedLM", (1, 4, 1, "1f1b", 4, None, "p2p"), **DEBERTA_RELATIVE)
     encoder = engine.model.deberta.encoder
     assert encoder.rel_embeddings is not None and encoder.LayerNorm is not None, engine.mesh.pp_rank
 
 
 CHECKS = [
-    check_deberta_v2_relative_attention_tp2_pp2_and_pp4,
+    check_deberta_v2_relative_attention_tp2_pp2,
     check_deit_image_classification_tp2_pp2_zero1,
     check_convnext_tp2_pp2_zero1_sgd,
     check_whisper_tp2_pp2_zero1_sgd,
