@@ -52,7 +52,8 @@ def verdicts_from_first_rank():
     same on every rank, so the others wait for its word rather than repeat it. Only where every rank
     chooses its spec in lockstep (ParallelEngine over the whole world does); the verdicts decide which
     route is asked next, so every rank asks the same questions."""
-    shared = dist.is_initialized() and dist.get_world_size() > 1
+    # not on a fake process group (`shardformer plan --simulate`): its collectives carry nothing
+    shared = dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
     _SHARED.append(shared)
     try:
         yield
