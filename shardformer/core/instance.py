@@ -128,7 +128,7 @@ def _clean_modules(model: nn.Module) -> dict[str, nn.Module] | None:
     key += (repr(attention_of(config)),)
     if key not in _CLEAN:
         try:
-            with torch.device("meta"), _quiet_transformers(), torch.random.fork_rng(devices=[]):
+            with torch.device("meta"), transformers_quiet(), torch.random.fork_rng(devices=[]):
                 _CLEAN[key] = dict(type(model)(copy.deepcopy(config)).named_modules())
         except Exception:  # noqa: BLE001 - a class that needs more than its config: compared with nothing
             _CLEAN[key] = None
@@ -251,7 +251,8 @@ def set_attention(config, attention) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def transformers_quiet():
+    """transformers' warnings about a tiny copy or a meta build (not about the user's model) kept out of the log."""
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # pragma: no cover

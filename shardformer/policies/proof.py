@@ -29,6 +29,7 @@ from shardformer.core.compare import gradient_failures, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.instance import study_instance
+from shardformer.core.instance import transformers_quiet as _transformers_quiet
 from shardformer.core.record import sharding_of
 from shardformer.models import inputs_for
 from shardformer.policies.anatomy import final_norm, layer_stack
@@ -53,20 +54,6 @@ def prove(
     # the training path is proven, whatever the caller's grad mode (shard_model under no_grad)
     with torch.inference_mode(False), torch.enable_grad(), _transformers_quiet():
         return _proven(model, shard_config, route, make_policy, heads)
-
-
-@contextlib.contextmanager
-def _transformers_quiet():
-    """transformers' warnings about the tiny copy (its scaled config, a default loss it picks) are not
-    about the user's model: kept out of the user's log."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 def _proven(model, shard_config, route, make_policy, heads) -> str | None:
