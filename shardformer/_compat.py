@@ -17,7 +17,7 @@ MOVED = {
     "shardformer.rng": "shardformer.core.rng",
     "shardformer.layers": "shardformer.tensor_parallel.layers",
     "shardformer.layers.comm": "shardformer.core.comm",
-    "shardformer.layers.sequence": "shardformer.core.comm",
+    "shardformer.layers.sequence": "shardformer.tensor_parallel.sequence_regions",
     "shardformer.layers.linear": "shardformer.tensor_parallel.layers.linear",
     "shardformer.layers.embedding": "shardformer.tensor_parallel.layers.embedding",
     "shardformer.layers.dropout": "shardformer.tensor_parallel.layers.dropout",

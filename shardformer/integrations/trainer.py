@@ -38,13 +38,13 @@ from transformers import Trainer
 from shardformer.checkpoint.gather import layout_of, refuse_context_parallel
 from shardformer.checkpoint.reload import load_pretrained_into
 from shardformer.core import comm
-from shardformer.core.comm import gather_from_parallel
 from shardformer.core.record import is_sharded, sharding_of
 from shardformer.data_parallel.grad_norm import clip_master_grads, global_grad_norm
 from shardformer.data_parallel.layout import ParamSlot
 from shardformer.expert_parallel.experts import is_expert_param
 from shardformer.tensor_parallel.layers import VocabParallelLMHead1D
 from shardformer.tensor_parallel.lm_head import gathered_logits
+from shardformer.tensor_parallel.regions import gather_from_parallel
 
 _OPTIMIZER = "shardformer-optimizer-rank{}-of-{}.pt"  # each rank's optimizer state holds its own slices
 _DROPOUT_RNG = "shardformer-dropout-rng-rank{}-of-{}.pt"  # the tp dropout layers' own generators

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.context_parallel.layout import gather_split, layout_for
-from shardformer.core.comm import all_reduce, every_rank, gather_from_parallel, group_rank
+from shardformer.core.comm import all_reduce, every_rank, group_rank
 from shardformer.core.compare import gradient_failures, max_error
 from shardformer.core.divergence import ActivationRecorder, first_divergence
 from shardformer.core.instance import study_instance
@@ -48,6 +48,7 @@ from shardformer.policies.proof import (
     _versions,
 )
 from shardformer.policies.tp_plan import model_tp_plan
+from shardformer.tensor_parallel.regions import gather_from_parallel
 from shardformer.tensor_parallel.sharder import ModelSharder
 
 logger = logging.getLogger("shardformer")

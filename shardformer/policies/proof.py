@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from shardformer.core.comm import all_reduce, every_rank, gather_from_parallel
+from shardformer.core.comm import all_reduce, every_rank
 from shardformer.core.compare import gradient_failures, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
@@ -36,6 +36,7 @@ from shardformer.policies.anatomy import final_norm, layer_stack
 from shardformer.policies.copies import architecture, instance_copy, no_dropout
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy
+from shardformer.tensor_parallel.regions import gather_from_parallel
 from shardformer.tensor_parallel.sharder import ModelSharder
 
 logger = logging.getLogger("shardformer")

@@ -34,7 +34,9 @@ import torch.nn as nn
 
 from shardformer.core.comm import all_reduce, group_size
 from shardformer.core.record import sharding_of
-from shardformer.core.sequence_comm import (
+from shardformer.tensor_parallel.layers.dropout import DropoutForReplicatedInput
+from shardformer.tensor_parallel.layers.linear import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
+from shardformer.tensor_parallel.sequence_regions import (
     SEQ_DIM,
     GatheredSequence,
     chunk_length,
@@ -44,8 +46,6 @@ from shardformer.core.sequence_comm import (
     reduce_scatter_sequence,
     split_sequence,
 )
-from shardformer.tensor_parallel.layers.dropout import DropoutForReplicatedInput
-from shardformer.tensor_parallel.layers.linear import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
 
 
 class SequenceParallel:

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from shardformer.api import shard_model
-from shardformer.core.comm import gather_from_parallel
 from shardformer.core.compare import compare_params, max_error
 from shardformer.core.config import ShardConfig
+from shardformer.tensor_parallel.regions import gather_from_parallel
 
 
 class RefusedError(Exception):

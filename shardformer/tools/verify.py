@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from shardformer.api import shard_model
-from shardformer.core.comm import gather_from_parallel
 from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL, compare_params, gather_like, max_error
 from shardformer.core.config import ShardConfig, check_positive_int
 from shardformer.core.divergence import ActivationRecorder, Divergence, first_divergence, first_tensor
 from shardformer.models import inputs_for
+from shardformer.tensor_parallel.regions import gather_from_parallel
 from shardformer.tools.model_source import build_model, check_model_source, load_policy
 from shardformer.tools.testing import run_on_ranks
 from shardformer.tools.verify_pipeline import verify_pipeline_on_this_rank

@@ -61,9 +61,9 @@ def _outcome(model, make_ref, cfg, *, labels=True):
     """``("refused", message)`` or ``(route, proven, largest output/loss/gradient error)`` of ``model``
     sharded at ``cfg`` against the unsharded model built from the same weights."""
     from shardformer import shard_model
-    from shardformer.core.comm import gather_from_parallel
     from shardformer.core.compare import compare_params
     from shardformer.core.record import sharding_of
+    from shardformer.tensor_parallel.regions import gather_from_parallel
 
     ref = make_ref(model)
     try:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from shardformer.core.comm import copy_to_parallel, group_rank, group_size, reduce_from_parallel
+from shardformer.core.comm import group_rank, group_size, reduce_from_parallel
+from shardformer.tensor_parallel.regions import copy_to_parallel
 from shardformer.tensor_parallel.slicer import Slicer, make_shard_param, make_spec
 
 # plan style of an expert weight -> (dim, fused blocks), counted from the end as transformers does:

@@ -11,11 +11,12 @@ import itertools
 import torch
 import torch.nn as nn
 
-from shardformer.core.comm import all_reduce, copy_to_parallel, group_rank, group_size, reduce_from_parallel
+from shardformer.core.comm import all_reduce, group_rank, group_size, reduce_from_parallel
 from shardformer.core.refusal import Refusal
 from shardformer.tensor_parallel.layers import Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.tensor_parallel.layers.attention_dropout import AttentionDropoutRng  # noqa: F401 - a style's layer
 from shardformer.tensor_parallel.policy import Col_Layer, Layer, Row_Layer
+from shardformer.tensor_parallel.regions import copy_to_parallel
 from shardformer.tensor_parallel.slicer import Slicer, make_shard_param, slice_tensor
 
 

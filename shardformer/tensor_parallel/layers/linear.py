@@ -13,15 +13,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardformer.core.comm import (
+from shardformer.core.comm import group_rank, group_size, reduce_from_parallel, start_all_reduce
+from shardformer.tensor_parallel.regions import (
     SharedInputCopy,
     copy_to_parallel,
     gather_from_parallel,
-    group_rank,
-    group_size,
-    reduce_from_parallel,
     split_to_parallel,
-    start_all_reduce,
     sum_replicas,
 )
 from shardformer.tensor_parallel.slicer import Slicer, shard_spec
@@ -76,7 +73,7 @@ class _ColumnLinearOverlapped(torch.autograd.Function):
 class _ColumnLinearRegathered(torch.autograd.Function):
     """``_matmul`` of an input all-gathered along the sequence that saves this rank's ``chunk`` of it
     instead of the gathered ``x`` (Megatron-LM's sequence parallelism): backward starts re-gathering
-    the chunk (``source``, a :class:`~shardformer.core.sequence_comm.GatheredSequence`), computes the input
+    the chunk (``source``, a :class:`~shardformer.tensor_parallel.sequence_regions.GatheredSequence`), computes the input
     gradient meanwhile and the weight gradient from the re-gathered input. The same products as
     autograd's backward of ``_matmul``.
 

@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardformer.core.comm import copy_to_parallel, reduce_from_parallel, sum_replicas
+from shardformer.core.comm import reduce_from_parallel
 from shardformer.core.shard_spec import ShardSpec, make_shard_param, shard_spec, slice_tensor
+from shardformer.tensor_parallel.regions import copy_to_parallel, sum_replicas
 
 
 class _LoraHalf(nn.Module):

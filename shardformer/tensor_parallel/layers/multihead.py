@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardformer.core.comm import copy_to_parallel, group_rank, group_size, reduce_from_parallel
+from shardformer.core.comm import group_rank, group_size, reduce_from_parallel
 from shardformer.tensor_parallel.layers.linear import Linear1D_Row
+from shardformer.tensor_parallel.regions import copy_to_parallel
 from shardformer.tensor_parallel.slicer import Slicer
 
 

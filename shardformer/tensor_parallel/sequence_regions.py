@@ -1,5 +1,5 @@
 """Megatron's region functions along the sequence (dim 1 of ``[batch, seq, hidden]``), for sequence
-parallelism; the tensor-parallel ones and the primitives are in :mod:`shardformer.core.comm`.
+parallelism; the tensor-parallel ones are in :mod:`.regions`, the collectives in :mod:`shardformer.core.comm`.
 
     split_sequence            forward: keep own chunk    backward: all-gather
     gather_sequence           forward: all-gather        backward: keep own chunk
@@ -9,8 +9,8 @@ parallelism; the tensor-parallel ones and the primitives are in :mod:`shardforme
 (:class:`GatheredSequence` lets the layers reading a ``gather_sequence_for_tp`` output, or the LM head
 reading the final norm's ``gather_sequence`` output, keep the chunk for their backward and all-gather
 it again there.) A sequence of ``full_len`` tokens is cut into chunks of ``ceil(full_len / world)``;
-the padding of the last chunks never leaves the split region. Every collective is counted as
-:mod:`~shardformer.core.comm`'s are.
+the padding of the last chunks never leaves the split region. The collectives are
+:mod:`~shardformer.core.comm`'s, counted as every other.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardformer.core.comm import _record, all_gather, group_rank, group_size, reduce_scatter
+from shardformer.core.comm import Handle, all_gather, group_rank, group_size, reduce_scatter, start_all_gather
 
 SEQ_DIM = 1
 
@@ -105,28 +104,23 @@ def reduce_scatter_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tens
 class _SequenceGathering:
     """A started all-gather along the sequence: :meth:`wait` returns the full tensor."""
 
-    def __init__(self, parts: list[torch.Tensor] | None, work, full_len: int, full: torch.Tensor | None = None):
-        self.parts, self.work, self.full_len, self.full = parts, work, full_len, full
+    def __init__(
+        self, parts: list[torch.Tensor] | None, handle: Handle, full_len: int, full: torch.Tensor | None = None
+    ):
+        self.parts, self.handle, self.full_len, self.full = parts, handle, full_len, full
 
     def wait(self) -> torch.Tensor:
         if self.full is None:
-            if self.work is not None:
-                self.work.wait()
+            self.handle.wait()
             self.full = torch.cat(self.parts, dim=SEQ_DIM).narrow(SEQ_DIM, 0, self.full_len)
-            self.parts = self.work = None
+            self.parts = self.handle = None
         return self.full
 
 
 def start_gather_sequence(x: torch.Tensor, group, full_len: int) -> _SequenceGathering:
     """Start the all-gather of every rank's chunk (what :func:`gather_sequence` does, without autograd):
     compute that does not need the result may run before ``wait()``. Compiling: done at once."""
-    x = x.contiguous()
-    world = group_size(group)
-    if world == 1 or torch.compiler.is_compiling():
-        return _SequenceGathering(all_gather(x, group), None, full_len)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    _record("all_gather", x, group)
-    return _SequenceGathering(parts, dist.all_gather(parts, x, group=group, async_op=True), full_len)
+    return _SequenceGathering(*start_all_gather(x, group), full_len)
 
 
 class GatheredSequence:
@@ -173,7 +167,7 @@ class GatheredSequence:
     def start(self, chunk: torch.Tensor) -> _SequenceGathering:
         """Start re-gathering ``chunk`` (this rank's, as saved); nothing is sent if another reader did."""
         if self._regathered is not None:
-            return _SequenceGathering(None, None, self.full_len, self._regathered)
+            return _SequenceGathering(None, Handle(), self.full_len, self._regathered)
         return start_gather_sequence(chunk, self.group, self.full_len)
 
     def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
