@@ -151,7 +151,8 @@ def _bubble(args: argparse.Namespace, plan) -> str:
 
 
 def simulate_command(args: argparse.Namespace) -> int:
-    from shardformer.tools.simulate import format_simulation, simulate_job
+    from shardformer.tools.simulate import simulate_job
+    from shardformer.tools.simulate_report import format_simulation
 
     if args.policy or args.cp != 1:
         print("shardformer plan: error: --simulate takes no --policy or --cp", file=sys.stderr)

@@ -16,7 +16,7 @@ Bytes are read at the end of the measured backward, the peak of the model state:
 the rank's module tree, their ``.grad``, the ZeRO reducer's bucket buffers, and the optimizer's
 master shards and states (its layout). Activations: the bytes autograd saves in the measured
 step's forward and loss (given ``batch`` and ``seq``: one micro-batch of the rank's stage), with
-attention run as a fused kernel keeps it (:class:`_FusedAttentionOnMeta`). Collectives are the ones the step issues through
+attention run as a fused kernel keeps it (:mod:`shardformer.tools.rank_bytes`). Collectives are the ones the step issues through
 :mod:`shardformer.core.comm`, recorded with their group (tp, dp, ep, ...). Pipeline sends and receives
 are counted from the p2p schedule (a fake group delivers no data, so the receiving stage cannot
 read an activation's shape header); they are marked as such.
@@ -32,16 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from shardformer.core.comm import CollectiveCounter
-from shardformer.core.memory import StorageBytes
 from shardformer.expert_parallel.experts import is_expert_param
 from shardformer.policies.anatomy import stacks
 from shardformer.tools.plan import BYTES, GATHERED, plan_model
-
-CATEGORIES = ("parameters", "gradients", "gradient buffers (fp32)", "optimizer (Adam + master)", GATHERED)
+from shardformer.tools.rank_bytes import step_bytes, zero3_bytes
 
 
 @dataclass
@@ -236,10 +232,10 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
         )
         engine = ParallelEngine(model, lambda p: torch.optim.AdamW(p, lr=1e-4), config)
         hidden_size = model.config.hidden_size
-        _step(engine, batch, seq, hidden_size)  # Adam creates its state in the first step
+        step_bytes(engine, batch, seq, hidden_size)  # Adam creates its state in the first step
         engine.optimizer.zero_grad()
         with CollectiveCounter() as counter:
-            measured, activations = _step(engine, batch, seq, hidden_size)
+            measured, activations = step_bytes(engine, batch, seq, hidden_size)
         mesh = engine.mesh
         names = {id(mesh.tp_group): "tp", id(mesh.dp_group): "dp", id(mesh.pp_group): "pp"}
         names[id(mesh.embedding_group)] = "embedding"
@@ -267,7 +263,7 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
         formula_only = {}
         if zero_stage == 3:
             zero3 = EngineConfig(tp=tp, pp=pp, dp=dp, ep=plan.ep, zero_stage=3, precision=plan.precision, prove=False)
-            measured = _zero3_bytes(factory, zero3)
+            measured = zero3_bytes(factory, zero3)
             formula_only = {GATHERED: formula[GATHERED]}
         return RankSimulation(
             rank=rank,
@@ -287,128 +283,6 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
         dist.destroy_process_group()
         sys.excepthook = excepthook
         shardformer_logs.setLevel(level)
-
-
-def _zero3_bytes(factory, config) -> dict[str, int]:
-    """This rank at ZeRO-3 built for real: ``ParallelEngine`` shards the meta model over tp and applies
-    FSDP2's ``fully_shard`` per layer over the dp sub-mesh of the fake group. FSDP2 refuses to run
-    forward on meta parameters (its lazy init wants them materialised), so each sharded parameter is
-    given the gradient FSDP2's reduce-scatter leaves (its own DTensor layout: this rank's dp rows) and
-    AdamW steps once, creating its state. Bytes are the local shards, each storage once."""
-    from shardformer.engine import ParallelEngine
-
-    with torch.device("meta"):
-        model = factory()
-    engine = ParallelEngine(model, lambda p: torch.optim.AdamW(p, lr=1e-4), config)
-    params = list({id(p): p for p in engine.model.parameters()}.values())
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    engine.optimizer.step()
-    size = StorageBytes()
-    states = [v for st in engine.optimizer.optim.state.values() for v in st.values() if torch.is_tensor(v)]
-    return {
-        "parameters": size(params),
-        "gradients": size(p.grad for p in params),
-        "optimizer (Adam + master)": size(states),
-    }
-
-
-def _step(engine, batch: int, seq: int, hidden_size: int) -> tuple[dict[str, int], int]:
-    """One training step of one micro-batch through the engine's stage: the bytes held at the end of
-    backward, and the bytes its forward and loss saved for the backward."""
-    mesh, model, zero = engine.mesh, engine.model, engine.optimizer
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    inputs = {
-        "input_ids": ids,
-        "labels": ids,
-        # given whole, so transformers builds no mask from values (a meta tensor has none)
-        "attention_mask": torch.ones(batch, 1, seq, seq, dtype=torch.bool, device="meta"),
-        "position_ids": torch.zeros(batch, seq, dtype=torch.long, device="meta"),
-    }
-    hidden = None
-    if not mesh.is_first_stage:
-        dtype = next(model.parameters()).dtype
-        hidden = torch.empty(batch, seq, hidden_size, dtype=dtype, device="meta", requires_grad=True)
-    model.train()
-    with saved_activations(model, hidden) as saved:
-        out = engine.stage_forward(model, hidden, inputs)
-        loss = engine.loss_fn(out, inputs) if mesh.is_last_stage else None
-    if loss is not None:
-        loss.backward()
-    else:
-        out.backward(torch.empty_like(out))
-    engine._sum_shared_grads()  # tied weights over the first and last stage, as train_step does
-    held = _held_bytes(model, zero)
-    zero.step()
-    return held, saved.bytes
-
-
-class _FusedAttentionOnMeta(TorchFunctionMode):
-    """On meta tensors ``F.scaled_dot_product_attention`` always takes its math path, which keeps the
-    attention probabilities (b x heads x s x s); a GPU (and a CPU) runs a fused kernel that keeps q, k,
-    v, the output and a log-sum-exp. Run the fused kernel's own meta function instead (CPU flash
-    attention's: the same tensors as CUDA's flash kernel, key/value heads not repeated), without the
-    simulation's all-ones mask, so the saved bytes are a training step's without a padding mask.
-    Attention whose values have another head size than its queries (DeepSeek's MLA) keeps the math
-    path: its measured activations include the probabilities a fused kernel would not keep."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            a = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args)) | kwargs
-            q, v = a["query"], a["value"]  # its meta function assumes v's head size is q's (not MLA's)
-            if q.is_meta and not a.get("dropout_p") and q.shape[-1] == v.shape[-1]:
-                fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-                return fused(a["query"], a["key"], a["value"], 0.0, True, scale=a.get("scale"))[0]
-        return func(*args, **kwargs)
-
-
-class saved_activations:  # noqa: N801 - used as a context manager, like torch's
-    """Inside: count the bytes autograd saves for the backward (each storage once; parameters and the
-    stage's received input aside), with fused attention on meta (:class:`_FusedAttentionOnMeta`)."""
-
-    def __init__(self, model, received=None):
-        self.skip = {p.untyped_storage()._cdata for p in model.parameters()}
-        if received is not None:
-            self.skip.add(received.untyped_storage()._cdata)
-        self.storages: dict[int, int] = {}
-
-    def _pack(self, t):
-        storage = t.untyped_storage()
-        if storage._cdata not in self.skip:
-            self.storages[storage._cdata] = storage.nbytes()
-        return t
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self.mode = _FusedAttentionOnMeta()
-        self.hooks.__enter__()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-        self.hooks.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-
-def _held_bytes(model, zero) -> dict[str, int]:
-    """Bytes of the parameters, their gradients, the reducer's bucket buffers and the optimizer's
-    masters and states, each storage counted once (a master that views a buffer is not counted twice)."""
-    size = StorageBytes()
-    params = list(model.parameters())
-    held = {"parameters": size(params), "gradients": size(p.grad for p in params if p.grad is not None)}
-    parts = getattr(zero, "parts", (zero,))  # ep > 1: dense and experts' ZeroOptimizers
-    # the [dp, row] buffers and reduce-scatter outputs held now
-    buffers = [b for part in parts for b in part.reducer.held_buffers()]
-    if buffers:
-        held["gradient buffers (fp32)"] = size(buffers)
-    states = [v for part in parts for st in part.optim.state.values() for v in st.values() if torch.is_tensor(v)]
-    held["optimizer (Adam + master)"] = size([s.master for part in parts for s in part.slots] + states)
-    return held
 
 
 def _pipeline_messages(first, last, batch, seq, hidden, precision) -> dict[tuple[str, str], tuple[int, int]]:
@@ -439,46 +313,3 @@ def _megatron_minimum(layers: int, first: bool, last: bool, tp: int, pp: int) ->
     if pp > 1:
         out["pp"] = 2 * ((not first) + (not last))
     return out
-
-
-def format_simulation(job: JobSimulation) -> str:
-    gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
-    lines = [
-        f"simulated: {job.model} at tp={job.tp} x pp={job.pp} x dp={job.dp} = {job.world} ranks"
-        f"{f' (ep={job.ep} of the dp ranks)' if job.ep > 1 else ''}, "
-        f"ZeRO-{job.zero}, {job.precision} (fake process group, meta device; activations apart)",
-    ]
-    for r in job.ranks:
-        pp_rank, _, tp_rank = r.coords
-        lines += [
-            "",
-            f"rank {r.rank} (stage {pp_rank}, tp rank {tp_rank}; layers {r.layers[0]}..{r.layers[-1]}): "
-            f"{r.numel:,} parameters",
-            f"  {'':<28}{'simulated':>12}{'formula':>12}",
-        ]
-        for what in CATEGORIES:
-            if what in r.formula_only:
-                lines.append(f"  {what:<28}{'formula':>12}{gib(r.formula[what]):>12}")
-            elif what in r.measured or what in r.formula:
-                a, b = r.measured.get(what, 0), r.formula.get(what, 0)
-                lines.append(f"  {what:<28}{gib(a):>12}{gib(b):>12}")
-        lines.append(
-            f"  {'total':<28}{gib(r.total):>12}{gib(sum(r.formula.values())):>12}  "
-            f"({r.apart:.2%} apart{' where measured' if r.formula_only else ''})"
-        )
-        if r.experts[2]:
-            local, total, layers = r.experts
-            lines.append(f"  experts: {local} of {total} per MoE layer (ep={job.ep}), in {layers} MoE layers here")
-        lines.append(
-            f"  activations of one micro-batch ({job.batch} x {job.seq}), saved by its forward: {gib(r.activations)}"
-        )
-        per_group: dict[str, list[str]] = {}
-        for (group, op), (n, nbytes) in r.collectives.items():
-            per_group.setdefault(group, []).append(f"{n} {op} ({nbytes / 2**20:,.1f} MiB)")
-        lines.append("  collectives of one training step (one micro-batch):")
-        for group, ops in per_group.items():
-            minimum = r.minimum.get(group)
-            tail = f"  [Megatron minimum {minimum}]" if minimum is not None else ""
-            lines.append(f"    {group}: {', '.join(ops)}{tail}")
-    lines += ["", *job.notes]
-    return "\n".join(lines)
