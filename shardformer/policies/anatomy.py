@@ -8,7 +8,7 @@ answers wins:
 
 1. the model's family record (:mod:`shardformer.models`: ``layers``, ``final_norm``);
 2. transformers' ``base_model_pp_plan`` (:mod:`shardformer.pipeline.from_plan`);
-3. the structure: the stacks the derived route finds (:func:`~shardformer.policies.derived.trace.repeated_blocks`),
+3. the structure: the stacks the derived route finds (:func:`~shardformer.policies.derived.blocks.repeated_blocks`),
    one ``ModuleList`` of blocks of one class per stack.
 
 The stacks need only the module tree. What runs before and after a stack is read off one forward of
@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from shardformer.context_parallel.anatomy import StackAnatomy
-from shardformer.policies.derived.trace import repeated_blocks
+from shardformer.policies.derived.blocks import repeated_blocks
 from shardformer.policies.layer_reads import LayerReads, untied
 
 

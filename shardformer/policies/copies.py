@@ -61,10 +61,10 @@ def _runs(tiny: nn.Module, what: str) -> None:
 
 
 def repeated_stacks(model: nn.Module) -> list[str]:
-    """Paths of the stacks :func:`~shardformer.policies.derived.trace.repeated_blocks` finds whose
+    """Paths of the stacks :func:`~shardformer.policies.derived.blocks.repeated_blocks` finds whose
     blocks are all of one class and one shape (a stack of mixed classes, or of stages that widen as
     ConvNeXt's do, is kept whole in a copy: the layers after it read the last item's width)."""
-    from shardformer.policies.derived.trace import repeated_blocks
+    from shardformer.policies.derived.blocks import repeated_blocks
 
     stacks: list[str] = []
     for block in repeated_blocks(model):

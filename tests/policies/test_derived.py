@@ -14,7 +14,8 @@ import torch
 
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.derived import DerivedPolicy, derive
-from shardformer.policies.derived.trace import pair, repeated_blocks, trace
+from shardformer.policies.derived.blocks import repeated_blocks
+from shardformer.policies.derived.trace import pair, trace
 from shardformer.tools.testing import run_on_ranks
 from tests.policies.derived_models import factory, liar, transformers_model
 

@@ -14,7 +14,7 @@ from shardformer.core.inputs import make_inputs
 from shardformer.core.refusal import HEADS
 from shardformer.policies.copies import two_blocks
 from shardformer.policies.derived import DerivedPolicy, derive
-from shardformer.policies.derived.trace import repeated_blocks
+from shardformer.policies.derived.blocks import repeated_blocks
 from shardformer.tools.testing import run_on_ranks
 from tests.policies.plain_models import (
     PlainBlockNoEmbed,
@@ -106,7 +106,7 @@ def test_beit_and_swin_v2_rules_call_qkv_and_cut_its_biases_with_it():
 
 
 def test_pooling_heads_are_modules_beside_the_stacks_with_attention_inside():
-    from shardformer.policies.derived.trace import pooling_heads
+    from shardformer.policies.derived.blocks import pooling_heads
 
     assert pooling_heads(timm_model("vit_map")) == ["attn_pool"]  # AttentionPoolLatent: q, kv, proj, MLP
     assert pooling_heads(timm_model("deit")) == []  # classifier Linears are no heads

@@ -22,9 +22,11 @@ from shardformer.core.instance import study_instance
 from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refusal, has_convolutions
 from shardformer.core.tiny import tiny_copy_config
 from shardformer.policies.copies import architecture, instance_copy, two_blocks
+from shardformer.policies.derived.blocks import attends, is_projection, repeated_blocks
+from shardformer.policies.derived.given_inputs import input_embeddings
 from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import common_parent, find_cut, record_calls
-from shardformer.policies.derived.trace import attends, input_embeddings, is_projection, mixed_rows, pair, trace
+from shardformer.policies.derived.trace import mixed_rows, pair, trace
 from shardformer.tensor_parallel.layers.multihead import refusal as multihead_refusal
 
 logger = logging.getLogger("shardformer")
@@ -157,7 +159,6 @@ def _copy_does_not_run(model: nn.Module, inputs: dict, error: Exception) -> NotD
     the whole model runs on the same inputs (stages that change width from one to the next), else the
     recipe's inputs (a size the model was not built for), named with their shapes."""
     from shardformer.policies.copies import KEEP, repeated_stacks
-    from shardformer.policies.derived.trace import repeated_blocks
 
     name = type(model).__name__
     failed = f"{type(error).__name__}: {str(error)[:200]}"

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from shardformer.core.comm import group_rank, group_size
-from shardformer.policies.derived.trace import is_projection
+from shardformer.policies.derived.blocks import is_projection
 from shardformer.tensor_parallel.detect import int_attributes, is_head_count
 
 MAX_HEAD_OPTIONS = 16

@@ -15,12 +15,13 @@ import logging
 import torch.nn as nn
 
 from shardformer.core.refusal import HEADS, POLICY, fix_of
+from shardformer.policies.derived.attributes import per_rank_attributes
+from shardformer.policies.derived.blocks import is_projection, out_width, pooling_heads, repeated_blocks, value_at
+from shardformer.policies.derived.column_cuts import cut_options
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
 from shardformer.policies.derived.heads import head_inputs_layer
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
-from shardformer.policies.derived.simulate import cut_options, per_rank_attributes
 from shardformer.policies.derived.towers import uncovered_blocks
-from shardformer.policies.derived.trace import is_projection, out_width, pooling_heads, repeated_blocks, value_at
 from shardformer.policies.derived.widths import local_widths_layer
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy

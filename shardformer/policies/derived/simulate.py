@@ -22,22 +22,17 @@ import torch.nn as nn
 from shardformer.core.compare import ATOL, RTOL, max_error
 from shardformer.core.refusal import HEADS, Reason
 from shardformer.core.shard_spec import make_spec, slice_tensor
+from shardformer.policies.derived.attributes import apply_attributes, attribute_candidates, splits_over
+from shardformer.policies.derived.blocks import in_width, out_width, run_hooked, value_at
+from shardformer.policies.derived.column_cuts import column_candidates, cut_options, fits_blocks
+from shardformer.policies.derived.given_inputs import inputs_from_outside
 from shardformer.policies.derived.heads import HeadCut, bias_options, head_options, slice_heads
 from shardformer.policies.derived.rewrites import use_module_width
-from shardformer.policies.derived.trace import (
-    Group,
-    in_width,
-    inputs_from_outside,
-    out_width,
-    run_hooked,
-    value_at,
-)
+from shardformer.policies.derived.trace import Group
 from shardformer.policies.derived.widths import run_in_local_widths
-from shardformer.policies.tp_plan.heads import head_sizes
 from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.layers.norm import normalize, splits_features
-from shardformer.tensor_parallel.policy import divide as divide_by
 
 MAX_ATTRIBUTES = 6  # candidates tried in every subset: 64 sets at most
 
@@ -86,119 +81,6 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
         if bias is not None:
             layer.bias.copy_(bias)
     return layer
-
-
-def head_width(config) -> int | None:
-    """The width of one attention head from ``config`` (its text config), as the plan route reads it."""
-    sizes = head_sizes(config.get_text_config() if hasattr(config, "get_text_config") else config)
-    return sizes[2] if sizes else None
-
-
-def head_blocks(width: int, config) -> tuple[int, ...] | None:
-    """The blocks of a projection sized by the heads of ``config``, when its width is not a plain
-    multiple of the query heads: ``(q, k, v)`` of a fused projection with fewer key/value heads
-    (grouped or multi-query: ``(H + 2 kv) d``), ``(k, v)`` of a fused key/value one (``2 kv d``),
-    or ``(k,)`` of a key or value projection of fewer heads (``kv d``)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads, d = getattr(text, "num_attention_heads", None), head_width(config)
-    if not isinstance(heads, int) or not d or width % d:
-        return None
-    units = width // d
-    if units > heads and (units - heads) % 2 == 0 and (units - heads) // 2 < heads:
-        kv = (units - heads) // 2
-        return heads * d, kv * d, kv * d
-    if units < heads and units % 2 == 0 and heads % (units // 2) == 0 and units // 2 < heads:
-        return units // 2 * d, units // 2 * d
-    if units < heads and heads % units == 0:
-        return (width,)
-    return None
-
-
-def cut_options(spec, width: int, config) -> dict:
-    """``n_cast`` (and ``head_width`` for a cut by heads) of a column's cut, as the layers take them."""
-    if spec == ("heads",):
-        return {"n_cast": head_blocks(width, config), "head_width": head_width(config)}
-    return {"n_cast": spec}
-
-
-def _fits(width: int, blocks, tp: int) -> bool:
-    if blocks is None:
-        return False
-    sizes = blocks if isinstance(blocks, tuple) else (width // blocks,) * blocks if width % blocks == 0 else None
-    return sizes is not None and all(s % tp == 0 and s >= tp for s in sizes)
-
-
-def _by_heads(width: int, config, tp: int) -> bool:
-    """Whether the head blocks of a projection cut over ``tp`` into whole heads or replicate evenly."""
-    blocks, d = head_blocks(width, config), head_width(config)
-    if blocks is None or not d:
-        return False
-    return all((b // d) % tp == 0 or tp % (b // d) == 0 for b in blocks)
-
-
-def _candidates(width: int, config, tp: int) -> list:
-    out = [n for n in (1, 3, 2) if _fits(width, n, tp)]
-    if _by_heads(width, config, tp):
-        out.append(("heads",))
-    return out
-
-
-def attribute_candidates(parent: nn.Module, widths: set[int], tp: int) -> list[str]:
-    """Ints the parent's subtree reads in forward that count heads or equal a cut width (relative
-    dotted names; ``config.X`` for the module's config)."""
-    found = []
-    for rel, module in parent.named_modules():
-        read = attributes_read(type(module))
-        prefix = f"{rel}." if rel else ""
-        for name, value in int_attributes(module).items():
-            counts = is_head_count(name) or value in widths
-            if (read is None or name in read) and value > 1 and _splits(name, value, tp) and counts:
-                found.append(prefix + name)
-        config = getattr(module, "config", None)
-        if config is not None and read is not None and rel == "":
-            for name in sorted(r[7:] for r in read if r.startswith("config.")):
-                value = getattr(config, name, None)
-                if (
-                    type(value) is int
-                    and value > 1
-                    and _splits(name, value, tp)
-                    and (is_head_count(name) or value in widths)
-                ):
-                    found.append(f"config.{name}")
-    return found
-
-
-def _splits(name: str, value: int, tp: int) -> bool:
-    """``value`` splits over tp, or counts fewer heads than ranks (replicated: one per rank)."""
-    return value % tp == 0 or (is_head_count(name) and tp % value == 0)
-
-
-def per_rank_value(name: str, value: int, tp: int, where: str) -> int:
-    """The count or width one rank holds: ``value / tp``, or one head of fewer heads than ranks."""
-    if value % tp and is_head_count(name) and tp % value == 0:
-        return 1
-    return divide_by(value, tp, where)
-
-
-def per_rank_attributes(root: nn.Module, names, tp: int) -> dict[str, object]:
-    """``{dotted path below root: per-rank value}`` for each named int of ``root``'s subtree divided
-    by ``tp``; a count read as ``config.X`` gives its module a copy of the config (``module.config``)."""
-    values: dict[str, object] = {}
-    for dotted in sorted(names):
-        owner, _, name = dotted.rpartition(".")
-        if owner == "config" or owner.endswith(".config"):
-            module_path = owner[: -len("config")].rstrip(".")
-            local = values.setdefault(owner, copy.copy(root.get_submodule(module_path).config))
-            setattr(local, name, per_rank_value(name, getattr(local, name), tp, dotted))
-        else:
-            values[dotted] = per_rank_value(name, getattr(root.get_submodule(owner), name), tp, dotted)
-    return values
-
-
-def apply_attributes(root: nn.Module, names, tp: int) -> None:
-    for dotted, value in per_rank_attributes(root, names, tp).items():
-        owner, _, name = dotted.rpartition(".")
-        setattr(root.get_submodule(owner), name, value)
 
 
 def record_calls(model: nn.Module, paths: list[str], inputs: dict) -> dict[str, tuple]:
@@ -331,7 +213,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     widths = {in_width(row_module)} | {out_width(m) for m in col_modules.values()}
     per_col = []
     for path, module in col_modules.items():
-        options = _candidates(out_width(module), config, tp)
+        options = column_candidates(out_width(module), config, tp)
         if not options:
             return None, f"{path}: output width {out_width(module)} does not split over tp={tp}"
         per_col.append(options)
@@ -360,7 +242,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     stages = [(None, 1, per_col, 0)] + [(h, 1, per_col, 0) for h in heads_options]
     for m in BLOCKED_ROWS:
         if in_width(row_module) % (m * tp) == 0:
-            blocked = [[n for n in (m, 3 * m) if _fits(out_width(c), n, tp)] for c in col_modules.values()]
+            blocked = [[n for n in (m, 3 * m) if fits_blocks(out_width(c), n, tp)] for c in col_modules.values()]
             if all(blocked):
                 stages.append((None, m, blocked, 0))
     if stream_width % tp == 0:
@@ -417,7 +299,12 @@ def _why_none(parent: nn.Module, prefix: str, tp: int, first_error: str) -> str:
     for rel, module in parent.named_modules():
         read = attributes_read(type(module))
         for name, value in int_attributes(module).items():
-            if is_head_count(name) and (read is None or name in read) and value > 1 and not _splits(name, value, tp):
+            if (
+                is_head_count(name)
+                and (read is None or name in read)
+                and value > 1
+                and not splits_over(name, value, tp)
+            ):
                 unsplit.append(".".join(p for p in (prefix, rel, name) if p) + f"={value}")
     if not unsplit:
         return first_error

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from shardformer.policies.derived.blocks import repeated_blocks
 from shardformer.policies.derived.derive import NotDerivableError
-from shardformer.policies.derived.trace import repeated_blocks
 
 
 def _is_sub_model(module: nn.Module) -> bool:

@@ -48,7 +48,7 @@ def plan_leaves_whole(model: nn.Module) -> list[str]:
     plan entry names (a plan for the attention only leaves the MLP whole on every rank). A router or a
     latent projection is narrower and is not listed. Empty for a plan that cuts stacked experts: the
     derived route would leave those whole, so such a plan stays first."""
-    from shardformer.policies.derived.trace import is_projection, repeated_blocks
+    from shardformer.policies.derived.blocks import is_projection, repeated_blocks
 
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -1,0 +1,65 @@
+"""How a column projection's output features may be cut over tp ranks: evenly, in fused blocks
+(``[Q | K | V]`` in 3, ``[gate | up]`` in 2), or by the heads of the model's config (``[Q | K | V]`` sized
+by the head counts: grouped or multi-query attention). :mod:`.simulate` tries them on the recorded inputs.
+"""
+
+from __future__ import annotations
+
+from shardformer.policies.tp_plan.heads import head_sizes
+
+
+def head_width(config) -> int | None:
+    """The width of one attention head from ``config`` (its text config), as the plan route reads it."""
+    sizes = head_sizes(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    return sizes[2] if sizes else None
+
+
+def head_blocks(width: int, config) -> tuple[int, ...] | None:
+    """The blocks of a projection sized by the heads of ``config``, when its width is not a plain
+    multiple of the query heads: ``(q, k, v)`` of a fused projection with fewer key/value heads
+    (grouped or multi-query: ``(H + 2 kv) d``), ``(k, v)`` of a fused key/value one (``2 kv d``),
+    or ``(k,)`` of a key or value projection of fewer heads (``kv d``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads, d = getattr(text, "num_attention_heads", None), head_width(config)
+    if not isinstance(heads, int) or not d or width % d:
+        return None
+    units = width // d
+    if units > heads and (units - heads) % 2 == 0 and (units - heads) // 2 < heads:
+        kv = (units - heads) // 2
+        return heads * d, kv * d, kv * d
+    if units < heads and units % 2 == 0 and heads % (units // 2) == 0 and units // 2 < heads:
+        return units // 2 * d, units // 2 * d
+    if units < heads and heads % units == 0:
+        return (width,)
+    return None
+
+
+def cut_options(spec, width: int, config) -> dict:
+    """``n_cast`` (and ``head_width`` for a cut by heads) of a column's cut, as the layers take them."""
+    if spec == ("heads",):
+        return {"n_cast": head_blocks(width, config), "head_width": head_width(config)}
+    return {"n_cast": spec}
+
+
+def fits_blocks(width: int, blocks, tp: int) -> bool:
+    """Whether a width in ``blocks`` (a count of equal blocks, or their sizes) cuts every block over ``tp``."""
+    if blocks is None:
+        return False
+    sizes = blocks if isinstance(blocks, tuple) else (width // blocks,) * blocks if width % blocks == 0 else None
+    return sizes is not None and all(s % tp == 0 and s >= tp for s in sizes)
+
+
+def _by_heads(width: int, config, tp: int) -> bool:
+    """Whether the head blocks of a projection cut over ``tp`` into whole heads or replicate evenly."""
+    blocks, d = head_blocks(width, config), head_width(config)
+    if blocks is None or not d:
+        return False
+    return all((b // d) % tp == 0 or tp % (b // d) == 0 for b in blocks)
+
+
+def column_candidates(width: int, config, tp: int) -> list:
+    """The cuts of a column of output ``width`` to try, the simplest first: even, 3 blocks, 2, by heads."""
+    out = [n for n in (1, 3, 2) if fits_blocks(width, n, tp)]
+    if _by_heads(width, config, tp):
+        out.append(("heads",))
+    return out
