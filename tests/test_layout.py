@@ -69,6 +69,18 @@ def test_top_level_holds_at_most_six_modules():
     assert len(top) <= 6, top
 
 
+MAX_LINES = 400  # a file longer than this holds more than one topic: split it
+
+
+def test_no_library_file_is_over_400_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in sorted(ROOT.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines (split each by topic): {long}"
+
+
 def test_imports_only_go_down():
     modules = _modules()
     for name, path in modules.items():
