@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from shardformer.context_parallel.anatomy import StackAnatomy
+from shardformer.core.study_memo import once_per_study
 from shardformer.policies.derived.trace import repeated_blocks
 from shardformer.policies.layer_reads import LayerReads, untied
 
@@ -36,6 +37,7 @@ def _models():
     return models
 
 
+@once_per_study
 def stacks(model: nn.Module) -> tuple[str, ...]:
     """Paths of ``model``'s repeated layer stacks: the family's or the pp plan's one stack, else every
     ``ModuleList`` / ``Sequential`` the structure finds (one for a decoder or an encoder, two for an
