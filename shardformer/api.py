@@ -99,7 +99,7 @@ def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, a
     record = sharding_of(model)
     attach(
         model,
-        dataclasses.replace(record, route=route.name, proven=proven, experts=study.experts, instance=study.instance),
+        dataclasses.replace(record, route=route.name, proven=proven, experts=study.experts, study=study),
     )
     if record.context_parallel is None:  # context parallelism sets it itself, forward by forward
         guard_attention(model)  # the attention implementation stays the one proven
