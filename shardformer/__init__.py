@@ -4,10 +4,7 @@ The public API. The code is grouped by technique (core, tensor_parallel, pipelin
 and by model family (models); docs/development.md ("How the code is organised") walks the folders.
 """
 
-from shardformer import (
-    _compat,
-    checkpoint,  # noqa: F401 - registers the export a sharded model's save_pretrained uses
-)
+from shardformer import checkpoint  # noqa: F401 - registers the export a sharded model's save_pretrained uses
 from shardformer.api import shard_model
 from shardformer.core.config import ShardConfig
 from shardformer.core.mesh import ProcessMesh, init_distributed, launch_from_torch
@@ -19,8 +16,6 @@ from shardformer.pipeline import PipelineSpec
 from shardformer.policies import Argument, Col_Layer, Dropout_Layer, Layer, Policy, Row_Layer, get_autopolicy
 from shardformer.tensor_parallel.sharder import ModelSharder
 from shardformer.tools.verify import verify  # the function; the module is shardformer.tools.verify
-
-_compat.install()  # old import paths (shardformer.layers, shardformer.zero, ...) name the moved modules
 
 __all__ = [
     "Argument",

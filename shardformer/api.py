@@ -9,14 +9,15 @@ import dataclasses
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
-from shardformer.core.instance import guard_attention, studied_once, study_instance
-from shardformer.core.record import attach, build_mesh, sharding_of
+from shardformer.core.instance import guard_attention
+from shardformer.core.record import attach, sharding_of
+from shardformer.core.study_memo import studied_once
 from shardformer.core.versions import warn_if_untested
-from shardformer.expert_parallel import check_expert_parallel, plan_expert_parallel, split_experts
+from shardformer.expert_parallel import split_experts
 from shardformer.pipeline.spec import PipelineSpec
-from shardformer.policies.anatomy import final_norm, layer_stack, stack_anatomy
 from shardformer.policies.context_proof import require_context_parallel, with_mesh
-from shardformer.policies.routes import candidate_routes, choose, route_of
+from shardformer.policies.routes import choose
+from shardformer.study import study_model, with_expert_mesh
 from shardformer.tensor_parallel.adapters import SeenThrough
 from shardformer.tensor_parallel.policy import Policy
 
@@ -82,21 +83,10 @@ def _wrapped_model(model: nn.Module) -> nn.Module:
 
 
 def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, adapters: SeenThrough) -> nn.Module:
-    instance = study_instance(model)  # first, before anything is cut: every copy and verdict reads this study
-    routes = candidate_routes(model) if policy is None else [route_of(policy, model)]
-    # the structural final norm needs a forward of a tiny copy: only sequence parallelism reads it
-    norm = final_norm(model, structural=shard_config.sequence_parallel)
-    sharder_args = dict(layers=layer_stack(model), adapters=adapters, final_norm=norm)
-    if shard_config.context_parallel_size > 1:  # context parallelism checks the stack and what runs after it
-        sharder_args["stack_anatomy"] = stack_anatomy(model)
-    experts = None
-    if shard_config.expert_parallel_size > 1:  # found and proven on the model as the user gave it
-        check_expert_parallel(model, shard_config.expert_parallel_size)  # before any collective
-        shard_config.check_world()
-        if shard_config.mesh is None:
-            shard_config = dataclasses.replace(shard_config, mesh=build_mesh(shard_config)[0])
-        experts = plan_expert_parallel(model, shard_config.mesh, shard_config.prove)
-    sharder, plan, route, proven = choose(model, shard_config, routes, sharder_args, chosen=policy is not None)
+    shard_config = with_expert_mesh(model, shard_config)  # before any other collective
+    study = study_model(model, shard_config, policy)  # every technique below reads this one study
+    sharder_args = study.sharder_args(adapters=adapters)
+    sharder, plan, route, proven = choose(model, shard_config, study.routes, sharder_args, chosen=policy is not None)
     context_proven = False
     if plan.attention is not None:  # cp > 1: the split of the instance proven at the user's tp x cp before the cut
         sharder.shard_config = with_mesh(sharder.shard_config)
@@ -104,10 +94,13 @@ def _shard(model: nn.Module, shard_config: ShardConfig, policy: Policy | None, a
     sharder.shard(plan)
     if context_proven:
         sharding_of(model).context_parallel.proven = True
-    if experts is not None:
-        split_experts(model, experts)
-    record = dataclasses.replace(sharding_of(model), route=route.name, proven=proven, experts=experts)
-    attach(model, dataclasses.replace(record, instance=instance))
-    if sharding_of(model).context_parallel is None:  # context parallelism sets it itself, forward by forward
+    if study.experts is not None:
+        split_experts(model, study.experts)
+    record = sharding_of(model)
+    attach(
+        model,
+        dataclasses.replace(record, route=route.name, proven=proven, experts=study.experts, study=study),
+    )
+    if record.context_parallel is None:  # context parallelism sets it itself, forward by forward
         guard_attention(model)  # the attention implementation stays the one proven
     return model

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import pathlib
 
 import shardformer
@@ -20,13 +21,13 @@ ORDER = [
     "models",
     "policies",
     "expert_parallel",
+    "study",
     "api",
     "checkpoint",
     "engine",
     "integrations",
     "tools",
     "cli",
-    "_compat",
     "__init__",
     "__main__",
 ]
@@ -115,16 +116,67 @@ def test_no_import_circle():
         visit(node)
 
 
-def test_old_import_paths_name_the_moved_modules():
-    from shardformer import _compat
+def test_one_import_path_per_module():
+    """No aliases for the paths modules had before the code was grouped (the package has no release)."""
+    for old in ("shardformer.layers", "shardformer.zero", "shardformer.slicer", "shardformer.testing"):
+        assert importlib.util.find_spec(old) is None, old
+    assert callable(shardformer.verify)  # the function (its module is shardformer.tools.verify)
 
-    for old, new in _compat.MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    assert callable(shardformer.verify)  # the function, not the module of the same old name
-    from shardformer.layers import Linear1D_Col, vocab_parallel_cross_entropy  # noqa: F401
-    from shardformer.zero import ZeroOptimizer  # noqa: F401
 
-    from shardformer.policies import Policy, get_autopolicy  # noqa: F401
+# a lower package calls into a higher one only through the plug-in points it defines: the sharder calls the
+# Policy it was given (the API lives in tensor_parallel, the routes' policies in policies), and the PEFT
+# support registered with it (integrations)
+PLUG_INS = {("tensor_parallel", "policies"), ("tensor_parallel", "integrations")}
+
+
+def test_shard_model_studies_the_model_once_and_reads_it_going_down():
+    """``shard_model`` studies the model once: the instance, its repeated blocks and its stacks are each
+    worked out once per model however many routes, copies and techniques read them; and the journey
+    through the packages goes down (no call climbs back to a package above the caller, beyond the
+    plug-in points), in few moves between packages."""
+    import sys
+    from collections import Counter
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.core import study_memo
+    from shardformer.core.instance import study_instance
+    from shardformer.policies.anatomy import stacks
+    from shardformer.policies.derived.blocks import repeated_blocks
+
+    questions = {f.__wrapped__.__code__: f.__name__ for f in (study_instance, repeated_blocks, stacks)}
+    asked, moves = Counter(), set()
+
+    def package(frame):
+        path = pathlib.Path(frame.f_code.co_filename)
+        return path.relative_to(ROOT).with_suffix("").parts[0] if path.is_relative_to(ROOT) else None
+
+    def follow(frame, event, arg):
+        if event != "call" or package(frame) is None:
+            return
+        if frame.f_code in questions:
+            asked[questions[frame.f_code], id(frame.f_locals["model"])] += 1
+        caller = frame.f_back  # the memo's wrapper is not a step of the journey: its caller asks
+        while caller is not None and (package(caller) is None or caller.f_code.co_filename == study_memo.__file__):
+            caller = caller.f_back
+        if caller is not None and package(caller) != package(frame):
+            moves.add((package(caller), package(frame)))
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    sys.setprofile(follow)
+    try:
+        shard_model(model, ShardConfig(tensor_parallel_size=1))
+    finally:
+        sys.setprofile(None)
+    assert {name for name, _ in asked} == set(questions.values()), asked
+    assert max(asked.values()) == 1, asked
+    assert model.shardformer.study.layer_stack == "model.layers"
+    climbs = {(a, b) for a, b in moves if ORDER.index(b) > ORDER.index(a)}
+    assert climbs <= PLUG_INS, climbs
+    assert len(moves) <= 16, sorted(moves)
 
 
 def test_every_family_is_one_record():

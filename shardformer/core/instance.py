@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from shardformer.core.code_keys import class_key, code_key
 from shardformer.core.reproduce import CannotReproduce, Extras, pattern, reproduce
+from shardformer.core.study_memo import once_per_study, studied_once
 
 __all__ = ["CannotReproduce", "Extras", "Instance", "pattern", "study_instance", "studied_once"]
 
@@ -50,33 +51,13 @@ class Instance:
         reproduce(self.extras, user, tiny)
 
 
-_STUDIES: list[dict] = []  # the studies of the calls under way (:func:`studied_once`), by model
-
-
-@contextlib.contextmanager
-def studied_once():
-    """Within the block, :func:`study_instance` studies each model once (one ``shard_model`` call: the
-    derivation, the proofs and the anatomy read one study); outside, every call studies anew, since the
-    user may change the instance between calls."""
-    _STUDIES.append({})
-    try:
-        yield
-    finally:
-        _STUDIES.pop()
-
-
+@once_per_study
 def study_instance(model: nn.Module) -> Instance:
     """What ``model``'s instance adds to its class (compared with the class built from the model's own
     config on the meta device; a model with no transformers config is compared with nothing: every
-    hook and instance method counts, and its copies are the instance itself, cut)."""
-    if _STUDIES:
-        seen = _STUDIES[0].get(id(model))
-        if seen is not None and seen[0] is model:
-            return seen[1]
-    instance = _study(model)
-    if _STUDIES:
-        _STUDIES[0][id(model)] = (model, instance)
-    return instance
+    hook and instance method counts, and its copies are the instance itself, cut). Studied once per
+    ``shard_model`` call (:func:`~shardformer.core.study_memo.studied_once`)."""
+    return _study(model)
 
 
 def _study(model: nn.Module) -> Instance:

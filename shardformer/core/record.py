@@ -44,7 +44,7 @@ class ShardedModelInfo:
     route: str | None = None  # which route's policy cut it ("built-in policy", "tp plan", "derived", "custom policy")
     proven: bool = False  # whether that route was proven exact on a tiny copy before the cut
     experts: Any = None  # the ExpertLayout of expert parallelism (None: experts not split by ep)
-    instance: Any = None  # the study of the instance as the user passed it (core/instance.py), made before the cut
+    study: Any = None  # the ModelStudy made before the cut (shardformer/study.py): instance, stacks, routes, experts
 
     @classmethod
     def unsharded(cls) -> ShardedModelInfo:

@@ -73,3 +73,9 @@ def _warn_once(name: str, installed: str) -> None:
     message = untested_release(name, installed)
     if message:
         warnings.warn(message, UntestedReleaseWarning, stacklevel=4)
+
+
+def releases() -> tuple[tuple[str, str | None], ...]:
+    """The releases of the code a proof runs (torch, transformers, timm where imported): part of every
+    verdict's key, since a new release can change a plan, a forward or a helper."""
+    return tuple((name, getattr(sys.modules.get(name), "__version__", None)) for name in ("torch", *WATCHED))

@@ -29,8 +29,8 @@ from shardformer.core.tiny_run import runnable_tiny_config
 from shardformer.expert_parallel.experts import make_expert_parallel
 from shardformer.expert_parallel.find import _EXPERT_COUNTS, find_experts
 from shardformer.models import inputs_for
-from shardformer.policies.copies import no_dropout
-from shardformer.policies.proof import FLOOR_RTOL, SCALE_RTOL, _device, _transformers_quiet, _versions
+from shardformer.policies.copies import copy_key, no_dropout
+from shardformer.policies.proof import FLOOR_RTOL, SCALE_RTOL, _device, _transformers_quiet
 
 _VERDICTS: dict[tuple, str | None] = {}
 
@@ -45,8 +45,8 @@ def prove_expert_parallel(model: nn.Module, group) -> str | None:
             return f"a tiny copy of {type(model).__name__} cannot be built to prove it on: {type(e).__name__}: {e}"
         device = _device(model)
         instance = study_instance(model)  # the user's modules, hooks and attention, not only the class
-        key = (type(model), ep, json.dumps(config.to_dict(), sort_keys=True, default=str), _versions(), device)
-        key += (instance.key,)
+        # the copy (the instance's additions, attention, dtype and releases among it) with its experts for ep
+        key = (copy_key(model, 1), ep, json.dumps(config.to_dict(), sort_keys=True, default=str), device)
         if not every_rank(key in _VERDICTS, group, device=device):
             _VERDICTS[key] = _prove(model, config, group, device, instance)
         return _VERDICTS[key]

@@ -26,6 +26,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from shardformer.context_parallel.anatomy import StackAnatomy
+from shardformer.core.study_memo import once_per_study
+from shardformer.policies.copies import copy_key
 from shardformer.policies.derived.blocks import repeated_blocks
 from shardformer.policies.layer_reads import LayerReads, untied
 
@@ -36,6 +38,7 @@ def _models():
     return models
 
 
+@once_per_study
 def stacks(model: nn.Module) -> tuple[str, ...]:
     """Paths of ``model``'s repeated layer stacks: the family's or the pp plan's one stack, else every
     ``ModuleList`` / ``Sequential`` the structure finds (one for a decoder or an encoder, two for an
@@ -87,10 +90,8 @@ def final_norm(model: nn.Module, structural: bool = True) -> str | None:
 def stack_anatomy(model: nn.Module) -> StackAnatomy:
     """What context parallelism reads of ``model``'s anatomy: its stacks, what runs after its one stack
     (read off a tiny copy when asked, :func:`ends_of`), and how to build that copy."""
-    from shardformer.policies.derived.derive import _key
-
     found = stacks(model)
-    return StackAnatomy(found, lambda: ends_of(model, found[0]).after, lambda: tiny_for(model), _key(model, 1))
+    return StackAnatomy(found, lambda: ends_of(model, found[0]).after, lambda: tiny_for(model), copy_key(model, 1))
 
 
 class AnatomyError(ValueError):
@@ -137,9 +138,7 @@ _ENDS: dict[tuple, Ends | AnatomyError] = {}
 def ends_of(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
     """The :class:`Ends` of the stack at ``layers`` (or of two stacks: :func:`_trace_ends`), read off one forward of a tiny copy of ``model``
     (cached per class, architecture and stack); :class:`AnatomyError` when it cannot be told."""
-    from shardformer.policies.derived.derive import _key
-
-    key = (_key(model, 1), layers)
+    key = (copy_key(model, 1), layers)
     if key not in _ENDS:
         try:
             _ENDS[key] = _trace_ends(model, layers)

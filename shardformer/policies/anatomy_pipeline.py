@@ -54,7 +54,8 @@ from shardformer.policies.anatomy import (
     stacks,
     tiny_for,
 )
-from shardformer.policies.pipeline_proof import failure_of, prove_split, route_verdict, verdict_key
+from shardformer.policies.copies import copy_key
+from shardformer.policies.pipeline_proof import failure_of, prove_split, route_verdict
 from shardformer.policies.stage_parts import Capture, LayerPassThrough, Reached, ZerosShaped
 
 
@@ -235,8 +236,8 @@ _PROOFS: dict[tuple, tuple[str | None, dict[str, str]]] = {}
 def _proof(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, str]]:
     """(why two stages of a tiny copy do not compute what the copy computes (loss or output, every
     gradient), or None; for an encoder-decoder, {cut kind: why stages cut there are not exact}).
-    Cached per stack under everything the verdict depends on (:func:`verdict_key`)."""
-    key = (verdict_key(model), str(layers))
+    Cached per stack under everything the verdict depends on (:func:`~shardformer.policies.copies.copy_key`)."""
+    key = (copy_key(model, 1), str(layers))
     if key not in _PROOFS:
         try:
             _PROOFS[key] = _prove(model, layers, ends)

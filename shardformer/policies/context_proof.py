@@ -31,21 +31,19 @@ from shardformer.context_parallel.layout import gather_split, layout_for
 from shardformer.core.comm import all_reduce, every_rank, group_rank
 from shardformer.core.compare import gradient_failures, max_error
 from shardformer.core.divergence import ActivationRecorder, first_divergence
-from shardformer.core.instance import study_instance
 from shardformer.core.record import build_mesh, sharding_of
 from shardformer.models import inputs_for
 from shardformer.policies.anatomy import final_norm, layer_stack
+from shardformer.policies.copies import copy_key
 from shardformer.policies.derived import NotProvenError
 from shardformer.policies.proof import (
     FLOOR_RTOL,
     SCALE_RTOL,
-    _architecture,
     _device,
     _main_output,
     _quiet,
     _tiny,
     _transformers_quiet,
-    _versions,
 )
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.regions import gather_from_parallel
@@ -69,8 +67,9 @@ def prove_context_parallel(model: nn.Module, shard_config, route: str, make_poli
     tp, cp = shard_config.tensor_parallel_size, shard_config.context_parallel_size
     mode = shard_config.context_parallel_mode
     with torch.inference_mode(False), torch.enable_grad(), _transformers_quiet():
+        copy_tp = tp * cp if mode == "all_to_all" and heads is None else tp
         try:  # all-to-all gives every rank whole heads: the copy has heads for tp x cp ranks
-            tiny = _tiny(model, tp * cp if mode == "all_to_all" and heads is None else tp, heads)
+            tiny = _tiny(model, copy_tp, heads)
         except Exception as e:  # noqa: BLE001 - the same on every rank
             return f"a tiny copy of {type(model).__name__} cannot be built to prove it on: {type(e).__name__}: {e}"
         plan = model_tp_plan(model)
@@ -78,8 +77,8 @@ def prove_context_parallel(model: nn.Module, shard_config, route: str, make_poli
             tiny.tp_plan = plan
         device = _device(model)
         options = (shard_config.sequence_parallel, shard_config.sequence_parallel_regather, shard_config.seed)
-        key = (route, type(model), cp, mode, tp, heads, options, _architecture(tiny), json.dumps(plan, sort_keys=True))
-        key += (_versions(), device, study_instance(model).key)  # the instance's modules, hooks, methods, attention
+        # the copy (the instance's additions, attention, dtype and releases among it), the split, the plan as it is
+        key = (route, copy_key(model, copy_tp, heads), tp, cp, mode, options, json.dumps(plan, sort_keys=True), device)
         mesh = shard_config.mesh
         groups = (mesh.tp_group, mesh.cp_group) if mesh is not None else (None,)  # the tp x cp block together
         if not every_rank(key in _VERDICTS, *groups, device=device):

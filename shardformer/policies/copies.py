@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 
 import torch
@@ -17,10 +18,26 @@ import torch.nn as nn
 
 from shardformer.core.inputs import make_inputs
 from shardformer.core.instance import CannotReproduce, study_instance
+from shardformer.core.tiny import tiny_copy_config
 from shardformer.core.tiny_run import MAX_PARAMS, tiny_copy
+from shardformer.core.versions import releases
 
 KEEP = 2  # blocks kept of each repeated stack
 logger = logging.getLogger("shardformer")
+
+
+def copy_key(model: nn.Module, tp: int, heads: int | None = None) -> tuple:
+    """The key of ``model``'s tiny copy at ``tp`` (and ``heads``, where a route was found on a wider copy),
+    which every verdict on that copy holds (derivation, anatomy, tp / cp / pp / ep proofs): the class, the
+    copy's config (a config-less model: its module tree and settings, :func:`architecture`), what the
+    instance adds to its class with the attention implementation and dtype (:mod:`shardformer.core.instance`),
+    and the releases of the code it runs."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_dict"):
+        shape = json.dumps(tiny_copy_config(config, tp).to_dict(), sort_keys=True, default=str)
+    else:
+        shape = architecture(model)
+    return type(model), tp, heads, shape, study_instance(model).key, releases()
 
 
 def instance_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None) -> nn.Module:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 from collections.abc import Callable
 
 import torch
@@ -23,23 +22,10 @@ from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
 from shardformer.pipeline.skeleton import READS
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.policies.anatomy import tiny_for
+from shardformer.policies.copies import copy_key
 from shardformer.policies.stage_parts import hidden_of
 
 _VERDICTS: dict[tuple, str | None] = {}
-
-
-def verdict_key(model: nn.Module) -> tuple:
-    """What a verdict on ``model``'s tiny copy depends on: the class and every config value (the tiny
-    copy's, :func:`~shardformer.policies.derived.derive._key`; the module tree where there is no config),
-    the attention implementation (not in ``to_dict()``), the dtype, and the releases of the code it runs."""
-    from shardformer.policies.derived.derive import _key
-
-    config = getattr(model, "config", None)
-    dtype = next((str(p.dtype) for p in model.parameters()), None)
-    versions = tuple(
-        (name, getattr(sys.modules.get(name), "__version__", None)) for name in ("torch", "transformers", "timm")
-    )
-    return _key(model, 1), getattr(config, "_attn_implementation", None), dtype, versions
 
 
 _SHARED: list[bool] = []  # inside verdicts_from_first_rank(): every rank takes the first rank's verdicts
@@ -63,7 +49,7 @@ def verdicts_from_first_rank():
 
 def route_verdict(model: nn.Module, route: str, spec_of: Callable[[nn.Module], PipelineSpec | None]) -> str | None:
     """Why the spec ``spec_of`` gives a tiny copy of ``model`` is not exact at two stages there (None: it
-    is); cached per route under :func:`verdict_key`."""
+    is); cached per route under its tiny copy's key (:func:`~shardformer.policies.copies.copy_key`)."""
     if _SHARED and _SHARED[-1]:
         box = [_local_verdict(model, route, spec_of) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
@@ -72,7 +58,7 @@ def route_verdict(model: nn.Module, route: str, spec_of: Callable[[nn.Module], P
 
 
 def _local_verdict(model: nn.Module, route: str, spec_of) -> str | None:
-    key = (verdict_key(model), route)
+    key = (copy_key(model, 1), route)
     if key not in _VERDICTS:
         try:  # the training path is proven, whatever the caller's grad mode (an engine built under no_grad)
             with torch.inference_mode(False), torch.enable_grad():

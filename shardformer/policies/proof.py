@@ -28,12 +28,11 @@ from shardformer.core.comm import all_reduce, every_rank
 from shardformer.core.compare import gradient_failures, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
-from shardformer.core.instance import study_instance
 from shardformer.core.instance import transformers_quiet as _transformers_quiet
 from shardformer.core.record import sharding_of
 from shardformer.models import inputs_for
 from shardformer.policies.anatomy import final_norm, layer_stack
-from shardformer.policies.copies import architecture, instance_copy, no_dropout
+from shardformer.policies.copies import copy_key, instance_copy, no_dropout
 from shardformer.policies.tp_plan import model_tp_plan
 from shardformer.tensor_parallel.policy import Policy
 from shardformer.tensor_parallel.regions import gather_from_parallel
@@ -67,8 +66,8 @@ def _proven(model, shard_config, route, make_policy, heads) -> str | None:
     if plan:  # the user's model's plan, as it is (changed by hand, or not): the one to prove
         tiny.tp_plan = plan
     sequence = tuple(_sequence_parallel(shard_config).items())
-    key = (route, type(model), tp, heads, sequence, _architecture(tiny), json.dumps(plan, sort_keys=True), _versions())
-    key += (study_instance(model).key,)  # the instance's own modules, hooks, methods, attention, dtype
+    # the copy (the instance's additions, attention, dtype and releases among it), the options, the plan as it is
+    key = (route, copy_key(model, tp, heads), sequence, json.dumps(plan, sort_keys=True))
     if not every_rank(key in _VERDICTS, _tp_group(shard_config), device=_device(model)):
         _VERDICTS[key] = _prove(tiny, shard_config, make_policy, _device(model))
     return _VERDICTS[key]
@@ -88,22 +87,6 @@ def _sequence_parallel(shard_config: ShardConfig) -> dict:
     if not shard_config.sequence_parallel:
         return {}
     return {"sequence_parallel": True, "sequence_parallel_regather": shard_config.sequence_parallel_regather}
-
-
-def _versions() -> tuple[str, ...]:
-    import sys
-
-    import transformers
-
-    timm = sys.modules.get("timm")
-    return torch.__version__, transformers.__version__, getattr(timm, "__version__", "")
-
-
-def _architecture(tiny: nn.Module) -> str:
-    config = getattr(tiny, "config", None)
-    if hasattr(config, "to_dict"):
-        return json.dumps(config.to_dict(), sort_keys=True, default=str)
-    return architecture(tiny)  # every module's class, sizes and settings, in order
 
 
 def _tiny(model: nn.Module, tp: int, heads: int | None) -> nn.Module:

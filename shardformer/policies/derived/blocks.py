@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 import torch.nn as nn
 
+from shardformer.core.study_memo import once_per_study
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 
 
@@ -47,6 +48,7 @@ def run_hooked(model: nn.Module, inputs: dict, handles: list, mode=None) -> None
             h.remove()
 
 
+@once_per_study  # asked by the derivation, the plan, the copies and the anatomy: answered once
 def repeated_blocks(model: nn.Module) -> list[str]:
     """Paths of the items of every ``ModuleList`` or ``Sequential`` that holds at least two modules of
     one class with projections inside, outermost stacks only (experts inside a layer belong to their

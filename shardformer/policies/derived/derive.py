@@ -10,7 +10,6 @@ user's model, whatever its depth and width, is cut by its blocks' classes.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 from dataclasses import dataclass, field
 
@@ -18,10 +17,8 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.inputs import NoInputsError, make_inputs
-from shardformer.core.instance import study_instance
 from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refusal, has_convolutions
-from shardformer.core.tiny import tiny_copy_config
-from shardformer.policies.copies import architecture, instance_copy, two_blocks
+from shardformer.policies.copies import copy_key, instance_copy, two_blocks
 from shardformer.policies.derived.blocks import attends, is_projection, repeated_blocks
 from shardformer.policies.derived.given_inputs import input_embeddings
 from shardformer.policies.derived.settings import calling_settings
@@ -112,11 +109,7 @@ def has_config(model: nn.Module) -> bool:
 
 
 def _key(model: nn.Module, tp: int, tower: str = "") -> tuple:
-    if not has_config(model):
-        return type(model), tower, tp, architecture(model)
-    config = tiny_copy_config(model.config, tp)
-    key = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    return type(model), tower, tp, key, study_instance(model).key  # what the instance adds: its own cut
+    return copy_key(model, tp), tower
 
 
 def derive(model: nn.Module, tp: int, tower: str = "") -> Derivation:
