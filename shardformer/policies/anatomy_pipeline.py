@@ -45,15 +45,8 @@ from shardformer.pipeline.from_plan import spec_from_pp_plan
 from shardformer.pipeline.spec import PipelineSpec, stage_of
 from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, taken_inputs
-from shardformer.policies.anatomy import (
-    AnatomyError,
-    Ends,
-    ends_of,
-    own_ancestor,
-    part,
-    stacks,
-    tiny_for,
-)
+from shardformer.policies.anatomy import stacks
+from shardformer.policies.anatomy_ends import AnatomyError, Ends, ends_of, own_ancestor, part, tiny_for
 from shardformer.policies.copies import copy_key
 from shardformer.policies.pipeline_proof import failure_of, prove_split, route_verdict
 from shardformer.policies.stage_parts import Capture, LayerPassThrough, Reached, ZerosShaped

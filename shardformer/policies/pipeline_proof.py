@@ -21,7 +21,7 @@ import torch.nn as nn
 from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL
 from shardformer.pipeline.skeleton import READS
 from shardformer.pipeline.spec import PipelineSpec
-from shardformer.policies.anatomy import tiny_for
+from shardformer.policies.anatomy_ends import tiny_for
 from shardformer.policies.copies import copy_key
 from shardformer.policies.stage_parts import hidden_of
 
