@@ -20,6 +20,7 @@ from shardformer.context_parallel.checks import check_context_parallel
 from shardformer.core.comm import VirtualGroup
 from shardformer.core.config import CP_MODES, PRECISIONS, ZERO_STAGES, ShardConfig, check_choice, check_expert_divides
 from shardformer.core.mesh import resolve_sizes
+from shardformer.core.study_memo import studied_once
 from shardformer.expert_parallel.find import find_experts
 from shardformer.expert_parallel.sizing import ExpertSizing, expert_sizing
 from shardformer.pipeline.spec import PipelineSpec, check_split
@@ -144,6 +145,7 @@ def _numel(shape) -> int:
     return out
 
 
+@studied_once()  # the stacks, blocks and instance are read several times below: worked out once
 def plan_model(
     model: nn.Module,
     tp: int = 1,
