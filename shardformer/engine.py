@@ -271,11 +271,15 @@ class ParallelEngine:
                 device=self.device, overlap=cfg.overlap_p2p, before_backward=self._before_backward,
             )  # fmt: skip
         loss = self._agreed_loss(losses, batch, kind=1)  # before anything changes
-        sum_tied_grads(self.shared)
+        self._sum_shared_grads()
         if cfg.max_grad_norm is not None:
             self.last_grad_norm = zero.clip_grad_norm(cfg.max_grad_norm)
         zero.step()
         return loss
+
+    def _sum_shared_grads(self) -> None:
+        """Tied weights held by several stages: sum their gradients over the stages holding them."""
+        sum_tied_grads(self.shared)
 
     @torch.no_grad()
     def eval_step(self, batch: dict) -> float:
