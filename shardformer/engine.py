@@ -25,7 +25,7 @@ from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divid
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
 from shardformer.core.record import sharding_of
 from shardformer.core.step_agreement import agreed_loss
-from shardformer.data_parallel.build import build_optimizer
+from shardformer.data_parallel.build import build_optimizer, check_factory
 from shardformer.data_parallel.fsdp import fully_shard_model, local_numel, sync_in_last_backward, through_root
 from shardformer.expert_parallel.optimizer import ExpertParallelOptimizer
 from shardformer.models import family_spec
@@ -60,14 +60,6 @@ def _pipeline_for(model: nn.Module, pp: int, given: PipelineSpec | None) -> Pipe
     if given is not None:
         return given
     return pipeline_spec_for(model) if pp > 1 else family_spec(model)
-
-
-def _check_factory(optimizer) -> None:
-    if optimizer is not None and (not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer)):
-        raise TypeError(
-            "optimizer must be a factory `params -> Optimizer` (e.g. lambda p: torch.optim.AdamW(p, lr=1e-4)): "
-            "the parameters it steps exist only after sharding"
-        )
 
 
 def _check_loss_fn(cfg: EngineConfig, loss_fn) -> None:
@@ -119,7 +111,7 @@ class ParallelEngine:
         mesh: ProcessMesh | None = None,
     ) -> None:
         cfg = self.config = config or EngineConfig()
-        _check_factory(optimizer)
+        check_factory(optimizer)
         # Every check that can fail runs before the first collective.
         _check_loss_fn(cfg, loss_fn)
         world = dist.get_world_size() if dist.is_initialized() else 1

@@ -23,6 +23,15 @@ from shardformer.data_parallel.optimizer import ZeroOptimizer
 from shardformer.pipeline.tied import TiedGrads
 
 
+def check_factory(factory) -> None:
+    """Refuse an optimizer where a factory is due (before anything is sharded)."""
+    if factory is not None and (not callable(factory) or isinstance(factory, torch.optim.Optimizer)):
+        raise TypeError(
+            "optimizer must be a factory `params -> Optimizer` (e.g. lambda p: torch.optim.AdamW(p, lr=1e-4)): "
+            "the parameters it steps exist only after sharding"
+        )
+
+
 def build_optimizer(
     factory: Callable[..., torch.optim.Optimizer] | None,
     model: nn.Module,
