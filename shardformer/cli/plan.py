@@ -47,7 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "default 1f1b)")  # fmt: skip
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size: the sequence split over this many "
                         "ranks (default 1; world = tp x cp x pp x dp)")  # fmt: skip
-    # core.config.CP_MODES, spelled out: importing it would import torch for `shardformer --help`
+    # core.choices.CP_MODES, spelled out: importing it would import torch for `shardformer --help`
     parser.add_argument("--cp-mode", default="ring", choices=("ring", "all_to_all"), help="how attention spans the "
                         "split sequence (default ring)")  # fmt: skip
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size: each MoE layer's experts split "

@@ -1,130 +1,73 @@
-"""The one schema of settings and the checks on them.
+"""The one schema of settings: ``ShardConfig`` says how to shard a model; ``EngineConfig`` how to train
+one with the engine (it builds the engine's ``ShardConfig``, and the CLI's config-file keys for the
+same settings take their types, defaults and choices from it).
 
-``ShardConfig`` says how to shard a model; ``EngineConfig`` how to train one with the engine (it
-builds the engine's ``ShardConfig``, and the CLI's config-file keys for the same settings take their
-types, defaults and choices from it). The small checkers below (positive integer, integer, bool,
-choice) are what both dataclasses, :func:`resolve_sizes`, the pipeline split, the ZeRO optimizer and
-the tools validate with: each error names the setting and its value and says what is expected.
+Each field is checked here with the small checkers of :mod:`shardformer.core.checkers`; the values a
+setting may take are in :mod:`shardformer.core.choices`, the parallel sizes against the world in
+:mod:`shardformer.core.sizes`, and the combinations not proven exact are refused, technique by
+technique, in :mod:`shardformer.core.config_refusals`. This module re-exports them all: one import path
+for the settings and their checks.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shardformer.core.checkers import (
+    check_bool,
+    check_choice,
+    check_fields,
+    check_int,
+    check_positive_int,
+    is_positive_int,
+)
+from shardformer.core.choices import (
+    BACKENDS,
+    CP_MODES,
+    DEFAULT_SEED,
+    ENGINE_ZERO_STAGES,
+    PRECISIONS,
+    SCHEDULES,
+    SIZE_NAMES,
+    VIRTUAL_SCHEDULES,
+    ZERO_STAGES,
+)
 from shardformer.core.comm import group_size
+from shardformer.core.config_refusals import (
+    check_virtual_stages,
+    refuse_context_parallel,
+    refuse_expert_parallel,
+    refuse_without_mesh,
+    refuse_zero3,
+)
+from shardformer.core.sizes import check_expert_divides, resolve_sizes
 
-# The one table of training precisions (parameter dtypes) the engine, the examples and the CLI accept.
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-DEFAULT_SEED = 1024  # base seed of the tensor-parallel dropout RNG
-ZERO_STAGES = (1, 2)  # ZeroOptimizer's own: 1 optimizer states sharded over dp; 2 also the reduced gradients
-ENGINE_ZERO_STAGES = (*ZERO_STAGES, 3)  # 3: parameters too, on PyTorch FSDP2 (shardformer.data_parallel.fsdp)
-SCHEDULES = ("gpipe", "1f1b")  # the pipeline schedules (shardformer.pipeline.schedule runs them)
-# Schedules with several model chunks (virtual stages) per pp rank, on torch.distributed.pipelining only
-# (shardformer.pipeline.virtual): interleaved 1F1B (chunks looped over the ranks), ZBV and DualPipeV (V-shaped).
-VIRTUAL_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")
-BACKENDS = ("p2p", "torch")  # how the engine runs a pipeline schedule
-# Short names of the parallel sizes (EngineConfig's fields) and their long ones (ShardConfig's, the CLI's).
-SIZE_NAMES = {
-    "tp": "tensor_parallel_size",
-    "pp": "pipeline_parallel_size",
-    "dp": "data_parallel_size",
-    "cp": "context_parallel_size",
-}
-# How context parallelism computes attention over the whole sequence (shardformer.context_parallel).
-CP_MODES = ("ring", "all_to_all")
-
-
-# -- checkers: each returns the value, or raises ValueError "<name>=<value> must be ..." -------------
-
-
-def is_positive_int(value: Any) -> bool:
-    """An int >= 1 (a bool is not a number here)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def check_positive_int(name: str, value: Any, *, optional: bool = False, why: str = "") -> Any:
-    """``value`` if it is a positive integer (or None, when ``optional``); ``why`` ends the message."""
-    if (value is None and optional) or is_positive_int(value):
-        return value
-    expected = "a positive integer or None" if optional else "a positive integer"
-    raise ValueError(f"{name}={value!r} must be {expected}" + (f": {why}" if why else ""))
-
-
-def check_int(name: str, value: Any) -> Any:
-    """``value`` if it is an integer (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r} must be an integer")
-    return value
-
-
-def check_bool(name: str, value: Any) -> Any:
-    """``value`` if it is True or False."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} must be True or False")
-    return value
-
-
-def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
-    """``value`` if it is one of ``choices`` (a bool never is); the message lists numbers as
-    "0, 1 or 2" and names as "one of 'a', 'b'"."""
-    if value in choices and not isinstance(value, bool):
-        return value
-    shown = [repr(c) for c in choices]
-    if all(isinstance(c, int) for c in choices):
-        expected = " or ".join([", ".join(shown[:-1]), shown[-1]] if len(shown) > 1 else shown)
-    else:
-        expected = "one of " + ", ".join(shown)
-    raise ValueError(f"{name}={value!r} must be {expected}")
-
-
-def _check_fields(config: Any, checker: Callable[[str, Any], Any], names: tuple[str, ...]) -> None:
-    """Run ``checker`` on each named field, naming it ``<Class>.<field>`` in the message."""
-    for name in names:
-        checker(f"{type(config).__name__}.{name}", getattr(config, name))
-
-
-def resolve_sizes(
-    world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1
-) -> tuple[int, int, int]:
-    """Check the parallel sizes against the world size and return (pp, dp, tp).
-
-    ``dp`` defaults to ``world_size // (tp * cp * pp)``.
-    """
-    check_positive_int("tensor_parallel_size", tp)
-    check_positive_int("pipeline_parallel_size", pp)
-    check_positive_int("data_parallel_size", dp, optional=True)
-    check_positive_int("context_parallel_size", cp)
-    named = f"tensor_parallel_size={tp} x " + (f"context_parallel_size={cp} x " if cp > 1 else "")
-    if dp is None:
-        if world_size % (tp * cp * pp) != 0:
-            raise ValueError(
-                f"world size {world_size} is not divisible by {named}pipeline_parallel_size={pp} = "
-                f"{tp * cp * pp}; launch a multiple of {tp * cp * pp} processes or change the sizes"
-            )
-        dp = world_size // (tp * cp * pp)
-    if pp * dp * cp * tp != world_size:
-        raise ValueError(
-            f"pipeline_parallel_size={pp} x data_parallel_size={dp} x {named.removesuffix(' x ')} "
-            f"= {pp * dp * cp * tp}, but the world size is {world_size}; make the product equal the number "
-            f"of processes"
-        )
-    return pp, dp, tp
-
-
-def check_expert_divides(ep: int, dp: int, setting: str = "expert_parallel_size") -> None:
-    """Expert-parallel ranks are drawn from the data-parallel ranks: ``ep`` must divide ``dp``."""
-    if dp % ep:
-        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
-        raise ValueError(
-            f"{setting}={ep} does not divide data_parallel_size={dp}: expert-parallel ranks are data-parallel "
-            f"ranks; pick ep in {divisors} or launch {ep // math.gcd(ep, dp)} times as many data-parallel ranks"
-        )
+__all__ = [
+    "BACKENDS",
+    "CHOICES",
+    "CP_MODES",
+    "DEFAULT_SEED",
+    "ENGINE_ZERO_STAGES",
+    "PRECISIONS",
+    "SCHEDULES",
+    "SHARD_FIELDS",
+    "SIZE_NAMES",
+    "VIRTUAL_SCHEDULES",
+    "ZERO_STAGES",
+    "EngineConfig",
+    "ShardConfig",
+    "check_bool",
+    "check_choice",
+    "check_expert_divides",
+    "check_int",
+    "check_positive_int",
+    "is_positive_int",
+    "resolve_sizes",
+]
 
 
 @dataclass
@@ -213,31 +156,21 @@ class ShardConfig:
                     f"tensor_parallel_process_group; leave tensor_parallel_size out or make them equal"
                 )
             self.tensor_parallel_size = size
-        _check_fields(
+        check_fields(
             self,
             check_positive_int,
             ("tensor_parallel_size", "pipeline_parallel_size", "vocab_pad_multiple", "context_parallel_size",
              "expert_parallel_size", "forward_agreement_every"),
         )  # fmt: skip
         check_positive_int("ShardConfig.data_parallel_size", self.data_parallel_size, optional=True)
-        _check_fields(
+        check_fields(
             self,
             check_bool,
             ("gather_output", "sequence_parallel", "sequence_parallel_regather", "overlap_communication", "prove"),
         )
         check_int("ShardConfig.seed", self.seed)
         check_choice("ShardConfig.context_parallel_mode", self.context_parallel_mode, CP_MODES)
-        if self.expert_parallel_size > 1 and group is not None:
-            raise ValueError(
-                f"expert_parallel_size={self.expert_parallel_size} needs a process mesh (ep ranks are drawn "
-                f"from the data-parallel ranks), but tensor_parallel_process_group was given; leave it out"
-            )
-        if self.context_parallel_size > 1 and group is not None:
-            raise ValueError(
-                f"context_parallel_size={self.context_parallel_size} needs a process mesh, but "
-                f"tensor_parallel_process_group was given; leave it out (a mesh is built from the sizes) "
-                f"or pass mesh=ProcessMesh(..., cp_size={self.context_parallel_size})"
-            )
+        refuse_without_mesh(self)
 
     def check_world(self) -> None:
         """Raise (before any collective) if the sizes do not fit the processes that were started."""
@@ -361,11 +294,11 @@ class EngineConfig:
     prove: bool = ShardConfig.prove
 
     def __post_init__(self) -> None:
-        _check_fields(self, check_positive_int, ("tp", "pp", "cp", "ep", "num_microbatches", "vocab_pad_multiple"))
+        check_fields(self, check_positive_int, ("tp", "pp", "cp", "ep", "num_microbatches", "vocab_pad_multiple"))
         check_positive_int("EngineConfig.dp", self.dp, optional=True)
         for name, choices in CHOICES.items():
             check_choice(f"EngineConfig.{name}", getattr(self, name), choices)
-        _check_fields(
+        check_fields(
             self,
             check_bool,
             ("activation_checkpointing", "sequence_parallel", "sequence_parallel_regather", "compile",
@@ -378,55 +311,13 @@ class EngineConfig:
                 f"use one of {backends}"
             )
         check_int("EngineConfig.seed", self.seed)
-        if self.cp > 1 and self.compile:
-            raise ValueError(
-                f"EngineConfig.cp={self.cp} with compile=True is not supported: ring and all-to-all attention "
-                f"communicate from inside attention, which torch.compile does not trace; use compile=False"
-            )
+        refuse_context_parallel(self)
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"EngineConfig.max_grad_norm={self.max_grad_norm!r} must be positive or None")
         check_positive_int("EngineConfig.virtual_stages", self.virtual_stages, optional=True)
-        self._check_virtual_stages()
-        if self.zero_stage == 3:
-            self._check_zero3()
-        if self.ep > 1:
-            self._check_expert_parallel()
-
-    def _check_expert_parallel(self) -> None:
-        """What expert parallelism is not proven with here is refused, naming the fix."""
-        refused = {
-            "precision": (
-                self.precision == "fp16",
-                "fp16's loss scaling is not shared by the dense and expert optimizers yet; use precision='bf16'",
-            ),
-        }
-        for name, (bad, fix) in refused.items():
-            if bad:
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} with ep={self.ep}: {fix}")
-
-    def _check_virtual_stages(self) -> None:
-        """Several model chunks per pp rank: only with the schedules that run them, on torch's backend."""
-        virtual, v = self.schedule in VIRTUAL_SCHEDULES, self.virtual_stages
-        if not virtual and v not in (None, 1):
-            raise ValueError(
-                f"EngineConfig.virtual_stages={v} with schedule={self.schedule!r}: one chunk per rank runs "
-                f"1f1b/gpipe; use schedule='interleaved_1f1b' (or 'zbv' / 'dualpipev' with 2) or virtual_stages=1"
-            )
-        if self.schedule in ("zbv", "dualpipev") and v not in (None, 2):
-            raise ValueError(
-                f"EngineConfig.virtual_stages={v} with schedule={self.schedule!r}: its V shape holds exactly 2 "
-                f"chunks per rank; use virtual_stages=2 (or leave it out), or schedule='interleaved_1f1b'"
-            )
-        if virtual and self.pp > 1 and self.backend != "torch":
-            raise ValueError(
-                f"EngineConfig.schedule={self.schedule!r} with backend={self.backend!r}: it runs on "
-                f"torch.distributed.pipelining only; use backend='torch', or schedule='1f1b' / 'gpipe'"
-            )
-        if virtual and self.pp > 1 and self.compile:
-            raise ValueError(
-                f"EngineConfig.schedule={self.schedule!r} with compile=True: a rank's chunks run the one model "
-                f"under different views, which torch.compile does not trace; use compile=False or schedule='1f1b'"
-            )
+        check_virtual_stages(self)
+        refuse_zero3(self)
+        refuse_expert_parallel(self)
 
     @property
     def chunks_per_rank(self) -> int:
@@ -434,28 +325,6 @@ class EngineConfig:
         if self.pp == 1 or self.schedule not in VIRTUAL_SCHEDULES:
             return 1
         return self.virtual_stages or 2
-
-    def _check_zero3(self) -> None:
-        """What ZeRO-3 (FSDP2) is not proven with here is refused, naming the fix."""
-        refused = {
-            "precision": (
-                self.precision == "fp16",
-                "fp16 needs loss scaling, which stage 3 does not offer; use precision='bf16' (FSDP2 computes in "
-                "bf16 from fp32 shards and reduces gradients in fp32) or zero_stage=1 or 2",
-            ),
-            "compile": (
-                self.compile,
-                "torch.compile is not tested with FSDP2 here; use compile=False or zero_stage=1 or 2",
-            ),
-            "cp": (
-                self.cp > 1,
-                "context parallelism sums gradients over cp with hooks on the parameters FSDP2 replaces; not "
-                "proven together yet: use zero_stage=1 or 2 with cp, or cp=1",
-            ),
-        }
-        for name, (bad, fix) in refused.items():
-            if bad:
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} with zero_stage=3: {fix}")
 
     def shard_config(self, mesh: Any) -> ShardConfig:
         """The ShardConfig that shards the model over ``mesh`` (a ProcessMesh with these sizes)."""

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from shardformer.core.comm import LOCAL, VirtualGroup, group_rank, group_size  # noqa: F401 - re-exported
-from shardformer.core.config import resolve_sizes  # the size check lives with the settings; imported here too
+from shardformer.core.sizes import resolve_sizes  # the sizes against the world; imported from here too
 
 DEFAULT_TIMEOUT_S = 300
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from shardformer.core import comm
+
 _MOD = 65521  # a prime below 2**16: products of two residues summed over 2**31 elements fit in int64
 _KINDS = {1: "train_step", 2: "eval_step"}
 _CHUNK = 1 << 22  # elements per pass of the checksum: ~100 MB of temporaries at most
@@ -75,3 +77,32 @@ def check_agreement(table: torch.Tensor, peers: list[list[int]]) -> None:
                 "the same batch (one seeded data order), or with EngineConfig(split_batch=False) the same batch "
                 "to every rank of a data-parallel replica"
             )
+
+
+def batch_peers(mesh, split_batch: bool) -> list[list[int]]:
+    """Groups of ranks given the same batch: all of them when the engine splits it over dp (``split_batch``)."""
+    if split_batch or mesh.dp_size == 1:
+        return [list(range(mesh.world_size))]
+    return [
+        [
+            mesh.global_rank(p, d, t, c)
+            for p in range(mesh.pp_size)
+            for c in range(mesh.cp_size)
+            for t in range(mesh.tp_size)
+        ]
+        for d in range(mesh.dp_size)
+    ]
+
+
+def agreed_loss(
+    losses: list[torch.Tensor], batch: dict, mesh, *, step: int, kind: int, loss_rank: int, split_batch: bool, device
+) -> float:
+    """The engine's loss of a step: the mean of the micro-batch ``losses`` of the last stage (pp rank
+    ``loss_rank``), averaged over dp, on every rank. The same all-gather checks that every rank is in
+    step number ``step`` of one ``kind`` (1: train, 2: eval) with the batches it must share."""
+    local = torch.stack(losses).float().mean().item() if losses else 0.0
+    row = [local, batch_fingerprint(batch), step, kind]
+    table = torch.stack(comm.all_gather(torch.tensor(row, dtype=torch.float64, device=device), None)).cpu()
+    check_agreement(table[:, 1:], batch_peers(mesh, split_batch))
+    per_dp = [table[mesh.global_rank(loss_rank, d, mesh.tp_rank), 0] for d in range(mesh.dp_size)]
+    return (torch.stack(per_dp).float().sum() / mesh.dp_size).item()

@@ -162,6 +162,29 @@ def through_root(stage_forward: Callable, calls_the_model: bool = False) -> Call
     return run
 
 
+def sync_in_last_backward(model: nn.Module, num_microbatches: int, spec=None, chunks=None) -> Callable | None:
+    """The pipeline's ``before_backward(last, stage)`` at ZeRO-3 with micro-batches: FSDP2 accumulates the
+    unsharded gradients of all but the stage's last micro-batch and reduce-scatters once, in the last
+    backward (ZeRO-1/2 count backward passes themselves: ``backwards_per_step``). With several chunks per
+    rank (``chunks``, split by the pipeline ``spec``; ``stage``: the chunk whose backward comes), each
+    chunk's layer units wait for that chunk's last backward; the root's own parameters (embedding, norm,
+    head), which two chunks may share, are reduce-scattered in every backward that reaches them (exact:
+    FSDP2 adds each reduced part to the sharded gradient). None with one micro-batch: nothing to hold."""
+    if num_microbatches == 1:
+        return None
+
+    def before_backward(last: bool, stage: int | None = None) -> None:
+        if chunks is None:
+            model.set_requires_gradient_sync(last)
+            return
+        model.set_requires_gradient_sync(True, recurse=False)
+        paths = spec.layer_paths(model)
+        for i in chunks.layers[chunks.indices.index(stage)]:
+            model.get_submodule(paths[i]).set_requires_gradient_sync(last)
+
+    return before_backward
+
+
 def reshard(model: nn.Module) -> None:
     """Drop every gathered parameter of ``model``'s FSDP2 units, so the model holds (and its state
     dict shows) its dp shards again: the root stays gathered after a forward without backward."""

@@ -65,6 +65,14 @@ class PipelineSpec:
         """The path of every layer, in the one numbering of all the spec's stacks."""
         return [f"{path}.{i}" for path in self.stacks() for i in range(len(self._stack(model, path)))]
 
+    def layer_modules(self, model: nn.Module) -> list[nn.Module | None]:
+        """Every layer, numbered as :meth:`layer_paths` (None where a stage dropped it)."""
+        out = []
+        for path in self.layer_paths(model):
+            parent, _, name = path.rpartition(".")
+            out.append(model.get_submodule(parent)._modules[name])
+        return out
+
     def keep_stage(self, model: nn.Module, stage: int, num_stages: int, layers_per_stage=None) -> nn.Module:
         """Keep only stage ``stage`` of ``num_stages`` in ``model`` (in place) and return it.
 

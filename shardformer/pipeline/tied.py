@@ -2,15 +2,19 @@
 stage), an encoder-decoder's embeddings (the stages of its encoder's first layer, its decoder's first
 layer and its head), a chunk's ends on a rank holding several chunks. Found from the spec's placement
 before the model is split; each rank holding such a weight sums its gradient with the others' after
-the backward (:class:`Tied`), so the copies stay one parameter in effect and take the same steps.
+the backward (:class:`Tied`; :func:`tied_grads` makes the groups, :func:`sum_tied_grads` sums), so the
+copies stay one parameter in effect and take the same steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
+from shardformer.core import comm
 from shardformer.pipeline.spec import PipelineSpec
 
 
@@ -62,3 +66,35 @@ def tied_weights(spec: PipelineSpec, model: nn.Module, placement: list[list], ra
         if len(by_rank) > 1 or max(by_rank.values()) > 1
     ]
     return sorted(found, key=lambda t: t.names[0])
+
+
+@dataclass(frozen=True)
+class TiedGrads:
+    """The tied weights this rank holds, as the optimizer and the step treat them (every list holds this
+    rank's copies, after any FSDP2 wrapping)."""
+
+    shared: list  # (group of the ranks holding it, weight): gradients summed over those ranks after backward
+    late: list  # changed after the backward, or by two chunks' backwards
+    counted_elsewhere: list  # counted once in the gradient norm: the first holder's copy
+
+
+def tied_grads(tied: list[Tied], model: nn.Module, mesh) -> TiedGrads:
+    """The gradient duties of ``tied`` (every rank's list) on this rank. Weights held on several ranks get
+    a group of those ranks, made on every rank in one order (collective); two chunks of one rank (a
+    V-shaped schedule's first and last) share one parameter, and autograd adds up their gradients."""
+    held = [t for t in tied if t.chunks_here]
+    groups = {ranks: mesh.stages_group(ranks) for ranks in sorted({t.ranks for t in tied if len(t.ranks) > 1})}
+    return TiedGrads(
+        shared=[(groups[t.ranks], t.param(model)) for t in held if len(t.ranks) > 1],
+        late=[t.param(model) for t in held],
+        counted_elsewhere=[t.param(model) for t in held if mesh.pp_rank != t.ranks[0]],
+    )
+
+
+def sum_tied_grads(shared: list) -> None:
+    """Sum the gradients of ``TiedGrads.shared`` over the ranks holding each weight."""
+    for group, p in shared:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        # at ZeRO-3 the stages hold the same dp shard of the tied weight: sum the shards
+        comm.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group)

@@ -40,7 +40,9 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from shardformer.core.config import EngineConfig
 from shardformer.core.rng import get_rng_state, set_rng_state
+from shardformer.pipeline.spec import PipelineSpec
 from shardformer.tensor_parallel.recompute import seeded_dropouts
 
 
@@ -121,6 +123,19 @@ def _no_weight_step():
     (FSDP2 and the tensor-parallel gradient sums hook into autograd's accumulation of ``.grad``, which
     torch's own weight step bypasses), and the weight step has nothing left to do."""
     return lambda: None
+
+
+def split_backward_is_exact(config: EngineConfig, spec: PipelineSpec | None, model: nn.Module) -> bool:
+    """ZBV / DualPipeV may use torch's weight step, which writes ``.grad`` outside autograd's
+    accumulation, only where nothing hooks into it: no FSDP2 (ZeRO-3), no gradient hooks on the
+    parameters (tensor-/context-parallel sums), no recompute in backward."""
+    if config.zero_stage == 3 or config.activation_checkpointing or config.tp > 1 or config.cp > 1:
+        return False
+    if spec is not None and spec.second_layers is not None:
+        # an encoder-decoder's chunks hand on received tensors (the encoder's output, T5's position bias):
+        # torch's weight step walks a graph its input step already freed there ("backward a second time")
+        return False
+    return not any(p._backward_hooks for p in model.parameters())
 
 
 def _signature(micro_batches) -> tuple:

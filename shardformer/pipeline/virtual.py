@@ -42,6 +42,12 @@ def chunk_ranks(placement: str, pp: int, num_chunks: int) -> list[int]:
     return [c % pp if (c // pp) % 2 == 0 else pp - 1 - c % pp for c in range(num_chunks)]
 
 
+def chunk_layers(counts) -> list[tuple[int, ...]]:
+    """The global layer indices of every chunk (or stage), from the layers each holds."""
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    return [tuple(range(start, start + count)) for start, count in zip(starts, counts)]
+
+
 def check_virtual(
     schedule: str, pp: int, chunks_per_rank: int, num_microbatches: int, num_layers: int, layers_per_stage=None
 ):
@@ -101,8 +107,8 @@ def keep_chunks(
     num_chunks = pp * chunks_per_rank
     ranks = chunk_ranks(PLACEMENT[schedule], pp, num_chunks)
     mine = tuple(c for c in range(num_chunks) if ranks[c] == pp_rank)
-    starts = [sum(counts[:c]) for c in range(num_chunks)]
-    layers = tuple(tuple(range(starts[c], starts[c] + counts[c])) for c in mine)
+    every = chunk_layers(counts)
+    layers = tuple(every[c] for c in mine)
     held = {i for chunk in layers for i in chunk}
     for i, path in enumerate(spec.layer_paths(model)):  # every stack's layers, in one numbering
         if i not in held:

@@ -9,7 +9,8 @@ as Megatron-LM's checkpoint does with its RNG tracker.
 
 Two ways in: ``model.gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()`` on a
 sharded transformers model (the sharder installs :func:`replay_in_hf_checkpointing`), and
-:func:`checkpoint_layers` for any list of layers (timm, custom models; the engine uses it).
+:func:`checkpoint_layers` for any list of layers (timm, custom models); :func:`checkpoint_activations`
+picks one of the two for the engine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from functools import partial
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.layers.dropout import SeededDropout
 
 
@@ -94,3 +96,30 @@ def checkpoint_layers(layers: Iterable[nn.Module], use_reentrant: bool = False) 
             return checkpoint_replaying(func, _dropouts, partial(_forward, **kwargs), *args)
 
         layer.forward = checkpointed
+
+
+def checkpoint_activations(model: nn.Module, layers: str | None, check_only: bool = False) -> None:
+    """What the engine's ``activation_checkpointing`` turns on: transformers models use their own
+    per-layer checkpointing (the sharder made it replay the dropout masks); other models get their layer
+    stack at path ``layers`` wrapped, and are refused without one. ``check_only``: refuse, change nothing."""
+    if getattr(model, "supports_gradient_checkpointing", False):
+        if not check_only:  # transformers 5.23 renamed gradient_checkpointing_enable
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            if call_optional(model, "get_input_embeddings") is not None:
+                enable()
+                return
+            # a later pipeline stage: no embedding to hook (transformers would log that it "does not
+            # expose input embeddings"), and its input arrives from the previous stage requiring grad
+            model.enable_input_require_grads = lambda: None
+            try:
+                enable()
+            finally:
+                del model.enable_input_require_grads
+    elif layers is not None:
+        if not check_only:
+            checkpoint_layers(model.get_submodule(layers))
+    else:
+        raise ValueError(
+            f"activation_checkpointing: {type(model).__name__} has no transformers checkpointing and no "
+            f"pipeline spec naming its layers; pass pipeline=PipelineSpec(layers=..., ...) to ParallelEngine"
+        )
