@@ -25,10 +25,10 @@ from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divid
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
 from shardformer.core.record import sharding_of
 from shardformer.core.step_agreement import agreed_loss
+from shardformer.core.study_memo import studied_once
 from shardformer.data_parallel.build import build_optimizer, check_factory
 from shardformer.data_parallel.fsdp import fully_shard_model, local_numel, sync_in_last_backward, through_root
 from shardformer.expert_parallel.optimizer import ExpertParallelOptimizer
-from shardformer.models import family_spec
 from shardformer.pipeline.micro_batches import inference_micro_batches, split_batch
 from shardformer.pipeline.placement import check_placement, keep_stage_or_chunks
 from shardformer.pipeline.schedule import run_pipeline
@@ -38,8 +38,8 @@ from shardformer.pipeline.torch_schedule import TorchPipeline, split_backward_is
 from shardformer.pipeline.virtual import forward_only, in_chunk
 from shardformer.pipeline.whole_model import forward_for_batch, whole_model_forward
 from shardformer.policies.anatomy import layer_stack
-from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.policies.pipeline_proof import verdicts_from_first_rank
+from shardformer.study import pipeline_spec
 from shardformer.tensor_parallel.recompute import checkpoint_activations
 
 logger = logging.getLogger("shardformer")
@@ -53,13 +53,6 @@ def _loss_from_output(output, micro_batch):
             "loss_fn(output, micro_batch)"
         )
     return loss
-
-
-def _pipeline_for(model: nn.Module, pp: int, given: PipelineSpec | None) -> PipelineSpec | None:
-    """The spec the model is cut by: the given one, else its family's (required only at pp > 1)."""
-    if given is not None:
-        return given
-    return pipeline_spec_for(model) if pp > 1 else family_spec(model)
 
 
 def _check_loss_fn(cfg: EngineConfig, loss_fn) -> None:
@@ -117,15 +110,17 @@ class ParallelEngine:
         world = dist.get_world_size() if dist.is_initialized() else 1
         _, dp, _ = resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
         check_expert_divides(cfg.ep, dp, "EngineConfig.ep")
-        # the route proofs run on the first rank, every rank takes its verdicts (a mesh passed in may be a subset)
-        with verdicts_from_first_rank() if mesh is None else contextlib.nullcontext():
-            self.pipeline = _pipeline_for(model, cfg.pp, pipeline)
-        num_chunks, chunk_counts = check_placement(self.pipeline, model, cfg)
-        if cfg.activation_checkpointing:
-            self._checkpoint_activations(model, check_only=True)  # before any collective
-        _check_mesh(mesh, cfg)
-        self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
-        self.model = shard_before_split(model, cfg.shard_config(self.mesh), policy, self.pipeline)  # split below
+        with studied_once():  # one study of the model: the pipeline split, the checks and the cut read it
+            # the route proofs run on the first rank, every rank takes its verdicts (a mesh passed in may be a subset)
+            with verdicts_from_first_rank() if mesh is None else contextlib.nullcontext():
+                self.pipeline = pipeline_spec(model, cfg.pp, pipeline)
+            num_chunks, chunk_counts = check_placement(self.pipeline, model, cfg)
+            if cfg.activation_checkpointing:
+                self._checkpoint_activations(model, layer_stack(model), check_only=True)  # before any collective
+            _check_mesh(mesh, cfg)
+            self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
+            self.model = shard_before_split(model, cfg.shard_config(self.mesh), policy, self.pipeline)  # split below
+        self.study = sharding_of(self.model).study  # what the cut read of the model, for the stages and units below
         self.policy = sharding_of(self.model).policy  # the route's (proven) or the one passed
         self._forward_agreement = self.model.shardformer.forward_agreement
         if self._forward_agreement is not None:  # checked per step below: shapes (the step agreement: values)
@@ -168,7 +163,7 @@ class ParallelEngine:
         if cfg.compile:  # the stage forward, not the model: a spec's stage forward calls submodules directly
             self.stage_forward = torch.compile(self.stage_forward, backend=cfg.compile_backend)
         if cfg.activation_checkpointing:
-            self._checkpoint_activations(self.model)
+            self._checkpoint_activations(self.model, self.study.layer_stack)
         chunk_forwards = {}  # {chunk: its stage forward} under a virtual-stage schedule
         if self.chunks is not None:
             chunk_forwards = {c: in_chunk(self.stage_forward, self.chunks, c) for c in self.chunks.indices}
@@ -208,13 +203,12 @@ class ParallelEngine:
         plan's; None when neither names them (the model is one unit)."""
         if self.pipeline is not None:
             return self.pipeline.layer_modules(model)
-        path = layer_stack(model)
+        path = self.study.layer_stack
         return model.get_submodule(path) if path is not None else None
 
-    def _checkpoint_activations(self, model: nn.Module, check_only: bool = False) -> None:
-        """Activation checkpointing of the layer stack the given pipeline spec names, else the family's."""
-        layers = self.pipeline.layers if self.pipeline is not None else layer_stack(model)
-        checkpoint_activations(model, layers, check_only)
+    def _checkpoint_activations(self, model: nn.Module, stack: str | None, check_only: bool = False) -> None:
+        """Activation checkpointing of the layer stack the pipeline spec names, else the model's ``stack``."""
+        checkpoint_activations(model, self.pipeline.layers if self.pipeline is not None else stack, check_only)
 
     # -- steps ---------------------------------------------------------------------------------------
 

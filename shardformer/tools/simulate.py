@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from shardformer.core.comm import CollectiveCounter
 from shardformer.expert_parallel.experts import is_expert_param
-from shardformer.policies.anatomy import stacks
 from shardformer.tools.plan import BYTES, GATHERED, plan_model
 from shardformer.tools.rank_bytes import step_bytes, zero3_bytes
 
@@ -253,7 +252,7 @@ def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSi
         moe_layers = sum(getattr(m, "ep_spec", None) is not None for m in engine.model.modules())
         layers = engine.model.shardformer.layers
         if layers is None:  # pp=1: every layer (of every stack: an encoder-decoder has two)
-            layers = range(sum(len(engine.model.get_submodule(s)) for s in stacks(engine.model)))
+            layers = range(sum(len(engine.model.get_submodule(s)) for s in engine.study.stacks))
         layers = tuple(layers)
         first, last = stage == 0, stage == pp - 1
         for key, (n, nbytes) in _pipeline_messages(first, last, batch, seq, hidden_size, plan.precision).items():
