@@ -13,7 +13,7 @@ two SGD steps through ``ParallelEngine`` (``conformance._train_with``). A flip r
 default row passed at that technique. A row whose verdict changes is listed: passed -> failed is a
 silently wrong result the default config hid; passed -> refused is a refusal the default did not need.
 
-    .venv/bin/python benchmarks/config_flips.py [--only granite,llama] [--dense] [--no-pp] [--save benchmarks]
+    .venv/bin/python sweeps/config_flips.py [--only granite,llama] [--dense] [--no-pp] [--save sweeps]
 
 Rows: ``conformance.task_rows`` (``--task``, default causal-lm) narrowed to classes whose config has a
 ``base_model_tp_plan`` unless ``--all``; each row runs through ``conformance.run`` and ``_each_row``.
@@ -30,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.conformance import (  # noqa: E402
+from sweeps.conformance import (  # noqa: E402
     NOT_TESTED,
     _each_row,
     _progress,

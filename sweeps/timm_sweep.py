@@ -19,8 +19,8 @@ per model: passed (max errors, fraction per rank), refused (the library's reason
 check, by how much, the first diverging module), not tested (why) or error (a crash: a defect, the
 library should have refused).
 
-    .venv/bin/python benchmarks/timm_sweep.py [--only eva,beit] [--names eva02_tiny_patch14_224]
-        [--row-timeout 300] [--save benchmarks]     # benchmarks/timm-<date>.md and .json
+    .venv/bin/python sweeps/timm_sweep.py [--only eva,beit] [--names eva02_tiny_patch14_224]
+        [--row-timeout 300] [--save sweeps]     # sweeps/timm-<date>.md and .json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.conformance import NOT_TESTED, RESULTS, _each_row, _reason, classify, run, write_sweep  # noqa: E402
+from sweeps.conformance import NOT_TESTED, RESULTS, _each_row, _reason, classify, run, write_sweep  # noqa: E402
 
 # named variants beside each module's smallest model: the families issue 38 names and what sets them apart
 EXTRA = {

@@ -16,11 +16,11 @@ no scaling of the recipe gave one that runs, ``shardformer.core.tiny_run``) or e
 the causal LMs that ship a ``base_model_tp_plan``, saved and reloaded with ``from_pretrained`` and
 compared in training mode (``shardformer.tools.conformance``).
 
-    make conformance          # or: .venv/bin/python benchmarks/conformance.py [--task masked-lm,causal-lm]
-                              #     [--only llama,bert] [--limit 20] [--json out.json] [--save benchmarks]
-    .venv/bin/python benchmarks/conformance.py --plan-sweep [--dense] [--sdpa] [--sequence-parallel]
-    .venv/bin/python benchmarks/conformance.py --pp 2 [--task ...] [--only ...]
-    .venv/bin/python benchmarks/conformance.py --engine all --task causal-lm [--only ...] [--save benchmarks]
+    make conformance          # or: .venv/bin/python sweeps/conformance.py [--task masked-lm,causal-lm]
+                              #     [--only llama,bert] [--limit 20] [--json out.json] [--save sweeps]
+    .venv/bin/python sweeps/conformance.py --plan-sweep [--dense] [--sdpa] [--sequence-parallel]
+    .venv/bin/python sweeps/conformance.py --pp 2 [--task ...] [--only ...]
+    .venv/bin/python sweeps/conformance.py --engine all --task causal-lm [--only ...] [--save sweeps]
 
 ``--pp 2`` trains each class at pp=2 through ``ParallelEngine`` (2 micro-batches, 2 SGD steps) on 2 ranks
 against its unsharded copy (losses, every weight after the steps): passed, refused (the engine's reason:
@@ -36,7 +36,7 @@ chunks, as its unsharded copy's reference step does; 2 SGD steps, then the losse
 technique that hangs costs only its own row); ``--save`` writes ``conformance-engine-<date>.md`` (one
 column per technique, then the reason of every cell that did not pass) and the ``.json`` whose rows
 carry ``techniques: {technique: {result, reason, logits (loss error), grad (weight error), ...}}``, from
-which ``benchmarks/matrix.py`` fills the matrix's columns.
+which ``sweeps/matrix.py`` fills the matrix's columns.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class TinyBuildError(Exception):
 
 def build_tiny(class_name: str, flip: dict | None = None):
     """The factory handed to ``verify_on_this_rank`` (module-level: ``functools.partial(build_tiny, name)``);
-    ``flip``: config values set on the tiny config before the model is built (``benchmarks/config_flips.py``)."""
+    ``flip``: config values set on the tiny config before the model is built (``sweeps/config_flips.py``)."""
     import transformers as tf
 
     from shardformer.core.tiny import fill_zero_matrices
@@ -794,7 +794,7 @@ def main() -> None:
         "--save",
         metavar="DIR",
         help="write the table and the results beside it: DIR/conformance[-plan][-sdpa][-sp][-ppN]-<date>.md and "
-        ".json (the .json, with the sweep's date and versions, is what benchmarks/matrix.py reads)",
+        ".json (the .json, with the sweep's date and versions, is what sweeps/matrix.py reads)",
     )
     parser.add_argument(
         "--jsonl",

@@ -1,13 +1,13 @@
 """Does the tiny-model recipe build and run every class the conformance sweep covers?
 
 Every proof runs on a tiny copy (``shardformer.core.tiny.tiny_copy_config``), so a class whose tiny
-copy cannot be built or run cannot be sharded. This walks the rows of ``benchmarks/conformance.py``
+copy cannot be built or run cannot be sharded. This walks the rows of ``sweeps/conformance.py``
 (the same tasks and filters), and for each class, in one process and without sharding: scales its
 default config down, builds the model, makes inputs (``shardformer.models.inputs_for``) and runs
 forward and backward (and greedy ``generate`` with ``--generate``). One line per class that fails,
 then the failures counted by step and by cause.
 
-    .venv/bin/python benchmarks/tiny_copies.py [--task causal-lm] [--only llama,codegen] [--limit 50]
+    .venv/bin/python sweeps/tiny_copies.py [--task causal-lm] [--only llama,codegen] [--limit 50]
                                                [--generate] [--json out.json]
 
 A few minutes for the whole zoo on one core; rows run in child processes of ``--chunk`` rows each
