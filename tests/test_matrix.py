@@ -5,9 +5,9 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "sweeps"))
+sys.path.insert(0, ROOT)
 
-import matrix  # noqa: E402 - sweeps/matrix.py
+from sweeps import matrix  # noqa: E402
 
 
 def test_the_committed_matrix_is_the_generated_one():
