@@ -165,8 +165,8 @@ def _spawn(chunk, check, precheck, world, budget, report) -> tuple[int, dict | N
             for line in lines:
                 if "started" in line:
                     started, deadline = True, time.monotonic() + budget
-                elif "row" in line:
-                    finished += 1
+                elif "row" in line:  # the time until the next row's start is that row's
+                    finished, deadline = finished + 1, time.monotonic() + budget
                     report(line["row"])
                 else:
                     stopped = {"result": ERROR, "reason": line["crash"]}
