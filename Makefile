@@ -17,15 +17,15 @@ demo: $(STAMP)
 
 # Not part of `make test`: every transformers causal LM with a tp plan, sharded at tp=2 against the
 # unsharded model (a few minutes on 2 cores); prints the table docs/models.md shows. Its timm
-# counterpart, every timm architecture at tp=2: $(PY) benchmarks/timm_sweep.py --save benchmarks
+# counterpart, every timm architecture at tp=2: $(PY) sweeps/timm_sweep.py --save sweeps
 conformance: $(STAMP)
-	$(PY) benchmarks/conformance.py --save benchmarks
+	$(PY) sweeps/conformance.py --save sweeps
 
 # Not part of `make test`: the causal LMs with a tp plan again, each config value their forward reads (flags,
 # multipliers, softcaps, rotary fractions, layer types) changed in turn, at tp=2 and pp=2 (about 16 minutes
 # on 2 busy cores; --dense: half); lists the rows whose verdict changes (passed -> failed: silently wrong)
 config-flips: $(STAMP)
-	nice -n 10 $(PY) benchmarks/config_flips.py --save benchmarks
+	nice -n 10 $(PY) sweeps/config_flips.py --save sweeps
 
 # Not part of `make test` (about 15 s a launch): the ep=2 ShardedTrainer example (examples/finetune/main.py
 # --moe) launched 20 times in a row; fails unless every launch exits 0.
@@ -40,9 +40,9 @@ docs: $(STAMP)
 # Not part of `make test`: the newest releases pyproject's ranges admit (torch and torchvision excepted),
 # installed into .venv-compat, with the suite and the conformance sweep run there; prints which releases
 # moved from constraints.txt and what the runs found. `make compat ARGS=--diff-only` only resolves and
-# prints the moved releases. benchmarks/compat.py says more.
+# prints the moved releases. sweeps/compat.py says more.
 compat:
-	python3 benchmarks/compat.py $(ARGS)
+	python3 sweeps/compat.py $(ARGS)
 
 # Every release the suite installs is pinned in constraints.txt (torch and torchvision among them, a pair:
 # timm needs a torchvision built for the same torch); the library itself states ranges in pyproject.toml.

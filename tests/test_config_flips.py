@@ -1,4 +1,4 @@
-"""benchmarks/config_flips.py finds the config values a class's forward reads and changes each."""
+"""sweeps/config_flips.py finds the config values a class's forward reads and changes each."""
 
 import os
 import sys
@@ -6,7 +6,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.config_flips import flips, read_keys  # noqa: E402
+from sweeps.config_flips import flips, read_keys  # noqa: E402
 
 
 def test_the_values_granite_reads_are_found_and_flipped():

@@ -5,17 +5,17 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)
 
-import matrix  # noqa: E402 - benchmarks/matrix.py
+from sweeps import matrix  # noqa: E402
 
 
 def test_the_committed_matrix_is_the_generated_one():
     with open(matrix.DOCS) as f:
         text = f.read()
-    expected = matrix.render(matrix.load_sweeps(os.path.join(ROOT, "benchmarks")))
+    expected = matrix.render(matrix.load_sweeps(os.path.join(ROOT, "sweeps")))
     assert text[text.index(matrix.BEGIN) : text.index(matrix.END) + len(matrix.END)] == expected, (
-        "docs/models.md's matrix was edited by hand or the sweep JSON changed: run benchmarks/matrix.py"
+        "docs/models.md's matrix was edited by hand or the sweep JSON changed: run sweeps/matrix.py"
     )
 
 
@@ -55,7 +55,7 @@ def test_cells_come_from_sweep_rows_and_unswept_columns_say_so(tmp_path):
     for column in ("cp", "ZeRO-1", "ZeRO-2", "checkpointing", "Trainer", "LoRA"):
         assert {row[column] for row in by_class.values()} == {"not swept"}
     # the committed sweeps: as many yes cells in the tp column as the newest verify sweep has passed rows
-    sweeps = matrix.load_sweeps(os.path.join(ROOT, "benchmarks"))
+    sweeps = matrix.load_sweeps(os.path.join(ROOT, "sweeps"))
     newest = [s for s in sweeps if matrix.columns_of(s) == ("tp", "generate")][-1]
     _, table = matrix.build(sweeps)
     passed = sum(r["result"] == "passed" for r in newest["rows"])
@@ -65,9 +65,7 @@ def test_cells_come_from_sweep_rows_and_unswept_columns_say_so(tmp_path):
 def test_the_readme_summary_is_the_generated_one():
     with open(matrix.README) as f:
         text = f.read()
-    expected = matrix.render_summary(matrix.load_sweeps(os.path.join(ROOT, "benchmarks")))
+    expected = matrix.render_summary(matrix.load_sweeps(os.path.join(ROOT, "sweeps")))
     committed = text[text.index(matrix.SUMMARY_BEGIN) : text.index(matrix.SUMMARY_END) + len(matrix.SUMMARY_END)]
-    assert committed == expected, (
-        "README's summary was edited by hand or the sweep JSON changed: run benchmarks/matrix.py"
-    )
+    assert committed == expected, "README's summary was edited by hand or the sweep JSON changed: run sweeps/matrix.py"
     assert "| LlamaForCausalLM | yes |" in committed  # tp, from the verify sweep

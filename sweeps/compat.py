@@ -11,10 +11,10 @@ download that this machine's pip caps at the release on its disk (/etc/xdg/pip: 
 torchvision must be the build for the same torch (timm imports it). Moving torch is a change of its own:
 both pins in constraints.txt, then ``make test``.
 
-    python3 benchmarks/compat.py                  # install, suite, full sweep (half an hour or more on 2 cores)
-    python3 benchmarks/compat.py --diff-only      # resolve the newest releases (pip --dry-run), print what moved
-    python3 benchmarks/compat.py --conformance-args="--task causal-lm"   # a shorter sweep
-    python3 benchmarks/compat.py --no-conformance --pytest-args="tests/test_versions.py"   # a smoke run
+    python3 sweeps/compat.py                  # install, suite, full sweep (half an hour or more on 2 cores)
+    python3 sweeps/compat.py --diff-only      # resolve the newest releases (pip --dry-run), print what moved
+    python3 sweeps/compat.py --conformance-args="--task causal-lm"   # a shorter sweep
+    python3 sweeps/compat.py --no-conformance --pytest-args="tests/test_versions.py"   # a smoke run
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def run_conformance(extra: str) -> tuple[str, bool]:
     results = VENV / "conformance.json"
     results.unlink(missing_ok=True)
     code, lines = run_logged(
-        VENV / "conformance.log", PY, "benchmarks/conformance.py", "--json", results, *shlex.split(extra)
+        VENV / "conformance.log", PY, "sweeps/conformance.py", "--json", results, *shlex.split(extra)
     )
     if code or not results.exists():
         return f"the sweep itself did not finish (exit {code}; {VENV / 'conformance.log'})", False
@@ -171,7 +171,7 @@ def main() -> int:
     parser.add_argument("--diff-only", action="store_true", help="resolve the newest releases and print what moved")
     parser.add_argument("--no-conformance", action="store_true", help="run the test suite only")
     parser.add_argument("--pytest-args", default="", help="passed to pytest (default: the whole suite)")
-    parser.add_argument("--conformance-args", default="", help="passed to benchmarks/conformance.py (default: all)")
+    parser.add_argument("--conformance-args", default="", help="passed to sweeps/conformance.py (default: all)")
     args = parser.parse_args()
 
     pinned = read_pins(CONSTRAINTS.read_text())

@@ -19,8 +19,8 @@ per model: passed (max errors, fraction per rank), refused (the library's reason
 check, by how much, the first diverging module), not tested (why) or error (a crash: a defect, the
 library should have refused).
 
-    .venv/bin/python benchmarks/timm_sweep.py [--only eva,beit] [--names eva02_tiny_patch14_224]
-        [--row-timeout 300] [--save benchmarks]     # benchmarks/timm-<date>.md and .json
+    .venv/bin/python sweeps/timm_sweep.py [--only eva,beit] [--names eva02_tiny_patch14_224]
+        [--row-timeout 300] [--save sweeps]     # sweeps/timm-<date>.md and .json
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import sys
-import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from benchmarks.conformance import NOT_TESTED, RESULTS, _each_row, _reason, classify, run, write_sweep  # noqa: E402
+from sweeps.rows import NOT_TESTED, PASSED, RESULTS, run_rows, set_reason  # noqa: E402
+from sweeps.saved import default_jsonl, recorder, resumed, save_sweep, versions  # noqa: E402
+from sweeps.tp import verify  # noqa: E402
 
 # named variants beside each module's smallest model: the families issue 38 names and what sets them apart
 EXTRA = {
@@ -99,8 +99,6 @@ def sweep_rows(modules=None, names=None) -> list[dict]:
         if not sizes:
             first = next(iter(counted), "")
             rows.append({"module": module, "name": first, "skip": f"no model builds: {counted.get(first)}"})
-    for row in rows:  # what conformance.run reads
-        row.setdefault("class", row["name"])
     return rows
 
 
@@ -171,42 +169,31 @@ def per_rank_fraction(name: str) -> float:
     return plan.rank_numel / plan.full_numel
 
 
-def _options(row: dict, max_params: float) -> None:
-    """The options the model is built with, or the row "not tested" (too large, or it does not run)."""
+def check_options(row: dict, max_params: float) -> None:
+    """The precheck: the options the model is built with, or the row "not tested" (too large, or it does
+    not run unsharded)."""
     options, why = options_for(row["name"], max_params)
     if options is None:
-        _reason(row, NOT_TESTED, why)
+        set_reason(row, NOT_TESTED, why)
     else:
         row["options"] = options
 
 
-def _verify(row: dict) -> None:
-    """What ``shardformer verify timm:<name>`` runs, at tp=2, and rank 0's share of the full-size model."""
-    import torch.distributed as dist
-
-    from shardformer.tools.verify import verify_on_this_rank
-    from shardformer.tools.verify_report import merge_reports
-
-    report = verify_on_this_rank(functools.partial(build, row["name"], row["options"]))
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    classify(row, merge_reports(reports))
-    if row["result"] == "passed":
+def verify_model(row: dict) -> None:
+    """The check: what ``shardformer verify timm:<name>`` runs, at tp=2, and rank 0's share of the full-size
+    model."""
+    verify(row, functools.partial(build, row["name"], row["options"]))
+    if row["result"] == PASSED:
         try:
             row["per_rank"] = per_rank_fraction(row["name"])
         except Exception as e:  # noqa: BLE001 - the plan's own failure, beside a passed verify
             row["reason"] = f"`shardformer plan` fails: {type(e).__name__}: {str(e)[:200]}"
 
 
-def _timm_job(rows, out_path, row_timeout, max_params):
-    """On every rank: each model in turn; rank 0 appends one JSON line per row."""
-    _each_row(rows, out_path, row_timeout, _verify, functools.partial(_options, max_params=max_params))
-
-
 # -- in the parent ------------------------------------------------------------------------------------
 
 
-def _progress(row: dict) -> None:
+def show(row: dict) -> None:
     print(
         f"{row['module']} {row['name']} {row.get('route', '')}: {row['result']} ({row.get('seconds', '-')} s) "
         f"{row.get('reason', '')[:160]}",
@@ -216,12 +203,10 @@ def _progress(row: dict) -> None:
 
 
 def table(results: list[dict]) -> str:
-    import timm
-    import torch
-
+    release = versions("timm", "torch")
     lines = [
         f"timm sweep at tp=2 (2 gloo ranks, `shardformer verify timm:<name>`: outputs, loss, every gradient, weights "
-        f"and outputs after one SGD step), timm {timm.__version__}, torch {torch.__version__.split('+')[0]}, "
+        f"and outputs after one SGD step), timm {release['timm']}, torch {release['torch']}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         "",
         "| module | model | parameters | built with | route | result | max output err | max grad err | per rank "
@@ -255,34 +240,15 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     names = list(filter(None, args.names.split(",")))
     rows = sweep_rows(only, names)
-    jsonl = args.jsonl or os.path.join(tempfile.gettempdir(), f"sf-timm-{datetime.datetime.now():%Y%m%d-%H%M}.jsonl")
-    earlier = []
-    if os.path.exists(jsonl):
-        with open(jsonl) as f:
-            earlier = [json.loads(line) for line in f if line.strip()]
-    done = {r["name"] for r in earlier}
-    rows = [r for r in rows if r["name"] not in done]
-    print(f"{len(rows)} models to check ({len(earlier)} already in {jsonl})", file=sys.stderr, flush=True)
-
-    def progress(row: dict) -> None:
-        _progress(row)
-        with open(jsonl, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    results = earlier + run(rows, _timm_job, int(args.max_params), row_timeout=args.row_timeout, progress=progress)
+    jsonl = args.jsonl or default_jsonl("timm")
+    earlier, rows = resumed(jsonl, rows, key=lambda r: r["name"])
+    precheck = functools.partial(check_options, max_params=int(args.max_params))
+    results = earlier + run_rows(rows, verify_model, precheck, budget=args.row_timeout, progress=recorder(jsonl, show))
     text = table(results)
     print(text)
     if args.save:
-        import timm
-        import torch
-
-        now = datetime.datetime.now(datetime.UTC)
-        stem = os.path.join(args.save, f"timm-{now:%Y-%m-%d}")
-        with open(stem + ".md", "w") as f:
-            f.write(text + "\n")
-        head = {"sweep": "timm", "date": f"{now:%Y-%m-%d}", "timm": timm.__version__, "tp": 2}
-        write_sweep(stem + ".json", {**head, "torch": torch.__version__.split("+")[0], "rows": results})
-        print(f"written: {stem}.md, {stem}.json", file=sys.stderr)
+        head = versions("timm", "torch") | {"tp": 2}
+        save_sweep(args.save, "timm", "timm", text, head, results)
     print(f"\nper-row results: {jsonl}", file=sys.stderr)
 
 

@@ -8,15 +8,15 @@ that are booleans, multipliers and scales, softcaps, rotary fractions, sliding w
 position-embedding types (:func:`flips`), and runs the class's row again with each one changed:
 bool -> not; a multiplier or scale -> 2.0; a softcap -> a finite one that bites on tiny logits; the
 rotary fraction in ``rope_parameters`` -> 0.5; a window -> 4 of the 8 tokens; layer types -> shifted
-by one. At tp=2 the row is what ``shardformer verify`` runs (``conformance._verify_row``); at pp=2,
-two SGD steps through ``ParallelEngine`` (``conformance._train_with``). A flip runs where the class's
+by one. At tp=2 the row is what ``shardformer verify`` runs (``sweeps.tp.verify_row``); at pp=2,
+two SGD steps through ``ParallelEngine`` (``sweeps.engine.train_with``). A flip runs where the class's
 default row passed at that technique. A row whose verdict changes is listed: passed -> failed is a
 silently wrong result the default config hid; passed -> refused is a refusal the default did not need.
 
-    .venv/bin/python benchmarks/config_flips.py [--only granite,llama] [--dense] [--no-pp] [--save benchmarks]
+    .venv/bin/python sweeps/config_flips.py [--only granite,llama] [--dense] [--no-pp] [--save sweeps]
 
-Rows: ``conformance.task_rows`` (``--task``, default causal-lm) narrowed to classes whose config has a
-``base_model_tp_plan`` unless ``--all``; each row runs through ``conformance.run`` and ``_each_row``.
+Rows: ``sweeps.zoo.task_rows`` (``--task``, default causal-lm) narrowed to classes whose config has a
+``base_model_tp_plan`` unless ``--all``; each row runs through the sweeps' row runner (``sweeps/rows.py``).
 """
 
 from __future__ import annotations
@@ -28,19 +28,14 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from benchmarks.conformance import (  # noqa: E402
-    NOT_TESTED,
-    _each_row,
-    _progress,
-    _train_with,
-    _verify_row,
-    run,
-    task_rows,
-    tiny_config_of,
-    write_sweep,
-)
+from sweeps.engine import train_with  # noqa: E402
+from sweeps.rows import NOT_TESTED, run_rows  # noqa: E402
+from sweeps.saved import save_sweep, versions  # noqa: E402
+from sweeps.tables import show  # noqa: E402
+from sweeps.tp import verify_row  # noqa: E402
+from sweeps.zoo import add_filters, check_unsharded, chosen_rows, tiny_config_of  # noqa: E402
 
 PIPELINE = {"pp": 2, "num_microbatches": 2}
 # flags that choose what a forward returns or how it is called, not what it computes
@@ -124,16 +119,12 @@ def _flipped(key: str, value, values: dict) -> dict | None:
     return None
 
 
-def _flip_job(rows, out_path, row_timeout):
-    """On every rank: each (class, technique, flip) row: tp -> ``_verify_row``, pp -> ``_train_with``."""
-    _each_row(rows, out_path, row_timeout, _flip_row)
-
-
-def _flip_row(row: dict) -> None:
+def flip_row(row: dict) -> None:
+    """The check of a (class, technique, flip) row: tp -> ``verify_row``, pp -> ``train_with``."""
     if row["technique"] == "pp":
-        _train_with(row, PIPELINE)
+        train_with(row, PIPELINE)
     else:
-        _verify_row(row)
+        verify_row(row)
 
 
 def _label(flip: dict | None) -> str:
@@ -198,26 +189,20 @@ def table(results: list[dict], stamp: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", default="causal-lm", help="comma-separated conformance tasks (default causal-lm)")
-    parser.add_argument("--only", default="", help="comma-separated model types or class names")
+    add_filters(parser, task="causal-lm")
     parser.add_argument("--all", action="store_true", help="also classes whose config has no base_model_tp_plan")
-    parser.add_argument("--dense", action="store_true", help="dense classes only")
-    parser.add_argument("--limit", type=int, default=0, help="at most this many classes")
     parser.add_argument("--no-pp", action="store_true", help="tp=2 rows only")
-    parser.add_argument("--row-timeout", type=float, default=300.0)
+    parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds one row may take (default 300)")
     parser.add_argument("--save", metavar="DIR", help="write DIR/config-flips-<date>.md and .json")
     args = parser.parse_args()
     import transformers as tf
 
-    only = set(filter(None, args.only.split(",")))
-    classes = [
-        r
-        for r in task_rows(set(args.task.split(",")), only)
-        if "skip" not in r
-        and (args.all or getattr(getattr(tf, r["class"]).config_class, "base_model_tp_plan", None))
-        and (not args.dense or r["kind"] == "dense")
-    ]
-    classes = classes[: args.limit] if args.limit else classes
+    def keep(row: dict) -> bool:  # importable, and with a tp plan unless --all
+        return "skip" not in row and (
+            args.all or getattr(getattr(tf, row["class"]).config_class, "base_model_tp_plan", None)
+        )
+
+    classes = chosen_rows(args, parser, keep=keep)
     techniques = ["tp"] if args.no_pp else ["tp", "pp"]
     found: dict[str, list[dict]] = {}
     for row in classes:  # in this process: no ranks needed to read what a forward reads
@@ -227,26 +212,19 @@ def main() -> None:
             found[row["class"]] = []
             print(f"{row['class']}: no flips read ({type(e).__name__}: {str(e)[:120]})", file=sys.stderr)
         print(f"{row['class']}: {[_label(f) for f in found[row['class']]]}", file=sys.stderr, flush=True)
-    defaults = run([dict(r, technique=t) for r in classes for t in techniques], _flip_job,
-                   row_timeout=args.row_timeout, progress=_progress)  # fmt: skip
+    defaults = run_rows([dict(r, technique=t) for r in classes for t in techniques], flip_row, check_unsharded,
+                        budget=args.row_timeout, progress=show)  # fmt: skip
     # flips run where the class's default row passed: the changes that matter start from passed
     passed = [{k: r[k] for k in ("task", "model_type", "class", "kind", "technique")} for r in defaults
               if r["result"] == "passed"]  # fmt: skip
     flipped = [dict(row, flip=flip) for row in passed for flip in found[row["class"]]]
-    results = defaults + run(flipped, _flip_job, row_timeout=args.row_timeout, progress=_progress)
+    results = defaults + run_rows(flipped, flip_row, check_unsharded, budget=args.row_timeout, progress=show)
     stamp = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M}"
     text = table(results, stamp)
     print(text)
     if args.save:
-        stem = os.path.join(args.save, f"config-flips-{stamp[:10]}")
-        with open(stem + ".md", "w") as f:
-            f.write(text)
-        import torch
-
-        head = {"sweep": "config flips", "date": stamp[:10], "transformers": tf.__version__,
-                "torch": torch.__version__.split("+")[0], "techniques": techniques}  # fmt: skip
-        write_sweep(stem + ".json", head | {"rows": results})
-        print(f"written: {stem}.md, {stem}.json", file=sys.stderr)
+        head = versions("transformers", "torch") | {"techniques": techniques}
+        save_sweep(args.save, "config-flips", "config flips", text, head, results)
     print(f"not tested (a flipped tiny model that does not run unsharded): "
           f"{sum(r['result'] == NOT_TESTED for r in results if r.get('flip'))}", file=sys.stderr)  # fmt: skip
 

@@ -1,0 +1,223 @@
+"""The transformers zoo as sweep rows: which classes each task sweeps, and each class's tiny copy.
+
+A row is ``{task, model_type, class, kind}`` (kind: "dense" or "moe"). Its tiny copy is the class's default
+config scaled down for tp=2 (``shardformer.core.tiny_run``: the recipe's first scaling whose model runs);
+:func:`check_unsharded`, the sweeps' precheck, marks a row "not tested" when no tiny copy of its class runs
+unsharded (a limit of the recipe, not a refusal of the library: counted apart from refusals).
+"""
+
+from __future__ import annotations
+
+import json
+
+from sweeps.rows import NOT_TESTED, NotTested, set_reason
+
+MOE_STYLES = ("moe_", "grouped_gemm", "ep_")
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+# task: the auto mapping of transformers' modeling_auto it sweeps, in the order of the tables
+TASKS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "base-model": "MODEL_MAPPING_NAMES",
+    "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+}
+# base models only of the encoders: model types that also have a masked-LM, an image-classification or
+# a two-tower (zero-shot image classification) class
+ENCODER_MAPPINGS = (
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+)
+
+
+# -- which classes ------------------------------------------------------------------------------------
+
+
+def _mapping(name: str) -> dict[str, tuple[str, ...]]:
+    from transformers.models.auto import modeling_auto
+
+    names = getattr(modeling_auto, name, {})
+    return {k: (v,) if isinstance(v, str) else tuple(v) for k, v in names.items()}
+
+
+def _kind(config_class) -> str:
+    """ "moe" or "dense": from the tp plan's styles when there is one, else from the default config."""
+    plan = getattr(config_class, "base_model_tp_plan", None)
+    if plan:
+        return "moe" if any(style.startswith(MOE_STYLES) for style in plan.values()) else "dense"
+    try:
+        config = config_class()
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        values = text.to_dict()
+    except Exception:  # noqa: BLE001 - reported when the row runs
+        return "dense"
+    return "moe" if any(isinstance(values.get(k), int) and values[k] > 1 for k in MOE_KEYS) else "dense"
+
+
+def task_rows(tasks=None, only=None) -> list[dict]:
+    """``[{task, model_type, class, kind}]`` of the installed transformers, each class once (under the
+    first selected task that names it); a class that cannot be imported carries ``skip`` (the reason)."""
+    import transformers as tf
+
+    encoders = set().union(*(_mapping(m) for m in ENCODER_MAPPINGS))
+    rows, seen = [], set()
+    for task, mapping in TASKS.items():
+        if tasks and task not in tasks:
+            continue
+        for model_type, class_names in _mapping(mapping).items():
+            if task == "base-model" and model_type not in encoders:
+                continue
+            for class_name in class_names:
+                if class_name in seen or (only and model_type not in only and class_name not in only):
+                    continue
+                seen.add(class_name)
+                row = {"task": task, "model_type": model_type, "class": class_name, "kind": ""}
+                try:
+                    row["kind"] = _kind(getattr(tf, class_name).config_class)
+                except Exception as e:  # noqa: BLE001 - a missing optional backend: reported as not tested
+                    row["skip"] = f"class not importable: {type(e).__name__}: {str(e)[:160]}"
+                rows.append(row)
+    return rows
+
+
+def architectures(only=None) -> list[dict]:
+    """The plan sweep's rows: every causal LM whose config has a ``base_model_tp_plan``."""
+    import transformers as tf
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    rows = []
+    for model_type, lm_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        if only and model_type not in only:
+            continue
+        try:
+            config_class = getattr(tf, lm_name).config_class  # the text config of a multimodal family
+        except (AttributeError, ImportError, TypeError):
+            continue
+        plan = getattr(config_class, "base_model_tp_plan", None)
+        if not plan:
+            continue
+        kind = "moe" if any(style.startswith(MOE_STYLES) for style in plan.values()) else "dense"
+        rows.append(
+            {"task": "causal-lm", "model_type": model_type, "class": lm_name, "kind": kind, "route": "TpPlanPolicy"}
+        )
+    return rows
+
+
+def add_filters(parser, task: str = "") -> None:
+    """The options that choose a sweep's classes (``--task``, ``--only``, ``--dense``, ``--limit``)."""
+    parser.add_argument(
+        "--task", default=task, help=f"comma-separated tasks (default: {task or 'all'}): {','.join(TASKS)}"
+    )
+    parser.add_argument("--only", default="", help="comma-separated model types or class names (default: all)")
+    parser.add_argument("--dense", action="store_true", help="dense classes only")
+    parser.add_argument("--limit", type=int, default=0, help="at most this many classes (after the filters)")
+
+
+def chosen_rows(args, parser, rows_of=task_rows, keep=None) -> list[dict]:
+    """The rows :func:`add_filters`' options choose: ``rows_of(tasks, only)``, those ``keep(row)`` keeps,
+    dense ones only with ``--dense``, then the first ``--limit``."""
+    tasks = set(filter(None, args.task.split(",")))
+    if unknown := tasks - set(TASKS):
+        parser.error(f"unknown task(s) {', '.join(sorted(unknown))}; known: {', '.join(TASKS)}")
+    rows = rows_of(tasks, set(filter(None, args.only.split(","))))
+    rows = [r for r in rows if (keep is None or keep(r)) and (not args.dense or r["kind"] == "dense")]
+    return rows[: args.limit] if args.limit else rows
+
+
+# -- each class's tiny copy -----------------------------------------------------------------------------
+
+
+def tiny_config_of(class_name: str):
+    """The class's default config scaled down for tp=2: the recipe's first scaling whose model runs
+    (``shardformer.core.tiny_run``); ``TinyCopyError`` when none does."""
+    import transformers as tf
+
+    from shardformer.core.tiny import VOCAB
+    from shardformer.core.tiny_run import runnable_tiny_config
+    from shardformer.models import inputs_for
+
+    model_class = getattr(tf, class_name)
+    config = model_class.config_class()
+    if hasattr(config, "num_query_tokens") and getattr(config, "image_token_index", 0) is None:
+        config.image_token_index = VOCAB + 1  # BLIP-2's checkpoints set one; its default config (None) cannot run
+    return runnable_tiny_config(model_class, config, 2, inputs=inputs_for)
+
+
+class TinyBuildError(NotTested):
+    """The tiny model could not be constructed from its config (the same on every rank)."""
+
+
+def build_tiny(class_name: str, flip: dict | None = None):
+    """The class's tiny model (module-level: ``functools.partial(build_tiny, name)`` pickles); ``flip``:
+    config values set on the tiny config before the model is built (``sweeps/config_flips.py``)."""
+    return _build(class_name, tiny_config_of(class_name), flip)
+
+
+def _build(class_name: str, config, flip: dict | None):
+    import transformers as tf
+
+    from shardformer.core.tiny import fill_zero_matrices
+
+    for key, value in (flip or {}).items():  # on the config that holds the key (a text config's, else the top)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        setattr(text if key in text.to_dict() else config, key, value)
+    try:
+        model = getattr(tf, class_name)(config)
+    except Exception as e:  # noqa: BLE001
+        raise TinyBuildError(f"a tiny {class_name} cannot be built from this config: {type(e).__name__}: {e}") from e
+    fill_zero_matrices(model)
+    return model
+
+
+def unsharded_failure(class_name: str, flip: dict | None = None, generate: bool = True) -> tuple[str, str] | None:
+    """``(step, error)`` of the first step that fails for the tiny model unsharded (config, build, inputs,
+    forward, backward, generate: as verify runs them), or None when it runs."""
+    import torch
+
+    from shardformer.models import inputs_for
+    from shardformer.tools.verify import _generate, _loss_and_output
+
+    step = "config"
+    try:
+        config = tiny_config_of(class_name)
+        step = "build"
+        torch.manual_seed(0)
+        model = _build(class_name, config, flip).eval()
+        step = "inputs"
+        inputs = inputs_for(model, 1)
+        step = "forward"
+        loss, out = _loss_and_output(model, inputs, None, None, None)
+        step = "backward"
+        (loss if loss is not None else out.float().sum()).backward()
+        if generate and callable(getattr(model, "can_generate", None)) and model.can_generate():
+            step = "generate"
+            _generate(model, inputs)
+    except Exception as e:  # noqa: BLE001 - what the row reports
+        return step, f"{type(e).__name__}: {e}"
+    return None
+
+
+_UNSHARDED: dict[tuple[str, str], dict] = {}  # (class, flip) -> what check_unsharded found (rows per technique)
+
+
+def check_unsharded(row: dict) -> None:
+    """The precheck of the zoo's sweeps: ``row`` not tested when no tiny copy of its class (with the row's
+    ``flip``) runs unsharded."""
+    name, flip = row["class"], row.get("flip")
+    key = (name, json.dumps(flip, sort_keys=True))
+    if key not in _UNSHARDED:
+        found: dict = {}
+        failure = unsharded_failure(name, flip)  # the tiny model itself: nothing to shard
+        if failure is not None and failure[0] == "config":  # a config we cannot scale down
+            set_reason(found, NOT_TESTED, f"no tiny copy that runs: {failure[1]}")
+        elif failure is not None:
+            set_reason(found, NOT_TESTED, f"the tiny unsharded model fails in {failure[0]}: {failure[1]}")
+        _UNSHARDED[key] = found
+    row.update(_UNSHARDED[key])

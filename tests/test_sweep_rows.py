@@ -1,0 +1,44 @@
+"""sweeps/rows.py, the sweeps' one row runner: every row comes back with a result, a row past its budget is
+killed from outside (even one stuck in a C call that holds the GIL) and the sweep goes on after it."""
+
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from sweeps.rows import ERROR, NOT_TESTED, PASSED, NotTested, run_rows  # noqa: E402
+
+
+def _check(row: dict) -> None:
+    """On the rank: what each row's ``does`` asks for."""
+    if row["does"] == "pass":
+        row.update(result=PASSED, reason="")
+    elif row["does"] == "raise":
+        raise ValueError("a bug in the check")
+    elif row["does"] == "not tested":
+        raise NotTested("no tiny copy runs")
+    elif row["does"] == "hang":
+        re.match(r"(a+)+$", "a" * 60 + "b")  # years of backtracking in C, the GIL held: no timer thread runs
+
+
+def test_each_row_gets_its_result_and_a_row_past_its_budget_is_killed():
+    rows = [
+        {"name": "skipped", "skip": "class not importable"},
+        {"name": "a", "does": "pass"},
+        {"name": "b", "does": "raise"},
+        {"name": "c", "does": "not tested"},
+        {"name": "d", "does": "hang"},
+        {"name": "e", "does": "pass"},  # in a fresh spawn, after the hung row's ranks were killed
+    ]
+    seen = []
+    got = {r["name"]: r for r in run_rows(rows, _check, world=1, budget=5.0, progress=seen.append)}
+    assert [r["name"] for r in seen] == ["skipped", "a", "b", "c", "d", "e"]
+    assert (got["skipped"]["result"], got["skipped"]["reason"]) == (NOT_TESTED, "class not importable")
+    assert got["a"]["result"] == got["e"]["result"] == PASSED
+    assert got["b"]["result"] == ERROR and "ValueError: a bug in the check" in got["b"]["reason"]
+    assert (got["c"]["result"], got["c"]["reason"]) == (NOT_TESTED, "no tiny copy runs")
+    assert got["d"]["result"] == ERROR and "row budget of 5 s" in got["d"]["reason"], got["d"]
+    assert got["d"]["seconds"] == 5.0
+    assert all(isinstance(r["seconds"], float) for r in got.values() if r["name"] != "skipped")
