@@ -14,7 +14,7 @@ no scaling of the recipe gave one that runs, ``shardformer.core.tiny_run``) or e
 
 ``--plan-sweep`` (implied by ``--sdpa`` / ``--sequence-parallel``) runs the previous sweep instead:
 the causal LMs that ship a ``base_model_tp_plan``, saved and reloaded with ``from_pretrained`` and
-compared in training mode (``shardformer.tools.conformance``).
+compared in training mode (``shardformer.tools.pair_check``).
 
     make conformance          # or: .venv/bin/python sweeps/conformance.py [--task masked-lm,causal-lm]
                               #     [--only llama,bert] [--limit 20] [--json out.json] [--save sweeps]
@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_filters(parser)
     parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds one class may take (default 300)")
-    parser.add_argument("--plan-sweep", action="store_true", help="the causal-LM tp-plan sweep (tools.conformance)")
+    parser.add_argument("--plan-sweep", action="store_true", help="the causal-LM tp-plan sweep (tools.pair_check)")
     parser.add_argument("--sdpa", action="store_true", help="sdpa attention instead of eager (plan sweep)")
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="shard with sequence_parallel=True (plan sweep)"

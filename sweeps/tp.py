@@ -1,5 +1,5 @@
 """The tp=2 checks of a row: what ``shardformer verify`` runs (the verify sweep, config flips, timm), and
-the plan sweep's ``from_pretrained`` comparison in training mode (``shardformer.tools.conformance``)."""
+the plan sweep's ``from_pretrained`` comparison in training mode (``shardformer.tools.pair_check``)."""
 
 from __future__ import annotations
 
@@ -65,11 +65,11 @@ def verify_row(row: dict) -> None:
 
 
 def plan_row(row: dict, impl: str, sequence_parallel: bool = False) -> None:
-    """The plan sweep's check: ``tools.conformance.compare`` on the row's causal LM (saved and reloaded with
+    """The plan sweep's check: ``tools.pair_check.compare`` on the row's causal LM (saved and reloaded with
     ``from_pretrained``, compared in training mode), with ``impl`` attention."""
     import transformers as tf
 
-    from shardformer.tools.conformance import NotTestedError, RefusedError, compare
+    from shardformer.tools.pair_check import NotTestedError, RefusedError, compare
 
     try:
         config = tiny_config_of(row["class"])  # the verify sweep's recipe: a tiny copy that runs

@@ -11,7 +11,7 @@ import transformers as tf
 
 from shardformer import ShardConfig, shard_model
 from shardformer.core.tiny import tiny_config
-from shardformer.tools.conformance import load_pair
+from shardformer.tools.pair_check import load_pair
 from tests.helpers import assert_close, assert_grads_match, check_table
 
 pytestmark = [

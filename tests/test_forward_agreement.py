@@ -23,7 +23,7 @@ import transformers as tf
 
 from shardformer import EngineConfig, ParallelEngine, ShardConfig, shard_model
 from shardformer.core.tiny import tiny_config
-from shardformer.tools.conformance import load_pair
+from shardformer.tools.pair_check import load_pair
 from tests.helpers import assert_close, check_table
 
 VOCAB = 99  # tiny_config's vocabulary

@@ -19,7 +19,7 @@ import transformers as tf
 from shardformer import ShardConfig, shard_model
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.tiny import tiny_config
-from shardformer.tools.conformance import compare, load_pair
+from shardformer.tools.pair_check import compare, load_pair
 from tests.helpers import assert_close, assert_grads_match, check_table, saved_for_backward
 from tests.policies import zoo
 from tests.policies.test_parity import _as_full, parity

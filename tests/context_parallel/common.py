@@ -9,7 +9,7 @@ import transformers as tf
 from shardformer import sharding_of
 from shardformer.core.tiny import tiny_config
 from shardformer.tensor_parallel.layers import gather_from_parallel
-from shardformer.tools.conformance import load_pair
+from shardformer.tools.pair_check import load_pair
 from tests.helpers import GRAD_ATOL, GRAD_RTOL, assert_close, assert_grads_match, full_of
 
 VOCAB = 99

@@ -20,7 +20,7 @@ from shardformer.context_parallel.attention import SplitMask
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.tiny import tiny_config
 from shardformer.policies.anatomy import stack_anatomy
-from shardformer.tools.conformance import load_pair
+from shardformer.tools.pair_check import load_pair
 from tests.context_parallel import common, trust
 from tests.helpers import assert_close, assert_grads_match, check_table
 

@@ -16,7 +16,7 @@ from shardformer import ShardConfig, shard_model, sharding_of
 from shardformer.core.tiny import tiny_config
 from shardformer.policies.derived import NotProvenError
 from shardformer.tensor_parallel.layers.dropout import SeededDropout
-from shardformer.tools.conformance import load_pair
+from shardformer.tools.pair_check import load_pair
 from tests.context_parallel import common
 
 

@@ -19,7 +19,7 @@ from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_sp
 from shardformer.policies.anatomy import final_norm, layer_stack
 from shardformer.policies.anatomy_pipeline import AnatomyStageForward, pipeline_spec_for
 from shardformer.policies.encoder_decoder import EncoderDecoderStageForward
-from shardformer.tools.conformance import load_pair
+from shardformer.tools.pair_check import load_pair
 from tests.helpers import check_table
 from tests.pipeline import common
 from tests.pipeline.test_engine import STEPS, _check

@@ -8,7 +8,7 @@ import transformers as tf
 
 from shardformer.core.tiny import tiny_config
 from shardformer.policies.anatomy_pipeline import AnatomyStageForward, pipeline_spec_for
-from shardformer.tools.conformance import load_pair
+from shardformer.tools.pair_check import load_pair
 from tests.helpers import check_table
 from tests.pipeline import common
 from tests.pipeline.test_engine import STEPS, _check

@@ -17,7 +17,7 @@ from shardformer.engine import split_batch
 from shardformer.pipeline.bubble import bubble_fraction, simulate
 from shardformer.pipeline.schedule import order as schedule_order
 from shardformer.pipeline.virtual import check_virtual, chunk_ranks
-from shardformer.tools.conformance import load_pair
+from shardformer.tools.pair_check import load_pair
 from tests.context_parallel import common as cp_common
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common

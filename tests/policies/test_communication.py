@@ -15,7 +15,7 @@ import transformers as tf
 from shardformer import ShardConfig, shard_model
 from shardformer.core.tiny import tiny_config
 from shardformer.tensor_parallel.layers import CollectiveCounter
-from shardformer.tools.conformance import load_pair
+from shardformer.tools.pair_check import load_pair
 from tests.helpers import check_table
 from tests.policies import zoo
 

@@ -22,7 +22,7 @@ from shardformer.tensor_parallel.layers import (
     VocabParallelLMHead1D,
 )
 from shardformer.tensor_parallel.slicer import make_spec, merge_shards, shard_spec, slice_tensor
-from shardformer.tools.conformance import compare, load_pair
+from shardformer.tools.pair_check import compare, load_pair
 from tests.helpers import GRAD_ATOL, GRAD_RTOL, check_table
 
 SUBSET = {
