@@ -33,12 +33,12 @@ def test_each_row_gets_its_result_and_a_row_past_its_budget_is_killed():
         {"name": "e", "does": "pass"},  # in a fresh spawn, after the hung row's ranks were killed
     ]
     seen = []
-    got = {r["name"]: r for r in run_rows(rows, _check, world=1, budget=5.0, progress=seen.append)}
+    got = {r["name"]: r for r in run_rows(rows, _check, world=1, budget=2.0, progress=seen.append)}
     assert [r["name"] for r in seen] == ["skipped", "a", "b", "c", "d", "e"]
     assert (got["skipped"]["result"], got["skipped"]["reason"]) == (NOT_TESTED, "class not importable")
     assert got["a"]["result"] == got["e"]["result"] == PASSED
     assert got["b"]["result"] == ERROR and "ValueError: a bug in the check" in got["b"]["reason"]
     assert (got["c"]["result"], got["c"]["reason"]) == (NOT_TESTED, "no tiny copy runs")
-    assert got["d"]["result"] == ERROR and "row budget of 5 s" in got["d"]["reason"], got["d"]
-    assert got["d"]["seconds"] == 5.0
+    assert got["d"]["result"] == ERROR and "row budget of 2 s" in got["d"]["reason"], got["d"]
+    assert got["d"]["seconds"] == 2.0
     assert all(isinstance(r["seconds"], float) for r in got.values() if r["name"] != "skipped")
