@@ -142,10 +142,11 @@ def test_shard_model_studies_the_model_once_and_reads_it_going_down():
     from shardformer import ShardConfig, shard_model
     from shardformer.core import study_memo
     from shardformer.core.instance import study_instance
+    from shardformer.models import family_of
     from shardformer.policies.anatomy import stacks
     from shardformer.policies.derived.blocks import repeated_blocks
 
-    questions = {f.__wrapped__.__code__: f.__name__ for f in (study_instance, repeated_blocks, stacks)}
+    questions = {f.__wrapped__.__code__: f.__name__ for f in (study_instance, repeated_blocks, stacks, family_of)}
     asked, moves = Counter(), set()
 
     def package(frame):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from shardformer.core.inputs import make_inputs
+from shardformer.core.study_memo import once_per_study
 from shardformer.pipeline.spec import PipelineSpec
 
 
@@ -81,6 +82,7 @@ def model_class_name(model: nn.Module) -> str:
     return type(model).__name__
 
 
+@once_per_study  # the routes, the anatomy and the inputs ask it: answered once per model
 def family_of(model: nn.Module) -> ModelFamily | None:
     """The record whose policies name ``model``'s class, or None."""
     name = model_class_name(model)
