@@ -48,7 +48,7 @@ from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, ta
 from shardformer.policies.anatomy import stacks
 from shardformer.policies.anatomy_ends import AnatomyError, Ends, ends_of, own_ancestor, part, tiny_for
 from shardformer.policies.copies import copy_key
-from shardformer.policies.pipeline_proof import failure_of, prove_split, route_verdict
+from shardformer.policies.pipeline_proof import failure_of, first_rank_answer, prove_split, route_verdict
 from shardformer.policies.stage_parts import Capture, LayerPassThrough, Reached, ZerosShaped
 
 
@@ -134,7 +134,7 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
         raise NotImplementedError(f"no pipeline split of {name}: {e}; use pipeline_parallel_size=1") from e
     spec = spec_from_ends(model, layers, ends)
     check_pipeline_spec(spec, model, 2, _boundary(model, spec))  # every parameter placed (the copy's may differ)
-    error, refusals = _proof(model, layers, ends)
+    error, refusals = first_rank_answer(lambda: _proof(model, layers, ends))  # proven once, taken by all
     if encoder_decoder:
         spec.stage_forward.refusals = dict(refusals)  # the cuts inside the stacks that are not exact
     if error is not None:

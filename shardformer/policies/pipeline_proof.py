@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from shardformer.policies.anatomy_ends import tiny_for
 from shardformer.policies.copies import copy_key
 from shardformer.policies.stage_parts import hidden_of
 
+T = TypeVar("T")
 _VERDICTS: dict[tuple, str | None] = {}
 
 
@@ -47,14 +49,20 @@ def verdicts_from_first_rank():
         _SHARED.pop()
 
 
+def first_rank_answer(answer: Callable[[], T]) -> T:
+    """``answer()``, worked out on the first rank alone inside :func:`verdicts_from_first_rank` and taken by
+    every rank (the proofs run one process's tiny copy: every rank would compute the same), else here."""
+    if _SHARED and _SHARED[-1]:
+        box = [answer() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return answer()
+
+
 def route_verdict(model: nn.Module, route: str, spec_of: Callable[[nn.Module], PipelineSpec | None]) -> str | None:
     """Why the spec ``spec_of`` gives a tiny copy of ``model`` is not exact at two stages there (None: it
     is); cached per route under its tiny copy's key (:func:`~shardformer.policies.copies.copy_key`)."""
-    if _SHARED and _SHARED[-1]:
-        box = [_local_verdict(model, route, spec_of) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return _local_verdict(model, route, spec_of)
+    return first_rank_answer(lambda: _local_verdict(model, route, spec_of))
 
 
 def _local_verdict(model: nn.Module, route: str, spec_of) -> str | None:
