@@ -41,7 +41,8 @@ class ShardedModelInfo:
     sequence_parallel: Any = None  # the model's SequenceParallel state (None: plain tensor parallelism)
     context_parallel: Any = None  # the model's ContextParallel state (None: the sequence is not split)
     forward_agreement: Any = None  # the check that tp/cp peers run one batch (core/forward_agreement.py)
-    route: str | None = None  # which route's policy cut it ("built-in policy", "tp plan", "derived", "custom policy")
+    # which route's policy cut it ("built-in policy", "tp plan", "derived", "custom policy"; "none: tp=1": kept whole)
+    route: str | None = None
     proven: bool = False  # whether that route was proven exact on a tiny copy before the cut
     experts: Any = None  # the ExpertLayout of expert parallelism (None: experts not split by ep)
     study: Any = None  # the ModelStudy made before the cut (shardformer/study.py): instance, stacks, routes, experts

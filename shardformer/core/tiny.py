@@ -210,6 +210,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         name = aliases.get(key, key)
         if name in data and not key.endswith("_id") and name not in _KV_HEADS and _scalar(data[name]):
             out[name] = value
+    _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
     if "head_dim" in out and data.get("head_dim") == data.get("qk_rope_head_dim") is not None:
         out["head_dim"] = out.get("qk_rope_head_dim", data["head_dim"])  # multi-head latent attention rotates head_dim
     if scaling.keep_widths:  # the recipe's own sizes (tiny_config's) give way to the user's widths
@@ -268,6 +269,20 @@ _COUNTS = {
 }
 _WIDTH_WORDS = ("size", "dim", "embd", "width", "d_model", "channels")
 _LAYER_LISTS = ("layer_types", "per_layer_config")
+# widths a model compares with its hidden size to decide whether it projects between them
+_APART_WORDS = ("embedding_size", "emb_size", "embed_proj_dim", "hidden_size", "hidden_dim")
+
+
+def _keep_apart(out: dict, data: dict, hidden, tiny_hidden) -> None:
+    """A width the user's config sets apart from the hidden size stays apart from the copy's: ELECTRA
+    projects an ``embedding_size`` unlike its ``hidden_size``, and a copy where the two met would have no
+    projection (every verdict on it, about another model). Smaller stays smaller, larger larger."""
+    if not isinstance(hidden, int) or not isinstance(tiny_hidden, int):
+        return
+    for key, value in data.items():
+        kept = key not in out and key not in SIZES  # a width the recipe neither scaled nor set
+        if kept and key.endswith(_APART_WORDS) and type(value) is int and value != hidden and value == tiny_hidden:
+            out[key] = tiny_hidden // 2 if value < hidden else 2 * tiny_hidden
 
 
 def _depth_parts(data: dict, aliases: dict) -> dict[str, int]:

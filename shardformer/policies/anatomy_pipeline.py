@@ -43,7 +43,7 @@ from shardformer.core.record import sharding_of
 from shardformer.models import family_spec
 from shardformer.pipeline.from_plan import spec_from_pp_plan
 from shardformer.pipeline.spec import PipelineSpec, stage_of
-from shardformer.pipeline.spec_check import check_pipeline_spec
+from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_spec
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, taken_inputs
 from shardformer.policies.anatomy import stacks
 from shardformer.policies.anatomy_ends import AnatomyError, Ends, ends_of, own_ancestor, part, tiny_for
@@ -133,7 +133,13 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
     except AnatomyError as e:
         raise NotImplementedError(f"no pipeline split of {name}: {e}; use pipeline_parallel_size=1") from e
     spec = spec_from_ends(model, layers, ends)
-    check_pipeline_spec(spec, model, 2, _boundary(model, spec))  # every parameter placed (the copy's may differ)
+    try:  # every parameter placed: the anatomy was read off a tiny copy, whose modules may differ
+        check_pipeline_spec(spec, model, 2, _boundary(model, spec))
+    except PipelineSpecError as e:  # the spec is the anatomy's, not the user's: say why it falls short
+        raise NotImplementedError(
+            f"no pipeline split of {name} from its anatomy: {_unseen(model, found) or e}; use pipeline_parallel_size=1, "
+            f"or {FIX}"
+        ) from e
     error, refusals = first_rank_answer(lambda: _proof(model, layers, ends))  # proven once, taken by all
     if encoder_decoder:
         spec.stage_forward.refusals = dict(refusals)  # the cuts inside the stacks that are not exact
@@ -143,6 +149,26 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
             f"use pipeline_parallel_size=1, or {FIX}"
         )
     return spec
+
+
+def _unseen(model: nn.Module, found: tuple[str, ...]) -> str | None:
+    """The modules outside the stacks that hold parameters in ``model`` but are not in its tiny copy (the
+    anatomy never saw where the forward reads them), said as a reason; None when the copy has them all."""
+    tiny, _ = tiny_for(model)
+    copied = {path for path, _ in tiny.named_modules()}
+    missing = [
+        path
+        for path, module in model.named_modules()
+        if path not in copied
+        and not any(path == s or path.startswith(s + ".") for s in found)
+        and any(True for _ in module.parameters(recurse=False))
+    ]
+    if not missing:
+        return None
+    return (
+        f"its tiny copy (its config scaled down) has no {', '.join(missing[:3])}, so where its forward reads "
+        f"{'them' if len(missing) > 1 else 'it'} was never seen"
+    )
 
 
 def _stages_of(model: nn.Module, found: tuple[str, ...]) -> str | None:

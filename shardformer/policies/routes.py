@@ -30,12 +30,13 @@ from shardformer.policies.derived.policy import with_pooling_heads
 from shardformer.policies.proof import prove
 from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError, has_tp_plan
 from shardformer.policies.tp_plan.policy import plan_leaves_whole
-from shardformer.tensor_parallel.policy import Policy
+from shardformer.tensor_parallel.policy import NoCut, Policy
 from shardformer.tensor_parallel.sharder import ModelSharder
 
 logger = logging.getLogger("shardformer")
 
 BUILT_IN, PLAN, DERIVED, CUSTOM = "built-in policy", "tp plan", "derived", "custom policy"
+NONE = "none: tp=1"  # no route cuts the model and at tp=1 none needs to: it is kept whole
 # what a route raises when it cannot cut this model: the next route is tried (anything else is the
 # user's input, raised as it is)
 ROUTE_ERRORS = (NotDerivableError, UnsupportedStyleError, NotImplementedError)
@@ -109,8 +110,11 @@ class NoExactRouteError(NotProvenError):
 def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sharder_args: dict, chosen=False):
     """``(sharder, plan, route, proven)``: the sharder (and its resolved plan, for ``sharder.shard``) of
     the first of ``routes`` that resolves against ``model`` and proves exact at the config's tp (every route is tried in order), else
-    :class:`NoExactRouteError`. The route the user ``chosen`` is proven and refused, never replaced."""
+    :class:`NoExactRouteError`. The route the user ``chosen`` is proven and refused, never replaced. At
+    tp=1 a model no route cuts is kept whole (:data:`NONE`): data parallelism and ZeRO need no cut."""
     tp = shard_config.tensor_parallel_size
+    if not routes and tp == 1:
+        return _kept_whole(model, shard_config, sharder_args, "no policy, tp plan or blocks to derive a cut from")
     if not routes:
         raise no_route_error(model)
     reasons = []
@@ -120,10 +124,13 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
         try:
             plan = sharder.plan()  # every refusal first, before any collective
         except ROUTE_ERRORS as e:
-            if chosen or len(routes) == 1:  # the one route's own refusal, its fix first (a plain module's)
+            # the one route's own refusal, its fix first (a plain module's); at tp=1 the model is kept whole
+            if chosen or (len(routes) == 1 and tp > 1):
                 raise
             reasons.append((route.name, *parts_of(e)))
             continue
+        if tp == 1 and not plan.replacements and not chosen:  # the route would cut nothing: say so
+            return _kept_whole(model, shard_config, sharder_args, f"the {route.name} route replaces no layer")
         if tp == 1 or route.name == CUSTOM:
             return sharder, plan, route, False
         if not shard_config.prove:
@@ -161,6 +168,9 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
             route.name,
             why,
         )
+    if tp == 1:  # every route refused to plan: nothing needs cutting at tp=1
+        why = "; ".join(f"{name}: {reason.splitlines()[0][:200]}" for name, reason, _ in reasons)
+        return _kept_whole(model, shard_config, sharder_args, why)
     tried = "\n  ".join(f"{name}: {indent(reason)}" for name, reason, _ in reasons)
     instance = study_instance(model)
     own = f"\nEach proof ran what this instance adds to its class: {instance.describe()}" if instance.extras else ""
@@ -169,6 +179,19 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
         f"than compute something else. Routes tried:\n  {tried}{own}",
         *(fix for _, _, fixes in reasons for fix in fixes),
     )
+
+
+def _kept_whole(model: nn.Module, shard_config: ShardConfig, sharder_args: dict, why: str):
+    """``choose``'s answer at tp=1 for a model no route cuts: the sharder of :class:`NoCut` (the record,
+    the RNG and the forward checks every sharded model has; no layer replaced)."""
+    sharder = ModelSharder(model, NoCut(), shard_config, **sharder_args)
+    plan = sharder.plan()
+    _info(
+        "%s: nothing cut at tensor_parallel_size=1 (%s); kept whole, as data parallelism and ZeRO need",
+        type(model).__name__,
+        why,
+    )
+    return sharder, plan, Route(NONE, NoCut), False
 
 
 def _info(message: str, *args) -> None:

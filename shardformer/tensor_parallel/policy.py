@@ -142,3 +142,11 @@ class Policy:
     @staticmethod
     def unembedding() -> list[Layer]:
         return []
+
+
+class NoCut(Policy):
+    """The policy of a model kept whole: it cuts nothing. At ``tensor_parallel_size=1`` nothing needs
+    cutting, so a model no route can cut still trains with data parallelism, ZeRO and pipelines."""
+
+    def argument_policy(self, model_config, shard_config) -> dict[type[nn.Module], Argument]:
+        return {}

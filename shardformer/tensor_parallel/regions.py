@@ -1,6 +1,7 @@
 """Megatron's region functions for tensor parallelism: autograd functions, so HuggingFace code runs unchanged.
 
     copy_to_parallel          forward: identity          backward: all-reduce
+    copy_all_to_parallel      the same for several tensors, in one all-reduce
     reduce_from_parallel      forward: all-reduce        backward: identity
     split_to_parallel         forward: keep own shard    backward: all-gather
     gather_from_parallel      forward: all-gather        backward: keep own shard
@@ -66,6 +67,24 @@ class _GatherFromParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return slice_tensor(grad, ctx.spec), None, None
+
+
+class _CopyAllToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # an output this rank did not use comes as zeros
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
+        return None, *(part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads))
+
+
+def copy_all_to_parallel(tensors: list[torch.Tensor], group) -> tuple[torch.Tensor, ...]:
+    """:func:`copy_to_parallel` of several tensors in one node: their gradients summed over ``group`` in one
+    all-reduce, in the order given, whichever of them this rank's graph used (or used first)."""
+    return _CopyAllToParallel.apply(group, *tensors)
 
 
 def copy_to_parallel(x: torch.Tensor, group) -> torch.Tensor:

@@ -133,7 +133,7 @@ class ModelSharder:
         if self.shard_config.context_parallel_size > 1:
             attention = check_context_parallel(self.model, self.shard_config, self.stack_anatomy)
         targets = [(name, m, arguments[type(m)]) for name, m in self.model.named_modules() if type(m) in arguments]
-        if not targets:
+        if arguments and not targets:
             raise ValueError(
                 f"{type(self.policy).__name__} names the module classes {[c.__name__ for c in arguments]}, "
                 f"but {type(self.model).__name__} contains none of them; check the policy's argument_policy keys"
@@ -237,7 +237,7 @@ class ModelSharder:
         attach(self.model, info)
         if self.shard_config.tensor_parallel_size > 1:
             refuse_ddp(self.model)
-        if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
+        if replacements and logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
             kinds = Counter(r.layer.replace_layer.__name__ for r in replacements)
             kinds.update({"DropoutForReplicatedInput (leftover)": leftovers} if leftovers else {})
             here = _numel(self.model)

@@ -28,6 +28,7 @@ from shardformer.pipeline.spec_check import check_pipeline_spec
 from shardformer.policies.anatomy import layer_stack, stack_anatomy
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.policies.routes import ROUTE_ERRORS, candidate_routes, no_route_error
+from shardformer.tensor_parallel.policy import NoCut
 from shardformer.tensor_parallel.sharder import ModelSharder
 from shardformer.tensor_parallel.slicer import shard_spec
 from shardformer.tools.activation_estimate import estimate_activations
@@ -219,15 +220,16 @@ def first_resolving_policy(model: nn.Module, config: ShardConfig):
     tries them (unproven: a plan runs no proof): timm's ViTamin is a ``VisionTransformer`` whose MLP
     the built-in policy refuses, and the derived route cuts it."""
     routes = candidate_routes(model)
-    if not routes:
+    whole = config.tensor_parallel_size == 1  # a model no route cuts is kept whole there, as shard_model keeps it
+    if not routes and not whole:
         raise no_route_error(model)
-    for route in routes[:-1]:
+    for route in routes if whole else routes[:-1]:
         try:
             ModelSharder(model, route.make(), config, layers=layer_stack(model)).plan()
         except ROUTE_ERRORS:
             continue
         return route.make()
-    return routes[-1].make()
+    return NoCut() if whole else routes[-1].make()
 
 
 def largest_layer(numels: dict[str, int], layers_path: str | None) -> int:

@@ -20,6 +20,7 @@ from shardformer.context_parallel.attention import SplitMask
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.tiny import tiny_config
 from shardformer.policies.anatomy import stack_anatomy
+from shardformer.policies.routes import NONE
 from shardformer.tools.pair_check import load_pair
 from tests.context_parallel import common, trust
 from tests.helpers import assert_close, assert_grads_match, check_table
@@ -111,15 +112,16 @@ def check_gpt_oss_at_tp1_with_attention_sinks():
 
 def check_derived_route_decoder_and_encoder():
     """No transformers tp plan: GPT-BigCode (one key/value head) and a RoBERTa encoder without its
-    pooler (bidirectional, positions counted from its ids) are cut by the derived route."""
+    pooler (bidirectional, positions counted from its ids), derived-route models, split over the sequence
+    (at tp=1 nothing is cut: the route is "none: tp=1")."""
     ref, model = load_pair(tf.GPTBigCodeForCausalLM, tiny_config(tf.GPTBigCodeConfig), "sdpa")
     model = shard_model(model, _cp("ring"))
-    assert sharding_of(model).route == "derived", sharding_of(model).route
+    assert sharding_of(model).route == NONE, sharding_of(model).route
     common.parity(ref, model, common.batch(13), "gpt-bigcode/sdpa cp=2 ring")
     ref, model = load_pair(tf.RobertaModel, tiny_config(tf.RobertaConfig, pad_token_id=1), "eager")
     ref.pooler = model.pooler = None  # its pooler reads the first token: refused (test_anatomy_decides...)
     model = shard_model(model, _cp("all_to_all"))
-    assert sharding_of(model).route == "derived", sharding_of(model).route
+    assert sharding_of(model).route == NONE, sharding_of(model).route
     inputs = common.batch(13)
     inputs.pop("labels")
     common.parity(ref, model, inputs, "roberta encoder/eager cp=2 all_to_all")

@@ -50,6 +50,7 @@ class BlockRule:
     idle: set[str] = field(default_factory=set)  # projections the traced forward never ran: left whole
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)  # leaf -> {param: heads' dim}
     head_inputs: dict[str, dict] = field(default_factory=dict)  # module -> {kwarg or position: HeadCut}
+    head_lists: dict[str, int] = field(default_factory=dict)  # list of one module per head -> its length
     settings: dict[str, bool] = field(default_factory=dict)  # flags that make the code call a projection
     split_norms: set[str] = field(default_factory=set)  # LayerNorms over cut features: statistics over ranks
     attention: set[str] = field(default_factory=set)  # torch's nn.MultiheadAttention modules, cut by heads
@@ -320,11 +321,13 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
             rule.row_blocks[group.row] = cut.row_blocks
         rule.divide |= set(cut.divide)
         rule.head_params.update(cut.head_params)
+        rule.head_lists.update(cut.head_lists)
         for owner, cuts in cut.head_inputs.items():
             rule.head_inputs.setdefault(owner, {}).update(cuts)
         rule.local_widths.update(cut.local_widths)
         rule.split_norms |= cut.split_norms
-    rule.grad_sum |= _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, module) - rule.split_norms
+    between = _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, module) - rule.split_norms
+    rule.grad_sum |= {rel for rel in between if not _inside(rel, list(rule.head_lists))}  # those sum their own
     # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
     rule.idle |= {
         rel

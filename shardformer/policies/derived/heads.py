@@ -1,13 +1,15 @@
 """Per-head tensors beside a group's projections, tried when no plain cut is exact.
 
 A parameter of a leaf beside the projections with one dimension as long as a head count is cut with
-the heads (T5's relative attention bias ``[buckets, heads]``); a tensor handed to the group's module
+the heads (T5's relative attention bias ``[buckets, heads]``); a list of one module per head (StableLM's
+per-head LayerNorms) shows each rank its heads' modules (:class:`~shardformer.tensor_parallel.layers.per_head.HeadModules`); a tensor handed to the group's module
 with such a dimension (ALiBi: BLOOM's ``[batch x heads, 1, s]``, MPT's ``[heads, 1, s]``) is cut to the
 rank's heads on the way in, when the model computes it outside the blocks (:class:`HeadInputs`).
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
 
@@ -64,6 +66,38 @@ def _head_param_options(parent: nn.Module, counts: dict[int, str]) -> dict[str, 
     return found
 
 
+def head_lists(parent: nn.Module, tp: int) -> dict[str, int]:
+    """``{path: length}`` of the lists of one module per head in the parent (StableLM's per-head
+    LayerNorms): an ``nn.ModuleList`` of modules of one class holding parameters, not projections, as
+    long as a head count that splits over ``tp``."""
+    counts = head_counts(parent, tp)
+    found = {}
+    for rel, module in parent.named_modules():
+        items = list(module) if type(module) is nn.ModuleList else []
+        alike = len(items) in counts and len({type(m) for m in items}) == 1
+        if alike and not is_projection(items[0]) and any(True for _ in items[0].parameters()):
+            found[rel] = len(items)
+    return found
+
+
+def distinct_heads(parent: nn.Module, lists: dict[str, int], row: str, args, kwargs) -> tuple[nn.Module, object]:
+    """A copy of ``parent`` whose per-head modules (``lists``) hold different weights, and its row's output
+    on the recorded inputs: a tiny copy's per-head norms are all alike, so a cut that hands a rank
+    another head's module would pass for exact on it."""
+    local = copy.deepcopy(parent)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for rel in lists:
+            for p in local.get_submodule(rel).parameters():
+                p.add_(torch.randn(p.shape, generator=generator).to(p) * 0.5)
+    captured: list = []
+    handle = local.get_submodule(row).register_forward_hook(lambda _m, _a, out: captured.append(out))
+    with torch.no_grad():
+        local(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    handle.remove()
+    return local, captured[0]
+
+
 def _head_input_options(args, kwargs, counts: dict[int, str], batch: int, stream_width: int) -> dict:
     """``{kwarg or position: [HeadCut, ...]}`` for the float tensors handed in that may be per head."""
     found = {}
@@ -90,9 +124,9 @@ def bias_options(parent: nn.Module, col_rels: list[str], widths: set[int]) -> di
     return found
 
 
-def head_options(parent, args, kwargs, tp, inputs, stream_width, biases=None) -> list[tuple[dict, dict]]:
-    """Per-head parameter and input cuts to try (with ``biases``, :func:`bias_options`, cut alike), the
-    fewest cut tensors first."""
+def head_options(parent, args, kwargs, tp, inputs, stream_width, biases=None, lists=None) -> list[tuple]:
+    """Per-head parameter, input and module-list cuts to try, ``(params, inputs, lists)`` (with ``biases``,
+    :func:`bias_options`, cut alike; ``lists``: :func:`head_lists`), the fewest cut tensors first."""
     counts = head_counts(parent, tp)
     if not counts and not biases:
         return []
@@ -106,10 +140,12 @@ def head_options(parent, args, kwargs, tp, inputs, stream_width, biases=None) ->
     combos = []
     for picks in itertools.product(*[[None, *per_input[k]] for k in keys]):
         chosen = {k: c for k, c in zip(keys, picks) if c is not None}
-        for with_params in [params, {}] if params else [{}]:
-            if chosen or with_params:
-                combos.append((with_params, chosen))
-    combos.sort(key=lambda c: sum(len(d) for d in c[0].values()) + len(c[1]))
+        for with_params, with_lists in itertools.product(
+            [params, {}] if params else [{}], [lists, {}] if lists else [{}]
+        ):
+            if chosen or with_params or with_lists:
+                combos.append((with_params, chosen, with_lists))
+    combos.sort(key=lambda c: sum(len(d) for d in c[0].values()) + len(c[1]) + len(c[2]))
     return combos[:MAX_HEAD_OPTIONS]
 
 

@@ -30,6 +30,7 @@ from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
 from shardformer.tensor_parallel.layers.norm import SplitLayerNorm
+from shardformer.tensor_parallel.layers.per_head import HeadModules
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Policy, Row_Layer
 
@@ -216,6 +217,9 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, dims in rule.head_params.items():
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims))
+        for rel in rule.head_lists:
+            if f"{block}.{rel}" in modules:
+                layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=HeadModules)
         attrs.update({f"{block}.{rel}": value for rel, value in rule.settings.items()})
         for rel, cuts in rule.head_inputs.items():
             path = f"{block}.{rel}" if rel else block

@@ -26,7 +26,14 @@ from shardformer.policies.derived.attributes import apply_attributes, attribute_
 from shardformer.policies.derived.blocks import in_width, out_width, run_hooked, value_at
 from shardformer.policies.derived.column_cuts import column_candidates, cut_options, fits_blocks
 from shardformer.policies.derived.given_inputs import inputs_from_outside
-from shardformer.policies.derived.heads import HeadCut, bias_options, head_options, slice_heads
+from shardformer.policies.derived.heads import (
+    HeadCut,
+    bias_options,
+    distinct_heads,
+    head_lists,
+    head_options,
+    slice_heads,
+)
 from shardformer.policies.derived.rewrites import use_module_width
 from shardformer.policies.derived.trace import Group
 from shardformer.policies.derived.widths import run_in_local_widths
@@ -44,12 +51,14 @@ class Cut:
     ``head_params``: parameters beside the projections cut with the heads (T5's relative attention
     bias ``[buckets, heads]``): ``{leaf: {name: dim}}``. ``head_inputs``: per-head tensors the
     model computes outside the blocks and hands in whole (ALiBi): ``{module: {kwarg or position:
-    HeadCut}}``, cut on the way in."""
+    HeadCut}}``, cut on the way in. ``head_lists``: lists of one module per head (StableLM's per-head
+    norms), each rank shown its heads' modules: ``{list: length}``."""
 
     blocks: dict[str, int | tuple[str, ...]] = field(default_factory=dict)  # col -> n or ("heads",)
     divide: tuple[str, ...] = ()
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)
     head_inputs: dict[str, dict[str | int, HeadCut]] = field(default_factory=dict)
+    head_lists: dict[str, int] = field(default_factory=dict)
     row_blocks: int = 1  # the row's input features in this many blocks, each cut on its own
     local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row whose output width it makes local
     split_norms: set[str] = field(default_factory=set)  # LayerNorms over the cut features (SplitLayerNorm)
@@ -150,10 +159,11 @@ def _run_ranks(
     split_norms=None,
 ) -> torch.Tensor:
     """Sum of the row's outputs over ``tp`` simulated ranks (without the row's bias). ``heads``:
-    ``(params {leaf: {name: dim}}, inputs {key: HeadCut})`` cut by heads, relative to the parent;
+    ``(params {leaf: {name: dim}}, inputs {key: HeadCut}, lists {list: length})`` cut by heads, relative
+    to the parent;
     ``row_blocks``: the row's input features cut block by block; ``local_width``: the parent runs
     under :class:`~.widths.LocalWidths` for that width."""
-    head_params, head_inputs = heads or ({}, {})
+    head_params, head_inputs, head_lists = heads or ({}, {}, {})
     total = None
     for rank in range(tp):
         local = copy.deepcopy(parent)
@@ -164,6 +174,9 @@ def _run_ranks(
                 t = getattr(leaf, name)
                 part = slice_tensor(t.detach(), make_spec(t.shape, dim, rank, tp))
                 setattr(leaf, name, nn.Parameter(part) if isinstance(t, nn.Parameter) else part)
+        for rel, length in head_lists.items():  # this rank's heads' modules, as HeadModules shows them
+            items = list(local.get_submodule(rel))
+            local.set_submodule(rel, nn.ModuleList(items[rank * length // tp : (rank + 1) * length // tp]))
         call_args, call_kwargs = list(copy.deepcopy(args)), copy.deepcopy(kwargs)
         for key, cut in head_inputs.items():
             where = call_args if isinstance(key, int) else call_kwargs
@@ -205,6 +218,9 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
         return None, "the group did not run in the recorded forward"
     args, kwargs, _ = calls[parent_path]
     expected = calls[row][2]
+    lists = head_lists(parent, tp)
+    if lists:  # per-head modules told apart: each rank must run its own heads'
+        parent, expected = distinct_heads(parent, lists, _rel(row, parent_path), args, kwargs)
     row_module = model.get_submodule(row)
     row_bias = getattr(row_module, "bias", None)
     stream_width = out_width(row_module)  # the row writes back into the stream
@@ -238,7 +254,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     # own, and the row's input in as many blocks)
     # and last, the module run under LocalWidths (reshapes to the stream's width read off the input)
     biases = bias_options(parent, col_rels, widths)
-    heads_options = head_options(parent, args, kwargs, tp, inputs, stream_width, biases)
+    heads_options = head_options(parent, args, kwargs, tp, inputs, stream_width, biases, lists)
     stages = [(None, 1, per_col, 0)] + [(h, 1, per_col, 0) for h in heads_options]
     for m in BLOCKED_ROWS:
         if in_width(row_module) % (m * tp) == 0:
@@ -278,8 +294,9 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                         cut.local_widths = {prefix: group.row}
                     cut.split_norms = {in_block(rel) for rel in split_norms}
                     if heads is not None:
-                        params, head_inputs = heads
+                        params, head_inputs, per_head = heads
                         cut.head_params = {in_block(rel): dims for rel, dims in params.items()}
+                        cut.head_lists = {in_block(rel): length for rel, length in per_head.items()}
                         outside = inputs_from_outside(model, parent_path, inputs)
                         passed_whole = {
                             key: HeadCut(c.dim, in_block(c.heads) if c.heads else "")

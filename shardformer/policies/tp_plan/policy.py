@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.nn as nn
 
 from shardformer.core.refusal import POLICY
@@ -210,7 +211,8 @@ class TpPlanPolicy(Policy):
     def _per_rank(self, layers: dict[str, Layer], modules, tp: int, config) -> dict[str, object]:
         """Head counts read by the modules whose outputs are now split by head, as per-rank values;
         per-head norms next to them (replicated weights on this rank's heads) get their gradients
-        summed; any other unplanned parameters beside split heads are refused."""
+        summed, and parameters with a row per head are cut with the heads; any other unplanned
+        parameters beside split heads are refused."""
         attrs: dict[str, object] = {}
         split_parents = {
             path.rpartition(".")[0]
@@ -234,6 +236,8 @@ class TpPlanPolicy(Policy):
         for parent in sorted(split_parents):
             module = modules[parent]
             head_dim = getattr(module, "head_dim", config_head_dim)  # the module's own, where layers differ
+            # [heads, head_dim] of the query or key/value heads: contiguous per rank, as the columns cut them
+            per_head = {torch.Size((n, head_dim)) for n in sizes[:2] if n and n % tp == 0}
             attrs.update(heads.per_rank_attributes(parent, module, tp, groups))
             if isinstance(getattr(module, "attention_dropout", None), float) and parent not in layers:
                 layers[parent] = Layer(parent, replace_layer=styles.AttentionDropoutRng)
@@ -252,6 +256,9 @@ class TpPlanPolicy(Policy):
                     # shared by every head or feature (a per-head norm, a learned activation's scalars):
                     # each rank's gradient covers its own part only
                     layers[path] = Layer(path, replace_layer=styles.GradAllReduce)
+                elif all(p.shape in per_head for p in own):  # a row per head (Cohere's q/k norm): cut with them
+                    names = {n: 0 for n, _ in child.named_parameters(recurse=False)}
+                    layers[path] = Layer(path, replace_layer=styles.head_params_layer(names))
                 elif not any(size in split_widths for p in own for size in p.shape):
                     continue  # sized like no split activation: on replicated features (MLA's latent norms)
                 else:

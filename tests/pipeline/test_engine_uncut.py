@@ -1,0 +1,121 @@
+"""ParallelEngine at tensor_parallel_size=1 on models no tensor-parallel route cuts, on 2 gloo ranks against
+one process training the unsharded model on the same batches (losses, and every weight after two AdamW
+steps): data parallelism needs no cut, so ALBERT (one layer's weights applied at every depth, no route)
+and a timm ResNet (convolutions) train at dp=2 under ZeRO-1 and ZeRO-3, kept whole (route "none: tp=1").
+ELECTRA with an embedding narrower than its hidden size splits at pp=2: its ``embeddings_project``, between
+the embeddings and the layers, sits on the first stage. One spawn."""
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+
+from shardformer.core.tiny import tiny_config
+from shardformer.policies.anatomy_pipeline import pipeline_spec_for
+from shardformer.policies.routes import NONE
+from shardformer.tools.pair_check import load_pair
+from tests.helpers import check_table
+from tests.pipeline import common
+from tests.pipeline.test_engine import _check
+
+STEPS = 2
+
+
+def _albert(zero_stage):
+    pair = load_pair(tf.AlbertForMaskedLM, tiny_config(tf.AlbertConfig))
+    engine = _check(
+        "albert", 1, 1, 2, "1f1b", 1, None, zero_stage=zero_stage, model_pair=pair,
+        data=common.batches("Albert", STEPS), optimizer=common.adamw,
+    )  # fmt: skip
+    assert engine.model.shardformer.route == NONE, engine.model.shardformer.route
+
+
+def _resnet():
+    from timm.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=5, channels=(8, 8, 16, 16), stem_width=8)
+
+
+def _resnet_loss(out, micro_batch):
+    return torch.nn.functional.cross_entropy(out, micro_batch["y"])
+
+
+def _convnet(zero_stage):
+    model = _resnet()
+    g = torch.Generator().manual_seed(0)
+    data = [
+        {"x": torch.randn(common.BATCH, 3, 16, 16, generator=g), "y": torch.randint(0, 5, (common.BATCH,), generator=g)}
+        for _ in range(STEPS)
+    ]
+    engine = _check(
+        "resnet", 1, 1, 2, "1f1b", 1, None, zero_stage=zero_stage, model_pair=(copy.deepcopy(model), model),
+        loss_fn=_resnet_loss, data=data, optimizer=common.adamw,
+    )  # fmt: skip
+    assert engine.model.shardformer.route == NONE, engine.model.shardformer.route
+
+
+def check_albert_dp2_zero1():
+    _albert(1)
+
+
+def check_albert_dp2_zero3():
+    _albert(3)
+
+
+def check_resnet_dp2_zero1():
+    _convnet(1)
+
+
+def check_resnet_dp2_zero3():
+    _convnet(3)
+
+
+# the widths the tiny copy of the anatomy's proof once made equal (32 beside a hidden size scaled to 32)
+ELECTRA = dict(embedding_size=32, hidden_size=64, num_attention_heads=4, intermediate_size=64, num_hidden_layers=4)
+
+
+def check_electra_narrow_embedding_pp2():
+    pair = load_pair(tf.ElectraForMaskedLM, tiny_config(tf.ElectraConfig, **ELECTRA))
+    engine = _check(
+        "electra", 1, 2, 1, "1f1b", 2, None, model_pair=pair, data=common.batches("Electra", STEPS),
+        optimizer=common.adamw,
+    )  # fmt: skip
+    assert "electra.embeddings_project" in engine.pipeline.first, engine.pipeline.first
+
+
+CHECKS = [
+    check_albert_dp2_zero1,
+    check_albert_dp2_zero3,
+    check_resnet_dp2_zero1,
+    check_resnet_dp2_zero3,
+    check_electra_narrow_embedding_pp2,
+]
+test_engine_uncut_2_ranks = check_table(CHECKS, 2)
+
+
+@pytest.mark.parametrize("widths", [(16, 32), (32, 64), (64, 32)])
+def test_a_projection_between_embeddings_and_layers_is_on_the_first_stage(widths):
+    embedding, hidden = widths
+    config = tf.ElectraConfig(
+        vocab_size=99, embedding_size=embedding, hidden_size=hidden, num_hidden_layers=2, intermediate_size=64
+    )
+    spec = pipeline_spec_for(tf.ElectraForSequenceClassification(config))
+    assert spec.first == ("electra.embeddings", "electra.embeddings_project"), spec.first
+
+
+def test_a_module_the_tiny_copy_lacks_is_named_not_left_to_the_user(monkeypatch):
+    """Where a tiny copy lacks a module of the user's model (here: the copy's widths made equal by hand), the
+    refusal names the module and why, and asks for no edit of a spec the user never wrote."""
+    from shardformer.core import tiny
+
+    monkeypatch.setattr(tiny, "_keep_apart", lambda *_: None)
+    config = tf.ElectraConfig(
+        vocab_size=99, embedding_size=32, hidden_size=96, num_hidden_layers=2, intermediate_size=64
+    )
+    with pytest.raises(NotImplementedError) as refused:
+        pipeline_spec_for(tf.ElectraForMaskedLM(config))
+    message = str(refused.value)
+    assert "its tiny copy (its config scaled down) has no electra.embeddings_project" in message, message
+    assert "add its module" not in message, message
