@@ -243,18 +243,22 @@ class ModelSharder:
             here = _numel(self.model)
             tp = self.shard_config.tensor_parallel_size
             towers = list(getattr(self.policy, "towers", []))  # stacks the plan left whole, derived
-            logger.info(
-                "sharded %s with %s%s at tp=%d: %s; parameters on this rank %s of %s (%.3f; 1/tp = %.3f)",
-                name,
-                type(self.policy).__name__,
-                f" (derived and proven: {', '.join(towers)})" if towers else "",
-                tp,
-                ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
-                f"{here:,}",
-                f"{params_before:,}",
-                here / max(1, params_before),
-                1 / tp,
-            )
+            policy = type(self.policy).__name__ + (f" (derived and proven: {', '.join(towers)})" if towers else "")
+            if tp == 1:  # the layers are swapped for their parallel forms all the same, but none is cut
+                logger.info("sharded %s with %s at tp=1: nothing is cut, this rank holds all %s parameters",
+                            name, policy, f"{here:,}")  # fmt: skip
+            else:
+                logger.info(
+                    "sharded %s with %s at tp=%d: %s; parameters on this rank %s of %s (%.3f; 1/tp = %.3f)",
+                    name,
+                    policy,
+                    tp,
+                    ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+                    f"{here:,}",
+                    f"{params_before:,}",
+                    here / max(1, params_before),
+                    1 / tp,
+                )
         return self.model
 
     def inject_model(self) -> None:
