@@ -19,7 +19,7 @@ from shardformer.context_parallel.anatomy import StackAnatomy
 from shardformer.context_parallel.checks import ContextParallelPlan
 from shardformer.context_parallel.model import splits
 from shardformer.context_parallel.rng import rank_seed
-from shardformer.core import forward_agreement
+from shardformer.core import forward_agreement, position_limit
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 from shardformer.core.rng import agree_on_rng
@@ -228,6 +228,7 @@ class ModelSharder:
             context = apply_context_parallel(
                 self.model, mesh.cp_group, cfg.context_parallel_mode, plan.attention, cfg.gather_output
             )
+        position_limit.install(self.model)  # ids past a position table: the input, the limit, the fix
         every = self.shard_config.forward_agreement_every
         agreement = forward_agreement.install(self.model, mesh, group, None if context is None else splits, every)
         info = ShardedModelInfo(
