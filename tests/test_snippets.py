@@ -6,7 +6,8 @@ A block preceded by `<!-- not-run: reason -->` is an illustration (a fragment, p
 package) and is skipped; the reason must be given. Snippets build tiny models: no download.
 
 A snippet also runs clean: a warning it prints on any rank (Python's warnings, or a library's log record at
-WARNING or above) fails it, as warnings-as-errors would, unless EXPECTED lists it with the reason it stays.
+WARNING or above) fails it, as warnings-as-errors would, unless tests/helpers.py's EXPECTED_WARNINGS lists it
+with the reason it stays.
 They are recorded rather than raised, so a rank's peers are not left waiting in a collective.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from shardformer.tools.testing import run_on_ranks
+from tests.helpers import unexpected_warnings
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -38,15 +40,6 @@ def snippets():
             assert reason is None or reason.strip(), f"{name}: a not-run marker needs its reason"
             found.append((name, match.group("code"), reason))
     return found
-
-
-# The warnings a snippet may print (a pattern of the message: the reason it is not ours to remove).
-EXPECTED = {
-    r"`is_gradient_checkpointing` is deprecated": (
-        "PEFT 0.21.2 reads transformers' deprecated property in PeftModel's constructor (peft_model.py); "
-        "every user of plain PEFT on transformers 5.24 sees it"
-    ),
-}
 
 
 class _Records(logging.Handler):
@@ -123,10 +116,6 @@ def results(tmp_path_factory):
     return cache["r"]
 
 
-def unexpected(printed: list[str]) -> list[str]:
-    return [message for message in printed if not any(re.search(p, message) for p in EXPECTED)]
-
-
 def test_the_illustrations_are_few():
     skipped = [name for name, _, reason in ALL if reason is not None]
     assert len(skipped) <= len(ALL) // 2, f"most snippets are marked not-run: {skipped}"
@@ -142,13 +131,8 @@ def test_snippet_runs(name, tmp_path_factory):
 @pytest.mark.parametrize("name", [name for name, _ in RUN])
 def test_snippet_warns_nothing_unexpected(name, tmp_path_factory):
     error, printed = results(tmp_path_factory)[name]
-    if error is None and unexpected(printed):
+    if error is None and unexpected_warnings(printed):
         pytest.fail(
-            f"{name} warned (fix it, or list it in EXPECTED with the reason):\n" + "\n".join(unexpected(printed))
+            f"{name} warned (fix it, or list it in EXPECTED_WARNINGS with the reason):\n"
+            + "\n".join(unexpected_warnings(printed))
         )
-
-
-def test_every_expected_warning_is_still_printed(tmp_path_factory):
-    printed = [m for error, messages in results(tmp_path_factory).values() if error is None for m in messages]
-    stale = [pattern for pattern in EXPECTED if not any(re.search(pattern, m) for m in printed)]
-    assert stale == [], f"no snippet prints these any more: drop them from EXPECTED: {stale}"
