@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardformer-installed
 
-.PHONY: test demo conformance config-flips compat docs exit-loop
+.PHONY: test demo conformance config-flips compat docs exit-loop dist install-check
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -36,6 +36,19 @@ exit-loop: $(STAMP)
 # tests/test_docs.py runs the same build inside `make test`.
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# A wheel and an sdist of the package in dist/ (`python -m build`, the `build` frontend of the test extra;
+# setuptools, the one build requirement, at its pinned release through PIP_CONSTRAINT).
+dist: $(STAMP)
+	rm -rf dist
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m build --outdir dist .
+
+# Not part of `make test` (a few minutes, most of them pip installing torch and the rest): the wheel of
+# `make dist` installed with its hf extra into a fresh venv (.venv-install-check, no system site-packages)
+# with `pip install -c constraints.txt`, and the README's quickstarts run there with its `shardformer run`
+# on 2 processes, outside the clone (tests/install_check.py).
+install-check: dist
+	$(PY) tests/install_check.py dist/shardformer-*.whl
 
 # Not part of `make test`: the newest releases pyproject's ranges admit (torch and torchvision excepted),
 # installed into .venv-compat, with the suite and the conformance sweep run there; prints which releases

@@ -1,4 +1,7 @@
-"""Shared test utilities: compare sharded tensors and gradients against the unsharded module."""
+"""Shared test utilities: compare sharded tensors and gradients against the unsharded module; the warnings
+the quickstarts and examples may print."""
+
+import re
 
 import pytest
 import torch
@@ -6,6 +9,23 @@ import torch.distributed as dist
 
 from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL  # the one fp32 tolerance table
 from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
+
+# The warnings a README/docs snippet (tests/test_snippets.py) or an example (tests/examples) may print on a
+# clean run, each a pattern of the message with the reason it stays; any other one fails them.
+EXPECTED_WARNINGS = {
+    r"`is_gradient_checkpointing` is deprecated": (
+        "PEFT 0.21.2 reads transformers' deprecated property in PeftModel's constructor (peft_model.py); "
+        "every user of plain PEFT on transformers 5.24 sees it"
+    ),
+    r"BertForSequenceClassification LOAD REPORT": (
+        "examples/bert puts a new classification head on the MiniLM encoder; transformers reports the head's "
+        "weights as newly initialized (MISSING), which is where fine-tuning a classifier starts"
+    ),
+}
+
+
+def unexpected_warnings(printed: list[str]) -> list[str]:
+    return [message for message in printed if not any(re.search(p, message) for p in EXPECTED_WARNINGS)]
 
 
 def assert_close(actual, expected, atol=ATOL, rtol=RTOL, what=""):

@@ -193,6 +193,9 @@ def test_cli_prints_the_plan_and_refuses_sizes_that_do_not_fit(tmp_path, capsys)
     assert "activations per rank, batch 2 x seq 16" in out and "+ sequence parallel" in out
     assert main(["plan", folder, "--tp", "2", "--pp", "2", "--summary", "--batch", "2", "--seq", "16"]) == 0
     assert "of the whole model (all layers, not one of the 2 pipeline stages" in capsys.readouterr().out
+    assert main(["plan", folder]) == 0  # tp=1: the layers become parallel forms, yet nothing is cut
+    out = capsys.readouterr().out
+    assert "nothing is cut at tp=1: every rank holds every layer whole" in out and "replaced modules" not in out
     assert main(["plan", folder, "--batch", "2"]) == 2
     assert "give both (--batch and --seq)" in capsys.readouterr().err
     assert main(["plan", "no-such-model"]) == 2

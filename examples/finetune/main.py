@@ -108,7 +108,10 @@ def main() -> None:
 
         from shardformer.integrations import ShardedSFTTrainer
 
-        args = SFTConfig(os.path.join(out, "run"), max_length=SEQ, bf16=False, **settings)
+        # TRL defaults to checkpointing under transformers' deprecated name (a FutureWarning); the new name, same run
+        args = SFTConfig(
+            os.path.join(out, "run"), max_length=SEQ, bf16=False, activation_checkpointing=True, **settings
+        )
         trainer = ShardedSFTTrainer(
             model=model, args=args, train_dataset=text_patterns(), processing_class=word_tokenizer(), peft_config=lora
         )

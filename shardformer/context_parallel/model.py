@@ -43,6 +43,7 @@ from shardformer.context_parallel.layout import ZigzagLayout, gather_split, layo
 from shardformer.context_parallel.positions import hook_rotary, pad_id, whole_positions
 from shardformer.context_parallel.rng import RankStream
 from shardformer.core.comm import all_reduce, group_rank, group_size, reduce_from_parallel
+from shardformer.core.position_limit import check_positions, position_tables
 from shardformer.core.record import sharding_of
 
 IGNORE = -100
@@ -71,6 +72,7 @@ class ContextParallel:
     def __init__(self, model: nn.Module, group, mode: str, plan, gather_output: bool) -> None:
         self.group, self.mode, self.original, self.gather_output = group, mode, plan.original, gather_output
         self.position_rule, self.pad_id, self.name = plan.positions, pad_id(model), type(model).__name__
+        self.position_tables = position_tables(model)  # each rank reads other positions: checked before the split
         self.stream = RankStream(group_rank(group))  # functional dropout: each rank's tokens their own masks
         self.world = group_size(group)
         self.causal_lm = is_causal_lm(model)
@@ -215,6 +217,7 @@ class ContextParallel:
         padding = layout.pad(padding, False)
         if positions is None:  # the ones the model derives for the whole sequence
             positions = whole_positions(self.position_rule, self.name, self.pad_id, ids, mask, batch, length, device)
+        check_positions(self.position_tables, positions)  # on every rank alike, before any rank's collective
         kw["position_ids"] = layout.take(positions)
         kw["attention_mask"] = padding  # whole: masks are evaluated at global positions
         for key in _SPLIT_IDS:

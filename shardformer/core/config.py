@@ -75,7 +75,7 @@ class ShardConfig:
     """How to shard a model.
 
     tensor_parallel_size, pipeline_parallel_size, data_parallel_size:
-        parallel sizes; ``data_parallel_size`` defaults to world // (tp * pp).
+        parallel sizes; ``data_parallel_size`` defaults to world // (tp * cp * pp).
     tensor_parallel_process_group:
         use this group for tensor parallelism instead of building a mesh (its size is the tp size).
     gather_output:

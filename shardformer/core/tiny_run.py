@@ -42,7 +42,17 @@ def tiny_copy(model, tp: int, seed: int = 0, heads: int | None = None):
         tiny = type(model)(config)
         instance.reproduce(model, tiny)
         fill_zero_matrices(tiny)
-    return tiny.eval()
+    return name_default_loss(tiny).eval()
+
+
+def name_default_loss(model):
+    """``model`` with the loss transformers falls back to named: its ``loss_function`` property logs
+    "`loss_type=None` was set in the config but it is unrecognized" (once a process) for a class whose
+    name names no loss (``GPT2LMHeadModel``), then takes the causal-LM loss; a copy the library runs
+    takes that same loss without printing the user a warning about a model they never ran."""
+    if getattr(model, "loss_type", "") is None:
+        model.loss_type = "ForCausalLM"
+    return model
 
 
 def runnable_tiny_config(
@@ -87,7 +97,7 @@ def run_error(model_class, config, inputs=make_inputs, max_params: int | None = 
             return f"{count / 1e6:.0f}M parameters, more than a copy that keeps the widths may have"
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = model_class(config)
+            model = name_default_loss(model_class(config))
             fill_zero_matrices(model)
             model.eval()
             step = "inputs"

@@ -52,6 +52,11 @@ class ShardedLoraLinear(LoraLinear):
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         self.fan_in_fan_out = self.get_base_layer().reversed  # Conv1D's [in, out] layout, whatever the config says
 
+    def _get_in_out_features(self, module) -> tuple[int, int]:
+        # PEFT's lookup by type does not know our layers and warns "Unsupported layer type ... at your own
+        # risk" before reading the same two attributes: the full sizes, which update_layer checks below
+        return module.in_features, module.out_features
+
     def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs) -> None:
         base = self.get_base_layer()
         init = config.init_lora_weights

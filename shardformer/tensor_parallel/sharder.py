@@ -19,7 +19,7 @@ from shardformer.context_parallel.anatomy import StackAnatomy
 from shardformer.context_parallel.checks import ContextParallelPlan
 from shardformer.context_parallel.model import splits
 from shardformer.context_parallel.rng import rank_seed
-from shardformer.core import forward_agreement
+from shardformer.core import forward_agreement, position_limit
 from shardformer.core.config import ShardConfig
 from shardformer.core.record import ShardedModelInfo, attach, build_mesh, is_sharded, sharding_of
 from shardformer.core.rng import agree_on_rng
@@ -228,6 +228,7 @@ class ModelSharder:
             context = apply_context_parallel(
                 self.model, mesh.cp_group, cfg.context_parallel_mode, plan.attention, cfg.gather_output
             )
+        position_limit.install(self.model)  # ids past a position table: the input, the limit, the fix
         every = self.shard_config.forward_agreement_every
         agreement = forward_agreement.install(self.model, mesh, group, None if context is None else splits, every)
         info = ShardedModelInfo(
@@ -243,18 +244,22 @@ class ModelSharder:
             here = _numel(self.model)
             tp = self.shard_config.tensor_parallel_size
             towers = list(getattr(self.policy, "towers", []))  # stacks the plan left whole, derived
-            logger.info(
-                "sharded %s with %s%s at tp=%d: %s; parameters on this rank %s of %s (%.3f; 1/tp = %.3f)",
-                name,
-                type(self.policy).__name__,
-                f" (derived and proven: {', '.join(towers)})" if towers else "",
-                tp,
-                ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
-                f"{here:,}",
-                f"{params_before:,}",
-                here / max(1, params_before),
-                1 / tp,
-            )
+            policy = type(self.policy).__name__ + (f" (derived and proven: {', '.join(towers)})" if towers else "")
+            if tp == 1:  # the layers are swapped for their parallel forms all the same, but none is cut
+                logger.info("sharded %s with %s at tp=1: nothing is cut, this rank holds all %s parameters",
+                            name, policy, f"{here:,}")  # fmt: skip
+            else:
+                logger.info(
+                    "sharded %s with %s at tp=%d: %s; parameters on this rank %s of %s (%.3f; 1/tp = %.3f)",
+                    name,
+                    policy,
+                    tp,
+                    ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+                    f"{here:,}",
+                    f"{params_before:,}",
+                    here / max(1, params_before),
+                    1 / tp,
+                )
         return self.model
 
     def inject_model(self) -> None:

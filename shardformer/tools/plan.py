@@ -316,10 +316,13 @@ def format_plan(plan: Plan, show_params: bool = True) -> str:
         + (f"cp={plan.cp} ({plan.cp_mode}) x " if plan.cp > 1 else "")
         + f"pp={plan.pp} x dp={plan.dp} = {plan.world} processes, zero stage {plan.zero}, {plan.precision}",
         "",
-        f"replaced modules ({len(plan.replaced)}):",
     ]
+    if plan.tp == 1:  # the parallel forms are put in all the same; listing them would suggest a cut
+        lines.append("nothing is cut at tp=1: every rank holds every layer whole")
+    else:
+        lines.append(f"replaced modules ({len(plan.replaced)}):")
     kinds: dict[tuple[str, str], list[str]] = {}
-    for path, old, new in plan.replaced:
+    for path, old, new in plan.replaced if plan.tp > 1 else ():
         kinds.setdefault((old, new), []).append(path)
     for (old, new), paths in kinds.items():
         lines.append(f"  {old} -> {new}: {len(paths)} (e.g. {paths[0] or 'the model itself'})")

@@ -1,23 +1,35 @@
 """The examples end to end: `shardformer run` on 2 CPU processes (tp=2), train then inference.
 
 Tiny settings (``--set``) keep each launch to seconds; outputs go to pytest's tmp_path. Each test
-checks what a user would: exit status 0, the loss fell, a loss-curve PNG and a checkpoint were
-written, and inference after training says something different from the untrained model.
+checks what a user would: exit status 0, no warning printed (but those tests/helpers.py's
+EXPECTED_WARNINGS lists with a reason), the loss fell, a loss-curve PNG and a checkpoint were written,
+and inference after training says something different from the untrained model.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers import unexpected_warnings
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 LIMIT_S = 240  # a hang fails the test, not the suite
-ENV = {**os.environ, "SHARDFORMER_TIMEOUT_S": "60", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+ENV = {**os.environ, "SHARDFORMER_TIMEOUT_S": "60", "HF_HUB_OFFLINE": "1"}
+ENV.pop("PYTHONWARNINGS", None)  # a warning an example prints is a failure (see check_clean)
+# what a rank prints for a Python warning ("file.py:12: FutureWarning: ...") and for a transformers log record
+PRINTED_WARNING = re.compile(r"^\S+:\d+: (\w*Warning: .*)$|^\[transformers\] (.*)$", re.M)
+
+
+def check_clean(what: str, result: subprocess.CompletedProcess) -> None:
+    printed = [a or b for a, b in PRINTED_WARNING.findall(result.stdout + result.stderr)]
+    assert not unexpected_warnings(printed), f"{what} warned:\n" + "\n".join(sorted(set(unexpected_warnings(printed))))
 
 
 def launch(example: str, mode: str, out, *settings: str) -> str:
@@ -28,6 +40,7 @@ def launch(example: str, mode: str, out, *settings: str) -> str:
     argv += [os.path.join(folder, "main.py"), "--config", os.path.join(folder, "config.py"), "--mode", mode, *sets]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=LIMIT_S, env=ENV, cwd=ROOT)
     assert result.returncode == 0, f"{example} --mode {mode} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    check_clean(f"{example} --mode {mode}", result)
     return result.stdout
 
 
@@ -105,6 +118,7 @@ def test_finetune_lora_with_trl_sft(tmp_path):
     argv += [os.path.join(EXAMPLES, "finetune", "main.py"), "--output_dir", str(tmp_path), "--sft", "--lora"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=LIMIT_S, env=ENV, cwd=ROOT)
     assert result.returncode == 0, f"finetune failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    check_clean("finetune --sft --lora", result)
     with open(tmp_path / "metrics.json") as file:
         losses = json.load(file)["losses"]
     assert len(losses) == 4 and losses[-1] < losses[0], losses

@@ -11,6 +11,7 @@ One spawn of 2 ranks for all of it.
 
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -227,8 +228,21 @@ def check_all_linear_and_a_replicated_module_to_save_in_both_orders():
             assert_close(torch.tensor(train(model)), torch.tensor(losses), what=f"{kind} all-linear {order} losses")
 
 
+def check_lora_on_parallel_layers_is_not_warned_about():
+    """PEFT warns "Unsupported layer type ... proceed at your own risk" on a layer type it does not know;
+    our parallel layers are sized by their LoRA layer, so neither order warns."""
+    for kind in MODELS:
+        for order in ("peft_first", "shard_first"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with_lora(kind, order)
+            unsupported = [str(w.message) for w in caught if "Unsupported layer type" in str(w.message)]
+            assert unsupported == [], (kind, order, unsupported)
+
+
 test_peft_at_tp2 = check_table(
     [
+        check_lora_on_parallel_layers_is_not_warned_about,
         check_gpt2_lora_trains_exactly_in_both_orders,
         check_llama_lora_trains_exactly_in_both_orders,
         check_llama_saved_adapter_loads_in_plain_peft_and_merges,

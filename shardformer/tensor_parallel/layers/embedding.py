@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardformer.core.comm import group_rank, group_size, reduce_from_parallel
-from shardformer.tensor_parallel.layers.index_check import check_indices
+from shardformer.core.index_check import check_indices
 from shardformer.tensor_parallel.slicer import Slicer, shard_spec
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardformer.core.comm import all_reduce, group_rank, group_size
-from shardformer.tensor_parallel.layers.index_check import check_indices
+from shardformer.core.index_check import check_indices
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
