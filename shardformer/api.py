@@ -1,6 +1,6 @@
 """``shard_model``: the one-liner. Picks the first route that proves exact on a tiny copy (the model
-family's policy, transformers' own plan, the derived cut: :mod:`shardformer.policies.routes`) and the
-layer stack (the model's anatomy, :mod:`shardformer.policies.anatomy`), then lets the sharder cut."""
+family's policy, transformers' own plan, the derived cut: `shardformer.policies.routes`) and the
+layer stack (the model's anatomy, `shardformer.policies.anatomy`), then lets the sharder cut."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def shard_model(model: nn.Module, shard_config: ShardConfig | None = None, polic
 def shard_before_split(
     model: nn.Module, shard_config: ShardConfig, policy: Policy | None, pipeline: PipelineSpec | None
 ) -> nn.Module:
-    """:func:`shard_model` for a caller that keeps one pipeline stage of ``model`` right after, by
+    """`shard_model` for a caller that keeps one pipeline stage of ``model`` right after, by
     ``pipeline`` (ParallelEngine): the model is cut for tensor parallelism over a mesh with pp > 1. A
     spec is required at pp > 1, so that no model is left whole on a pipeline mesh."""
     if shard_config.pipeline_parallel_size > 1 and not isinstance(pipeline, PipelineSpec):

@@ -2,10 +2,10 @@
 
 It composes what the technique packages build: the process mesh, the model sharded for tensor
 parallelism (``shard_model`` with a policy), this rank's pipeline stage or chunks
-(:mod:`shardformer.pipeline.placement`), the stage forwards (context parallelism, compile, FSDP2 at
-``zero_stage=3``), the optimizer (:func:`~shardformer.data_parallel.build.build_optimizer`) and a
-pipeline schedule over micro-batches. Its settings, :class:`EngineConfig`, live with ShardConfig in
-:mod:`shardformer.core.config` (imported here, so ``from shardformer.engine import EngineConfig`` works).
+(`shardformer.pipeline.placement`), the stage forwards (context parallelism, compile, FSDP2 at
+``zero_stage=3``), the optimizer (`shardformer.data_parallel.build.build_optimizer`) and a
+pipeline schedule over micro-batches. Its settings, `EngineConfig`, live with ShardConfig in
+`shardformer.core.config` (imported here, so ``from shardformer.engine import EngineConfig`` works).
 """
 
 from __future__ import annotations
@@ -79,14 +79,14 @@ class ParallelEngine:
         model: an unsharded HF / timm model (sharded and split in place).
         optimizer: ``params -> torch.optim.Optimizer`` (built over this rank's stage shards), or None
             for an engine that only runs ``forward`` / ``eval_step`` (inference).
-        config: an :class:`EngineConfig`.
+        config: an `EngineConfig`.
         policy: a custom tensor-parallel Policy (default: the built-in one for the model's class).
-        pipeline: a custom :class:`~shardformer.pipeline.PipelineSpec`, used as written (default at
+        pipeline: a custom `shardformer.pipeline.PipelineSpec`, used as written (default at
             pp > 1: the first route proven exact on a tiny copy, ``pipeline_spec_for``; at pp=1 the
             family's, else the model's own forward).
         loss_fn: ``(last-stage output, micro_batch) -> loss``; default: the output's ``loss`` (refused
             with cp > 1, where each rank's output is its chunk of the sequence).
-        mesh: an existing :class:`~shardformer.ProcessMesh` with the same sizes (default: built here).
+        mesh: an existing `shardformer.ProcessMesh` with the same sizes (default: built here).
 
     ``train_step(batch)`` returns the step's loss, the same on every rank: the mean over the
     ``dp * num_microbatches`` chunks of each chunk's loss (the usual gradient-accumulation mean).

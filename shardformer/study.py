@@ -6,7 +6,7 @@ family record, its layer stacks and final norm, what runs around its stack (cont
 routes that may cut it (tensor parallelism), where its experts go (expert parallelism), and the
 pipeline spec it is split by (pipeline parallelism). The questions the techniques ask again deeper
 down (the repeated blocks, the stacks, the instance) are answered once per model while the study's
-block is open (:func:`~shardformer.core.study_memo.studied_once`)."""
+block is open (`shardformer.core.study_memo.studied_once`)."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ class ModelStudy:
 
 def study_model(model: nn.Module, shard_config: ShardConfig, policy: Policy | None = None) -> ModelStudy:
     """The study of ``model`` for ``shard_config`` (every rank calls it: the experts' place is proven over
-    the mesh :func:`with_expert_mesh` put in the config). Call it inside
-    :func:`~shardformer.core.study_memo.studied_once`."""
+    the mesh `with_expert_mesh` put in the config). Call it inside
+    `shardformer.core.study_memo.studied_once`."""
     routes = candidate_routes(model) if policy is None else [route_of(policy, model)]
     study = ModelStudy(
         instance=study_instance(model),  # first, before anything is cut: every copy and verdict reads it

@@ -29,17 +29,23 @@ def test_the_docs_build_strict(tmp_path):
     assert (tmp_path / "site" / "reference" / "index.html").read_text().count("shard_model") > 1
 
 
-def test_a_broken_link_fails_the_build(tmp_path):
+def test_a_broken_link_or_a_raw_sphinx_role_fails_the_build(tmp_path):
     copy = tmp_path / "repo"
     copy.mkdir()
     shutil.copy(ROOT / "mkdocs.yml", copy)
     shutil.copytree(ROOT / "docs", copy / "docs")
+    shutil.copytree(ROOT / "docs_hooks", copy / "docs_hooks")
     (copy / "docs" / "reference.md").write_text("# API reference\n")  # no package needed for this check
     page = copy / "docs" / "index.md"
     page.write_text(page.read_text() + "\nSee [the missing page](no-such-page.md).\n")
+    guide = copy / "docs" / "install.md"  # what a docstring written for Sphinx renders as
+    guide.write_text(guide.read_text() + "\nBuilt by :class:`~shardformer.ParallelEngine`.\n")
     result = build(copy, tmp_path / "site")
     assert result.returncode != 0
     assert "no-such-page.md" in result.stdout + result.stderr
+    assert (
+        "install.md shows a raw Sphinx role :class:<code>~shardformer.ParallelEngine" in result.stdout + result.stderr
+    )
 
 
 def _names(requirements) -> list[str]:

@@ -1,10 +1,10 @@
 """Checkpoints: HuggingFace export, resumable training checkpoints, shard-on-load.
 
-- :func:`save_pretrained` writes a sharded model as a plain HuggingFace (or timm) folder; a sharded
+- `save_pretrained` writes a sharded model as a plain HuggingFace (or timm) folder; a sharded
   model's own ``model.save_pretrained(dir)`` is routed to it.
-- :func:`save_checkpoint` / :func:`load_checkpoint` save and resume training at any (tp, pp, dp).
-- :func:`load_sharded` builds a sharded model from a HuggingFace folder, each rank reading only its slices.
-- :class:`CheckpointError` is what they raise for a path or a file they refuse, naming it and the problem.
+- `save_checkpoint` / `load_checkpoint` save and resume training at any (tp, pp, dp).
+- `load_sharded` builds a sharded model from a HuggingFace folder, each rank reading only its slices.
+- `CheckpointError` is what they raise for a path or a file they refuse, naming it and the problem.
 """
 
 from shardformer.checkpoint.errors import CheckpointError

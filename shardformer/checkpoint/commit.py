@@ -7,7 +7,7 @@ not. Then the folder takes the name ``path`` in two renames (the previous checkp
 ``<path>.old-<token>``, the new one to ``path``) and the old one is deleted, manifest first.
 
 A crash at any instant therefore leaves either ``path`` complete, or no ``path`` and a complete folder
-under a temporary name (between the two renames): :func:`recover` (run by the next save and load)
+under a temporary name (between the two renames): `recover` (run by the next save and load)
 renames the newest complete one back to ``path``. Leftovers of crashed saves are removed by the next save.
 """
 

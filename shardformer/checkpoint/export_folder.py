@@ -4,7 +4,7 @@ An export writes into ``<path>.tmp-<token>``. Files of the folder it replaces th
 write itself (a tokenizer, notes, a ``model_best.safetensors``) are carried over as hard links
 (copies where links are impossible); the weights and index of the earlier export are not. Then the
 folder takes the name ``path`` by the two renames a training checkpoint uses
-(:func:`shardformer.checkpoint.commit.swap`). A crash at any instant leaves the earlier export
+(`shardformer.checkpoint.commit.swap`). A crash at any instant leaves the earlier export
 whole, the new one whole, or, between the two renames, no ``path`` and both folders: the next
 export renames the new one back (``<path>.old-<token>`` beside ``<path>.tmp-<token>`` means the
 latter was complete) and removes the leftovers of crashed exports.

@@ -2,7 +2,7 @@
 
 A checkpoint folder holds
 
-- ``meta.json``: the manifest (written last, see :mod:`shardformer.checkpoint.commit`): every file's
+- ``meta.json``: the manifest (written last, see `shardformer.checkpoint.commit`): every file's
   size and sha256, format, step, ``extra``, the layout it was saved at, the model's class and config,
   the LR scheduler state, and the sha256 of the manifest itself;
 - ``model-pp{p}-tp{t}.safetensors``: stage ``p``'s tensors as tp rank ``t`` holds them (written by
@@ -12,9 +12,9 @@ A checkpoint folder holds
   (written by dp rank ``e``, the first rank holding them), experts only;
 - ``rank{r}.safetensors`` + ``rank{r}.json``: global rank ``r``'s optimizer shard and RNG states.
 
-:class:`ModelIndex` finds every saved piece of a tensor by name and rebuilds it for a new layout
-(:func:`put_together`: the saved tp shards merged within each ep rank's experts, the ep ranks'
-experts stacked), then cuts this rank's piece (:func:`cut`: its experts' rows, then its tp shard).
+`ModelIndex` finds every saved piece of a tensor by name and rebuilds it for a new layout
+(`put_together`: the saved tp shards merged within each ep rank's experts, the ep ranks'
+experts stacked), then cuts this rank's piece (`cut`: its experts' rows, then its tp shard).
 """
 
 from __future__ import annotations

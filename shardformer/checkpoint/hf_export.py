@@ -2,7 +2,7 @@
 
 The tp shards are gathered by their ShardSpec (fused Q/K/V back in order, vocabulary padding cut),
 the pipeline stages are merged on global rank 0, and only global rank 0 writes, into a new folder
-swapped in as a whole (:mod:`shardformer.checkpoint.export_folder`): ``config.json``
+swapped in as a whole (`shardformer.checkpoint.export_folder`): ``config.json``
 (``architectures`` names the original transformers class, not the sharder's subclass) and
 safetensors weights, split into ``model-0000k-of-0000n.safetensors`` plus an index above
 ``max_shard_size``. Tied weights are written once, under the name transformers expects.
@@ -175,7 +175,7 @@ def save_pretrained_as_hf(
     **_ignored,
 ) -> None:
     """``model.save_pretrained(...)`` of a sharded model, with transformers' signature: the whole model
-    through :func:`save_pretrained`, collective on every rank (global rank 0 writes, whatever
+    through `save_pretrained`, collective on every rank (global rank 0 writes, whatever
     ``is_main_process`` says). What it cannot honour is refused before any collective."""
     unsupported = {
         "state_dict": state_dict is not None,  # a state dict of a sharded model is one rank's slices

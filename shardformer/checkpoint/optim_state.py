@@ -11,8 +11,8 @@ a dp-unsharded state (``ZeroOptimizer.load_full_state_dict``,
 ``ExpertParallelOptimizer.load_full_state_dict`` and ``FullyShardedOptimizer.load_state_dict`` shard
 it over their groups). Each parameter takes the hyper-parameters of the group it was saved in, so an
 optimizer whose groups are split differently (one group at ep=1, dense and expert groups at ep > 1)
-loads the same settings. Reading (:func:`read_optimizer`) checks every state against this rank's parameters and changes
-nothing; :func:`apply_optimizer` then cannot fail on the checkpoint's account.
+loads the same settings. Reading (`read_optimizer`) checks every state against this rank's parameters and changes
+nothing; `apply_optimizer` then cannot fail on the checkpoint's account.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Copy a HuggingFace folder's weights into an already sharded model, in place (each rank its slices).
 
 What resuming needs: the optimizer holds the model's Parameter objects, so they are written into,
-never replaced. The folder is the one :func:`save_pretrained` writes (tied names saved once).
+never replaced. The folder is the one `save_pretrained` writes (tied names saved once).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The model is built with its parameters on the meta device (no memory, no initial
 by its policy (the slicer cuts meta tensors like real ones, so every parameter gets its ShardSpec;
 expert parallelism keeps this rank's experts of the meta tensors, tagged with their ExpertSpec),
 and then each rank reads just the rows or columns its specs name from the safetensors files
-(byte runs read with ``pread``, see :class:`SafetensorsReader`), so a rank's peak memory is about model / tp instead
+(byte runs read with ``pread``, see `SafetensorsReader`), so a rank's peak memory is about model / tp instead
 of the whole model. Tied weights stay one Parameter: it is materialised once and set under all its
 names. Buffers are built for real (they are small, and non-persistent ones are not in the files);
 every buffer the files hold is then read from them, cut like the model cut it.
@@ -302,7 +302,7 @@ def materialize_from_safetensors(model: nn.Module, path: str, device=None) -> No
 def load_sharded(cls_or_name, path: str, shard_config=None, policy=None, device=None, **hf_kwargs) -> nn.Module:
     """Build ``cls`` (a transformers class or its name) from the folder ``path``, sharded on load.
 
-    ``shard_config`` / ``policy`` are as for :func:`shardformer.shard_model`; ``hf_kwargs`` go to the
+    ``shard_config`` / ``policy`` are as for `shardformer.shard_model`; ``hf_kwargs`` go to the
     model's construction (``attn_implementation=``, ``dtype=``) or its config; weights are read
     straight onto ``device`` (default CPU; buffers are moved there too). Every rank reads only
     its own slices; the result equals ``shard_model(cls.from_pretrained(path), shard_config)``.

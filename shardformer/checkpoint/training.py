@@ -1,8 +1,8 @@
 """Resumable training checkpoints: model shards, ZeRO optimizer shards, scheduler, RNG, step, data position.
 
-Saving: every rank writes its own files (see :mod:`shardformer.checkpoint.files` for the folder) into
+Saving: every rank writes its own files (see `shardformer.checkpoint.files` for the folder) into
 a temporary folder; when all ranks report success, global rank 0 commits it as ``path`` (see
-:mod:`shardformer.checkpoint.commit`: a manifest with every file's sha256, written last, then renames),
+`shardformer.checkpoint.commit`: a manifest with every file's sha256, written last, then renames),
 so a crash at any moment leaves the previous or the new checkpoint. Tensors go to safetensors,
 everything else to typed JSON (int keys and tuples come back as they went in): loading never unpickles.
 
@@ -140,7 +140,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None,
     """Save a resumable training checkpoint at ``path`` (a folder); collective on all ranks.
 
     ``extra`` is any dict of None, bool, int, float, str, list, tuple, set and dict (data position,
-    epoch, ...), handed back exactly by :func:`load_checkpoint`. ``path`` must be new, an empty
+    epoch, ...), handed back exactly by `load_checkpoint`. ``path`` must be new, an empty
     folder or a checkpoint holding only its own files; anything else is refused, as are the working
     directory and its parents. The previous checkpoint at ``path`` is replaced only once every rank
     has written its part; a crash at any moment leaves the previous or the new one.
@@ -312,11 +312,11 @@ def _read_all(path: str, model: nn.Module, optimizer, scheduler, lay: Layout) ->
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None) -> dict:
-    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and optimizer, scheduler).
+    """Load a checkpoint written by `save_checkpoint` into ``model`` (and optimizer, scheduler).
 
     Collective. Works at any (tp, pp, dp) layout. Everything is read and checked first (checksums,
     model class and config, names, shapes, optimizer and scheduler state); if anything is wrong on
-    any rank, every rank raises the same :class:`CheckpointError` listing the problems and nothing
+    any rank, every rank raises the same `CheckpointError` listing the problems and nothing
     is changed; no folder at ``path`` raises FileNotFoundError on every rank. Returns
     ``{"step", "extra", "layout", "rng_restored"}``; RNG states are restored
     only at the layout they were saved at.

@@ -47,7 +47,7 @@ _MAPPINGS = {"dict": dict, "OrderedDict": OrderedDict, "Counter": Counter}
 
 
 def decode(data):
-    """The value :func:`encode` was given."""
+    """The value `encode` was given."""
     if isinstance(data, list):
         return [decode(v) for v in data]
     if not isinstance(data, dict):
@@ -71,7 +71,7 @@ def _unreadable(file: str, e: Exception) -> CheckpointError:
 
 
 def decoded(data, file: str):
-    """:func:`decode`, with any damage reported naming the file."""
+    """`decode`, with any damage reported naming the file."""
     try:
         return decode(data)
     except (ValueError, TypeError, RecursionError) as e:

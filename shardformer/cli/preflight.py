@@ -95,7 +95,7 @@ def _launched(nnodes: int, nproc_per_node: int) -> str:
 
 def check_sizes(config: Config, nnodes: int, nproc_per_node: int, from_set: dict[str, str] | None = None) -> None:
     """The config's parallel sizes must fit the number of processes: world = tp * cp * pp * dp.
-    ``from_set``: sizes given by ``--set`` (:func:`sizes_from_set`), named as the source of their values."""
+    ``from_set``: sizes given by ``--set`` (`sizes_from_set`), named as the source of their values."""
     tp = config.get("tensor_parallel_size") or 1
     pp = config.get("pipeline_parallel_size") or 1
     cp = config.get("context_parallel_size") or 1

@@ -2,8 +2,8 @@
 transformers' attention interface, by Ulysses all-to-all or ring attention.
 
 ``ShardConfig(context_parallel_size=C, context_parallel_mode="ring" | "all_to_all")``; see
-:mod:`.model` for what happens to a forward, :mod:`.attention` for how attention is reached,
-:mod:`.ring` and :mod:`.ulysses` for the two ways it is computed, and :mod:`.checks` for what is refused.
+`.model` for what happens to a forward, `.attention` for how attention is reached,
+`.ring` and `.ulysses` for the two ways it is computed, and `.checks` for what is refused.
 """
 
 from shardformer.context_parallel.attention import IMPLEMENTATION

@@ -2,8 +2,8 @@
 
 A split forward runs every module on this rank's tokens only. Attention sees the whole sequence
 (through transformers' attention interface), the embeddings get the tokens' global positions
-(:mod:`.positions`); everything else must compute each token from that token alone. The model's
-anatomy (found once, in :mod:`shardformer.policies.anatomy`, which fills a :class:`StackAnatomy`) says
+(`.positions`); everything else must compute each token from that token alone. The model's
+anatomy (found once, in `shardformer.policies.anatomy`, which fills a `StackAnatomy`) says
 where to look:
 
 - the layer stacks: context parallelism splits the sequence of ONE stack (an encoder-decoder or two
@@ -14,7 +14,7 @@ where to look:
   (BERT's reads the first token) would give each cp rank the pooling of its own tokens: refused,
   naming the module. So is a model whose forward itself pools (CLIP's text model picks each row's
   end-of-text token): an output of one value per row, not per token, is refused by its name;
-- inside the stack: attention must be the only thing that mixes tokens (:mod:`.mixing`, on the
+- inside the stack: attention must be the only thing that mixes tokens (`.mixing`, on the
   same tiny copy).
 """
 

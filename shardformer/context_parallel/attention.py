@@ -1,5 +1,5 @@
 """Context parallelism through transformers' attention interface: one attention implementation and
-one mask implementation, registered under :data:`IMPLEMENTATION`, reach every model that uses the
+one mask implementation, registered under `IMPLEMENTATION`, reach every model that uses the
 interface, with no per-family code.
 
 A model under context parallelism has ``config._attn_implementation = IMPLEMENTATION`` and
@@ -7,11 +7,11 @@ remembers its original implementation (``"sdpa"``, ``"eager"``, ...):
 
 - the mask function: in a split forward, transformers' ``create_*_mask`` hands it the model's own
   mask pattern (causal, sliding window, chunked, bidirectional, with overlays) and the 2D padding
-  mask; it returns a :class:`SplitMask` holding them, which the layers pass on to attention
+  mask; it returns a `SplitMask` holding them, which the layers pass on to attention
   untouched. Masks are evaluated on GLOBAL positions with transformers' own ``sdpa_mask``, so
   they are the model's own masks, exactly (no "causal" assumed). Otherwise it is the original
   implementation's mask function.
-- the attention function: given a :class:`SplitMask`, ring or Ulysses attention over the whole
+- the attention function: given a `SplitMask`, ring or Ulysses attention over the whole
   sequence; given anything else in a forward that was not split (generate, decode), the
   original implementation; given anything else in a split forward (a model that builds its own
   4D mask, or none), a clear refusal - the same on every rank, before attention communicates.
@@ -63,7 +63,7 @@ def original_attention(module, implementation: str):
 
 class MaskReadAsTensor(AttributeError, ValueError):
     """A model's code read its attention mask as a tensor where context parallelism hands it an
-    :class:`OpaqueMask` (an AttributeError too, so ``hasattr`` and ``getattr(..., default)`` answer as
+    `OpaqueMask` (an AttributeError too, so ``hasattr`` and ``getattr(..., default)`` answer as
     for any object without that attribute). ``reason``: why, for a refusal naming the model."""
 
     def __init__(self, what: str) -> None:
@@ -77,8 +77,8 @@ class MaskReadAsTensor(AttributeError, ValueError):
 class OpaqueMask:
     """A mask only the attention interface reads. A model whose own code reads it as a tensor (Doge:
     ``attention_mask.dtype``, slices, torch ops) cannot be split: every such read raises
-    :class:`MaskReadAsTensor`, the same on every rank, before its attention communicates (and on the
-    tiny copy that proves what mixes tokens, :mod:`.mixing`, when the model is sharded)."""
+    `MaskReadAsTensor`, the same on every rank, before its attention communicates (and on the
+    tiny copy that proves what mixes tokens, `.mixing`, when the model is sharded)."""
 
     def __getattr__(self, name):
         if name.startswith("_"):  # copy, pickle and dataclass machinery probe these
@@ -156,7 +156,7 @@ class SplitMask(OpaqueMask):
 
     def ring_block(self, source: int) -> torch.Tensor | None:
         """This rank's queries against ``source``'s keys: ``[b, 1, n, n]`` bool (None: all True); a
-        dead row (:meth:`dead_rows`) sees every real key, with the constant score the ring gives it."""
+        dead row (`dead_rows`) sees every real key, with the constant score the ring gives it."""
         if source in self._cache:
             return self._cache[source]
         mask = self._pattern(source)
@@ -210,7 +210,7 @@ class SplitMask(OpaqueMask):
 
 
 def context_parallel_mask(*, config=None, mask_function=None, attention_mask=None, **kwargs):
-    """The mask interface under :data:`IMPLEMENTATION` (see the module's docstring)."""
+    """The mask interface under `IMPLEMENTATION` (see the module's docstring)."""
     state = _state_for(config)
     if state is None:
         raise RuntimeError(
@@ -234,7 +234,7 @@ def context_parallel_mask(*, config=None, mask_function=None, attention_mask=Non
 
 
 def context_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The attention interface under :data:`IMPLEMENTATION` (see the module's docstring)."""
+    """The attention interface under `IMPLEMENTATION` (see the module's docstring)."""
     if isinstance(attention_mask, SplitMask):
         return attention_mask.attend(module, query, key, value, scaling, dropout, kwargs)
     state = _state_for(getattr(module, "config", None))

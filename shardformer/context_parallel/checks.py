@@ -32,7 +32,7 @@ class ContextParallelPlan:
 
 def check_context_parallel(model: nn.Module, shard_config, anatomy: StackAnatomy | None = None) -> ContextParallelPlan:
     """Raise if ``model`` cannot run with the config's context parallelism; return its plan. ``anatomy``:
-    what the model's anatomy says of its layer stack (:func:`shardformer.policies.anatomy.stack_anatomy`),
+    what the model's anatomy says of its layer stack (`shardformer.policies.anatomy.stack_anatomy`),
     checked when given (shard_model and ``shardformer plan`` give it)."""
     cp, mode = shard_config.context_parallel_size, shard_config.context_parallel_mode
     name = type(model).__name__

@@ -3,7 +3,7 @@
 Context parallelism makes attention see the whole sequence; every other module of a split forward
 sees this rank's tokens only. A convolution over the sequence, a recurrent state, a token shift or
 a router with a capacity shared by the batch's tokens would silently compute something else. The
-static checks (:mod:`.checks`) know the layer kinds transformers names; this finds the rest: with
+static checks (`.checks`) know the layer kinds transformers names; this finds the rest: with
 attention made per-token (each query reads its own value: an attention function registered for the
 probe), a tiny copy of the model must compute every token from that token alone. Changing the first
 and then the last token's id must leave every other token's output where it was; the first module

@@ -1,9 +1,9 @@
 """Context parallelism on a (sharded) transformers model: its forward takes the full batch on every
 cp rank and runs on this rank's tokens.
 
-A forward pre-hook splits the sequence inputs (:mod:`~shardformer.context_parallel.layout`), gives
+A forward pre-hook splits the sequence inputs (`shardformer.context_parallel.layout`), gives
 position ids from the GLOBAL positions (the caller's, or those the model derives for the whole
-sequence: :mod:`~shardformer.context_parallel.positions`; rotary and absolute embeddings see the true positions),
+sequence: `shardformer.context_parallel.positions`; rotary and absolute embeddings see the true positions),
 passes the whole padding mask (the attention masks are evaluated on global positions), and takes
 the labels out: they are shifted on the full sequence first (token ``t`` predicts ``t + 1`` even
 across a chunk boundary), then split. A forward hook computes the model's own loss on this rank's
@@ -12,16 +12,16 @@ returns the full-sequence loss. Logits stay split (this rank's tokens, in the la
 unless ``gather_output``.
 
 Parameters see only this rank's tokens, so their gradients are summed over the cp ranks: by a hook
-per parameter, in backward, unless an optimizer sums them itself (:meth:`ContextParallel.
+per parameter, in backward, unless an optimizer sums them itself (`ContextParallel.
 sum_grads_elsewhere`: ParallelEngine's ZeroOptimizer folds the sum into its gradient buckets, one
 all-reduce over cp per bucket and step instead of one per parameter and backward). A forward that
 continues a cache or asks for one (``generate``), or keeps only the last logits (``logits_to_keep``:
 ``generate(use_cache=False)``), is not split: every cp rank computes it whole, with the model's
 original attention. In training, a split forward's functional dropout draws from this cp rank's own
-stream (:mod:`~shardformer.context_parallel.rng`).
+stream (`shardformer.context_parallel.rng`).
 
 Pipeline stages run parts of the model, mostly without its forward: there each stage's forward is
-wrapped (:func:`context_parallel_stage_forward`, ParallelEngine at pp > 1) to split its micro-batch
+wrapped (`context_parallel_stage_forward`, ParallelEngine at pp > 1) to split its micro-batch
 the same way, and the hooks stand by while it runs.
 """
 
@@ -296,7 +296,7 @@ def _takes_kwargs(signature: inspect.Signature) -> bool:
 
 def context_parallel_stage_forward(stage_forward):
     """A pipeline spec's stage forward on this cp rank's tokens (every stage splits the micro-batch
-    the same way; the last one's loss is the full-sequence loss of :meth:`ContextParallel.after`)."""
+    the same way; the last one's loss is the full-sequence loss of `ContextParallel.after`)."""
 
     def forward(model: nn.Module, hidden, inputs: dict):
         info = sharding_of(model)
@@ -309,7 +309,7 @@ def context_parallel_stage_forward(stage_forward):
 
 def apply_context_parallel(model: nn.Module, group, mode: str, plan, gather_output: bool) -> ContextParallel:
     """Install context parallelism on ``model`` (already sharded for tensor parallelism); ``plan``:
-    what :func:`~shardformer.context_parallel.checks.check_context_parallel` found."""
+    what `shardformer.context_parallel.checks.check_context_parallel` found."""
     register()
     state = ContextParallel(model, group, mode, plan, gather_output)
     model.set_attn_implementation(IMPLEMENTATION)

@@ -4,7 +4,7 @@ tokens in the whole sequence.
 Position ids: a forward without them lets the model derive its own, and models differ (most count
 0, 1, 2, ...; OPT counts the attended tokens of the attention mask; the RoBERTa family counts the
 non-padding ids from ``padding_idx + 1``). A rank holding a head and a tail chunk cannot derive
-them from its own tokens, so :func:`position_rule` finds out, once per model, which rule the model
+them from its own tokens, so `position_rule` finds out, once per model, which rule the model
 follows, by running a tiny copy of it (same class, its config scaled down) on a left-padded probe
 with no position ids and with each known rule's: the rule whose output is the model's own is
 applied to the whole batch before the split. A model following none is refused unless the caller
@@ -12,7 +12,7 @@ passes position_ids.
 
 Rotary embeddings: a rotary whose frequencies depend on the sequence it is called with (dynamic NTK
 scaling rescales from the largest position; LongRoPE picks its factors by length) would rotate
-each rank's chunk differently. :func:`hook_rotary` makes every rotary module compute its
+each rank's chunk differently. `hook_rotary` makes every rotary module compute its
 cos/sin for the whole sequence's positions and hands each rank its own tokens' rows.
 """
 
@@ -44,7 +44,7 @@ def _pad_id(config) -> int | None:
 
 
 def position_rule(model: nn.Module) -> str | None:
-    """The rule of :data:`RULES` ``model`` follows for its position ids when given none (found on
+    """The rule of `RULES` ``model`` follows for its position ids when given none (found on
     a tiny copy of it); None when it follows none of them or the copy cannot be run."""
     from shardformer.core.tiny_run import tiny_copy
 
@@ -82,7 +82,7 @@ def pad_id(model: nn.Module) -> int | None:
 
 def whole_positions(rule: str | None, name: str, pad: int | None, ids, mask, batch: int, length: int, device):
     """The position ids ``[batch, length]`` model ``name`` would derive for the whole batch (rule:
-    from :func:`position_rule`, pad: :func:`pad_id`); a clear refusal where they are not known."""
+    from `position_rule`, pad: `pad_id`); a clear refusal where they are not known."""
     if rule is None:
         raise ValueError(
             f"context parallelism: {name} derives its position ids itself by no rule known here (0, 1, 2, ...; "

@@ -25,7 +25,7 @@ def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _fold_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`_expand_heads`: each key/value head sums its query heads' parts."""
+    """The gradient of `_expand_heads`: each key/value head sums its query heads' parts."""
     if groups == 1:
         return x
     b, h, s, d = x.shape

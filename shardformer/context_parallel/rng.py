@@ -3,14 +3,14 @@
 Functional dropout inside a forward (``F.dropout`` in a layer, attention-probability dropout in
 eager or sdpa attention) draws from the global RNG, which every cp rank holds in the same state:
 the chunks of different ranks would get the same masks. For the length of a split forward in
-training, :class:`RankStream` swaps the global RNG for a stream of this rank's own: seeded from one
+training, `RankStream` swaps the global RNG for a stream of this rank's own: seeded from one
 draw of the caller's stream (the same on every rank, so tensor-parallel ranks keep agreeing and a
 seed replays the masks) plus the cp rank. The caller's stream is restored after the forward,
 advanced by that one draw. Activation checkpointing replays the masks: it saves the RNG state the
 layer starts from, which is this stream's.
 
 Dropout layers with their own generators (the tensor-parallel ``SeededDropout``) get a seed offset
-by the cp rank where the model is sharded (:func:`rank_seed`).
+by the cp rank where the model is sharded (`rank_seed`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def rank_seed(seed: int, cp_rank: int) -> int:
 
 
 class RankStream:
-    """The global RNG swapped for this cp rank's own stream between :meth:`enter` and :meth:`leave`."""
+    """The global RNG swapped for this cp rank's own stream between `enter` and `leave`."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank

@@ -43,7 +43,7 @@ def _seq_to_heads(x: torch.Tensor, layout, group) -> torch.Tensor:
 
 
 def _heads_to_seq(y: torch.Tensor, layout, group) -> torch.Tensor:
-    """The inverse of :func:`_seq_to_heads`: ``[b, h / cp, padded_len, d]`` -> ``[b, h, n, d]``."""
+    """The inverse of `_seq_to_heads`: ``[b, h / cp, padded_len, d]`` -> ``[b, h, n, d]``."""
     b, hl, _, d = y.shape
     cp = group_size(group)
     n = layout.local_len

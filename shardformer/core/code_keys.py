@@ -1,6 +1,6 @@
 """What a callable computes, as a key: its code, defaults and captured values; a class's, its methods'
 and the module functions they call. The verdict caches key on these, so that a class patched in place,
-or a hook capturing another value, is proven again (:mod:`shardformer.core.instance`)."""
+or a hook capturing another value, is proven again (`shardformer.core.instance`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """The collectives shardformer issues: primitives, the flat ones ZeRO uses, and the one differentiable
-sum below tensor parallelism (:func:`reduce_from_parallel`). Megatron's other region functions, and the
-sequence-parallel ones, build on these in :mod:`shardformer.tensor_parallel.regions` and
-:mod:`shardformer.tensor_parallel.sequence_regions`.
+sum below tensor parallelism (`reduce_from_parallel`). Megatron's other region functions, and the
+sequence-parallel ones, build on these in `shardformer.tensor_parallel.regions` and
+`shardformer.tensor_parallel.sequence_regions`.
 
 Groups. ``None`` always means torch's default group: the whole world once torch.distributed is
-initialised, this one process before. :data:`LOCAL` (a :class:`VirtualGroup` of one) stands for a
+initialised, this one process before. `LOCAL` (a `VirtualGroup` of one) stands for a
 parallel dimension that is absent: nothing ever communicates over it. A ``VirtualGroup`` of more
 ranks (``shardformer plan``) gives sizes and ranks to shard by, and must never reach a collective.
 
-Every tensor collective issued here is recorded by any active :class:`CollectiveCounter`, so tests
+Every tensor collective issued here is recorded by any active `CollectiveCounter`, so tests
 and benchmarks count communication instead of trusting it. Under ``torch.compile`` the collectives
 are torch's functional ones, which dynamo traces into the graph (an in-place ``dist`` call inside an
 autograd function, or the counter's list append, would break it); counting is eager-only.
@@ -36,7 +36,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 @dataclass(frozen=True)
 class VirtualGroup:
     """A stand-in process group: sharding reads its rank and size, and nothing ever communicates
-    over it (``shardformer plan`` shards for rank 0 of a size; :data:`LOCAL` is a group of one)."""
+    over it (``shardformer plan`` shards for rank 0 of a size; `LOCAL` is a group of one)."""
 
     rank: int
     size: int
@@ -186,7 +186,7 @@ def broadcast_object(obj, group, src_group_rank: int = 0):
 
 def all_gather_control(tensor: torch.Tensor, group) -> torch.Tensor:
     """Every rank's small fixed-size ``tensor`` stacked in rank order: a check's data, not the model's,
-    so not counted (like :func:`broadcast_object`; counted collectives stay what the model issues)."""
+    so not counted (like `broadcast_object`; counted collectives stay what the model issues)."""
     world = group_size(group)
     if world == 1:
         return tensor.unsqueeze(0)
@@ -295,7 +295,7 @@ def gather_tensor(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
 # -- flat buffers (ZeRO) ----------------------------------------------------------------------------
 # gloo's native reduce-scatter and all-gather measure 1.6-2.7x slower than doing the same work with
 # one ``reduce`` (resp. ``broadcast``) per rank (10M floats, 2 and 4 CPU ranks), so on gloo they are
-# built from those (``per_rank=True``, what :func:`per_rank_is_faster` picks); other backends (NCCL)
+# built from those (``per_rank=True``, what `per_rank_is_faster` picks); other backends (NCCL)
 # use the native collectives. Results are identical.
 
 

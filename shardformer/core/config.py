@@ -2,10 +2,10 @@
 one with the engine (it builds the engine's ``ShardConfig``, and the CLI's config-file keys for the
 same settings take their types, defaults and choices from it).
 
-Each field is checked here with the small checkers of :mod:`shardformer.core.checkers`; the values a
-setting may take are in :mod:`shardformer.core.choices`, the parallel sizes against the world in
-:mod:`shardformer.core.sizes`, and the combinations not proven exact are refused, technique by
-technique, in :mod:`shardformer.core.config_refusals`. This module re-exports them all: one import path
+Each field is checked here with the small checkers of `shardformer.core.checkers`; the values a
+setting may take are in `shardformer.core.choices`, the parallel sizes against the world in
+`shardformer.core.sizes`, and the combinations not proven exact are refused, technique by
+technique, in `shardformer.core.config_refusals`. This module re-exports them all: one import path
 for the settings and their checks.
 """
 
@@ -89,7 +89,7 @@ class ShardConfig:
         split every sequence over this many ranks (each holds ``1/cp`` of every activation); every
         cp rank passes the same full batch and the library splits it (load-balanced for causal
         attention). Attention runs over the whole sequence through transformers' attention
-        interface (see :mod:`shardformer.context_parallel`); the loss is the full-sequence loss.
+        interface (see `shardformer.context_parallel`); the loss is the full-sequence loss.
     context_parallel_mode:
         "ring" (keys and values passed around the cp ranks, blockwise attention with an online
         softmax: any head count) or "all_to_all" (Ulysses: the sequence-split activations become
@@ -109,7 +109,7 @@ class ShardConfig:
         a column-parallel layer's backward starts its input-gradient all-reduce and computes its
         weight gradient meanwhile (same result; False runs them one after the other, for comparison).
     mesh:
-        an existing :class:`~shardformer.ProcessMesh` to shard over (its tp group); default: one is
+        an existing `shardformer.ProcessMesh` to shard over (its tp group); default: one is
         built from the sizes when the model is sharded.
     prove:
         prove the route's cut on a tiny copy of the model before cutting it (the default; about a
@@ -227,7 +227,7 @@ SHARD_FIELDS = (
 
 @dataclass
 class EngineConfig:
-    """How to train (and run) a model with :class:`~shardformer.ParallelEngine`.
+    """How to train (and run) a model with `shardformer.ParallelEngine`.
 
     tp, pp, dp: tensor / pipeline / data parallel sizes (dp defaults to world // (tp * cp * pp)).
     cp, cp_mode: context parallelism (as ShardConfig's context_parallel_size / _mode): every cp rank
@@ -262,7 +262,7 @@ class EngineConfig:
     overlap_p2p: the "p2p" schedules post each receive one schedule step early, so activations and
     gradients arrive while the stage computes (every micro-batch of a step must give one shape).
     gather_output, vocab_pad_multiple, overlap_communication, prove: as ShardConfig's (same defaults);
-    :meth:`shard_config` passes them, with the sizes, seed and sequence_parallel, to the model's sharding.
+    `shard_config` passes them, with the sizes, seed and sequence_parallel, to the model's sharding.
     """
 
     tp: int = 1

@@ -5,11 +5,11 @@ parts of one model on one batch. Given different batches (a data sampler split o
 over the data-parallel ranks only) their collectives still pair up: tp ranks return a plausible loss
 that no batch gives, and cp ranks given sequences of different lengths abort inside the collective
 library (gloo: SIGABRT, no Python message). ParallelEngine compares its ranks' batches in every step
-(:mod:`~shardformer.core.step_agreement`); a model from ``shard_model`` driven by a user's own loop
+(`shardformer.core.step_agreement`); a model from ``shard_model`` driven by a user's own loop
 or a Trainer is checked here, in a forward pre-hook that runs before context parallelism splits.
 
 Cost: on every forward (by default), each rank hashes its tensor inputs' names, dtypes and shapes on
-the host and checksums their values on their device (:func:`fingerprint_tensor`, the engine's step
+the host and checksums their values on their device (`fingerprint_tensor`, the engine's step
 checksum), and the ranks that must hold the same inputs all-gather those numbers: a fixed-size
 collective, so ranks whose inputs differ in shape still meet in it, before any collective of the
 forward. The verdict is then read on the host, because raising is the host's business: on a GPU that
@@ -44,7 +44,7 @@ class ForwardAgreement:
 
     ``tp_group``: checked on every forward; ``block_group``: the tp x cp ranks, checked instead on a
     forward that context parallelism splits (``splits(arguments)``). ParallelEngine, whose stage
-    forwards may not call the model's forward, calls :meth:`check_inputs` itself before each step
+    forwards may not call the model's forward, calls `check_inputs` itself before each step
     (``in_forward`` off) and compares shapes only (``compare_values`` off): its step agreement
     compares the values."""
 

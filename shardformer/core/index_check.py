@@ -3,7 +3,7 @@
 The unsharded ``nn.Embedding`` and ``F.cross_entropy`` raise on such an index. A vocab-parallel
 layer would not: every rank masks the ids it does not hold, so an id no rank holds becomes a zero
 embedding or a wrong loss. A position table left whole raises, but with torch's bare "index out of
-range in self" (:mod:`~shardformer.core.position_limit`). The check reads only this rank's tensor (tp
+range in self" (`shardformer.core.position_limit`). The check reads only this rank's tensor (tp
 ranks hold the same batch, so every rank raises alike) and runs before the layer's first collective:
 no collective is added and none is left waiting. Compiled, the check is an asynchronous assert (no
 graph break, no value in the message); eager, the error names the first bad value.

@@ -3,10 +3,10 @@
 A proof on ``type(model)(small config)`` runs the class's code, but users run an instance: modules
 swapped in, a ``forward`` patched on one module, hooks registered, an attention implementation
 chosen at load time (``config._attn_implementation`` is not in ``config.to_dict()``), settings
-changed by hand. :func:`study_instance` lists what the instance adds to what its class builds from
-its own config (compared with a meta-device build of the class: no memory); :meth:`Instance.reproduce`
-puts each addition on the tiny copy, or raises :class:`CannotReproduce` naming the module and what
-cannot be rebuilt small. :attr:`Instance.key` holds everything a verdict depends on (the code of
+changed by hand. `study_instance` lists what the instance adds to what its class builds from
+its own config (compared with a meta-device build of the class: no memory); `Instance.reproduce`
+puts each addition on the tiny copy, or raises `CannotReproduce` naming the module and what
+cannot be rebuilt small. `Instance.key` holds everything a verdict depends on (the code of
 every module class the model holds and of the functions their methods call, the additions, the
 attention implementation, the dtype), so that no cached verdict covers a changed instance.
 """
@@ -47,7 +47,7 @@ class Instance:
     def reproduce(self, user: nn.Module, tiny: nn.Module) -> None:
         """Give ``tiny`` (a small model of ``user``'s class) every addition of ``user``'s instance, each
         on the tiny module that stands for it (a stack's blocks: every distinct kind of block on one
-        block of the copy); :class:`CannotReproduce` when one cannot be."""
+        block of the copy); `CannotReproduce` when one cannot be."""
         reproduce(self.extras, user, tiny)
 
 
@@ -56,7 +56,7 @@ def study_instance(model: nn.Module) -> Instance:
     """What ``model``'s instance adds to its class (compared with the class built from the model's own
     config on the meta device; a model with no transformers config is compared with nothing: every
     hook and instance method counts, and its copies are the instance itself, cut). Studied once per
-    ``shard_model`` call (:func:`~shardformer.core.study_memo.studied_once`)."""
+    ``shard_model`` call (`shardformer.core.study_memo.studied_once`)."""
     return _study(model)
 
 
@@ -220,7 +220,7 @@ def _flatten(value):
 
 
 def set_attention(config, attention) -> None:
-    """``config`` (a tiny copy's) set to the attention implementation(s) :func:`study_instance` read."""
+    """``config`` (a tiny copy's) set to the attention implementation(s) `study_instance` read."""
     if attention is None or config is None:
         return
     own, subs = (attention, ()) if not isinstance(attention, tuple) else attention

@@ -4,10 +4,10 @@ A learned absolute position embedding (GPT-2's ``wpe``, BERT's ``position_embedd
 ``position_embedding``: an ``nn.Embedding`` read with position ids) has one row per position the model
 takes. A longer input, or a ``generate()`` that runs past it, ends in torch's bare ``IndexError: index
 out of range in self``. A sharded model checks the ids each such table reads before it reads them
-(a forward pre-hook, :func:`install`), as the vocab-parallel embedding checks token ids: tp ranks
+(a forward pre-hook, `install`), as the vocab-parallel embedding checks token ids: tp ranks
 hold the same batch, so every rank raises alike, and nothing waits on a rank that raised. Context
 parallelism, whose ranks each read other positions, checks the whole sequence's positions on every
-rank before it splits them (:func:`check_positions`).
+rank before it splits them (`check_positions`).
 
 A table is one left whole by the cut, not the input embeddings, whose size is the config's
 ``max_position_embeddings`` (GPT-2: ``n_positions``) or whose name says positions. Subclasses with

@@ -2,7 +2,7 @@
 
 Everything that later needs the layout (the pipeline split, the stage forwards, checkpoints, the
 engine) reads it from this record instead of from loose attributes with defaults: a model that was
-not sharded has no record, and :func:`sharding_of` says so.
+not sharded has no record, and `sharding_of` says so.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def build_mesh(shard_config: ShardConfig) -> tuple[ProcessMesh | None, Any]:
     """The mesh and tp group a model is sharded over, built once (group creation is collective).
 
     A tp group given in the config is used as it is (no mesh); one process needs neither; otherwise
-    the config's mesh is used, or a new :class:`ProcessMesh` is built from its sizes.
+    the config's mesh is used, or a new `ProcessMesh` is built from its sizes.
     """
     if shard_config.tensor_parallel_process_group is not None:
         return None, shard_config.tensor_parallel_process_group

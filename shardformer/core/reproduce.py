@@ -1,4 +1,4 @@
-"""Putting what the user's instance adds on a tiny copy of its class (:meth:`Instance.reproduce`): each
+"""Putting what the user's instance adds on a tiny copy of its class (`Instance.reproduce`): each
 addition on the tiny module standing for the user's, a stack's blocks keeping one block of each kind;
 a swapped module rebuilt small; hooks and methods rebound to the copy's modules."""
 
@@ -60,7 +60,7 @@ def pattern(path: str) -> str:
 
 def reproduce(extras: dict[str, Extras], user: nn.Module, tiny: nn.Module) -> None:
     """Give ``tiny`` (a small model of ``user``'s class) the ``extras`` of ``user``'s instance;
-    :class:`CannotReproduce` when one cannot be."""
+    `CannotReproduce` when one cannot be."""
     user_paths = [p for p, _ in user.named_modules()]
     placed = _place(extras, user_paths, {p for p, _ in tiny.named_modules()}, type(user).__name__)
     rebind = _rebinder(user, tiny)

@@ -3,7 +3,7 @@
 Functional dropout (``F.dropout`` inside a forward) and sampling draw from the global generators,
 not from the tp dropout layers' own ones; if the ranks of a tp group held different states, the
 "replicated" activations and the sampled tokens would differ per rank. So sharding copies tp rank 0's
-state to the other ranks of its group (:func:`agree_on_rng`), and :func:`seed` seeds all ranks alike
+state to the other ranks of its group (`agree_on_rng`), and `seed` seeds all ranks alike
 (data-parallel replicas may be offset so they see different masks).
 """
 
@@ -53,7 +53,7 @@ def agree_on_rng(group) -> None:
 def seed(value: int, mesh=None) -> None:
     """Seed torch (CPU and accelerator) and Python's ``random`` with ``value`` on this rank.
 
-    Call it with the same ``value`` on every rank. With a :class:`~shardformer.ProcessMesh`, each
+    Call it with the same ``value`` on every rank. With a `shardformer.ProcessMesh`, each
     data-parallel replica (and pipeline stage) is offset so replicas draw different dropout masks,
     while the ranks of one tensor-parallel group stay identical.
     """

@@ -159,7 +159,7 @@ def slice_tensor(tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 
 
 def merge_shards(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
-    """Inverse of :func:`slice_tensor` over all ranks' shards: the full tensor, padding removed."""
+    """Inverse of `slice_tensor` over all ranks' shards: the full tensor, padding removed."""
     per_rank = [shard.split(spec.local_block_sizes, dim=spec.dim) for shard in shards]
     holders = [range(0, spec.world_size, spec.world_size // pieces) for pieces in spec.block_splits]
     blocks = [torch.cat([per_rank[r][c] for r in holders[c]], dim=spec.dim) for c in range(spec.n_cast)]
@@ -168,7 +168,7 @@ def merge_shards(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
 
 
 def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
-    """The :class:`ShardSpec` a tensor-parallel parameter carries, or None if it is replicated."""
+    """The `ShardSpec` a tensor-parallel parameter carries, or None if it is replicated."""
     return getattr(tensor, "shard_spec", None)
 
 

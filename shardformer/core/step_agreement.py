@@ -26,7 +26,7 @@ def batch_fingerprint(batch: dict) -> int:
 
 
 def fingerprint_tensor(batch: dict, device: torch.device | None = None) -> torch.Tensor:
-    """:func:`batch_fingerprint` as an int64 scalar on ``device`` (default: the tensors'), computed
+    """`batch_fingerprint` as an int64 scalar on ``device`` (default: the tensors'), computed
     where the tensors are and never read on the host: no device sync. Large tensors (embeddings,
     pixels) are summed in chunks, so the temporaries stay small whatever the batch."""
     total = None

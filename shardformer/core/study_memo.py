@@ -3,7 +3,7 @@
 ``shard_model`` and ``ParallelEngine`` study the model the user passed once, before anything is cut;
 the derivation, the proofs, the anatomy and the pipeline split all ask the same questions of it
 (what the instance adds, where its repeated blocks are, where its stacks are). Inside
-:func:`studied_once` each question decorated with :func:`once_per_study` is answered once per model
+`studied_once` each question decorated with `once_per_study` is answered once per model
 and every asker reads that answer; outside, every call answers anew, since the user may change the
 model between calls."""
 
@@ -23,7 +23,7 @@ _STUDIES: list[dict] = []  # per studied_once block: {question: {model: answer}}
 
 @contextlib.contextmanager
 def studied_once():
-    """Within the block, each :func:`once_per_study` question is answered once per model (the outermost
+    """Within the block, each `once_per_study` question is answered once per model (the outermost
     block holds the answers: a nested call reads its caller's study)."""
     _STUDIES.append({})
     try:
@@ -33,7 +33,7 @@ def studied_once():
 
 
 def once_per_study(question: Callable[[nn.Module], T]) -> Callable[[nn.Module], T]:
-    """``question(model)`` answered once per model inside :func:`studied_once`, anew outside."""
+    """``question(model)`` answered once per model inside `studied_once`, anew outside."""
 
     @functools.wraps(question)
     def answer(model: nn.Module) -> T:

@@ -109,11 +109,11 @@ def tiny_copy_config(config, tp: int = 2, heads: int | None = None, special: dic
     Sizes the recipe knows get its values; other widths are scaled like the hidden size (an
     ``ffn_dim`` of 4 hidden stays 4 hidden); positions become 64; token ids stay inside the vocabulary;
     sub-configs (a vision and a text tower) are scaled the same way; one layer of each kind the
-    model has is kept (:mod:`.tiny_layers`). Special tokens outside the vocabulary (an image, a
-    vision-start token) get distinct ids at its top (:func:`_special_ids`).
+    model has is kept (`.tiny_layers`). Special tokens outside the vocabulary (an image, a
+    vision-start token) get distinct ids at its top (`_special_ids`).
 
-    The first of :func:`tiny_copy_configs` that the config class accepts; a config that builds is not
-    yet a model that runs: :func:`shardformer.core.tiny_run.runnable_tiny_config` tries them all.
+    The first of `tiny_copy_configs` that the config class accepts; a config that builds is not
+    yet a model that runs: `shardformer.core.tiny_run.runnable_tiny_config` tries them all.
     """
     return next(tiny_copy_configs(config, tp, heads, special))[1]
 
@@ -141,7 +141,7 @@ SCALINGS = (
 
 
 def tiny_copy_configs(config, tp: int = 2, heads: int | None = None, special: dict | None = None):
-    """``(scaling, config)`` for each of :data:`SCALINGS` whose small config the config class accepts,
+    """``(scaling, config)`` for each of `SCALINGS` whose small config the config class accepts,
     in order; raises the first scaling's error when none is accepted."""
     special = _special_ids(config.to_dict()) if special is None else special
     first, built = None, False

@@ -3,7 +3,7 @@
 A config the class accepts can still give a model that does not run (a rotary width wider than the
 tiny head, a pooler still at the full width, a schedule of layer indices past the tiny depth). Every
 proof runs on a tiny copy, so a copy that does not run would refuse a model the library could
-shard: each scaling of :func:`~shardformer.core.tiny.tiny_copy_configs` is tried in turn (built,
+shard: each scaling of `shardformer.core.tiny.tiny_copy_configs` is tried in turn (built,
 given the recipe's inputs, run forward once) and the first that runs is used. The choice is cached
 per class, user config and tp: every rank and every later proof gets the same copy.
 """
@@ -32,8 +32,8 @@ _CHOSEN: dict[tuple, object] = {}
 def tiny_copy(model, tp: int, seed: int = 0, heads: int | None = None):
     """A tiny random model of ``model``'s class and architecture that runs, with what ``model``'s instance
     adds to its class (swapped modules, hooks, patched methods, its attention implementation:
-    :mod:`shardformer.core.instance`) put on it (the caller's RNG left as it was; :class:`TinyCopyError`
-    when no scaling of its config runs, :class:`~shardformer.core.instance.CannotReproduce` when an
+    `shardformer.core.instance`) put on it (the caller's RNG left as it was; `TinyCopyError`
+    when no scaling of its config runs, `shardformer.core.instance.CannotReproduce` when an
     addition cannot be rebuilt small)."""
     instance = study_instance(model)
     config = runnable_tiny_config(type(model), model.config, tp, heads, attention=instance.attention)
@@ -60,7 +60,7 @@ def runnable_tiny_config(
 ):
     """The config of the first tiny copy of ``model_class`` (from the user's ``config``, with the attention
     implementation ``attention`` where not None) that builds, takes ``inputs(model, seed)`` and runs
-    forward; :class:`TinyCopyError` when none does."""
+    forward; `TinyCopyError` when none does."""
     key = (model_class, tp, heads, json.dumps(config.to_dict(), sort_keys=True, default=str), repr(attention))
     if key not in _CHOSEN:
         _CHOSEN[key] = _first_that_runs(model_class, config, tp, heads, inputs, attention)

@@ -1,7 +1,7 @@
 """The optimizer the engine steps with, built from the user's factory ``params -> Optimizer`` over this
-rank's shards: :class:`~shardformer.data_parallel.fsdp_optimizer.FullyShardedOptimizer` at zero_stage=3
+rank's shards: `shardformer.data_parallel.fsdp_optimizer.FullyShardedOptimizer` at zero_stage=3
 (FSDP2 shards the model itself), else ZeRO-1/2 over the data-parallel group
-(:class:`~shardformer.data_parallel.ZeroOptimizer`), split in two at ep > 1 (dense parameters over dp,
+(`shardformer.data_parallel.ZeroOptimizer`), split in two at ep > 1 (dense parameters over dp,
 experts over the ranks holding the same ones).
 
 The expert-parallel optimizer is passed in: ``expert_parallel`` sits above ``data_parallel`` in the
@@ -44,7 +44,7 @@ def build_optimizer(
     expert_optimizer: Callable,
 ):
     """The optimizer over ``params`` (``model``'s trainable ones, sharded and split), or None without a
-    ``factory`` (an inference engine). ``grad_hooks``: what :func:`fully_shard_model` returned (ZeRO-3);
+    ``factory`` (an inference engine). ``grad_hooks``: what `fully_shard_model` returned (ZeRO-3);
     ``tied``: the tied weights this rank holds; ``expert_optimizer``: ``(factory, params, mesh, stage,
     **zero_kwargs)``, the optimizer at ep > 1 (expert_parallel's ExpertParallelOptimizer)."""
     if factory is None:

@@ -29,14 +29,14 @@ _FULL = StateDictOptions(full_state_dict=True)
 
 
 class FullyShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-3: ``optimizer`` over a model sharded by :func:`~shardformer.data_parallel.fsdp.fully_shard_model`.
+    """ZeRO-3: ``optimizer`` over a model sharded by `shardformer.data_parallel.fsdp.fully_shard_model`.
 
     Args:
         optimizer: a torch optimizer built over ``model``'s (FSDP2) parameters.
         model: the fully sharded model (for the state dict's parameter names).
         dp_group, tp_group, pp_group: the groups the gradient norm is summed over (tp / pp omitted:
             that dimension is absent).
-        grad_hooks: what :func:`fully_shard_model` returned: hooks to run on the sharded gradients.
+        grad_hooks: what `fully_shard_model` returned: hooks to run on the sharded gradients.
         counted_elsewhere: parameters another pipeline stage also holds and counts in the gradient
             norm (a tied embedding on the last stage): left out here so they count once.
 
@@ -173,7 +173,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         return {"state": {index[n]: entry for n, entry in full["state"].items()}, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full state (from :meth:`state_dict` at any dp size, a plain optimizer, or a
+        """Load a full state (from `state_dict` at any dp size, a plain optimizer, or a
         ZeroOptimizer's ``full_state_dict``): each rank keeps its dp shard. Collective over dp."""
         names = self._names()
         groups = state_dict["param_groups"]

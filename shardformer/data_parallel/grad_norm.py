@@ -28,7 +28,7 @@ def global_grad_norm(
     """Return ``(total L2 norm, found_inf)`` of the master gradients; the same on every rank.
 
     ``found_inf`` is True when any gradient on any rank of the three groups is inf or NaN.
-    Groups as :mod:`shardformer.core.comm` takes them: None is the default group, ``comm.LOCAL`` an
+    Groups as `shardformer.core.comm` takes them: None is the default group, ``comm.LOCAL`` an
     absent dimension (no tensor / pipeline parallelism).
     """
     device = slots[0].master.device

@@ -73,12 +73,12 @@ def write_rows(region: torch.Tensor, flat: torch.Tensor) -> None:
 
 
 def read_rows(region: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of :func:`write_rows`: the first ``numel`` elements of ``region`` row-major (a copy)."""
+    """Inverse of `write_rows`: the first ``numel`` elements of ``region`` row-major (a copy)."""
     return region.reshape(-1)[:numel]
 
 
 def copy_rows_into(dst: torch.Tensor, region: torch.Tensor) -> None:
-    """Inverse of :func:`write_rows` straight into ``dst`` (any shape and dtype), without a temporary."""
+    """Inverse of `write_rows` straight into ``dst`` (any shape and dtype), without a temporary."""
     if not dst.is_contiguous():
         dst.copy_(read_rows(region, dst.numel()).view_as(dst))
         return

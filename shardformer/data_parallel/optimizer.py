@@ -56,7 +56,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``ParallelEngine`` sets it at ``zero_stage=2``).
         tp_group, pp_group: tensor / pipeline groups, for the global grad norm and the fp16
             overflow flag (omitted: no such parallelism; dp_group None is the default group).
-        loss_scaler: a :class:`DynamicLossScaler`; ``"auto"`` makes one when any param is fp16.
+        loss_scaler: a `DynamicLossScaler`; ``"auto"`` makes one when any param is fp16.
         model: optional; when given, every trainable parameter of it must be in ``optimizer``.
         counted_elsewhere: parameters another pipeline stage also holds and counts in the gradient norm.
         late_grads: parameters whose ``.grad`` the caller still changes after backward (a tied weight
@@ -192,7 +192,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the gradients to global L2 norm ``max_norm``; return the norm before clipping.
 
-        Call between backward and :meth:`step`. The norm equals the unsharded model's (tp-sharded
+        Call between backward and `step`. The norm equals the unsharded model's (tp-sharded
         params summed over ``tp_group``, stages over ``pp_group``); it is inf/NaN on an fp16
         overflow, and that step will be skipped.
         """
@@ -307,7 +307,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return sharded_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load this rank's :meth:`state_dict`. Load the model's weights first (fp32 masters follow them)."""
+        """Load this rank's `state_dict`. Load the model's weights first (fp32 masters follow them)."""
         load_sharded_state_dict(self, state_dict)
 
     def full_state_dict(self) -> dict:
@@ -315,7 +315,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return gather_full_state_dict(self)
 
     def load_full_state_dict(self, state_dict: dict) -> None:
-        """Load an unsharded state (from :meth:`full_state_dict` at any dp size, or a plain optimizer).
+        """Load an unsharded state (from `full_state_dict` at any dp size, or a plain optimizer).
 
         Local, no communication. Load the model's weights first (fp32 masters follow them).
         """

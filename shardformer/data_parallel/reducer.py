@@ -1,14 +1,14 @@
 """Averaging gradients over the data-parallel group, bucket by bucket, into per-rank shards.
 
 Gradients are copied from ``param.grad`` into bucket buffers laid out ``[dp, row]`` (see
-:mod:`shardformer.data_parallel.layout`). Stage 1 all-reduces a bucket, stage 2 reduce-scatters it; either
+`shardformer.data_parallel.layout`). Stage 1 all-reduces a bucket, stage 2 reduce-scatters it; either
 way this rank ends with its row: the summed gradient of its shard of every parameter in the bucket.
 
 With ``overlap=True`` a post-accumulate-grad hook copies each gradient as soon as autograd has
 finished it (in the last of ``backwards_per_step`` backward passes: the micro-batches of a step),
 and a full bucket is sent while backward goes on. Buckets are always *launched in bucket order*,
 on every rank: collectives match by issue order, so a bucket whose params got no gradient on some
-rank (a skipped layer) is simply sent later, at :meth:`GradientReducer.sync`, filled with zeros,
+rank (a skipped layer) is simply sent later, at `GradientReducer.sync`, filled with zeros,
 and no rank ever waits on a different collective than its peers.
 
 A gradient edited after backward (a user's own ``clip_grad_norm_``, ``grad.mul_``, a new

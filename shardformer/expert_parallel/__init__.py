@@ -1,9 +1,9 @@
 """Expert parallelism: the experts of every mixture-of-experts layer split over ep ranks (drawn from the
 data-parallel ranks), tokens exchanged with all-to-all, dropless and exact.
 
-:func:`plan_expert_parallel` finds the stacked experts (:mod:`.find`) and proves the split on a tiny
-copy (:mod:`.proof`) before tensor parallelism cuts anything; :func:`split_experts` splits them after
-(:mod:`.experts`); :mod:`.dispatch` holds the token exchange.
+`plan_expert_parallel` finds the stacked experts (`.find`) and proves the split on a tiny
+copy (`.proof`) before tensor parallelism cuts anything; `split_experts` splits them after
+(`.experts`); `.dispatch` holds the token exchange.
 """
 
 from __future__ import annotations

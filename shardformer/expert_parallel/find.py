@@ -4,7 +4,7 @@ Read from the model's ``base_model_ep_plan`` (its ``ep_dispatch_experts`` entrie
 found from the structure otherwise: a module with an integer ``num_experts`` whose own parameters are
 all stacked by expert (leading dimension ``num_experts``) and which is called with the routed tokens
 (``hidden_states, top_k_index, top_k_weights``). Either way the answer is a hypothesis that the proof
-on a tiny copy (:mod:`shardformer.expert_parallel.proof`) accepts or refuses.
+on a tiny copy (`shardformer.expert_parallel.proof`) accepts or refuses.
 """
 
 from __future__ import annotations

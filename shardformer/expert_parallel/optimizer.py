@@ -20,7 +20,7 @@ from shardformer.expert_parallel.experts import is_expert_param
 
 
 class ExpertParallelOptimizer:
-    """What :class:`~shardformer.ParallelEngine` steps with at ep > 1 (ZeRO-1/2): the user's optimizer
+    """What `shardformer.ParallelEngine` steps with at ep > 1 (ZeRO-1/2): the user's optimizer
     factory is called twice, over the dense and over the expert parameters (same hyper-parameters)."""
 
     def __init__(self, make_optimizer, params, mesh, stage: int, **zero_kwargs) -> None:

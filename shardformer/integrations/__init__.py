@@ -1,7 +1,7 @@
 """The tools HuggingFace users fine-tune with, on sharded models: transformers' Trainer and PEFT LoRA.
 
 Needs the ``hf`` extra (``pip install "shardformer[hf]"``: accelerate and peft). ``import shardformer``
-imports only :mod:`.peft`, which imports peft itself only when a PEFT model is in hand;
+imports only `.peft`, which imports peft itself only when a PEFT model is in hand;
 ``ShardedTrainer`` (transformers' Trainer, accelerate) is imported on first use.
 """
 

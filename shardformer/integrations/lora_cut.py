@@ -2,7 +2,7 @@
 
 A column-parallel base: ``B`` cut by output features exactly like the base's weight (fused blocks,
 padding, replicated key/value heads), ``A`` whole. A row-parallel base: ``A`` cut by input features,
-``B`` whole. The halves are in :mod:`shardformer.tensor_parallel.layers.lora`. Works on PEFT's layout
+``B`` whole. The halves are in `shardformer.tensor_parallel.layers.lora`. Works on PEFT's layout
 (``lora_A`` / ``lora_B`` module dicts of full-size ``nn.Linear``) without importing peft.
 """
 

@@ -1,15 +1,15 @@
 """PEFT LoRA on sharded models, in either order, cut like the base layers.
 
 - ``shard_model(get_peft_model(model, cfg))``: the sharder takes PEFT's LoRA layers out while the
-  policy plans (see :mod:`shardformer.tensor_parallel.adapters`) and hands each back here with its
-  sharded base, to be cut (:func:`~shardformer.integrations.lora_cut.cut_adapter`).
+  policy plans (see `shardformer.tensor_parallel.adapters`) and hands each back here with its
+  sharded base, to be cut (`shardformer.integrations.lora_cut.cut_adapter`).
 - ``get_peft_model(shard_model(model), cfg)`` and ``PeftModel.from_pretrained(sharded, dir)``: PEFT
-  refuses layers it does not know, so its LoRA dispatch learns ours (:mod:`.peft_layer`, installed
+  refuses layers it does not know, so its LoRA dispatch learns ours (`.peft_layer`, installed
   once peft is imported and a model is sharded, or when ``shardformer.integrations`` is imported).
 
 The cut: a column-parallel base's ``B`` by output features (the base's blocks and replicas), ``A``
 whole; a row-parallel base's ``A`` by input features, ``B`` whole (layers in
-:mod:`shardformer.tensor_parallel.layers.lora`). Adapters are built full size by PEFT and then cut,
+`shardformer.tensor_parallel.layers.lora`). Adapters are built full size by PEFT and then cut,
 so the same seed gives the same adapter as on the unsharded model. What cannot be cut exactly is
 refused before the first step, naming the setting to change.
 
@@ -33,7 +33,7 @@ def _is_peft_module(module: nn.Module) -> bool:
 
 
 class PeftLoraSupport:
-    """PEFT's adapter layers, for :mod:`shardformer.tensor_parallel.adapters`."""
+    """PEFT's adapter layers, for `shardformer.tensor_parallel.adapters`."""
 
     def base_of(self, module: nn.Module) -> nn.Module | None:
         if not _is_peft_module(module):

@@ -3,7 +3,7 @@
 PEFT picks a LoRA layer class by the target's type and knows nothing of ``Linear1D_Col`` /
 ``Linear1D_Row``; ``LoraConfig._register_custom_module`` would teach it, but per config object, which
 a user of ``get_peft_model`` or ``PeftModel.from_pretrained`` (whose config is read from the folder)
-never gets to touch. :func:`install` therefore puts our layers first in LoRA's dispatch, and makes
+never gets to touch. `install` therefore puts our layers first in LoRA's dispatch, and makes
 ``PeftModel.save_pretrained`` on a sharded model write the adapter gathered (full shapes, global
 rank 0 writing), which plain PEFT loads on an unsharded model. Both leave unsharded models to PEFT.
 """

@@ -1,6 +1,6 @@
 """``ShardedSFTTrainer``: TRL's ``SFTTrainer`` on a model sharded by shardformer.
 
-TRL's trainers are subclasses of transformers' ``Trainer``; this one puts :class:`ShardedTrainer` under
+TRL's trainers are subclasses of transformers' ``Trainer``; this one puts `ShardedTrainer` under
 ``SFTTrainer``, so every change ShardedTrainer makes to Trainer (batches over dp only, no DDP, the
 global gradient norm, exports, exact resume, whole-vocabulary logits for what reads them) holds for
 SFT too, and TRL's own logic (dataset preparation, completion-only and assistant-only losses, entropy

@@ -1,15 +1,15 @@
-"""Model families written by hand: one :class:`ModelFamily` record each, in one file each.
+"""Model families written by hand: one `ModelFamily` record each, in one file each.
 
 A record says everything shardformer needs to know about a family: which policy cuts each of its
 classes, its anatomy (the stack of repeated layers, which pipeline stages, sequence parallelism and
 activation checkpointing all work on), how each trainable head splits into pipeline stages, how to
 build a tiny copy and named sizes (``shardformer verify`` / ``plan``), and test inputs. Everything
-that needs any of it reads the record: :func:`family_of` finds it.
+that needs any of it reads the record: `family_of` finds it.
 
 Adding a family is one file in this folder defining ``FAMILY = ModelFamily(...)``; it is found by
 scanning the folder (a family's heavy imports, such as timm, are deferred until it is used).
 Models without a record take the route derived from transformers' own plans
-(:mod:`shardformer.policies.tp_plan`, :mod:`shardformer.pipeline.from_plan`).
+(`shardformer.policies.tp_plan`, `shardformer.pipeline.from_plan`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class ModelFamily:
     the model itself when it has no ``base_model``). pipelines: ``{model class name: PipelineSpec}``
     for the heads that train in pipeline stages. builds: ``{name: () -> model}``, a tiny copy named
     ``<family>-tiny`` first, then full sizes by name. inputs: ``(model, seed, batch) -> batch dict``
-    for checks (default: from the model's main input and head, :func:`make_inputs`). final_norm: the
+    for checks (default: from the model's main input and head, `make_inputs`). final_norm: the
     norm the base model applies to the layer stack's output and nothing else before it (a path below
     the base model, like ``layers``; None: none): sequence parallelism runs it on the sequence chunk.
     """

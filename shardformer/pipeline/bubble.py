@@ -1,7 +1,7 @@
 """The pipeline bubble: the fraction of a step a rank sits idle, from a formula or from a schedule's actions.
 
-:func:`bubble_fraction` is the textbook figure for equal stages (``pp`` ranks, ``m`` micro-batches,
-``V`` chunks per rank) that ``shardformer plan`` reports. :func:`simulate` replays a schedule's
+`bubble_fraction` is the textbook figure for equal stages (``pp`` ranks, ``m`` micro-batches,
+``V`` chunks per rank) that ``shardformer plan`` reports. `simulate` replays a schedule's
 per-rank action lists (``(stage, kind, micro-batch)``, kind ``F``, ``B`` (whole backward), ``I``
 (input part), ``W`` (weight part)) with given costs, each action as soon as its rank is free and its
 input exists, and returns every rank's idle fraction of the step; the schedule benchmark

@@ -158,7 +158,7 @@ class P2P:
 
     def take(self, key: tuple[str, int]) -> torch.Tensor:
         """The received tensor ``key`` (posting its receive first if nobody did), once it has arrived; an
-        activation's layout (what it packs: :func:`unpack`) is kept in ``layouts``."""
+        activation's layout (what it packs: `unpack`) is kept in ``layouts``."""
         self.post(key)
         receive = self.receives.pop(key)
         if receive.header is not None:

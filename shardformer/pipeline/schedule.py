@@ -5,8 +5,8 @@ stage's rank with the same (dp, tp) place (``mesh.stage_rank``); gradients flow 
 Sends are non-blocking (waited at the end of the step). With ``overlap`` (the default) each step
 of the schedule posts its own receive and the next step's before computing, so the next input
 arrives while this one computes; without it a receive is posted only when its tensor is needed.
-Both are deadlock-free: only a tensor that is needed now is ever waited on (see :mod:`.p2p`).
-The schedule names, ``SCHEDULES``, live in :mod:`shardformer.core.config` with the settings that name them.
+Both are deadlock-free: only a tensor that is needed now is ever waited on (see `.p2p`).
+The schedule names, ``SCHEDULES``, live in `shardformer.core.config` with the settings that name them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a stage keeps of the modules it drops: their skeletons, on the meta device.
 
 A stage's model runs the model's own forward with stand-ins where other stages' modules were
-(:mod:`~shardformer.pipeline.stage_view`). Some forwards read more than a module's output: BigBird
+(`shardformer.pipeline.stage_view`). Some forwards read more than a module's output: BigBird
 calls ``layer.set_attention_type(...)`` on every layer, DeiT reads ``embeddings.patch_embeddings``'s
 sizes, Swin a stage's ``downsample``. A stand-in answers such reads from the dropped module's
 skeleton: a copy whose parameters and buffers live on the meta device (no memory), kept outside the
@@ -48,7 +48,7 @@ def skeleton_of(root: nn.Module, path: str) -> nn.Module | None:
 
 class StandIn(nn.Module):
     """A module standing in for a dropped one: attributes it lacks are read from the dropped module's
-    skeleton (set by :func:`~shardformer.pipeline.stage_view.stand_in`)."""
+    skeleton (set by `shardformer.pipeline.stage_view.stand_in`)."""
 
     def __getattr__(self, name: str):
         try:

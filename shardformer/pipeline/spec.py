@@ -3,14 +3,14 @@
 A spec names, by dotted path, the ``nn.ModuleList`` of transformer layers that is divided among
 the stages, the modules only the first stage needs (embeddings), those only the last needs (final
 norm, head), and those both ends hold (input embeddings tied to the output head: their gradients
-are summed over the two stages; :mod:`shardformer.pipeline.tied` finds every weight several stages
+are summed over the two stages; `shardformer.pipeline.tied` finds every weight several stages
 hold). Its ``stage_forward(model, hidden, inputs)`` runs one stage on a micro-batch: ``hidden`` is
 the previous stage's output (None on the first stage; a tuple where a stage hands on several
 tensors), ``inputs`` the micro-batch (every stage sees it: masks and labels come from it); it
 returns the hidden states (or a tuple of tensors) for the next stage, or on the last stage the model's output (a ModelOutput with ``loss`` when labels are
 given, or a tensor of logits). The built-in ones run the model's own forward while
-:func:`~shardformer.pipeline.stage_view.stage_view` fills the holes of the stage; a custom one may
-loop over :func:`local_layers`.
+`shardformer.pipeline.stage_view.stage_view` fills the holes of the stage; a custom one may
+loop over `local_layers`.
 
 Keeping a stage sets every module of other stages to None in place, so parameter names never change.
 """
@@ -66,7 +66,7 @@ class PipelineSpec:
         return [f"{path}.{i}" for path in self.stacks() for i in range(len(self._stack(model, path)))]
 
     def layer_modules(self, model: nn.Module) -> list[nn.Module | None]:
-        """Every layer, numbered as :meth:`layer_paths` (None where a stage dropped it)."""
+        """Every layer, numbered as `layer_paths` (None where a stage dropped it)."""
         out = []
         for path in self.layer_paths(model):
             parent, _, name = path.rpartition(".")

@@ -4,7 +4,7 @@ A spec names the layer list (divided among stages) and the modules held by the f
 last stage, or both (``shared``: weights tied between the input embedding and the output head,
 whose gradients are summed over the two stages). Mistakes there do not raise on their own: a module
 in two lists deadlocks the engine, a tied weight held by two stages but not declared shared trains
-two drifting copies. :func:`check_pipeline_lists` refuses both, naming the module:
+two drifting copies. `check_pipeline_lists` refuses both, naming the module:
 
 - every path exists in the model (a module or parameter; one the model sets to None is fine);
 - the lists are disjoint, no path lies inside another listed path or inside the layer list;
@@ -63,7 +63,7 @@ def check_pipeline_lists(
     second_start=(),
     every=(),
 ) -> None:
-    """Raise :class:`PipelineSpecError` naming the module if the spec cannot split ``model`` correctly."""
+    """Raise `PipelineSpecError` naming the module if the spec cannot split ``model`` correctly."""
     lists = {"first": list(first), "last": list(last), "shared": list(shared), "every": list(every)}
     two = second_layers is not None
     if two:
@@ -135,7 +135,7 @@ def check_pipeline_lists(
 
 
 def check_pipeline_spec(spec, model: nn.Module, num_stages: int, layers_per_stage=None) -> None:
-    """:func:`check_pipeline_lists` over a :class:`~shardformer.pipeline.PipelineSpec`."""
+    """`check_pipeline_lists` over a `shardformer.pipeline.PipelineSpec`."""
     check_pipeline_lists(
         model, spec.layers, spec.first, spec.last, spec.shared, num_stages, layers_per_stage, spec.second_layers,
         spec.first_end, spec.second_start, spec.every,

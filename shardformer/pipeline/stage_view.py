@@ -1,14 +1,14 @@
 """Running a pipeline stage through the model's own public forward.
 
-A stage holds only its layers and the modules of its ends (:meth:`PipelineSpec.keep_stage` sets the
-others to None). While a stage runs, :func:`stage_view` fills those holes: the layers of other
+A stage holds only its layers and the modules of its ends (`PipelineSpec.keep_stage` sets the
+others to None). While a stage runs, `stage_view` fills those holes: the layers of other
 stages become pass-throughs (layer indices stay global, as per-layer attention types need), the
 modules this stage dropped become identities, and the stage's ``stand_ins`` take given places (on a
 later stage, the module whose output the first stage hands on answers with the hidden states this
 stage received). The model's own forward (or its base model's) then runs the stage: masks, position
 ids and the head's loss come out as the model computes them, with nothing of its internals copied.
 
-:func:`own_forward` is that forward without a second call of the model: a stage runs inside the
+`own_forward` is that forward without a second call of the model: a stage runs inside the
 engine's call of the model (FSDP2's root hooks), or beside it, and the model's hooks stay out of it.
 """
 

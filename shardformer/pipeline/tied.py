@@ -2,7 +2,7 @@
 stage), an encoder-decoder's embeddings (the stages of its encoder's first layer, its decoder's first
 layer and its head), a chunk's ends on a rank holding several chunks. Found from the spec's placement
 before the model is split; each rank holding such a weight sums its gradient with the others' after
-the backward (:class:`Tied`; :func:`tied_grads` makes the groups, :func:`sum_tied_grads` sums), so the
+the backward (`Tied`; `tied_grads` makes the groups, `sum_tied_grads` sums), so the
 copies stay one parameter in effect and take the same steps.
 """
 

@@ -1,4 +1,4 @@
-"""The same step as :func:`~shardformer.pipeline.schedule.run_pipeline`, on torch.distributed.pipelining.
+"""The same step as `shardformer.pipeline.schedule.run_pipeline`, on torch.distributed.pipelining.
 
 ``PipelineStage`` passes only positional tensors between stages, and keyword inputs reach the first
 stage only, while our stages need their micro-batch everywhere (attention masks, labels). Every rank
@@ -13,16 +13,16 @@ forward would draw dropout masks (on stage 0 from the first micro-batch's real i
 every later mask by when the stage was built (a resumed run, new micro-batch shapes): it runs with
 every RNG the model draws from (global, seeded dropout layers, attention streams) put back after it.
 A build step must see exactly one forward more than its micro-batches, or it is refused. Stage and
-schedule are kept by a :class:`TorchPipeline` (one per engine) and rebuilt only when the
+schedule are kept by a `TorchPipeline` (one per engine) and rebuilt only when the
 micro-batch shapes change.
 
 A rank of a virtual-stage schedule (interleaved 1F1B, ZBV, DualPipeV) runs one PipelineStage per
-model chunk, each a :class:`_Stage` over the same model whose forward runs the chunk's view
-(:mod:`shardformer.pipeline.virtual`). ZBV and DualPipeV split a backward into an input part and a
+model chunk, each a `_Stage` over the same model whose forward runs the chunk's view
+(`shardformer.pipeline.virtual`). ZBV and DualPipeV split a backward into an input part and a
 weight part, torch's weight step computing the weight gradients from what the input step kept and
 writing ``.grad`` itself. That skips what hooks into autograd's accumulation of ``.grad`` (ZeRO-3's
 FSDP2, the tensor-parallel and context-parallel gradient sums): with any of those the input part
-runs the whole backward (see :func:`_no_weight_step`), keeping the schedule's order but not the
+runs the whole backward (see `_no_weight_step`), keeping the schedule's order but not the
 bubble the separate weight part fills. ZeRO-1/2's overlapped reduction only loses its overlap there:
 a bucket whose gradients no hook announced is reduced at the step from ``.grad``.
 """

@@ -1,20 +1,20 @@
 """Several model chunks (virtual stages) per pipeline rank, for interleaved 1F1B, ZBV and DualPipeV.
 
-The layer stack is cut into ``pp * V`` chunks, balanced as :func:`~shardformer.pipeline.spec.balanced_split`
+The layer stack is cut into ``pp * V`` chunks, balanced as `shardformer.pipeline.spec.balanced_split`
 cuts stages. Interleaved 1F1B places them in a loop (chunk ``c`` on rank ``c % pp``: rank ``r`` holds
 ``r, r+pp, ...``); ZBV and DualPipeV in a V (rank ``r`` holds ``r`` and ``2*pp-1-r``, so rank 0 holds
 the first and the last chunk). A rank keeps one copy of the model with the layers of its chunks and
-the end modules any of them needs (:func:`keep_chunks`); nothing is copied.
+the end modules any of them needs (`keep_chunks`); nothing is copied.
 
-A chunk runs the spec's own stage forward inside :func:`chunk_view`: for that call the model's sharding
+A chunk runs the spec's own stage forward inside `chunk_view`: for that call the model's sharding
 record says "stage ``c`` of ``pp * V``, these layers", and the rank's other chunks' layers are hidden
-(set to None in the layer list, which :func:`~shardformer.pipeline.stage_view.stage_view` turns into
+(set to None in the layer list, which `shardformer.pipeline.stage_view.stage_view` turns into
 pass-throughs), so a stage forward written for one stage per rank runs a chunk unchanged: the modules
 of the chunk's ends are those of stage ``c``, layer indices stay global. Autograd keeps what the
 forward used, so the backward needs no view.
 
 Out of a step, the record says the rank (stage ``pp_rank`` of ``pp``) holding the union of its chunks'
-layers. :func:`forward_only` runs ``eval_step`` / ``forward`` over the chunks on our own send/recv.
+layers. `forward_only` runs ``eval_step`` / ``forward`` over the chunks on our own send/recv.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def keep_chunks(
     spec: PipelineSpec, model: nn.Module, schedule: str, pp_rank: int, pp: int, chunks_per_rank: int, counts
 ) -> Chunks:
     """Keep only rank ``pp_rank``'s chunks in ``model`` (in place): their layers, and the end modules
-    that one of them needs (first, last, shared). ``counts``: layers per chunk (see :func:`check_virtual`)."""
+    that one of them needs (first, last, shared). ``counts``: layers per chunk (see `check_virtual`)."""
     num_chunks = pp * chunks_per_rank
     ranks = chunk_ranks(PLACEMENT[schedule], pp, num_chunks)
     mine = tuple(c for c in range(num_chunks) if ranks[c] == pp_rank)
@@ -140,7 +140,7 @@ def chunk_view(model: nn.Module, chunks: Chunks, chunk: int):
 
 
 def in_chunk(stage_forward, chunks: Chunks, chunk: int):
-    """``stage_forward`` run as chunk ``chunk`` (inside :func:`chunk_view`)."""
+    """``stage_forward`` run as chunk ``chunk`` (inside `chunk_view`)."""
 
     def run(model, hidden, inputs):
         with chunk_view(model, chunks, chunk):

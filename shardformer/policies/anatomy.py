@@ -2,17 +2,17 @@
 (embeddings), what runs after them (final norm, head) and the final norm.
 
 Every technique that works on the layer stack reads it from here: pipeline stages, sequence
-parallelism, context parallelism (:func:`stack_anatomy`), activation checkpointing and ZeRO-3's
+parallelism, context parallelism (`stack_anatomy`), activation checkpointing and ZeRO-3's
 per-layer wrapping. Three sources, first that
 answers wins:
 
-1. the model's family record (:mod:`shardformer.models`: ``layers``, ``final_norm``);
-2. transformers' ``base_model_pp_plan`` (:mod:`shardformer.pipeline.from_plan`);
-3. the structure: the stacks the derived route finds (:func:`~shardformer.policies.derived.blocks.repeated_blocks`),
+1. the model's family record (`shardformer.models`: ``layers``, ``final_norm``);
+2. transformers' ``base_model_pp_plan`` (`shardformer.pipeline.from_plan`);
+3. the structure: the stacks the derived route finds (`shardformer.policies.derived.blocks.repeated_blocks`),
    one ``ModuleList`` of blocks of one class per stack.
 
 The stacks need only the module tree. What runs before and after a stack is read off one forward of
-a tiny copy (:func:`ends_of`: the order in which modules start and finish around the stack), cached
+a tiny copy (`ends_of`: the order in which modules start and finish around the stack), cached
 per class and architecture; it is what the pipeline split and the structural final norm need.
 """
 
@@ -84,6 +84,6 @@ def final_norm(model: nn.Module, structural: bool = True) -> str | None:
 
 def stack_anatomy(model: nn.Module) -> StackAnatomy:
     """What context parallelism reads of ``model``'s anatomy: its stacks, what runs after its one stack
-    (read off a tiny copy when asked, :func:`ends_of`), and how to build that copy."""
+    (read off a tiny copy when asked, `ends_of`), and how to build that copy."""
     found = stacks(model)
     return StackAnatomy(found, lambda: ends_of(model, found[0]).after, lambda: tiny_for(model), copy_key(model, 1))

@@ -1,7 +1,7 @@
-"""What runs around a model's layer stack(s), read off one forward of a tiny copy (:func:`ends_of`): the
+"""What runs around a model's layer stack(s), read off one forward of a tiny copy (`ends_of`): the
 embeddings before, the final norm and head after, what the layers are handed beside the hidden states,
 and how an encoder-decoder's two stacks divide the rest. The pipeline split and the structural final
-norm read it (:mod:`shardformer.policies.anatomy` finds the stacks themselves)."""
+norm read it (`shardformer.policies.anatomy` finds the stacks themselves)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Ends:
     final norm), between the stacks elsewhere (the decoder's embeddings), and after the second (or
     never); outputs: per stack, which values of what its layers return are tensors (None: a bare
     tensor), the same for every layer, else None for the whole field; every (one stack): the modules whose
-    output or weights the layers are handed beside the hidden states (:mod:`~shardformer.policies.layer_reads`),
+    output or weights the layers are handed beside the hidden states (`shardformer.policies.layer_reads`),
     in neither before nor after."""
 
     before: tuple[str, ...]
@@ -58,8 +58,8 @@ _ENDS: dict[tuple, Ends | AnatomyError] = {}
 
 
 def ends_of(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
-    """The :class:`Ends` of the stack at ``layers`` (or of two stacks: :func:`_trace_ends`), read off one forward of a tiny copy of ``model``
-    (cached per class, architecture and stack); :class:`AnatomyError` when it cannot be told."""
+    """The `Ends` of the stack at ``layers`` (or of two stacks: `_trace_ends`), read off one forward of a tiny copy of ``model``
+    (cached per class, architecture and stack); `AnatomyError` when it cannot be told."""
     key = (copy_key(model, 1), layers)
     if key not in _ENDS:
         try:

@@ -1,11 +1,11 @@
 """Pipeline specs from a model's anatomy: any model with one layer stack, any head, proven on a tiny copy.
 
-The anatomy (:mod:`shardformer.policies.anatomy`) says which ``ModuleList`` is the layer stack and which
+The anatomy (`shardformer.policies.anatomy`) says which ``ModuleList`` is the layer stack and which
 modules run before it (embeddings: the first stage) and after it (final norm, head: the last stage);
 a module of the first tied to one of the last (input embeddings and the LM head) is on both.
 
 Every stage runs the whole model's own forward on the micro-batch (labels on the last stage only),
-while :func:`~shardformer.pipeline.stage_view.stage_view` fills its holes:
+while `shardformer.pipeline.stage_view.stage_view` fills its holes:
 
 - after the first stage, the embeddings answer with the received hidden states (only their shape and
   dtype matter: masks are built from them), and the layer before this stage's first one returns the
@@ -28,7 +28,7 @@ proven on a tiny copy (two stages, loss and every gradient against the unsplit c
 used, and refused otherwise, naming why.
 
 An encoder-decoder (two stacks) splits anywhere in its layers, the encoder's output carried to the
-decoder's stages (:mod:`shardformer.policies.encoder_decoder`); each kind of cut is proven apart.
+decoder's stages (`shardformer.policies.encoder_decoder`); each kind of cut is proven apart.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from shardformer.policies.stage_parts import Capture, LayerPassThrough, Reached,
 
 
 class AnatomyStageForward:
-    """The stage forward of a :class:`PipelineSpec` found from a model's anatomy (see the module doc).
+    """The stage forward of a `PipelineSpec` found from a model's anatomy (see the module doc).
 
     ``held``: {name: shape} of the parameters held directly by the model that only the first stage
     holds (timm's ``cls_token``): later stages read zeros of that shape in their place, as they read
@@ -255,7 +255,7 @@ _PROOFS: dict[tuple, tuple[str | None, dict[str, str]]] = {}
 def _proof(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, str]]:
     """(why two stages of a tiny copy do not compute what the copy computes (loss or output, every
     gradient), or None; for an encoder-decoder, {cut kind: why stages cut there are not exact}).
-    Cached per stack under everything the verdict depends on (:func:`~shardformer.policies.copies.copy_key`)."""
+    Cached per stack under everything the verdict depends on (`shardformer.policies.copies.copy_key`)."""
     key = (copy_key(model, 1), str(layers))
     if key not in _PROOFS:
         try:
@@ -297,8 +297,8 @@ def _prove(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, 
 
 def pipeline_spec_for(model: nn.Module) -> PipelineSpec:
     """The pipeline spec of ``model``: the first route whose split is exact on a tiny copy of it, with its
-    config values (:mod:`~shardformer.policies.pipeline_proof`): its family's hand-written spec, transformers'
-    ``base_model_pp_plan``, its anatomy (:func:`spec_from_anatomy`). A route that does not prove passes to
+    config values (`shardformer.policies.pipeline_proof`): its family's hand-written spec, transformers'
+    ``base_model_pp_plan``, its anatomy (`spec_from_anatomy`). A route that does not prove passes to
     the next; where none does, NotImplementedError naming each route's reason."""
     reasons = []
     for route, spec_of in (("the family's pipeline spec", _family_route), ("transformers' pp plan", _plan_route)):

@@ -1,7 +1,7 @@
 """The policy for a model with none given: the first of its candidate routes (its family's record in
-:mod:`shardformer.models`, else its transformers tensor-parallel plan, else the cut derived from its
+`shardformer.models`, else its transformers tensor-parallel plan, else the cut derived from its
 structure). A hypothesis only: ``shard_model`` proves each route on a tiny copy before use and takes
-the next when one is not exact (:mod:`shardformer.policies.routes`)."""
+the next when one is not exact (`shardformer.policies.routes`)."""
 
 from __future__ import annotations
 

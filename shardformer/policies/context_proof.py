@@ -1,14 +1,14 @@
 """The proof context parallelism passes before the user's model is cut.
 
-The static checks (:mod:`.checks`) and the probes (positions, :mod:`.mixing`) admit what they know;
+The static checks (`.checks`) and the probes (positions, `.mixing`) admit what they know;
 this decides, as the tensor-parallel routes' proof does. On the ranks that will hold the model, the
-tiny copy of the user's instance (:func:`~shardformer.policies.copies.instance_copy`: its swapped
+tiny copy of the user's instance (`shardformer.policies.copies.instance_copy`: its swapped
 modules, hooks, patched methods and attention implementation; dropout off) is cut with the chosen
 route's policy at the user's tp and split over the sequence at the user's cp size and mode, through
-the same :class:`~shardformer.tensor_parallel.sharder.ModelSharder` the model goes through, on the
+the same `shardformer.tensor_parallel.sharder.ModelSharder` the model goes through, on the
 mesh's own tp and cp groups: the tp x cp combination the model runs, not cp alone. It runs the recipe's
 inputs (a causal LM with its labels) against the unsharded copy: outputs (gathered over cp and tp),
-loss and every gradient must match (:data:`~shardformer.policies.proof.SCALE_RTOL` of its own scale);
+loss and every gradient must match (`shardformer.policies.proof.SCALE_RTOL` of its own scale);
 what differs is named with the first diverging module. Every rank of the tp x cp block reaches the same
 verdict (all-reduces over tp, then cp), cached per class, cp, mode, tp, route, architecture, the
 instance's key and library versions.
@@ -143,7 +143,7 @@ def _compare(ref: nn.Module, split: nn.Module, info, inputs: dict, device, failu
 
 def _whole_sequence(ref: ActivationRecorder, split: ActivationRecorder, seq: int, group) -> None:
     """Each activation ``split`` recorded on this rank's tokens, gathered back into the whole sequence in
-    order (the tp gathers are :func:`first_divergence`'s). Every cp rank gathers the same calls: their
+    order (the tp gathers are `first_divergence`'s). Every cp rank gathers the same calls: their
     shapes are the same on every rank."""
     layout = layout_for(seq, group)
     expected: dict[tuple[str, int], tuple] = {}  # (output, input) of each call, by module and call
@@ -169,7 +169,7 @@ def _whole_sequence(ref: ActivationRecorder, split: ActivationRecorder, seq: int
 
 def require_context_parallel(model: nn.Module, shard_config, route) -> bool:
     """Prove the split of ``model`` at the config's cp on top of ``route``'s cut at its tp before anything
-    is cut (every rank of the mesh calls it); raise :class:`NotProvenError` naming what differs. Whether it
+    is cut (every rank of the mesh calls it); raise `NotProvenError` naming what differs. Whether it
     was proven (``ShardConfig(prove=False)``: not, with a warning)."""
     tp, cp, mode = (
         shard_config.tensor_parallel_size,

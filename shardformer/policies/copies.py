@@ -29,8 +29,8 @@ logger = logging.getLogger("shardformer")
 def copy_key(model: nn.Module, tp: int, heads: int | None = None) -> tuple:
     """The key of ``model``'s tiny copy at ``tp`` (and ``heads``, where a route was found on a wider copy),
     which every verdict on that copy holds (derivation, anatomy, tp / cp / pp / ep proofs): the class, the
-    copy's config (a config-less model: its module tree and settings, :func:`architecture`), what the
-    instance adds to its class with the attention implementation and dtype (:mod:`shardformer.core.instance`),
+    copy's config (a config-less model: its module tree and settings, `architecture`), what the
+    instance adds to its class with the attention implementation and dtype (`shardformer.core.instance`),
     and the releases of the code it runs."""
     config = getattr(model, "config", None)
     if hasattr(config, "to_dict"):
@@ -43,10 +43,10 @@ def copy_key(model: nn.Module, tp: int, heads: int | None = None) -> tuple:
 def instance_copy(model: nn.Module, tp: int, seed: int = 0, heads: int | None = None) -> nn.Module:
     """The small model every proof, derivation and anatomy reads, with everything the user's instance
     has: for a transformers model, a tiny copy of its class from its config with the instance's
-    additions put on it (:mod:`shardformer.core.instance`); where an addition cannot be rebuilt small
+    additions put on it (`shardformer.core.instance`); where an addition cannot be rebuilt small
     (a module whose constructor takes other than a config), the instance itself with each stack cut
-    to two blocks, while that is small; else :class:`~shardformer.core.instance.CannotReproduce`
-    naming the module. A model with no transformers config: the instance cut (:func:`two_blocks`)."""
+    to two blocks, while that is small; else `shardformer.core.instance.CannotReproduce`
+    naming the module. A model with no transformers config: the instance cut (`two_blocks`)."""
     if not hasattr(getattr(model, "config", None), "to_dict"):
         return two_blocks(model)
     instance = study_instance(model)
@@ -78,7 +78,7 @@ def _runs(tiny: nn.Module, what: str) -> None:
 
 
 def repeated_stacks(model: nn.Module) -> list[str]:
-    """Paths of the stacks :func:`~shardformer.policies.derived.blocks.repeated_blocks` finds whose
+    """Paths of the stacks `shardformer.policies.derived.blocks.repeated_blocks` finds whose
     blocks are all of one class and one shape (a stack of mixed classes, or of stages that widen as
     ConvNeXt's do, is kept whole in a copy: the layers after it read the last item's width)."""
     from shardformer.policies.derived.blocks import repeated_blocks
@@ -129,7 +129,7 @@ def stacks_cut(model: nn.Module):
 def two_blocks(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose repeated stacks keep two blocks, with dropout off (both copies the
     proof compares compute one function); of a model on the meta device (``shardformer plan``), a
-    real copy with random weights (:func:`materialize`)."""
+    real copy with random weights (`materialize`)."""
     with stacks_cut(model):
         tiny = copy.deepcopy(model)
     no_dropout(tiny)

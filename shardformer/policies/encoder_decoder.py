@@ -2,7 +2,7 @@
 
 The layers of both stacks are numbered as one list (the encoder's, then the decoder's) and cut into
 stages as a one-stack model's are. Every stage runs the model's own forward (as
-:mod:`~shardformer.policies.anatomy_pipeline` does for one stack); what a stage hands on depends on
+`shardformer.policies.anatomy_pipeline` does for one stack); what a stage hands on depends on
 where it ends:
 
 - inside the encoder: what its last layer returned (the hidden states and whatever else the stack
@@ -16,7 +16,7 @@ model's loop reads it as that layer's output), and for the stack's embeddings wi
 (only their shape matters: masks are built from them); a stage past the encoder passes the encoder's
 output as ``encoder_outputs`` and the model skips its encoder. Every stage gets the whole micro-batch
 (the decoder's inputs are the labels shifted, as the model derives them); no stage but the last runs
-the head. Which cuts are exact is proven on a tiny copy (:func:`cut_refusals`), each kind apart: inside
+the head. Which cuts are exact is proven on a tiny copy (`cut_refusals`), each kind apart: inside
 the encoder, inside the decoder, a stage across the boundary.
 """
 
@@ -152,7 +152,7 @@ def _values(output, outputs, stack: int, path: str) -> tuple[torch.Tensor, ...]:
 
 
 def _rebuild(carried: tuple, outputs, stack: int):
-    """A layer's output from the tensors a stage received (the inverse of :func:`_values`)."""
+    """A layer's output from the tensors a stage received (the inverse of `_values`)."""
     pattern = outputs[stack] if outputs is not None else None
     if pattern is None:
         return carried[0]

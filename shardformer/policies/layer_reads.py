@@ -3,7 +3,7 @@
 DeBERTa-v2's encoder normalises its relative position embeddings once (``encoder.LayerNorm`` applied to
 ``encoder.rel_embeddings.weight``) and hands the result to every layer. No stage boundary can pass that
 on, and a stage that does not hold those modules would read a dropped module in their place: every stage
-runs layers, so every stage holds them (:attr:`PipelineSpec.every`), and their gradients are summed over
+runs layers, so every stage holds them (`PipelineSpec.every`), and their gradients are summed over
 the stages. They are found by value, in one forward of the tiny copy: a tensor layer 1 is handed besides
 the hidden states that is the output of a module with weights outside the stack, and the modules whose
 output or weights that module reads, followed back the same way. Only modules with weights are followed
@@ -23,7 +23,7 @@ def _tensors(value) -> list[torch.Tensor]:
 
 class LayerReads:
     """Hooks on ``tiny``'s modules outside its ``stacks`` (and not above them) that keep what each one is
-    called with and returns; :meth:`every` reads them after a forward. ``remove()`` takes the hooks off."""
+    called with and returns; `every` reads them after a forward. ``remove()`` takes the hooks off."""
 
     def __init__(self, tiny: nn.Module, stacks: tuple[str, ...]) -> None:
         above = {".".join(s.split(".")[:n]) for s in stacks for n in range(len(s.split(".")))}

@@ -1,11 +1,11 @@
 """The proof of a pipeline split: two stages of a tiny copy against the unsplit copy, one verdict per route.
 
 Every route to a pipeline spec (a family's hand-written one, transformers' ``base_model_pp_plan``, the
-model's anatomy) is a hypothesis. :func:`prove_split` runs the stages of a tiny copy of the user's model
+model's anatomy) is a hypothesis. `prove_split` runs the stages of a tiny copy of the user's model
 (built from its config: Granite's ``embedding_multiplier`` is in it) one after the other, as the engine
 does, and compares the loss, what each stage hands on and the gradient sent back for it, and every
 weight's gradient (summed over the stages holding it) with the unsplit copy. A route is used only where
-its split is exact there; :func:`route_verdict` caches the verdict under everything it depends on.
+its split is exact there; `route_verdict` caches the verdict under everything it depends on.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def verdicts_from_first_rank():
 
 
 def first_rank_answer(answer: Callable[[], T]) -> T:
-    """``answer()``, worked out on the first rank alone inside :func:`verdicts_from_first_rank` and taken by
+    """``answer()``, worked out on the first rank alone inside `verdicts_from_first_rank` and taken by
     every rank (the proofs run one process's tiny copy: every rank would compute the same), else here."""
     if _SHARED and _SHARED[-1]:
         box = [answer() if dist.get_rank() == 0 else None]
@@ -61,7 +61,7 @@ def first_rank_answer(answer: Callable[[], T]) -> T:
 
 def route_verdict(model: nn.Module, route: str, spec_of: Callable[[nn.Module], PipelineSpec | None]) -> str | None:
     """Why the spec ``spec_of`` gives a tiny copy of ``model`` is not exact at two stages there (None: it
-    is); cached per route under its tiny copy's key (:func:`~shardformer.policies.copies.copy_key`)."""
+    is); cached per route under its tiny copy's key (`shardformer.policies.copies.copy_key`)."""
     return first_rank_answer(lambda: _local_verdict(model, route, spec_of))
 
 

@@ -8,7 +8,7 @@ parallelism asked for, the copy runs with it. Every rank reaches the same verdic
 The verdict is cached per route, model class, architecture, tp, sequence parallelism and library
 versions (a new transformers release can change a plan, a forward or a helper).
 
-The tiny copy is the user's config scaled down (:func:`~shardformer.core.tiny_run.tiny_copy`);
+The tiny copy is the user's config scaled down (`shardformer.core.tiny_run.tiny_copy`);
 a model with no transformers config (timm) is copied with each repeated stack cut to two blocks
 (same widths, same code).
 """
@@ -91,7 +91,7 @@ def _sequence_parallel(shard_config: ShardConfig) -> dict:
 
 def _tiny(model: nn.Module, tp: int, heads: int | None) -> nn.Module:
     """A small model of ``model``'s class and architecture with everything its instance adds
-    (:func:`~shardformer.policies.copies.instance_copy`), dropout off."""
+    (`shardformer.policies.copies.instance_copy`), dropout off."""
     if not hasattr(getattr(model, "config", None), "to_dict") and any(
         p.device.type == "meta" for p in model.parameters()
     ):

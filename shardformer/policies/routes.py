@@ -2,7 +2,7 @@
 
 A route proposes a cut: the model family's hand-written policy, transformers' own tensor-parallel
 plan, or the cut derived from the model's structure. Each in turn is resolved against the user's
-model (every refusal before any collective), then proven on a tiny copy (:mod:`.proof`); the first
+model (every refusal before any collective), then proven on a tiny copy (`.proof`); the first
 that proves exact is used. A route that cannot cut the model, or whose proof fails, hands over to
 the next; when none is left the model is refused, naming each route's reason (the first diverging
 module where a proof ran). ``ShardConfig(prove=False)`` takes the first route that resolves,
@@ -110,8 +110,8 @@ class NoExactRouteError(NotProvenError):
 def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sharder_args: dict, chosen=False):
     """``(sharder, plan, route, proven)``: the sharder (and its resolved plan, for ``sharder.shard``) of
     the first of ``routes`` that resolves against ``model`` and proves exact at the config's tp (every route is tried in order), else
-    :class:`NoExactRouteError`. The route the user ``chosen`` is proven and refused, never replaced. At
-    tp=1 a model no route cuts is kept whole (:data:`NONE`): data parallelism and ZeRO need no cut."""
+    `NoExactRouteError`. The route the user ``chosen`` is proven and refused, never replaced. At
+    tp=1 a model no route cuts is kept whole (`NONE`): data parallelism and ZeRO need no cut."""
     tp = shard_config.tensor_parallel_size
     if not routes and tp == 1:
         return _kept_whole(model, shard_config, sharder_args, "no policy, tp plan or blocks to derive a cut from")
@@ -182,7 +182,7 @@ def choose(model: nn.Module, shard_config: ShardConfig, routes: list[Route], sha
 
 
 def _kept_whole(model: nn.Module, shard_config: ShardConfig, sharder_args: dict, why: str):
-    """``choose``'s answer at tp=1 for a model no route cuts: the sharder of :class:`NoCut` (the record,
+    """``choose``'s answer at tp=1 for a model no route cuts: the sharder of `NoCut` (the record,
     the RNG and the forward checks every sharded model has; no layer replaced)."""
     sharder = ModelSharder(model, NoCut(), shard_config, **sharder_args)
     plan = sharder.plan()

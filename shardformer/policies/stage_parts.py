@@ -1,5 +1,5 @@
 """The stand-ins a pipeline stage puts in place of another stage's layers and embeddings (see
-:mod:`shardformer.policies.anatomy_pipeline`), shared by the one-stack and the encoder-decoder stage
+`shardformer.policies.anatomy_pipeline`), shared by the one-stack and the encoder-decoder stage
 forwards."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class LayerPassThrough(StandIn):
 
 
 class Reached(Exception):
-    """Raised by :class:`Capture`: this stage's layers are done."""
+    """Raised by `Capture`: this stage's layers are done."""
 
     def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__()

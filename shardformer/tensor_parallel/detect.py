@@ -312,7 +312,7 @@ def cut_of(path: str, layer, module: nn.Module) -> Cut | None:
 
 @dataclass
 class Detected:
-    """What :func:`detect_from_model` found: ties to keep and head counts to make per-rank."""
+    """What `detect_from_model` found: ties to keep and head counts to make per-rank."""
 
     ties: list[list[str]]
     rewrites: list[StaleAttribute]
@@ -336,7 +336,7 @@ def _relative(path: str, targets) -> tuple[str, str]:
 
 
 def detect_from_model(model: nn.Module, config, shard_config, targets, replacements) -> Detected:
-    """Run every check above on a planned shard; raise :class:`PolicyMismatch` naming what is wrong."""
+    """Run every check above on a planned shard; raise `PolicyMismatch` naming what is wrong."""
     tp = shard_config.tensor_parallel_size
     parents = dict(model.named_modules())
     cuts = [c for r in replacements if (c := cut_of(r.path, r.layer, r.module)) is not None]

@@ -3,16 +3,16 @@ class swap every sharded transformers model gets.
 
 A vocab-parallel head gives each rank logits over its slice of the vocabulary ``[..., vocab / tp]``.
 transformers' own losses reshape logits by the full vocabulary, and picking tokens from a slice would
-give each rank different tokens. So, once a model is sharded, :func:`adapt_class`
+give each rank different tokens. So, once a model is sharded, `adapt_class`
 
 - routes the model's ``loss_function``, where it is transformers' causal-LM or masked-LM loss and the
   head is vocab-parallel, to the same loss on the vocab-parallel cross-entropy over the head's
   process group (set once, with transformers' own setter, so torch.compile traces it like any
   other; a loss the policy injected is left alone);
 - swaps the class of a model that can generate for ``VocabParallel<Name>`` (one cached class per
-  original class), which adds :class:`ParallelGeneration`: ``generate`` gathers the logits of every
+  original class), which adds `ParallelGeneration`: ``generate`` gathers the logits of every
   vocab-parallel head for the call and, when sampling or when the logits do not come from a head it
-  gathers, appends :class:`AgreeOnTokens` after every other logits processor and warper: tp rank 0
+  gathers, appends `AgreeOnTokens` after every other logits processor and warper: tp rank 0
   picks each token (argmax, or a draw with the RNG state the model's own draw would use) and
   broadcasts it, so every rank keeps the same token and no rank reaches EOS alone.
 
@@ -20,7 +20,7 @@ Greedy decoding through a gathered vocab-parallel head needs no broadcast: the a
 every rank the same bytes, and the processors and argmax that follow are deterministic, so each
 decoded token costs the Megatron minimum (the embedding's all-reduce, two per layer, the head's
 all-gather). Models whose loss is computed inline (BERT's MLM heads, GPT-2's double heads) get a
-forward of their own from their policy (``inject_policy``), built on :func:`token_loss`.
+forward of their own from their policy (``inject_policy``), built on `token_loss`.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def loss_function_of(model: nn.Module):
 
 
 def routes_loss(model: nn.Module) -> bool:
-    """Whether :func:`adapt_class` can route ``model``'s loss through a vocab-parallel head: its
+    """Whether `adapt_class` can route ``model``'s loss through a vocab-parallel head: its
     forward computes the loss through ``self.loss_function``, and that is transformers' causal-LM or
     masked-LM loss. Otherwise a vocab-parallel head must gather its logits."""
     try:
@@ -183,7 +183,7 @@ def decoder_inputs_from_labels(model: nn.Module):
 
 def seq2seq_routable(model: nn.Module) -> bool:
     """Whether an encoder-decoder's loss can be taken over from its inline cross-entropy: it builds
-    its decoder inputs from labels in a way we can call (:func:`decoder_inputs_from_labels`)."""
+    its decoder inputs from labels in a way we can call (`decoder_inputs_from_labels`)."""
     config = getattr(model, "config", None)
     return bool(getattr(config, "is_encoder_decoder", False)) and decoder_inputs_from_labels(model) is not None
 
@@ -266,7 +266,7 @@ def tp_group_of(model: nn.Module):
 
 
 class ParallelGeneration:
-    """Mixed into a sharded model's class by :func:`vocab_parallel_class`: see the module docstring."""
+    """Mixed into a sharded model's class by `vocab_parallel_class`: see the module docstring."""
 
     def generate(self, *args, **kwargs):
         if is_sharded(self) and sharding_of(self).experts is not None:
@@ -300,8 +300,8 @@ _CLASSES: dict[type, type] = {}
 
 
 def vocab_parallel_class(cls: type, seq2seq_loss: bool = False) -> type:
-    """``VocabParallel<Name>``: ``cls`` with :class:`ParallelGeneration` (and, for an encoder-decoder
-    whose head stays vocab-parallel, :class:`Seq2SeqVocabParallelLoss`); one class per kind."""
+    """``VocabParallel<Name>``: ``cls`` with `ParallelGeneration` (and, for an encoder-decoder
+    whose head stays vocab-parallel, `Seq2SeqVocabParallelLoss`); one class per kind."""
     key = (cls, seq2seq_loss)
     if key not in _CLASSES:
         name = cls.__name__ if cls.__name__.startswith("VocabParallel") else f"VocabParallel{cls.__name__}"

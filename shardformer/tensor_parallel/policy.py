@@ -1,6 +1,6 @@
 """The Policy API: how a model family is cut, described as data the sharder carries out.
 
-A policy maps module classes to an :class:`Argument`: attributes to rewrite on each instance (head
+A policy maps module classes to an `Argument`: attributes to rewrite on each instance (head
 counts, split sizes: per-rank values) and functions returning layer descriptors, whose suffixes are
 paths relative to that module. Layer families group the descriptors by role.
 """
@@ -90,8 +90,8 @@ def divide(value: int, tp: int, what: str) -> int:
 class Policy:
     """Base class of all policies. Subclass it for a model that has no built-in policy.
 
-    Override :meth:`argument_policy` (required) and, where they apply, :meth:`inject_policy`,
-    :meth:`binding_policy` and the layer families used in the arguments.
+    Override `argument_policy` (required) and, where they apply, `inject_policy`,
+    `binding_policy` and the layer families used in the arguments.
     """
 
     model: nn.Module | None = None

@@ -8,8 +8,8 @@ when the forward ran, and the recompute runs from those states (then puts the la
 as Megatron-LM's checkpoint does with its RNG tracker.
 
 Two ways in: ``model.gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()`` on a
-sharded transformers model (the sharder installs :func:`replay_in_hf_checkpointing`), and
-:func:`checkpoint_layers` for any list of layers (timm, custom models); :func:`checkpoint_activations`
+sharded transformers model (the sharder installs `replay_in_hf_checkpointing`), and
+`checkpoint_layers` for any list of layers (timm, custom models); `checkpoint_activations`
 picks one of the two for the engine.
 """
 

@@ -6,12 +6,12 @@
     split_to_parallel         forward: keep own shard    backward: all-gather
     gather_from_parallel      forward: all-gather        backward: keep own shard
 
-``reduce_from_parallel`` is in :mod:`shardformer.core.comm`, as context parallelism sums its loss with it;
-the same regions along the sequence, for sequence parallelism, are in :mod:`.sequence_regions`.
+``reduce_from_parallel`` is in `shardformer.core.comm`, as context parallelism sums its loss with it;
+the same regions along the sequence, for sequence parallelism, are in `.sequence_regions`.
 
-Split and gather take a :class:`~shardformer.core.shard_spec.ShardSpec` for the last dimension, so
+Split and gather take a `shardformer.core.shard_spec.ShardSpec` for the last dimension, so
 fused blocks (``n_cast``) and vocabulary padding come back in the original order and size.
-Their collectives are :mod:`shardformer.core.comm`'s, counted as every other.
+Their collectives are `shardformer.core.comm`'s, counted as every other.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class _CopyAllToParallel(torch.autograd.Function):
 
 
 def copy_all_to_parallel(tensors: list[torch.Tensor], group) -> tuple[torch.Tensor, ...]:
-    """:func:`copy_to_parallel` of several tensors in one node: their gradients summed over ``group`` in one
+    """`copy_to_parallel` of several tensors in one node: their gradients summed over ``group`` in one
     all-reduce, in the order given, whichever of them this rank's graph used (or used first)."""
     return _CopyAllToParallel.apply(group, *tensors)
 
@@ -103,7 +103,7 @@ class SharedInputCopy:
     changed in place is copied anew); its backward, or the next input, releases it.
 
     It also learns which readers read an input alone (GPT-2's c_attn and c_fc: each its own input):
-    :meth:`reads_alone` tells such a layer it may all-reduce its own input gradient, overlapped with
+    `reads_alone` tells such a layer it may all-reduce its own input gradient, overlapped with
     its weight gradient, without costing a collective. Either way is exact (the all-reduces of the
     parts sum to the all-reduce of the sum); a layer becomes a sharer for good once seen sharing.
     """

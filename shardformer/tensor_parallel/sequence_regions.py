@@ -1,16 +1,16 @@
 """Megatron's region functions along the sequence (dim 1 of ``[batch, seq, hidden]``), for sequence
-parallelism; the tensor-parallel ones are in :mod:`.regions`, the collectives in :mod:`shardformer.core.comm`.
+parallelism; the tensor-parallel ones are in `.regions`, the collectives in `shardformer.core.comm`.
 
     split_sequence            forward: keep own chunk    backward: all-gather
     gather_sequence           forward: all-gather        backward: keep own chunk
     gather_sequence_for_tp    forward: all-gather        backward: reduce-scatter
     reduce_scatter_sequence   forward: reduce-scatter    backward: all-gather
 
-(:class:`GatheredSequence` lets the layers reading a ``gather_sequence_for_tp`` output, or the LM head
+(`GatheredSequence` lets the layers reading a ``gather_sequence_for_tp`` output, or the LM head
 reading the final norm's ``gather_sequence`` output, keep the chunk for their backward and all-gather
 it again there.) A sequence of ``full_len`` tokens is cut into chunks of ``ceil(full_len / world)``;
 the padding of the last chunks never leaves the split region. The collectives are
-:mod:`~shardformer.core.comm`'s, counted as every other.
+`shardformer.core.comm`'s, counted as every other.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def reduce_scatter_sequence(x: torch.Tensor, group, full_len: int) -> torch.Tens
 
 
 class _SequenceGathering:
-    """A started all-gather along the sequence: :meth:`wait` returns the full tensor."""
+    """A started all-gather along the sequence: `wait` returns the full tensor."""
 
     def __init__(
         self, parts: list[torch.Tensor] | None, handle: Handle, full_len: int, full: torch.Tensor | None = None
@@ -118,13 +118,13 @@ class _SequenceGathering:
 
 
 def start_gather_sequence(x: torch.Tensor, group, full_len: int) -> _SequenceGathering:
-    """Start the all-gather of every rank's chunk (what :func:`gather_sequence` does, without autograd):
+    """Start the all-gather of every rank's chunk (what `gather_sequence` does, without autograd):
     compute that does not need the result may run before ``wait()``. Compiling: done at once."""
     return _SequenceGathering(*start_all_gather(x, group), full_len)
 
 
 class GatheredSequence:
-    """One all-gathered sequence (:func:`gather_sequence_for_tp`'s output, or :func:`gather_sequence`'s
+    """One all-gathered sequence (`gather_sequence_for_tp`'s output, or `gather_sequence`'s
     at the end of the region, read by the LM head) and the chunk it came from,
     for column-parallel layers that keep this rank's chunk for their backward instead of the gathered
     tensor, and all-gather it again there (Megatron-LM's sequence parallelism: ``1/world`` of the

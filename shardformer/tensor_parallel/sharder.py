@@ -48,7 +48,7 @@ logger = logging.getLogger("shardformer")
 
 @dataclass
 class ShardPlan:
-    """What :meth:`ModelSharder.plan` resolved, checked before anything is cut: the policy's targets
+    """What `ModelSharder.plan` resolved, checked before anything is cut: the policy's targets
     (path, module, Argument), the planned replacements, each target's shared input copy, what was
     detected in the model, and the sequence-parallel plan (None: plain tensor parallelism)."""
 
@@ -96,7 +96,7 @@ class ModelSharder:
     the model has them.
 
     Everything that can be wrong with the model, the policy or the sizes is checked by
-    :meth:`plan` before the first process group is created, so a bad input never leaves ranks
+    `plan` before the first process group is created, so a bad input never leaves ranks
     waiting on each other.
     """
 
@@ -196,7 +196,7 @@ class ModelSharder:
         return Replacement(path, layer, target, input_copy)
 
     def shard(self, plan: ShardPlan | None = None) -> nn.Module:
-        """Cut the model by ``plan`` (what :meth:`plan` returned for this sharder; resolved here if None)."""
+        """Cut the model by ``plan`` (what `plan` returned for this sharder; resolved here if None)."""
         plan = plan or self.plan()
         replacements = plan.replacements
         params_before, name = _numel(self.model), type(self.model).__name__

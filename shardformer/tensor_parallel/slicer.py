@@ -1,8 +1,8 @@
 """The slicer: cuts a layer's weights and biases for one tensor-parallel rank, by the kind of layer
-they belong to, and tags each shard with its :class:`~shardformer.core.shard_spec.ShardSpec`.
+they belong to, and tags each shard with its `shardformer.core.shard_spec.ShardSpec`.
 
-The layout math (``ShardSpec``, slicing and merging) lives in :mod:`shardformer.core.shard_spec`;
-gathering shards over ranks in :mod:`shardformer.core.comm`. Both are re-exported here.
+The layout math (``ShardSpec``, slicing and merging) lives in `shardformer.core.shard_spec`;
+gathering shards over ranks in `shardformer.core.comm`. Both are re-exported here.
 """
 
 from __future__ import annotations

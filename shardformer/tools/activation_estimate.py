@@ -53,7 +53,7 @@ and transformers turns the cache off; one layer's activations come back during t
 (``recompute``).
 
 Under context parallelism (cp = c) each rank holds n = 2 * ceil(s / 2c) tokens (the load-balanced
-split, :mod:`shardformer.context_parallel.layout`), so every per-token term above counts n tokens
+split, `shardformer.context_parallel.layout`), so every per-token term above counts n tokens
 instead of s (tensor and sequence parallelism then split them as above) and the cache is off. The
 attention differs by mode (checked in fp32 against a real forward at cp=2, tests/test_plan.py):
 

@@ -1,7 +1,7 @@
 """The experts of a mixture-of-experts model in a plan: how many, their share of the parameters, and
 what one rank holds.
 
-The experts are found as expert parallelism finds them (:func:`shardformer.expert_parallel.sizing.expert_sizing`:
+The experts are found as expert parallelism finds them (`shardformer.expert_parallel.sizing.expert_sizing`:
 the stacked-experts module of each MoE layer, its expert count, top-k), before the model is cut; the
 shares come from the plan's parameters (full and rank shapes) under those modules, so they are what
 tensor parallelism really cut. Under expert-internal tensor parallelism every rank holds every

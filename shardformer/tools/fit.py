@@ -1,9 +1,9 @@
 """Will the job fit? Bytes per rank of every pipeline stage against the GPU's memory.
 
 ``shardformer plan --gpu-memory 80GB`` adds up, for one rank of each pipeline stage: the model state
-(:func:`shardformer.tools.plan.model_state_bytes`: parameters, gradients, ZeRO's buffers, Adam and
+(`shardformer.tools.plan.model_state_bytes`: parameters, gradients, ZeRO's buffers, Adam and
 the fp32 master, by ZeRO stage and precision), the activations the stage keeps at the given
-micro-batch (:mod:`shardformer.tools.activation_estimate`, or measured on the real sharded stage
+micro-batch (`shardformer.tools.activation_estimate`, or measured on the real sharded stage
 under ``--simulate``) times the micro-batches it has in flight, with and without activation
 checkpointing, and the communication buffers this library allocates. It answers yes or no for the
 fullest stage, with the headroom. Not counted: the CUDA context, NCCL's internal buffers and the

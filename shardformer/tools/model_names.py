@@ -1,7 +1,7 @@
 """The model names ``shardformer plan`` / ``verify`` know, and the usual spellings of them.
 
 No torch or transformers import here: ``shardformer plan --help`` lists these names, and help must
-stay fast. ``tests/test_model_names.py`` checks :data:`KNOWN` against the builds the library
+stay fast. ``tests/test_model_names.py`` checks `KNOWN` against the builds the library
 really has (``shardformer.models.builds()`` and ``model_source.PLAN_DERIVED``), so it cannot drift.
 
 A name is matched on its spelling without case, organisation (``meta-llama/``), separators and the
@@ -57,7 +57,7 @@ def normalize(name: str) -> str:
 
 
 def resolve_name(name: str, available) -> str | None:
-    """The name in ``available`` that ``name`` spells (exactly, or after :func:`normalize`), or None."""
+    """The name in ``available`` that ``name`` spells (exactly, or after `normalize`), or None."""
     if name in available:
         return name
     by_key = {normalize(n): n for n in available}

@@ -156,7 +156,7 @@ def hub_cache_folder(model: str) -> str | None:
 
 
 def check_model_source(model: Any, model_class: str | None = None) -> None:
-    """What :func:`build_model` would refuse, found without building anything (a launcher calls it
+    """What `build_model` would refuse, found without building anything (a launcher calls it
     before starting processes): a missing path, an unknown name, a config.json that is not JSON or
     names no class, an unknown ``model_class``, a ``module:function`` that does not import."""
     if isinstance(model, nn.Module):

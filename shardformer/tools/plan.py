@@ -1,9 +1,9 @@
 """Size a job before starting it: shard a model built on the meta device, with no processes.
 
 ``plan_model`` applies the model's policy at a tensor-parallel size through a
-:class:`~shardformer.core.mesh.VirtualGroup`, so the parameter shapes are exactly those a real
+`shardformer.core.mesh.VirtualGroup`, so the parameter shapes are exactly those a real
 shard produces, and estimates bytes per rank for parameters, gradients and optimizer state, and,
-given a batch and sequence length, activations (:mod:`shardformer.tools.activation_estimate`).
+given a batch and sequence length, activations (`shardformer.tools.activation_estimate`).
 Context parallelism (``cp``) leaves every rank's parameters as tensor parallelism cuts them and
 splits the sequence: it changes the activations and the number of processes (tp x cp x pp x dp).
 """
@@ -41,7 +41,7 @@ GATHERED = "gathered layers (FSDP2)"
 
 
 def build_meta_model(spec: str, model_class: str | None = None) -> nn.Module:
-    """A model without weights, from anything :func:`shardformer.tools.model_source.build_model` takes."""
+    """A model without weights, from anything `shardformer.tools.model_source.build_model` takes."""
     with torch.device("meta"):
         return build_model(spec, model_class, weights=False)
 
@@ -108,7 +108,7 @@ class Plan:
 def model_state_bytes(n: int, precision: str, dp: int, zero: int, largest_layer: int = 0) -> dict[str, int]:
     """Parameters, gradients and Adam state of ``n`` parameters on one rank, as this library lays them out.
 
-    ZeRO-1 (:mod:`shardformer.data_parallel`): backward writes every ``param.grad`` in the model's
+    ZeRO-1 (`shardformer.data_parallel`): backward writes every ``param.grad`` in the model's
     dtype, kept until the next ``zero_grad``, and the reduction copies them into fp32 ``[dp, row]``
     bucket buffers kept between steps. ZeRO-2 frees each ``param.grad`` once copied into its bucket
     and each bucket once reduce-scattered: after backward it holds only its fp32 1/dp row (during

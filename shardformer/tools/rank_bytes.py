@@ -1,4 +1,4 @@
-"""The bytes one simulated rank holds (:mod:`shardformer.tools.simulate`), read off the rank built on the meta device.
+"""The bytes one simulated rank holds (`shardformer.tools.simulate`), read off the rank built on the meta device.
 
 A training step of one micro-batch through the engine's stage gives the model state held at the end of
 its backward (parameters, their gradients, the reducer's bucket buffers, the optimizer's masters and
@@ -92,7 +92,7 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
 
 class saved_activations:  # noqa: N801 - used as a context manager, like torch's
     """Inside: count the bytes autograd saves for the backward (each storage once; parameters and the
-    stage's received input aside), with fused attention on meta (:class:`_FusedAttentionOnMeta`)."""
+    stage's received input aside), with fused attention on meta (`_FusedAttentionOnMeta`)."""
 
     def __init__(self, model, received=None):
         self.skip = {p.untyped_storage()._cdata for p in model.parameters()}

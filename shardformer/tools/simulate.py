@@ -1,14 +1,14 @@
 """Simulate a large job in this one process: each distinct kind of rank built for real on the meta device.
 
-:func:`simulate_job` starts PyTorch's fake process group (the ``"fake"`` backend: every collective
+`simulate_job` starts PyTorch's fake process group (the ``"fake"`` backend: every collective
 returns at once and moves nothing) with the job's whole world size, this process being one rank of
 it, and runs the library's own path for that rank on a model built on the meta device (shapes, no
-storage): :class:`~shardformer.ProcessMesh`, :class:`~shardformer.ParallelEngine` (``shard_model``,
-the pipeline stage it keeps, :class:`~shardformer.data_parallel.ZeroOptimizer` over the dp group),
+storage): `shardformer.ProcessMesh`, `shardformer.ParallelEngine` (``shard_model``,
+the pipeline stage it keeps, `shardformer.data_parallel.ZeroOptimizer` over the dp group),
 then two training steps of one micro-batch: the first creates Adam's state, the second is measured.
 It does this for one rank of every kind of pipeline stage (first, last, and middle stages of each
 layer count), at tp rank 0; the last tp rank is checked to hold the same shapes by sharding at its
-rank through :func:`~shardformer.tools.plan.plan_model` (vocabulary padding and replicated key/value
+rank through `shardformer.tools.plan.plan_model` (vocabulary padding and replicated key/value
 heads could make them differ; a fake group cannot run a tp rank other than 0 for real, as the RNG
 state tp rank 0 broadcasts never arrives). Data-parallel ranks hold equal padded shards by construction.
 
@@ -16,8 +16,8 @@ Bytes are read at the end of the measured backward, the peak of the model state:
 the rank's module tree, their ``.grad``, the ZeRO reducer's bucket buffers, and the optimizer's
 master shards and states (its layout). Activations: the bytes autograd saves in the measured
 step's forward and loss (given ``batch`` and ``seq``: one micro-batch of the rank's stage), with
-attention run as a fused kernel keeps it (:mod:`shardformer.tools.rank_bytes`). Collectives are the ones the step issues through
-:mod:`shardformer.core.comm`, recorded with their group (tp, dp, ep, ...). Pipeline sends and receives
+attention run as a fused kernel keeps it (`shardformer.tools.rank_bytes`). Collectives are the ones the step issues through
+`shardformer.core.comm`, recorded with their group (tp, dp, ep, ...). Pipeline sends and receives
 are counted from the p2p schedule (a fake group delivers no data, so the receiving stage cannot
 read an activation's shape header); they are marked as such.
 """
@@ -119,9 +119,9 @@ def simulate_job(
     same rank at ZeRO-2 and the layers gathered during compute come from the formula (both marked).
     ``batch`` x ``seq``: the micro-batch of the simulated steps (meta: no compute, any size is free).
     The bytes autograd saves in the measured step's forward and loss are each rank's activations of
-    one micro-batch (:func:`saved_activations`). ``ep``: expert parallelism over ep of the dp ranks;
+    one micro-batch (`saved_activations`). ``ep``: expert parallelism over ep of the dp ranks;
     on meta no router's choice can be read, so the experts' all-to-alls carry an even spread of the
-    routed tokens (:class:`~shardformer.expert_parallel.experts.ExpertParallel`).
+    routed tokens (`shardformer.expert_parallel.experts.ExpertParallel`).
 
     Runs in this process when torch.distributed is not initialised (the fake group is destroyed
     afterwards), else in a fresh subprocess, so an existing default group is never touched.

@@ -1,4 +1,4 @@
-"""The report of a simulated job (:func:`shardformer.tools.simulate.simulate_job`): per kind of rank, the bytes
+"""The report of a simulated job (`shardformer.tools.simulate.simulate_job`): per kind of rank, the bytes
 it holds beside the formula's, its activations and the collectives of one training step."""
 
 from __future__ import annotations

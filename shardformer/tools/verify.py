@@ -175,10 +175,10 @@ def verify(
     on ``tp * pp`` local gloo processes.
 
     ``model``: a factory (a module-level function, so spawned processes can import it), a folder
-    with config.json, ``module:function``, ``timm:<name>`` or a built-in name (:data:`TINY_MODELS`).
+    with config.json, ``module:function``, ``timm:<name>`` or a built-in name (`TINY_MODELS`).
     ``policy``: a Policy (instance or class, importable) or ``module:Class``; default: the built-in one.
     ``pipeline``: a PipelineSpec for ``pp > 1`` (default: the family's built-in one). With ``pp > 1`` the training engine runs one step (loss, weights, outputs after it); module-by-module
-    divergence and generate are checked at ``pp=1``. Returns a :class:`VerifyReport` (``.ok``,
+    divergence and generate are checked at ``pp=1``. Returns a `VerifyReport` (``.ok``,
     ``.format()``, ``.divergence``).
     """
     check_positive_int("tp", tp)

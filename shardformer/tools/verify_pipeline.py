@@ -1,7 +1,7 @@
 """``verify`` with pipeline stages: the training engine at tp x pp against one unsharded process.
 
 Each rank builds the same model, keeps an unsharded copy, and hands the other to
-:class:`~shardformer.ParallelEngine` (tp x pp, ZeRO stage 1 over dp=1, pp micro-batches, plain SGD).
+`shardformer.ParallelEngine` (tp x pp, ZeRO stage 1 over dp=1, pp micro-batches, plain SGD).
 One ``train_step`` is compared with the unsharded loss and SGD step: the loss, the weights this rank's
 stage holds (gathered over tp), and the outputs after the step. Module-by-module divergence is left to
 the tp-only run (``pp=1``), where every module runs in one process.

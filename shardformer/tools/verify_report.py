@@ -1,6 +1,6 @@
 """What ``shardformer verify`` reports, and the pieces its tp-only and pipeline runs share.
 
-:mod:`shardformer.tools.verify` (tp) and :mod:`shardformer.tools.verify_pipeline` (tp x pp) both
+`shardformer.tools.verify` (tp) and `shardformer.tools.verify_pipeline` (tp x pp) both
 import this module; neither imports the other's internals.
 """
 
@@ -73,7 +73,7 @@ def merge_reports(reports: list[VerifyReport]) -> VerifyReport:
 
 
 def params_check(name: str, diffs: list[ParamDiff], grads: bool, where: str = "") -> Check:
-    """A check over :func:`~shardformer.core.compare.compare_params`' result: the first mismatch if
+    """A check over `shardformer.core.compare.compare_params`' result: the first mismatch if
     any, else the count and the largest difference. ``where`` (" on stage 1") follows the count."""
     compared = [d for d in diffs if d.only_in is None]
     bad = next((d for d in diffs if not d.ok), None)

@@ -1,6 +1,6 @@
 """Policies derived from a model's own structure, for models with neither a built-in policy nor a
 transformers plan: traced on a tiny copy, cut group by group, proven before use
-(:mod:`shardformer.policies.proof`, as every route)."""
+(`shardformer.policies.proof`, as every route)."""
 
 from shardformer.policies.derived.derive import NotDerivableError, NotProvenError, derive
 from shardformer.policies.derived.policy import DerivedPolicy, derived_model

@@ -1,6 +1,6 @@
 """The ints a module's code reads that count heads or equal a cut width, and the values one rank holds
 of them (divided by tp, or one head of fewer heads than ranks): what a cut makes per-rank beside the
-weights. :mod:`.simulate` tries them in every subset; :class:`~.policy.DerivedPolicy` sets them.
+weights. `.simulate` tries them in every subset; `.policy.DerivedPolicy` sets them.
 """
 
 from __future__ import annotations

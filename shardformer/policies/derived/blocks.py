@@ -86,7 +86,7 @@ def pooling_heads(model: nn.Module) -> list[str]:
     head: an ``nn.MultiheadAttention`` whose query is a learned probe; timm's ``AttentionPoolLatent``):
     outside every block, a child of the model or of a module holding a stack, with an
     ``nn.MultiheadAttention`` or three projections or more inside. Candidates: the derivation cuts one
-    only where its traced projections form attention (:func:`attends`)."""
+    only where its traced projections form attention (`attends`)."""
     blocks = repeated_blocks(model)
     if not blocks:
         return []

@@ -1,6 +1,6 @@
 """How a column projection's output features may be cut over tp ranks: evenly, in fused blocks
 (``[Q | K | V]`` in 3, ``[gate | up]`` in 2), or by the heads of the model's config (``[Q | K | V]`` sized
-by the head counts: grouped or multi-query attention). :mod:`.simulate` tries them on the recorded inputs.
+by the head counts: grouped or multi-query attention). `.simulate` tries them on the recorded inputs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A model class's cut, derived once per (class, architecture, tp) from a tiny copy of it.
 
-The tiny copy is the user's config scaled down (:func:`~shardformer.core.tiny.tiny_copy_config`:
+The tiny copy is the user's config scaled down (`shardformer.core.tiny.tiny_copy_config`:
 the same layout choices, heads enough for tp). One traced forward says which projections read the
-stream and which write back (:mod:`.trace`); the in-process simulation chooses each group's fused
-blocks and per-rank attributes (:mod:`.simulate`). The result is a rule per block class: the
+stream and which write back (`.trace`); the in-process simulation chooses each group's fused
+blocks and per-rank attributes (`.simulate`). The result is a rule per block class: the
 user's model, whatever its depth and width, is cut by its blocks' classes.
 """
 
@@ -76,7 +76,7 @@ _CACHE: dict[tuple, Derivation] = {}
 def tiny_with_inputs(model: nn.Module, tp: int, tower: str = "", heads: int | None = None, seed: int = 0):
     """The tiny copy of ``model`` (of its sub-model at ``tower``: a vision tower a plan leaves whole)
     and inputs for it (``seed``); for a model with no transformers config (timm, a plain module), the
-    model itself with each repeated stack cut to two blocks (:mod:`shardformer.policies.copies`). A tower's inputs are the ones it receives in one forward of the whole
+    model itself with each repeated stack cut to two blocks (`shardformer.policies.copies`). A tower's inputs are the ones it receives in one forward of the whole
     tiny model (patches and their grid, an attention mask over images: what the wrapper computes), or,
     where that forward does not reach it, the recipe's inputs for the tower alone."""
     if not has_config(model):

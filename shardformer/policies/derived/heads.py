@@ -2,9 +2,9 @@
 
 A parameter of a leaf beside the projections with one dimension as long as a head count is cut with
 the heads (T5's relative attention bias ``[buckets, heads]``); a list of one module per head (StableLM's
-per-head LayerNorms) shows each rank its heads' modules (:class:`~shardformer.tensor_parallel.layers.per_head.HeadModules`); a tensor handed to the group's module
+per-head LayerNorms) shows each rank its heads' modules (`shardformer.tensor_parallel.layers.per_head.HeadModules`); a tensor handed to the group's module
 with such a dimension (ALiBi: BLOOM's ``[batch x heads, 1, s]``, MPT's ``[heads, 1, s]``) is cut to the
-rank's heads on the way in, when the model computes it outside the blocks (:class:`HeadInputs`).
+rank's heads on the way in, when the model computes it outside the blocks (`HeadInputs`).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def bias_options(parent: nn.Module, col_rels: list[str], widths: set[int]) -> di
 
 def head_options(parent, args, kwargs, tp, inputs, stream_width, biases=None, lists=None) -> list[tuple]:
     """Per-head parameter, input and module-list cuts to try, ``(params, inputs, lists)`` (with ``biases``,
-    :func:`bias_options`, cut alike; ``lists``: :func:`head_lists`), the fewest cut tensors first."""
+    `bias_options`, cut alike; ``lists``: `head_lists`), the fewest cut tensors first."""
     counts = head_counts(parent, tp)
     if not counts and not biases:
         return []
@@ -152,7 +152,7 @@ def head_options(parent, args, kwargs, tp, inputs, stream_width, biases=None, li
 class HeadInputs:
     """A module handed whole per-head tensors the model computes outside the blocks (ALiBi): each is
     cut to this rank's heads on the way in. ``cuts`` ({kwarg or position: HeadCut}) and ``counts``
-    (the head count of a batch × heads dimension) are set on the subclass :func:`head_inputs_layer` makes."""
+    (the head count of a batch × heads dimension) are set on the subclass `head_inputs_layer` makes."""
 
     cuts: dict = {}
     counts: dict = {}

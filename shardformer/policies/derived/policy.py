@@ -1,9 +1,9 @@
 """``DerivedPolicy``: the policy of a model with neither a built-in policy nor a transformers plan.
 
-Its cut comes from the model's own structure, read off a tiny copy (:mod:`.derive`); every block
+Its cut comes from the model's own structure, read off a tiny copy (`.derive`); every block
 of the user's model is cut by its class's rule. The input embedding and the LM head become
 vocab-parallel as on the plan route. ``shard_model`` proves the policy on the tiny copy, sharded
-against unsharded on the same ranks, before it cuts the user's model (:mod:`.proof`).
+against unsharded on the same ranks, before it cuts the user's model (`.proof`).
 """
 
 from __future__ import annotations

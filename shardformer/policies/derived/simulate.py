@@ -7,7 +7,7 @@ per-rank values. Run on the recorded inputs, the copies' row outputs, summed (wh
 all-reduce does), must equal the row's output in the whole model. Candidate cuts are tried from the
 simplest: every column split evenly, then fused blocks (``[Q | K | V]`` in 3, ``[gate | up]`` in 2,
 ``[Q | K | V]`` sized by the head counts); the attribute set with and without the widths equal to the
-stream's. No collective runs: this only chooses; the proof on ranks (:mod:`.proof`) confirms.
+stream's. No collective runs: this only chooses; the proof on ranks (`.proof`) confirms.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _run_ranks(
     ``(params {leaf: {name: dim}}, inputs {key: HeadCut}, lists {list: length})`` cut by heads, relative
     to the parent;
     ``row_blocks``: the row's input features cut block by block; ``local_width``: the parent runs
-    under :class:`~.widths.LocalWidths` for that width."""
+    under `.widths.LocalWidths` for that width."""
     head_params, head_inputs, head_lists = heads or ({}, {}, {})
     total = None
     for rank in range(tp):

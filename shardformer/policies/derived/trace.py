@@ -1,7 +1,7 @@
 """What each projection of a model does, read off one recorded forward of a tiny copy.
 
 One forward runs under a ``TorchFunctionMode`` that follows, for every tensor inside a repeated block
-(:func:`~.blocks.repeated_blocks`), two facts: does it still carry the block's **stream** (a block input
+(`.blocks.repeated_blocks`), two facts: does it still carry the block's **stream** (a block input
 as wide as a projection reads) without passing through a projection, and which projections' outputs it
 was computed from (the nearest ones). Then, per projection (``nn.Linear`` or transformers' ``Conv1D``):
 
@@ -39,7 +39,7 @@ class Flow:
 
 
 class FlowMode(TorchFunctionMode):
-    """Propagates :class:`Flow` through every torch function called while it is active."""
+    """Propagates `Flow` through every torch function called while it is active."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,7 +74,7 @@ class Trace:
     """Per block path: each projection's input flow (relative suffix -> Flow), in call order."""
 
     blocks: list[str]
-    heads: list[str] = field(default_factory=list)  # pooling heads beside the stacks (:func:`pooling_heads`)
+    heads: list[str] = field(default_factory=list)  # pooling heads beside the stacks (`pooling_heads`)
     reads: dict[str, dict[str, Flow]] = field(default_factory=dict)
     leaf_reads: dict[str, dict[str, Flow]] = field(default_factory=dict)  # other leaves with parameters
     # projections never called whose weight the block's code reads itself (``F.linear(x, self.qkv.weight,

@@ -3,7 +3,7 @@
 Much attention code (timm's BEiT, EVA, CaiT and others) merges its heads back with
 ``x.transpose(1, 2).reshape(B, N, C)``, ``C`` read off the input (``B, N, C = x.shape``). Under
 tensor parallelism the input stays whole while a rank holds ``1/tp`` of the heads, so that reshape
-asks for ``tp`` times the elements there are. While such a module runs, :class:`LocalWidths` turns a
+asks for ``tp`` times the elements there are. While such a module runs, `LocalWidths` turns a
 ``reshape`` / ``view`` whose sizes hold ``C`` and ask for exactly ``tp`` times the tensor's elements
 into the same reshape with ``C / tp`` in that place: the merge of this rank's heads. Nothing else
 changes (a reshape that fits runs as written). It is chosen by the simulation only where no cut of
@@ -67,14 +67,14 @@ def _forward_in_local_widths(self, *args, **kwargs):
 
 
 def run_in_local_widths(module: nn.Module, width: int, tp: int) -> None:
-    """``module``'s forward, from now on, under :class:`LocalWidths` (a bound method: copies keep it)."""
+    """``module``'s forward, from now on, under `LocalWidths` (a bound method: copies keep it)."""
     module.shardformer_local_width = (width, tp)
     module.forward = types.MethodType(_forward_in_local_widths, module)
 
 
 class LocalWidthsLayer:
-    """A policy layer: the module keeps its weights; its forward runs under :class:`LocalWidths` for
-    ``width`` (set on the subclass :func:`local_widths_layer` makes) over the group's size."""
+    """A policy layer: the module keeps its weights; its forward runs under `LocalWidths` for
+    ``width`` (set on the subclass `local_widths_layer` makes) over the group's size."""
 
     width = 0
 

@@ -39,7 +39,7 @@ def param_cut(module: nn.Module, name: str, style: str, path: str) -> tuple[int,
 
 class ExpertsTP:
     """Cuts a stacked-experts module's parameters in place and sums its output over the group.
-    ``param_styles`` (set on the subclass :func:`experts_layer` makes) is ``{name: plan style}``."""
+    ``param_styles`` (set on the subclass `experts_layer` makes) is ``{name: plan style}``."""
 
     param_styles: dict[str, str] = {}
 

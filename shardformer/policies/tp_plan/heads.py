@@ -37,7 +37,7 @@ def per_rank_count(name: str, value: int, tp: int, where: str) -> int:
 
 def per_rank_attributes(path: str, module: nn.Module, tp: int, groups: int | None = None) -> dict[str, object]:
     """``{dotted attribute: per-rank value}`` for the head counts ``module``'s code reads (the one
-    reader: :func:`~shardformer.tensor_parallel.detect.attributes_read`). ``groups``: the query heads
+    reader: `shardformer.tensor_parallel.detect.attributes_read`). ``groups``: the query heads
     per key/value head on a rank when key/value heads are replicated (``num_key_value_groups``).
 
     A count read through ``self.config`` gets the module its own copy of the config holding the

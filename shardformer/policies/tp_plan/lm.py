@@ -1,7 +1,7 @@
 """The vocab-parallel input embedding of a plan-derived model, in the model's own flavour.
 
 (The LM head, its loss and ``generate`` take the route every sharded model takes:
-:mod:`shardformer.tensor_parallel.lm_head`.)
+`shardformer.tensor_parallel.lm_head`.)
 """
 
 from __future__ import annotations

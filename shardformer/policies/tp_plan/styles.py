@@ -163,7 +163,7 @@ def mla_layer(rope_dim: int) -> type[MlaKvAProj]:
 
 class HeadParams:
     """Parameters a plan cuts by themselves (``colwise`` on attention sinks ``[num_heads]``): each
-    rank keeps the entries of its own heads. ``names`` is set on the subclass :func:`params_layer` makes."""
+    rank keeps the entries of its own heads. ``names`` is set on the subclass `params_layer` makes."""
 
     supports_sequence_parallel = True  # per-token, per-head or no-op: exact on sequence chunks
 

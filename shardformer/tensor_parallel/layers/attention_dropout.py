@@ -2,7 +2,7 @@
 
 transformers' attention functions (eager, sdpa, ...) take only the probability (``.p`` of the
 module's dropout, or an ``attention_dropout`` float) and draw from the global RNG, so a
-:class:`DropoutForParallelInput` in its place is never called: with heads split over ranks, every
+`DropoutForParallelInput` in its place is never called: with heads split over ranks, every
 rank would drop the same positions of its different heads. Around the attention module's forward
 (in training, with a probability > 0) the global RNG is swapped for the module's own stream, seeded
 per rank from ``ShardConfig.seed``, and put back after: masks differ across ranks, the caller's RNG
@@ -20,7 +20,7 @@ from shardformer.tensor_parallel.layers.dropout import SeededDropout
 
 class AttentionDropoutRng:
     """Layer descriptor target: hooks the attention module (returned as it is) to draw its dropout
-    from an :class:`AttentionRngStream`. ``rate`` is the dotted path, from the attention module, to
+    from an `AttentionRngStream`. ``rate`` is the dotted path, from the attention module, to
     its dropout probability (a float, or a dropout module whose ``p`` is read)."""
 
     supports_sequence_parallel = True  # per-token, per-head or no-op: exact on sequence chunks
@@ -38,7 +38,7 @@ class AttentionDropoutRng:
 
 
 def attention_dropout_rng(rate: str) -> type[AttentionDropoutRng]:
-    """An :class:`AttentionDropoutRng` reading the probability at ``rate`` (e.g. ``"attn_dropout.p"``)."""
+    """An `AttentionDropoutRng` reading the probability at ``rate`` (e.g. ``"attn_dropout.p"``)."""
     return type("AttentionDropoutRng", (AttentionDropoutRng,), {"rate": rate})
 
 
@@ -53,7 +53,7 @@ def dropout_rate(module: nn.Module, path: str) -> float:
 
 class AttentionRngStream(SeededDropout):
     """The global CPU (and accelerator) RNG states an attention module draws its dropout from. A
-    :class:`SeededDropout` child without parameters, so activation checkpointing replays it like the
+    `SeededDropout` child without parameters, so activation checkpointing replays it like the
     other dropout layers."""
 
     parallel_input = True  # seeded per rank
@@ -81,7 +81,7 @@ class AttentionRngStream(SeededDropout):
         return out
 
     def set_rng_state(self, states: dict[str, torch.Tensor]) -> None:
-        """Back to :meth:`get_rng_state`'s states (a device not listed starts again from the seed)."""
+        """Back to `get_rng_state`'s states (a device not listed starts again from the seed)."""
         self.states = {}
         for name, state in states.items():
             if name.endswith("+cpu"):

@@ -46,7 +46,7 @@ class SeededDropout(nn.Module):
         return {str(d): g.get_state() for d, g in self._generators.items()}
 
     def set_rng_state(self, states: dict[str, torch.Tensor]) -> None:
-        """Back to :meth:`get_rng_state`'s states (a device not listed starts again from the seed)."""
+        """Back to `get_rng_state`'s states (a device not listed starts again from the seed)."""
         self._generators.clear()
         for device, state in states.items():
             self.generator(torch.device(device)).set_state(state)
@@ -56,7 +56,7 @@ class SeededDropout(nn.Module):
         return {d: g.get_state() for d, g in self._generators.items()}
 
     def rng_restore(self, snapshot: dict[torch.device, torch.Tensor]) -> None:
-        """Back to the states of :meth:`rng_snapshot` (activation recompute replays the same masks)."""
+        """Back to the states of `rng_snapshot` (activation recompute replays the same masks)."""
         for device in list(self._generators):
             if device not in snapshot:
                 del self._generators[device]

@@ -73,7 +73,7 @@ class _ColumnLinearOverlapped(torch.autograd.Function):
 class _ColumnLinearRegathered(torch.autograd.Function):
     """``_matmul`` of an input all-gathered along the sequence that saves this rank's ``chunk`` of it
     instead of the gathered ``x`` (Megatron-LM's sequence parallelism): backward starts re-gathering
-    the chunk (``source``, a :class:`~shardformer.tensor_parallel.sequence_regions.GatheredSequence`), computes the input
+    the chunk (``source``, a `shardformer.tensor_parallel.sequence_regions.GatheredSequence`), computes the input
     gradient meanwhile and the weight gradient from the re-gathered input. The same products as
     autograd's backward of ``_matmul``.
 
@@ -128,9 +128,9 @@ class Linear1D_Col(nn.Module):
     gradient once. With ``gather_output`` the full output is all-gathered (fused blocks put back
     in order, vocabulary padding cut). ``n_cast`` > 1 slices fused blocks (Q/K/V) each on their
     own, so every rank holds ``[Q_r | K_r | V_r]`` and the model's ``split`` keeps working.
-    ``input_copy``: a :class:`SharedInputCopy` shared with the other column layers reading the same
+    ``input_copy``: a `SharedInputCopy` shared with the other column layers reading the same
     input, so their backward all-reduce happens once (None: this layer's own).
-    ``sequence_parallel``: the model's :class:`~shardformer.tensor_parallel.sequence_parallel.SequenceParallel`
+    ``sequence_parallel``: the model's `shardformer.tensor_parallel.sequence_parallel.SequenceParallel`
     state (given by the sharder when the layer sits in a sequence-parallel block); while it is active
     the input was gathered along the sequence by the enclosing block, whose backward reduce-scatters
     the gradient; with the state's ``regather`` this layer keeps only this rank's chunk of the
@@ -303,7 +303,7 @@ class Linear1D_Row(nn.Module):
 class VocabParallelLMHead1D(Linear1D_Col):
     """An LM head with the vocabulary split over ranks (padded to a multiple of the group size).
 
-    Logits stay vocab-parallel for :func:`~shardformer.tensor_parallel.layers.loss.vocab_parallel_cross_entropy`
+    Logits stay vocab-parallel for `shardformer.tensor_parallel.layers.loss.vocab_parallel_cross_entropy`
     unless ``gather_output``, which returns logits of the true vocabulary size.
 
     ``sequence_parallel_end``: the model's sequence-parallel state, when the region ends at the final

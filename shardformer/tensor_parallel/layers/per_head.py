@@ -1,11 +1,11 @@
 """A list of one module per head beside heads cut over tp (StableLM's per-head q/k LayerNorms).
 
 The module owning the list runs its i-th module on its i-th head; on a rank holding heads
-``[r * n, (r + 1) * n)`` it must run modules ``r * n ...`` on its heads ``0 ...``. :class:`HeadModules`
+``[r * n, (r + 1) * n)`` it must run modules ``r * n ...`` on its heads ``0 ...``. `HeadModules`
 keeps every module registered whole on every rank (names, state dict and export are the unsharded
 model's) and hands the owner, which iterates or indexes the list, this rank's modules only. Each runs
 on its parameters as passed through one node that sums every module's gradient over the ranks
-(:func:`~shardformer.tensor_parallel.regions.copy_all_to_parallel`: this rank's heads' part, zeros for
+(`shardformer.tensor_parallel.regions.copy_all_to_parallel`: this rank's heads' part, zeros for
 the others), so the replicated weights get the whole gradient on every rank and stay equal.
 """
 
