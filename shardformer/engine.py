@@ -23,6 +23,7 @@ from shardformer.context_parallel import context_parallel_stage_forward
 from shardformer.core import comm
 from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divides
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
+from shardformer.core.position_limit import check_positions, position_tables
 from shardformer.core.record import sharding_of
 from shardformer.core.step_agreement import agreed_loss
 from shardformer.core.study_memo import studied_once
@@ -121,6 +122,8 @@ class ParallelEngine:
             self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
             self.model = shard_before_split(model, cfg.shard_config(self.mesh), policy, self.pipeline)  # split below
         self.study = sharding_of(self.model).study  # what the cut read of the model, for the stages and units below
+        # the first stage alone will hold the position tables: every stage checks a batch's positions against them
+        self._position_tables = position_tables(self.model) if cfg.pp > 1 else []
         self.policy = sharding_of(self.model).policy  # the route's (proven) or the one passed
         self._forward_agreement = self.model.shardformer.forward_agreement
         if self._forward_agreement is not None:  # checked per step below: shapes (the step agreement: values)
@@ -227,8 +230,15 @@ class ParallelEngine:
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _check_shapes(self, batch: dict) -> None:
-        """tp/cp peers hold batches of the same shapes, compared before the forward's collectives (which
-        abort on other sizes) before every step (core/forward_agreement.py)."""
+        """Positions past the model's position table refused on every stage (the table's own check runs on
+        the first stage only, and the others would wait for it); tp/cp peers hold batches of the same
+        shapes, compared before the forward's collectives (which abort on other sizes) before every step
+        (core/forward_agreement.py)."""
+        positions = batch.get("position_ids")
+        if positions is None and torch.is_tensor(batch.get("input_ids")):
+            positions = torch.arange(batch["input_ids"].shape[-1])  # what the model derives without a cache
+        if self._position_tables and positions is not None:
+            check_positions(self._position_tables, positions)
         if self._forward_agreement is not None:
             self._forward_agreement.check_inputs(self.model, batch, split=self.mesh.cp_size > 1)
 

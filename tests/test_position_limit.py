@@ -1,7 +1,7 @@
 """Positions past a model's learned position table are refused naming the input, the limit and the fix
 (the unsharded model: torch's bare "index out of range in self"): a forward too long, a generate() that
 runs past the table; on every rank alike at tp=2 and at cp=2, where each rank holds other positions and
-only one of them would have read past the table. Models whose positions have no table (rotary, offset
+only one of them would have read past the table, and at pp=2, where only the first stage holds it. Models whose positions have no table (rotary, offset
 tables with their own forward) get no check.
 """
 
@@ -97,6 +97,24 @@ def check_every_context_parallel_rank_raises_before_the_split():
     assert dist.get_world_size() == 2
 
 
+def check_every_pipeline_stage_raises_before_the_first_send():
+    """Only the first stage holds the table: the engine checks the batch's positions on every stage."""
+    from shardformer import EngineConfig, ParallelEngine
+
+    _, model = load_pair(tf.GPT2LMHeadModel, tiny_config(tf.GPT2Config, **GPT2))
+    engine = ParallelEngine(model, lambda p: torch.optim.SGD(p, lr=0.1), EngineConfig(pp=2, num_microbatches=2))
+    assert engine.mesh.pp_size == 2 and engine.model.shardformer.layers is not None
+    ids = _ids(POSITIONS + 4)
+    _refused(lambda: engine.train_step({"input_ids": ids, "labels": ids}))
+    ids = _ids(POSITIONS)
+    assert engine.train_step({"input_ids": ids, "labels": ids}) > 0  # nothing was left waiting
+
+
 test_two_ranks = check_table(
-    [check_every_tensor_parallel_rank_raises_alike, check_every_context_parallel_rank_raises_before_the_split], 2
+    [
+        check_every_tensor_parallel_rank_raises_alike,
+        check_every_context_parallel_rank_raises_before_the_split,
+        check_every_pipeline_stage_raises_before_the_first_send,
+    ],
+    2,
 )
