@@ -1,7 +1,7 @@
 """Conformance run: every transformers model class a tiny config can build, sharded at tp=2.
 
-Walks transformers' auto mappings task by task (causal LM, masked LM, seq2seq LM, speech seq2seq,
-sequence / token classification, question answering, image classification, base models of text and
+Walks transformers' auto mappings task by task (causal LM, masked LM, seq2seq LM, speech seq2seq, CTC,
+sequence / token / audio classification, question answering, image classification, base models of text and
 vision encoders, image-text-to-text). For each class it scales the class's default config down
 (``shardformer.core.tiny.tiny_copy_config``), and on 2 gloo ranks runs what ``shardformer verify``
 runs (``shardformer.tools.verify.verify_on_this_rank``): the model sharded by whatever route

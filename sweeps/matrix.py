@@ -62,8 +62,9 @@ SHORT = {
     "random in training (no two runs agree)": "random", "failed": "FAILED", NOT_SWEPT: "·",
 }  # fmt: skip
 TASK_ORDER = (
-    "causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq", "sequence-classification", "token-classification",
-    "question-answering", "image-classification", "image-text-to-text", "base-model",
+    "causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq", "ctc", "audio-classification",
+    "sequence-classification", "token-classification", "question-answering", "image-classification",
+    "image-text-to-text", "base-model",
 )  # fmt: skip
 
 

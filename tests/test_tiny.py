@@ -87,3 +87,18 @@ def test_no_dropout_of_any_kind():
     beit = tiny_config(tf.BeitConfig)
     assert beit.drop_path_rate == 0.0 and beit.hidden_dropout_prob == 0.0
     assert tiny_config(tf.HubertConfig).layerdrop == 0.0
+
+
+def test_audio_copies_run_on_waveforms_and_log_mels():
+    """wav2vec2 takes a waveform its feature encoder (seven strided convolutions, kept narrow) turns into
+    a few frames, and its CTC head a transcript that fits them; Whisper's encoder takes log-mel frames
+    as many as its positions need. SpecAugment's random masks are off, as dropout is."""
+    ctc = tf.Wav2Vec2ForCTC(runnable_tiny_config(tf.Wav2Vec2ForCTC, tf.Wav2Vec2Config(), tp=2))
+    assert max(ctc.config.conv_dim) < 512 and ctc.config.mask_time_prob == 0.0
+    inputs = make_inputs(ctc, seed=0)
+    frames = ctc._get_feat_extract_output_lengths(inputs["input_values"].shape[1])
+    assert inputs["labels"].shape[1] <= frames // 2 and (inputs["labels"] != ctc.config.pad_token_id).all()
+    assert torch.isfinite(_run(tf.Wav2Vec2ForCTC, ctc.config).loss)
+    whisper = runnable_tiny_config(tf.WhisperForAudioClassification, tf.WhisperConfig(), tp=2)
+    out = _run(tf.WhisperForAudioClassification, whisper)
+    assert out.logits.shape == (2, whisper.num_labels) and torch.isfinite(out.loss)

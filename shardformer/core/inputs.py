@@ -8,6 +8,7 @@ import inspect
 import torch
 import torch.nn as nn
 
+from shardformer.core.audio_inputs import audio_inputs, ctc_labels
 from shardformer.core.refusal import POLICY, Refusal
 
 SEQ = 8  # tokens per sequence
@@ -29,9 +30,8 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         if name.endswith("ForImageClassification"):
             x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
         return x
-    if main == "input_features":  # speech: log-mel frames, twice the encoder's positions (a stride-2 conv)
-        frames = 2 * getattr(config, "max_source_positions", SEQ)
-        x = {"input_features": torch.randn(batch, config.num_mel_bins, frames, generator=g)}
+    if main in ("input_values", "input_features"):  # speech: a waveform or log-mel features
+        x = audio_inputs(config, main, batch, g)
     else:
         x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, SEQ), generator=g), config)}
     qformer = getattr(config, "qformer_config", None)
@@ -44,17 +44,20 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
             image = _special_tokens(config).get("image_token_id")
             x["mm_token_type_ids"] = (x["input_ids"] == image).int()
     ids = x.get("input_ids")
-    text_vocab = _vocab(model, config)
     eos = getattr(config, "eos_token_id", None)
     if ids is not None and getattr(config, "is_encoder_decoder", False) and isinstance(eos, int):
         ids[:, -1] = eos  # encoder-decoder classifiers pool at the end-of-sequence token
-    if getattr(config, "is_encoder_decoder", False):
-        targets = torch.randint(3, text_vocab, (batch, SEQ), generator=g)
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:  # not an encoder's head
+        targets = torch.randint(3, _vocab(model, config), (batch, SEQ), generator=g)
         x["labels" if name.endswith("ForConditionalGeneration") else "decoder_input_ids"] = targets
     elif name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
         x["labels"] = ids.clone()
-    elif name.endswith("ForSequenceClassification"):
+    elif name.endswith(("ForSequenceClassification", "ForAudioClassification")):
         x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+    elif name.endswith("ForCTC"):
+        x["labels"] = ctc_labels(config, batch, g)
+        if "attention_mask" in params:  # the CTC loss reads the input lengths from it (Parakeet)
+            x["attention_mask"] = torch.ones(x[main].shape[:2], dtype=torch.long)
     elif name.endswith("ForTokenClassification"):
         x["labels"] = torch.randint(0, config.num_labels, (batch, SEQ), generator=g)
     elif name.endswith("ForMultipleChoice") and ids is not None:  # [batch, choices, seq]: two choices

@@ -51,7 +51,9 @@ SIZES = {
 # schedules over the layers that two layers must still contain (one full-attention layer, no shared KV)
 _FIT_TWO_LAYERS = {"full_attention_interval": 2, "num_kv_shared_layers": 0}
 _MLA = {"head_dim": SIZES["qk_rope_head_dim"], "num_key_value_heads": SIZES["num_attention_heads"]}
-_DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate", "drop_path", "layerdrop", "stochastic_depth")  # + stochastic depth
+# dropout, stochastic depth, SpecAugment's random masks (wav2vec2): randomness a check must not see
+_DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate", "drop_path", "layerdrop", "stochastic_depth", "mask_time_prob")
+_DROPOUT_WORDS += ("mask_feature_prob",)
 # keys of a saved config that its class recomputes (or refuses as arguments)
 _DERIVED = ("transformers_version", "architectures", "_name_or_path", "model_type", "dtype", "torch_dtype")
 
@@ -179,6 +181,8 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[key] = 0.0
         elif isinstance(value, dict) and isinstance(value.get("mrope_section"), list) and not scaling.keep_widths:
             out[key] = dict(value, mrope_section=_sections(value["mrope_section"], _rotary_pairs(data, value)))
+        elif key.endswith(_WIDTH_WORDS) and _int_list(value) and isinstance(hidden, int) and not scaling.keep_widths:
+            out[key] = [max(SIZES["head_dim"], round(v * sizes["hidden_size"] / hidden)) for v in value]  # conv_dim
         elif not isinstance(value, int) or isinstance(value, bool):
             continue
         elif key.endswith(_ID_WORDS):
@@ -305,6 +309,10 @@ def _read(config, key):
         return getattr(config, key, None)
     except Exception:  # noqa: BLE001
         return None
+
+
+def _int_list(value) -> bool:  # widths by layer (wav2vec2's feature encoder: conv_dim, seven of 512)
+    return isinstance(value, list) and all(type(v) is int for v in value)
 
 
 def _scalar(value) -> bool:
