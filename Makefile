@@ -4,12 +4,17 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardformer-installed
 
-.PHONY: test demo conformance config-flips compat docs exit-loop dist install-check
+.PHONY: test examples demo conformance config-flips compat docs exit-loop dist install-check
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
+
+# The examples launched end to end with `shardformer run` (train, then inference) on 2 processes: about two
+# minutes; `make test` runs one of them (the fine-tuning one), CI runs them all.
+examples: $(STAMP)
+	$(PY) -m pytest -m example tests/examples
 
 demo: $(STAMP)
 	$(VENV)/bin/shardformer run --nproc_per_node 2 examples/gpt2/main.py --config examples/gpt2/config.py --mode train

@@ -96,33 +96,36 @@ def test_init_distributed_tears_its_process_group_down_at_exit(tmp_path):
     import subprocess
     import sys
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    script = tmp_path / "script.py"
-    script.write_text(
+    plain = (
         "import atexit\nimport torch.distributed as dist\nfrom shardformer import init_distributed\n"
         "atexit.register(lambda: print('initialised at exit:', dist.is_initialized()))  # runs after ours\n"
         "init_distributed()\nprint('initialised:', dist.is_initialized())\n"
     )
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    scripts = {
+        "plain": plain,
+        # after an uncaught exception it leaves the group alone: peers may wait on this rank, which must end now
+        "raises": plain + "raise RuntimeError('deliberate')\n",
+        # a group someone else started (accelerate's TrainingArguments does): torn down once a mesh uses it
+        "foreign": plain.replace(
+            "init_distributed()", "dist.init_process_group('gloo'); shardformer.ProcessMesh()"
+        ).replace("import atexit", "import atexit\nimport shardformer"),
+    }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's shardformer
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:2] == ["initialised: True", "initialised at exit: False"], result.stdout
-    # after an uncaught exception it leaves the group alone: peers may wait on this rank, which must end now
-    script.write_text(script.read_text() + "raise RuntimeError('deliberate')\n")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 1 and "deliberate" in result.stderr, result.stderr
-    assert result.stdout.split("\n")[:2] == ["initialised: True", "initialised at exit: True"], result.stdout
-    # a group someone else started (accelerate's TrainingArguments does): torn down once a mesh uses it
-    script.write_text(
-        script.read_text()
-        .replace("init_distributed()", "dist.init_process_group('gloo'); shardformer.ProcessMesh()")
-        .replace("import atexit", "import atexit\nimport shardformer")
-        .replace("raise RuntimeError('deliberate')\n", "")
-    )
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:2] == ["initialised: True", "initialised at exit: False"], result.stdout
+    running = {}
+    for name, text in scripts.items():  # the three at once: each is mostly its imports
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+        (tmp_path / f"{name}.py").write_text(text)
+        running[name] = subprocess.Popen(
+            [sys.executable, str(tmp_path / f"{name}.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env,
+        )  # fmt: skip
+    results = {name: (process, *process.communicate(timeout=120)) for name, process in running.items()}
+    for name, at_exit, code in (("plain", False, 0), ("raises", True, 1), ("foreign", False, 0)):
+        process, out, err = results[name]
+        assert process.returncode == code, (name, err)
+        assert out.split("\n")[:2] == ["initialised: True", f"initialised at exit: {at_exit}"], (name, out)
+    assert "deliberate" in results["raises"][2]

@@ -1,5 +1,8 @@
 """The examples end to end: `shardformer run` on 2 CPU processes (tp=2), train then inference.
 
+`make test` runs the fine-tuning example (ShardedSFTTrainer with LoRA); the others are marked `example`
+and run with `make examples` (CI runs both: two launches each cost about 20 s, over the suite's budget).
+
 Tiny settings (``--set``) keep each launch to seconds; outputs go to pytest's tmp_path. Each test
 checks what a user would: exit status 0, no warning printed (but those tests/helpers.py's
 EXPECTED_WARNINGS lists with a reason), the loss fell, a loss-curve PNG and a checkpoint were written,
@@ -58,6 +61,7 @@ def predictions(out) -> dict:
         return json.load(file)
 
 
+@pytest.mark.example
 def test_gpt2_train_then_generate(tmp_path):
     tiny = ("steps=40", "log_every=10", "max_new_tokens=20")
     stdout = launch("gpt2", "train", tmp_path, *tiny)
@@ -71,6 +75,7 @@ def test_gpt2_train_then_generate(tmp_path):
     assert stdout.count("trained model:   ") == 1
 
 
+@pytest.mark.example
 def test_gpt2_pipeline_stages_train_then_generate(tmp_path):
     """The same example on 2 pipeline stages instead of 2 tensor-parallel ranks (--set pp=2)."""
     tiny = ("tp=1", "pp=2", "micro_batch_size=4", "steps=20", "log_every=10", "max_new_tokens=8")
@@ -80,6 +85,7 @@ def test_gpt2_pipeline_stages_train_then_generate(tmp_path):
     assert result["trained"].startswith("The keeper") and result["trained"] != result["untrained"]
 
 
+@pytest.mark.example
 def test_bert_train_then_classify(tmp_path):
     tiny = ("steps=8", "batch_size=8", "lr=3e-4", "log_every=2")
     check_training(tmp_path, launch("bert", "train", tmp_path, *tiny))
@@ -90,6 +96,7 @@ def test_bert_train_then_classify(tmp_path):
     assert "trained head:" in stdout
 
 
+@pytest.mark.example
 def test_vit_hf_train_then_predict(tmp_path):
     tiny = ("steps=25", "batch_size=16", "log_every=5")
     check_training(tmp_path / "hf", launch("vit", "train", tmp_path, *tiny))
@@ -99,6 +106,7 @@ def test_vit_hf_train_then_predict(tmp_path):
     assert result["trained"]["accuracy"] >= result["untrained"]["accuracy"]
 
 
+@pytest.mark.example
 @pytest.mark.parametrize("backbone", ["timm"])
 def test_vit_timm_short_train(tmp_path, backbone):
     """With sequence parallelism and activation checkpointing switched on from the command line."""
