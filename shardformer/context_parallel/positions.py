@@ -24,6 +24,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 
+from shardformer.core.tiny_run import tiny_copy
+
 # how a position rule turns (input_ids, 2D mask as long, pad id) into position ids [batch, seq]
 RULES = {
     "arange": lambda ids, mask, pad: torch.arange(mask.shape[1], device=mask.device).expand(mask.shape),
@@ -46,7 +48,6 @@ def _pad_id(config) -> int | None:
 def position_rule(model: nn.Module) -> str | None:
     """The rule of `RULES` ``model`` follows for its position ids when given none (found on
     a tiny copy of it); None when it follows none of them or the copy cannot be run."""
-    from shardformer.core.tiny_run import tiny_copy
 
     try:
         with torch.no_grad():

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardformer.core.comm import VirtualGroup, all_gather_control, global_rank, group_size
+from shardformer.core.mesh import _timeout
 from shardformer.core.step_agreement import batch_fingerprint, fingerprint_tensor
 
 
@@ -181,7 +182,6 @@ def block_group(mesh):
         return None
     if mesh.tp_size == 1:
         return mesh.cp_group
-    from shardformer.core.mesh import _timeout
 
     mine = None
     for p in range(mesh.pp_size):

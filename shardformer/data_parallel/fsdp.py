@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardformer.core.record import is_sharded, sharding_of
 from shardformer.core.shard_spec import shard_spec
 
 GradHooks = list[tuple[nn.Parameter, list[Callable]]]
@@ -100,7 +101,6 @@ def _shard_experts(model: nn.Module, mesh, device: torch.device, policy) -> None
     """Experts split by expert parallelism: each experts module its own FSDP2 unit over the ranks holding
     the same experts (expert-dp), its gradients divided by the whole dp size (they already hold the
     tokens of every ep rank), as dense gradients are averaged over dp."""
-    from shardformer.core.record import is_sharded, sharding_of
 
     experts = sharding_of(model).experts if is_sharded(model) else None
     if experts is None:

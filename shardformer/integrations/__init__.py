@@ -11,7 +11,7 @@ __all__ = ["ShardedSFTTrainer", "ShardedTrainer", "install_peft"]
 def install_peft() -> None:
     """Let PEFT add LoRA to (and load adapters onto) sharded models; done by ``shard_model`` already
     when peft was imported before it."""
-    from shardformer.integrations.peft_layer import install
+    from shardformer.integrations.peft_layer import install  # deferred: it imports peft, an optional dependency
 
     install()
 

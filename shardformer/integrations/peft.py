@@ -67,6 +67,7 @@ class PeftLoraSupport:
         )
 
     def adopt(self, wrapper: nn.Module, base: nn.Module, process_group) -> None:
+        # deferred: peft_layer imports peft, which only a model that already holds PEFT layers needs
         from shardformer.integrations.peft_layer import ShardedLoraLinear, install
 
         install()

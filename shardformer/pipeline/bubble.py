@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from shardformer.pipeline.virtual import check_virtual
+
 # Costs of the actions: a backward is twice a forward. ZBV and DualPipeV split it into equal input and
 # weight halves, or, where gradient hooks must run (tp, cp, ZeRO-3, checkpointing), run the whole
 # backward in their input step and leave the weight step empty (shardformer.pipeline.torch_schedule).
@@ -69,7 +71,6 @@ def simulate(
 
 def bubble_report(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int, num_layers: int) -> str:
     """The line ``shardformer plan`` prints for a pipeline job: the schedule's bubble (its checks first)."""
-    from shardformer.pipeline.virtual import check_virtual
 
     if chunks_per_rank > 1:
         check_virtual(schedule, pp, chunks_per_rank, num_microbatches, num_layers)

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from shardformer.context_parallel.anatomy import StackAnatomy
 from shardformer.core.study_memo import once_per_study
+from shardformer.pipeline.from_plan import final_norm_from_pp_plan, spec_from_pp_plan
 from shardformer.policies.anatomy_ends import AnatomyError, ends_of, tiny_for
 from shardformer.policies.copies import copy_key
 from shardformer.policies.derived.blocks import repeated_blocks
@@ -38,7 +39,6 @@ def stacks(model: nn.Module) -> tuple[str, ...]:
     """Paths of ``model``'s repeated layer stacks: the family's or the pp plan's one stack, else every
     ``ModuleList`` / ``Sequential`` the structure finds (one for a decoder or an encoder, two for an
     encoder-decoder, one per tower), outermost first in module order."""
-    from shardformer.pipeline.from_plan import spec_from_pp_plan
 
     family = _models().family_of(model)
     if family is not None:
@@ -66,7 +66,6 @@ def final_norm(model: nn.Module, structural: bool = True) -> str | None:
     the family's, else the pp plan's, else (``structural``) the first module after the stack in a forward
     of a tiny copy when it is a norm (sequence parallelism uses it only for a per-token norm, and checks
     what it reads at run time); None when none is found."""
-    from shardformer.pipeline.from_plan import final_norm_from_pp_plan, spec_from_pp_plan
 
     family = _models().family_of(model)
     if family is not None:

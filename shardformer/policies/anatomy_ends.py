@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from shardformer.policies.copies import copy_key
+from shardformer.policies.derived.derive import tiny_with_inputs
 from shardformer.policies.layer_reads import LayerReads, untied
 
 
@@ -74,7 +75,6 @@ def ends_of(model: nn.Module, layers: str | tuple[str, ...]) -> Ends:
 
 def tiny_for(model: nn.Module):
     """A tiny copy of ``model`` and inputs for it (as the derived route builds them)."""
-    from shardformer.policies.derived.derive import tiny_with_inputs
 
     try:
         return tiny_with_inputs(model, 1)

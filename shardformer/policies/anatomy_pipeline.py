@@ -48,6 +48,7 @@ from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, ta
 from shardformer.policies.anatomy import stacks
 from shardformer.policies.anatomy_ends import AnatomyError, Ends, ends_of, own_ancestor, part, tiny_for
 from shardformer.policies.copies import copy_key
+from shardformer.policies.encoder_decoder import EncoderDecoderStageForward, proof_splits
 from shardformer.policies.pipeline_proof import failure_of, first_rank_answer, prove_split, route_verdict
 from shardformer.policies.stage_parts import Capture, LayerPassThrough, Reached, ZerosShaped
 
@@ -203,8 +204,6 @@ def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends) 
     first that hold a weight tied to one of the last on both (``shared``). Two stacks (an encoder and a
     decoder): the modules of each of ``ends.sections`` with the layer next to them."""
     if not isinstance(layers, str):
-        from shardformer.policies.encoder_decoder import EncoderDecoderStageForward
-
         first, first_end, second_start, last = ends.sections
         stage = EncoderDecoderStageForward(own_ancestor(layers), layers, (first, second_start), ends.outputs)
         return PipelineSpec(
@@ -274,7 +273,6 @@ def _prove(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, 
     error = prove_split(tiny, inputs, spec, _boundary(tiny, spec) or [1, len(spec.layer_paths(tiny)) - 1])
     if isinstance(layers, str) or error is not None:
         return error, {}
-    from shardformer.policies.encoder_decoder import proof_splits
 
     if ends.outputs is None:
         why = f"the layers of {layers[0]} or {layers[1]} do not all return alike"

@@ -21,6 +21,7 @@ from shardformer.core.instance import CannotReproduce, study_instance
 from shardformer.core.tiny import tiny_copy_config
 from shardformer.core.tiny_run import MAX_PARAMS, tiny_copy
 from shardformer.core.versions import releases
+from shardformer.policies.derived.blocks import repeated_blocks
 
 KEEP = 2  # blocks kept of each repeated stack
 logger = logging.getLogger("shardformer")
@@ -81,7 +82,6 @@ def repeated_stacks(model: nn.Module) -> list[str]:
     """Paths of the stacks `shardformer.policies.derived.blocks.repeated_blocks` finds whose
     blocks are all of one class and one shape (a stack of mixed classes, or of stages that widen as
     ConvNeXt's do, is kept whole in a copy: the layers after it read the last item's width)."""
-    from shardformer.policies.derived.blocks import repeated_blocks
 
     stacks: list[str] = []
     for block in repeated_blocks(model):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from shardformer.core.memory import StorageBytes
+from shardformer.engine import ParallelEngine
 
 
 def zero3_bytes(factory, config) -> dict[str, int]:
@@ -22,7 +23,6 @@ def zero3_bytes(factory, config) -> dict[str, int]:
     forward on meta parameters (its lazy init wants them materialised), so each sharded parameter is
     given the gradient FSDP2's reduce-scatter leaves (its own DTensor layout: this rank's dp rows) and
     AdamW steps once, creating its state. Bytes are the local shards, each storage once."""
-    from shardformer.engine import ParallelEngine
 
     with torch.device("meta"):
         model = factory()

@@ -34,7 +34,10 @@ import torch
 import torch.distributed as dist
 
 from shardformer.core.comm import CollectiveCounter
+from shardformer.core.config import EngineConfig
+from shardformer.engine import ParallelEngine
 from shardformer.expert_parallel.experts import is_expert_param
+from shardformer.tools.model_source import build_model
 from shardformer.tools.plan import BYTES, GATHERED, plan_model
 from shardformer.tools.rank_bytes import step_bytes, zero3_bytes
 
@@ -138,7 +141,6 @@ def _factory(model, model_class):
 
     if isinstance(model, PretrainedConfig):
         return lambda: _from_config(model, model_class)
-    from shardformer.tools.model_source import build_model
 
     return lambda: build_model(model, model_class, weights=False)
 
@@ -211,9 +213,6 @@ def _stage_kinds(plan, pp: int) -> list[int]:
 
 def _simulate_rank(factory, plan, rank, stage, zero_stage, batch, seq) -> RankSimulation:
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from shardformer.core.config import EngineConfig
-    from shardformer.engine import ParallelEngine
 
     tp, pp, dp = plan.tp, plan.pp, plan.dp
     excepthook = sys.excepthook  # init_process_group wraps it to prefix tracebacks with the rank

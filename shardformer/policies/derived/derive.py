@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from shardformer.core.inputs import NoInputsError, make_inputs
 from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refusal, has_convolutions
-from shardformer.policies.copies import copy_key, instance_copy, two_blocks
+from shardformer.policies.copies import KEEP, copy_key, instance_copy, repeated_stacks, two_blocks
 from shardformer.policies.derived.blocks import attends, is_projection, repeated_blocks
 from shardformer.policies.derived.given_inputs import input_embeddings
 from shardformer.policies.derived.settings import calling_settings
@@ -152,7 +152,6 @@ def _copy_does_not_run(model: nn.Module, inputs: dict, error: Exception) -> NotD
     """Why a model with no config to scale down is refused when its two-block copy fails: the cut, where
     the whole model runs on the same inputs (stages that change width from one to the next), else the
     recipe's inputs (a size the model was not built for), named with their shapes."""
-    from shardformer.policies.copies import KEEP, repeated_stacks
 
     name = type(model).__name__
     failed = f"{type(error).__name__}: {str(error)[:200]}"

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.refusal import POLICY
+from shardformer.policies.derived.blocks import is_projection, repeated_blocks
 from shardformer.policies.tp_plan import experts, heads, styles
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.tensor_parallel.detect import call_optional
@@ -49,7 +50,6 @@ def plan_leaves_whole(model: nn.Module) -> list[str]:
     plan entry names (a plan for the attention only leaves the MLP whole on every rank). A router or a
     latent projection is narrower and is not listed. Empty for a plan that cuts stacked experts: the
     derived route would leave those whole, so such a plan stays first."""
-    from shardformer.policies.derived.blocks import is_projection, repeated_blocks
 
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
