@@ -223,13 +223,13 @@ class ParallelEngine:
         if self.config.split_batch and self.mesh.dp_size > 1:
             local = split_batch(batch, self.mesh.dp_size, "data_parallel_size")[self.mesh.dp_rank]
         local = self._to_device(local)
-        self._check_shapes(local)
+        self._check_inputs(local)
         return forward, split_batch(local, self.config.num_microbatches, "num_microbatches")
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
-    def _check_shapes(self, batch: dict) -> None:
+    def _check_inputs(self, batch: dict) -> None:
         """Positions past the model's position table refused on every stage (the table's own check runs on
         the first stage only, and the others would wait for it); tp/cp peers hold batches of the same
         shapes, compared before the forward's collectives (which abort on other sizes) before every step
@@ -302,7 +302,7 @@ class ParallelEngine:
         every rank (sent from the last stage over the pipeline); vocab-parallel logits stay
         sharded over tp unless ``EngineConfig.gather_output`` is set."""
         forward = forward_for_batch(batch, self.stage_forward, self.mesh.pp_size)
-        self._check_shapes(batch)
+        self._check_inputs(batch)
         micro = split_batch(
             self._to_device(batch), inference_micro_batches(batch, self.config.num_microbatches), "num_microbatches"
         )

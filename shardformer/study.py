@@ -2,7 +2,7 @@
 
 ``shard_model`` and ``ParallelEngine`` build it first and hand it down; each technique reads what it
 needs from it as data: the instance (what it adds to its class, the key every verdict holds), its
-family record, its layer stacks and final norm, what runs around its stack (context parallelism), the
+layer stacks and final norm, what runs around its stack (context parallelism), the
 routes that may cut it (tensor parallelism), where its experts go (expert parallelism), and the
 pipeline spec it is split by (pipeline parallelism). The questions the techniques ask again deeper
 down (the repeated blocks, the stacks, the instance) are answered once per model while the study's
@@ -20,9 +20,9 @@ from shardformer.core.config import ShardConfig
 from shardformer.core.instance import Instance, study_instance
 from shardformer.core.record import build_mesh
 from shardformer.expert_parallel import ExpertLayout, check_expert_parallel, plan_expert_parallel
-from shardformer.models import ModelFamily, family_of, family_spec
+from shardformer.models import family_spec
 from shardformer.pipeline.spec import PipelineSpec
-from shardformer.policies.anatomy import final_norm, layer_stack, stack_anatomy, stacks
+from shardformer.policies.anatomy import final_norm, one_stack, stack_anatomy, stacks
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.policies.routes import Route, candidate_routes, route_of
 from shardformer.tensor_parallel.policy import Policy
@@ -34,13 +34,16 @@ class ModelStudy:
     are None)."""
 
     instance: Instance  # what the user's instance adds to its class; its key is in every verdict
-    family: ModelFamily | None  # the hand-written family record, if the class has one
     stacks: tuple[str, ...]  # the repeated layer stacks (an encoder-decoder's two)
-    layer_stack: str | None  # the one stack, or None (none, or several)
     routes: list[Route]  # tensor parallelism: the routes tried in order (the user's policy alone, if given)
     final_norm: str | None  # sequence parallelism ends at it
     stack_anatomy: StackAnatomy | None = None  # context parallelism: the stacks and what runs after them
     experts: ExpertLayout | None = None  # expert parallelism: where the experts go (found and proven)
+
+    @property
+    def layer_stack(self) -> str | None:
+        """The one stack, or None (none, or several: each technique that needs one says so)."""
+        return one_stack(self.stacks)
 
     def sharder_args(self, **more) -> dict:
         """What the tensor-parallel sharder reads of the model."""
@@ -54,13 +57,11 @@ def study_model(model: nn.Module, shard_config: ShardConfig, policy: Policy | No
     """The study of ``model`` for ``shard_config`` (every rank calls it: the experts' place is proven over
     the mesh `with_expert_mesh` put in the config). Call it inside
     `shardformer.core.study_memo.studied_once`."""
-    routes = candidate_routes(model) if policy is None else [route_of(policy, model)]
+    instance = study_instance(model)  # first, before anything is cut: every copy and verdict reads it
     study = ModelStudy(
-        instance=study_instance(model),  # first, before anything is cut: every copy and verdict reads it
-        family=family_of(model),
+        instance=instance,
         stacks=stacks(model),
-        layer_stack=layer_stack(model),
-        routes=routes,
+        routes=candidate_routes(model) if policy is None else [route_of(policy, model)],
         # the structural final norm needs a forward of a tiny copy: only sequence parallelism reads it
         final_norm=final_norm(model, structural=shard_config.sequence_parallel),
     )

@@ -57,7 +57,11 @@ def stacks(model: nn.Module) -> tuple[str, ...]:
 def layer_stack(model: nn.Module) -> str | None:
     """The path of ``model``'s one layer stack, or None when it has none or several (an encoder-decoder,
     two towers: each technique that needs one stack says so)."""
-    found = stacks(model)
+    return one_stack(stacks(model))
+
+
+def one_stack(found: tuple[str, ...]) -> str | None:
+    """The stack of ``found`` when there is exactly one, else None."""
     return found[0] if len(found) == 1 else None
 
 
