@@ -97,7 +97,7 @@ def plan_command(args: argparse.Namespace) -> int:
         return 2
     print(format_plan(plan, show_params=not args.summary) + bubble)
     if args.gpu_memory:
-        # deferred like the imports above: torch loads only when this option is used
+        # deferred: this module imports nothing heavy at its top (`shardformer --help` stays fast)
         from shardformer.tools.fit import format_fit, plan_stages
 
         stages, missing = plan_stages(
@@ -109,7 +109,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def check_sizes(args: argparse.Namespace) -> None:
     """--gpus sets --dp (or checks it); --gpu-memory becomes bytes; sizes are positive."""
-    # deferred like the imports above: torch loads only when this option is used
+    # deferred: this module imports nothing heavy at its top (`shardformer --help` stays fast)
     from shardformer.tools.fit import parse_memory
 
     if args.microbatches < 1:
@@ -140,7 +140,7 @@ def fit_header(args: argparse.Namespace) -> str:
 
 def _bubble(args: argparse.Namespace, plan) -> str:
     """The schedule's bubble at pp > 1 (EngineConfig's and the schedule's checks first)."""
-    # deferred like the imports above: torch loads only when this option is used
+    # deferred: this module imports nothing heavy at its top (`shardformer --help` stays fast)
     from shardformer.core.config import EngineConfig
     from shardformer.pipeline.bubble import bubble_report
 
@@ -154,7 +154,7 @@ def _bubble(args: argparse.Namespace, plan) -> str:
 
 
 def simulate_command(args: argparse.Namespace) -> int:
-    # deferred like the imports above: torch loads only when this option is used
+    # deferred: this module imports nothing heavy at its top (`shardformer --help` stays fast)
     from shardformer.tools.simulate import simulate_job
     from shardformer.tools.simulate_report import format_simulation
 
@@ -170,7 +170,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(format_simulation(job))
     if args.gpu_memory:
-        # deferred like the imports above: torch loads only when this option is used
+        # deferred: this module imports nothing heavy at its top (`shardformer --help` stays fast)
         from shardformer.tools.fit import format_fit, simulated_stages
 
         stages, missing = simulated_stages(job, args.batch, args.seq, args.microbatches, args.schedule, args.device)
