@@ -25,8 +25,8 @@ from shardformer.checkpoint import typed_json
 from shardformer.checkpoint.errors import CheckpointError
 
 META = "meta.json"
-FORMAT = "shardformer-checkpoint/3"  # /3: the manifest carries its own checksum
-_UNCHECKED = "shardformer-checkpoint/2"  # the same manifest, written before it had a checksum: read as it is
+FORMAT = "shardformer-checkpoint/4"  # /4: tensors through torch.distributed.checkpoint, under HF names
+_UNCHECKED = "shardformer-checkpoint/2"  # written before manifests had a checksum
 CHECKSUM = "manifest_sha256"
 _LEGACY = "shardformer-checkpoint/1"  # no manifest: replaceable when it holds only its own file names
 _LEGACY_FILES = re.compile(r"(meta\.json|model-pp\d+-tp\d+\.safetensors|rank\d+\.(safetensors|json))$")
@@ -81,23 +81,29 @@ def manifest_bytes(manifest: dict) -> bytes:
     return typed_json.dumps({**manifest, CHECKSUM: manifest_digest(data)}, "the checkpoint manifest")
 
 
-def read_meta(folder: str) -> dict:
-    """The manifest of a checkpoint folder, checked to be ours, intact (its checksum) and well formed."""
+def read_meta(folder: str, any_format: bool = False) -> dict:
+    """The manifest of a checkpoint folder, checked to be ours, intact (its checksum) and well formed
+    (``any_format``: of any shardformer format, to know its files)."""
     file = os.path.join(folder, META)
     if not os.path.isfile(file):
         raise CheckpointError(f"{folder} has no {META}: it is not a (finished) shardformer checkpoint")
     data = typed_json.load(file, tagged=False)
     if not isinstance(data, dict) or not str(data.get("format", "")).startswith("shardformer-checkpoint/"):
         raise CheckpointError(f"{file}: not a shardformer checkpoint manifest (no 'format' naming one)")
-    checked = CHECKSUM in data or data["format"] == FORMAT  # a /2 manifest carries no checksum
+    checked = CHECKSUM in data or data["format"] != _UNCHECKED  # a /2 manifest carries no checksum
     if checked and data.get(CHECKSUM) != manifest_digest(data):
         raise CheckpointError(
             f"{file}: the manifest does not match its own sha256 ({CHECKSUM}): the file is damaged, and "
             "its step, layout and file checksums cannot be trusted; restore the checkpoint from a copy, or save a new one"
         )
-    if data["format"] not in (FORMAT, _UNCHECKED):  # /2 differs only in carrying no checksum
-        raise CheckpointError(f"{file}: format {data['format']!r}, this shardformer reads {FORMAT!r}")
     meta = typed_json.decoded(data, file)
+    if any_format and isinstance(meta.get("files"), dict):
+        return meta
+    if data["format"] != FORMAT:
+        raise CheckpointError(
+            f"{file}: format {data['format']!r}, this shardformer reads {FORMAT!r}; load it with the shardformer "
+            "that wrote it and save it again"
+        )
     for key in ("step", "files", "layout", "model_class", "has_optimizer", "saved_at"):
         if key not in meta:
             raise CheckpointError(f"{file}: the manifest lacks {key!r}; the file is damaged")
@@ -105,9 +111,9 @@ def read_meta(folder: str) -> dict:
 
 
 def _own_files(folder: str) -> set[str]:
-    """The names a checkpoint folder may hold; raises if it is not a checkpoint."""
+    """The names a checkpoint folder may hold at its top; raises if it is not a checkpoint."""
     try:
-        return {META, *read_meta(folder)["files"]}
+        return {META, *(name.split("/")[0] for name in read_meta(folder, any_format=True)["files"])}
     except CheckpointError:
         meta = os.path.join(folder, META)
         if os.path.isfile(meta):  # the previous format: no manifest, known file names

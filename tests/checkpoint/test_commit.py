@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers as tf
 
+import shardformer.checkpoint.rng_state as rng_state
 import shardformer.checkpoint.training as training
 from shardformer.checkpoint import CheckpointError, commit, load_checkpoint, save_checkpoint
 from tests.checkpoint.common import killed_during, scheduled_steps
@@ -97,7 +98,7 @@ def test_refuses_to_replace_what_it_did_not_write(tmp_path, monkeypatch):
     assert load_checkpoint(str(tmp_path / "empty"), _model(seed=1))["step"] == 3
 
 
-_TARGETS = [(training, "save_file"), (os, "replace"), (os, "rename"), (os, "remove"), (shutil, "rmtree")]
+_TARGETS = [(rng_state, "save_file"), (os, "replace"), (os, "rename"), (os, "remove"), (shutil, "rmtree")]
 
 
 def _save_killed(where, nth, when, path, model, step) -> bool:
@@ -129,8 +130,8 @@ def test_a_save_killed_at_any_step_leaves_the_previous_or_the_new_checkpoint(tmp
                 break
     # Killed between the two renames, no checkpoint is at `path`: the load renames the new one back.
     assert seen["rename #1 before"] == 1 and seen["rename #1 after"] == 2, seen
-    assert seen["save_file #2 after"] == 1 and seen["replace #1 after"] == 1 and seen["rmtree #1 before"] == 2, seen
-    assert len(seen) == 14, seen  # every call of the commit was a crash point
+    assert seen["save_file #1 after"] == 1 and seen["replace #1 after"] == 1 and seen["rmtree #1 before"] == 2, seen
+    assert len(seen) == 12, seen  # every call of the commit was a crash point
     # The next save, too, finds the interrupted swap (no checkpoint at `path`) and cleans up.
     assert _save_killed((os, "rename"), 1, "after", path, new, 2) and not os.path.exists(path)
     save_checkpoint(path, old, step=3)
@@ -143,9 +144,14 @@ def test_a_save_killed_at_any_step_leaves_the_previous_or_the_new_checkpoint(tmp
 def test_a_flipped_byte_is_detected_and_nothing_changes(tmp_path):
     path = str(tmp_path / "ckpt")
     save_checkpoint(path, _model(seed=0))
-    file = os.path.join(path, "model-pp0-tp0.safetensors")
-    _damage(path, "model-pp0-tp0.safetensors", lambda b: b[:-3] + bytes([b[-3] ^ 1]) + b[-2:])  # a data byte
+    file = os.path.join(path, _tensor_file(path))
+    _damage(path, _tensor_file(path), lambda b: b[:-3] + bytes([b[-3] ^ 1]) + b[-2:])  # a data byte
     _refused_and_unchanged(path, f"{file}: its content does not match its sha256")
+
+
+def _tensor_file(path):
+    """The first safetensors file DCP wrote (tensors under their HF names)."""
+    return sorted(n for n in os.listdir(path) if n.startswith("shard-") and n.endswith(".safetensors"))[0]
 
 
 def _refused_and_unchanged(path, pattern):
@@ -168,15 +174,17 @@ def test_a_flipped_bit_in_the_manifest_is_detected_and_nothing_changes(tmp_path)
         assert b'"step": 7' in f.read()
     fresh = _refused_and_unchanged(path, f"{meta_file}: the manifest does not match its own sha256")
 
-    # A manifest written before manifests had a checksum (format /2) still loads.
-    def unchecked(raw):
+    # A manifest of the format before DCP (/3: shardformer's own tensor files) is refused naming its format.
+    def older(raw):
         meta = json.loads(raw)
-        meta.update(step=3, format="shardformer-checkpoint/2")
-        del meta[commit.CHECKSUM]
+        meta.update(step=3, format="shardformer-checkpoint/3")
+        meta[commit.CHECKSUM] = commit.manifest_digest(meta)
         return json.dumps(meta).encode()
 
-    _damage(path, "meta.json", unchecked)
-    assert load_checkpoint(path, fresh)["step"] == 3 and _same(fresh, _weights(model))
+    _damage(path, "meta.json", older)
+    _refused_and_unchanged(path, "format 'shardformer-checkpoint/3', this shardformer reads 'shardformer-checkpoint/4'")
+    save_checkpoint(path, model, step=4)  # its own older checkpoint is replaced
+    assert load_checkpoint(path, fresh)["step"] == 4 and _same(fresh, _weights(model))
 
 
 def test_the_config_must_match_not_only_the_shapes(tmp_path):
@@ -226,7 +234,7 @@ def test_the_optimizer_kind_must_match(tmp_path):
     fresh = _model(seed=1)
     sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     before = _weights(fresh)
-    pattern = f"{os.path.join(path, 'rank0.json')} holds AdamW optimizer state, and this optimizer is SGD; resume with torch.optim.AdamW"
+    pattern = f"{os.path.join(path, 'meta.json')} holds AdamW optimizer state, and this optimizer is SGD; resume with torch.optim.AdamW"
     with pytest.raises(CheckpointError, match=pattern):
         load_checkpoint(path, fresh, sgd)
     assert _same(fresh, before) and not sgd.state
@@ -284,12 +292,13 @@ def test_every_damaged_file_is_named(tmp_path):
     expect(f"{meta_file}: not a readable checkpoint JSON file .UnicodeDecodeError")
     _rewrite_manifest(path, lambda m: m.pop("step"))
     expect(f"{meta_file}: the manifest lacks 'step'")
-    os.remove(os.path.join(path, "rank0.safetensors"))
-    expect(f"{os.path.join(path, 'rank0.safetensors')}: missing")
+    os.remove(os.path.join(path, "ranks/rank0.safetensors"))
+    expect(f"{os.path.join(path, 'ranks/rank0.safetensors')}: missing")
     # Damaged and yet matching the manifest (a broken writer): the reader names the file too.
-    file = _damage(path, "rank0.json", lambda b: b.replace(b'"optimizer"', b'"optimiser"'))
-    _rewrite_manifest(path, lambda m: m["files"]["rank0.json"].update(sha256=training.commit.sha256_of(file)))
-    expect(f"{file}: the optimizer description is damaged")
-    file = _damage(path, "model-pp0-tp0.safetensors", lambda b: b"\x10" + b[1:])
-    _rewrite_manifest(path, lambda m: m["files"]["model-pp0-tp0.safetensors"].update(sha256=training.commit.sha256_of(file)))  # fmt: skip
+    file = _damage(path, "ranks/rank0.json", lambda b: b.replace(b'"rng"', b'"rnd"'))
+    _rewrite_manifest(path, lambda m: m["files"]["ranks/rank0.json"].update(sha256=training.commit.sha256_of(file)))
+    expect(f"{file}: the RNG state is damaged")
+    name = _tensor_file(path)
+    file = _damage(path, name, lambda b: b"\x10" + b[1:])
+    _rewrite_manifest(path, lambda m: m["files"][name].update(sha256=training.commit.sha256_of(file)))
     expect(f"{file}: not a readable safetensors file")

@@ -1,0 +1,87 @@
+"""Tensors of a training checkpoint through torch.distributed.checkpoint (DCP), in safetensors files.
+
+Each rank writes its chunks with DCP's `HuggingFaceStorageWriter` (``save_distributed``): safetensors
+files whose headers say where each chunk sits in its global tensor. A safetensors file holds a name
+once, and a rank may hold several chunks of one tensor (Q, K and V of a fused weight), so a rank's
+k-th chunk of a tensor goes to its k-th file (`_ChunkFiles`). Reading back uses DCP's
+`HuggingFaceStorageReader`, which rebuilds DCP's metadata from those headers: loading never unpickles.
+DCP's own format (``.metadata``, a pickle, and ``.distcp`` files), as plain FSDP2 or accelerate write
+it, is read only when the caller allows unpickling (`reader_for`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint._hf_utils import _gen_file_name
+from torch.distributed.checkpoint.metadata import Metadata
+
+from shardformer.checkpoint.errors import CheckpointError
+
+PICKLED_METADATA = ".metadata"  # DCP's FileSystemWriter: a pickle
+
+
+class _ChunkFiles(HuggingFaceStorageWriter):
+    """HuggingFaceStorageWriter that puts a rank's repeated chunks of one tensor, and the tensors named in
+    ``apart`` (a tied weight's second name: safetensors refuses two names of one storage in a file),
+    into files of their own; it remembers the files it wrote."""
+
+    def __init__(self, path: str, apart: dict[str, int]) -> None:
+        super().__init__(path, save_distributed=True)
+        self.apart, self.written = apart, []
+
+    def write_data(self, plan, planner):
+        files: dict[tuple[int, int], list] = {}
+        seen: dict[str, int] = {}
+        for item in plan.items:
+            k = seen.get(item.index.fqn, 0)
+            seen[item.index.fqn] = k + 1
+            files.setdefault((self.apart.get(item.index.fqn, 0), k), []).append(item)
+        work: queue.Queue = queue.Queue()
+        for number, items in enumerate((files[k] for k in sorted(files)), start=1):
+            name = _gen_file_name(number, len(files), plan.storage_data["shard_index"])
+            self.written.append(name)
+            work.put((self.fs.concat_path(self.path, name), name, items))
+        return self._write_data(planner, work)
+
+
+def save_state(folder: str, state_dict: dict, apart: dict[str, int]) -> list[str]:
+    """Save ``state_dict`` (nested dicts of tensors, chunked ones as `pieces.checkpointable` views) into
+    ``folder``; collective. Identical chunks held by several ranks are written once. ``apart``: the
+    (flattened) names that share storage with another, each with its number among those names.
+    Returns the names of the files this rank wrote."""
+    writer = _ChunkFiles(folder, apart)
+    dcp.save(state_dict, storage_writer=writer)
+    return writer.written
+
+
+def is_pickled(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, PICKLED_METADATA))
+
+
+def reader_for(folder: str, allow_pickle: bool):
+    """The DCP reader for ``folder``: safetensors headers, or DCP's pickled metadata when allowed."""
+    if not is_pickled(folder):
+        return HuggingFaceStorageReader(folder)
+    if not allow_pickle:
+        raise CheckpointError(
+            f"{os.path.join(folder, PICKLED_METADATA)} is a pickle (a torch.distributed.checkpoint folder written "
+            "by its FileSystemWriter, as plain FSDP2 and accelerate save): unpickling can run any code the file "
+            "holds, so it is read only with load_checkpoint(..., allow_pickle=True), for a checkpoint you trust"
+        )
+    return FileSystemReader(folder)
+
+
+def read_metadata(folder: str, reader) -> Metadata:
+    try:
+        return reader.read_metadata()
+    except Exception as e:  # noqa: BLE001 - a damaged header or pickle alike: name the folder
+        raise CheckpointError(f"{folder}: its tensor metadata cannot be read ({type(e).__name__}: {e})") from None
+
+
+def load_state(state_dict: dict, reader) -> None:
+    """Fill ``state_dict``'s tensors (chunked ones only in their pieces) from ``reader``; collective."""
+    dcp.load(state_dict, storage_reader=reader)
