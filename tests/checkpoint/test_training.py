@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 
-import shardformer.checkpoint.training as training
+import shardformer.checkpoint.rng_state as rng_state
 from shardformer import ShardConfig, shard_model
 from shardformer.api import shard_before_split
 from shardformer.checkpoint import CheckpointError, layout_of, load_checkpoint, save_checkpoint, save_pretrained
@@ -158,14 +158,14 @@ def check_failed_save_keeps_previous_checkpoint():
     save_checkpoint(ckpt, model, opt, sched, step=2)
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
     _train(model, opt, sched, range(3, 4))
-    real = _disk_full_on_rank_1(training)
+    real = _disk_full_on_rank_1(rng_state)
     try:
         save_checkpoint(ckpt, model, opt, sched, step=3)
         raise AssertionError("the save should have failed")
     except CheckpointError as e:
         assert "rank 1" in str(e) and "disk full" in str(e), e
     finally:
-        training.save_file = real
+        rng_state.save_file = real
     dist.barrier()
     assert sorted(os.listdir(path)) == ["ckpt"], os.listdir(path)  # the temporary folder is gone
     info = load_checkpoint(ckpt, model, opt, sched)
