@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from shardformer.checkpoint import commit, dcp_io, typed_json
 from shardformer.checkpoint.errors import CheckpointError
-from shardformer.checkpoint.files import SafeFile, dtype_kind, expert_spec
+from shardformer.checkpoint.files import dtype_kind, expert_spec
 from shardformer.checkpoint.gather import Layout, layout_of, refuse_context_parallel
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
@@ -106,22 +106,6 @@ def _unique_named(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     for name, tensor in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(tensor), ([], tensor))[0].append(name)
     return list(groups.values())
-
-
-def _verify_files(path: str, meta: dict, lay: Layout) -> None:
-    """Every manifest file present with its size; this rank's share of the files checksummed."""
-    problems = []
-    names = sorted(meta["files"])
-    for i, name in enumerate(names):
-        file, entry = os.path.join(path, name), meta["files"][name]
-        if not os.path.isfile(file):
-            problems.append(f"{file}: missing")
-        elif os.path.getsize(file) != entry["bytes"]:
-            problems.append(f"{file}: {os.path.getsize(file)} bytes, the manifest says {entry['bytes']}")
-        elif i % lay.world == lay.rank and commit.sha256_of(file) != entry["sha256"]:
-            problems.append(f"{file}: its content does not match its sha256 in the manifest (damaged file)")
-    if problems:
-        raise CheckpointError("\n  ".join(problems))
 
 
 def _model_entries(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
@@ -219,26 +203,6 @@ def _save(path, model, optimizer, scheduler, step, extra, held: contextlib.ExitS
         )
 
 
-def _verify_files(path: str, meta: dict, lay: Layout) -> None:
-    """Every manifest file present with its size; this rank's share of the files checksummed; every
-    tensor file's header readable (DCP reads them all)."""
-    problems = []
-    names = sorted(meta["files"])
-    for i, name in enumerate(names):
-        file, entry = os.path.join(path, name), meta["files"][name]
-        if not os.path.isfile(file):
-            problems.append(f"{file}: missing")
-        elif os.path.getsize(file) != entry["bytes"]:
-            problems.append(f"{file}: {os.path.getsize(file)} bytes, the manifest says {entry['bytes']}")
-        elif i % lay.world == lay.rank and commit.sha256_of(file) != entry["sha256"]:
-            problems.append(f"{file}: its content does not match its sha256 in the manifest (damaged file)")
-    if problems:
-        raise CheckpointError("\n  ".join(problems))
-    for name in names:
-        if "/" not in name and name.endswith(".safetensors"):
-            SafeFile(os.path.join(path, name))
-
-
 def _candidates(ties: list[list[str]]):
     """The names a tensor known here by ``names`` may be saved under: its own, then the names tied to them
     (a pipeline stage holds a tied weight under one name only)."""
@@ -325,7 +289,7 @@ def _read_all(path: str, model: nn.Module, optimizer, scheduler, lay: Layout, al
     foreign = not os.path.isfile(os.path.join(path, commit.META)) and dcp_io.is_pickled(path)
     meta = None if foreign else commit.read_meta(path)
     if meta is not None:
-        _verify_files(path, meta, lay)
+        commit.verify_files(path, meta, lay.rank, lay.world)
     reader = dcp_io.reader_for(path, allow_pickle)
     metadata = dcp_io.read_metadata(path, reader)
     candidates = _candidates([] if meta is None else meta.get("ties", []))
