@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import expert_spec
@@ -88,13 +89,30 @@ def _flat_piece(value: torch.Tensor, param, dp_size: int, dp_rank: int) -> torch
     return checkpointable(rows, full_shape, compose(outer, inner))
 
 
-def _as_saved(value, param, part, per_element: bool) -> torch.Tensor:
+def _as_saved(value, param, part, per_element: bool, name: str, key: str) -> torch.Tensor:
     if not per_element:
+        if value.dim() and _split(param, part):  # one rank's copy would be written for every rank
+            raise CheckpointError(
+                f"the optimizer state {key!r} of {name} has shape {list(value.shape)}, not the shape of the "
+                f"parameter's shard {list(param.shape)}: it is not kept per element (Adafactor's factored "
+                f"moments are such a state), so its pieces on the ranks the parameter is split over cannot be "
+                f"put together into the unsharded model's state; use an optimizer whose state is per element "
+                f"(AdamW, SGD with momentum, ...) or do not split this parameter (tensor_parallel_size=1, ZeRO off)"
+            )
         return value.detach().clone()
     if isinstance(part, ZeroOptimizer):
         return _flat_piece(value.detach(), param, part.dp_size, part.dp_rank)
     local, full_shape, pieces = storage_pieces(param, shard_spec(param), expert_spec(param))
     return checkpointable(value.detach().reshape(local.shape), full_shape, pieces)
+
+
+def _split(param, part) -> bool:
+    """Whether ``param``'s optimizer state is split over ranks: cut by tp or ep, or sharded by ZeRO."""
+    if shard_spec(param) is not None or expert_spec(param) is not None:
+        return True
+    if isinstance(part, ZeroOptimizer):
+        return part.dp_size > 1
+    return isinstance(param, DTensor) and param.device_mesh.size() > 1
 
 
 def _per_element(value, shape, key) -> bool:
@@ -125,7 +143,8 @@ def optimizer_entries(model: nn.Module, optimizer, expert_dp_size: int) -> tuple
                 entry[MASTER] = zero["master_params"][local]
             for key, value in entry.items():
                 if torch.is_tensor(value):
-                    state.setdefault(name, {})[key] = _as_saved(value, param, part, _per_element(value, shape, key))
+                    per_element = _per_element(value, shape, key)
+                    state.setdefault(name, {})[key] = _as_saved(value, param, part, per_element, name, key)
                 else:
                     scalars.setdefault(name, {})[key] = value
         if part_index == 0:

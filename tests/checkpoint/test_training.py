@@ -192,6 +192,15 @@ def check_mismatch_is_reported():
         raise AssertionError("there is no optimizer state to load")
     except ValueError as e:
         assert "without an optimizer" in str(e), e
+    factored = torch.optim.Adafactor(model.parameters(), lr=1e-2)  # row/column moments: not per element
+    model(input_ids=_batch(0)[:1], labels=_batch(0)[:1]).loss.backward()
+    factored.step()
+    try:
+        save_checkpoint(os.path.join(path, "factored"), model, factored)
+        raise AssertionError("a factored optimizer state of a cut parameter cannot be put together")
+    except ValueError as e:
+        assert "not kept per element" in str(e) and "row_var" in str(e), e
+    assert not os.path.exists(os.path.join(path, "factored")), os.listdir(path)
     remove_dir(path)
 
 
