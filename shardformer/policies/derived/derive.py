@@ -206,7 +206,7 @@ def no_stack(model: nn.Module) -> NotDerivableError:
 
 def _fix(block: nn.Module, group, why: str) -> str:
     """The fix for a group no candidate cut computes: the one its reason carries (a head count), else
-    data parallelism where the group runs through a convolution (a Mamba-style mixer's causal conv and
+    data parallelism where the group runs through a convolution (a mixer no channel cut follows: its conv and
     scan, which no cut of its projections computes), else a Policy."""
     if isinstance(why, Reason):
         return why.fix
