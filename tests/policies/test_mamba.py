@@ -3,7 +3,7 @@ every gradient, the weights after a step, greedy generate), on transformers' PyT
 ``mamba_ssm`` / ``causal_conv1d`` kernels here): Mamba (``x_proj`` a row whose all-reduced output
 feeds each rank's channels; ``dt_proj``, the convolution, ``A_log`` and ``D`` read by weight and cut
 with their channels) and Mamba-2 (``in_proj``'s ``[z | x | B | C | dt]`` blocks, whole groups per
-rank). Loaded with ``from_pretrained`` from saved tiny models whose per-channel and per-head tensors
+rank), and Bamba (a hybrid whose one block class holds a Mamba-2 mixer or attention). Loaded with ``from_pretrained`` from saved tiny models whose per-channel and per-head tensors
 all differ (alike, a rank given another channel's would compute the same). One spawn; the refusal
 of ``n_groups`` that tp does not divide needs no ranks."""
 
@@ -18,7 +18,11 @@ from shardformer.core.tiny import tiny_config
 from shardformer.tools.testing import run_on_ranks
 
 MAMBA2 = dict(hidden_size=32, num_heads=8, head_dim=8, state_size=16, chunk_size=8)  # inner width 64 = 8 x 8
-MODELS = {"MambaForCausalLM": {}, "Mamba2ForCausalLM": dict(MAMBA2, n_groups=2)}
+BAMBA = dict(  # a hybrid: one block class, a Mamba-2 mixer in layer 0 and attention in layer 1
+    hidden_size=32, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8,
+    num_hidden_layers=2, attn_layer_indices=[1],
+)  # fmt: skip
+MODELS = {"MambaForCausalLM": {}, "Mamba2ForCausalLM": dict(MAMBA2, n_groups=2), "BambaForCausalLM": BAMBA}
 PER_CHANNEL = ("A_log", ".D", "dt_bias", "dt_proj", "conv1d", "mixer.norm")
 
 

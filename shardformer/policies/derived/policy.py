@@ -210,9 +210,11 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, module in modules[block].named_modules():
             if reads_width_from_input(module) and f"{rel}.qkv".lstrip(".") in rule.cols:
                 layers[f"{block}.{rel}".rstrip(".")] = Layer(f"{block}.{rel}".rstrip("."), replace_layer=ModuleWidth)
-        for rel in rule.inner_rows:  # a mixer's x_proj: its whole output feeds the rank's channels again
+        for rel in rule.inner_rows & set(inside):  # a mixer's x_proj: its whole output feeds the rank's channels
             layers[f"{block}.{rel}"] = Row_Layer(f"{block}.{rel}", replace_layer=Linear1D_RowIntoParallel)
         for rel, tensors in rule.channels.items():  # a mixer's tensors its code reads itself, cut with its channels
+            if f"{block}.{rel}" not in modules:  # a block of the class without this mixer (a hybrid's attention)
+                continue
             dims = {name: dim for name, (dim, _) in tensors.items()}
             blocks = {name: fused for name, (_, fused) in tensors.items()}
             layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims, blocks))
