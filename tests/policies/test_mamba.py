@@ -2,10 +2,11 @@
 every gradient, the weights after a step, greedy generate), on transformers' PyTorch path (no
 ``mamba_ssm`` / ``causal_conv1d`` kernels here): Mamba (``x_proj`` a row whose all-reduced output
 feeds each rank's channels; ``dt_proj``, the convolution, ``A_log`` and ``D`` read by weight and cut
-with their channels) and Mamba-2 (``in_proj``'s ``[z | x | B | C | dt]`` blocks, whole groups per
-rank), and Bamba (a hybrid whose one block class holds a Mamba-2 mixer or attention). Loaded with ``from_pretrained`` from saved tiny models whose per-channel and per-head tensors
-all differ (alike, a rank given another channel's would compute the same). One spawn; the refusal
-of ``n_groups`` that tp does not divide needs no ranks."""
+with their channels), Mamba-2 (``in_proj``'s ``[z | x | B | C | dt]`` blocks, whole groups per rank)
+and Bamba (a hybrid whose one block class holds a Mamba-2 mixer or attention). Loaded with
+``from_pretrained`` from saved tiny models whose per-channel and per-head tensors all differ (alike, a
+rank given another channel's would compute the same). One spawn; the refusal of ``n_groups`` that tp
+does not divide needs no ranks."""
 
 from __future__ import annotations
 
