@@ -136,7 +136,8 @@ def mixer_cut(model: nn.Module, block: str, mixer: str, conv: str, reads, leaf_r
 
 
 class _Given(nn.Module):
-    """Stands in for an inner row in the simulation: the whole output its all-reduce gives."""
+    """Stands in for a projection in the simulation: an inner row's whole output (what its all-reduce
+    gives), a column's rank share of its whole output."""
 
     def __init__(self, output: torch.Tensor) -> None:
         super().__init__()
