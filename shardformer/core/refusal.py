@@ -2,7 +2,7 @@
 
 Every reason a route gives for not cutting a model is of a kind with its own fix: a cut shardformer
 could not find or prove (your own Policy can give one), parts tensor parallelism cannot cut exactly
-(convolutions, a Mamba-style mixer, a weight read by ``F.linear``, heads mixed with each other: data
+(convolutions, a mixer of no Mamba layout, a weight read by ``F.linear``, heads mixed with each other: data
 parallelism and ZeRO), head counts ``tp`` does not divide (another ``tensor_parallel_size``), a
 model the recipe cannot feed (a default for the forward's argument). A refusal's first line is
 the fixes of its reasons, each once; the reasons follow, each once (a refusal that wraps another

@@ -21,6 +21,7 @@ from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refus
 from shardformer.policies.copies import KEEP, copy_key, instance_copy, repeated_stacks, two_blocks
 from shardformer.policies.derived.blocks import attends, is_projection, repeated_blocks
 from shardformer.policies.derived.given_inputs import input_embeddings
+from shardformer.policies.derived.mixers import MixerCut, cut_mixers
 from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import common_parent, find_cut, record_calls
 from shardformer.policies.derived.trace import mixed_rows, pair, trace
@@ -55,6 +56,8 @@ class BlockRule:
     split_norms: set[str] = field(default_factory=set)  # LayerNorms over cut features: statistics over ranks
     attention: set[str] = field(default_factory=set)  # torch's nn.MultiheadAttention modules, cut by heads
     local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row writing the width it makes local
+    inner_rows: set[str] = field(default_factory=set)  # rows whose all-reduced output feeds cut work (Mamba's x_proj)
+    channels: dict[str, dict[str, tuple]] = field(default_factory=dict)  # leaf -> {tensor: (dim, blocks)} (mixers)
 
 
 @dataclass
@@ -203,7 +206,7 @@ def no_stack(model: nn.Module) -> NotDerivableError:
 
 def _fix(block: nn.Module, group, why: str) -> str:
     """The fix for a group no candidate cut computes: the one its reason carries (a head count), else
-    data parallelism where the group runs through a convolution (a Mamba-style mixer's causal conv and
+    data parallelism where the group runs through a convolution (a mixer no channel cut follows: its conv and
     scan, which no cut of its projections computes), else a Policy."""
     if isinstance(why, Reason):
         return why.fix
@@ -276,7 +279,12 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
     module = tiny.get_submodule(block)
     name = type(module).__name__
     refused = []
-    reads = {rel: flow for rel, flow in flows.reads.get(block, {}).items() if not _inside(rel, packed)}
+    traced = flows.reads.get(block, {}), flows.leaf_reads.get(block, {})
+    mixers = {} if head else cut_mixers(tiny, block, *traced, tp, inputs, decided=set(rule.cols))
+    for mixer, cut in mixers.items():
+        refused += _mixer_rule(name, mixer, cut, rule)
+    owned = [*packed, *mixers]  # modules cut as one: their projections join no plain group
+    reads = {rel: flow for rel, flow in flows.reads.get(block, {}).items() if not _inside(rel, owned)}
     # a timm or plain module, or a pooling head: projections of replicated tensors join a group, and a
     # projection on the heads' outputs left whole is refused (transformers models' blocks keep the rules
     # their sweep was run with); in a head, projections after its attention's row read the stream
@@ -291,7 +299,7 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
         else:
             text = f"{name}: {rel} is torch's nn.MultiheadAttention, and {why}"
             refused.append(Reason(text, HEADS if "heads do not split" in why else DATA_PARALLEL))
-    for rel in flows.bypassed.get(block, []):
+    for rel in [r for r in flows.bypassed.get(block, []) if not _inside(r, owned)]:
         text = (
             f"{name}: {rel} is never called: the {'head' if head else 'block'}'s code reads its weight itself "
             f"(F.linear(x, {rel.rpartition('.')[2]}.weight, ...)), which no cut layer can stand in for"
@@ -325,12 +333,27 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
             rule.head_inputs.setdefault(owner, {}).update(cuts)
         rule.local_widths.update(cut.local_widths)
         rule.split_norms |= cut.split_norms
-    between = _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, module) - rule.split_norms
+    between = (
+        _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, module) - rule.split_norms - set(rule.channels)
+    )
     rule.grad_sum |= {rel for rel in between if not _inside(rel, list(rule.head_lists))}  # those sum their own
     # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
     rule.idle |= {
         rel
         for rel, m in module.named_modules()
-        if rel and is_projection(m) and rel not in reads and not _inside(rel, packed)
+        if rel and is_projection(m) and rel not in reads and not _inside(rel, owned)
     }
     return refused
+
+
+def _mixer_rule(name: str, mixer: str, cut: MixerCut | Reason, rule: BlockRule) -> list[str]:
+    """A state-space mixer's cut (`.mixers`) added to ``rule``; the reason it has none, as a refusal."""
+    if not isinstance(cut, MixerCut):
+        return [Reason(f"{name}: {mixer}: {cut}", cut.fix)]
+    rule.cols.update(cut.cols)
+    rule.rows |= {cut.row} - {""}
+    rule.inner_rows |= cut.rows
+    rule.channels.update(cut.channels)
+    rule.divide |= set(cut.divide)
+    rule.grad_sum |= cut.grad_sum
+    return []

@@ -27,7 +27,7 @@ from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
 from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_params_layer
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
-from shardformer.tensor_parallel.layers.linear import is_conv1d
+from shardformer.tensor_parallel.layers.linear import Linear1D_RowIntoParallel, is_conv1d
 from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
 from shardformer.tensor_parallel.layers.norm import SplitLayerNorm
 from shardformer.tensor_parallel.layers.per_head import HeadModules
@@ -188,7 +188,9 @@ class DerivedPolicy(TpPlanPolicy):
         }
         for rel in rule.attention:  # torch's nn.MultiheadAttention, replaced whole by the layer cutting its heads
             layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=ParallelMultiheadAttention)
-        unknown = sorted(set(inside) - set(rule.cols) - rule.rows - rule.whole - rule.idle)
+        unknown = sorted(
+            set(inside) - set(rule.cols) - rule.rows - rule.whole - rule.idle - rule.inner_rows - set(rule.channels)
+        )
         if unknown:
             raise NotDerivableError(
                 f"{block} ({type(modules[block]).__name__}) has projections the tiny copy did not run: {unknown}"
@@ -208,6 +210,14 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, module in modules[block].named_modules():
             if reads_width_from_input(module) and f"{rel}.qkv".lstrip(".") in rule.cols:
                 layers[f"{block}.{rel}".rstrip(".")] = Layer(f"{block}.{rel}".rstrip("."), replace_layer=ModuleWidth)
+        for rel in rule.inner_rows & set(inside):  # a mixer's x_proj: its whole output feeds the rank's channels
+            layers[f"{block}.{rel}"] = Row_Layer(f"{block}.{rel}", replace_layer=Linear1D_RowIntoParallel)
+        for rel, tensors in rule.channels.items():  # a mixer's tensors its code reads itself, cut with its channels
+            if f"{block}.{rel}" not in modules:  # a block of the class without this mixer (a hybrid's attention)
+                continue
+            dims = {name: dim for name, (dim, _) in tensors.items()}
+            blocks = {name: fused for name, (_, fused) in tensors.items()}
+            layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims, blocks))
         for rel in rule.split_norms:
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=SplitLayerNorm)

@@ -6,8 +6,6 @@ here is refused (by name, with the module path) before anything is cut.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn as nn
 
@@ -169,14 +167,16 @@ class HeadParams:
 
     names: tuple[str, ...] = ()
     dims: tuple[int, ...] = ()  # the heads' dimension of each (0 when not given)
+    blocks: tuple[int | tuple[int, ...], ...] = ()  # fused blocks along it, each cut on its own (1 when not given)
 
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
         slicer = Slicer(group_rank(process_group), group_size(process_group))
         buffers = dict(module.named_buffers(recurse=False))
-        for name, dim in itertools.zip_longest(cls.names, cls.dims, fillvalue=0):
+        dims, blocks = cls.dims or (0,) * len(cls.names), cls.blocks or (1,) * len(cls.names)
+        for name, dim, n_cast in zip(cls.names, dims, blocks):
             param = getattr(module, name)
-            spec = slicer.spec(param.shape, dim)
+            spec = slicer.spec(param.shape, dim, n_cast)
             if name in buffers:  # a buffer beside the parameters (timm's zero k_bias) stays a buffer
                 buffer = slice_tensor(param, spec)
                 buffer.shard_spec = spec  # a persistent one is gathered whole on export
@@ -201,6 +201,8 @@ def params_layer(path: str, module: nn.Module, named: dict[str, str]) -> type[He
     return type("HeadParams", (HeadParams,), {"names": tuple(named)})
 
 
-def head_params_layer(dims: dict[str, int]) -> type[HeadParams]:
-    """A HeadParams class cutting each parameter named in ``dims`` along its heads' dimension."""
-    return type("HeadParams", (HeadParams,), {"names": tuple(dims), "dims": tuple(dims.values())})
+def head_params_layer(dims: dict[str, int], blocks: dict[str, int | tuple[int, ...]] | None = None) -> type[HeadParams]:
+    """A HeadParams class cutting each parameter named in ``dims`` along its heads' dimension (in the
+    fused ``blocks`` given for it: a Mamba-2 convolution's ``[x | B | C]`` channels)."""
+    fused = tuple((blocks or {}).get(name, 1) for name in dims)
+    return type("HeadParams", (HeadParams,), {"names": tuple(dims), "dims": tuple(dims.values()), "blocks": fused})

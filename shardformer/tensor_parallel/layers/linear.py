@@ -300,6 +300,18 @@ class Linear1D_Row(nn.Module):
         return f"in={self.in_features} (local {local}), out={self.out_features}, reversed={self.reversed}"
 
 
+class Linear1D_RowIntoParallel(Linear1D_Row):
+    """A row-parallel linear whose whole output feeds work cut over the ranks again (Mamba's ``x_proj``:
+    ``[dt | B | C]`` for each rank's channels). Each rank's gradient of that output covers its own
+    channels only: one all-reduce in backward sums it (`copy_to_parallel`), as a column layer sums its
+    input's. Forward: the row's one all-reduce."""
+
+    supports_sequence_parallel = False  # its output feeds a scan over the whole sequence
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_parallel(super().forward(x), self.process_group)
+
+
 class VocabParallelLMHead1D(Linear1D_Col):
     """An LM head with the vocabulary split over ranks (padded to a multiple of the group size).
 
