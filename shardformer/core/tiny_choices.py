@@ -1,5 +1,6 @@
 """Config values a tiny copy sets beyond the sizes: choices a config leaves open that the forward needs
-made, ids a model reads with defaults its config does not hold, image grids scaled with the image.
+made, ids a model reads with defaults its config does not hold, image grids and image-token counts that
+fit the tiny image.
 
 A full model may run with a choice unmade where its user makes it at run time (X-MOD's language:
 ``set_default_language``), or read a token id through ``getattr(config, key, default)`` with a default
@@ -23,6 +24,13 @@ def open_choices(data: dict, scaled: dict) -> dict:
     full, tiny = ((d.get("vision_config") or {}).get("image_size") for d in (data, scaled))
     if grid and isinstance(full, int) and isinstance(tiny, int):
         out["image_grid_pinpoints"] = [[side * tiny // full for side in pinpoint] for pinpoint in grid]
+    tokens, vision = data.get("mm_tokens_per_image"), scaled.get("vision_config") or {}
+    per_side = (vision.get("image_size") or 0) // (vision.get("patch_size") or 1 << 30)
+    if isinstance(tokens, int) and round(tokens**0.5) ** 2 == tokens and per_side:
+        # Gemma 3 pools its patches to a square of image tokens whose side divides the patches' side
+        most = scaled.get("mm_tokens_per_image", tokens)
+        side = max(s for s in range(1, per_side + 1) if per_side % s == 0 and s * s <= max(most, 1))
+        out["mm_tokens_per_image"] = side * side
     languages = data.get("languages")
     if "default_language" in data and data["default_language"] is None and languages:
         out["default_language"] = list(languages)[0]  # X-MOD: adapters per language, none chosen
