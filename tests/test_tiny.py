@@ -102,3 +102,54 @@ def test_audio_copies_run_on_waveforms_and_log_mels():
     whisper = runnable_tiny_config(tf.WhisperForAudioClassification, tf.WhisperConfig(), tp=2)
     out = _run(tf.WhisperForAudioClassification, whisper)
     assert out.logits.shape == (2, whisper.num_labels) and torch.isfinite(out.loss)
+
+
+def _tiny(name, **options):
+    model_class = getattr(tf, name)
+    torch.manual_seed(0)
+    model = model_class(runnable_tiny_config(model_class, model_class.config_class(**options), tp=2)).eval()
+    return model, make_inputs(model, seed=0)
+
+
+def test_inputs_follow_the_models_own_conventions():
+    """What each model's processor would give: LLaVA-NeXT an image the size of its first (scaled) grid,
+    cut into that many tiles plus the whole, and one image token per feature; a classifier over Gemma 3
+    image tokens counted by its base model; Bros one ordered box per token; LXMERT region features and
+    positions; a T5 classifier exactly one end-of-sequence token per sample; X-MOD a chosen language."""
+    llava, x = _tiny("LlavaNextForConditionalGeneration")
+    side = llava.config.vision_config.image_size
+    height, width = llava.config.image_grid_pinpoints[0]
+    assert max(max(p) for p in llava.config.image_grid_pinpoints) <= 3 * side  # scaled with the tiny tower
+    assert x["image_sizes"].tolist() == [[height, width]] * 2
+    assert x["pixel_values"].shape[:2] == (2, 1 + (height // side) * (width // side))
+    gemma, x = _tiny("Gemma3ForSequenceClassification")
+    assert (x["input_ids"] == gemma.config.image_token_index).sum(1).tolist() == [gemma.config.mm_tokens_per_image] * 2
+    bros, x = _tiny("BrosForTokenClassification")
+    assert x["bbox"].shape == (*x["input_ids"].shape, 4) and (x["bbox"][..., :2] <= x["bbox"][..., 2:]).all()
+    lxmert, x = _tiny("LxmertForQuestionAnswering")
+    assert x["visual_feats"].shape[-1] == lxmert.config.visual_feat_dim and x["visual_pos"].shape[-1] == 4
+    t5, x = _tiny("T5ForSequenceClassification")
+    assert (x["input_ids"] == t5.config.eos_token_id).sum(1).tolist() == [1, 1]
+    xmod, x = _tiny("XmodForSequenceClassification")
+    assert xmod.config.default_language == xmod.config.languages[0]
+    for model, inputs in (_tiny(n) for n in ("LlavaNextForConditionalGeneration", "CanineForTokenClassification")):
+        with torch.no_grad():
+            assert torch.isfinite(model(**inputs).loss if "labels" in inputs else model(**inputs).logits).all()
+
+
+def test_configs_the_recipe_used_to_refuse():
+    """ResNet's ``layer_types`` is the class's list of allowed kinds, not a schedule of layers (no
+    "full_attention" appended); Perceiver sizes by ``d_model`` (it names no ``hidden_size``) and a
+    single cross-attention head stays one (its image classifiers' Fourier features: 261 channels)."""
+    assert tiny_copy_config(tf.ResNetConfig()).layer_type == "bottleneck"
+    perceiver = tiny_copy_config(tf.PerceiverConfig(num_cross_attention_heads=1))
+    assert perceiver.num_cross_attention_heads == 1 and perceiver.d_latents < tf.PerceiverConfig().d_latents
+
+
+def test_upstream_failure_is_named():
+    """Reformer computes gradients only in training mode (its reversible layers recompute activations
+    there), and every check runs a copy in eval mode: the sweep's "not tested" row names this upstream
+    assertion, shown here on the tiny copy itself."""
+    reformer, x = _tiny("ReformerForSequenceClassification")
+    with pytest.raises(AssertionError, match=r"model\.train\(\)"):
+        reformer(**x).loss.backward()

@@ -10,6 +10,8 @@ import torch.nn as nn
 
 from shardformer.core.audio_inputs import audio_inputs, ctc_labels
 from shardformer.core.refusal import POLICY, Refusal
+from shardformer.core.side_inputs import side_inputs
+from shardformer.core.tiny import VOCAB
 
 SEQ = 8  # tokens per sequence
 
@@ -34,6 +36,8 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x = audio_inputs(config, main, batch, g)
     else:
         x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, SEQ), generator=g), config)}
+    if "input_ids" in x:
+        x.update(side_inputs(config, params, tuple(x["input_ids"].shape), g))
     qformer = getattr(config, "qformer_config", None)
     if "qformer_input_ids" in params and qformer is not None:  # InstructBLIP's instruction to its Q-Former
         x["qformer_input_ids"] = torch.randint(3, qformer.vocab_size, (batch, SEQ), generator=g)
@@ -46,7 +50,8 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     ids = x.get("input_ids")
     eos = getattr(config, "eos_token_id", None)
     if ids is not None and getattr(config, "is_encoder_decoder", False) and isinstance(eos, int):
-        ids[:, -1] = eos  # encoder-decoder classifiers pool at the end-of-sequence token
+        ids.masked_fill_(ids == eos, 3 if eos != 3 else 4)  # encoder-decoder classifiers pool at the one
+        ids[:, -1] = eos  # end-of-sequence token each sample must hold
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:  # not an encoder's head
         targets = torch.randint(3, _vocab(model, config), (batch, SEQ), generator=g)
         x["labels" if name.endswith("ForConditionalGeneration") else "decoder_input_ids"] = targets
@@ -59,7 +64,7 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         if "attention_mask" in params:  # the CTC loss reads the input lengths from it (Parakeet)
             x["attention_mask"] = torch.ones(x[main].shape[:2], dtype=torch.long)
     elif name.endswith("ForTokenClassification"):
-        x["labels"] = torch.randint(0, config.num_labels, (batch, SEQ), generator=g)
+        x["labels"] = torch.randint(0, config.num_labels, ids.shape if ids is not None else (batch, SEQ), generator=g)
     elif name.endswith("ForMultipleChoice") and ids is not None:  # [batch, choices, seq]: two choices
         x["input_ids"] = torch.stack([ids, ids.roll(1, dims=-1)], dim=1)
         x["labels"] = torch.randint(0, 2, (batch,), generator=g)
@@ -108,7 +113,12 @@ def _plain_inputs(model: nn.Module, params, batch: int, g: torch.Generator) -> d
 
 def _vocab(model: nn.Module, config) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "vocab_size", None) or model.get_input_embeddings().num_embeddings
+    if getattr(text, "vocab_size", None):
+        return text.vocab_size
+    try:
+        return model.get_input_embeddings().num_embeddings
+    except NotImplementedError:  # no table of tokens: Canine hashes any code point into its buckets
+        return VOCAB
 
 
 def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
@@ -130,8 +140,23 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
             "pixel_values": torch.randn(batch * side * side, channels * patch, generator=g),
             "image_grid_thw": torch.tensor([[1, side, side]] * batch),
         }
+    if "image_sizes" in params:
+        return _sized_images(config, channels, size, batch, g)
     pixels = torch.randn(batch, channels, size, size, generator=g)
     return {"pixel_values": pixels[:, None] if "pixel_attention_mask" in params else pixels}
+
+
+def _sized_images(config, channels: int, side: int, batch: int, g: torch.Generator) -> dict:
+    """Images with their pixel sizes (``image_sizes``): one ``side``-square picture each (Pixtral), or,
+    where the config tiles images by ``image_grid_pinpoints`` (LLaVA-NeXT), one as large as the first
+    grid, cut into its tiles after the whole picture scaled down, as LLaVA-NeXT's processor does."""
+    grid = getattr(config, "image_grid_pinpoints", None)
+    height, width = grid[0] if grid else (side, side)
+    sizes = torch.tensor([[height, width]] * batch)
+    if not grid:
+        return {"pixel_values": torch.randn(batch, channels, side, side, generator=g), "image_sizes": sizes}
+    tiles = 1 + (height // side) * (width // side)
+    return {"pixel_values": torch.randn(batch, tiles, channels, side, side, generator=g), "image_sizes": sizes}
 
 
 def _special_tokens(config) -> dict[str, int]:
@@ -160,14 +185,16 @@ def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor, qformer_ids=
     instruction, which its image features depend on."""
     special = _special_tokens(config)
     token = special.get("image_token_id", special.get("image_token_index"))
-    if token is None or not hasattr(model, "get_image_features"):
+    # a head over a multimodal base model (Gemma 3's classifier) leaves get_image_features to its base
+    tower = next((m for m in model.modules() if hasattr(m, "get_image_features")), None)
+    if token is None or tower is None:
         return ids
     one = _images(model, config, 1, torch.Generator().manual_seed(0))
     if qformer_ids is not None:
         one["qformer_input_ids"] = qformer_ids[:1]
     try:
         with torch.no_grad():
-            out = model.get_image_features(**one)
+            out = tower.get_image_features(**one)
     except Exception:  # noqa: BLE001 - a model wanting more than the recipe gives: text only
         return ids
     features = getattr(out, "pooler_output", None)

@@ -13,6 +13,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 
+from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_layers import depth_keys, depth_of, kept_layers, layer_overrides
 
 VOCAB = 99
@@ -76,14 +77,9 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
             kwargs[key] = value
     kwargs.update(overrides)
     config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
-    types = getattr(config, "layer_types", None)
-    if (
-        "layer_types" not in overrides
-        and _settable(config_class, "layer_types")
-        and isinstance(types, list)
-        and types
-        and "full_attention" not in types
-    ):
+    types = getattr(config, "layer_types", None)  # a schedule, not ResNet's class-level list of allowed kinds
+    schedule = "layer_types" in defaults and "layer_types" not in overrides and _settable(config_class, "layer_types")
+    if schedule and isinstance(types, list) and types and "full_attention" not in types:
         kwargs["layer_types"] = [*types[:-1], "full_attention"]  # a cache-holding attention layer for generate
         config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
     return config
@@ -170,7 +166,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     aliases = getattr(cls, "attribute_map", {})
     settable = functools.partial(_settable, cls)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = _read(text, "hidden_size")
+    hidden = _read(text, "hidden_size") or _read(text, "d_model")  # Perceiver names no hidden_size
     full_heads = _read(text, "num_attention_heads")
     out = {}
     for key, value in data.items():
@@ -197,7 +193,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[key] = sizes["hidden_size"]
         elif key in _KV_HEADS:
             out[key] = heads if value == full_heads else min(value, tp)
-        elif key.endswith("heads") and value == full_heads or key.endswith("attention_heads"):
+        elif key.endswith("heads") and value == full_heads or key.endswith("attention_heads") and value > 1:
             out[key] = heads
         elif key.endswith("heads") and isinstance(full_heads, int) and heads < value < full_heads:
             # other head counts (LaraMini's linear-attention key heads) keep their ratio to the heads
@@ -243,6 +239,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     for key, value in _FIT_TWO_LAYERS.items():
         if key in data:
             out[key] = value
+    out.update(open_choices(data, out))
     base = {k: v for k, v in data.items() if settable(k)}
     if scaling.recompute:
         base = {k: v for k, v in base.items() if k in out or k not in _derived_fields(cls)}

@@ -1,0 +1,39 @@
+"""Config values a tiny copy sets beyond the sizes: choices a config leaves open that the forward needs
+made, ids a model reads with defaults its config does not hold, image grids and image-token counts that
+fit the tiny image.
+
+A full model may run with a choice unmade where its user makes it at run time (X-MOD's language:
+``set_default_language``), or read a token id through ``getattr(config, key, default)`` with a default
+that fits the full vocabulary only (ShieldGemma 2's yes/no tokens). A tiny copy of 99 tokens makes
+those choices itself, the first that the config offers, so that its forward runs as the full one does.
+LLaVA-NeXT tiles an image by the best of its ``image_grid_pinpoints`` (pixel sizes, multiples of its
+vision tower's ``image_size``): a tiny tower's tiles are smaller, and so are the grids.
+"""
+
+from __future__ import annotations
+
+# model type -> token ids its model reads with a default outside its config (a full vocabulary's ids)
+IDS_READ_WITH_DEFAULTS = {"shieldgemma2": ("yes_token_index", "no_token_index")}
+FIRST_ORDINARY_ID = 3  # after pad, bos and eos (`shardformer.core.tiny.SIZES`)
+
+
+def open_choices(data: dict, scaled: dict) -> dict:
+    """The values a tiny copy of the config ``data`` (its sizes ``scaled`` so far) sets beyond them."""
+    out = {}
+    grid = data.get("image_grid_pinpoints")
+    full, tiny = ((d.get("vision_config") or {}).get("image_size") for d in (data, scaled))
+    if grid and isinstance(full, int) and isinstance(tiny, int):
+        out["image_grid_pinpoints"] = [[side * tiny // full for side in pinpoint] for pinpoint in grid]
+    tokens, vision = data.get("mm_tokens_per_image"), scaled.get("vision_config") or {}
+    per_side = (vision.get("image_size") or 0) // (vision.get("patch_size") or 1 << 30)
+    if isinstance(tokens, int) and round(tokens**0.5) ** 2 == tokens and per_side:
+        # Gemma 3 pools its patches to a square of image tokens whose side divides the patches' side
+        most = scaled.get("mm_tokens_per_image", tokens)
+        side = max(s for s in range(1, per_side + 1) if per_side % s == 0 and s * s <= max(most, 1))
+        out["mm_tokens_per_image"] = side * side
+    languages = data.get("languages")
+    if "default_language" in data and data["default_language"] is None and languages:
+        out["default_language"] = list(languages)[0]  # X-MOD: adapters per language, none chosen
+    for i, key in enumerate(IDS_READ_WITH_DEFAULTS.get(data.get("model_type"), ())):
+        out[key] = FIRST_ORDINARY_ID + i  # distinct ids inside the tiny vocabulary
+    return out
