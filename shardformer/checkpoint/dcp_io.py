@@ -48,13 +48,13 @@ class _ChunkFiles(HuggingFaceStorageWriter):
         return self._write_data(planner, work)
 
 
-def save_state(folder: str, state_dict: dict, apart: dict[str, int]) -> list[str]:
+def save_state(folder: str, state_dict: dict, apart: dict[str, int], group=None) -> list[str]:
     """Save ``state_dict`` (nested dicts of tensors, chunked ones as `pieces.checkpointable` views) into
     ``folder``; collective. Identical chunks held by several ranks are written once. ``apart``: the
     (flattened) names that share storage with another, each with its number among those names.
-    Returns the names of the files this rank wrote."""
+    Returns the names of the files this rank wrote. ``group``: the process group of its collectives."""
     writer = _ChunkFiles(folder, apart)
-    dcp.save(state_dict, storage_writer=writer)
+    dcp.save(state_dict, storage_writer=writer, process_group=group)
     return writer.written
 
 
