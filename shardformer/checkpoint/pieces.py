@@ -186,3 +186,9 @@ def model_entries(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[
         if len(names) > 1:
             ties.append(names)
     return entries, ties
+
+
+def merged_names(per_rank: list[list[str]]) -> list[str]:
+    """Every rank's state-dict names in one order: rank by rank, each name where it first appears (a
+    pipeline's stages in turn), so that an export and a checkpoint of one model list its tensors alike."""
+    return list(dict.fromkeys(name for names in per_rank for name in names))

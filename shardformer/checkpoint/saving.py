@@ -19,10 +19,10 @@ from shardformer.checkpoint import async_save as async_save_
 from shardformer.checkpoint import commit, dcp_io, ranks, typed_json
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.gather import Layout, layout_of, refuse_context_parallel
-from shardformer.checkpoint.hf_export import original_class
+from shardformer.checkpoint.hf_export import is_timm, original_class
 from shardformer.checkpoint.model_config import config_of
 from shardformer.checkpoint.optim_state import class_name, merge_infos, optimizer_entries
-from shardformer.checkpoint.pieces import MODEL, model_entries
+from shardformer.checkpoint.pieces import MODEL, merged_names, model_entries
 from shardformer.checkpoint.rng_state import write_rng
 from shardformer.checkpoint.save_lock import save_lock
 from shardformer.data_parallel.fsdp import reshard
@@ -37,7 +37,7 @@ def _prepare(path, held: contextlib.ExitStack) -> tuple[str, str]:
 def _write_rank_part(tmp: str, model, optimizer, lay: Layout) -> tuple[dict, list[str], dict]:
     """What this rank gives DCP, the RNG files it wrote, and its JSON part for the manifest."""
     entries, ties = model_entries(model)
-    state, part = {"model": entries}, {"ties": ties, "optimizer": None}
+    state, part = {"model": entries}, {"ties": ties, "optimizer": None, "names": list(entries)}
     if optimizer is not None:
         opt_state, part["optimizer"] = optimizer_entries(model, optimizer, lay.dp // lay.ep)
         state["optim"] = {"state": opt_state}
@@ -101,7 +101,7 @@ def _stage(path, model, optimizer, scheduler, step, extra, held: contextlib.Exit
                 "config": config_of(model), "layout": lay.record(),
                 "scheduler": None if scheduler is None else {"class": type(scheduler).__name__, "state": scheduler.state_dict()},
                 "has_optimizer": optimizer is not None,
-            }  # fmt: skip
+            } | ({"num_classes": getattr(model, "num_classes", None)} if is_timm(model) else {})  # fmt: skip
             typed_json.dumps(manifest, "the step, extra and scheduler state")
         os.makedirs(tmp, exist_ok=True)
         state, rank_files, part = _write_rank_part(tmp, model, optimizer, lay)
@@ -125,7 +125,7 @@ def _write_and_commit(lay, full, tmp, manifest, state, rank_files, part, error, 
     if not failed:
         try:
             apart = {MODEL + n: i for names in part["ties"] for i, n in enumerate(names) if i}
-            files = commit.describe(tmp, dcp_io.save_state(tmp, state, apart, group) + rank_files)
+            files = commit.describe(tmp, dcp_io.save_state(tmp, state, apart, group)[0] + rank_files)
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             error = ranks.message(e, tmp)
     reports = ranks.gather((error, files, part), group)
@@ -140,6 +140,7 @@ def _write_and_commit(lay, full, tmp, manifest, state, rank_files, part, error, 
             manifest["optimizer"] = merge_infos([p["optimizer"] for p in parts], optimizer_class)
             typed_json.dumps(manifest, "the optimizer's param groups")
         manifest["ties"] = _merged_ties(parts)
+        manifest["names"] = merged_names([p["names"] for p in parts])  # the order an export writes them in
         manifest["files"] = {name: entry for _, written, _ in reports for name, entry in written.items()}
         manifest["saved_at"] = time.time_ns()
         commit.commit(tmp, full, manifest)

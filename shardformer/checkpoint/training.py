@@ -46,9 +46,9 @@ def _recovered(path) -> tuple[str, bool]:
     return full, os.path.isdir(full)
 
 
-def _verify_files(path: str, meta: dict, lay: Layout) -> None:
-    """Every manifest file present with its size; this rank's share of the files checksummed; every
-    tensor file's header readable (DCP reads them all)."""
+def verify_files(path: str, meta: dict, rank: int = 0, world: int = 1) -> None:
+    """Every manifest file present with its size; this rank's share of the files (of ``world``)
+    checksummed; every tensor file's header readable (DCP reads them all)."""
     problems = []
     names = sorted(meta["files"])
     for i, name in enumerate(names):
@@ -57,7 +57,7 @@ def _verify_files(path: str, meta: dict, lay: Layout) -> None:
             problems.append(f"{file}: missing")
         elif os.path.getsize(file) != entry["bytes"]:
             problems.append(f"{file}: {os.path.getsize(file)} bytes, the manifest says {entry['bytes']}")
-        elif i % lay.world == lay.rank and commit.sha256_of(file) != entry["sha256"]:
+        elif i % world == rank and commit.sha256_of(file) != entry["sha256"]:
             problems.append(f"{file}: its content does not match its sha256 in the manifest (damaged file)")
     if problems:
         raise CheckpointError("\n  ".join(problems))
@@ -152,7 +152,7 @@ def _read_all(path: str, model: nn.Module, optimizer, scheduler, lay: Layout, al
     foreign = not os.path.isfile(os.path.join(path, commit.META)) and dcp_io.is_pickled(path)
     meta = None if foreign else commit.read_meta(path)
     if meta is not None:
-        _verify_files(path, meta, lay)
+        verify_files(path, meta, lay.rank, lay.world)
     reader = dcp_io.reader_for(path, allow_pickle)
     metadata = dcp_io.read_metadata(path, reader)
     candidates = _candidates([] if meta is None else meta.get("ties", []))

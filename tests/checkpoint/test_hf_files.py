@@ -16,7 +16,7 @@ import torch
 import transformers as tf
 from safetensors import safe_open
 
-import shardformer.checkpoint.hf_export as hf_export
+import shardformer.checkpoint.consolidate as consolidate
 from shardformer import ShardConfig
 from shardformer.checkpoint import CheckpointError, load_sharded, save_pretrained
 from tests.checkpoint.common import killed_during
@@ -80,7 +80,7 @@ def test_an_export_killed_at_any_step_leaves_the_earlier_or_the_new_export_whole
     weights["new"] = _exported_weights(path)
     assert not all(torch.equal(weights["old"][k], v) for k, v in weights["new"].items())
     seen = {}
-    for where in [(hf_export, "save_file"), (os, "link"), (os, "fsync"), (os, "rename"), (shutil, "rmtree")]:
+    for where in [(consolidate, "write_file"), (os, "link"), (os, "fsync"), (os, "rename"), (shutil, "rmtree")]:
         for nth in range(1, 12):
             if not any(killed_during(where, nth, when, lambda: export(old)) for when in ("before", "after")):
                 break
