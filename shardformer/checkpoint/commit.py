@@ -23,6 +23,7 @@ import uuid
 
 from shardformer.checkpoint import typed_json
 from shardformer.checkpoint.errors import CheckpointError
+from shardformer.checkpoint.files import SafeFile
 
 META = "meta.json"
 FORMAT = "shardformer-checkpoint/4"  # /4: tensors through torch.distributed.checkpoint, under HF names
@@ -228,3 +229,23 @@ def swap(tmp: str, path: str) -> None:
     _sync_dir(os.path.dirname(path))
     if old is not None:
         discard(old)
+
+
+def verify_files(path: str, meta: dict, rank: int, world: int) -> None:
+    """Every manifest file present with its size; this rank's share of the files checksummed; every
+    tensor file's header readable (DCP reads them all)."""
+    problems = []
+    names = sorted(meta["files"])
+    for i, name in enumerate(names):
+        file, entry = os.path.join(path, name), meta["files"][name]
+        if not os.path.isfile(file):
+            problems.append(f"{file}: missing")
+        elif os.path.getsize(file) != entry["bytes"]:
+            problems.append(f"{file}: {os.path.getsize(file)} bytes, the manifest says {entry['bytes']}")
+        elif i % world == rank and sha256_of(file) != entry["sha256"]:
+            problems.append(f"{file}: its content does not match its sha256 in the manifest (damaged file)")
+    if problems:
+        raise CheckpointError("\n  ".join(problems))
+    for name in names:
+        if "/" not in name and name.endswith(".safetensors"):
+            SafeFile(os.path.join(path, name))

@@ -20,7 +20,6 @@ from shardformer.checkpoint import commit, consolidate, hf_export
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.export_folder import abandon, finish
 from shardformer.checkpoint.pieces import MODEL
-from shardformer.checkpoint.training import verify_files
 
 
 def _skeleton(meta: dict, checkpoint: str) -> nn.Module | None:
@@ -57,7 +56,7 @@ def convert_to_hf(checkpoint: str, out: str, max_shard_size: int | str = "2GB") 
     """
     full = commit.checked_path(checkpoint, replacing=False)
     meta = commit.read_meta(full)
-    verify_files(full, meta)
+    commit.verify_files(full, meta, rank=0, world=1)
     skeleton = _skeleton(meta, full)
     chunks = consolidate.chunks_in(full)
     names = _names(meta, chunks, skeleton)

@@ -15,8 +15,6 @@ A checkpoint folder holds
 
 from __future__ import annotations
 
-import json
-
 import torch
 from safetensors import safe_open
 
@@ -53,13 +51,6 @@ class SafeFile:
 
     def names(self) -> list[str]:
         return list(self.handle.keys())  # noqa: SIM118 - a safetensors handle, not a dict
-
-    def metadata(self, key: str):
-        """A JSON entry of the file's metadata."""
-        try:
-            return json.loads((self.handle.metadata() or {})[key])
-        except (KeyError, ValueError, TypeError) as e:
-            raise CheckpointError(f"{self.file}: its metadata entry {key!r} is missing or damaged ({e})") from None
 
     def get(self, name: str) -> torch.Tensor:
         try:

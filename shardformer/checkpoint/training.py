@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from shardformer.checkpoint import async_save, commit, dcp_io, ranks
 from shardformer.checkpoint.errors import CheckpointError
-from shardformer.checkpoint.files import SafeFile, dtype_kind, expert_spec
+from shardformer.checkpoint.files import dtype_kind, expert_spec
 from shardformer.checkpoint.gather import Layout, layout_of, refuse_context_parallel
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
@@ -44,26 +44,6 @@ def _recovered(path) -> tuple[str, bool]:
     full = commit.checked_path(path, replacing=False)
     commit.recover(full)  # a commit that a crash interrupted
     return full, os.path.isdir(full)
-
-
-def verify_files(path: str, meta: dict, rank: int = 0, world: int = 1) -> None:
-    """Every manifest file present with its size; this rank's share of the files (of ``world``)
-    checksummed; every tensor file's header readable (DCP reads them all)."""
-    problems = []
-    names = sorted(meta["files"])
-    for i, name in enumerate(names):
-        file, entry = os.path.join(path, name), meta["files"][name]
-        if not os.path.isfile(file):
-            problems.append(f"{file}: missing")
-        elif os.path.getsize(file) != entry["bytes"]:
-            problems.append(f"{file}: {os.path.getsize(file)} bytes, the manifest says {entry['bytes']}")
-        elif i % world == rank and commit.sha256_of(file) != entry["sha256"]:
-            problems.append(f"{file}: its content does not match its sha256 in the manifest (damaged file)")
-    if problems:
-        raise CheckpointError("\n  ".join(problems))
-    for name in names:
-        if "/" not in name and name.endswith(".safetensors"):
-            SafeFile(os.path.join(path, name))
 
 
 def _candidates(ties: list[list[str]]):
@@ -152,7 +132,7 @@ def _read_all(path: str, model: nn.Module, optimizer, scheduler, lay: Layout, al
     foreign = not os.path.isfile(os.path.join(path, commit.META)) and dcp_io.is_pickled(path)
     meta = None if foreign else commit.read_meta(path)
     if meta is not None:
-        verify_files(path, meta, lay.rank, lay.world)
+        commit.verify_files(path, meta, lay.rank, lay.world)
     reader = dcp_io.reader_for(path, allow_pickle)
     metadata = dcp_io.read_metadata(path, reader)
     candidates = _candidates([] if meta is None else meta.get("ties", []))

@@ -1,0 +1,106 @@
+"""Training checkpoints as torch.distributed.checkpoint (DCP) folders, on 4 gloo ranks (one spawn).
+
+tp=2 x pp=2 (ZeroOptimizer, AdamW) saved at step 2 and resumed at tp=2 x dp=2 ZeRO-3: the next steps'
+losses and weights equal those of the unsharded run that never stopped; the same checkpoint read by
+plain ``dcp.load`` (DCP's HuggingFaceStorageReader) into an unsharded model's ``state_dict()`` and a
+plain AdamW's `get_optimizer_state_dict` holds that run's weights and moments. A checkpoint written by
+plain FSDP2 (``fully_shard`` + ``dcp.save`` of `get_model_state_dict` and `get_optimizer_state_dict`) is
+refused without ``allow_pickle`` and, with it, resumes at tp=2 x dp=2 step for step.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from shardformer import EngineConfig, ParallelEngine
+from shardformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from shardformer.engine import split_batch
+from tests.checkpoint.common import remove_dir, shared_dir
+from tests.helpers import assert_close, check_table
+from tests.pipeline import common
+from tests.zero.test_zero3 import CLIP, Reference, _assert_weights, _engine, _mesh, _train, adamw
+
+GPT2 = "GPT2LMHeadModel"
+
+
+def _plain_load(path, reference):
+    """Plain DCP into an unsharded model and a plain AdamW: the reference run's weights and moments."""
+    _, plain = common.models(GPT2)
+    opt = adamw(plain.parameters())
+    state = plain.state_dict()
+    dcp.load({"model": state}, storage_reader=HuggingFaceStorageReader(path))
+    for name, value in reference.model.state_dict().items():
+        assert_close(state[name], value, what=f"plain dcp.load: {name}")
+    moments = {
+        name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": torch.tensor(0.0)}
+        for name, p in plain.named_parameters()
+    }
+    dcp.load({"optim": {"state": moments}}, storage_reader=HuggingFaceStorageReader(path))
+    expected = get_optimizer_state_dict(reference.model, reference.opt)["state"]
+    for name in moments:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert_close(moments[name][key], expected[name][key], atol=1e-7, what=f"plain dcp.load: {key} of {name}")
+    assert opt is not None
+
+
+def check_tp2_pp2_to_tp2_dp2_zero3_and_plain_dcp_load():
+    reference_model, model = common.models(GPT2)
+    reference = Reference(reference_model, 2)
+    data = common.batches(GPT2, 4, seed=5)
+    engine, sched = _engine(model, 2, 1, zero_stage=1, pp=2, num_microbatches=2)
+    expected_first = [reference.step(b) for b in data[:2]]
+    assert_close(torch.tensor(_train(engine, sched, data[:2])), torch.tensor(expected_first), what="tp2 x pp2")
+    path = shared_dir("sf-dcp-")
+    ckpt = os.path.join(path, "ckpt")
+    save_checkpoint(ckpt, engine.model, engine.optimizer, sched, step=2)
+    _plain_load(ckpt, reference)
+    expected = [reference.step(b) for b in data[2:]]
+    _, other = common.models(GPT2)
+    torch.nn.init.normal_(other.transformer.h[0].mlp.c_fc.weight)
+    zero3, sched3 = _engine(other, 2, 2)
+    info = load_checkpoint(ckpt, zero3.model, zero3.optimizer, sched3)
+    assert info["step"] == 2 and info["layout"] == {"tp": 2, "pp": 2, "dp": 1, "world": 4}, info
+    assert_close(torch.tensor(_train(zero3, sched3, data[2:])), torch.tensor(expected), what="resumed at ZeRO-3")
+    _assert_weights(zero3, reference.model, "tp2 x pp2 -> tp2 x dp2 ZeRO-3: weights")
+    remove_dir(path)
+
+
+def check_a_plain_fsdp2_checkpoint_resumes():
+    reference_model, model = common.models(GPT2)
+    reference = Reference(reference_model, 4, clip=None)
+    data = common.batches(GPT2, 2, seed=6)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = adamw(model.parameters())
+    part = split_batch(data[0], 4, "chunks")[dist.get_rank()]
+    model(**part).loss.backward()
+    opt.step()
+    reference.step(data[0])
+    path = shared_dir("sf-dcp-fsdp2-")
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+
+    _, other = common.models(GPT2)
+    engine = ParallelEngine(other, adamw, EngineConfig(tp=2, dp=2, zero_stage=1, max_grad_norm=CLIP), mesh=_mesh(2, 2))
+    with pytest.raises(CheckpointError, match=r"\.metadata is a pickle .* allow_pickle=True"):
+        load_checkpoint(path, engine.model, engine.optimizer)
+    info = load_checkpoint(path, engine.model, engine.optimizer, allow_pickle=True)
+    assert info == {"step": None, "extra": None, "layout": None, "rng_restored": False}, info
+    _assert_weights(engine, reference.model, "FSDP2 checkpoint loaded: weights")
+    reference.clip, reference.chunks = CLIP, 2  # as the engine steps: clipped, over dp=2 (FSDP2: 4 ranks, no clip)
+    expected = reference.step(data[1])
+    assert_close(torch.tensor(engine.train_step(data[1])), torch.tensor(expected), what="FSDP2 checkpoint resumed")
+    remove_dir(path)
+
+
+test_dcp_world4 = check_table(
+    [check_tp2_pp2_to_tp2_dp2_zero3_and_plain_dcp_load, check_a_plain_fsdp2_checkpoint_resumes], 4
+)
