@@ -38,6 +38,7 @@ def _model(args):
     from shardformer import ShardConfig, shard_model
 
     config = tf.GPT2Config(n_embd=args.hidden, n_layer=args.layers, n_head=args.hidden // 64, vocab_size=args.vocab,
+                           bos_token_id=0, eos_token_id=0,
                            n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
     torch.manual_seed(0)
     return shard_model(tf.GPT2LMHeadModel(config), ShardConfig(tensor_parallel_size=2))

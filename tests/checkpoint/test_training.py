@@ -8,13 +8,11 @@ checkpoint writes the folder ``save_pretrained`` wrote of the same model (tp x d
 Pipeline parallelism is simulated per its contract (each stage keeps the original model with the other stages' modules set to None).
 """
 
-import json
 import os
 
 import torch
 import torch.distributed as dist
 import transformers as tf
-from safetensors.torch import load_file
 
 import shardformer.checkpoint.rng_state as rng_state
 from shardformer import ShardConfig, shard_model
@@ -25,7 +23,7 @@ from shardformer.core.record import with_stage
 from shardformer.core.tiny import tiny_config
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
-from tests.checkpoint.common import full_logits, remove_dir, sgd_steps, shared_dir
+from tests.checkpoint.common import full_logits, remove_dir, same_folder, sgd_steps, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.policies import zoo
 
@@ -199,24 +197,12 @@ def check_mismatch_is_reported():
     remove_dir(path)
 
 
-def _same_folder(got: str, expected: str) -> None:
-    """Two HuggingFace folders with the same files, tensors and config."""
-    assert sorted(os.listdir(got)) == sorted(os.listdir(expected)), (os.listdir(got), os.listdir(expected))
-    for name in os.listdir(expected):
-        if name.endswith(".safetensors"):
-            a, b = load_file(os.path.join(got, name)), load_file(os.path.join(expected, name))
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-        elif name.endswith(".json"):
-            with open(os.path.join(got, name)) as f, open(os.path.join(expected, name)) as g:
-                assert json.load(f) == json.load(g), name
-
-
 def _converts_to_the_export(ckpt: str, export: str) -> None:
     """Rank 0: ``shardformer convert`` of the checkpoint writes the folder the export wrote."""
     if dist.get_rank() == 0:
         out = os.path.join(os.path.dirname(ckpt), "converted")
         assert cli_main(["convert", ckpt, "--to", "hf", out]) == 0
-        _same_folder(out, export)
+        same_folder(out, export)
         tf.GPT2LMHeadModel.from_pretrained(out)  # loads without a missing or unexpected weight
     dist.barrier()
 
@@ -232,7 +218,7 @@ def check_convert_writes_what_the_export_writes():
     if dist.get_rank() == 0:
         out = os.path.join(path, "converted")
         assert cli_main(["convert", os.path.join(path, "ckpt"), "--to", "hf", out, "--max-shard-size", "40KB"]) == 0
-        _same_folder(out, os.path.join(path, "hf"))
+        same_folder(out, os.path.join(path, "hf"))
         assert "model.safetensors.index.json" in os.listdir(out)
         plain = tf.GPT2LMHeadModel.from_pretrained(out).eval()
         ids = _batch(0)
