@@ -207,7 +207,7 @@ def save_pretrained_as_hf(
     **_ignored,
 ) -> None:
     """``model.save_pretrained(...)`` of a sharded model, with transformers' signature: the whole model
-    through `save_pretrained`, collective on every rank (global rank 0 writes, whatever
+    through `save_pretrained`, collective on every rank (every rank writes its share, whatever
     ``is_main_process`` says). What it cannot honour is refused before any collective."""
     unsupported = {
         "state_dict": state_dict is not None,  # a state dict of a sharded model is one rank's slices
@@ -218,8 +218,8 @@ def save_pretrained_as_hf(
     refused = [name for name, asked in unsupported.items() if asked]
     if refused:
         raise ValueError(
-            f"save_pretrained of a sharded {original_class(model).__name__} does not take {refused}: it gathers "
-            f"the whole model and writes safetensors; save the folder, then push or convert it"
+            f"save_pretrained of a sharded {original_class(model).__name__} does not take {refused}: it writes "
+            f"the whole model as safetensors; save the folder, then push or convert it"
         )
     save_pretrained(model, os.fspath(save_directory), max_shard_size)
 
