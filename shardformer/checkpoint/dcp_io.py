@@ -11,8 +11,10 @@ it, is read only when the caller allows unpickling (`reader_for`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import warnings
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader, HuggingFaceStorageWriter
@@ -48,14 +50,25 @@ class _ChunkFiles(HuggingFaceStorageWriter):
         return self._write_data(planner, work)
 
 
-def save_state(folder: str, state_dict: dict, apart: dict[str, int]) -> list[str]:
+@contextlib.contextmanager
+def _single_process_allowed():
+    """Without torch.distributed, DCP warns that it assumes one process on every call: one process is
+    what is meant, so that warning is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def save_state(folder: str, state_dict: dict, apart: dict[str, int], group=None) -> tuple[list[str], Metadata]:
     """Save ``state_dict`` (nested dicts of tensors, chunked ones as `pieces.checkpointable` views) into
     ``folder``; collective. Identical chunks held by several ranks are written once. ``apart``: the
     (flattened) names that share storage with another, each with its number among those names.
-    Returns the names of the files this rank wrote."""
+    Returns the names of the files this rank wrote and DCP's metadata of every rank's tensors.
+    ``group``: the process group of its collectives."""
     writer = _ChunkFiles(folder, apart)
-    dcp.save(state_dict, storage_writer=writer)
-    return writer.written
+    with _single_process_allowed():
+        metadata = dcp.save(state_dict, storage_writer=writer, process_group=group)
+    return writer.written, metadata
 
 
 def is_pickled(folder: str) -> bool:
@@ -84,4 +97,5 @@ def read_metadata(folder: str, reader) -> Metadata:
 
 def load_state(state_dict: dict, reader) -> None:
     """Fill ``state_dict``'s tensors (chunked ones only in their pieces) from ``reader``; collective."""
-    dcp.load(state_dict, storage_reader=reader)
+    with _single_process_allowed():
+        dcp.load(state_dict, storage_reader=reader)

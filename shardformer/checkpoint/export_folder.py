@@ -75,3 +75,10 @@ def finish(tmp: str, path: str, replaced) -> None:
             else:
                 _link_or_copy(src, dst)
     commit.swap(tmp, path)
+
+
+def abandon(tmp: str, path: str) -> None:
+    """Remove the folder of a failed export, unless the swap began (``path`` moved aside: ``tmp`` is
+    then the complete new export, which the next export puts in place)."""
+    if os.path.isdir(tmp) and not os.path.lexists(f"{path}.old-{tmp.rsplit('-', 1)[1]}"):
+        commit.discard(tmp)

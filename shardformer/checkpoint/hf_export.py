@@ -1,36 +1,39 @@
 """Export a sharded model to a folder that plain HuggingFace ``from_pretrained`` (or timm) loads.
 
-The tp shards are gathered by their ShardSpec (fused Q/K/V back in order, vocabulary padding cut),
-the pipeline stages are merged on global rank 0, and only global rank 0 writes, into a new folder
-swapped in as a whole (`shardformer.checkpoint.export_folder`): ``config.json``
-(``architectures`` names the original transformers class, not the sharder's subclass) and
-safetensors weights, split into ``model-0000k-of-0000n.safetensors`` plus an index above
-``max_shard_size``. Tied weights are written once, under the name transformers expects.
+No rank gathers the model: every rank hands torch.distributed.checkpoint the pieces of the unsharded
+tensors it holds (`shardformer.checkpoint.pieces`: fused Q/K/V in order, vocabulary padding cut, ZeRO-3
+rows, experts), DCP writes each piece once into a staging folder, and then every rank writes its share
+of the output files, one whole tensor at a time (`shardformer.checkpoint.consolidate`). So no rank
+holds more than its own share plus one tensor. Global rank 0 adds ``config.json`` (``architectures``
+names the original transformers class, not the sharder's subclass) and the generation config; the
+folder is written beside the target and swapped in as a whole (`shardformer.checkpoint.export_folder`),
+as ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` plus an index above
+``max_shard_size``. Tied weights are written once, under the name transformers expects. Every rank
+must see the folder (a shared file system on several machines), as for training checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import re
+import shutil
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import save_file
 
-from shardformer.checkpoint import commit, export_folder
-from shardformer.checkpoint.errors import CheckpointError
-from shardformer.checkpoint.gather import gather_full_state
+from shardformer.checkpoint import commit, consolidate, dcp_io, export_folder, ranks
+from shardformer.checkpoint.consolidate import SAFE_INDEX
+from shardformer.checkpoint.gather import layout_of
+from shardformer.checkpoint.pieces import merged_names, model_entries
 from shardformer.checkpoint.save_lock import save_lock
 from shardformer.core.hf_save import register_export
-from shardformer.tensor_parallel.detect import names_by_tensor
+from shardformer.data_parallel.fsdp import reshard
 
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
-_OWN_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors$")  # what write_safetensors names files
+PIECES = ".pieces"  # the staging folder of every rank's pieces, inside the export's temporary folder
+_OWN_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors$")  # what an export names its files
 
 
 def original_class(model: nn.Module) -> type:
@@ -49,15 +52,17 @@ def tied_targets(model: nn.Module) -> dict[str, str]:
     return dict(tied) if isinstance(tied, dict) else {}
 
 
-def _drop_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    out = dict(state)
-    for target, source in tied_targets(model).items():
-        if target in out and source in out and torch.equal(out[target], out[source]):
-            del out[target]
-    # Any other aliases (same tensor under two names) are written once, under the first name.
-    for names in names_by_tensor(list(out.items())).values():
+def _kept(entries: dict[str, torch.Tensor], ties: list[list[str]], model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's tensors under the names the export writes: a tensor known by several names (tied)
+    under its first one; a weight transformers ties (``lm_head.weight`` to the embedding) only where
+    its source is exported (a pipeline stage may hold the target alone: it is dropped after the write)."""
+    out = dict(entries)
+    for names in ties:
         for alias in names[1:]:
-            del out[alias]
+            out.pop(alias, None)
+    for target, source in tied_targets(model).items():
+        if source in entries:
+            out.pop(target, None)
     return out
 
 
@@ -73,32 +78,10 @@ def _parse_size(size: int | str) -> int:
     return int(text)
 
 
-def write_safetensors(state: dict[str, torch.Tensor], path: str, max_shard_size: int | str = "2GB") -> list[str]:
-    """Write ``state`` into ``path`` as one safetensors file, or shards plus an index; returns file names."""
-
-    state = {k: v.detach().contiguous() for k, v in state.items()}
-    split = split_torch_state_dict_into_shards(
-        state, filename_pattern="model{suffix}.safetensors", max_shard_size=_parse_size(max_shard_size)
-    )
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, os.path.join(path, filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
-                 "weight_map": split.tensor_to_filename}  # fmt: skip
-        with open(os.path.join(path, SAFE_INDEX), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-    return sorted(split.filename_to_tensors)
-
-
-def _replaced(name: str) -> bool:
+def replaced_by_an_export(name: str) -> bool:
     """Files of an earlier export that a new one replaces, whether it writes them again or not
     (stale weights would confuse loaders); any other file in the folder is kept."""
     return bool(_OWN_WEIGHTS.match(name)) or name == SAFE_INDEX
-
-
-def _stored_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
-    """The dtype the weights are written in: the first floating-point tensor's, as transformers reads it."""
-    return next((v.dtype for v in state.values() if v.is_floating_point()), None)
 
 
 def _write_config(model: nn.Module, path: str, dtype: torch.dtype | None) -> None:
@@ -115,52 +98,101 @@ def _write_config(model: nn.Module, path: str, dtype: torch.dtype | None) -> Non
         generation.save_pretrained(path)
 
 
-def _is_timm(model: nn.Module) -> bool:
+def is_timm(model: nn.Module) -> bool:
     return original_class(model).__module__.startswith("timm.")
 
 
-def _write_export(model: nn.Module, state: dict[str, torch.Tensor], full: str, max_shard_size) -> None:
-    """Global rank 0: the export written beside ``full``, then swapped in (or removed on failure)."""
-    tmp = export_folder.prepare(full)
-    try:
-        write_safetensors(_drop_tied(state, model), tmp, max_shard_size)
-        if _is_timm(model):
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump({"architecture": original_class(model).__name__,
-                           "num_classes": getattr(model, "num_classes", None)}, f, indent=2)  # fmt: skip
-        else:
-            _write_config(model, tmp, _stored_dtype(state))
-        export_folder.finish(tmp, full, _replaced)
-    except BaseException:
-        if os.path.isdir(tmp) and not os.path.lexists(f"{full}.old-{tmp.rsplit('-', 1)[1]}"):
-            commit.discard(tmp)  # not yet swapped: nothing else holds the new export
-        raise
+def write_weights(folder: str, chunks: dict, names: dict[str, str], max_shard_size, rank: int, world: int) -> None:
+    """This rank's share of the weight files of ``names`` (``{output name: saved name}``, in order) from
+    the pieces ``chunks`` (`consolidate.chunks_in`); one file is ``model.safetensors``, more get an index."""
+    sizes = {out: consolidate.nbytes(chunks[saved]) for out, saved in names.items()}
+    files, split = consolidate.plan_files(sizes, _parse_size(max_shard_size))
+    for number, (file, outs) in enumerate(files.items()):
+        if number % world == rank:
+            consolidate.write_file(os.path.join(folder, file), {n: names[n] for n in outs}, chunks)
+    if split and rank == 0:
+        consolidate.write_index(folder, files, sizes)
+
+
+def stored_dtype(chunks: dict, names: dict[str, str]) -> torch.dtype | None:
+    """The dtype the weights are written in: the first floating-point tensor's, as transformers reads it."""
+    dtypes = (consolidate.dtype_of(chunks[saved]) for saved in names.values())
+    return next((d for d in dtypes if d.is_floating_point), None)
+
+
+def write_timm_config(folder: str, architecture: str, num_classes: int | None) -> None:
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architecture": architecture, "num_classes": num_classes}, f, indent=2)
+
+
+def write_description(folder: str, model: nn.Module, dtype: torch.dtype | None) -> None:
+    """``config.json`` (and the generation config) of the export of ``model``; a timm model's own one."""
+    if is_timm(model):
+        write_timm_config(folder, original_class(model).__name__, getattr(model, "num_classes", None))
+    else:
+        _write_config(model, folder, dtype)
+
+
+def prepare_export(path, held: contextlib.ExitStack) -> tuple[str, str]:
+    full = export_folder.target(path)
+    held.enter_context(save_lock(full))  # until the swap: another job's export to `path` is refused
+    return full, export_folder.prepare(full)
 
 
 def save_pretrained(model: nn.Module, path: str, max_shard_size: int | str = "2GB") -> None:
-    """Write ``model`` (sharded over any tp x pp x dp) as a plain HuggingFace folder at ``path``.
+    """Write ``model`` (sharded over any tp x pp x dp x ep, ZeRO-3 included) as a plain HuggingFace folder at ``path``.
 
-    Collective: call it on every rank of the model's world. Global rank 0 writes; the others wait.
-    ``transformers.<Class>.from_pretrained(path)`` then loads it without shardformer. A timm model
-    gets a ``model.safetensors`` (and ``config.json`` with its architecture) that
-    ``timm.create_model(...).load_state_dict(safetensors.torch.load_file(...))`` accepts.
+    Collective: call it on every rank of the model's world; each rank writes what it holds, then its
+    share of the output files (every rank must see ``path``). ``transformers.<Class>.from_pretrained(path)``
+    then loads it without shardformer. A timm model gets a ``model.safetensors`` (and ``config.json``
+    with its architecture) that ``timm.create_model(...).load_state_dict(safetensors.torch.load_file(...))``
+    accepts.
     """
-    state = gather_full_state(model)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    error = None
-    if rank == 0:
+    lay = layout_of(model)
+    with contextlib.ExitStack() as held:  # global rank 0's lock on the path
         try:
-            full = export_folder.target(path)
-            with save_lock(full):
-                _write_export(model, state, full, max_shard_size)
-        except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
-            error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-    if dist.is_initialized():
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise RuntimeError(f"save_pretrained to {path!r} failed on rank 0: {error}")
+            full, tmp = ranks.rank_zero_result(lay.rank, lambda: prepare_export(path, held))
+        except Exception as e:  # noqa: BLE001 - the same error on every rank
+            raise RuntimeError(f"save_pretrained to {path!r} failed on rank 0: {e}") from None
+        _export(model, lay, full, tmp, max_shard_size)
+
+
+def _export(model, lay, full: str, tmp: str, max_shard_size) -> None:
+    pieces, error, dtype, order = os.path.join(tmp, PIECES), None, None, []
+    try:
+        reshard(model)  # ZeRO-3: the dp shards, not a root a forward left gathered, are what is written
+        entries, ties = model_entries(model)
+        order = list(entries)
+        entries = _kept(entries, ties, model)
+        os.makedirs(pieces, exist_ok=True)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        error = ranks.message(e, tmp)
+    reports = ranks.gather((error, order))
+    failed = any(e for e, _ in reports)
+    if not failed:
+        try:
+            dcp_io.save_state(pieces, entries, {})
+            chunks = consolidate.chunks_in(pieces)
+            dropped = {t for t, s in tied_targets(model).items() if s in chunks}
+            names = {n: n for n in merged_names([o for _, o in reports]) if n in chunks and n not in dropped}
+            write_weights(tmp, chunks, names, max_shard_size, lay.rank, lay.world)
+            dtype = stored_dtype(chunks, names)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            error = ranks.message(e, tmp)
+    errors = ranks.gather(error)
+
+    def finish():
+        if any(errors):
+            commit.discard(tmp)
+            raise RuntimeError(ranks.report(errors))
+        shutil.rmtree(pieces)
+        write_description(tmp, model, dtype)
+        export_folder.finish(tmp, full, replaced_by_an_export)
+
+    try:
+        ranks.rank_zero_result(lay.rank, finish)
+    except Exception as e:  # noqa: BLE001 - the same error on every rank
+        raise RuntimeError(f"save_pretrained to {full!r} failed: {e}") from None
 
 
 def save_pretrained_as_hf(
@@ -175,7 +207,7 @@ def save_pretrained_as_hf(
     **_ignored,
 ) -> None:
     """``model.save_pretrained(...)`` of a sharded model, with transformers' signature: the whole model
-    through `save_pretrained`, collective on every rank (global rank 0 writes, whatever
+    through `save_pretrained`, collective on every rank (every rank writes its share, whatever
     ``is_main_process`` says). What it cannot honour is refused before any collective."""
     unsupported = {
         "state_dict": state_dict is not None,  # a state dict of a sharded model is one rank's slices
@@ -186,8 +218,8 @@ def save_pretrained_as_hf(
     refused = [name for name, asked in unsupported.items() if asked]
     if refused:
         raise ValueError(
-            f"save_pretrained of a sharded {original_class(model).__name__} does not take {refused}: it gathers "
-            f"the whole model and writes safetensors; save the folder, then push or convert it"
+            f"save_pretrained of a sharded {original_class(model).__name__} does not take {refused}: it writes "
+            f"the whole model as safetensors; save the folder, then push or convert it"
         )
     save_pretrained(model, os.fspath(save_directory), max_shard_size)
 

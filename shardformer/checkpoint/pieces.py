@@ -19,10 +19,15 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from shardformer.checkpoint.files import expert_spec
 from shardformer.core.shard_spec import ShardSpec
 from shardformer.expert_parallel.experts import ExpertSpec
+from shardformer.tensor_parallel.slicer import shard_spec
+
+MODEL = "model."  # a training checkpoint's model tensors: "model.<HF name>", as torchtitan and accelerate write
 
 
 @dataclass(frozen=True)
@@ -153,3 +158,37 @@ def covered(pieces: list[Piece], chunks) -> bool:
         if found != piece.numel:
             return False
     return True
+
+
+def staged_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` on CPU; a `checkpointable` view's copy saves as the same pieces."""
+    copy = tensor.detach().to("cpu", copy=True)
+    if hasattr(tensor, "global_shape"):
+        for key in ("global_shape", "global_offsets", "local_offsets", "local_sizes"):
+            setattr(copy, key, getattr(tensor, key))
+    return copy
+
+
+def unique_named(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """(all state-dict names, tensor) for every distinct tensor of the model, in state-dict order."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), ([], tensor))[0].append(name)
+    return list(groups.values())
+
+
+def model_entries(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """Every model tensor under each of its state-dict names, as the pieces this rank holds; the tied names."""
+    entries, ties = {}, []
+    for names, tensor in unique_named(model):
+        view = checkpointable(*storage_pieces(tensor, shard_spec(tensor), expert_spec(tensor)))
+        entries.update(dict.fromkeys(names, view))
+        if len(names) > 1:
+            ties.append(names)
+    return entries, ties
+
+
+def merged_names(per_rank: list[list[str]]) -> list[str]:
+    """Every rank's state-dict names in one order: rank by rank, each name where it first appears (a
+    pipeline's stages in turn), so that an export and a checkpoint of one model list its tensors alike."""
+    return list(dict.fromkeys(name for names in per_rank for name in names))

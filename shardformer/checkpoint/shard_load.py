@@ -26,9 +26,9 @@ from torch.overrides import TorchFunctionMode
 from transformers.initialization import no_init_weights
 
 from shardformer.api import shard_model
+from shardformer.checkpoint.consolidate import SAFE_INDEX, SAFE_WEIGHTS
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import dtype_kind, expert_spec, full_shape
-from shardformer.checkpoint.hf_export import SAFE_INDEX, SAFE_WEIGHTS
 from shardformer.core.config import ShardConfig
 from shardformer.expert_parallel.experts import ExpertSpec
 from shardformer.tensor_parallel.slicer import ShardSpec, shard_spec

@@ -21,186 +21,29 @@ format (plain FSDP2, accelerate), whose metadata is a pickle.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from shardformer.checkpoint import commit, dcp_io, typed_json
+from shardformer.checkpoint import async_save, commit, dcp_io, ranks
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import dtype_kind, expert_spec
 from shardformer.checkpoint.gather import Layout, layout_of, refuse_context_parallel
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
-from shardformer.checkpoint.optim_state import (
-    OptimizerReader,
-    apply_optimizer,
-    class_name,
-    merge_infos,
-    optimizer_entries,
-)
-from shardformer.checkpoint.pieces import checkpointable, covered, storage_pieces
-from shardformer.checkpoint.rng_state import apply_rng, read_rng, write_rng
-from shardformer.checkpoint.save_lock import save_lock
+from shardformer.checkpoint.optim_state import OptimizerReader, apply_optimizer, class_name
+from shardformer.checkpoint.pieces import MODEL, checkpointable, covered, storage_pieces, unique_named
+from shardformer.checkpoint.rng_state import apply_rng, read_rng
+from shardformer.checkpoint.saving import save_checkpoint  # noqa: F401 - its import path before saving.py
 from shardformer.data_parallel.fsdp import reshard
 from shardformer.tensor_parallel.slicer import shard_spec
-
-MODEL = "model."
-
-
-def _rank_zero_result(lay: Layout, work):
-    """``work()`` on global rank 0, its result or error message broadcast to every rank."""
-    box = [None]
-    if lay.rank == 0:
-        try:
-            box = [(work(), None)]
-        except Exception as e:  # noqa: BLE001 - every rank raises it below
-            box = [(None, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    result, error = box[0]
-    if error is not None:
-        raise CheckpointError(error)
-    return result
-
-
-def _gather(value) -> list:
-    if not dist.is_initialized():
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _report(errors: list[str | None]) -> str:
-    """The same text on every rank: each distinct problem once, with the ranks that hit it."""
-    by_text: dict[str, list[int]] = {}
-    for rank, error in enumerate(errors):
-        if error:
-            by_text.setdefault(error, []).append(rank)
-    return "\n  ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}" for e, r in by_text.items())
-
-
-def _message(e: Exception, path: str) -> str:
-    return str(e) if isinstance(e, CheckpointError) else f"{path}: {type(e).__name__}: {e}"
-
-
-def _prepare(path, held: contextlib.ExitStack) -> tuple[str, str]:
-    full = commit.checked_path(path)
-    held.enter_context(save_lock(full))  # until the save ends: another job's save to `path` is refused
-    return full, commit.prepare(full)
 
 
 def _recovered(path) -> tuple[str, bool]:
     full = commit.checked_path(path, replacing=False)
     commit.recover(full)  # a commit that a crash interrupted
     return full, os.path.isdir(full)
-
-
-def _unique_named(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """(all state-dict names, tensor) for every distinct tensor of the model, in state-dict order."""
-    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), ([], tensor))[0].append(name)
-    return list(groups.values())
-
-
-def _model_entries(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
-    """Every model tensor under each of its state-dict names, as the pieces this rank holds; the tied names."""
-    entries, ties = {}, []
-    for names, tensor in _unique_named(model):
-        view = checkpointable(*storage_pieces(tensor, shard_spec(tensor), expert_spec(tensor)))
-        entries.update(dict.fromkeys(names, view))
-        if len(names) > 1:
-            ties.append(names)
-    return entries, ties
-
-
-def _write_rank_part(tmp: str, model, optimizer, lay: Layout) -> tuple[dict, list[str], dict]:
-    """What this rank gives DCP, the RNG files it wrote, and its JSON part for the manifest."""
-    entries, ties = _model_entries(model)
-    state, part = {"model": entries}, {"ties": ties, "optimizer": None}
-    if optimizer is not None:
-        opt_state, part["optimizer"] = optimizer_entries(model, optimizer, lay.dp // lay.ep)
-        state["optim"] = {"state": opt_state}
-    coords = {"pp": lay.pp_rank, "dp": lay.dp_rank, "tp": lay.tp_rank} | ({"ep": lay.ep_rank} if lay.ep > 1 else {})
-    return state, write_rng(tmp, model, lay.rank, coords), part
-
-
-def _merged_ties(parts: list[dict]) -> list[list[str]]:
-    groups: list[list[str]] = []
-    for part in parts:
-        for names in part["ties"]:
-            if names not in groups:
-                groups.append(names)
-    return groups
-
-
-def save_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None, step: int = 0, extra=None) -> None:
-    """Save a resumable training checkpoint at ``path`` (a folder); collective on all ranks.
-
-    ``extra`` is any dict of None, bool, int, float, str, list, tuple, set and dict (data position,
-    epoch, ...), handed back exactly by `load_checkpoint`. ``path`` must be new, an empty
-    folder or a checkpoint holding only its own files; anything else is refused, as are the working
-    directory and its parents. The previous checkpoint at ``path`` is replaced only once every rank
-    has written its part; a crash at any moment leaves the previous or the new one.
-    """
-    with contextlib.ExitStack() as held:  # global rank 0's lock on the path
-        _save(path, model, optimizer, scheduler, step, extra, held)
-
-
-def _save(path, model, optimizer, scheduler, step, extra, held: contextlib.ExitStack) -> None:
-    lay = layout_of(model)
-    refuse_context_parallel(lay, "a resumable training checkpoint")
-    full, tmp = _rank_zero_result(lay, lambda: _prepare(path, held))
-    reshard(model)  # ZeRO-3: the dp shards, not a root a forward left gathered, are what is saved
-    manifest, error, files, part = None, None, {}, None
-    try:
-        if lay.rank == 0:  # encoded before any writing: a value JSON cannot hold is refused up front
-            manifest = {
-                "format": commit.FORMAT, "step": step, "extra": extra, "model_class": original_class(model).__name__,
-                "config": config_of(model), "layout": lay.record(),
-                "scheduler": None if scheduler is None else {"class": type(scheduler).__name__, "state": scheduler.state_dict()},
-                "has_optimizer": optimizer is not None,
-            }  # fmt: skip
-            typed_json.dumps(manifest, "the step, extra and scheduler state")
-        os.makedirs(tmp, exist_ok=True)
-        state, rank_files, part = _write_rank_part(tmp, model, optimizer, lay)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it below
-        error = _message(e, tmp)
-    if not any(_gather(error)):  # DCP's save is collective: every rank takes part, or none
-        try:
-            apart = {MODEL + n: i for names in part["ties"] for i, n in enumerate(names) if i}
-            files = commit.describe(tmp, dcp_io.save_state(tmp, state, apart) + rank_files)
-        except Exception as e:  # noqa: BLE001 - every rank learns of it below
-            error = _message(e, tmp)
-    reports = _gather((error, files, part))
-    errors = [e for e, _, _ in reports]
-
-    def finish():
-        if any(errors):
-            commit.discard(tmp)
-            return
-        parts = [p for _, _, p in reports]
-        if optimizer is not None:
-            manifest["optimizer"] = merge_infos([p["optimizer"] for p in parts], class_name(optimizer))
-            typed_json.dumps(manifest, "the optimizer's param groups")
-        manifest["ties"] = _merged_ties(parts)
-        manifest["files"] = {name: entry for _, written, _ in reports for name, entry in written.items()}
-        manifest["saved_at"] = time.time_ns()
-        commit.commit(tmp, full, manifest)
-
-    try:
-        _rank_zero_result(lay, finish)
-    except CheckpointError as e:
-        raise CheckpointError(f"committing the checkpoint {full} failed on rank 0: {e}") from None
-    if any(errors):
-        raise CheckpointError(
-            f"saving the checkpoint {full} failed; the previous checkpoint is untouched:\n  {_report(errors)}"
-        )
 
 
 def _candidates(ties: list[list[str]]):
@@ -226,7 +69,7 @@ def _model_targets(path: str, meta: dict | None, metadata, model: nn.Module, lay
         problems += config_differences(meta.get("config"), config_of(model))
     saved = metadata.state_dict_metadata
     targets, copies, known = {}, [], set()
-    for names, tensor in _unique_named(model):
+    for names, tensor in unique_named(model):
         found = candidates(names)
         known.update(found)
         name = next((n for n in found if MODEL + n in saved), None)
@@ -327,25 +170,26 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None,
     the optimizer keeps its own hyper-parameters, and ``step``, ``extra`` and ``layout`` come back None.
     Unpickling can run any code the file holds: allow it only for a checkpoint you trust.
     """
+    async_save.wait_for_previous()  # a commit of ours in flight must not meet this load's recovery
     lay = layout_of(model)
     refuse_context_parallel(lay, "a resumable training checkpoint")
-    full, found = _rank_zero_result(lay, lambda: _recovered(path))
+    full, found = ranks.rank_zero_result(lay.rank, lambda: _recovered(path))
     if not found:  # its own type, so that "resume if there is a checkpoint" can tell it apart
         raise FileNotFoundError(f"no checkpoint at {full}")
     staged, error = None, None
     try:
         staged = _read_all(full, model, optimizer, scheduler, lay, allow_pickle)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
-        error = _message(e, full)
-    errors = _gather(error)
+        error = ranks.message(e, full)
+    errors = ranks.gather(error)
     if any(errors):
-        raise CheckpointError(f"loading the checkpoint {full} failed; nothing was changed:\n  {_report(errors)}")
+        raise CheckpointError(f"loading the checkpoint {full} failed; nothing was changed:\n  {ranks.report(errors)}")
     try:  # into copies: a failed read changes nothing
         dcp_io.load_state(staged["targets"], staged["reader"])
         opt_state = None if optimizer is None else staged["optimizer"].state_dict()
     except Exception as e:  # noqa: BLE001 - DCP raises on every rank when one fails
         raise CheckpointError(
-            f"loading the checkpoint {full} failed; nothing was changed:\n  {_message(e, full)}"
+            f"loading the checkpoint {full} failed; nothing was changed:\n  {ranks.message(e, full)}"
         ) from None
     with torch.no_grad():
         for tensor, value in staged["copies"]:

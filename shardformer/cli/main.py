@@ -11,9 +11,9 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from shardformer.cli import plan, run, verify
+from shardformer.cli import convert, plan, run, verify
 
-SUBCOMMANDS = (run, plan, verify)
+SUBCOMMANDS = (run, plan, verify, convert)
 
 
 def _version() -> str:

@@ -1,5 +1,7 @@
-"""Shared pieces of the checkpoint tests: a shared temporary folder, training steps, full logits, crashes."""
+"""Shared pieces of the checkpoint tests: a shared temporary folder, training steps, full logits, crashes,
+two HuggingFace folders compared."""
 
+import json
 import os
 import shutil
 import signal
@@ -8,6 +10,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from shardformer.tensor_parallel.layers import gather_from_parallel
 from tests.policies import zoo
@@ -94,3 +97,15 @@ def killed_during(where, nth, when, save) -> bool:
         return True
     assert os.WEXITSTATUS(status) == 0, f"the save failed (exit {os.WEXITSTATUS(status)}) instead of crashing"
     return False
+
+
+def same_folder(got: str, expected: str) -> None:
+    """Two HuggingFace folders with the same files, tensors and config."""
+    assert sorted(os.listdir(got)) == sorted(os.listdir(expected)), (os.listdir(got), os.listdir(expected))
+    for name in os.listdir(expected):
+        if name.endswith(".safetensors"):
+            a, b = load_file(os.path.join(got, name)), load_file(os.path.join(expected, name))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        elif name.endswith(".json"):
+            with open(os.path.join(got, name)) as f, open(os.path.join(expected, name)) as g:
+                assert json.load(f) == json.load(g), name

@@ -16,10 +16,11 @@ import torch
 import transformers as tf
 from safetensors import safe_open
 
-import shardformer.checkpoint.hf_export as hf_export
+import shardformer.checkpoint.consolidate as consolidate
 from shardformer import ShardConfig
-from shardformer.checkpoint import CheckpointError, load_sharded, save_pretrained
-from tests.checkpoint.common import killed_during
+from shardformer.checkpoint import CheckpointError, load_sharded, save_checkpoint, save_pretrained
+from shardformer.cli.main import main as cli_main
+from tests.checkpoint.common import killed_during, same_folder
 from tests.policies import zoo
 
 
@@ -80,7 +81,7 @@ def test_an_export_killed_at_any_step_leaves_the_earlier_or_the_new_export_whole
     weights["new"] = _exported_weights(path)
     assert not all(torch.equal(weights["old"][k], v) for k, v in weights["new"].items())
     seen = {}
-    for where in [(hf_export, "save_file"), (os, "link"), (os, "fsync"), (os, "rename"), (shutil, "rmtree")]:
+    for where in [(consolidate, "write_file"), (os, "link"), (os, "fsync"), (os, "rename"), (shutil, "rmtree")]:
         for nth in range(1, 12):
             if not any(killed_during(where, nth, when, lambda: export(old)) for when in ("before", "after")):
                 break
@@ -134,3 +135,15 @@ def test_shard_on_load_reads_only_inside_the_folder_and_names_bad_files(tmp_path
     weights.write_bytes(raw[:-7])
     with pytest.raises(CheckpointError, match=f"{weights}: not a readable safetensors file"):
         load()
+
+
+def test_convert_refuses_what_is_no_checkpoint_and_converts_a_timm_one(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert cli_main(["convert", str(tmp_path / "nothing"), "--to", "hf", out]) == 1
+    assert "has no meta.json: it is not a (finished) shardformer checkpoint" in capsys.readouterr().err
+    assert not os.path.exists(out)
+    model, _ = zoo.timm_pair()
+    save_checkpoint(str(tmp_path / "ckpt"), model, step=1)
+    save_pretrained(model, str(tmp_path / "export"))
+    assert cli_main(["convert", str(tmp_path / "ckpt"), "--to", "hf", out]) == 0
+    same_folder(out, str(tmp_path / "export"))  # timm's own config.json: its architecture and num_classes

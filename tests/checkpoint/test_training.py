@@ -3,8 +3,9 @@
 Resume: a run saved at step 5 and resumed in a fresh model and optimizer gives the losses of steps
 6..10 of the run that never stopped (tp=2, dp=2, ZeroOptimizer, dropout on). Resharding: the same
 kind of checkpoint loaded at (tp=1, dp=4) and (tp=4, dp=1) continues with the same losses. A save
-that fails on one rank leaves the previous checkpoint loadable. Pipeline parallelism is simulated
-per its contract (each stage keeps the original model with the other stages' modules set to None).
+that fails on one rank leaves the previous checkpoint loadable. ``shardformer convert`` of a
+checkpoint writes the folder ``save_pretrained`` wrote of the same model (tp x dp, and tp x pp).
+Pipeline parallelism is simulated per its contract (each stage keeps the original model with the other stages' modules set to None).
 """
 
 import os
@@ -17,11 +18,12 @@ import shardformer.checkpoint.rng_state as rng_state
 from shardformer import ShardConfig, shard_model
 from shardformer.api import shard_before_split
 from shardformer.checkpoint import CheckpointError, layout_of, load_checkpoint, save_checkpoint, save_pretrained
+from shardformer.cli.main import main as cli_main
 from shardformer.core.record import with_stage
 from shardformer.core.tiny import tiny_config
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
-from tests.checkpoint.common import full_logits, remove_dir, sgd_steps, shared_dir
+from tests.checkpoint.common import full_logits, remove_dir, same_folder, sgd_steps, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.policies import zoo
 
@@ -204,6 +206,37 @@ def check_mismatch_is_reported():
     remove_dir(path)
 
 
+def _converts_to_the_export(ckpt: str, export: str) -> None:
+    """Rank 0: ``shardformer convert`` of the checkpoint writes the folder the export wrote."""
+    if dist.get_rank() == 0:
+        out = os.path.join(os.path.dirname(ckpt), "converted")
+        assert cli_main(["convert", ckpt, "--to", "hf", out]) == 0
+        same_folder(out, export)
+        tf.GPT2LMHeadModel.from_pretrained(out)  # loads without a missing or unexpected weight
+    dist.barrier()
+
+
+def check_convert_writes_what_the_export_writes():
+    """tp=2 x dp=2, ZeRO-1 AdamW (optimizer state in the same files): convert == export, loaded by from_pretrained."""
+    path = shared_dir()
+    model = _gpt2(2)
+    opt, sched = _trainer(model, "adamw")
+    _train(model, opt, sched, range(1, 3))
+    save_checkpoint(os.path.join(path, "ckpt"), model, opt, sched, step=2)
+    save_pretrained(model, os.path.join(path, "hf"), max_shard_size="40KB")
+    if dist.get_rank() == 0:
+        out = os.path.join(path, "converted")
+        assert cli_main(["convert", os.path.join(path, "ckpt"), "--to", "hf", out, "--max-shard-size", "40KB"]) == 0
+        same_folder(out, os.path.join(path, "hf"))
+        assert "model.safetensors.index.json" in os.listdir(out)
+        plain = tf.GPT2LMHeadModel.from_pretrained(out).eval()
+        ids = _batch(0)
+        with torch.no_grad():
+            expected = tf.GPT2LMHeadModel.from_pretrained(os.path.join(path, "hf")).eval()(input_ids=ids).logits
+            assert torch.equal(plain(input_ids=ids).logits, expected)
+    remove_dir(path)
+
+
 def _cut_to_stage(model):
     """What the pipeline code leaves on a stage: the same model object, other stages' modules None."""
     stage = model.shardformer.mesh.pp_rank
@@ -232,6 +265,7 @@ def check_pipeline_export_and_checkpoint():
     path = shared_dir()
     save_pretrained(model, os.path.join(path, "hf"))
     save_checkpoint(os.path.join(path, "ckpt"), model, step=2)
+    _converts_to_the_export(os.path.join(path, "ckpt"), os.path.join(path, "hf"))
     if dist.get_rank() == 0:
         plain = tf.GPT2LMHeadModel.from_pretrained(os.path.join(path, "hf")).eval()
         with torch.no_grad():
@@ -257,6 +291,7 @@ def check_real_pipeline_split_export():
     path = shared_dir()
     save_pretrained(model, os.path.join(path, "hf"))
     save_checkpoint(os.path.join(path, "ckpt"), model)
+    _converts_to_the_export(os.path.join(path, "ckpt"), os.path.join(path, "hf"))
     ids = torch.randint(3, zoo.VOCAB, (2, zoo.SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
@@ -277,6 +312,7 @@ CHECKS = [
     check_reshard_tp2_dp2_to_tp4_dp1,
     check_failed_save_keeps_previous_checkpoint,
     check_mismatch_is_reported,
+    check_convert_writes_what_the_export_writes,
     check_pipeline_export_and_checkpoint,
     check_real_pipeline_split_export,
 ]
