@@ -10,7 +10,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "all_reduce_job.py")
@@ -44,16 +43,15 @@ def test_two_processes_all_reduce():
 
 def test_a_crashed_rank_ends_the_job_and_is_named():
     argv = launcher("--nproc_per_node", "2", JOB, "--config", CONFIG, "--mode", "train", "--set", "crash_rank=1")
-    start = time.monotonic()
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=LIMIT_S, env=ENV)
-    elapsed = time.monotonic() - start
+    # rank 0 is left waiting in all_reduce; with a collective timeout far past LIMIT_S, only torchrun stopping it
+    # ends the job before the test's limit (no wall-clock assertion: a loaded machine only slows it down)
+    env = {**ENV, "SHARDFORMER_TIMEOUT_S": "3600"}
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=LIMIT_S, env=env)
     assert result.returncode == 1, result.stderr
     summary = [line for line in result.stderr.splitlines() if line.startswith("shardformer run:")]
     assert summary[0] == "shardformer run: rank 1 of 2 failed (exit code 1): RuntimeError: deliberate failure on rank 1"
     assert len(summary) <= 4, result.stderr  # a summary, not torchrun's dump
     assert "ChildFailedError" not in result.stderr
-    # rank 0 was left waiting in all_reduce: torchrun stopped it instead of the collective timeout (60 s).
-    assert elapsed < 45, f"job took {elapsed:.0f} s to end"
     assert rank_lines(result.stdout) == {}
 
 
