@@ -97,7 +97,8 @@ def fit_hybrid(out: dict, data: dict) -> None:
     """``out`` (a tiny copy's overrides of the config ``data``) made to run for a hybrid: a schedule of
     Mamba layers only (Bamba's and GraniteMoeHybrid's default configs) gets attention in its last
     layer (`lacks_attention`); a Mamba-2 mixer's heads fill its inner width, ``expand x hidden``
-    (Zamba2's ``n_mamba_heads`` shrinks as a head count while ``mamba_headdim`` shrinks as a width)."""
+    (Zamba2's ``n_mamba_heads`` shrinks as a head count while ``mamba_headdim`` shrinks as a width), or
+    set it (Falcon-H1's ``mamba_d_ssm``, else as wide as its heads: one channel each)."""
     types, depth = out.get("layer_types"), depth_of(out, {})
     if lacks_attention(types) and set(types) == {"linear_attention"}:
         out["layer_types"] = [*types[:-1], "full_attention"]
@@ -108,3 +109,6 @@ def fit_hybrid(out: dict, data: dict) -> None:
     inner = data.get("mamba_expand", 0) * out.get("hidden_size", 0)
     if heads and type(width) is int and width > 0 and inner and inner % width == 0:
         out[heads] = inner // width
+    ssm, head = data.get("mamba_d_ssm"), data.get("mamba_d_head")  # Falcon-H1 sets the inner width itself
+    if heads in out and type(ssm) is int and type(head) is int:
+        out["mamba_d_ssm"] = out[heads] * head
