@@ -74,16 +74,17 @@ def make_spec(
     world_size: int,
     n_cast: int | tuple[int, ...] = 1,
     pad_to_multiple: int | None = None,
-    head_width: int | None = None,
+    head_width: int | tuple[int, ...] | None = None,
 ) -> ShardSpec:
     """Check that ``shape[dim]`` can be split and describe the cut.
 
     Without ``pad_to_multiple`` the size must divide by ``n_cast * world_size``; with it the size is
     padded up to a multiple of ``pad_to_multiple * world_size`` (vocabularies; ``n_cast`` must be 1).
     ``n_cast`` may also be the fused blocks' sizes, each of which must divide by ``world_size``.
-    ``head_width``: the blocks hold heads of this width that must not be cut; a block of fewer heads
-    than ranks (whose head count divides ``world_size``) is cut into its heads, each replicated on
-    ``world_size // heads`` consecutive ranks.
+    ``head_width``: the blocks hold heads of this width (or each block its own: a Mamba-2 mixer's
+    ``[z | x | B | C | dt]`` holds heads, groups and one dt per head) that must not be cut; a block
+    of fewer heads than ranks (whose head count divides ``world_size``) is cut into its heads, each
+    replicated on ``world_size // heads`` consecutive ranks.
     """
     dim = dim % len(shape)
     size = shape[dim]
@@ -124,11 +125,12 @@ def _blocks_spec(blocks, size, shape, dim, rank, world_size, pad_to_multiple) ->
 
 def _heads_spec(n_cast, head_width, size, shape, dim, rank, world_size) -> ShardSpec:
     blocks = (size // n_cast,) * n_cast if isinstance(n_cast, int) else tuple(n_cast)
-    if sum(blocks) != size or any(b % head_width for b in blocks):
+    widths = tuple(head_width) if isinstance(head_width, tuple) else (head_width,) * len(blocks)
+    if sum(blocks) != size or len(widths) != len(blocks) or any(b % w for b, w in zip(blocks, widths)):
         raise ValueError(f"blocks {blocks} of dim {dim} {tuple(shape)} are not whole heads of width {head_width}")
     splits = []
-    for block in blocks:
-        heads = block // head_width
+    for block, width in zip(blocks, widths):
+        heads = block // width
         if heads % world_size == 0:
             splits.append(world_size)
         elif world_size % heads == 0:

@@ -14,7 +14,7 @@ import inspect
 from dataclasses import dataclass
 
 from shardformer.core.tiny_choices import open_choices
-from shardformer.core.tiny_layers import depth_keys, depth_of, kept_layers, layer_overrides
+from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
 
 VOCAB = 99
 SIZES = {
@@ -79,7 +79,7 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
     config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
     types = getattr(config, "layer_types", None)  # a schedule, not ResNet's class-level list of allowed kinds
     schedule = "layer_types" in defaults and "layer_types" not in overrides and _settable(config_class, "layer_types")
-    if schedule and isinstance(types, list) and types and "full_attention" not in types:
+    if schedule and lacks_attention(types):
         kwargs["layer_types"] = [*types[:-1], "full_attention"]  # a cache-holding attention layer for generate
         config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
     return config
@@ -226,6 +226,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     keep = None if scaling.keep_depth else kept_layers(data, aliases, settable, sum(parts.values()) or None)
     if keep is not None:
         out.update(layer_overrides(data, aliases, keep, settable, lambda d: _scale_dict(d, sizes, data)))
+    fit_hybrid(out, data)
     rope = out.get("rope_parameters", data.get("rope_parameters"))
     multimodal_rope = "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())
     if multimodal_rope and isinstance(rope, dict) and "rope_type" in rope and not scaling.keep_widths:

@@ -5,13 +5,15 @@ and attention, Mamba and attention; ``no_rope_layers``; lists of layer indices s
 ``hybrid_layer_ids``; Gemma 4's ``per_layer_config``) must keep its length equal to the depth, and
 a tiny copy of two layers cut from the front may hold only one kind (Qwen3-Next's first full
 attention layer is its fourth). The tiny copy keeps the first layer of every distinct kind, in
-order, and every per-layer setting follows the kept layers.
+order, and every per-layer setting follows the kept layers. A hybrid's layers must also run small
+(`fit_hybrid`): an attention layer where the schedule has none, Mamba-2 heads that fill the mixer.
 """
 
 from __future__ import annotations
 
 DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 MAX_KINDS = 6  # per-layer values with more kinds than this (a width per layer) do not tell layers apart
+ATTENTION_KINDS = ("full_attention", "hybrid")  # layer kinds holding an attention cache (Zamba's hybrid layer)
 
 
 def depth_keys(aliases: dict) -> tuple[str, ...]:
@@ -55,11 +57,15 @@ def kept_layers(data: dict, aliases: dict, settable=lambda key: True, count: int
     overridden = {int(k) for k in (data.get("per_layer_config") or {})}
     if not lists and not indexed and not overridden:
         return None
-    kinds: dict[tuple, int] = {}
+    # Zamba's hybrid layers are a class of their own around a Mamba layer, sharing one attention block
+    # tied over them: two layers of each kind keep each class a stack and the tie between two layers
+    per_kind = 2 if any("hybrid" in map(str, v) for v in lists) else 1
+    kinds: dict[tuple, list[int]] = {}
     for i in range(depth):
         kind = (*(str(v[i]) for v in lists), *(i in s for s in indexed), i in overridden)
-        kinds.setdefault(kind, i)
-    keep = sorted(kinds.values())
+        if len(kinds.setdefault(kind, [])) < per_kind:
+            kinds[kind].append(i)
+    keep = sorted(i for layers in kinds.values() for i in layers)
     rest = (i for i in range(depth) if i not in keep)
     while len(keep) < (count or 2):
         keep = sorted({*keep, next(rest)})
@@ -79,3 +85,30 @@ def layer_overrides(data: dict, aliases: dict, keep: list[int], settable, scale)
         per_layer = {int(k): v for k, v in data["per_layer_config"].items()}
         out["per_layer_config"] = {new: scale(per_layer[old]) for new, old in enumerate(keep) if old in per_layer}
     return out
+
+
+def lacks_attention(types) -> bool:
+    """A per-layer schedule where no layer holds an attention cache: transformers' forward asks the
+    cache for its length, which only such a layer knows (a cache of Mamba layers only raises)."""
+    return isinstance(types, list) and bool(types) and not any(t in ATTENTION_KINDS for t in types)
+
+
+def fit_hybrid(out: dict, data: dict) -> None:
+    """``out`` (a tiny copy's overrides of the config ``data``) made to run for a hybrid: a schedule of
+    Mamba layers only (Bamba's and GraniteMoeHybrid's default configs) gets attention in its last
+    layer (`lacks_attention`); a Mamba-2 mixer's heads fill its inner width, ``expand x hidden``
+    (Zamba2's ``n_mamba_heads`` shrinks as a head count while ``mamba_headdim`` shrinks as a width), or
+    set it (Falcon-H1's ``mamba_d_ssm``, else as wide as its heads: one channel each)."""
+    types, depth = out.get("layer_types"), depth_of(out, {})
+    if lacks_attention(types) and set(types) == {"linear_attention"}:
+        out["layer_types"] = [*types[:-1], "full_attention"]
+    if "attn_layer_indices" in data and not data["attn_layer_indices"] and depth:
+        out["attn_layer_indices"] = [depth - 1]
+    heads = next((k for k in data if k.startswith(("n_mamba", "mamba_n")) and k.endswith("heads")), None)
+    width = out.get("mamba_headdim", data.get("mamba_headdim"))
+    inner = data.get("mamba_expand", 0) * out.get("hidden_size", 0)
+    if heads and type(width) is int and width > 0 and inner and inner % width == 0:
+        out[heads] = inner // width
+    ssm, head = data.get("mamba_d_ssm"), data.get("mamba_d_head")  # Falcon-H1 sets the inner width itself
+    if heads in out and type(ssm) is int and type(head) is int:
+        out["mamba_d_ssm"] = out[heads] * head

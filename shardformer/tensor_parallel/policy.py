@@ -43,7 +43,7 @@ class Col_Layer(Layer):  # noqa: N801 - the seed shardformer API's name
     bias: str | None = "bias"
     gather_output: bool = False
     replace_layer: type[nn.Module] | None = Linear1D_Col
-    head_width: int | None = None  # heads not to cut: a block of fewer heads than ranks is replicated
+    head_width: int | tuple[int, ...] | None = None  # heads not to cut (per block): fewer than ranks are replicated
 
 
 @dataclass

@@ -21,7 +21,7 @@ from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refus
 from shardformer.policies.copies import KEEP, copy_key, instance_copy, repeated_stacks, two_blocks
 from shardformer.policies.derived.blocks import attends, is_projection, repeated_blocks
 from shardformer.policies.derived.given_inputs import input_embeddings
-from shardformer.policies.derived.mixers import MixerCut, cut_mixers
+from shardformer.policies.derived.mixers import MIXER_COLUMN, MixerCut, MixerParts, cut_mixers
 from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import common_parent, find_cut, record_calls
 from shardformer.policies.derived.trace import mixed_rows, pair, trace
@@ -57,7 +57,8 @@ class BlockRule:
     attention: set[str] = field(default_factory=set)  # torch's nn.MultiheadAttention modules, cut by heads
     local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row writing the width it makes local
     inner_rows: set[str] = field(default_factory=set)  # rows whose all-reduced output feeds cut work (Mamba's x_proj)
-    channels: dict[str, dict[str, tuple]] = field(default_factory=dict)  # leaf -> {tensor: (dim, blocks)} (mixers)
+    channels: dict[str, dict[str, tuple]] = field(default_factory=dict)  # leaf -> {tensor: (dim, role)} (mixers)
+    mixers: dict[str, MixerParts] = field(default_factory=dict)  # state-space mixers, cut by their `Layout`
 
 
 @dataclass
@@ -350,8 +351,10 @@ def _mixer_rule(name: str, mixer: str, cut: MixerCut | Reason, rule: BlockRule) 
     """A state-space mixer's cut (`.mixers`) added to ``rule``; the reason it has none, as a refusal."""
     if not isinstance(cut, MixerCut):
         return [Reason(f"{name}: {mixer}: {cut}", cut.fix)]
-    rule.cols.update(cut.cols)
-    rule.rows |= {cut.row} - {""}
+    if cut.parts is not None:
+        rule.mixers[mixer] = cut.parts
+        rule.cols[cut.parts.col] = MIXER_COLUMN
+        rule.rows.add(cut.parts.row)
     rule.inner_rows |= cut.rows
     rule.channels.update(cut.channels)
     rule.divide |= set(cut.divide)

@@ -13,7 +13,14 @@ the cut of those channels. The channels, read off the widths of ``in_proj``, the
   (`Linear1D_RowIntoParallel`).
 - Mamba-2: ``in_proj`` writes ``[z | x | B | C | dt]`` (B and C per group of heads, dt per head); the
   convolution runs over ``[x | B | C]``; ``A_log``, ``D``, ``dt_bias`` are per head; the gated norm
-  normalises per group. Each rank holds whole groups, so ``n_groups`` must split over tp.
+  normalises per group. Each rank holds whole groups where ``n_groups`` splits over tp; with one group
+  (Falcon-H1, Bamba, Granite-4, Zamba2) every rank holds B and C whole, their gradients summed over
+  the ranks, and the gated norm's variance spans the ranks (`NormOverRanks`).
+
+The widths are read again on the model being cut (`Layout`), so a rule found on the tiny copy cuts
+the user's sizes. transformers' fused kernels (``mamba_ssm``'s, or the hub's with ``use_kernels``)
+read ``out_proj``'s and ``x_proj``'s whole weights themselves: with them the cut is refused
+(`fused_kernels`).
 
 Each rank's share of the mixer is run in this process on the recorded input (an inner row given the
 whole output its all-reduce gives) to choose which counts its code reads become per-rank, as
@@ -23,6 +30,7 @@ whole output its all-reduce gives) to choose which counts its code reads become 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 from dataclasses import dataclass, field
 
@@ -32,11 +40,13 @@ import torch.nn as nn
 from shardformer.core.compare import ATOL, RTOL, max_error
 from shardformer.core.refusal import HEADS, Reason
 from shardformer.core.shard_spec import make_spec, slice_tensor
-from shardformer.policies.derived.attributes import apply_attributes, attribute_candidates
+from shardformer.policies.derived.attributes import attribute_candidates, per_rank_attributes
 from shardformer.policies.derived.blocks import in_width, is_projection, out_width
 from shardformer.policies.derived.simulate import record_calls
 
 CONV_COUNTS = ("in_channels", "out_channels", "groups")  # the depthwise convolution's own, always per-rank
+MIXER_COLUMN = ("mixer",)  # a rule's column spec: the mixer's in_proj, in the blocks its `Layout` reads
+FUSED_PACKAGE = "mamba_ssm"  # mamba_inner_fn, mamba_split_conv1d_scan_combined: they read out_proj's weight
 # counts tried in every subset (the smallest first): a tiny mixer's state size, head width and chunk
 # often equal its head count, so more candidates than a plain group's are in play
 MAX_COUNTS = 10
@@ -57,42 +67,110 @@ def mixers(block: nn.Module) -> dict[str, str]:
     return found
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A mixer's channel widths by role (``written``: in_proj's output, ``channels``: the convolution's,
+    ``inner``, ``heads``, ``groups``): ``{role: (blocks, units)}``, each block of whole units (heads,
+    groups, one dt per head; None: cut evenly), a block of fewer units than ranks held by every rank.
+    ``spans_ranks``: one group over several ranks, whose gated norm's variance spans them."""
+
+    tp: int
+    cuts: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]
+    spans_ranks: bool = False
+
+    def role(self, width: int) -> str | None:
+        return next((r for r, (blocks, _) in self.cuts.items() if sum(blocks) == width), None)
+
+    def width(self, role: str) -> int:
+        return sum(self.cuts[role][0])
+
+    def spec(self, shape, dim: int, role: str, rank: int):
+        blocks, units = self.cuts[role]
+        return make_spec(shape, dim, rank, self.tp, blocks, head_width=units)
+
+    def local(self, width: int) -> int | None:
+        """This rank's share of a whole ``width`` of the mixer's (None: no width of the mixer)."""
+        role = self.role(width)
+        return None if role is None else self.spec((width,), 0, role, 0).local_size
+
+
+@dataclass(frozen=True)
+class MixerParts:
+    """Where a mixer's parts are, relative to its block: the convolution, ``in_proj`` (``col``),
+    ``out_proj`` (``row``) and the norms over its inner channels."""
+
+    conv: str
+    col: str
+    row: str
+    norms: tuple[str, ...] = ()
+
+
 @dataclass
 class MixerCut:
-    """A mixer's cut, paths relative to the block: ``cols`` (``in_proj``: its blocks), the ``row``
-    (``out_proj``), the inner ``rows`` (``x_proj``), the tensors cut with the channels
-    (``{leaf: {name: (dim, blocks)}}``) and the ints made per-rank."""
+    """A mixer's cut, paths relative to the block: its `MixerParts`, the inner ``rows`` (``x_proj``),
+    the tensors cut with the channels (``{leaf: {name: (dim, role)}}``) and the ints made per-rank."""
 
-    cols: dict[str, tuple[int, ...]]
-    row: str
+    parts: MixerParts | None
     rows: set[str] = field(default_factory=set)
-    channels: dict[str, dict[str, tuple[int, tuple[int, ...]]]] = field(default_factory=dict)
+    channels: dict[str, dict[str, tuple[int, str]]] = field(default_factory=dict)
     divide: tuple[str, ...] = ()
     grad_sum: set[str] = field(default_factory=set)  # leaves on the inner rows' whole outputs (Jamba's dt/B/C norms)
 
 
-def _blocks(mixer: nn.Module, conv: nn.Conv1d, col: nn.Module, row: nn.Module, tp: int):
-    """``{width: blocks}`` of the mixer's channel widths (``in_proj``'s output, the convolution's
-    channels, the inner width, the heads), None where the widths are no Mamba layout, or why not."""
+def layout_of(mixer: nn.Module, conv: nn.Conv1d, col: nn.Module, row: nn.Module, tp: int):
+    """The `Layout` of the mixer's widths (``in_proj``'s output, the convolution's channels, the inner
+    width, the heads), None where they are no Mamba layout, or a `Reason` it cannot be cut."""
     inner, channels, written = in_width(row), conv.out_channels, out_width(col)
     groups = getattr(mixer, "n_groups", None)
     if type(groups) is not int:  # Mamba: [x | gate], the convolution over x
-        return {written: (inner, inner), inner: (inner,)} if channels == inner and written == 2 * inner else None
+        if channels == inner and written == 2 * inner:
+            return Layout(tp, {"written": ((inner, inner), None), "inner": ((inner,), None)})
+        return None
     state, heads = (channels - inner) // 2, written - inner - channels  # B and C: n_groups x state each
     if channels <= inner or (channels - inner) % 2 or heads <= 0:
         return None
-    if groups % tp or heads % tp:
+    if heads % tp or inner % heads or (groups % tp and groups != 1):
         return Reason(
             f"n_groups={groups} (num_heads={heads}) does not split over tensor_parallel_size={tp}: B, C and the "
-            f"gated norm are per group, and each rank must hold whole groups",
+            f"gated norm are per group, and each rank holds whole groups (or, with one group, all of it)",
             HEADS,
         )
-    return {
-        written: (inner, inner, state, state, heads),
-        channels: (inner, state, state),
-        inner: (inner,),
-        heads: (heads,),
+    cuts = {
+        "written": (inner, inner, state, state, heads),
+        "channels": (inner, state, state),
+        "inner": (inner,),
+        "heads": (heads,),
     }
+    if groups % tp == 0:
+        return Layout(tp, {role: (blocks, None) for role, blocks in cuts.items()} | {"groups": ((groups,), None)})
+    head = inner // heads  # one group: B and C held whole by every rank, the heads cut
+    units = {"written": (head, head, state, state, 1), "channels": (head, state, state), "inner": (head,)}
+    return Layout(tp, {role: (blocks, units.get(role, (1,))) for role, blocks in cuts.items()}, spans_ranks=True)
+
+
+def fused_kernels(model: nn.Module) -> str | None:
+    """How transformers would run a mixer through a fused kernel that reads ``out_proj``'s (and
+    ``x_proj``'s) whole weight itself, so no cut layer stands in for them; None where it cannot."""
+    if importlib.util.find_spec(FUSED_PACKAGE) is not None:
+        return f"the {FUSED_PACKAGE} package is installed (its fused mamba_inner_fn / mamba_split_conv1d_scan_combined)"
+    if getattr(model, "use_kernels", False):
+        return "the model was loaded with use_kernels=True (the hub's fused mamba kernels)"
+    return None
+
+
+def local_counts(root: nn.Module, names, layout: Layout) -> dict[str, object]:
+    """``{dotted name below root: per-rank value}``: a count equal to one of the mixer's widths becomes
+    this rank's share of that width (with one group, ``conv_dim`` keeps B and C whole), others ``/ tp``."""
+    values, others = {}, []
+    for dotted in names:
+        owner, _, name = dotted.rpartition(".")
+        whole = None if owner.endswith("config") else getattr(root.get_submodule(owner), name)
+        local = layout.local(whole) if type(whole) is int else None
+        if local is None:
+            others.append(dotted)
+        else:
+            values[dotted] = local
+    return values | per_rank_attributes(root, others, layout.tp)
 
 
 def mixer_cut(model: nn.Module, block: str, mixer: str, conv: str, reads, leaf_reads, tp: int, inputs):
@@ -110,34 +188,46 @@ def mixer_cut(model: nn.Module, block: str, mixer: str, conv: str, reads, leaf_r
     out = [r for r in rows if out_width(model.get_submodule(f"{block}.{r}")) == in_width(col)]
     if len(out) != 1:
         return None
-    blocks = _blocks(module, model.get_submodule(f"{block}.{conv}"), col, model.get_submodule(f"{block}.{out[0]}"), tp)
-    if not isinstance(blocks, dict):
-        return blocks
-    inner = [r for r in rows if r != out[0]]
-    cut = MixerCut({cols[0]: blocks[out_width(col)]}, out[0], set(inner))
+    layout = layout_of(
+        module, model.get_submodule(f"{block}.{conv}"), col, model.get_submodule(f"{block}.{out[0]}"), tp
+    )
+    if not isinstance(layout, Layout):
+        return layout
+    inner = {r for r in rows if r != out[0]}
+    skip = {cols[0], out[0], conv, *inner}
     # leaves reading only the inner rows' outputs stay whole; each rank's gradient covers its own channels
-    cut.grad_sum = {
-        rel for rel, f in leaf_reads.items() if rel.startswith(prefix) and f.sources and f.sources <= cut.rows
-    }
+    grad_sum = {rel for rel, f in leaf_reads.items() if rel.startswith(prefix) and f.sources and f.sources <= inner}
+    norms = tuple(
+        f"{prefix}{rel}"
+        for rel, leaf in module.named_modules()
+        if rel and f"{prefix}{rel}" not in skip | grad_sum and _weight_width(leaf) == layout.width("inner")
+    )
+    cut = MixerCut(MixerParts(conv, cols[0], out[0], norms), inner, grad_sum=grad_sum)
     for rel, leaf in module.named_modules():
         path = f"{prefix}{rel}".rstrip(".") or mixer
-        if path in cut.cols or path == cut.row or path in cut.rows or path in cut.grad_sum:
+        if path in skip - {conv} or path in grad_sum:
             continue
         for name, t in [*leaf.named_parameters(recurse=False), *leaf.named_buffers(recurse=False)]:
-            dim = next((d for d, n in enumerate(t.shape) if n in blocks), None)
+            dim = next((d for d, n in enumerate(t.shape) if layout.role(n)), None)
             if dim is not None:
-                cut.channels.setdefault(path, {})[name] = (dim, blocks[t.shape[dim]])
-    widths = set(blocks) | {getattr(module, "n_groups", 0)}
-    chosen = _choose_counts(model, block, mixer, conv[len(prefix) :], cut, widths, tp, inputs)
+                cut.channels.setdefault(path, {})[name] = (dim, layout.role(t.shape[dim]))
+    widths = {sum(blocks) for blocks, _ in layout.cuts.values()}
+    chosen = _choose_counts(model, block, mixer, cut, layout, widths, inputs)
     if chosen is None:
         return Reason(f"{type(module).__name__} at {mixer}: no per-rank counts make its channels' cut exact")
     cut.divide = chosen
     return cut
 
 
+def _weight_width(leaf: nn.Module) -> int | None:
+    """The width of a leaf's one-dimensional ``weight`` (a norm's), else None."""
+    weight = getattr(leaf, "weight", None)
+    return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
+
+
 class _Given(nn.Module):
-    """Stands in for a projection in the simulation: an inner row's whole output (what its all-reduce
-    gives), a column's rank share of its whole output."""
+    """Stands in for a module in the simulation: an inner row's whole output (what its all-reduce
+    gives), a column's or a norm's rank share of its whole output."""
 
     def __init__(self, output: torch.Tensor) -> None:
         super().__init__()
@@ -157,31 +247,39 @@ def _row_share(module: nn.Module, rank: int, tp: int) -> nn.Linear:
     return layer
 
 
-def _choose_counts(model, block: str, mixer: str, conv: str, cut: MixerCut, widths, tp: int, inputs):
+def _strip(path: str, prefix: str) -> str:
+    return path[len(prefix) :] if path.startswith(prefix) else ""
+
+
+def _choose_counts(model, block: str, mixer: str, cut: MixerCut, layout: Layout, widths, inputs):
     """The ints (relative to the block) to make per-rank: the smallest set of the candidates under which
     the simulated ranks' summed ``out_proj`` equals the whole mixer's (a chunk length that equals the
-    head count by chance stays whole); None where no set does."""
-    path, prefix = f"{block}.{mixer}" if mixer else block, f"{mixer}." if mixer else ""
-    given_paths = [f"{block}.{r}" for r in [*cut.cols, *cut.rows]]
-    calls = record_calls(model, [path, f"{block}.{cut.row}", *given_paths], inputs)
-    if path not in calls or f"{block}.{cut.row}" not in calls:
+    head count by chance stays whole); None where no set does. A norm whose group spans the ranks is
+    given its rank's share of the whole norm's output (its collective runs on ranks, in the proof)."""
+    path, prefix, parts = f"{block}.{mixer}" if mixer else block, f"{mixer}." if mixer else "", cut.parts
+    given_paths = [f"{block}.{r}" for r in [parts.col, *cut.rows, *(parts.norms if layout.spans_ranks else ())]]
+    calls = record_calls(model, [path, f"{block}.{parts.row}", *given_paths], inputs)
+    if path not in calls or f"{block}.{parts.row}" not in calls:
         return None
     module = model.get_submodule(path)
     args, kwargs, _ = calls[path]
-    expected = calls[f"{block}.{cut.row}"][2]
+    expected = calls[f"{block}.{parts.row}"][2]
+    # an inner row's all-reduce gives its whole output; a column's (a spanning norm's) is cut from the whole
+    given = {_strip(p, f"{block}.{prefix}"): calls[p][2] for p in given_paths if p in calls}
     local = MixerCut(
-        {c[len(prefix) :]: b for c, b in cut.cols.items()},
-        cut.row[len(prefix) :],
-        {r[len(prefix) :] for r in cut.rows},
-        {(p[len(prefix) :] if p != mixer else ""): t for p, t in cut.channels.items()},
+        MixerParts(
+            *(_strip(p, prefix) for p in (parts.conv, parts.col, parts.row)),
+            tuple(_strip(n, prefix) for n in parts.norms),
+        ),
+        {_strip(r, prefix) for r in cut.rows},
+        {_strip(p, prefix): t for p, t in cut.channels.items()},
     )
-    # an inner row's all-reduce gives its whole output; a column's output is sliced from the whole one's
-    given = {r[len(prefix) :]: calls[f"{block}.{r}"][2] for r in [*cut.cols, *cut.rows] if f"{block}.{r}" in calls}
+    conv = _strip(parts.conv, prefix)
     fixed = tuple(f"{conv}.{name}" for name in CONV_COUNTS)
-    names = [n for n in attribute_candidates(module, widths, tp) if not n.startswith(f"{conv}.")][:MAX_COUNTS]
+    names = [n for n in attribute_candidates(module, widths, layout.tp) if not n.startswith(f"{conv}.")][:MAX_COUNTS]
     for divide in (c for k in range(len(names) + 1) for c in itertools.combinations(names, k)):
         try:
-            got = _run_ranks(module, local, (*fixed, *divide), tp, args, kwargs, given)
+            got = _run_ranks(module, local, (*fixed, *divide), layout, args, kwargs, given)
         except Exception:  # noqa: BLE001 - counts the code cannot run with: a rejected candidate
             continue
         if got.shape == expected.shape and max_error(got, expected, ATOL, RTOL)[1]:
@@ -189,33 +287,37 @@ def _choose_counts(model, block: str, mixer: str, conv: str, cut: MixerCut, widt
     return None
 
 
-def _run_ranks(mixer: nn.Module, cut: MixerCut, divide, tp: int, args, kwargs, given) -> torch.Tensor:
-    """The sum over ``tp`` simulated ranks of the mixer's ``out_proj`` output (its bias added once)."""
-    total = None
-    for rank in range(tp):
+def _run_ranks(mixer: nn.Module, cut: MixerCut, divide, layout: Layout, args, kwargs, given) -> torch.Tensor:
+    """The sum over the ranks of the mixer's ``out_proj`` output (its bias added once)."""
+    total, parts = None, cut.parts
+    for rank in range(layout.tp):
         local = copy.deepcopy(mixer)
         for rel, tensors in cut.channels.items():
             leaf = local.get_submodule(rel) if rel else local
-            for name, (dim, blocks) in tensors.items():
+            for name, (dim, role) in tensors.items():
                 t = getattr(leaf, name)
-                part = slice_tensor(t.detach(), make_spec(t.shape, dim, rank, tp, blocks))
+                part = slice_tensor(t.detach(), layout.spec(t.shape, dim, role, rank))
                 setattr(leaf, name, nn.Parameter(part) if isinstance(t, nn.Parameter) else part)
-        for rel, blocks in cut.cols.items():
-            whole = given[rel]
-            local.set_submodule(rel, _Given(slice_tensor(whole, make_spec(whole.shape, -1, rank, tp, blocks))))
-        row = _row_share(local.get_submodule(cut.row), rank, tp)
+        whole = given[parts.col]
+        local.set_submodule(parts.col, _Given(slice_tensor(whole, layout.spec(whole.shape, -1, "written", rank))))
+        for norm in parts.norms if layout.spans_ranks else ():
+            whole = given[norm]
+            local.set_submodule(norm, _Given(slice_tensor(whole, layout.spec(whole.shape, -1, "inner", rank))))
+        row = _row_share(local.get_submodule(parts.row), rank, layout.tp)
         captured: list[torch.Tensor] = []
         row.register_forward_hook(lambda _m, _a, out, into=captured: into.append(out))
-        local.set_submodule(cut.row, row)
+        local.set_submodule(parts.row, row)
         for rel in cut.rows:
             local.set_submodule(rel, _Given(given[rel]))
-        apply_attributes(local, divide, tp)
+        for dotted, value in local_counts(local, divide, layout).items():
+            owner, _, name = dotted.rpartition(".")
+            setattr(local.get_submodule(owner), name, value)
         with torch.no_grad():
             local(*copy.deepcopy(args), **copy.deepcopy(kwargs))
         if len(captured) != 1:
             raise RuntimeError(f"out_proj ran {len(captured)} times")
         total = captured[0] if total is None else total + captured[0]
-    bias = mixer.get_submodule(cut.row).bias
+    bias = mixer.get_submodule(parts.row).bias
     return total if bias is None else total + bias.detach()
 
 
@@ -226,9 +328,22 @@ def cut_mixers(model: nn.Module, block: str, reads, leaf_reads, tp: int, inputs,
     found = {}
     for mixer, conv in mixers(model.get_submodule(block)).items():
         if any(col.startswith(f"{mixer}.") for col in decided):
-            found[mixer] = MixerCut({}, "")  # nothing to add
+            found[mixer] = MixerCut(None)  # nothing to add
             continue
         cut = mixer_cut(model, block, mixer, conv, reads, leaf_reads, tp, inputs)
         if cut is not None:
             found[mixer] = cut
+    return found
+
+
+def layouts_in(block: nn.Module, mixers_: dict[str, MixerParts], tp: int) -> dict[str, Layout]:
+    """``{mixer: its Layout}`` read off the mixers of the rule that ``block`` holds (at its own sizes)."""
+    found = {}
+    for mixer, parts in mixers_.items():
+        modules = dict(block.named_modules())
+        if all(p in modules for p in (mixer, parts.conv, parts.col, parts.row)):
+            layout = layout_of(modules[mixer], *(modules[p] for p in (parts.conv, parts.col, parts.row)), tp)
+            if not isinstance(layout, Layout):
+                raise ValueError(f"{type(modules[mixer]).__name__} at {mixer}: {layout or 'no Mamba layout'}")
+            found[mixer] = layout
     return found

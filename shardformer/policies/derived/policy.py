@@ -14,12 +14,13 @@ import logging
 
 import torch.nn as nn
 
-from shardformer.core.refusal import HEADS, POLICY, fix_of
+from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, fix_of
 from shardformer.policies.derived.attributes import per_rank_attributes
 from shardformer.policies.derived.blocks import is_projection, out_width, pooling_heads, repeated_blocks, value_at
 from shardformer.policies.derived.column_cuts import cut_options
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
 from shardformer.policies.derived.heads import head_inputs_layer
+from shardformer.policies.derived.mixers import FUSED_PACKAGE, MIXER_COLUMN, fused_kernels, layouts_in, local_counts
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
 from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.widths import local_widths_layer
@@ -29,7 +30,7 @@ from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_p
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import Linear1D_RowIntoParallel, is_conv1d
 from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
-from shardformer.tensor_parallel.layers.norm import SplitLayerNorm
+from shardformer.tensor_parallel.layers.norm import SplitLayerNorm, norm_over_ranks_layer
 from shardformer.tensor_parallel.layers.per_head import HeadModules
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Policy, Row_Layer
@@ -68,6 +69,16 @@ class DerivedPolicy(TpPlanPolicy):
                 + "\n(the rest of the model would shard, but shardformer does not leave projections whole "
                 "without a word)",
                 *(fix_of(r) for r in derivation.refused),
+            )
+        fused = fused_kernels(model) if any(rule.mixers for rule in derivation.rules.values()) else None
+        if fused:
+            raise NotDerivableError(
+                f"{type(model).__name__}'s state-space mixers would not run as cut: {fused}, and those kernels read "
+                f"out_proj's and x_proj's whole weights themselves, which no cut layer stands in for (the sharded "
+                f"model would be silently wrong)",
+                f"shard it where the {FUSED_PACKAGE} package is not installed and without use_kernels=True "
+                f"(transformers then runs its PyTorch path, which the cut follows)",
+                DATA_PARALLEL,
             )
         modules = dict(model.named_modules())
         layers: dict[str, Layer] = {}
@@ -195,10 +206,15 @@ class DerivedPolicy(TpPlanPolicy):
             raise NotDerivableError(
                 f"{block} ({type(modules[block]).__name__}) has projections the tiny copy did not run: {unknown}"
             )
+        layouts = layouts_in(modules[block], rule.mixers, tp)  # state-space mixers: widths at this model's sizes
         for rel, spec in rule.cols.items():  # widths are checked by the sharder's plan
             if rel in inside:
                 module = inside[rel]
-                options = cut_options(spec, out_width(module), config)
+                if spec == MIXER_COLUMN:
+                    blocks, units = layouts[next(m for m, p in rule.mixers.items() if p.col == rel)].cuts["written"]
+                    options = {"n_cast": blocks, **({"head_width": units} if units else {})}
+                else:
+                    options = cut_options(spec, out_width(module), config)
                 layers[f"{block}.{rel}"] = Col_Layer(f"{block}.{rel}", reversed=is_conv1d(module), **options)
         for rel in rule.rows:
             if rel in inside and rel in rule.row_blocks:  # input features in blocks, each cut on its own
@@ -215,9 +231,14 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, tensors in rule.channels.items():  # a mixer's tensors its code reads itself, cut with its channels
             if f"{block}.{rel}" not in modules:  # a block of the class without this mixer (a hybrid's attention)
                 continue
+            layout = layouts[max((m for m in layouts if rel == m or rel.startswith(f"{m}.") or not m), key=len)]
             dims = {name: dim for name, (dim, _) in tensors.items()}
-            blocks = {name: fused for name, (_, fused) in tensors.items()}
-            layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims, blocks))
+            blocks = {name: layout.cuts[role][0] for name, (_, role) in tensors.items()}
+            units = {name: layout.cuts[role][1] for name, (_, role) in tensors.items()}
+            layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims, blocks, units))
+        for mixer, layout in layouts.items():  # one group over the ranks: its gated norm's variance spans them
+            for norm in rule.mixers[mixer].norms if layout.spans_ranks else ():
+                _add_layer(layers, f"{block}.{norm}", norm_over_ranks_layer(layout.width("inner")))
         for rel in rule.split_norms:
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=SplitLayerNorm)
@@ -240,6 +261,10 @@ class DerivedPolicy(TpPlanPolicy):
             _add_layer(layers, path, local_widths_layer(out_width(modules[f"{block}.{row}"])))
         # a class's blocks differ inside (T5's encoder and decoder blocks): attributes of modules it has
         divide = {d for d in rule.divide if not _owner(d) or f"{block}.{_owner(d)}" in modules}
+        for mixer, layout in layouts.items():  # a mixer's counts: its widths' shares (B and C may be whole)
+            counts = {d for d in divide if d.startswith(f"{mixer}.")}
+            attrs.update({f"{block}.{k}": v for k, v in local_counts(modules[block], counts, layout).items()})
+            divide -= counts
         attrs.update({f"{block}.{k}": v for k, v in per_rank_attributes(modules[block], divide, tp).items()})
         # the proven rule says which counts become per-rank; the others of the modules owning cut
         # columns keep their value, named so the sharder's check for forgotten counts passes them

@@ -6,6 +6,8 @@ here is refused (by name, with the module path) before anything is cut.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -14,7 +16,7 @@ from shardformer.core.refusal import Refusal
 from shardformer.tensor_parallel.layers import Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.tensor_parallel.layers.attention_dropout import AttentionDropoutRng  # noqa: F401 - a style's layer
 from shardformer.tensor_parallel.policy import Col_Layer, Layer, Row_Layer
-from shardformer.tensor_parallel.regions import copy_to_parallel
+from shardformer.tensor_parallel.regions import copy_to_parallel, sum_replicas
 from shardformer.tensor_parallel.slicer import Slicer, make_shard_param, slice_tensor
 
 
@@ -168,21 +170,25 @@ class HeadParams:
     names: tuple[str, ...] = ()
     dims: tuple[int, ...] = ()  # the heads' dimension of each (0 when not given)
     blocks: tuple[int | tuple[int, ...], ...] = ()  # fused blocks along it, each cut on its own (1 when not given)
+    units: tuple[tuple[int, ...] | None, ...] = ()  # the blocks' unit widths: fewer units than ranks replicated
 
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
         slicer = Slicer(group_rank(process_group), group_size(process_group))
         buffers = dict(module.named_buffers(recurse=False))
         dims, blocks = cls.dims or (0,) * len(cls.names), cls.blocks or (1,) * len(cls.names)
-        for name, dim, n_cast in zip(cls.names, dims, blocks):
+        for name, dim, n_cast, units in zip(cls.names, dims, blocks, cls.units or (None,) * len(cls.names)):
             param = getattr(module, name)
-            spec = slicer.spec(param.shape, dim, n_cast)
+            spec = slicer.spec(param.shape, dim, n_cast, head_width=units)
             if name in buffers:  # a buffer beside the parameters (timm's zero k_bias) stays a buffer
                 buffer = slice_tensor(param, spec)
                 buffer.shard_spec = spec  # a persistent one is gathered whole on export
                 setattr(module, name, buffer)
-            else:
-                setattr(module, name, make_shard_param(param, spec))
+                continue
+            param = make_shard_param(param, spec)
+            if spec.splits and param.requires_grad:  # replicas (a mixer's one group of B and C) sum their gradients
+                param.register_hook(functools.partial(sum_replicas, spec=spec, group=process_group))
+            setattr(module, name, param)
         return module
 
     @classmethod
@@ -201,8 +207,11 @@ def params_layer(path: str, module: nn.Module, named: dict[str, str]) -> type[He
     return type("HeadParams", (HeadParams,), {"names": tuple(named)})
 
 
-def head_params_layer(dims: dict[str, int], blocks: dict[str, int | tuple[int, ...]] | None = None) -> type[HeadParams]:
+def head_params_layer(dims: dict[str, int], blocks: dict[str, int | tuple[int, ...]] | None = None, units=None):
     """A HeadParams class cutting each parameter named in ``dims`` along its heads' dimension (in the
-    fused ``blocks`` given for it: a Mamba-2 convolution's ``[x | B | C]`` channels)."""
+    fused ``blocks`` given for it: a Mamba-2 convolution's ``[x | B | C]`` channels; of the ``units``
+    given for it, ``{name: widths}``: fewer groups than ranks are held whole by every rank)."""
     fused = tuple((blocks or {}).get(name, 1) for name in dims)
-    return type("HeadParams", (HeadParams,), {"names": tuple(dims), "dims": tuple(dims.values()), "blocks": fused})
+    widths = tuple((units or {}).get(name) for name in dims)
+    attrs = {"names": tuple(dims), "dims": tuple(dims.values()), "blocks": fused, "units": widths}
+    return type("HeadParams", (HeadParams,), attrs)

@@ -178,7 +178,7 @@ class Linear1D_Col(nn.Module):
         input_copy: SharedInputCopy | None = None,
         overlap_communication: bool = True,
         sequence_parallel=None,
-        head_width: int | None = None,
+        head_width: int | tuple[int, ...] | None = None,
         **_,
     ) -> Linear1D_Col:
         weight, bias, reversed = _native_parts(module)
