@@ -22,6 +22,7 @@ from shardformer.api import shard_before_split
 from shardformer.context_parallel import context_parallel_stage_forward
 from shardformer.core import comm
 from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divides
+from shardformer.core.example_inputs import give_example_inputs
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
 from shardformer.core.position_limit import check_positions, position_tables
 from shardformer.core.record import sharding_of
@@ -113,6 +114,7 @@ class ParallelEngine:
         _, dp, _ = resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
         check_expert_divides(cfg.ep, dp, "EngineConfig.ep")
         check_split_statistics(model, "ParallelEngine", {"dp": dp, "cp": cfg.cp})  # each rank sees its part only
+        give_example_inputs(model, cfg.example_inputs)  # the pipeline split's copies read them too
         with studied_once():  # one study of the model: the pipeline split, the checks and the cut read it
             # the route proofs run on the first rank, every rank takes its verdicts (a mesh passed in may be a subset)
             with verdicts_from_first_rank() if mesh is None else contextlib.nullcontext():
