@@ -4,7 +4,8 @@ steps): data parallelism needs no cut, so ALBERT (one layer's weights applied at
 and a timm ResNet (convolutions; its BatchNorms frozen, refused while they track running statistics) train
 at dp=2 under ZeRO-1 and ZeRO-3, kept whole (route "none: tp=1"), buffers equal too.
 ELECTRA with an embedding narrower than its hidden size splits at pp=2: its ``embeddings_project``, between
-the embeddings and the layers, sits on the first stage. One spawn."""
+the embeddings and the layers, sits on the first stage; so do wav2vec2's feature encoder and projection. ALBERT
+at pp=2 is refused naming its shared layer. One spawn."""
 
 import copy
 
@@ -13,6 +14,7 @@ import torch
 import transformers as tf
 
 from shardformer import EngineConfig, ParallelEngine
+from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import tiny_config
 from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.policies.routes import NONE
@@ -119,6 +121,16 @@ def check_electra_narrow_embedding_pp2():
     assert "electra.embeddings_project" in engine.pipeline.first, engine.pipeline.first
 
 
+def check_wav2vec2_feature_encoder_pp2():
+    """wav2vec2 for CTC at pp=2 (two micro-batches): its feature encoder, projection and positional convolution
+    (weight-normed) run before the layers, on the first stage; the second stage stands in zeros shaped as they
+    return (a tuple from the projection), found on the meta device."""
+    pair = load_pair(tf.Wav2Vec2ForCTC, tiny_config(tf.Wav2Vec2Config))
+    data = [make_inputs(pair[0], seed, batch=common.BATCH) for seed in range(STEPS)]
+    engine = _check("wav2vec2", 1, 2, 1, "1f1b", 2, None, model_pair=pair, data=data, optimizer=common.adamw)
+    assert engine.pipeline.first[:2] == ("wav2vec2.feature_extractor", "wav2vec2.feature_projection"), engine.pipeline
+
+
 CHECKS = [
     check_albert_dp2_zero1,
     check_albert_dp2_zero3,
@@ -126,6 +138,7 @@ CHECKS = [
     check_resnet_dp2_zero3,
     check_resnet_tracking_statistics_at_dp2_is_refused,
     check_electra_narrow_embedding_pp2,
+    check_wav2vec2_feature_encoder_pp2,
 ]
 test_engine_uncut_2_ranks = check_table(CHECKS, 2)
 
@@ -138,6 +151,17 @@ def test_a_projection_between_embeddings_and_layers_is_on_the_first_stage(widths
     )
     spec = pipeline_spec_for(tf.ElectraForSequenceClassification(config))
     assert spec.first == ("electra.embeddings", "electra.embeddings_project"), spec.first
+
+
+def test_albert_at_pp2_is_refused_naming_its_shared_layer():
+    """ALBERT applies one layer group at every depth: no stack of layers to divide, said so by name."""
+    with pytest.raises(NotImplementedError) as refused:
+        pipeline_spec_for(tf.AlbertForMaskedLM(tiny_config(tf.AlbertConfig)))
+    message = str(refused.value)
+    assert message.startswith(
+        "AlbertForMaskedLM applies one layer's weights at every depth (albert.encoder.albert_layer_groups.0 runs"
+    ), message
+    assert "use pipeline_parallel_size=1: data parallelism and ZeRO" in message, message
 
 
 def test_a_module_the_tiny_copy_lacks_is_named_not_left_to_the_user(monkeypatch):
