@@ -4,8 +4,8 @@ steps): data parallelism needs no cut, so ALBERT (one layer's weights applied at
 and a timm ResNet (convolutions; its BatchNorms frozen, refused while they track running statistics) train
 at dp=2 under ZeRO-1 and ZeRO-3, kept whole (route "none: tp=1"), buffers equal too.
 ELECTRA with an embedding narrower than its hidden size splits at pp=2: its ``embeddings_project``, between
-the embeddings and the layers, sits on the first stage; so do wav2vec2's feature encoder and projection. ALBERT
-at pp=2 is refused naming its shared layer. One spawn."""
+the embeddings and the layers, sits on the first stage; so do wav2vec2's feature encoder and projection (ALBERT at
+pp=2 is refused naming its shared layer: tests/pipeline/test_engine_anatomy.py). One spawn."""
 
 import copy
 
@@ -151,17 +151,6 @@ def test_a_projection_between_embeddings_and_layers_is_on_the_first_stage(widths
     )
     spec = pipeline_spec_for(tf.ElectraForSequenceClassification(config))
     assert spec.first == ("electra.embeddings", "electra.embeddings_project"), spec.first
-
-
-def test_albert_at_pp2_is_refused_naming_its_shared_layer():
-    """ALBERT applies one layer group at every depth: no stack of layers to divide, said so by name."""
-    with pytest.raises(NotImplementedError) as refused:
-        pipeline_spec_for(tf.AlbertForMaskedLM(tiny_config(tf.AlbertConfig)))
-    message = str(refused.value)
-    assert message.startswith(
-        "AlbertForMaskedLM applies one layer's weights at every depth (albert.encoder.albert_layer_groups.0 runs"
-    ), message
-    assert "use pipeline_parallel_size=1: data parallelism and ZeRO" in message, message
 
 
 def test_a_module_the_tiny_copy_lacks_is_named_not_left_to_the_user(monkeypatch):
