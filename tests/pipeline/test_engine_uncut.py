@@ -5,7 +5,8 @@ and a timm ResNet (convolutions; its BatchNorms frozen, refused while they track
 at dp=2 under ZeRO-1 and ZeRO-3, kept whole (route "none: tp=1"), buffers equal too.
 ELECTRA with an embedding narrower than its hidden size splits at pp=2: its ``embeddings_project``, between
 the embeddings and the layers, sits on the first stage; so do wav2vec2's feature encoder and projection (ALBERT at
-pp=2 is refused naming its shared layer: tests/pipeline/test_engine_anatomy.py). One spawn."""
+pp=2 is refused naming its shared layer: tests/pipeline/test_engine_anatomy.py). A bare nn.TransformerEncoder
+trains at tp=2 given EngineConfig(example_inputs=...). One spawn."""
 
 import copy
 
@@ -131,6 +132,38 @@ def check_wav2vec2_feature_encoder_pp2():
     assert engine.pipeline.first[:2] == ("wav2vec2.feature_extractor", "wav2vec2.feature_projection"), engine.pipeline
 
 
+def check_bare_encoder_tp2_with_example_inputs():
+    """A bare nn.TransformerEncoder (refused without inputs) at tp=2 through EngineConfig(example_inputs=...):
+    proven on them; two SGD steps equal the unsharded encoder's (losses, every weight; SGD: the key bias's gradient is
+    zero in theory, and Adam would turn its rounding noise into steps)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    data = [{"src": torch.randn(common.BATCH, 6, 32, generator=g), "y": torch.randn(common.BATCH, 6, 32, generator=g)}]
+    data.append({k: v.flip(0) for k, v in data[0].items()})
+
+    def loss_fn(out, batch):
+        return torch.nn.functional.mse_loss(out, batch["y"])
+
+    config = EngineConfig(tp=2, example_inputs={"src": data[0]["src"][:2]})
+    engine = ParallelEngine(model, common.sgd, config, loss_fn=loss_fn)
+    assert engine.model.shardformer.route == "derived" and engine.model.shardformer.proven
+    got = [engine.train_step(batch) for batch in data]
+    optimizer, expected = common.sgd(ref.parameters()), []
+    for batch in data:
+        optimizer.zero_grad()
+        loss = loss_fn(ref(batch["src"]), batch)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert_close(torch.tensor(got), torch.tensor(expected), what="bare encoder tp=2: losses")
+    weights, _ = common.gathered_weights(engine.model, engine.mesh.tp_group)
+    for name, value in ref.named_parameters():
+        assert_close(weights[name], value.detach(), what=f"bare encoder tp=2: {name} after {STEPS} steps")
+
+
 CHECKS = [
     check_albert_dp2_zero1,
     check_albert_dp2_zero3,
@@ -139,6 +172,7 @@ CHECKS = [
     check_resnet_tracking_statistics_at_dp2_is_refused,
     check_electra_narrow_embedding_pp2,
     check_wav2vec2_feature_encoder_pp2,
+    check_bare_encoder_tp2_with_example_inputs,
 ]
 test_engine_uncut_2_ranks = check_table(CHECKS, 2)
 
