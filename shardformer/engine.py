@@ -43,7 +43,7 @@ from shardformer.pipeline.whole_model import forward_for_batch, whole_model_forw
 from shardformer.policies.anatomy import layer_stack
 from shardformer.policies.pipeline_proof import verdicts_from_first_rank
 from shardformer.study import pipeline_spec
-from shardformer.tensor_parallel.recompute import checkpoint_activations
+from shardformer.tensor_parallel.recompute import checkpoint_activations, recomputed_modules
 
 logger = logging.getLogger("shardformer")
 
@@ -123,8 +123,8 @@ class ParallelEngine:
             if cfg.activation_checkpointing:
                 stack = layer_stack(model)
                 self._checkpoint_activations(model, stack, check_only=True)  # before any collective
-                recomputed = self.pipeline.layers if self.pipeline is not None else stack
-                check_recomputed_statistics(model, "ParallelEngine", recomputed or "")
+                recomputed = recomputed_modules(model, self.pipeline.layers if self.pipeline is not None else stack)
+                check_recomputed_statistics(model, "ParallelEngine", recomputed)
             _check_mesh(mesh, cfg)
             self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
             self.model = shard_before_split(model, cfg.shard_config(self.mesh), policy, self.pipeline)  # split below

@@ -10,8 +10,13 @@ import transformers as tf
 
 from shardformer import EngineConfig, ParallelEngine
 from shardformer.core.tiny import tiny_config
-from shardformer.data_parallel.running_stats import check_split_statistics, tracking_modules
+from shardformer.data_parallel.running_stats import (
+    check_recomputed_statistics,
+    check_split_statistics,
+    tracking_modules,
+)
 from shardformer.pipeline import PipelineSpec
+from shardformer.tensor_parallel.recompute import recomputed_modules
 from tests.helpers import assert_close
 from tests.pipeline.common import reference_run
 
@@ -112,6 +117,20 @@ def test_running_statistics_recomputed_by_activation_checkpointing_are_refused()
         ParallelEngine(
             _ConvNet(), _sgd, EngineConfig(activation_checkpointing=True), pipeline=spec, loss_fn=_class_loss
         )
+
+
+def test_a_transformers_model_recomputes_what_carries_its_checkpointing_flag():
+    """transformers recomputes its checkpointing layers (not the model that carries the flag too): a norm
+    inside a layer is recomputed, one in the head is not."""
+    bert = tf.BertForSequenceClassification(tiny_config(tf.BertConfig))
+    assert recomputed_modules(bert, None) == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    bert.classifier = torch.nn.Sequential(torch.nn.BatchNorm1d(bert.config.hidden_size), bert.classifier)
+    check_recomputed_statistics(bert, "ParallelEngine", recomputed_modules(bert, None))  # the head: run once
+    bert.bert.encoder.layer[0].output.dense = torch.nn.Sequential(
+        bert.bert.encoder.layer[0].output.dense, torch.nn.BatchNorm1d(8)
+    )
+    with pytest.raises(ValueError, match=r"1 BatchNorm1d module \(bert.encoder.layer.0.output.dense.1\)"):
+        check_recomputed_statistics(bert, "ParallelEngine", recomputed_modules(bert, None))
 
 
 def test_norms_without_running_statistics_are_not_counted():

@@ -78,7 +78,9 @@ def key(model: nn.Module) -> tuple:
     """What the example inputs add to the instance's key: each one's name, shape, dtype and sum."""
     given = getattr(model, ATTRIBUTE, None) or {}
     return tuple(
-        (k, tuple(v.shape), str(v.dtype), float(v.double().sum())) if torch.is_tensor(v) else (k, repr(v))
+        (k, tuple(v.shape), str(v.dtype), None if v.is_meta else float(v.double().sum()))
+        if torch.is_tensor(v)
+        else (k, repr(v))
         for k, v in sorted(given.items())
     )
 

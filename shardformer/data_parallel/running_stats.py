@@ -24,16 +24,13 @@ FREEZE = (
 )
 
 
-def tracking_modules(model: nn.Module, under: str | None = None) -> list[str]:
-    """The names of the modules (below path ``under``, if given) that update running statistics when ``model``
-    trains, judged after ``model.train()`` as a training step runs it (a ``train`` that keeps a norm in eval is
+def tracking_modules(model: nn.Module) -> list[str]:
+    """The names of the modules that update running statistics when ``model`` trains, judged after ``model.train()`` as a training step runs it (a ``train`` that keeps a norm in eval is
     respected); every module's training flag is put back. SyncBatchNorm counts as the user's choice."""
     flags = {module: module.training for module in model.modules()}
     try:
         model.train()
-        root = model.get_submodule(under or "")
-        prefix = f"{under}." if under else ""
-        return [prefix + name for name, module in root.named_modules() if _updates_statistics(module)]
+        return [name for name, module in model.named_modules() if _updates_statistics(module)]
     finally:
         for module, flag in flags.items():
             module.training = flag
@@ -62,15 +59,20 @@ def check_split_statistics(model: nn.Module, who: str, splits: dict[str, int]) -
         )
 
 
-def check_recomputed_statistics(model: nn.Module, who: str, layers: str) -> None:
-    """Refuses a norm that updates running statistics in training inside ``layers`` (a path; "" for the whole
-    model), the layers activation checkpointing recomputes: their forward runs again in the backward."""
-    names = tracking_modules(model, layers)
-    if names:
+def check_recomputed_statistics(model: nn.Module, who: str, recomputed: list[str]) -> None:
+    """Refuses a norm that updates running statistics in training inside the modules at paths ``recomputed``
+    ("" for the whole model), those activation checkpointing recomputes: their forward runs again in the backward."""
+    inside = [
+        name
+        for name in tracking_modules(model)
+        if any(not path or name == path or name.startswith(path + ".") for path in recomputed)
+    ]
+    if inside:
+        shown = ", ".join(recomputed[:3]) + (f" and {len(recomputed) - 3} more" if len(recomputed) > 3 else "")
         raise ValueError(
-            f"{who} with activation checkpointing: {_listed(model, names)} update running statistics in training "
-            f"mode inside the recomputed layers ({layers or 'the whole model'}), and the recomputation would "
-            f"update them a second time; turn activation_checkpointing off, or {FREEZE}"
+            f"{who} with activation checkpointing: {_listed(model, inside)} update running statistics in training "
+            f"mode inside the recomputed modules ({shown or 'the whole model'}), and the recomputation would "
+            f"update them a second time; turn activation checkpointing off, or {FREEZE}"
         )
 
 

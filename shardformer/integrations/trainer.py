@@ -45,6 +45,7 @@ from shardformer.data_parallel.running_stats import check_recomputed_statistics,
 from shardformer.expert_parallel.experts import is_expert_param
 from shardformer.tensor_parallel.layers import VocabParallelLMHead1D
 from shardformer.tensor_parallel.lm_head import gathered_logits
+from shardformer.tensor_parallel.recompute import recomputed_modules
 from shardformer.tensor_parallel.regions import gather_from_parallel
 
 _OPTIMIZER = "shardformer-optimizer-rank{}-of-{}.pt"  # each rank's optimizer state holds its own slices
@@ -84,7 +85,7 @@ class ShardedTrainer(Trainer):
         check_split_statistics(root, "ShardedTrainer", {"dp": self._layout.dp})  # each dp rank sees its part only
         super().__init__(model, args, *rest, **kwargs)
         if self.args.gradient_checkpointing:  # transformers' checkpointing recomputes the layers it wraps
-            check_recomputed_statistics(root, "ShardedTrainer", "")
+            check_recomputed_statistics(root, "ShardedTrainer", recomputed_modules(root, None))
         for option in ("fsdp", "deepspeed", "parallelism_config"):
             if getattr(self.args, option, None):
                 raise ValueError(f"ShardedTrainer does its own parallelism; drop TrainingArguments.{option}")

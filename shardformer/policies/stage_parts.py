@@ -80,7 +80,7 @@ class SkeletonZeros(StandIn):
             try:
                 with torch.no_grad():
                     shapes = skeleton(*_on_meta(args), **_on_meta(kwargs))
-                return _zeros(shapes, self.like.device)
+                return _zeros(shapes, self.like)
             except Exception:  # noqa: BLE001 - an operation without a meta kernel: the shapes the anatomy read
                 pass
         return self.fallback(*args, **kwargs)
@@ -96,11 +96,13 @@ def _on_meta(value):
     return value
 
 
-def _zeros(value, device: torch.device):
+def _zeros(value, like: torch.Tensor):
+    """Zeros shaped as ``value`` on ``like``'s device; floating ones in ``like``'s dtype (the skeleton kept the
+    dtype the model had when split, the stage may compute in another, as the received hidden states are)."""
     if torch.is_tensor(value):
-        return torch.zeros(value.shape, dtype=value.dtype, device=device)
+        return like.new_zeros(value.shape, dtype=like.dtype if value.is_floating_point() else value.dtype)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
-        return type(value)(_zeros(v, device) for v in value)
+        return type(value)(_zeros(v, like) for v in value)
     raise TypeError(f"a stand-in cannot rebuild a {type(value).__name__} of zeros")  # the fallback answers
