@@ -9,6 +9,7 @@ import dataclasses
 import torch.nn as nn
 
 from shardformer.core.config import ShardConfig
+from shardformer.core.example_inputs import give_example_inputs
 from shardformer.core.instance import guard_attention
 from shardformer.core.record import attach, sharding_of
 from shardformer.core.study_memo import studied_once
@@ -63,6 +64,7 @@ def shard_before_split(
         raise TypeError(f"shard_before_split at pipeline_parallel_size > 1 needs the PipelineSpec, not {pipeline!r}")
     warn_if_untested()  # once per process: a transformers or timm release the suite did not run on
     target = _wrapped_model(model)
+    give_example_inputs(target, shard_config.example_inputs)  # before the study: its copies and key carry them
     adapters = SeenThrough.unwrap(target)  # PEFT's LoRA layers: the policy sees the layers they wrap
     try:
         with studied_once():  # the instance is studied once: its tiny copy, derivation, proofs and anatomy

@@ -22,6 +22,7 @@ from shardformer.api import shard_before_split
 from shardformer.context_parallel import context_parallel_stage_forward
 from shardformer.core import comm
 from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divides
+from shardformer.core.example_inputs import give_example_inputs
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
 from shardformer.core.position_limit import check_positions, position_tables
 from shardformer.core.record import sharding_of
@@ -29,6 +30,7 @@ from shardformer.core.step_agreement import agreed_loss
 from shardformer.core.study_memo import studied_once
 from shardformer.data_parallel.build import build_optimizer, check_factory
 from shardformer.data_parallel.fsdp import fully_shard_model, local_numel, sync_in_last_backward, through_root
+from shardformer.data_parallel.running_stats import check_recomputed_statistics, check_split_statistics
 from shardformer.expert_parallel.optimizer import ExpertParallelOptimizer
 from shardformer.pipeline.micro_batches import inference_micro_batches, split_batch
 from shardformer.pipeline.placement import check_placement, keep_stage_or_chunks
@@ -41,7 +43,7 @@ from shardformer.pipeline.whole_model import forward_for_batch, whole_model_forw
 from shardformer.policies.anatomy import layer_stack
 from shardformer.policies.pipeline_proof import verdicts_from_first_rank
 from shardformer.study import pipeline_spec
-from shardformer.tensor_parallel.recompute import checkpoint_activations
+from shardformer.tensor_parallel.recompute import checkpoint_activations, recomputed_modules
 
 logger = logging.getLogger("shardformer")
 
@@ -111,13 +113,18 @@ class ParallelEngine:
         world = dist.get_world_size() if dist.is_initialized() else 1
         _, dp, _ = resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
         check_expert_divides(cfg.ep, dp, "EngineConfig.ep")
+        check_split_statistics(model, "ParallelEngine", {"dp": dp, "cp": cfg.cp})  # each rank sees its part only
+        give_example_inputs(model, cfg.example_inputs)  # the pipeline split's copies read them too
         with studied_once():  # one study of the model: the pipeline split, the checks and the cut read it
             # the route proofs run on the first rank, every rank takes its verdicts (a mesh passed in may be a subset)
             with verdicts_from_first_rank() if mesh is None else contextlib.nullcontext():
                 self.pipeline = pipeline_spec(model, cfg.pp, pipeline)
             num_chunks, chunk_counts = check_placement(self.pipeline, model, cfg)
             if cfg.activation_checkpointing:
-                self._checkpoint_activations(model, layer_stack(model), check_only=True)  # before any collective
+                stack = layer_stack(model)
+                self._checkpoint_activations(model, stack, check_only=True)  # before any collective
+                recomputed = recomputed_modules(model, self.pipeline.layers if self.pipeline is not None else stack)
+                check_recomputed_statistics(model, "ParallelEngine", recomputed)
             _check_mesh(mesh, cfg)
             self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
             self.model = shard_before_split(model, cfg.shard_config(self.mesh), policy, self.pipeline)  # split below

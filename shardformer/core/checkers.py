@@ -52,3 +52,17 @@ def check_fields(config: Any, checker: Callable[[str, Any], Any], names: tuple[s
     """Run ``checker`` on each named field, naming it ``<Class>.<field>`` in the message."""
     for name in names:
         checker(f"{type(config).__name__}.{name}", getattr(config, name))
+
+
+def check_example_inputs(name: str, value: Any) -> Any:
+    """None, a dict of keyword arguments (str keys) or a tuple / list of positional ones."""
+    if (
+        value is None
+        or isinstance(value, (tuple, list))
+        or (isinstance(value, dict) and all(isinstance(k, str) for k in value))
+    ):
+        return value
+    raise TypeError(
+        f"{name}={type(value).__name__} must be a dict of the forward's keyword arguments "
+        f"({{'src': torch.randn(4, 10, 64)}}) or a tuple of its positional ones ((torch.randn(4, 10, 64),))"
+    )

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from shardformer.core.checkers import (
     check_bool,
     check_choice,
+    check_example_inputs,
     check_fields,
     check_int,
     check_positive_int,
@@ -145,6 +146,7 @@ class ShardConfig:
     expert_parallel_size: int = 1
     forward_agreement_every: int = 1
     mesh: Any = field(default=None, repr=False)
+    example_inputs: Any = field(default=None, repr=False, compare=False)  # tensors: never compared as a setting
 
     def __post_init__(self) -> None:
         group = self.tensor_parallel_process_group
@@ -171,6 +173,7 @@ class ShardConfig:
         check_int("ShardConfig.seed", self.seed)
         check_choice("ShardConfig.context_parallel_mode", self.context_parallel_mode, CP_MODES)
         refuse_without_mesh(self)
+        check_example_inputs("ShardConfig.example_inputs", self.example_inputs)
 
     def check_world(self) -> None:
         """Raise (before any collective) if the sizes do not fit the processes that were started."""
@@ -222,6 +225,7 @@ SHARD_FIELDS = (
     "sequence_parallel_regather",
     "overlap_communication",
     "prove",
+    "example_inputs",
 )
 
 
@@ -261,7 +265,7 @@ class EngineConfig:
     micro-batch, as soon as its gradients are final (exact either way; False: all at the step).
     overlap_p2p: the "p2p" schedules post each receive one schedule step early, so activations and
     gradients arrive while the stage computes (every micro-batch of a step must give one shape).
-    gather_output, vocab_pad_multiple, overlap_communication, prove: as ShardConfig's (same defaults);
+    gather_output, vocab_pad_multiple, overlap_communication, prove, example_inputs: as ShardConfig's (same defaults);
     `shard_config` passes them, with the sizes, seed and sequence_parallel, to the model's sharding.
     """
 
@@ -292,10 +296,12 @@ class EngineConfig:
     vocab_pad_multiple: int = ShardConfig.vocab_pad_multiple
     overlap_communication: bool = ShardConfig.overlap_communication
     prove: bool = ShardConfig.prove
+    example_inputs: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_fields(self, check_positive_int, ("tp", "pp", "cp", "ep", "num_microbatches", "vocab_pad_multiple"))
         check_positive_int("EngineConfig.dp", self.dp, optional=True)
+        check_example_inputs("EngineConfig.example_inputs", self.example_inputs)
         for name, choices in CHOICES.items():
             check_choice(f"EngineConfig.{name}", getattr(self, name), choices)
         check_fields(

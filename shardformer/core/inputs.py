@@ -8,6 +8,7 @@ import inspect
 import torch
 import torch.nn as nn
 
+from shardformer.core import example_inputs
 from shardformer.core.audio_inputs import audio_inputs, ctc_labels
 from shardformer.core.refusal import POLICY, Refusal
 from shardformer.core.side_inputs import side_inputs
@@ -18,7 +19,11 @@ SEQ = 8  # tokens per sequence
 
 def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     """Random inputs for the model's main input (token ids, images, audio features; both towers of a
-    two-tower model; decoder ids of an encoder-decoder), with labels where the head's name says what they are."""
+    two-tower model; decoder ids of an encoder-decoder), with labels where the head's name says what they are;
+    the user's ``example_inputs`` where the model carries them (`shardformer.core.example_inputs`)."""
+    given = example_inputs.given_inputs(model, batch)
+    if given is not None:
+        return given
     g = torch.Generator().manual_seed(seed)
     config = getattr(model, "config", None)
     name = type(model).__name__
@@ -80,18 +85,22 @@ class NoInputsError(Refusal):
 
 
 def _plain_inputs(model: nn.Module, params, batch: int, g: torch.Generator) -> dict:
-    """A plain module's inputs: token ids as its forward's first parameter, when it embeds tokens
-    (ids below every ``nn.Embedding``'s size, so any of them may read them) and every other parameter
-    has a default; else refused, naming what the recipe cannot supply."""
+    """A plain module's inputs, as its forward's first parameter: token ids when it embeds tokens (ids below
+    every ``nn.Embedding``'s size, so any of them may read them), else float features when its first weights
+    are a Linear's or a convolution's (`shardformer.core.example_inputs.inferred_features`); every other
+    parameter must have a default. Else refused, naming ``example_inputs``."""
     name = type(model).__name__
     first = next(iter(params), None)
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    if first is None or not sizes:
+    features = None if sizes else example_inputs.inferred_features(model, batch, SEQ, g)
+    if first is None or not sizes and features is None:
         raise NoInputsError(
             f"shardformer cannot make inputs for {name} (a plain module: no transformers config, not a timm "
-            f"model, no nn.Embedding to give token ids as its first forward argument{f' {first!r}' if first else ''}), "
-            f"so no copy of it can be run to derive or prove a cut",
-            f"give {name} an nn.Embedding that reads its first forward argument, or {POLICY}",
+            f"model, no nn.Embedding to give token ids and no first Linear or convolution to give features as its "
+            f"first forward argument{f' {first!r}' if first else ''}), so no copy of it can be run to derive or "
+            f"prove a cut",
+            example_inputs.pass_them([first or "x"]),
+            POLICY,
         )
     required = [
         p.name
@@ -103,11 +112,15 @@ def _plain_inputs(model: nn.Module, params, batch: int, g: torch.Generator) -> d
         example = ", ".join(f"{r}=None" for r in required)
         raise NoInputsError(
             f"shardformer cannot make inputs for {name}: the derived route runs a copy of it (two blocks per "
-            f"stack) to find and prove its cut, and the recipe gives a plain module token ids as its first "
-            f"argument {first!r} only; {name}.forward requires {named} as well",
+            f"stack) to find and prove its cut, and the recipe gives a plain module only its first argument "
+            f"{first!r}; {name}.forward requires {named} as well",
+            example_inputs.pass_them([first, *required]),
             f"give {name}.forward's {named} a default (def forward(self, {first}, {example})) with which it runs "
-            f"on token ids alone, or {POLICY}",
+            f"on its first argument alone",
+            POLICY,
         )
+    if features is not None:
+        return {first: features}
     return {first: torch.randint(0, min(sizes), (batch, SEQ), generator=g)}
 
 

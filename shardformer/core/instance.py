@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from shardformer.core import example_inputs
 from shardformer.core.code_keys import class_key, code_key
 from shardformer.core.reproduce import CannotReproduce, Extras, pattern, reproduce
 from shardformer.core.study_memo import once_per_study, studied_once
@@ -73,6 +74,7 @@ def _study(model: nn.Module) -> Instance:
         _attention_code(attention),
         str(param.dtype) if param is not None else "",
         _param_hooks(model),
+        example_inputs.key(model),  # a verdict proven on other inputs is not this one's
     )
     return Instance(extras, attention, key)
 

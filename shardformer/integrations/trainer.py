@@ -41,9 +41,11 @@ from shardformer.core import comm
 from shardformer.core.record import is_sharded, sharding_of
 from shardformer.data_parallel.grad_norm import clip_master_grads, global_grad_norm
 from shardformer.data_parallel.layout import ParamSlot
+from shardformer.data_parallel.running_stats import check_recomputed_statistics, check_split_statistics
 from shardformer.expert_parallel.experts import is_expert_param
 from shardformer.tensor_parallel.layers import VocabParallelLMHead1D
 from shardformer.tensor_parallel.lm_head import gathered_logits
+from shardformer.tensor_parallel.recompute import recomputed_modules
 from shardformer.tensor_parallel.regions import gather_from_parallel
 
 _OPTIMIZER = "shardformer-optimizer-rank{}-of-{}.pt"  # each rank's optimizer state holds its own slices
@@ -80,7 +82,10 @@ class ShardedTrainer(Trainer):
         self._layout = layout_of(root)  # refuses a tp group without a mesh when dp is unknown
         self._experts = info.experts  # the ExpertLayout where experts are split over ep ranks, else None
         refuse_context_parallel(self._layout, "ShardedTrainer")  # its data split knows dp and tp only
+        check_split_statistics(root, "ShardedTrainer", {"dp": self._layout.dp})  # each dp rank sees its part only
         super().__init__(model, args, *rest, **kwargs)
+        if self.args.gradient_checkpointing:  # transformers' checkpointing recomputes the layers it wraps
+            check_recomputed_statistics(root, "ShardedTrainer", recomputed_modules(root, None))
         for option in ("fsdp", "deepspeed", "parallelism_config"):
             if getattr(self.args, option, None):
                 raise ValueError(f"ShardedTrainer does its own parallelism; drop TrainingArguments.{option}")

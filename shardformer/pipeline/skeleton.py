@@ -11,8 +11,6 @@ from a skeleton is checked like everything else: the split is proven on a tiny c
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 
@@ -30,7 +28,10 @@ def keep_skeleton(root: nn.Module, path: str, module: nn.Module | None) -> None:
 def _skeleton(module: nn.Module) -> nn.Module:
     """``module``'s tree, each module a shallow copy (its plain attributes shared, process groups and
     configs included) whose parameters and buffers are empty meta tensors of the same shapes."""
-    clone = copy.copy(module)
+    # copy.copy without the pickling protocol: a parametrized module (wav2vec2's weight-normed positional
+    # convolution) refuses __getstate__; its weight stays a property computed from the meta originals
+    clone = type(module).__new__(type(module))
+    clone.__dict__.update(module.__dict__)
     clone._parameters = {
         n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), False)
         for n, p in module._parameters.items()

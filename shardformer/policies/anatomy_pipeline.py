@@ -48,9 +48,10 @@ from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, ta
 from shardformer.policies.anatomy import stacks
 from shardformer.policies.anatomy_ends import AnatomyError, Ends, ends_of, own_ancestor, part, tiny_for
 from shardformer.policies.copies import copy_key
+from shardformer.policies.derived.blocks import run_hooked
 from shardformer.policies.encoder_decoder import EncoderDecoderStageForward, proof_splits
 from shardformer.policies.pipeline_proof import failure_of, first_rank_answer, prove_split, route_verdict
-from shardformer.policies.stage_parts import Capture, LayerPassThrough, Reached, ZerosShaped
+from shardformer.policies.stage_parts import Capture, LayerPassThrough, Reached, SkeletonZeros, ZerosShaped
 
 
 class AnatomyStageForward:
@@ -77,7 +78,8 @@ class AnatomyStageForward:
         if stage > 0:
             modules = [path for path in self.entries if path not in self.held]
             stand_ins |= {
-                p: ZerosShaped(hidden, self.offsets[p]) if p in self.offsets else Returns(hidden) for p in modules
+                p: SkeletonZeros(hidden, ZerosShaped(hidden, self.offsets[p]) if p in self.offsets else Returns(hidden))
+                for p in modules
             }
             stand_ins[f"{self.layers}.{kept[0] - 1}"] = LayerPassThrough(self.layer_outputs, hidden)
             stand_ins |= {name: hidden.new_zeros(shape) for name, shape in self.held.items()}
@@ -114,6 +116,17 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
     found = stacks(model)
     name = type(model).__name__
     if not found:
+        reused = _reused_layer(model)
+        if reused is not None:
+            path, calls = reused
+            raise NotImplementedError(
+                f"{name} applies one layer's weights at every depth ({path} runs {calls} times in one forward of "
+                f"a tiny copy), so it has no stack of layers to divide into pipeline stages: a split by application "
+                f"(each stage holding the same layer and running its share of the depths, the layer's gradient "
+                f"summed over the stages) would divide compute but none of the weights' memory, and is not built; "
+                f"use pipeline_parallel_size=1: data parallelism and ZeRO train it (EngineConfig(dp=..., "
+                f"zero_stage=1, 2 or 3))"
+            )
         raise NotImplementedError(
             f"{name} has no repeated layer stack (a ModuleList of blocks of one class) to split into pipeline stages; "
             f"use pipeline_parallel_size=1 (tensor and data parallelism apply), or {FIX}"
@@ -150,6 +163,31 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
             f"use pipeline_parallel_size=1, or {FIX}"
         )
     return spec
+
+
+def _reused_layer(model: nn.Module) -> tuple[str, int] | None:
+    """(path, calls) of an item of a ModuleList or Sequential with weights that one forward of a tiny copy
+    calls more than once (ALBERT's one layer group, applied at every depth), or None."""
+    try:
+        tiny, inputs = tiny_for(model)
+    except AnatomyError:
+        return None
+    calls: dict[str, int] = {}
+    handles = []
+    for path, module in tiny.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            for index, item in module.named_children():
+                if any(True for _ in item.parameters()):
+                    counted = f"{path}.{index}" if path else index
+                    handles.append(
+                        item.register_forward_hook(lambda *_, p=counted: calls.__setitem__(p, calls.get(p, 0) + 1))
+                    )
+    try:
+        run_hooked(tiny, inputs, handles)
+    except Exception:  # noqa: BLE001 - a copy that does not run: the plain refusal says what is missing
+        return None
+    reused = sorted((path.count("."), path, n) for path, n in calls.items() if n > 1)  # the outermost first
+    return (reused[0][1], reused[0][2]) if reused else None
 
 
 def _unseen(model: nn.Module, found: tuple[str, ...]) -> str | None:

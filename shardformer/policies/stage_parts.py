@@ -59,3 +59,50 @@ class ZerosShaped(StandIn):
 
     def forward(self, *args, **kwargs):
         return self.like.new_zeros(self.shape)
+
+
+class SkeletonZeros(StandIn):
+    """Stands in, on a later stage, for a module the first stage runs before the layers (an embedding, a
+    feature encoder, a projection): answers with zeros shaped as what the module returns for this call,
+    found by running its skeleton (`shardformer.pipeline.skeleton`) on the meta device: no compute, no
+    memory, the shapes of the user's widths (a tuple as a tuple: wav2vec2's feature projection returns two;
+    fresh tensors, so the forward's in-place writes never touch the received hidden states). What follows
+    only needs the shapes: the layer before this stage's first one hands on the received hidden states.
+    Where the skeleton does not run on the meta device, ``fallback`` answers."""
+
+    def __init__(self, like: torch.Tensor, fallback: StandIn) -> None:
+        super().__init__()
+        self.like, self.fallback = like, fallback
+
+    def forward(self, *args, **kwargs):
+        skeleton = self.__dict__.get("skeleton")
+        if skeleton is not None:
+            try:
+                with torch.no_grad():
+                    shapes = skeleton(*_on_meta(args), **_on_meta(kwargs))
+                return _zeros(shapes, self.like)
+            except Exception:  # noqa: BLE001 - an operation without a meta kernel: the shapes the anatomy read
+                pass
+        return self.fallback(*args, **kwargs)
+
+
+def _on_meta(value):
+    if torch.is_tensor(value):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_meta(v) for k, v in value.items()}
+    return value
+
+
+def _zeros(value, like: torch.Tensor):
+    """Zeros shaped as ``value`` on ``like``'s device; floating ones in ``like``'s dtype (the skeleton kept the
+    dtype the model had when split, the stage may compute in another, as the received hidden states are)."""
+    if torch.is_tensor(value):
+        return like.new_zeros(value.shape, dtype=like.dtype if value.is_floating_point() else value.dtype)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        return type(value)(_zeros(v, like) for v in value)
+    raise TypeError(f"a stand-in cannot rebuild a {type(value).__name__} of zeros")  # the fallback answers

@@ -123,3 +123,24 @@ def checkpoint_activations(model: nn.Module, layers: str | None, check_only: boo
             f"activation_checkpointing: {type(model).__name__} has no transformers checkpointing and no "
             f"pipeline spec naming its layers; pass pipeline=PipelineSpec(layers=..., ...) to ParallelEngine"
         )
+
+
+def recomputed_modules(model: nn.Module, layers: str | None) -> list[str]:
+    """The paths of the modules whose forward `checkpoint_activations` runs again in the backward: in a
+    transformers model, its checkpointing layers (``GradientCheckpointingLayer``), and the modules carrying
+    transformers' ``gradient_checkpointing`` flag with none of those inside (an older stack that checkpoints
+    the blocks it loops over); else the layer stack at ``layers``."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return [layers] if layers is not None else []
+    flagged = [(path, m) for path, m in model.named_modules() if hasattr(m, "gradient_checkpointing")]
+    layer_kind = [path for path, m in flagged if _checkpointing_layer(m)]
+    return layer_kind + [
+        path
+        for path, m in flagged
+        if not _checkpointing_layer(m) and not any(_checkpointing_layer(inner) for inner in m.modules())
+    ]
+
+
+def _checkpointing_layer(module: nn.Module) -> bool:
+    # by name: transformers' GradientCheckpointingLayer (modeling_layers, 4.52+) runs its own call checkpointed
+    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)

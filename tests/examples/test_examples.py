@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.helpers import unexpected_warnings
+from tests.helpers import PEFT_READS_A_DEPRECATED_PROPERTY, unexpected_warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -116,6 +116,7 @@ def test_vit_timm_short_train(tmp_path, backbone):
     assert sorted(os.listdir(tmp_path / backbone / "checkpoint")) == ["meta.json", "model.safetensors"]
 
 
+@PEFT_READS_A_DEPRECATED_PROPERTY
 def test_finetune_lora_with_trl_sft(tmp_path):
     """examples/finetune with --sft --lora: TRL's SFTTrainer on the sharded model trains LoRA adapters;
     the saved adapter is a standard one that plain PEFT loads on the unsharded base model."""

@@ -73,6 +73,14 @@ def shared_dir() -> str:
     return box[0]
 
 
+# transformers 5.24 renamed TrainingArguments.gradient_checkpointing (the old name warns): the new one where it is
+CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
+
+
 def training_args(output_dir: str, global_batch: int, dp: int, **overrides) -> TrainingArguments:
     """Four optimizer steps of two accumulated micro-batches, clipped, checkpointed every two steps."""
     options = dict(

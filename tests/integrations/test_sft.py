@@ -21,8 +21,8 @@ from trl import SFTConfig, SFTTrainer
 
 from shardformer import ShardConfig, shard_model
 from shardformer.tools.testing import run_on_ranks
-from tests.helpers import assert_close
-from tests.integrations.common import SEQ, VOCAB, shared_dir, tiny_gpt2
+from tests.helpers import PEFT_READS_A_DEPRECATED_PROPERTY, assert_close
+from tests.integrations.common import CHECKPOINTING, SEQ, VOCAB, shared_dir, tiny_gpt2
 
 LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
 
@@ -57,6 +57,7 @@ def train(tp: int, use_lora: bool, **overrides) -> dict:
         per_device_train_batch_size=4 // dp, gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-2,
         max_grad_norm=0.3, logging_steps=1, report_to=[], use_cpu=True, seed=7, save_strategy="no", max_length=SEQ,
         disable_tqdm=True, bf16=False,  # TRL turns bf16 autocast on by default: compare in fp32
+        **{CHECKPOINTING: True},  # TRL's default, by transformers 5.24's name (its old one warns)
     )  # fmt: skip
     options.update(overrides)
     args = SFTConfig(shared_dir(), **options)
@@ -90,6 +91,7 @@ def _sharded(tp):
     return result
 
 
+@PEFT_READS_A_DEPRECATED_PROPERTY
 def test_sft_trainer_at_tp2_dp2_matches_one_process():
     result = run_on_ranks(_sharded, 4, 2, timeout=300)[0]
     for kind, use_lora in (("full", False), ("lora", True)):

@@ -24,7 +24,7 @@ from shardformer.checkpoint import gather_full_state
 from shardformer.engine import EngineConfig, ParallelEngine
 from shardformer.integrations import ShardedTrainer
 from shardformer.tools.testing import run_on_ranks
-from tests.helpers import assert_close
+from tests.helpers import PEFT_READS_A_DEPRECATED_PROPERTY, assert_close
 from tests.integrations import common
 from tests.integrations.common import dataset, logged, seq2seq_dataset, shared_dir, tiny_gpt2, tiny_t5, training_args
 
@@ -143,7 +143,7 @@ def _sharded_run(tp):
 
     if dp == 1:  # once: activation checkpointing, and what is refused
         model = shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp))
-        args = training_args(out2, GLOBAL_BATCH, dp, gradient_checkpointing=True, save_strategy="no")
+        args = training_args(out2, GLOBAL_BATCH, dp, save_strategy="no", **{common.CHECKPOINTING: True})
         checkpointed = ShardedTrainer(model=model, args=args, train_dataset=dataset())
         checkpointed.train()
         result["checkpointed_loss"] = logged(checkpointed, "loss")
@@ -208,6 +208,7 @@ def _worst(a, b):
     return (torch.tensor(a) - torch.tensor(b)).abs().max().item()
 
 
+@PEFT_READS_A_DEPRECATED_PROPERTY
 def test_trainer_at_tp2_matches_one_process():
     result = run_on_ranks(_sharded_run, 2, 2, timeout=240)[0]
     _compare(result, reference())

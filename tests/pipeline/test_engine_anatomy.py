@@ -373,7 +373,12 @@ def test_a_head_registered_before_the_base_model_keeps_its_tie():
             tf.CLIPModel,
             r"2 layer stacks \(text_model.encoder.layers, vision_model.encoder.layers\) that are not an enc",
         ),
-        (tf.AlbertForMaskedLM, "no repeated layer stack"),
+        # one layer group applied at every depth: named, with what trains it instead
+        (
+            tf.AlbertForMaskedLM,
+            r"applies one layer's weights at every depth \(albert.encoder.albert_layer_groups.0 runs .*"
+            r"use pipeline_parallel_size=1: data parallelism and ZeRO",
+        ),
         # layer 0 hands the position bias it computed to the others
         (tf.T5EncoderModel, r"layer 1 of 'encoder.block' reads argument 2 from what layer 0 returned besides"),
     ],

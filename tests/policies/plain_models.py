@@ -79,10 +79,18 @@ def torch_encoder_lm() -> TorchEncoderLM:
     return TorchEncoderLM()
 
 
-def no_inputs() -> nn.Module:
-    """Blocks with no token embedding in front: shardformer cannot tell what to feed it."""
+def linear_first() -> nn.Module:
+    """Blocks with no token embedding in front, a Linear first: fed float features as wide as its input."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), *(PlainBlockNoEmbed(32) for _ in range(3)))
+
+
+def bare_encoder() -> nn.TransformerEncoder:
+    """torch's nn.TransformerEncoder alone: its first weights are nn.MultiheadAttention's own, so the layout of
+    its input is not plain (sequence first unless batch_first): refused without example_inputs."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0)  # sequence first, torch's default
+    return nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
 
 
 class PlainBlockNoEmbed(nn.Module):
@@ -154,4 +162,6 @@ def factory(name: str, **options):
         return functools.partial(plain_lm, **options)
     if name == "torch_encoder":
         return torch_encoder_lm
+    if name == "linear_first":
+        return linear_first
     return functools.partial(timm_model, name)

@@ -10,7 +10,9 @@ import torch
 import torch.nn as nn
 
 from shardformer import ShardConfig
+from shardformer.core.example_inputs import give_example_inputs
 from shardformer.core.inputs import make_inputs
+from shardformer.core.instance import study_instance
 from shardformer.core.refusal import HEADS
 from shardformer.policies.copies import two_blocks
 from shardformer.policies.derived import DerivedPolicy, derive
@@ -19,8 +21,9 @@ from shardformer.tools.testing import run_on_ranks
 from tests.policies.plain_models import (
     PlainBlockNoEmbed,
     TorchEncoderLM,
+    bare_encoder,
     factory,
-    no_inputs,
+    linear_first,
     plain_lm,
     timm_model,
     torch_encoder_lm,
@@ -34,13 +37,13 @@ from tests.policies.plain_models import (
 # nn.TransformerEncoder's nn.MultiheadAttention is cut by heads by its own layer; timm's ViT with an attention
 # pooling head (global_pool="map") takes the ViT family's policy, and its AttentionPoolLatent the derived cut
 EXACT = [
-    "plain", "torch_encoder", "deit", "swin", "beit", "eva02", "eva02_fused", "eva02_base", "swinv2", "vit_reg",
+    "plain", "torch_encoder", "linear_first", "deit", "swin", "beit", "eva02", "eva02_fused", "eva02_base", "swinv2", "vit_reg",
     "vit_map",
 ]  # fmt: skip
 BUILT_IN = {"vit_reg", "vit_map"}
 # CaiT's self-attention mixes its heads (talking heads): refused naming the projections; a small MViT
 # built for 32-pixel images does not run on the recipe's (224): refused saying so, with its inputs' shapes
-REFUSED = ["convnext", "cait", "mix_heads", "no_inputs", "mvit"]
+REFUSED = ["convnext", "cait", "mix_heads", "bare_encoder", "mvit"]
 
 
 def test_repeated_blocks_of_plain_and_timm_models():
@@ -78,8 +81,31 @@ def test_plain_inputs_are_token_ids_or_refused():
 
     # no patch embedding to read the size from: the size the model was built for (its pretrained_cfg)
     assert make_inputs(timm.create_model("test_convnext"), seed=0)["x"].shape == (2, 3, 160, 160)
-    with pytest.raises(ValueError, match="cannot make inputs for Sequential"):
-        make_inputs(no_inputs(), seed=0)
+    # a Linear first: float features as wide as it reads; a convolution first: images with its channels
+    assert make_inputs(linear_first(), seed=0)["input"].shape == (2, 8, 16)
+    assert make_inputs(nn.Sequential(nn.Conv2d(5, 4, 3), nn.Flatten()), seed=0)["input"].shape == (2, 5, 16, 16)
+    with pytest.raises(ValueError, match="cannot make inputs for TransformerEncoder") as refused:
+        make_inputs(bare_encoder(), seed=0)
+    assert str(refused.value).startswith("Pass the forward's inputs as example_inputs: shard_model(model, ShardConfig(")
+
+
+def test_example_inputs_are_used_cut_to_the_batch_and_keyed():
+    """Given inputs bind to the forward's names, the batch is cut (or repeated) where it is plain, a square
+    mask over a sequence-first input is left as given, and the instance key changes with them."""
+    model = bare_encoder()
+    before = study_instance(model).key
+    src, mask = torch.randn(10, 4, 32), torch.zeros(10, 10)
+    give_example_inputs(model, (src,))
+    given = make_inputs(model, seed=0)
+    assert list(given) == ["src"] and torch.equal(given["src"], src[:2]), given
+    assert make_inputs(model, seed=0, batch=12)["src"].shape == (12, 4, 32)  # repeated to the batch asked
+    assert study_instance(model).key != before
+    give_example_inputs(model, {"src": src, "mask": mask})
+    assert make_inputs(model, seed=0)["mask"].shape == (10, 10)  # 10 is also the mask's width: left as given
+    with pytest.raises(TypeError, match=r"example_inputs do not fit TransformerEncoder.forward\(src"):
+        give_example_inputs(model, {"source": src})
+    with pytest.raises(TypeError, match="ShardConfig.example_inputs=Tensor must be a dict"):
+        ShardConfig(example_inputs=src)
 
 
 def test_rules_are_read_off_the_dataflow():
@@ -227,7 +253,8 @@ def _ranks(exact, refused):
     out["siglip vision"] = _pooled_output_matches("SiglipVisionModel")
     out["wrong head"] = _wrong_head_is_refused()
     out["multihead"] = _multihead_matches()
-    builds = {"mix_heads": lambda: plain_lm(mix_heads=True), "no_inputs": no_inputs}
+    out["bare encoder"] = _bare_encoder_with_example_inputs()
+    builds = {"mix_heads": lambda: plain_lm(mix_heads=True), "bare_encoder": bare_encoder}
     for name in refused:
         try:
             shard_model(builds.get(name, factory(name))(), ShardConfig(tensor_parallel_size=2))
@@ -235,6 +262,30 @@ def _ranks(exact, refused):
         except (NotDerivableError, ValueError) as e:
             out[name] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _bare_encoder_with_example_inputs() -> tuple:
+    """nn.TransformerEncoder alone at tp=2, proven on the example inputs given: outputs (training, and eval's
+    fused path) and every gradient equal to the unsharded encoder's."""
+    import copy
+
+    import torch.distributed as dist
+
+    from shardformer import shard_model
+    from tests.helpers import assert_close, assert_grads_match
+
+    model = bare_encoder()
+    ref = copy.deepcopy(model)
+    src = torch.randn(10, 4, 32, generator=torch.Generator().manual_seed(1))
+    shard_model(model, ShardConfig(tensor_parallel_size=dist.get_world_size(), example_inputs=(src,)))
+    model(src).square().sum().backward()
+    ref(src).square().sum().backward()
+    assert_close(model(src), ref(src), what="training outputs")
+    assert_grads_match(model, ref)
+    with torch.no_grad():
+        assert_close(model.eval()(src), ref.eval()(src), what="eval outputs")
+    info = model.shardformer
+    return info.route, info.proven, type(model.layers[0].self_attn).__name__
 
 
 def _pooled_output_matches(name: str) -> dict:
@@ -342,7 +393,8 @@ def test_plain_and_timm_models_are_exact_or_refused():
     assert "data parallelism" in out["convnext"] and "ZeRO" in out["convnext"], out["convnext"]
     assert "attn.proj_w reads attn.proj_l" in out["cait"] and "talking-heads" in out["cait"], out["cait"]
     assert "attn.k, attn.q, attn.v -> attn.o" in out["mix_heads"], out["mix_heads"]
-    assert "cannot make inputs for Sequential" in out["no_inputs"], out["no_inputs"]
+    assert "Pass the forward's inputs as example_inputs" in out["bare_encoder"], out["bare_encoder"]
+    assert out["bare encoder"] == ("derived", True, "ParallelMultiheadAttention"), out["bare encoder"]
     # the attention pooling heads are cut: timm's AttentionPoolLatent and SigLIP's (nn.MultiheadAttention, MLP)
     assert 0.5 < out["vit_map pool ratio"] < 0.52, out["vit_map pool ratio"]  # norms and row biases whole
     # the latent query's q and the [K | V] kv by heads, proj row-parallel; the MLP after proj reads its

@@ -61,7 +61,8 @@ def _printed_once(message: str, printed: str) -> None:
 def test_a_second_required_argument_is_named_with_its_fix():
     message, printed = _refusal(MaskedLM())
     first = message.splitlines()[0]
-    assert "Give MaskedLM.forward's 'mask' a default (def forward(self, tokens, mask=None))" in first, message
+    assert "example_inputs={'tokens': tensor, 'mask': tensor}" in first, message
+    assert "give MaskedLM.forward's 'mask' a default (def forward(self, tokens, mask=None))" in first, message
     assert POLICY in first, message  # a Policy subclass is not proven on a copy: it needs no inputs
     assert "requires 'mask'" in message and "MViT" not in message, message
     _printed_once(message, printed)
@@ -71,9 +72,15 @@ def test_a_second_required_argument_is_named_with_its_fix():
             return super().forward(tokens, torch.ones_like(tokens) if mask is None else mask)
 
     # both fixes the message offers get past the refusal, to the launch itself (no processes here)
-    for model, policy in ((Defaulted(), None), (MaskedLM(), _BlockPolicy())):
+    tokens = torch.randint(0, 8, (2, 8))
+    given = {"tokens": tokens, "mask": torch.ones_like(tokens)}
+    for model, policy, inputs in (
+        (Defaulted(), None, None),
+        (MaskedLM(), _BlockPolicy(), None),
+        (MaskedLM(), None, given),
+    ):
         with pytest.raises(RuntimeError, match="needs that many processes"):
-            shard_model(model, ShardConfig(tensor_parallel_size=2), policy=policy)
+            shard_model(model, ShardConfig(tensor_parallel_size=2, example_inputs=inputs), policy=policy)
 
 
 class _ThreeHeads(TorchEncoderLM):

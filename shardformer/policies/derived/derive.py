@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from shardformer.core import example_inputs
 from shardformer.core.inputs import NoInputsError, make_inputs
 from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refusal, has_convolutions
 from shardformer.policies.copies import KEEP, copy_key, instance_copy, repeated_stacks, two_blocks
@@ -162,9 +163,11 @@ def _copy_does_not_run(model: nn.Module, inputs: dict, error: Exception) -> NotD
     cut = any(len(model.get_submodule(p)) > KEEP for p in repeated_stacks(model))
     if not cut or not _runs(model, inputs):
         shapes = ", ".join(f"{k}: {list(v.shape)}" for k, v in inputs.items() if torch.is_tensor(v))
+        given = getattr(model, example_inputs.ATTRIBUTE, None) is not None
         return NotDerivableError(
-            f"{name} does not run on the inputs shardformer makes for it ({shapes}; {failed}), so no cut can be "
-            f"derived and proven on a copy of it",
+            f"{name} does not run on {'the example_inputs given' if given else 'the inputs shardformer makes for it'} "
+            f"({shapes}; {failed}), so no cut can be derived and proven on a copy of it",
+            *(() if given else (example_inputs.pass_them(list(inputs) or ["x"]),)),
             POLICY,
             DATA_PARALLEL,
         )
