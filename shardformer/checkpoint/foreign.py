@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed.checkpoint as dcp
@@ -169,7 +170,9 @@ def _settings(stored: Stored, allow_pickle: bool) -> dict:
     wanted = {k: None for k, md in stored.metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
     wanted = {k: v for k, v in wanted.items() if k.startswith((f"{top}.param_groups.", f"{stored.key}."))}
     if wanted:  # each rank reads them by itself: no collective before every rank's checks agree
-        dcp.load(wanted, storage_reader=dcp_io.reader_for(stored.folder, allow_pickle), no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that no_dist reads in one process: asked for, here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(wanted, storage_reader=dcp_io.reader_for(stored.folder, allow_pickle), no_dist=True)
     groups: dict[str, dict] = {}
     scalars: dict[str, dict] = {}
     for k, value in wanted.items():

@@ -187,9 +187,12 @@ def check_a_transformers_distributed_checkpoint_resumes():
     _assert_weights(engine, reference.model, "transformers' checkpoint loaded: weights")
     with pytest.raises(CheckpointError, match=r"holds no optimizer state .* optimizer_path="):
         load_checkpoint(path, engine.model, engine.optimizer, allow_pickle=True)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 3 * LR
     load_checkpoint(
         path, engine.model, engine.optimizer, allow_pickle=True, optimizer_path=os.path.join(path, "optimizer")
     )
+    assert {g["lr"] for g in engine.optimizer.param_groups} == {LR}, "the learning rate recorded by name"
     reference.chunks = 2
     expected = reference.step(data[1])
     assert_close(torch.tensor(_train(engine, sched, data[1:])), torch.tensor([expected]), what="transformers resumed")
