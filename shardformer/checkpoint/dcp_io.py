@@ -18,12 +18,18 @@ import warnings
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint._hf_utils import _gen_file_name
 from torch.distributed.checkpoint.metadata import Metadata
 
 from shardformer.checkpoint.errors import CheckpointError
 
 PICKLED_METADATA = ".metadata"  # DCP's FileSystemWriter: a pickle
+
+
+def tensor_file(rank: int, number: int, count: int) -> str:
+    """The name of a rank's ``number``-th of ``count`` tensor files. `HuggingFaceStorageReader` reads every
+    ``*.safetensors`` file at the top of the folder, whatever its name; this one is not transformers'
+    ``shard-...-model-...`` (`shardformer.checkpoint.foreign` tells the two apart by it)."""
+    return f"tensors-rank{rank:05d}-{number:05d}-of-{count:05d}.safetensors"
 
 
 class _ChunkFiles(HuggingFaceStorageWriter):
@@ -44,7 +50,7 @@ class _ChunkFiles(HuggingFaceStorageWriter):
             files.setdefault((self.apart.get(item.index.fqn, 0), k), []).append(item)
         work: queue.Queue = queue.Queue()
         for number, items in enumerate((files[k] for k in sorted(files)), start=1):
-            name = _gen_file_name(number, len(files), plan.storage_data["shard_index"])
+            name = tensor_file(plan.storage_data["shard_index"] - 1, number, len(files))  # 1-based: DCP's plans
             self.written.append(name)
             work.put((self.fs.concat_path(self.path, name), name, items))
         return self._write_data(planner, work)
@@ -75,10 +81,15 @@ def is_pickled(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, PICKLED_METADATA))
 
 
+def safetensors_reader(folder: str) -> HuggingFaceStorageReader:
+    """DCP's reader of the safetensors files in ``folder``: their headers are the metadata."""
+    return HuggingFaceStorageReader(folder)
+
+
 def reader_for(folder: str, allow_pickle: bool):
     """The DCP reader for ``folder``: safetensors headers, or DCP's pickled metadata when allowed."""
     if not is_pickled(folder):
-        return HuggingFaceStorageReader(folder)
+        return safetensors_reader(folder)
     if not allow_pickle:
         raise CheckpointError(
             f"{os.path.join(folder, PICKLED_METADATA)} is a pickle (a torch.distributed.checkpoint folder written "

@@ -6,7 +6,7 @@ A checkpoint folder holds
   size and sha256, format, step, ``extra``, the layout it was saved at, the model's class and config,
   the LR scheduler state, the optimizer's class and param groups, tied names, and the sha256 of the
   manifest itself;
-- ``shard-<rank>-model-<k>-of-<n>.safetensors``: the model and optimizer tensors, written by
+- ``tensors-rank<rank>-<k>-of-<n>.safetensors``: the model and optimizer tensors, written by
   torch.distributed.checkpoint (see `shardformer.checkpoint.dcp_io`) under their HuggingFace names
   (``model.<name>``, ``optim.state.<name>.<key>``);
 - ``ranks/rank{r}.safetensors`` + ``ranks/rank{r}.json``: global rank ``r``'s RNG states (in a folder of

@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from shardformer.checkpoint.errors import CheckpointError
@@ -33,7 +34,6 @@ from shardformer.tensor_parallel.detect import names_by_tensor
 from shardformer.tensor_parallel.slicer import shard_spec
 
 MASTER = "__master__"
-PREFIX = "optim.state."
 
 
 def parts_of(optimizer) -> list:
@@ -185,7 +185,7 @@ def _packed_groups(optimizer) -> list[dict]:
 
 def _settings_by_group(where: str, optimizer, saved_group: dict[int, dict | None]) -> list[dict]:
     """torch's param groups for ``optimizer``, each with the hyper-parameters its parameters were saved
-    under (a foreign checkpoint's are not known: the optimizer keeps its own)."""
+    under (where the checkpoint does not record them, the optimizer keeps its own)."""
     groups = _packed_groups(optimizer)
     for number, group in enumerate(groups):
         settings = [saved_group[i] for i in group["params"] if saved_group.get(i) is not None]
@@ -204,15 +204,16 @@ class OptimizerReader:
     """What to ask DCP for to give ``optimizer`` its saved state at this rank's layout (`targets`), checked
     against the checkpoint's tensor metadata; then the state to load (`state_dict`). Changes nothing."""
 
-    def __init__(self, where: str, saved: dict | None, metadata, model, optimizer, candidates) -> None:
-        """``saved``: the manifest's optimizer part (None: a foreign checkpoint); ``candidates(names)``:
-        the names a tensor known here by ``names`` may be saved under (tied names too)."""
+    def __init__(self, where: str, saved: dict | None, metadata, model, optimizer, candidates, prefix: str) -> None:
+        """``saved``: the manifest's optimizer part, or what a foreign checkpoint records of it (None:
+        nothing); ``candidates(names)``: the names a tensor known here by ``names`` may be saved under (tied
+        names too); ``prefix``: what the states' names start with in ``metadata``."""
         self.optimizer, self.saved, self.where = optimizer, saved, where
         names = names_by_id(model)
         by_name: dict[str, list[str]] = {}  # saved name -> its state keys in the metadata
-        for fqn in metadata.state_dict_metadata:
-            if fqn.startswith(PREFIX) and "." in fqn[len(PREFIX) :]:
-                name, key = fqn[len(PREFIX) :].rsplit(".", 1)
+        for fqn, md in metadata.state_dict_metadata.items():
+            if fqn.startswith(prefix) and "." in fqn[len(prefix) :] and isinstance(md, TensorStorageMetadata):
+                name, key = fqn[len(prefix) :].rsplit(".", 1)
                 by_name.setdefault(name, []).append(key)
         group_of = {n: {k: v for k, v in g.items() if k != "params"} for g in (saved or {}).get("param_groups", []) for n in g["params"]}  # fmt: skip
         self.targets, self.plan, self.saved_group, problems = {}, [], {}, []
@@ -225,7 +226,7 @@ class OptimizerReader:
             self.saved_group[index] = group_of.get(name)
             full_shape, pieces = tp_pieces(tuple(param.shape), shard_spec(param), expert_spec(param))
             for key in by_name.get(name, []):
-                md = metadata.state_dict_metadata[f"{PREFIX}{name}.{key}"]
+                md = metadata.state_dict_metadata[f"{prefix}{name}.{key}"]
                 if tuple(md.size) == full_shape and (full_shape or key != "step"):  # per element: this rank's shard
                     value = checkpointable(torch.zeros(param.shape, dtype=md.properties.dtype), full_shape, pieces)
                 elif key == MASTER:

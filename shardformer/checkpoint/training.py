@@ -16,7 +16,8 @@ coverage of its pieces, optimizer, scheduler and RNG state) without touching the
 then tells every rank every problem, and either all ranks raise the same error, nothing changed, or DCP
 reads each rank's pieces (resharding any layout to any layout) into copies that are then applied.
 Loading never unpickles, unless ``allow_pickle=True`` lets it read a DCP checkpoint of torch's own
-format (plain FSDP2, accelerate), whose metadata is a pickle.
+format (plain FSDP2, accelerate, transformers' optimizer state), whose metadata is a pickle; other tools'
+folders are found by `shardformer.checkpoint.foreign`.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ import os
 import torch
 import torch.nn as nn
 
-from shardformer.checkpoint import async_save, commit, dcp_io, ranks
+from shardformer.checkpoint import async_save, commit, dcp_io, foreign, ranks
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import dtype_kind, expert_spec
 from shardformer.checkpoint.gather import Layout, layout_of, refuse_context_parallel
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
 from shardformer.checkpoint.optim_state import OptimizerReader, apply_optimizer, class_name
-from shardformer.checkpoint.pieces import MODEL, checkpointable, covered, storage_pieces, unique_named
+from shardformer.checkpoint.pieces import checkpointable, covered, storage_pieces, unique_named
 from shardformer.checkpoint.rng_state import apply_rng, read_rng
 from shardformer.checkpoint.saving import save_checkpoint  # noqa: F401 - its import path before saving.py
 from shardformer.data_parallel.fsdp import reshard
@@ -60,21 +61,22 @@ def _candidates(ties: list[list[str]]):
     return candidates
 
 
-def _model_targets(path: str, meta: dict | None, metadata, model: nn.Module, lay: Layout, candidates):
-    """DCP's targets for this rank's model pieces (copies of what it holds), and (tensor, copy) pairs."""
+def _model_targets(path: str, meta: dict | None, found: foreign.Found, model: nn.Module, lay: Layout, candidates):
+    """DCP's targets for this rank's model pieces (copies of what it holds, by model name), and (tensor,
+    copy) pairs."""
     problems = []
     if meta is not None:
         if meta["model_class"] != original_class(model).__name__:
             problems.append(f"saved from {meta['model_class']}, loading into {original_class(model).__name__}")
         problems += config_differences(meta.get("config"), config_of(model))
-    saved = metadata.state_dict_metadata
+    stored = found.model
+    saved = stored.metadata.state_dict_metadata
     targets, copies, known = {}, [], set()
     for names, tensor in unique_named(model):
-        found = candidates(names)
-        known.update(found)
-        name = next((n for n in found if MODEL + n in saved), None)
+        known.update(candidates(names))
+        name = next((n for n in candidates(names) if stored.name(n) in saved), None)
         local, full_shape, pieces = storage_pieces(tensor, shard_spec(tensor), expert_spec(tensor))
-        md = saved.get(MODEL + name) if name is not None else None
+        md = saved.get(stored.name(name)) if name is not None else None
         if md is None or not hasattr(md, "chunks"):
             problems.append(f"{names[0]}: not in the checkpoint")
         elif list(md.size) != list(full_shape):
@@ -88,21 +90,22 @@ def _model_targets(path: str, meta: dict | None, metadata, model: nn.Module, lay
             targets[name] = checkpointable(copy, full_shape, pieces)
             copies.append((local, copy))
     if lay.pp == 1:
-        problems += [f"{k[len(MODEL):]}: in the checkpoint but not in this model" for k in saved if k.startswith(MODEL) and k[len(MODEL):] not in known]  # fmt: skip
+        problems += [f"{n}: in the checkpoint but not in this model" for n in stored.names() if n not in known]
     if problems:
         shown = "\n    ".join(problems[:20]) + (
             f"\n    ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         )
-        saved_at = meta["layout"] if meta is not None else "by another tool"
+        origin = f"saved at {meta['layout']}" if meta is not None else f"written by {found.tool}"
         raise CheckpointError(
-            f"the checkpoint {path} (saved at {saved_at}) does not fit this model "
+            f"the checkpoint {path} ({origin}) does not fit this model "
             f"({', '.join(f'{k}={v}' for k, v in lay.record().items() if k != 'world')}):\n    {shown}"
         )
     return targets, copies
 
 
-def _check_optimizer(path: str, meta: dict | None, optimizer) -> None:
+def _check_optimizer(path: str, meta: dict | None, optimizer, found: foreign.Found) -> None:
     if meta is None:
+        foreign.check_same_kind(found.optimizer.folder, found.settings, optimizer, class_name(optimizer))
         return
     if not meta["has_optimizer"]:
         raise CheckpointError(f"{path} was saved without an optimizer; call load_checkpoint without optimizer=")
@@ -127,26 +130,26 @@ def _read_scheduler(path: str, meta: dict | None, scheduler) -> dict:
     return saved["state"]
 
 
-def _read_all(path: str, model: nn.Module, optimizer, scheduler, lay: Layout, allow_pickle: bool) -> dict:
+def _read_all(path: str, model: nn.Module, optimizer, scheduler, lay: Layout, allow_pickle, optimizer_path) -> dict:
     reshard(model)  # ZeRO-3: the dp shards, not a root a forward left gathered, are what loading fills
-    foreign = not os.path.isfile(os.path.join(path, commit.META)) and dcp_io.is_pickled(path)
-    meta = None if foreign else commit.read_meta(path)
-    if meta is not None:
+    found = foreign.locate(path, optimizer is not None, allow_pickle, optimizer_path)
+    meta = None
+    if found is None:  # ours (or nothing recognized: the manifest check says so)
+        meta = commit.read_meta(path)
         commit.verify_files(path, meta, lay.rank, lay.world)
-    reader = dcp_io.reader_for(path, allow_pickle)
-    metadata = dcp_io.read_metadata(path, reader)
+        found = foreign.ours(path, optimizer is not None)
     candidates = _candidates([] if meta is None else meta.get("ties", []))
-    targets, copies = _model_targets(path, meta, metadata, model, lay, candidates)
+    targets, copies = _model_targets(path, meta, found, model, lay, candidates)
     opt = None
     if optimizer is not None:
-        _check_optimizer(path, meta, optimizer)
-        saved = None if meta is None else meta["optimizer"]
-        opt = OptimizerReader(path, saved, metadata, model, optimizer, candidates)
+        _check_optimizer(path, meta, optimizer, found)
+        saved = found.settings if meta is None else meta["optimizer"]
+        stored = found.optimizer
+        opt = OptimizerReader(stored.folder, saved, stored.metadata, model, optimizer, candidates, stored.name(""))
     keep_rng = meta is not None and meta["layout"] == lay.record()  # a rank's streams mean that rank's place
     return {
         "meta": meta,
-        "reader": reader,
-        "targets": {"model": targets} | ({"optim": {"state": opt.targets}} if opt is not None else {}),
+        "loads": found.loads(targets, None if opt is None else opt.targets),
         "copies": copies,
         "optimizer": opt,
         "scheduler": None if scheduler is None else _read_scheduler(path, meta, scheduler),
@@ -154,7 +157,9 @@ def _read_all(path: str, model: nn.Module, optimizer, scheduler, lay: Layout, al
     }
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None, allow_pickle: bool = False) -> dict:
+def load_checkpoint(
+    path: str, model: nn.Module, optimizer=None, scheduler=None, allow_pickle: bool = False, optimizer_path=None
+) -> dict:
     """Load a checkpoint written by `save_checkpoint` into ``model`` (and optimizer, scheduler).
 
     Collective. Works at any (tp, pp, dp, ep, ZeRO) layout. Everything is read and checked first
@@ -164,11 +169,15 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None,
     ``{"step", "extra", "layout", "rng_restored"}``; RNG states are restored only at the layout they
     were saved at.
 
-    ``allow_pickle=True`` also reads a torch.distributed.checkpoint folder in torch's own format (a
-    ``.metadata`` pickle, as plain FSDP2 ``dcp.save`` and accelerate write): its model (``"model"``) and
-    optimizer state (``"optim"``, torch's `get_optimizer_state_dict` form, for the same optimizer class);
-    the optimizer keeps its own hyper-parameters, and ``step``, ``extra`` and ``layout`` come back None.
-    Unpickling can run any code the file holds: allow it only for a checkpoint you trust.
+    It also resumes from the torch.distributed.checkpoint folders other tools write (see
+    `shardformer.checkpoint.foreign`): plain DCP (``dcp.save`` of ``{"model": ..., "optim": ...}``), accelerate's
+    FSDP2 sharded state (its output folder or the ``pytorch_model_fsdp_0`` inside), transformers' distributed
+    checkpoint; the model alone, or with the optimizer state in torch's `get_optimizer_state_dict` form for
+    the same optimizer class, each parameter taking the hyper-parameters recorded under its name.
+    ``optimizer_path``: the folder of that optimizer state when the tool wrote it elsewhere (transformers'
+    ``save_optimizer_distributed``). ``step``, ``extra`` and ``layout`` come back None. Their ``.metadata``
+    is a pickle, read only with ``allow_pickle=True``: unpickling can run any code the file holds, so allow
+    it only for a checkpoint you trust.
     """
     async_save.wait_for_previous()  # a commit of ours in flight must not meet this load's recovery
     lay = layout_of(model)
@@ -178,14 +187,15 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None, scheduler=None,
         raise FileNotFoundError(f"no checkpoint at {full}")
     staged, error = None, None
     try:
-        staged = _read_all(full, model, optimizer, scheduler, lay, allow_pickle)
+        staged = _read_all(full, model, optimizer, scheduler, lay, allow_pickle, optimizer_path)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = ranks.message(e, full)
     errors = ranks.gather(error)
     if any(errors):
         raise CheckpointError(f"loading the checkpoint {full} failed; nothing was changed:\n  {ranks.report(errors)}")
     try:  # into copies: a failed read changes nothing
-        dcp_io.load_state(staged["targets"], staged["reader"])
+        for targets, reader in staged["loads"]:  # one per folder: accelerate keeps the optimizer apart
+            dcp_io.load_state(targets, reader)
         opt_state = None if optimizer is None else staged["optimizer"].state_dict()
     except Exception as e:  # noqa: BLE001 - DCP raises on every rank when one fails
         raise CheckpointError(

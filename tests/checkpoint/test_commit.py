@@ -151,7 +151,7 @@ def test_a_flipped_byte_is_detected_and_nothing_changes(tmp_path):
 
 def _tensor_file(path):
     """The first safetensors file DCP wrote (tensors under their HF names)."""
-    return sorted(n for n in os.listdir(path) if n.startswith("shard-") and n.endswith(".safetensors"))[0]
+    return sorted(n for n in os.listdir(path) if n.startswith("tensors-rank") and n.endswith(".safetensors"))[0]
 
 
 def _refused_and_unchanged(path, pattern):

@@ -265,8 +265,8 @@ def check_a_damaged_checkpoint_fails_on_every_rank_and_changes_nothing():
     path = shared_dir()
     ckpt = os.path.join(path, "ckpt")
     damages = {
-        "shard-00002-model-00001-of-00004.safetensors": lambda file: os.remove(file),  # rank 1's tensors
-        "shard-00002-model-00002-of-00004.safetensors": lambda file: _flip_last_byte(file),  # rank 1's tensors
+        "tensors-rank00001-00001-of-00004.safetensors": lambda file: os.remove(file),  # rank 1's tensors
+        "tensors-rank00001-00002-of-00004.safetensors": lambda file: _flip_last_byte(file),  # rank 1's tensors
         "ranks/rank1.safetensors": lambda file: _flip_last_byte(file),  # rank 1's RNG state
     }
     for name, damage in damages.items():
