@@ -153,10 +153,23 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
             "pixel_values": torch.randn(batch * side * side, channels * patch, generator=g),
             "image_grid_thw": torch.tensor([[1, side, side]] * batch),
         }
-    if "image_sizes" in params:
+    if "image_sizes" in params and (getattr(config, "image_grid_pinpoints", None) or _tower_takes_sizes(model, vision)):
         return _sized_images(config, channels, size, batch, g)
     pixels = torch.randn(batch, channels, size, size, generator=g)
     return {"pixel_values": pixels[:, None] if "pixel_attention_mask" in params else pixels}
+
+
+def _tower_takes_sizes(model: nn.Module, vision) -> bool:
+    """Whether the vision tower (a module built from ``vision``, the vision config) reads the pixel sizes
+    itself (Pixtral); a CLIP tower under a forward that also offers ``image_sizes`` (LLaVA) does not."""
+    return any(
+        module is not model and getattr(module, "config", None) is vision and "image_sizes" in _params(module)
+        for module in model.modules()
+    )
+
+
+def _params(module: nn.Module):
+    return inspect.signature(module.forward).parameters
 
 
 def _sized_images(config, channels: int, side: int, batch: int, g: torch.Generator) -> dict:
