@@ -71,17 +71,38 @@ def tile_forward(q, k, v, mask, scale, dead=None):
     return out, lse
 
 
-def tile_backward(grad_out, q, k, v, out, lse, mask, scale, dead=None):
+def tile_backward(grad_out, q, k, v, out, lse, mask, scale, dead, grads):
     """The tile's gradients given the FINAL ``out`` and finite ``lse`` of its rows (as `tile_forward`'s
-    arguments otherwise) -> ``dq [b, h, t, d]``, the key span ``keys`` and ``dk, dv [b, h_kv, keys, d]``."""
+    arguments otherwise) -> ``dq [b, h, t, d]``; the keys' and values' parts are added to ``grads``
+    (``dk, dv`` float32, shaped as ``k, v``). The kernel's backward is separable over keys given the
+    final output and log-sum-exp, so it runs on spans of `_key_rows` keys: what it allocates for their
+    gradients stays within the tile budget too."""
     if not _fused(q, dead):
-        return (*_math_backward(grad_out, q, k, v, out, lse, mask, scale, dead), slice(0, k.shape[2]))
-    keys = _key_span(mask, k.shape[2])
-    mask = None if mask is None else mask[..., keys]
-    dq, dk, dv = _FLASH_BACKWARD(
-        grad_out, q, k[:, :, keys], v[:, :, keys], out, lse, 0.0, False, attn_mask=_bias(mask), scale=scale
-    )
-    return dq, dk, dv, keys
+        dq, dk, dv = _math_backward(grad_out, q, k, v, out, lse, mask, scale, dead)
+        grads[0].add_(dk)
+        grads[1].add_(dv)
+        return dq
+    seen = _key_span(mask, k.shape[2])
+    step = _key_rows(*q.shape[:2], q.shape[3])
+    dq = torch.zeros_like(q)
+    for start in range(seen.start, seen.stop, step):
+        keys = slice(start, min(start + step, seen.stop))
+        part = None if mask is None else mask[..., keys]
+        if part is not None and not bool(part.any()):
+            continue
+        dq_part, dk, dv = _FLASH_BACKWARD(
+            grad_out, q, k[:, :, keys], v[:, :, keys], out, lse, 0.0, False, attn_mask=_bias(part), scale=scale
+        )
+        dq += dq_part
+        grads[0][:, :, keys] += dk
+        grads[1][:, :, keys] += dv
+    return dq
+
+
+def _key_rows(batch: int, heads: int, head_dim: int) -> int:
+    """Keys per backward kernel call: its key and value gradients and the kernel's float32 buffers for
+    them (4 x batch x heads x keys x head_dim) fit `TILE_BYTES`."""
+    return max(1, TILE_BYTES // (4 * batch * heads * head_dim * 4))
 
 
 def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:

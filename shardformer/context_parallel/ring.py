@@ -83,13 +83,10 @@ class RingAttention(torch.autograd.Function):
         for step in range(world):
             kf, vf = (t.float() for t in kv)
             for rows, mask in tiles((rank - step) % world, rows_per_tile):
-                dq_tile, dk, dv, keys = tile_backward(
+                dq[:, :, rows] += tile_backward(
                     _rows(do, rows), _rows(qf, rows), kf, vf, _rows(out, rows), _rows(lse, rows),
-                    mask, scale, _rows(dead, rows),
+                    mask, scale, _rows(dead, rows), dkv,
                 )  # fmt: skip
-                dq[:, :, rows] += dq_tile
-                dkv[0][:, :, keys] += dk
-                dkv[1][:, :, keys] += dv
             # keys/values move on (not after the last block); their gradient accumulators make the
             # full turn, so after the last shift each rank holds its own keys' and values' gradient
             moving = list(dkv) + (list(kv) if step + 1 < world else [])
