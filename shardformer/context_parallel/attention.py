@@ -27,6 +27,7 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from shardformer.context_parallel.blocks import tile_rows
 from shardformer.context_parallel.layout import ZigzagLayout
 from shardformer.context_parallel.ring import ring_attention
 from shardformer.context_parallel.ulysses import ulysses_attention
@@ -105,8 +106,8 @@ class SplitMask(OpaqueMask):
     mask_kwargs: dict  # what create_*_mask passed (use_vmap, dtype, config, local_size, ...)
     original: str
     forward: Any  # the split forward this mask belongs to (counts the attention calls)
-    _cache: dict = field(default_factory=dict)
-    _caching: bool = True  # the forward's layers share the block masks; backward recomputes them
+    _cache: dict = field(default_factory=dict)  # the whole mask (Ulysses), during the forward only
+    _tiles: dict = field(default_factory=dict)  # (source, rows) -> True: every pair attends, False: none
     _dead: Any = False  # the query rows that see no key ([b, 1, n, 1]; None: none), once found
 
     @property
@@ -116,9 +117,8 @@ class SplitMask(OpaqueMask):
         return self.original == "eager"
 
     def release(self) -> None:
-        """End of the forward: keep no mask for backward (the ring's blocks are c x batch x n^2 bools,
-        alive as long as the autograd graph holds this object); backward evaluates each again."""
-        self._caching = False
+        """End of the forward: keep no mask for backward (the whole mask is n^2 per batch row, alive
+        as long as the autograd graph holds this object); the ring's tiles keep no mask at all."""
         self._cache.clear()
 
     def _block(self, q_start: int, kv_start: int, q_len: int, kv_len: int) -> torch.Tensor:
@@ -135,39 +135,59 @@ class SplitMask(OpaqueMask):
             device=self.padding.device,
         )
 
-    def _pattern(self, source: int) -> torch.Tensor:
-        """The model's mask of this rank's queries against ``source``'s keys: ``[b, 1, n, n]`` bool."""
+    def _pattern(self, source: int, rows: slice) -> torch.Tensor:
+        """The model's mask of this rank's query ``rows`` against ``source``'s keys: ``[b, 1, rows, n]``."""
         c, layout = self.layout.chunk, self.layout
-        rows = [
-            torch.cat([self._block(q, k, c, c) for k in layout.starts(source)], dim=-1)
-            for q in layout.starts(layout.rank)
-        ]
-        return torch.cat(rows, dim=-2)
+        pieces = []
+        for i, q_start in enumerate(layout.starts(layout.rank)):  # the rows of each chunk this rank holds
+            lo, hi = max(rows.start, i * c), min(rows.stop, (i + 1) * c)
+            if lo < hi:
+                keys = [self._block(q_start + lo - i * c, k, hi - lo, c) for k in layout.starts(source)]
+                pieces.append(torch.cat(keys, dim=-1))
+        return torch.cat(pieces, dim=-2)
+
+    def _row_tiles(self, rows_per_tile: int) -> list[slice]:
+        n = self.layout.local_len
+        return [slice(r, min(r + rows_per_tile, n)) for r in range(0, n, rows_per_tile)]
 
     def dead_rows(self) -> torch.Tensor | None:
         """Under eager's convention, this rank's query rows that see no key of the sequence."""
         if self._dead is False:
             dead = None
             if self.uniform_dead_rows:
-                seen = torch.stack([self._pattern(s).any(-1) for s in range(self.layout.world)]).any(0)
+                rows_per_tile = tile_rows(self.padding.shape[0], self.layout.local_len)
+                seen = torch.cat(
+                    [
+                        torch.stack([self._pattern(s, rows).any(-1) for s in range(self.layout.world)]).any(0)
+                        for rows in self._row_tiles(rows_per_tile)
+                    ],
+                    dim=-1,
+                )
                 dead = None if bool(seen.all()) else ~seen.unsqueeze(-1)
             self._dead = dead  # tiny: kept for backward
         return self._dead
 
-    def ring_block(self, source: int) -> torch.Tensor | None:
-        """This rank's queries against ``source``'s keys: ``[b, 1, n, n]`` bool (None: all True); a
-        dead row (`dead_rows`) sees every real key, with the constant score the ring gives it."""
-        if source in self._cache:
-            return self._cache[source]
-        mask = self._pattern(source)
+    def ring_tiles(self, source: int, rows_per_tile: int):
+        """This rank's query rows against ``source``'s keys, tile by tile (see `RingAttention`): the
+        tiles where some pair attends, with their mask (None: all attend). A dead row (`dead_rows`)
+        sees every real key, with the constant score the ring gives it. Which tiles attend fully or
+        not at all is remembered (the forward's layers and the backward share it); no mask is kept."""
         dead = self.dead_rows()
-        if dead is not None:
-            real = self.layout.indices_of(source, mask.device) < self.layout.full_len
-            mask = mask | (dead & real)
-        mask = None if bool(mask.all()) else mask
-        if self._caching:
-            self._cache[source] = mask
-        return mask
+        for rows in self._row_tiles(rows_per_tile):
+            known = self._tiles.get((source, rows.start, rows.stop))
+            if known is not None:
+                if known:
+                    yield rows, None
+                continue
+            mask = self._pattern(source, rows)
+            if dead is not None:
+                real = self.layout.indices_of(source, mask.device) < self.layout.full_len
+                mask = mask | (dead[:, :, rows] & real)
+            some, every = bool(mask.any()), bool(mask.all())
+            if every or not some:
+                self._tiles[(source, rows.start, rows.stop)] = every
+            if some:
+                yield rows, None if every else mask
 
     def full(self):
         """The original implementation's mask over the whole sequence, in order (Ulysses): its true
@@ -205,7 +225,7 @@ class SplitMask(OpaqueMask):
                 f"{', '.join(bad)} exactly; use context_parallel_mode='all_to_all' (or no attention dropout)"
             )
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = ring_attention(query, key, value, self.ring_block, scale, self.group, self.dead_rows())
+        out = ring_attention(query, key, value, self.ring_tiles, scale, self.group, self.dead_rows())
         return out.transpose(1, 2).contiguous(), None
 
 

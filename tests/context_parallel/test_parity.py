@@ -2,7 +2,8 @@
 of 4 over 13 tokens) and GPT-2 (absolute positions), in both modes, eager and sdpa, with a
 right-padded batch; 13 tokens (2 * cp does not divide: padded internally, exactly) and 16.
 Logits, loss, every gradient, weights after a step; greedy generate; refusals; and trust.py's
-checks (left padding, derived positions, dynamic rotary, Phi-3, dropout per cp rank). One spawn.
+checks (left padding, derived positions, dynamic rotary, Phi-3, dropout per cp rank) and tiles.py's (ring
+attention in small tiles). One spawn.
 """
 
 import gc
@@ -22,7 +23,7 @@ from shardformer.core.tiny import tiny_config
 from shardformer.policies.anatomy import stack_anatomy
 from shardformer.policies.routes import NONE
 from shardformer.tools.pair_check import load_pair
-from tests.context_parallel import common, trust
+from tests.context_parallel import common, tiles, trust
 from tests.helpers import assert_close, assert_grads_match, check_table
 
 
@@ -86,14 +87,15 @@ def check_generate_and_gathered_logits():
 
 
 def check_ring_keeps_no_block_masks_for_backward():
-    """The ring's block masks (cp x batch x n^2 bools) are shared by the forward's layers, then dropped:
-    the autograd graph holds the mask object until backward, which evaluates each block again."""
+    """The ring keeps no mask (a block's is batch x n^2 bools): the forward's layers and the backward
+    share only which tiles attend fully or not at all; backward evaluates the partial tiles again."""
     ref, model = common.pair("llama")
     model = shard_model(model, _cp("ring"))
     inputs = common.batch(16)
     out = model(**inputs)
     masks = [o for o in gc.get_objects() if isinstance(o, SplitMask)]  # the graph holds this forward's
     assert masks and all(not m._cache for m in masks), [len(m._cache) for m in masks]
+    assert all(isinstance(kind, bool) for m in masks for kind in m._tiles.values())
     out.loss.backward()
     expected = ref(**inputs).loss
     expected.backward()
@@ -162,6 +164,7 @@ test_cp2 = check_table(
         check_derived_route_decoder_and_encoder,
         check_refusals_before_any_collective,
         *trust.CHECKS,
+        *tiles.CHECKS,
     ],
     2,
 )
