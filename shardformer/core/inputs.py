@@ -142,6 +142,14 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
         }
     if "image_sizes" in params:
         return _sized_images(config, channels, size, batch, g)
+    if "spatial_shapes" in params and isinstance(getattr(vision, "num_patches", None), int):
+        return _patchified_images(vision, channels, batch, g, vision.num_patches)
+    if "image_patches" in params:  # Fuyu: a linear embedding of flattened patches, no vision tower
+        return {
+            "pixel_values": _patchified_images(vision, channels, batch, g, (size // vision.patch_size) ** 2)[
+                "pixel_values"
+            ]
+        }
     pixels = torch.randn(batch, channels, size, size, generator=g)
     return {"pixel_values": pixels[:, None] if "pixel_attention_mask" in params else pixels}
 
@@ -157,6 +165,19 @@ def _sized_images(config, channels: int, side: int, batch: int, g: torch.Generat
         return {"pixel_values": torch.randn(batch, channels, side, side, generator=g), "image_sizes": sizes}
     tiles = 1 + (height // side) * (width // side)
     return {"pixel_values": torch.randn(batch, tiles, channels, side, side, generator=g), "image_sizes": sizes}
+
+
+def _patchified_images(vision, channels: int, batch: int, g: torch.Generator, patches: int) -> dict:
+    """Images already cut into flattened patches (SigLIP 2's NaFlex processor, Fuyu's): a square grid of
+    at most ``patches`` patches, each ``channels x patch x patch`` values, with the grid's ``spatial_shapes``
+    and a mask that keeps every patch."""
+    side = int(patches**0.5)
+    patch = channels * vision.patch_size * vision.patch_size
+    return {
+        "pixel_values": torch.randn(batch, side * side, patch, generator=g),
+        "pixel_attention_mask": torch.ones(batch, side * side, dtype=torch.long),
+        "spatial_shapes": torch.tensor([[side, side]] * batch),
+    }
 
 
 def _special_tokens(config) -> dict[str, int]:
@@ -197,8 +218,8 @@ def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor, qformer_ids=
             out = tower.get_image_features(**one)
     except Exception:  # noqa: BLE001 - a model wanting more than the recipe gives: text only
         return ids
-    features = getattr(out, "pooler_output", None)
-    features = out if features is None else features
+    features = getattr(out, "pooler_output", None)  # the features the model places, by transformers' convention
+    features = getattr(out, "last_hidden_state", out) if features is None else features  # Fuyu: no pooling
     first = features[0] if isinstance(features, (list, tuple)) else features
     if not torch.is_tensor(first) or first.dim() < 2:
         return ids
