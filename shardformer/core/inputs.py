@@ -14,6 +14,9 @@ from shardformer.core.side_inputs import side_inputs
 from shardformer.core.tiny import VOCAB
 
 SEQ = 8  # tokens per sequence
+# model type -> the config value its processor pads every text to (Perceiver's masked-LM decoder has one
+# query per position, so its logits and labels meet only at that length)
+PADDED_TO = {"perceiver": "max_position_embeddings"}
 
 
 def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
@@ -31,11 +34,16 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x = x if config is not None else {"x": x["pixel_values"]}  # timm: positional
         if name.endswith("ForImageClassification"):
             x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+        if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:  # an image captioner
+            x["decoder_input_ids"] = torch.randint(3, _vocab(model, config), (batch, SEQ), generator=g)
         return x
     if main in ("input_values", "input_features"):  # speech: a waveform or log-mel features
         x = audio_inputs(config, main, batch, g)
+    elif main == "inputs" and "input_ids" not in params:  # Perceiver without a preprocessor: features
+        x = {"inputs": torch.randn(batch, SEQ, config.d_model, generator=g)}
     else:
-        x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, SEQ), generator=g), config)}
+        length = getattr(config, PADDED_TO.get(getattr(config, "model_type", None), ""), SEQ)
+        x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, length), generator=g), config)}
     if "input_ids" in x:
         x.update(side_inputs(config, params, tuple(x["input_ids"].shape), g))
     qformer = getattr(config, "qformer_config", None)
@@ -52,9 +60,17 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     if ids is not None and getattr(config, "is_encoder_decoder", False) and isinstance(eos, int):
         ids.masked_fill_(ids == eos, 3 if eos != 3 else 4)  # encoder-decoder classifiers pool at the one
         ids[:, -1] = eos  # end-of-sequence token each sample must hold
+    sep = getattr(config, "sep_token_id", None)
+    if ids is not None and name.endswith("ForQuestionAnswering") and isinstance(sep, int) and ids.shape[1] > 4:
+        ids.masked_fill_(ids == sep, 3 if sep != 3 else 4)  # a question, then its context, as a tokenizer
+        ids[:, [2, 3, -1]] = sep  # pairs them (q </s></s> c </s>): Longformer counts the three separators
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:  # not an encoder's head
         targets = torch.randint(3, _vocab(model, config), (batch, SEQ), generator=g)
         x["labels" if name.endswith("ForConditionalGeneration") else "decoder_input_ids"] = targets
+    elif name.endswith("ForCausalLM") and _codebooks(model, config):  # MusicGen's decoder: ids per codebook
+        books = _codebooks(model, config)
+        x["input_ids"] = torch.randint(3, _vocab(model, config), (batch * books, SEQ), generator=g)
+        x["labels"] = x["input_ids"].reshape(batch, books, SEQ).transpose(1, 2).clone()
     elif name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
         x["labels"] = ids.clone()
     elif name.endswith(("ForSequenceClassification", "ForAudioClassification")):
@@ -111,6 +127,15 @@ def _plain_inputs(model: nn.Module, params, batch: int, g: torch.Generator) -> d
     return {first: torch.randint(0, min(sizes), (batch, SEQ), generator=g)}
 
 
+def _codebooks(model: nn.Module, config) -> int:
+    """The codebooks a decoder embeds one table each of (MusicGen: ids ``[batch * codebooks, seq]``), or 0."""
+    books = getattr(config, "num_codebooks", None)
+    if not isinstance(books, int) or getattr(config, "is_encoder_decoder", False):
+        return 0
+    tables = (m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == books)
+    return books if any(all(isinstance(t, nn.Embedding) for t in m) for m in tables) else 0
+
+
 def _vocab(model: nn.Module, config) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "vocab_size", None):
@@ -125,7 +150,8 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
     """Random images as the model takes them: a batch of pictures; one picture per sample (Idefics2/3,
     SmolVLM: their ``pixel_attention_mask``); or patches with their grid (Qwen2-VL: ``image_grid_thw``,
     a 2×2 grid of merged patches per image)."""
-    vision = getattr(config, "vision_config", config)
+    encoder = getattr(config, "encoder", None)  # VisionEncoderDecoder: the image size is its encoder's
+    vision = getattr(config, "vision_config", encoder if hasattr(encoder, "image_size") else config)
     size = getattr(vision, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", None)
     # a timm model without a patch embedding (HaloNet: 256 x 256 only): the size it was built for
     size = size or (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224))[1:] or (224,)
