@@ -27,6 +27,9 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     name = type(model).__name__
     main = getattr(model, "main_input_name", "input_ids")
     params = inspect.signature(model.forward).parameters
+    encoder_main = getattr(getattr(model, "encoder", None), "main_input_name", None)
+    if main == "inputs" and encoder_main in params:  # SpeechEncoderDecoder: what its encoder reads
+        main = encoder_main
     if config is None and not _is_timm(model):
         return _plain_inputs(model, params, batch, g)
     if main == "pixel_values" and "input_ids" not in params or not hasattr(model, "config"):
@@ -150,8 +153,7 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
     """Random images as the model takes them: a batch of pictures; one picture per sample (Idefics2/3,
     SmolVLM: their ``pixel_attention_mask``); or patches with their grid (Qwen2-VL: ``image_grid_thw``,
     a 2×2 grid of merged patches per image)."""
-    encoder = getattr(config, "encoder", None)  # VisionEncoderDecoder: the image size is its encoder's
-    vision = getattr(config, "vision_config", encoder if hasattr(encoder, "image_size") else config)
+    vision = _vision_config(config)
     size = getattr(vision, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", None)
     # a timm model without a patch embedding (HaloNet: 256 x 256 only): the size it was built for
     size = size or (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224))[1:] or (224,)
@@ -191,6 +193,16 @@ def _sized_images(config, channels: int, side: int, batch: int, g: torch.Generat
         return {"pixel_values": torch.randn(batch, channels, side, side, generator=g), "image_sizes": sizes}
     tiles = 1 + (height // side) * (width // side)
     return {"pixel_values": torch.randn(batch, tiles, channels, side, side, generator=g), "image_sizes": sizes}
+
+
+def _vision_config(config):
+    """The config that sizes the images: the vision tower's, also inside an encoder (T5Gemma 2), or the
+    encoder itself (VisionEncoderDecoder), else the model's own."""
+    encoder = getattr(config, "encoder", None)
+    for found in (getattr(config, "vision_config", None), getattr(encoder, "vision_config", None)):
+        if found is not None:
+            return found
+    return encoder if hasattr(encoder, "image_size") else config
 
 
 def _patchified_images(vision, channels: int, batch: int, g: torch.Generator, patches: int) -> dict:
