@@ -52,7 +52,8 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     qformer = getattr(config, "qformer_config", None)
     if "qformer_input_ids" in params and qformer is not None:  # InstructBLIP's instruction to its Q-Former
         x["qformer_input_ids"] = torch.randint(3, qformer.vocab_size, (batch, SEQ), generator=g)
-    if "pixel_values" in params and "input_ids" in x:  # two towers (CLIP), an image-text model
+    no_tower = "vision_config" in getattr(config, "__dict__", {}) and config.vision_config is None
+    if "pixel_values" in params and "input_ids" in x and not no_tower:  # two towers (CLIP), an image-text model
         x.update(_images(model, config, batch, g))
         x["input_ids"] = _with_image_tokens(model, config, x["input_ids"], x.get("qformer_input_ids"))
         if "mm_token_type_ids" in params:  # which tokens are image features (Qwen2-VL's multimodal rotary)
