@@ -218,6 +218,30 @@ def unsharded_failure(class_name: str, flip: dict | None = None, generate: bool 
     return None
 
 
+def tiny_config_class(class_name: str) -> str:
+    import transformers as tf
+
+    return getattr(tf, class_name).config_class.__name__
+
+
+def default_build_failure(class_name: str) -> str | None:
+    """Why the class built from its default config (with the values its checkpoints set, on the meta
+    device: no memory) fails, or None when it builds: a tiny copy of that config cannot do better."""
+    import torch
+    import transformers as tf
+
+    model_class = getattr(tf, class_name)
+    try:
+        config = model_class.config_class()
+        for key, value in AS_CHECKPOINTS_SET.get(class_name, {}).items():
+            setattr(config, key, value)
+        with torch.device("meta"):
+            model_class(config)
+    except Exception as e:  # noqa: BLE001 - the reason the row names
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return None
+
+
 _UNSHARDED: dict[tuple[str, str], dict] = {}  # (class, flip) -> what check_unsharded found (rows per technique)
 
 
@@ -229,7 +253,10 @@ def check_unsharded(row: dict) -> None:
     if key not in _UNSHARDED:
         found: dict = {}
         failure = unsharded_failure(name, flip)  # the tiny model itself: nothing to shard
-        if failure is not None and failure[0] == "config":  # a config we cannot scale down
+        upstream = default_build_failure(name) if failure is not None and failure[0] == "config" else None
+        if upstream is not None:  # not the recipe's doing: the class's own default config builds no model
+            set_reason(found, NOT_TESTED, f"upstream: {name}({tiny_config_class(name)}()) does not build: {upstream}")
+        elif failure is not None and failure[0] == "config":  # a config we cannot scale down
             set_reason(found, NOT_TESTED, f"no tiny copy that runs: {failure[1]}")
         elif failure is not None:
             set_reason(found, NOT_TESTED, f"the tiny unsharded model fails in {failure[0]}: {failure[1]}")

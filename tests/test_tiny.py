@@ -10,7 +10,7 @@ import transformers as tf
 
 from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
-from shardformer.core.tiny_layers import kept_layers
+from shardformer.core.tiny_layers import kept_layers, layer_overrides
 from shardformer.core.tiny_run import MAX_PARAMS, TinyCopyError, runnable_tiny_config
 
 # class -> the user's config (None: the class's default): each failed to give a tiny copy that runs
@@ -61,6 +61,13 @@ def test_one_layer_of_each_kind_is_kept():
     assert kept_layers(data, {}) == [0, 1, 2]  # a, a in the MoE list, b
     assert kept_layers({"num_hidden_layers": 6, "layer_types": ["a"] * 6}, {}) == [0, 1]
     assert kept_layers({"num_hidden_layers": 6}, {}) is None
+    # each layer's source of keys and values (Mistral Large 4): a kept layer's source is kept, renumbered
+    sources = [0, 1, 2, 2, 4, 5, 6, 7]
+    data = {"num_hidden_layers": 8, "layer_types": list("aaabaaaa"), "kv_source_layers": sources}
+    assert kept_layers(data, {}) == [0, 2, 3]  # a, b's source, b
+    assert layer_overrides(data, {}, [0, 2, 3], lambda key: True, dict)["kv_source_layers"] == [0, 1, 1]
+    mistral = tiny_copy_config(tf.MistralLarge4Config(), tp=2).get_text_config()
+    assert mistral.num_hidden_layers < 8 and mistral.kv_source_layers == list(range(mistral.num_hidden_layers))
     gemma4 = tiny_copy_config(tf.Gemma4TextConfig(), tp=2)
     assert gemma4.layer_types == ["sliding_attention", "full_attention"]
     assert gemma4.to_dict()["per_layer_config"] == {

@@ -8,7 +8,7 @@ import torch
 
 FRAMES = 8  # frames the feature encoder leaves of a waveform: a few, as tokens are for text
 SAMPLES = 4000  # a quarter second at 16 kHz: a waveform for an encoder whose strides the config does not name
-_SUB_CONFIGS = ("encoder_config", "audio_config", "speech_config")  # where a speech tower's sizes live
+_SUB_CONFIGS = ("encoder_config", "audio_config", "speech_config", "encoder")  # where a speech tower's sizes live
 
 
 def audio_inputs(config, main: str, batch: int, g: torch.Generator) -> dict:

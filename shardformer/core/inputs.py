@@ -15,6 +15,9 @@ from shardformer.core.side_inputs import side_inputs
 from shardformer.core.tiny import VOCAB
 
 SEQ = 8  # tokens per sequence
+# model type -> the config value its processor pads every text to (Perceiver's masked-LM decoder has one
+# query per position, so its logits and labels meet only at that length)
+PADDED_TO = {"perceiver": "max_position_embeddings"}
 
 
 def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
@@ -29,6 +32,9 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     name = type(model).__name__
     main = getattr(model, "main_input_name", "input_ids")
     params = inspect.signature(model.forward).parameters
+    encoder_main = getattr(getattr(model, "encoder", None), "main_input_name", None)
+    if main == "inputs" and encoder_main in params:  # SpeechEncoderDecoder: what its encoder reads
+        main = encoder_main
     if config is None and not _is_timm(model):
         return _plain_inputs(model, params, batch, g)
     if main == "pixel_values" and "input_ids" not in params or not hasattr(model, "config"):
@@ -36,17 +42,23 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x = x if config is not None else {"x": x["pixel_values"]}  # timm: positional
         if name.endswith("ForImageClassification"):
             x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+        if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:  # an image captioner
+            x["decoder_input_ids"] = torch.randint(3, _vocab(model, config), (batch, SEQ), generator=g)
         return x
     if main in ("input_values", "input_features"):  # speech: a waveform or log-mel features
         x = audio_inputs(config, main, batch, g)
+    elif main == "inputs" and "input_ids" not in params:  # Perceiver without a preprocessor: features
+        x = {"inputs": torch.randn(batch, SEQ, config.d_model, generator=g)}
     else:
-        x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, SEQ), generator=g), config)}
+        length = getattr(config, PADDED_TO.get(getattr(config, "model_type", None), ""), SEQ)
+        x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, length), generator=g), config)}
     if "input_ids" in x:
         x.update(side_inputs(config, params, tuple(x["input_ids"].shape), g))
     qformer = getattr(config, "qformer_config", None)
     if "qformer_input_ids" in params and qformer is not None:  # InstructBLIP's instruction to its Q-Former
         x["qformer_input_ids"] = torch.randint(3, qformer.vocab_size, (batch, SEQ), generator=g)
-    if "pixel_values" in params and "input_ids" in x:  # two towers (CLIP), an image-text model
+    no_tower = "vision_config" in getattr(config, "__dict__", {}) and config.vision_config is None
+    if "pixel_values" in params and "input_ids" in x and not no_tower:  # two towers (CLIP), an image-text model
         x.update(_images(model, config, batch, g))
         x["input_ids"] = _with_image_tokens(model, config, x["input_ids"], x.get("qformer_input_ids"))
         if "mm_token_type_ids" in params:  # which tokens are image features (Qwen2-VL's multimodal rotary)
@@ -57,9 +69,17 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     if ids is not None and getattr(config, "is_encoder_decoder", False) and isinstance(eos, int):
         ids.masked_fill_(ids == eos, 3 if eos != 3 else 4)  # encoder-decoder classifiers pool at the one
         ids[:, -1] = eos  # end-of-sequence token each sample must hold
+    sep = getattr(config, "sep_token_id", None)
+    if ids is not None and name.endswith("ForQuestionAnswering") and isinstance(sep, int) and ids.shape[1] > 4:
+        ids.masked_fill_(ids == sep, 3 if sep != 3 else 4)  # a question, then its context, as a tokenizer
+        ids[:, [2, 3, -1]] = sep  # pairs them (q </s></s> c </s>): Longformer counts the three separators
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:  # not an encoder's head
         targets = torch.randint(3, _vocab(model, config), (batch, SEQ), generator=g)
         x["labels" if name.endswith("ForConditionalGeneration") else "decoder_input_ids"] = targets
+    elif name.endswith("ForCausalLM") and _codebooks(model, config):  # MusicGen's decoder: ids per codebook
+        books = _codebooks(model, config)
+        x["input_ids"] = torch.randint(3, _vocab(model, config), (batch * books, SEQ), generator=g)
+        x["labels"] = x["input_ids"].reshape(batch, books, SEQ).transpose(1, 2).clone()
     elif name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
         x["labels"] = ids.clone()
     elif name.endswith(("ForSequenceClassification", "ForAudioClassification")):
@@ -124,6 +144,15 @@ def _plain_inputs(model: nn.Module, params, batch: int, g: torch.Generator) -> d
     return {first: torch.randint(0, min(sizes), (batch, SEQ), generator=g)}
 
 
+def _codebooks(model: nn.Module, config) -> int:
+    """The codebooks a decoder embeds one table each of (MusicGen: ids ``[batch * codebooks, seq]``), or 0."""
+    books = getattr(config, "num_codebooks", None)
+    if not isinstance(books, int) or getattr(config, "is_encoder_decoder", False):
+        return 0
+    tables = (m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == books)
+    return books if any(all(isinstance(t, nn.Embedding) for t in m) for m in tables) else 0
+
+
 def _vocab(model: nn.Module, config) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "vocab_size", None):
@@ -138,7 +167,7 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
     """Random images as the model takes them: a batch of pictures; one picture per sample (Idefics2/3,
     SmolVLM: their ``pixel_attention_mask``); or patches with their grid (Qwen2-VL: ``image_grid_thw``,
     a 2×2 grid of merged patches per image)."""
-    vision = getattr(config, "vision_config", config)
+    vision = _vision_config(config)
     size = getattr(vision, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", None)
     # a timm model without a patch embedding (HaloNet: 256 x 256 only): the size it was built for
     size = size or (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224))[1:] or (224,)
@@ -155,6 +184,14 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
         }
     if "image_sizes" in params and (getattr(config, "image_grid_pinpoints", None) or _tower_takes_sizes(model, vision)):
         return _sized_images(config, channels, size, batch, g)
+    if "spatial_shapes" in params and isinstance(getattr(vision, "num_patches", None), int):
+        return _patchified_images(vision, channels, batch, g, vision.num_patches)
+    if "image_patches" in params:  # Fuyu: a linear embedding of flattened patches, no vision tower
+        return {
+            "pixel_values": _patchified_images(vision, channels, batch, g, (size // vision.patch_size) ** 2)[
+                "pixel_values"
+            ]
+        }
     pixels = torch.randn(batch, channels, size, size, generator=g)
     return {"pixel_values": pixels[:, None] if "pixel_attention_mask" in params else pixels}
 
@@ -183,6 +220,29 @@ def _sized_images(config, channels: int, side: int, batch: int, g: torch.Generat
         return {"pixel_values": torch.randn(batch, channels, side, side, generator=g), "image_sizes": sizes}
     tiles = 1 + (height // side) * (width // side)
     return {"pixel_values": torch.randn(batch, tiles, channels, side, side, generator=g), "image_sizes": sizes}
+
+
+def _vision_config(config):
+    """The config that sizes the images: the vision tower's, also inside an encoder (T5Gemma 2), or the
+    encoder itself (VisionEncoderDecoder), else the model's own."""
+    encoder = getattr(config, "encoder", None)
+    for found in (getattr(config, "vision_config", None), getattr(encoder, "vision_config", None)):
+        if found is not None:
+            return found
+    return encoder if hasattr(encoder, "image_size") else config
+
+
+def _patchified_images(vision, channels: int, batch: int, g: torch.Generator, patches: int) -> dict:
+    """Images already cut into flattened patches (SigLIP 2's NaFlex processor, Fuyu's): a square grid of
+    at most ``patches`` patches, each ``channels x patch x patch`` values, with the grid's ``spatial_shapes``
+    and a mask that keeps every patch."""
+    side = int(patches**0.5)
+    patch = channels * vision.patch_size * vision.patch_size
+    return {
+        "pixel_values": torch.randn(batch, side * side, patch, generator=g),
+        "pixel_attention_mask": torch.ones(batch, side * side, dtype=torch.long),
+        "spatial_shapes": torch.tensor([[side, side]] * batch),
+    }
 
 
 def _special_tokens(config) -> dict[str, int]:
@@ -223,8 +283,8 @@ def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor, qformer_ids=
             out = tower.get_image_features(**one)
     except Exception:  # noqa: BLE001 - a model wanting more than the recipe gives: text only
         return ids
-    features = getattr(out, "pooler_output", None)
-    features = out if features is None else features
+    features = getattr(out, "pooler_output", None)  # the features the model places, by transformers' convention
+    features = getattr(out, "last_hidden_state", out) if features is None else features  # Fuyu: no pooling
     first = features[0] if isinstance(features, (list, tuple)) else features
     if not torch.is_tensor(first) or first.dim() < 2:
         return ids

@@ -181,6 +181,8 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[key] = [max(SIZES["head_dim"], round(v * sizes["hidden_size"] / hidden)) for v in value]  # conv_dim
         elif not isinstance(value, int) or isinstance(value, bool):
             continue
+        elif key.endswith("vocab_size") and value == data.get("vocab_size"):  # Marian's decoder_vocab_size
+            out[key] = VOCAB
         elif key.endswith(_ID_WORDS):
             out[key] = value if 0 <= value < VOCAB else special.get(value, SIZES["eos_token_id"])
         elif key.endswith("layers") and value > 2:

@@ -2,7 +2,8 @@
 
 A hybrid model's per-layer schedule (``layer_types``: sliding and full attention, linear attention
 and attention, Mamba and attention; ``no_rope_layers``; lists of layer indices such as Zamba2's
-``hybrid_layer_ids``; Gemma 4's ``per_layer_config``) must keep its length equal to the depth, and
+``hybrid_layer_ids``; Gemma 4's ``per_layer_config``; Mistral Large 4's ``kv_source_layers``, each layer's
+source of keys and values) must keep its length equal to the depth, and
 a tiny copy of two layers cut from the front may hold only one kind (Qwen3-Next's first full
 attention layer is its fourth). The tiny copy keeps the first layer of every distinct kind, in
 order, and every per-layer setting follows the kept layers. A hybrid's layers must also run small
@@ -31,6 +32,18 @@ def _per_layer_lists(data: dict, depth: int, settable) -> dict[str, list]:
         k: list(v)
         for k, v in data.items()
         if isinstance(v, (list, tuple)) and len(v) == depth and settable(k) and not k.startswith("_")
+    }
+
+
+def _source_lists(lists: dict[str, list]) -> dict[str, list[int]]:
+    """Per-layer lists whose values are layer indices, each layer's at most its own (Mistral Large 4's
+    ``kv_source_layers``: the earlier layer whose keys and values a layer reads): more values than kinds
+    of layer, so indices to renumber, not a schedule."""
+    return {
+        k: v
+        for k, v in lists.items()
+        if len(set(v)) > MAX_KINDS
+        and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= i for i, s in enumerate(v))
     }
 
 
@@ -66,6 +79,8 @@ def kept_layers(data: dict, aliases: dict, settable=lambda key: True, count: int
         if len(kinds.setdefault(kind, [])) < per_kind:
             kinds[kind].append(i)
     keep = sorted(i for layers in kinds.values() for i in layers)
+    for sources in _source_lists(_per_layer_lists(data, depth, settable)).values():
+        keep = sorted({*keep, *(sources[i] for i in keep)})  # a kept layer's source is kept with it
     rest = (i for i in range(depth) if i not in keep)
     while len(keep) < (count or 2):
         keep = sorted({*keep, next(rest)})
@@ -77,8 +92,10 @@ def layer_overrides(data: dict, aliases: dict, keep: list[int], settable, scale)
     indices, ``per_layer_config`` (its values passed through ``scale(dict) -> dict``)."""
     depth = depth_of(data, aliases)
     out = {k: len(keep) for k in depth_keys(aliases) if data.get(k) == depth}
-    for key, values in _per_layer_lists(data, depth, settable).items():
-        out[key] = [values[i] for i in keep]
+    lists = _per_layer_lists(data, depth, settable)
+    sources = _source_lists(lists)
+    for key, values in lists.items():
+        out[key] = [keep.index(values[i]) if key in sources else values[i] for i in keep]
     for key, indices in _index_lists(data, depth, settable).items():
         out[key] = [keep.index(i) for i in indices if i in keep]
     if data.get("per_layer_config") and settable("per_layer_config"):
