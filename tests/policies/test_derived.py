@@ -33,6 +33,7 @@ OPT_DEFAULT_FFN = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=
 EXACT = [
     ("liar", {}),
     ("liar", {"head_norm": True}),
+    ("liar", {"head_scale": True}),  # a scale of the queries shared by the heads: its gradient summed over tp
     ("OPTForCausalLM", {}),
     ("BartForConditionalGeneration", {}),
     ("RobertaForMaskedLM", {}),
@@ -57,6 +58,9 @@ EXACT = [
     # the ratio, 1536 beside 32): reported 1e-3 off, measured at rounding (gradients within 1e-6 of their
     # scale, as the unsharded model in fp32 is of its fp64 self)
     ("sized:OPTForCausalLM", OPT_DEFAULT_FFN),
+    # a table computed once from the boxes (Bros's bbox_projection), read by each rank's heads in every
+    # block: its gradient summed over tp
+    ("runnable:BrosForTokenClassification", {}),
     # CodeGen regroups its fused qkv into 4 fixed blocks of [q | v | k]: 12 blocks cut, the output
     # projection's input in 4 (derived on a wider copy: 4 blocks of one head cannot split)
     ("sized:CodeGenForCausalLM", dict(n_embd=128, n_head=16, n_layer=2, vocab_size=300, rotary_dim=4, n_positions=64)),
@@ -80,6 +84,16 @@ def test_fused_blocks_and_per_rank_attributes_are_found_by_simulation():
     assert rule.cols == {"mixer.down_proj": 3, "o_proj": 2}  # [Q | K | V] and [gate | up]
     assert rule.rows == {"mixer.q_proj", "up_proj"}
     assert rule.divide == {"mixer.num_heads"}
+
+
+def test_tables_read_by_the_heads_alone_have_their_gradients_summed():
+    """A parameter whose output meets only this rank's heads before a row projection (a position
+    table read inside the attention, or one the model computes once and hands to every block) gets a
+    part of its gradient on each rank; one that also reaches a column or the outputs is left alone."""
+    derivation = derive(factory("runnable:BrosForTokenClassification")(), 2)
+    assert derivation.grad_sum == {"bros.bbox_embeddings.bbox_projection"}
+    assert derive(liar(head_norm=True), 2).rules[type(liar().layers[0])].grad_sum == {"mixer.q_norm"}
+    assert derive(liar(head_scale="both"), 2).rules[type(liar().layers[0])].grad_sum == set()
 
 
 def test_route_order():
@@ -182,7 +196,7 @@ def _ranks(cases, refused):
 
 
 def test_derived_models_are_exact_or_refused():
-    refused = [("liar", {"head_scale": True}), ("liar", {"mix_heads": True})]
+    refused = [("liar", {"head_scale": "both"}), ("liar", {"mix_heads": True})]
     results = run_on_ranks(_ranks, 2, EXACT, refused)
     out = results[0]
     for name, options in EXACT:
@@ -198,9 +212,9 @@ def test_derived_models_are_exact_or_refused():
     assert out["whisper"][0] == 99 // 2 + 1 and out["whisper"][1] < 1e-5, out["whisper"]
     full, local = out["t5 bias"]
     assert local == (full[0], full[1] // 2), out["t5 bias"]
-    # a per-dimension scale of the attention itself, shared by the heads: the forward is exact, its
-    # gradient on each rank is partial
-    liar_scale = out["refused liar{'head_scale': True}"]
+    # a scale shared by the heads that also scales the attention's input: the forward is exact, its
+    # gradient on each rank part whole, part its heads' (no sum over ranks is exact)
+    liar_scale = out["refused liar{'head_scale': 'both'}"]
     assert liar_scale.startswith("not proven") and "gradient of layers.0.mixer.head_scale" in liar_scale
     # queries that mix every head: no cut computes the attention exactly; the refusal names the group
     mixed = out["refused liar{'mix_heads': True}"]

@@ -38,11 +38,11 @@ def value_at(root: nn.Module, dotted: str):
     return obj
 
 
-def run_hooked(model: nn.Module, inputs: dict, handles: list, mode=None) -> None:
-    """One forward of ``model`` without gradients (under ``mode`` if given), then its hooks removed."""
+def run_hooked(model: nn.Module, inputs: dict, handles: list, mode=None):
+    """One forward of ``model`` without gradients (under ``mode`` if given), then its hooks removed; its output."""
     try:
         with mode or contextlib.nullcontext(), torch.no_grad():
-            model(**inputs)
+            return model(**inputs)
     finally:
         for h in handles:
             h.remove()

@@ -81,6 +81,8 @@ class DerivedPolicy(TpPlanPolicy):
                 )
             self._cut_block(block, modules, rule, tp, config, layers, attrs)
         self._cut_heads(pooling_heads(model), derivation, modules, tp, config, layers, attrs)
+        for path in derivation.grad_sum:  # computed once, read by each rank's heads in every block
+            _add_layer(layers, path, GradAllReduce)
         if not layers:
             if config is None:  # a timm model or a plain module: convolutions, or projections a Policy may name
                 raise no_stack(model)
@@ -221,9 +223,6 @@ class DerivedPolicy(TpPlanPolicy):
         for rel in rule.split_norms:
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=SplitLayerNorm)
-        for rel in rule.grad_sum:
-            if f"{block}.{rel}" in modules:
-                layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=GradAllReduce)
         for rel, dims in rule.head_params.items():
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims))
@@ -238,6 +237,10 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, row in rule.local_widths.items():  # after the module's own cut (its biases) above
             path = f"{block}.{rel}" if rel else block
             _add_layer(layers, path, local_widths_layer(out_width(modules[f"{block}.{row}"])))
+        for rel in rule.grad_sum:  # beside what else replaces the module (its per-rank widths)
+            path = f"{block}.{rel}" if rel else block
+            if path in modules:
+                _add_layer(layers, path, GradAllReduce)
         # a class's blocks differ inside (T5's encoder and decoder blocks): attributes of modules it has
         divide = {d for d in rule.divide if not _owner(d) or f"{block}.{_owner(d)}" in modules}
         attrs.update({f"{block}.{k}": v for k, v in per_rank_attributes(modules[block], divide, tp).items()})

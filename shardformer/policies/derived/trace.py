@@ -11,6 +11,11 @@ was computed from (the nearest ones). Then, per projection (``nn.Linear`` or tra
   (attention's output projection after q / k / v, an MLP's second layer);
 - it reads neither (a projection of position or time embeddings): left whole.
 
+The same forward follows, over the whole model, which parameters each tensor was computed from
+(its **origins**, reset to a projection's own parameters at each projection inside a block): what
+each projection of a block reads, and what the model's outputs are made of, say whose gradient a cut
+leaves partial on each rank (`.partial_grads`).
+
 Names never decide: a model whose projections are renamed is traced the same.
 """
 
@@ -39,11 +44,15 @@ class Flow:
 
 
 class FlowMode(TorchFunctionMode):
-    """Propagates `Flow` through every torch function called while it is active."""
+    """Propagates `Flow` (inside the block running) and origins (everywhere: the names of the
+    parameters a tensor was computed from, ``names`` mapping their ids) through every torch function
+    called while it is active."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: dict[int, str] | None = None) -> None:
         super().__init__()
         self.flows: dict[int, Flow] = {}
+        self.names = names or {}
+        self.origins: dict[int, frozenset[str]] = {}
         self.alive: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.used: set[int] = set()  # ids of every tensor a function read (parameters are long-lived)
 
@@ -53,6 +62,22 @@ class FlowMode(TorchFunctionMode):
     def set(self, t: torch.Tensor, flow: Flow) -> None:
         self.flows[id(t)] = flow
         self.alive.append(t)
+
+    def origins_of(self, tensors) -> frozenset[str]:
+        """The names of the parameters any of ``tensors`` (a pytree) was computed from, or is."""
+        found: set[str] = set()
+        for t in tree_leaves(tensors):
+            if torch.is_tensor(t):
+                found |= self.origins.get(id(t), frozenset())
+                if id(t) in self.names:
+                    found.add(self.names[id(t)])
+        return frozenset(found)
+
+    def set_origins(self, out, origins: frozenset[str]) -> None:
+        for t in tree_leaves(out):
+            if torch.is_tensor(t):
+                self.origins[id(t)] = origins
+                self.alive.append(t)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -66,6 +91,9 @@ class FlowMode(TorchFunctionMode):
             for t in tree_leaves(out):
                 if torch.is_tensor(t):
                     self.set(t, merged)
+        origins = self.origins_of((args, kwargs))
+        if origins:
+            self.set_origins(out, origins)
         return out
 
 
@@ -80,6 +108,10 @@ class Trace:
     # projections never called whose weight the block's code reads itself (``F.linear(x, self.qkv.weight,
     # bias)``: timm's EVA and BEiT attention with a q/v bias): a cut layer cannot stand in for them
     bypassed: dict[str, list[str]] = field(default_factory=dict)
+    # per block: the parameters (model-wide names) each projection's input was computed from; and those
+    # the model's outputs were computed from without passing through a block's projection
+    origins: dict[str, dict[str, frozenset[str]]] = field(default_factory=dict)
+    output_origins: frozenset[str] = frozenset()
 
 
 def _leaf_with_params(module: nn.Module) -> bool:
@@ -90,7 +122,7 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
     """One forward of ``model`` on ``inputs``, following the flows inside every repeated block."""
     blocks = repeated_blocks(model)
     result = Trace(blocks, pooling_heads(model))
-    mode = FlowMode()
+    mode = FlowMode({id(p): name for name, p in model.named_parameters()})
     handles = []
     current: list[str] = []
 
@@ -102,6 +134,7 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
             current.append(path)
             result.reads.setdefault(path, {})
             result.leaf_reads.setdefault(path, {})
+            result.origins.setdefault(path, {})
             for t in tree_leaves((args, kwargs)):
                 if torch.is_tensor(t) and t.is_floating_point() and t.dim() >= 2 and t.shape[-1] in widths:
                     mode.set(t, Flow(stream=True))
@@ -119,12 +152,17 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
                 x = next((t for t in tree_leaves(args) if torch.is_tensor(t)), None)
                 flow = mode.get(x) or Flow()
                 reads[block_path][rel] = reads[block_path].get(rel, Flow()) | flow
+                if is_projection(module):
+                    seen = result.origins[block_path].get(rel, frozenset())
+                    result.origins[block_path][rel] = seen | mode.origins_of(x)
 
         def after(_m, _args, out):
             if current and current[-1] == block_path and is_projection(module):
                 for t in tree_leaves(out):
                     if torch.is_tensor(t):
                         mode.set(t, Flow(sources=frozenset([rel])))
+                # what the projection read is recorded above: its output is made of its own parameters
+                mode.set_origins(out, mode.origins_of(list(module.parameters())))
 
         return before, after
 
@@ -137,7 +175,8 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
             if rel and (is_projection(m) or _leaf_with_params(m)):
                 before, after = leaf_hooks(path, rel, m)
                 handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
-    run_hooked(model, inputs, handles, mode)
+    output = run_hooked(model, inputs, handles, mode)
+    result.output_origins = mode.origins_of(list(output.values()) if isinstance(output, dict) else output)
     for path in blocks + result.heads:
         result.bypassed[path] = [
             rel
