@@ -16,7 +16,14 @@ import torch.nn as nn
 
 from shardformer.core.refusal import HEADS, POLICY, fix_of
 from shardformer.policies.derived.attributes import per_rank_attributes
-from shardformer.policies.derived.blocks import is_projection, out_width, pooling_heads, repeated_blocks, value_at
+from shardformer.policies.derived.blocks import (
+    blocks_to_cut,
+    is_projection,
+    out_width,
+    pooling_heads,
+    repeated_blocks,
+    value_at,
+)
 from shardformer.policies.derived.column_cuts import cut_options
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
 from shardformer.policies.derived.heads import head_inputs_layer
@@ -46,7 +53,7 @@ class DerivedPolicy(TpPlanPolicy):
         model, tp = self.model, shard_config.tensor_parallel_size
         if tp == 1:  # nothing to cut (cp-only, dp-only): derive nothing, the model stays as it is
             return {type(model): Argument({}, [list])}
-        if getattr(model, "config", None) is None and not repeated_blocks(model):
+        if getattr(model, "config", None) is None and not blocks_to_cut(model):
             raise no_stack(model)
         whole, tower = self.tower_of or (model, "")
         derivation = derive(whole, tp, tower)
@@ -72,7 +79,7 @@ class DerivedPolicy(TpPlanPolicy):
         modules = dict(model.named_modules())
         layers: dict[str, Layer] = {}
         attrs: dict[str, object] = {}
-        for block in repeated_blocks(model):
+        for block in blocks_to_cut(model):
             rule = derivation.rules.get(type(modules[block]))
             if rule is None:
                 raise NotDerivableError(
@@ -285,7 +292,7 @@ def derived_model(model: nn.Module) -> bool:
     """Whether ``model`` could take the derived route: it has repeated blocks (a transformers model's
     config is scaled down to a tiny copy; any other module is copied with two blocks per stack), or it
     is no transformers model (the route then refuses it with the reason: a convolutional network)."""
-    return bool(repeated_blocks(model)) or not has_config(model)
+    return bool(blocks_to_cut(model)) or not has_config(model)
 
 
 @functools.cache

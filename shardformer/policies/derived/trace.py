@@ -1,7 +1,7 @@
 """What each projection of a model does, read off one recorded forward of a tiny copy.
 
-One forward runs under a ``TorchFunctionMode`` that follows, for every tensor inside a repeated block
-(`.blocks.repeated_blocks`), two facts: does it still carry the block's **stream** (a block input
+One forward runs under a ``TorchFunctionMode`` that follows, for every tensor inside a block to cut
+(`.blocks.blocks_to_cut`), two facts: does it still carry the block's **stream** (a block input
 as wide as a projection reads) without passing through a projection, and which projections' outputs it
 was computed from (the nearest ones). Then, per projection (``nn.Linear`` or transformers' ``Conv1D``):
 
@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from shardformer.policies.derived.blocks import in_width, is_projection, pooling_heads, repeated_blocks, run_hooked
+from shardformer.policies.derived.blocks import blocks_to_cut, in_width, is_projection, pooling_heads, run_hooked
 
 
 @dataclass
@@ -120,7 +120,7 @@ def _leaf_with_params(module: nn.Module) -> bool:
 
 def trace(model: nn.Module, inputs: dict) -> Trace:
     """One forward of ``model`` on ``inputs``, following the flows inside every repeated block."""
-    blocks = repeated_blocks(model)
+    blocks = blocks_to_cut(model)
     result = Trace(blocks, pooling_heads(model))
     mode = FlowMode({id(p): name for name, p in model.named_parameters()})
     handles = []
