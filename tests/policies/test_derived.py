@@ -67,6 +67,9 @@ EXACT = [
     # ALBERT: one layer applied three times (its weights cut once, their gradients added over the
     # applications) after a factorised embedding (16 -> 32 through embedding_hidden_mapping_in)
     ("sized:AlbertForMaskedLM", ALBERT),
+    # MobileBERT: its attention and feed-forward layers read the bottlenecks' narrow output (projections of
+    # the stream left whole), not the stream: cut behind them
+    ("runnable:MobileBertForSequenceClassification", {}),
     # CodeGen regroups its fused qkv into 4 fixed blocks of [q | v | k]: 12 blocks cut, the output
     # projection's input in 4 (derived on a wider copy: 4 blocks of one head cannot split)
     ("sized:CodeGenForCausalLM", dict(n_embd=128, n_head=16, n_layer=2, vocab_size=300, rotary_dim=4, n_positions=64)),

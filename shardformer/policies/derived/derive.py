@@ -283,6 +283,8 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
     # their sweep was run with); in a head, projections after its attention's row read the stream
     plain = head or not has_config(tiny)
     groups, whole = pair(reads, replicated_columns=plain, after_rows=head)
+    if not groups and not head:  # no projection reads the stream and feeds a row: bottlenecks left whole
+        groups, whole = pair(reads, replicated_columns=plain, after_whole=True)
     if head and not attends(groups, set(packed)):
         return []
     for rel in packed:

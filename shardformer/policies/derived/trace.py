@@ -135,9 +135,14 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
             result.reads.setdefault(path, {})
             result.leaf_reads.setdefault(path, {})
             result.origins.setdefault(path, {})
-            for t in tree_leaves((args, kwargs)):
-                if torch.is_tensor(t) and t.is_floating_point() and t.dim() >= 2 and t.shape[-1] in widths:
-                    mode.set(t, Flow(stream=True))
+            floats = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t) and t.is_floating_point()]
+            stream = [t for t in floats if t.dim() >= 2 and t.shape[-1] in widths]
+            # none with the features last: channels first (a convolutional block's [batch, C, H, W] that
+            # its code turns channels-last before its projections: ConvNeXt's); else a stage's input, of
+            # a width no projection reads until the stage's patch embedding makes the stream (Segformer's)
+            stream = stream or [t for t in floats if t.dim() >= 3 and t.shape[1] in widths]
+            for t in stream or [t for t in floats if t.dim() >= 3]:
+                mode.set(t, Flow(stream=True))
 
         return hook
 
@@ -195,22 +200,32 @@ class Group:
 
 
 def pair(
-    reads: dict[str, Flow], replicated_columns: bool = False, after_rows: bool = False
+    reads: dict[str, Flow], replicated_columns: bool = False, after_rows: bool = False, after_whole: bool = False
 ) -> tuple[list[Group], list[str]]:
     """The column/row groups of one block's projections, and the projections left whole (with why).
     ``replicated_columns``: a row may also read a projection of a tensor every rank holds whole (timm's
     Swin-V2 relative position MLP, one value per head): that projection is one more column of the group,
     cut by its outputs. ``after_rows``: a projection reading only rows' outputs (whole on every rank
     after the row's all-reduce) reads the stream: a pooling head's MLP after its attention, with no
-    residual around the attention to carry the stream on."""
+    residual around the attention to carry the stream on. ``after_whole``: so does one reading only rows'
+    outputs and those of projections of the stream left whole (MobileBERT's bottlenecks, whose narrow
+    output its attention and feed-forward layers read in place of the stream); where the final pairing
+    does not bear that out, no group is found."""
+    original = reads
     groups, whole = _pair(reads, replicated_columns)
-    while after_rows:
-        rows = {g.row for g in groups}
-        fed = {rel: Flow(stream=True) for rel, f in reads.items() if not f.stream and f.sources and f.sources <= rows}
-        if not fed:
+    fed: set[str] = set()
+    while after_rows or after_whole:
+        replicated = {g.row for g in groups} | ({r for r in whole if reads[r].stream} if after_whole else set())
+        more = {rel for rel, f in reads.items() if not f.stream and f.sources and f.sources <= replicated}
+        if not more:
             break
-        reads = {**reads, **fed}
+        fed |= more
+        reads = {**reads, **{rel: Flow(stream=True) for rel in more}}
         groups, whole = _pair(reads, replicated_columns)
+    if after_whole:  # each read fed whole outputs in the pairing found (not a column's, cut since)
+        replicated = {g.row for g in groups} | {r for r in whole if reads[r].stream}
+        if any(not original[rel].sources <= replicated for rel in fed):
+            return [], list(original)
     return groups, whole
 
 
