@@ -3,8 +3,10 @@
 ``LiarForCausalLM`` names every projection after another one's role (its fused ``[Q | K | V]`` is
 ``down_proj``, its attention output ``q_proj``, its fused ``[gate | up]`` ``o_proj``, its MLP output
 ``up_proj``): the derived policy must cut it by what the projections do. ``head_scale=True`` adds a
-per-head parameter owned by the attention itself, whose gradient a tp cut leaves partial: the
-proof must refuse it. ``mix_heads=True`` makes each query feature depend on every head's (no cut
+per-dimension scale of the queries owned by the attention itself, shared by the heads, whose gradient a
+tp cut leaves partial: the policy sums it over the ranks. ``head_scale="both"`` also scales the
+attention's input with it (a gradient part whole, part per rank: no sum is exact, the proof must
+refuse it). ``mix_heads=True`` makes each query feature depend on every head's (no cut
 over heads computes it: not derivable). ``head_norm=True`` adds a per-head norm module between q and the attention
 (a replicated leaf whose gradient the policy sums).
 """
@@ -20,6 +22,8 @@ import transformers as tf
 from transformers.modeling_outputs import CausalLMOutput
 
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
+from shardformer.core.tiny_run import runnable_tiny_config
+from shardformer.models import inputs_for
 
 
 class LiarConfig(tf.PretrainedConfig):
@@ -43,9 +47,12 @@ class LiarAttention(nn.Module):
         self.head_scale = nn.Parameter(torch.linspace(0.5, 1.5, self.head_dim)) if config.head_scale else None
         self.q_norm = nn.LayerNorm(self.head_dim) if config.head_norm else None
         self.mix_heads = config.mix_heads
+        self.scale_input = config.head_scale == "both"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
+        if self.head_scale is not None and self.scale_input:
+            x = x * self.head_scale.repeat(x.shape[-1] // self.head_dim)
         q, k, v = self.down_proj(x).chunk(3, dim=-1)
         if self.mix_heads:  # every query feature depends on all heads': no cut over heads is exact
             q = q - q.mean(dim=-1, keepdim=True)
@@ -116,6 +123,17 @@ def transformers_model(name: str, tp: int = 2, **options) -> nn.Module:
     return model
 
 
+def runnable_model(name: str) -> nn.Module:
+    """A small random ``transformers.<name>``: the recipe's first scaling of its default config that runs
+    (Bros's boxes, an audio encoder's features: what the sweep builds)."""
+    cls = getattr(tf, name)
+    config = runnable_tiny_config(cls, cls.config_class(), 2, inputs=inputs_for)
+    torch.manual_seed(0)
+    model = cls(config)
+    fill_zero_matrices(model)
+    return model
+
+
 def config_model(name: str, **config) -> nn.Module:
     """A random ``transformers.<name>`` from exactly this config (not scaled down: the user's sizes)."""
     cls = getattr(tf, name)
@@ -124,9 +142,12 @@ def config_model(name: str, **config) -> nn.Module:
 
 
 def factory(name: str, **options):
-    """A picklable factory for spawned ranks (``"sized:<Class>"``: the config as given)."""
+    """A picklable factory for spawned ranks (``"sized:<Class>"``: the config as given;
+    ``"runnable:<Class>"``: `runnable_model`)."""
     if name == "liar":
         return functools.partial(liar, **options)
+    if name.startswith("runnable:"):
+        return functools.partial(runnable_model, name.removeprefix("runnable:"))
     if name.startswith("sized:"):
         return functools.partial(config_model, name.removeprefix("sized:"), **options)
     return functools.partial(transformers_model, name, **options)

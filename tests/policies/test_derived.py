@@ -14,7 +14,7 @@ import torch
 
 from shardformer.policies.auto import get_autopolicy
 from shardformer.policies.derived import DerivedPolicy, derive
-from shardformer.policies.derived.blocks import repeated_blocks
+from shardformer.policies.derived.blocks import blocks_to_cut, repeated_blocks
 from shardformer.policies.derived.trace import pair, trace
 from shardformer.tools.testing import run_on_ranks
 from tests.policies.derived_models import factory, liar, transformers_model
@@ -29,10 +29,14 @@ T5_128 = dict(
     feed_forward_proj="gated-gelu",
     decoder_start_token_id=0,
 )
+ALBERT = dict(
+    embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, vocab_size=99
+)
 OPT_DEFAULT_FFN = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=99, dropout=0.0)
 EXACT = [
     ("liar", {}),
     ("liar", {"head_norm": True}),
+    ("liar", {"head_scale": True}),  # a scale of the queries shared by the heads: its gradient summed over tp
     ("OPTForCausalLM", {}),
     ("BartForConditionalGeneration", {}),
     ("RobertaForMaskedLM", {}),
@@ -57,6 +61,15 @@ EXACT = [
     # the ratio, 1536 beside 32): reported 1e-3 off, measured at rounding (gradients within 1e-6 of their
     # scale, as the unsharded model in fp32 is of its fp64 self)
     ("sized:OPTForCausalLM", OPT_DEFAULT_FFN),
+    # a table computed once from the boxes (Bros's bbox_projection), read by each rank's heads in every
+    # block: its gradient summed over tp
+    ("runnable:BrosForTokenClassification", {}),
+    # ALBERT: one layer applied three times (its weights cut once, their gradients added over the
+    # applications) after a factorised embedding (16 -> 32 through embedding_hidden_mapping_in)
+    ("sized:AlbertForMaskedLM", ALBERT),
+    # MobileBERT: its attention and feed-forward layers read the bottlenecks' narrow output (projections of
+    # the stream left whole), not the stream: cut behind them
+    ("runnable:MobileBertForSequenceClassification", {}),
     # CodeGen regroups its fused qkv into 4 fixed blocks of [q | v | k]: 12 blocks cut, the output
     # projection's input in 4 (derived on a wider copy: 4 blocks of one head cannot split)
     ("sized:CodeGenForCausalLM", dict(n_embd=128, n_head=16, n_layer=2, vocab_size=300, rotary_dim=4, n_positions=64)),
@@ -82,6 +95,16 @@ def test_fused_blocks_and_per_rank_attributes_are_found_by_simulation():
     assert rule.divide == {"mixer.num_heads"}
 
 
+def test_tables_read_by_the_heads_alone_have_their_gradients_summed():
+    """A parameter whose output meets only this rank's heads before a row projection (a position
+    table read inside the attention, or one the model computes once and hands to every block) gets a
+    part of its gradient on each rank; one that also reaches a column or the outputs is left alone."""
+    derivation = derive(factory("runnable:BrosForTokenClassification")(), 2)
+    assert derivation.grad_sum == {"bros.bbox_embeddings.bbox_projection"}
+    assert derive(liar(head_norm=True), 2).rules[type(liar().layers[0])].grad_sum == {"mixer.q_norm"}
+    assert derive(liar(head_scale="both"), 2).rules[type(liar().layers[0])].grad_sum == set()
+
+
 def test_route_order():
     assert type(get_autopolicy(transformers_model("OPTForCausalLM"))) is DerivedPolicy
     assert type(get_autopolicy(transformers_model("LlamaForCausalLM"))).__name__ == "TpPlanPolicy"
@@ -96,6 +119,10 @@ def test_repeated_blocks_of_two_towers_and_an_encoder_decoder():
     assert "text_model.encoder.layers.0" in blocks and "vision_model.encoder.layers.1" in blocks
     bart = repeated_blocks(transformers_model("BartForConditionalGeneration"))
     assert "model.encoder.layers.0" in bart and "model.decoder.layers.1" in bart
+    # ALBERT's one layer group, applied num_hidden_layers times: no stack for pipeline stages, one block for tp
+    albert = factory("sized:AlbertForMaskedLM", **ALBERT)()
+    assert repeated_blocks(albert) == []
+    assert blocks_to_cut(albert) == ["albert.encoder.albert_layer_groups.0"]
 
 
 def _ranks(cases, refused):
@@ -162,6 +189,10 @@ def _ranks(cases, refused):
     inputs = make_inputs(ref_whisper, seed=4)
     got, want = whisper(**inputs), ref_whisper(**inputs)
     out["whisper"] = (got.logits.shape[-1], abs(got.loss.item() - want.loss.item()))
+    albert = factory("sized:AlbertForMaskedLM", **ALBERT)()
+    shard_model(albert, ShardConfig(tensor_parallel_size=dist.get_world_size()))
+    shared = albert.albert.encoder.albert_layer_groups[0].albert_layers[0]
+    out["albert"] = (tuple(shared.attention.query.weight.shape), tuple(shared.ffn.weight.shape))
     # T5's relative attention bias is cut with the heads: each rank holds its heads' columns
     t5 = factory("T5ForConditionalGeneration")()
     bias = t5.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
@@ -182,7 +213,7 @@ def _ranks(cases, refused):
 
 
 def test_derived_models_are_exact_or_refused():
-    refused = [("liar", {"head_scale": True}), ("liar", {"mix_heads": True})]
+    refused = [("liar", {"head_scale": "both"}), ("liar", {"mix_heads": True})]
     results = run_on_ranks(_ranks, 2, EXACT, refused)
     out = results[0]
     for name, options in EXACT:
@@ -196,11 +227,12 @@ def test_derived_models_are_exact_or_refused():
     assert shape[-1] == 99 // 2 + 1 and loss_diff < 1e-5 and same_tokens, out["bart"]  # logits stay vocab-parallel
     assert bias_diff == 0.0, out["bart"]
     assert out["whisper"][0] == 99 // 2 + 1 and out["whisper"][1] < 1e-5, out["whisper"]
+    assert out["albert"] == ((16, 32), (32, 32)), out["albert"]  # the one shared layer, cut once
     full, local = out["t5 bias"]
     assert local == (full[0], full[1] // 2), out["t5 bias"]
-    # a per-dimension scale of the attention itself, shared by the heads: the forward is exact, its
-    # gradient on each rank is partial
-    liar_scale = out["refused liar{'head_scale': True}"]
+    # a scale shared by the heads that also scales the attention's input: the forward is exact, its
+    # gradient on each rank part whole, part its heads' (no sum over ranks is exact)
+    liar_scale = out["refused liar{'head_scale': 'both'}"]
     assert liar_scale.startswith("not proven") and "gradient of layers.0.mixer.head_scale" in liar_scale
     # queries that mix every head: no cut computes the attention exactly; the refusal names the group
     mixed = out["refused liar{'mix_heads': True}"]

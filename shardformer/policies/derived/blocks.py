@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 import torch.nn as nn
 
+from shardformer.core.refusal import has_convolutions
 from shardformer.core.study_memo import once_per_study
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 
@@ -38,11 +39,11 @@ def value_at(root: nn.Module, dotted: str):
     return obj
 
 
-def run_hooked(model: nn.Module, inputs: dict, handles: list, mode=None) -> None:
-    """One forward of ``model`` without gradients (under ``mode`` if given), then its hooks removed."""
+def run_hooked(model: nn.Module, inputs: dict, handles: list, mode=None):
+    """One forward of ``model`` without gradients (under ``mode`` if given), then its hooks removed; its output."""
     try:
         with mode or contextlib.nullcontext(), torch.no_grad():
-            model(**inputs)
+            return model(**inputs)
     finally:
         for h in handles:
             h.remove()
@@ -69,6 +70,31 @@ def repeated_blocks(model: nn.Module) -> list[str]:
         if like and all(stage(item) for item in items):
             continue  # stages of blocks: the blocks are found inside each stage
         found += like
+    return found
+
+
+def blocks_to_cut(model: nn.Module) -> list[str]:
+    """The blocks tensor parallelism cuts by their class's rule: the repeated blocks, else the lone
+    blocks (`lone_blocks`). Pipeline parallelism reads `repeated_blocks` alone: a lone block is no stack
+    of stages."""
+    return repeated_blocks(model) or lone_blocks(model)
+
+
+def lone_blocks(model: nn.Module) -> list[str]:
+    """Paths of the one item of a ``ModuleList`` or ``Sequential`` holding two projections or more and no
+    convolution, outermost only: ALBERT's one layer group, which its forward applies
+    ``num_hidden_layers`` times (the weights shared by every application). Cut once, each application
+    runs on the cut weights and the gradients add up over them as in the whole model."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) != 1:
+            continue
+        if any(name == b or name.startswith(f"{b}.") for b in found):
+            continue
+        item = module[0]
+        inside = list(item.modules())
+        if list(item.children()) and sum(map(is_projection, inside)) >= 2 and not has_convolutions(item):
+            found.append(f"{name}.0" if name else "0")
     return found
 
 

@@ -23,6 +23,7 @@ from shardformer.policies.copies import KEEP, copy_key, instance_copy, repeated_
 from shardformer.policies.derived.blocks import attends, is_projection, repeated_blocks
 from shardformer.policies.derived.given_inputs import input_embeddings
 from shardformer.policies.derived.mixers import MIXER_COLUMN, MixerCut, MixerParts, cut_mixers
+from shardformer.policies.derived.partial_grads import partial_modules
 from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import common_parent, find_cut, record_calls
 from shardformer.policies.derived.trace import mixed_rows, pair, trace
@@ -69,6 +70,7 @@ class Derivation:
     heads: int | None = None  # the tiny copy's query heads, when not the recipe's default
     embeddings: list[str] = field(default_factory=list)  # embeddings that look up the caller's token ids
     whole_heads: dict[str, str] = field(default_factory=dict)  # pooling heads left whole, with why
+    grad_sum: set[str] = field(default_factory=set)  # modules outside the blocks whose gradient is partial
 
 
 NO_STACK = "has no stack of repeated blocks with projections to cut (tensor parallelism cuts linear projections)"
@@ -139,18 +141,6 @@ def derive(model: nn.Module, tp: int, tower: str = "") -> Derivation:
 
 def _inside(rel: str, owners: list[str]) -> bool:
     return any(rel.startswith(f"{owner}.") for owner in owners)
-
-
-def _between_cols_and_rows(leaf_reads, rule: BlockRule, block: nn.Module) -> set[str]:
-    """Leaves with parameters that read only split activations (a per-head norm between q and the
-    attention): their weights stay whole, and each rank's gradient covers its own heads only."""
-    found = set()
-    for rel, flow in leaf_reads.items():
-        if flow.stream or not flow.sources or not flow.sources <= set(rule.cols):
-            continue
-        if all(p.dim() <= 1 for p in block.get_submodule(rel).parameters()):
-            found.add(rel)
-    return found
 
 
 def _copy_does_not_run(model: nn.Module, inputs: dict, error: Exception) -> NotDerivableError:
@@ -272,9 +262,12 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
     for rule in rules.values():
         rule.whole -= set(rule.cols) | rule.rows
         rule.idle -= set(rule.cols) | rule.rows | rule.whole
+    partial, outside = partial_modules(tiny, flows, rules)
+    for cls, rels in partial.items():
+        rules[cls].grad_sum |= rels
     # token ids: transformers' input_ids, or a plain module's first argument (not token types or positions)
     ids = [inputs["input_ids"]] if has_config(tiny) and "input_ids" in inputs else list(inputs.values())[:1]
-    return Derivation(rules, refused, heads, input_embeddings(tiny, inputs, ids), whole_heads)
+    return Derivation(rules, refused, heads, input_embeddings(tiny, inputs, ids), whole_heads, outside)
 
 
 def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp: int, inputs, head=False) -> list[str]:
@@ -294,6 +287,8 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
     # their sweep was run with); in a head, projections after its attention's row read the stream
     plain = head or not has_config(tiny)
     groups, whole = pair(reads, replicated_columns=plain, after_rows=head)
+    if not groups and not head:  # no projection reads the stream and feeds a row: bottlenecks left whole
+        groups, whole = pair(reads, replicated_columns=plain, after_whole=True)
     if head and not attends(groups, set(packed)):
         return []
     for rel in packed:
@@ -337,10 +332,6 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
             rule.head_inputs.setdefault(owner, {}).update(cuts)
         rule.local_widths.update(cut.local_widths)
         rule.split_norms |= cut.split_norms
-    between = (
-        _between_cols_and_rows(flows.leaf_reads.get(block, {}), rule, module) - rule.split_norms - set(rule.channels)
-    )
-    rule.grad_sum |= {rel for rel in between if not _inside(rel, list(rule.head_lists))}  # those sum their own
     # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
     rule.idle |= {
         rel

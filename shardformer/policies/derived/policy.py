@@ -16,7 +16,14 @@ import torch.nn as nn
 
 from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, fix_of
 from shardformer.policies.derived.attributes import per_rank_attributes
-from shardformer.policies.derived.blocks import is_projection, out_width, pooling_heads, repeated_blocks, value_at
+from shardformer.policies.derived.blocks import (
+    blocks_to_cut,
+    is_projection,
+    out_width,
+    pooling_heads,
+    repeated_blocks,
+    value_at,
+)
 from shardformer.policies.derived.column_cuts import cut_options
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
 from shardformer.policies.derived.heads import head_inputs_layer
@@ -47,7 +54,7 @@ class DerivedPolicy(TpPlanPolicy):
         model, tp = self.model, shard_config.tensor_parallel_size
         if tp == 1:  # nothing to cut (cp-only, dp-only): derive nothing, the model stays as it is
             return {type(model): Argument({}, [list])}
-        if getattr(model, "config", None) is None and not repeated_blocks(model):
+        if getattr(model, "config", None) is None and not blocks_to_cut(model):
             raise no_stack(model)
         whole, tower = self.tower_of or (model, "")
         derivation = derive(whole, tp, tower)
@@ -83,7 +90,7 @@ class DerivedPolicy(TpPlanPolicy):
         modules = dict(model.named_modules())
         layers: dict[str, Layer] = {}
         attrs: dict[str, object] = {}
-        for block in repeated_blocks(model):
+        for block in blocks_to_cut(model):
             rule = derivation.rules.get(type(modules[block]))
             if rule is None:
                 raise NotDerivableError(
@@ -92,6 +99,8 @@ class DerivedPolicy(TpPlanPolicy):
                 )
             self._cut_block(block, modules, rule, tp, config, layers, attrs)
         self._cut_heads(pooling_heads(model), derivation, modules, tp, config, layers, attrs)
+        for path in derivation.grad_sum:  # computed once, read by each rank's heads in every block
+            _add_layer(layers, path, GradAllReduce)
         if not layers:
             if config is None:  # a timm model or a plain module: convolutions, or projections a Policy may name
                 raise no_stack(model)
@@ -242,9 +251,6 @@ class DerivedPolicy(TpPlanPolicy):
         for rel in rule.split_norms:
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=SplitLayerNorm)
-        for rel in rule.grad_sum:
-            if f"{block}.{rel}" in modules:
-                layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=GradAllReduce)
         for rel, dims in rule.head_params.items():
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims))
@@ -259,6 +265,10 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, row in rule.local_widths.items():  # after the module's own cut (its biases) above
             path = f"{block}.{rel}" if rel else block
             _add_layer(layers, path, local_widths_layer(out_width(modules[f"{block}.{row}"])))
+        for rel in rule.grad_sum:  # beside what else replaces the module (its per-rank widths)
+            path = f"{block}.{rel}" if rel else block
+            if path in modules:
+                _add_layer(layers, path, GradAllReduce)
         # a class's blocks differ inside (T5's encoder and decoder blocks): attributes of modules it has
         divide = {d for d in rule.divide if not _owner(d) or f"{block}.{_owner(d)}" in modules}
         for mixer, layout in layouts.items():  # a mixer's counts: its widths' shares (B and C may be whole)
@@ -307,7 +317,7 @@ def derived_model(model: nn.Module) -> bool:
     """Whether ``model`` could take the derived route: it has repeated blocks (a transformers model's
     config is scaled down to a tiny copy; any other module is copied with two blocks per stack), or it
     is no transformers model (the route then refuses it with the reason: a convolutional network)."""
-    return bool(repeated_blocks(model)) or not has_config(model)
+    return bool(blocks_to_cut(model)) or not has_config(model)
 
 
 @functools.cache

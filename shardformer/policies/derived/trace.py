@@ -1,7 +1,7 @@
 """What each projection of a model does, read off one recorded forward of a tiny copy.
 
-One forward runs under a ``TorchFunctionMode`` that follows, for every tensor inside a repeated block
-(`.blocks.repeated_blocks`), two facts: does it still carry the block's **stream** (a block input
+One forward runs under a ``TorchFunctionMode`` that follows, for every tensor inside a block to cut
+(`.blocks.blocks_to_cut`), two facts: does it still carry the block's **stream** (a block input
 as wide as a projection reads) without passing through a projection, and which projections' outputs it
 was computed from (the nearest ones). Then, per projection (``nn.Linear`` or transformers' ``Conv1D``):
 
@@ -10,6 +10,11 @@ was computed from (the nearest ones). Then, per projection (``nn.Linear`` or tra
 - it reads only other projections' outputs: **row** candidate, paired with those projections
   (attention's output projection after q / k / v, an MLP's second layer);
 - it reads neither (a projection of position or time embeddings): left whole.
+
+The same forward follows, over the whole model, which parameters each tensor was computed from
+(its **origins**, reset to a projection's own parameters at each projection inside a block): what
+each projection of a block reads, and what the model's outputs are made of, say whose gradient a cut
+leaves partial on each rank (`.partial_grads`).
 
 Names never decide: a model whose projections are renamed is traced the same.
 """
@@ -24,7 +29,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from shardformer.policies.derived.blocks import in_width, is_projection, pooling_heads, repeated_blocks, run_hooked
+from shardformer.policies.derived.blocks import blocks_to_cut, in_width, is_projection, pooling_heads, run_hooked
 
 
 @dataclass
@@ -39,11 +44,15 @@ class Flow:
 
 
 class FlowMode(TorchFunctionMode):
-    """Propagates `Flow` through every torch function called while it is active."""
+    """Propagates `Flow` (inside the block running) and origins (everywhere: the names of the
+    parameters a tensor was computed from, ``names`` mapping their ids) through every torch function
+    called while it is active."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: dict[int, str] | None = None) -> None:
         super().__init__()
         self.flows: dict[int, Flow] = {}
+        self.names = names or {}
+        self.origins: dict[int, frozenset[str]] = {}
         self.alive: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.used: set[int] = set()  # ids of every tensor a function read (parameters are long-lived)
 
@@ -53,6 +62,22 @@ class FlowMode(TorchFunctionMode):
     def set(self, t: torch.Tensor, flow: Flow) -> None:
         self.flows[id(t)] = flow
         self.alive.append(t)
+
+    def origins_of(self, tensors) -> frozenset[str]:
+        """The names of the parameters any of ``tensors`` (a pytree) was computed from, or is."""
+        found: set[str] = set()
+        for t in tree_leaves(tensors):
+            if torch.is_tensor(t):
+                found |= self.origins.get(id(t), frozenset())
+                if id(t) in self.names:
+                    found.add(self.names[id(t)])
+        return frozenset(found)
+
+    def set_origins(self, out, origins: frozenset[str]) -> None:
+        for t in tree_leaves(out):
+            if torch.is_tensor(t):
+                self.origins[id(t)] = origins
+                self.alive.append(t)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -66,6 +91,9 @@ class FlowMode(TorchFunctionMode):
             for t in tree_leaves(out):
                 if torch.is_tensor(t):
                     self.set(t, merged)
+        origins = self.origins_of((args, kwargs))
+        if origins:
+            self.set_origins(out, origins)
         return out
 
 
@@ -80,6 +108,10 @@ class Trace:
     # projections never called whose weight the block's code reads itself (``F.linear(x, self.qkv.weight,
     # bias)``: timm's EVA and BEiT attention with a q/v bias): a cut layer cannot stand in for them
     bypassed: dict[str, list[str]] = field(default_factory=dict)
+    # per block: the parameters (model-wide names) each projection's input was computed from; and those
+    # the model's outputs were computed from without passing through a block's projection
+    origins: dict[str, dict[str, frozenset[str]]] = field(default_factory=dict)
+    output_origins: frozenset[str] = frozenset()
 
 
 def _leaf_with_params(module: nn.Module) -> bool:
@@ -88,9 +120,9 @@ def _leaf_with_params(module: nn.Module) -> bool:
 
 def trace(model: nn.Module, inputs: dict) -> Trace:
     """One forward of ``model`` on ``inputs``, following the flows inside every repeated block."""
-    blocks = repeated_blocks(model)
+    blocks = blocks_to_cut(model)
     result = Trace(blocks, pooling_heads(model))
-    mode = FlowMode()
+    mode = FlowMode({id(p): name for name, p in model.named_parameters()})
     handles = []
     current: list[str] = []
 
@@ -102,9 +134,15 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
             current.append(path)
             result.reads.setdefault(path, {})
             result.leaf_reads.setdefault(path, {})
-            for t in tree_leaves((args, kwargs)):
-                if torch.is_tensor(t) and t.is_floating_point() and t.dim() >= 2 and t.shape[-1] in widths:
-                    mode.set(t, Flow(stream=True))
+            result.origins.setdefault(path, {})
+            floats = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t) and t.is_floating_point()]
+            stream = [t for t in floats if t.dim() >= 2 and t.shape[-1] in widths]
+            # none with the features last: channels first (a convolutional block's [batch, C, H, W] that
+            # its code turns channels-last before its projections: ConvNeXt's); else a stage's input, of
+            # a width no projection reads until the stage's patch embedding makes the stream (Segformer's)
+            stream = stream or [t for t in floats if t.dim() >= 3 and t.shape[1] in widths]
+            for t in stream or [t for t in floats if t.dim() >= 3]:
+                mode.set(t, Flow(stream=True))
 
         return hook
 
@@ -119,12 +157,17 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
                 x = next((t for t in tree_leaves(args) if torch.is_tensor(t)), None)
                 flow = mode.get(x) or Flow()
                 reads[block_path][rel] = reads[block_path].get(rel, Flow()) | flow
+                if is_projection(module):
+                    seen = result.origins[block_path].get(rel, frozenset())
+                    result.origins[block_path][rel] = seen | mode.origins_of(x)
 
         def after(_m, _args, out):
             if current and current[-1] == block_path and is_projection(module):
                 for t in tree_leaves(out):
                     if torch.is_tensor(t):
                         mode.set(t, Flow(sources=frozenset([rel])))
+                # what the projection read is recorded above: its output is made of its own parameters
+                mode.set_origins(out, mode.origins_of(list(module.parameters())))
 
         return before, after
 
@@ -137,7 +180,8 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
             if rel and (is_projection(m) or _leaf_with_params(m)):
                 before, after = leaf_hooks(path, rel, m)
                 handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
-    run_hooked(model, inputs, handles, mode)
+    output = run_hooked(model, inputs, handles, mode)
+    result.output_origins = mode.origins_of(list(output.values()) if isinstance(output, dict) else output)
     for path in blocks + result.heads:
         result.bypassed[path] = [
             rel
@@ -156,22 +200,32 @@ class Group:
 
 
 def pair(
-    reads: dict[str, Flow], replicated_columns: bool = False, after_rows: bool = False
+    reads: dict[str, Flow], replicated_columns: bool = False, after_rows: bool = False, after_whole: bool = False
 ) -> tuple[list[Group], list[str]]:
     """The column/row groups of one block's projections, and the projections left whole (with why).
     ``replicated_columns``: a row may also read a projection of a tensor every rank holds whole (timm's
     Swin-V2 relative position MLP, one value per head): that projection is one more column of the group,
     cut by its outputs. ``after_rows``: a projection reading only rows' outputs (whole on every rank
     after the row's all-reduce) reads the stream: a pooling head's MLP after its attention, with no
-    residual around the attention to carry the stream on."""
+    residual around the attention to carry the stream on. ``after_whole``: so does one reading only rows'
+    outputs and those of projections of the stream left whole (MobileBERT's bottlenecks, whose narrow
+    output its attention and feed-forward layers read in place of the stream); where the final pairing
+    does not bear that out, no group is found."""
+    original = reads
     groups, whole = _pair(reads, replicated_columns)
-    while after_rows:
-        rows = {g.row for g in groups}
-        fed = {rel: Flow(stream=True) for rel, f in reads.items() if not f.stream and f.sources and f.sources <= rows}
-        if not fed:
+    fed: set[str] = set()
+    while after_rows or after_whole:
+        replicated = {g.row for g in groups} | ({r for r in whole if reads[r].stream} if after_whole else set())
+        more = {rel for rel, f in reads.items() if not f.stream and f.sources and f.sources <= replicated}
+        if not more:
             break
-        reads = {**reads, **fed}
+        fed |= more
+        reads = {**reads, **{rel: Flow(stream=True) for rel in more}}
         groups, whole = _pair(reads, replicated_columns)
+    if after_whole:  # each read fed whole outputs in the pairing found (not a column's, cut since)
+        replicated = {g.row for g in groups} | {r for r in whole if reads[r].stream}
+        if any(not original[rel].sources <= replicated for rel in fed):
+            return [], list(original)
     return groups, whole
 
 
