@@ -42,3 +42,16 @@ def test_each_row_gets_its_result_and_a_row_past_its_budget_is_killed():
     assert got["d"]["result"] == ERROR and "row budget of 2 s" in got["d"]["reason"], got["d"]
     assert got["d"]["seconds"] == 2.0
     assert all(isinstance(r["seconds"], float) for r in got.values() if r["name"] != "skipped")
+
+
+def test_upstream_failures_are_named():
+    """A not-tested row says when the class itself fails, before any tiny copy: its default config builds
+    no model (DBRX's attention config lacks the rope_theta its attention reads), or it needs a library that
+    is not installed (LayoutLMv2's detectron2). Built on the meta device: no memory, no forward."""
+    from sweeps.zoo import check_unsharded, default_build_failure
+
+    assert "rope_theta" in default_build_failure("DbrxForCausalLM")
+    assert default_build_failure("LlamaForCausalLM") is None
+    row = {"class": "LayoutLMv2ForSequenceClassification"}
+    check_unsharded(row)
+    assert row["result"] == NOT_TESTED and row["reason"].startswith("upstream: ") and "detectron2" in row["reason"]

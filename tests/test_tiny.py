@@ -160,3 +160,41 @@ def test_upstream_failure_is_named():
     reformer, x = _tiny("ReformerForSequenceClassification")
     with pytest.raises(AssertionError, match=r"model\.train\(\)"):
         reformer(**x).loss.backward()
+
+
+def test_inputs_of_patches_codebooks_and_fixed_lengths():
+    """SigLIP 2 takes its image as flattened patches with their grid and mask; MusicGen's decoder ids
+    per codebook and labels per frame and codebook; Perceiver's masked LM text padded to its positions
+    (one decoder query each); a question-answering pair with its three separators (Longformer)."""
+    siglip, x = _tiny("Siglip2ForImageClassification")
+    vision = siglip.config.vision_config
+    patches = x["spatial_shapes"][0].prod().item()
+    assert x["pixel_values"].shape == (2, patches, vision.num_channels * vision.patch_size**2)
+    assert patches <= vision.num_patches and x["pixel_attention_mask"].shape == (2, patches)
+    musicgen, x = _tiny("MusicgenForCausalLM")
+    books = musicgen.config.num_codebooks
+    assert x["input_ids"].shape[0] == 2 * books and x["labels"].shape == (2, x["input_ids"].shape[1], books)
+    perceiver, x = _tiny("PerceiverForMaskedLM")
+    assert x["input_ids"].shape[1] == perceiver.config.max_position_embeddings
+    longformer, x = _tiny("LongformerForQuestionAnswering")
+    assert (x["input_ids"] == longformer.config.sep_token_id).sum(1).tolist() == [3, 3]
+    for model, inputs in (
+        (siglip, _tiny("Siglip2ForImageClassification")[1]),
+        (musicgen, _tiny("MusicgenForCausalLM")[1]),
+    ):
+        with torch.no_grad():
+            assert torch.isfinite(model(**inputs).loss)
+
+
+def test_inputs_found_in_sub_configs():
+    """The image size of VisionEncoderDecoder is its encoder's, and T5Gemma 2's that of the vision tower
+    inside its encoder; Marian's decoder vocabulary follows the tiny one; Gemma 4's default config has no
+    vision tower, so its inputs hold no images."""
+    ved, x = _tiny("VisionEncoderDecoderModel")
+    assert x["pixel_values"].shape[-1] == ved.config.encoder.image_size and "decoder_input_ids" in x
+    t5gemma, x = _tiny("T5Gemma2ForConditionalGeneration")
+    assert x["pixel_values"].shape[-1] == t5gemma.config.encoder.vision_config.image_size
+    marian = tiny_copy_config(tf.MarianConfig())
+    assert marian.decoder_vocab_size == marian.vocab_size
+    gemma4, x = _tiny("Gemma4ForConditionalGeneration")
+    assert gemma4.config.vision_config is None and "pixel_values" not in x

@@ -45,7 +45,9 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:  # an image captioner
             x["decoder_input_ids"] = torch.randint(3, _vocab(model, config), (batch, SEQ), generator=g)
         return x
-    if main in ("input_values", "input_features"):  # speech: a waveform or log-mel features
+    if main == "flattened_patches":  # Pix2Struct: each patch's row and column, then its pixels
+        x = _flattened_patches(config.vision_config, batch, g)
+    elif main in ("input_values", "input_features"):  # speech: a waveform or log-mel features
         x = audio_inputs(config, main, batch, g)
     elif main == "inputs" and "input_ids" not in params:  # Perceiver without a preprocessor: features
         x = {"inputs": torch.randn(batch, SEQ, config.d_model, generator=g)}
@@ -243,6 +245,15 @@ def _patchified_images(vision, channels: int, batch: int, g: torch.Generator, pa
         "pixel_attention_mask": torch.ones(batch, side * side, dtype=torch.long),
         "spatial_shapes": torch.tensor([[side, side]] * batch),
     }
+
+
+def _flattened_patches(vision, batch: int, g: torch.Generator, side: int = 4) -> dict:
+    """Pix2Struct's input: a ``side x side`` grid of patches, each its 1-based row and column then
+    ``patch_embed_hidden_size`` pixel values, with a mask that keeps them all."""
+    grid = torch.arange(side * side)
+    places = torch.stack([grid // side + 1, grid % side + 1], dim=-1).float().expand(batch, -1, -1)
+    pixels = torch.randn(batch, side * side, vision.patch_embed_hidden_size, generator=g)
+    return {"flattened_patches": torch.cat([places, pixels], dim=-1), "attention_mask": torch.ones(batch, side * side)}
 
 
 def _special_tokens(config) -> dict[str, int]:

@@ -83,6 +83,7 @@ def _generate(model, inputs):
     pad = next((v for v in ids if isinstance(v, int)), 0)
     kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad, "min_new_tokens": NEW_TOKENS}
     main = getattr(model, "main_input_name", "input_ids")
+    main = main if main in inputs else next(iter(inputs))  # SpeechEncoderDecoder's "inputs": its encoder's
     if "input_ids" not in inputs:  # audio or images into an encoder-decoder: the decoder generates from its start token
         with torch.no_grad():
             return model.generate(**{main: inputs[main]}, **kwargs)
