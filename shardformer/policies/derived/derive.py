@@ -318,7 +318,8 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
             continue  # decided on an earlier block of this class
         cut, why = find_cut(tiny, block, group, tp, inputs)
         if cut is None:
-            refused.append(Reason(f"{name}: {', '.join(group.cols)} -> {group.row}: {why}", _fix(module, group, why)))
+            text = f"{name}: {', '.join(group.cols)} -> {group.row}: {why}{_computed_with(module, block, group, flows)}"
+            refused.append(Reason(text, _fix(module, group, why)))
             rule.whole |= {*group.cols, group.row}
             continue
         rule.cols.update(cut.blocks)
@@ -339,6 +340,29 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
         if rel and is_projection(m) and rel not in reads and not _inside(rel, owned)
     }
     return refused
+
+
+def _computed_with(module: nn.Module, block: str, group, flows) -> str:
+    """What else the group computes with between its columns and its row (the parameters the row's
+    input was computed from, besides the columns'), named for a refusal: the first place to look."""
+    own = {*group.cols, group.row}
+    owners = sorted(
+        {
+            name[len(block) + 1 :].rpartition(".")[0]
+            for name in flows.origins.get(block, {}).get(group.row, ())
+            if name.startswith(f"{block}.") and name[len(block) + 1 :].rpartition(".")[0] not in own
+        }
+    )
+    if not owners:
+        return ""
+    parts = [
+        f"{rel} ({'a convolution, which tensor parallelism does not cut' if has_convolutions(module.get_submodule(rel)) else type(module.get_submodule(rel)).__name__})"
+        for rel in owners
+    ]
+    return (
+        f" (between them the block also computes with {', '.join(parts)}, whole on every rank and read across "
+        f"the hidden features the cut splits)"
+    )
 
 
 def _mixer_rule(name: str, mixer: str, cut: MixerCut | Reason, rule: BlockRule) -> list[str]:
