@@ -87,7 +87,7 @@ def search(
     out.enumerated, out.fit_closed_form = len(layouts), len(fitting)
     if sizer.refused:
         out.notes += [f"tp={tp} not offered: {why}" for tp, why in sorted(sizer.refused.items())]
-    fitting.sort(key=lambda c: c.cost.step)
+    fitting.sort(key=ranking)
     for candidate in fitting:
         if len(out.ranked) == top:
             break
@@ -109,6 +109,15 @@ def search(
 
         out.proof = prove_route(model, out.ranked[0].layout, model_class)
     return out
+
+
+def size(nbytes: float) -> str:
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def ranking(c: Candidate) -> tuple:
+    """Fastest first; on a tie (to 6 digits) the layout closer to EngineConfig's defaults, then the smaller."""
+    return float(f"{c.cost.step:.6g}"), len(c.layout.engine_fields("bf16")), c.peak
 
 
 def _offered(shape: ModelShape) -> dict[str, str]:
@@ -147,8 +156,8 @@ def _would_fit(sizer, gpus, gpus_per_node, global_batch, precision, usable, hw, 
             sizer, more, gpus_per_node, max(global_batch, more), precision, usable, hw, schedules
         )
         if fitting:
-            best = min(fitting, key=lambda c: c.cost.step)
-            return f"{more} GPUs of this memory: {best.layout.short()} at {best.peak / GIB:,.1f} GiB per GPU"
+            best = min(fitting, key=ranking)
+            return f"{more} GPUs of this memory: {best.layout.short()} at {size(best.peak)} per GPU"
     return None
 
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from shardformer.tools.fit import GIB
-from shardformer.tools.search import Candidate, SearchResult
+from shardformer.tools.search import Candidate, SearchResult, size
 
 PART_NAMES = {
     "compute": "compute",
@@ -22,7 +21,7 @@ def format_search(result: SearchResult) -> str:
     nodes = max(r.gpus // r.gpus_per_node, 1)
     lines = [
         f"search: {r.model} on {r.gpus} GPUs ({nodes} node(s) x {min(r.gpus, r.gpus_per_node)}) of "
-        f"{r.gpu_memory / GIB:,.1f} GiB, {r.usable / GIB:,.1f} GiB usable ({r.headroom:.0%} headroom); "
+        f"{size(r.gpu_memory)}, {size(r.usable)} usable ({r.headroom:.0%} headroom); "
         f"{r.global_batch} sequences x {r.seq} tokens per step, {r.precision}",
         f"cost model: {r.hardware.name}; {r.hardware.efficiency:.0%} of {r.hardware.peak_flops / 1e12:,.0f} TFLOP/s",
         "offered: " + "; ".join(f"{k}: {v}" for k, v in r.offered.items()),
@@ -33,12 +32,12 @@ def format_search(result: SearchResult) -> str:
     ]
     if not r.ranked:
         return "\n".join(lines + _nothing_fits(r))
-    lines.append(f"  {'#':<3}{'layout':<48}{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>11}  where the time goes")
+    lines.append(f"  {'#':<3}{'layout':<48}{'per GPU':>11}{'step':>11}{'tokens/s':>13}  where the time goes")
     for i, c in enumerate(r.ranked, 1):
         mark = "" if c.simulated else "*"
         lines.append(
-            f"  {i:<3}{c.layout.short():<48}{c.peak / GIB:>8.1f}{mark:1}{c.cost.step:>9.2f}{c.cost.tokens_per_s:>11,.0f}  "
-            + _parts(c)
+            f"  {i:<3}{c.layout.short():<48}{size(c.peak):>10}{mark:1}{seconds(c.cost.step):>11}"
+            f"{c.cost.tokens_per_s:>13,.0f}  " + _parts(c)
         )
     if any(not c.simulated for c in r.ranked):
         lines.append("  (* memory from the formula, not simulated)")
@@ -58,6 +57,10 @@ def format_search(result: SearchResult) -> str:
     return "\n".join(lines)
 
 
+def seconds(s: float) -> str:
+    return f"{s:,.2f} s" if s >= 1 else f"{s * 1e3:,.3g} ms"
+
+
 def _parts(c: Candidate) -> str:
     total = sum(c.cost.parts.values()) or 1.0
     ranked = sorted(c.cost.parts.items(), key=lambda kv: -kv[1])
@@ -69,9 +72,13 @@ def why_lost(best: Candidate, other: Candidate) -> str:
     slower = other.cost.step - best.cost.step
     keys = set(best.cost.parts) | set(other.cost.parts)
     diffs = {k: other.cost.parts.get(k, 0.0) - best.cost.parts.get(k, 0.0) for k in keys}
-    worse = [f"+{d:.2f} s {PART_NAMES[k]}" for k, d in sorted(diffs.items(), key=lambda kv: -kv[1]) if d > 0.005]
-    better = [f"{-d:.2f} s {PART_NAMES[k]}" for k, d in sorted(diffs.items(), key=lambda kv: kv[1]) if d < -0.005]
-    text = f"why #2 lost: {other.layout.short()} is {slower:.2f} s per step slower"
+    small = 1e-3 * max(best.cost.step, 1e-12)
+    worse = [f"+{seconds(d)} {PART_NAMES[k]}" for k, d in sorted(diffs.items(), key=lambda kv: -kv[1]) if d > small]
+    better = [f"{seconds(-d)} {PART_NAMES[k]}" for k, d in sorted(diffs.items(), key=lambda kv: kv[1]) if d < -small]
+    if not worse:  # a tie on the cost model: the order is the tie-break's
+        return (f"why #2 lost: {other.layout.short()} ties on time; the winner sets fewer options away from "
+                f"EngineConfig's defaults, or uses less memory")  # fmt: skip
+    text = f"why #2 lost: {other.layout.short()} is {seconds(slower)} per step slower"
     text += ": " + ", ".join(worse) if worse else ""
     return text + (f" (it saves {', '.join(better)})" if better else "")
 
@@ -84,13 +91,13 @@ def _config_lines(fields: dict) -> str:
 
 
 def _nothing_fits(r: SearchResult) -> list[str]:
-    out = [f"nothing fits on {r.gpus} x {r.gpu_memory / GIB:,.1f} GiB ({r.usable / GIB:,.1f} GiB usable)."]
+    out = [f"nothing fits on {r.gpus} x {size(r.gpu_memory)} ({size(r.usable)} usable)."]
     if r.closest is not None:
         c = r.closest
         need = c.peak / (1 - r.headroom)
         out.append(
-            f"  smallest shortfall: {c.layout.short()} needs {c.peak / GIB:,.1f} GiB per GPU, "
-            f"{(c.peak - r.usable) / GIB:,.1f} GiB over; it fits on GPUs of {need / GIB:,.1f} GiB or more"
+            f"  smallest shortfall: {c.layout.short()} needs {size(c.peak)} per GPU, "
+            f"{size(c.peak - r.usable)} over; it fits on GPUs of {size(need)} or more"
         )
     out.append(f"  would fit: {r.would_fit}" if r.would_fit else "  no layout fits on up to 64x the GPUs either")
     return out
