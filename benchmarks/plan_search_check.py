@@ -1,0 +1,205 @@
+"""The search's cost model checked, not trusted: predicted against measured step time of every layout it ranks.
+
+    .venv/bin/python benchmarks/plan_search_check.py      # 4 gloo ranks, a small Llama; ~5 minutes here
+
+1. ``shardformer.tools.search.search`` ranks the layouts of a small Llama on 4 "GPUs" (this machine's
+   gloo ranks, one node); the benchmark keeps, for each mesh (tp, cp and its mode, pp, dp), ZeRO
+   stage and checkpointing, the micro-batch choice the search ranks first (1F1B only, no sequence
+   parallelism: they would multiply the runs, not the checks).
+2. One spawn of 4 ranks measures this machine's constants for the cost model (CPU constants): a
+   matrix product's FLOP/s on one thread (the layer's own shapes: efficiency 1 against that), and
+   gloo's all-reduce latency (1 float) and bandwidth (16 MiB) between the ranks; then trains every
+   kept layout through ``ParallelEngine`` (the same weights and batches), the layouts taking turns
+   step by step (this machine is shared), and takes each one's median step (the slowest rank's).
+3. The search runs again with the measured constants; the table lists predicted and measured step
+   time per layout and the Spearman rank correlation between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+
+import torch
+import torch.distributed as dist
+
+WORLD = 4
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--max-layouts", type=int, default=24, help="measure at most this many (the best ranked first)")
+    return p.parse_args(argv)
+
+
+def save_model(args, folder: str) -> str:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    config.save_pretrained(folder)
+    return folder
+
+
+def chosen_layouts(result, limit: int) -> list:
+    """For each mesh, ZeRO stage and checkpointing: the best-ranked micro-batch choice (1F1B, no sp)."""
+    seen, out = set(), []
+    for c in result.ranked:
+        x = c.layout
+        key = (x.tp, x.cp, x.cp_mode, x.pp, x.dp, x.zero, x.checkpointing)
+        if x.sequence_parallel or x.schedule != "1f1b" or key in seen:
+            continue
+        seen.add(key)
+        out.append(x)
+    return out[:limit]
+
+
+def _max_over_ranks(seconds: float) -> float:
+    t = torch.tensor([seconds])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def constants(args) -> dict:
+    """This machine's FLOP/s (one thread, the MLP's product) and gloo's all-reduce alpha and beta."""
+    tokens = args.global_batch * args.seq // WORLD
+    x, w = torch.randn(tokens, args.hidden), torch.randn(args.hidden, 4 * args.hidden)
+    for _ in range(3):
+        x @ w
+    start = time.perf_counter()
+    for _ in range(20):
+        x @ w
+    flops = 2 * tokens * args.hidden * 4 * args.hidden * 20 / (time.perf_counter() - start)
+    one, big = torch.zeros(1), torch.zeros(4 * 2**20)
+    timings = {}
+    for name, t, reps in (("one", one, 200), ("big", big, 5)):
+        dist.all_reduce(t)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(t)
+        timings[name] = _max_over_ranks((time.perf_counter() - start) / reps)
+    p = WORLD
+    alpha = timings["one"] / (2 * (p - 1))
+    beta = 2 * (p - 1) / p * big.numel() * 4 / max(timings["big"] - 2 * (p - 1) * alpha, 1e-9)
+    return {"flops": flops, "alpha": alpha, "beta": beta}
+
+
+def measure(folder: str, layouts: list, args) -> dict:
+    """Every layout's engine built from the same weights, then trained in rounds: each round runs one
+    step of every layout, in an order that rotates, so load from elsewhere on this shared machine
+    hits all alike. The median over rounds of each layout's step (the slowest rank's)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from shardformer import EngineConfig, ParallelEngine
+
+    found = {"constants": constants(args)}
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
+    engines = []
+    for layout in layouts:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))  # the same weights for every layout
+        engines.append(ParallelEngine(model, adamw, EngineConfig(**layout.engine_fields("fp32"), prove=False)))
+    times = [[] for _ in layouts]
+    for i in range(args.warmup + args.steps):
+        gen = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, args.vocab, (args.global_batch, args.seq), generator=gen)
+        turn = list(range(len(layouts)))
+        turn = turn[i % len(turn) :] + turn[: i % len(turn)]
+        for j in turn if i % 2 == 0 else reversed(turn):
+            dist.barrier()
+            start = time.perf_counter()
+            engines[j].train_step({"input_ids": ids, "labels": ids})
+            took = _max_over_ranks(time.perf_counter() - start)
+            if i >= args.warmup:
+                times[j].append(took)
+    found["steps"] = [statistics.median(t) for t in times]
+    return found
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):  # ties share their mean rank
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def main(argv=None):
+    import transformers
+
+    from shardformer.tools.search import search
+    from shardformer.tools.search_cost import Hardware
+    from shardformer.tools.testing import run_on_ranks
+
+    args = parse_args(argv)
+    started = time.perf_counter()
+    folder = save_model(args, tempfile.mkdtemp(prefix="plan_search_check_"))
+    options = dict(seq=args.seq, global_batch=args.global_batch, gpus_per_node=WORLD, precision="fp32",
+                   simulate=False, prove=False, device="cpu", top=10**6, schedules=("1f1b",))  # fmt: skip
+    first = search(folder, WORLD, 64 * 2**30, hardware="h100", **options)
+    layouts = chosen_layouts(first, args.max_layouts)
+    found = run_on_ranks(measure, WORLD, folder, layouts, args, timeout=3600, threads_per_rank=1)[0]
+    c = found["constants"]
+    cpu = Hardware("this CPU, measured", c["flops"], 1.0, c["beta"], c["alpha"], c["beta"], c["alpha"])
+    ranked = {x.layout: x for x in search(folder, WORLD, 64 * 2**30, hardware=cpu, **options).ranked}
+    predicted = [ranked[x].cost.step for x in layouts]
+    measured = found["steps"]
+    rho = spearman(predicted, measured)
+    print(
+        f"\n## The search's cost model against measured steps ({date.today()}): Llama {args.layers} x {args.hidden}, "
+        f"{WORLD} gloo ranks on CPU\n"
+    )
+    print(
+        f"Constants measured in the same spawn: {c['flops'] / 1e9:.1f} GFLOP/s per rank (one thread), all-reduce "
+        f"alpha {c['alpha'] * 1e6:.0f} us, beta {c['beta'] / 1e9:.2f} GB/s. **Spearman rank correlation, predicted vs "
+        f"measured: {rho:.2f}** over {len(layouts)} layouts.\n"
+    )
+    print("| predicted rank | layout | predicted step (ms) | measured step (ms) | measured / predicted |")
+    print("|---:|---|---:|---:|---:|")
+    order = sorted(range(len(layouts)), key=lambda i: predicted[i])
+    for n, i in enumerate(order, 1):
+        print(
+            f"| {n} | {layouts[i].short()} | {predicted[i] * 1e3:.0f} | {measured[i] * 1e3:.0f} | "
+            f"{measured[i] / predicted[i]:.2f} |"
+        )
+    print(
+        f"\nHow it was run: `{' '.join([os.path.basename(sys.executable), *sys.argv])}` on {platform.machine()} with "
+        f"{os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}; {WORLD} spawned "
+        f"gloo ranks, 1 torch thread each; {args.global_batch} x {args.seq} tokens per step, fp32, AdamW; median of "
+        f"{args.steps} steps after {args.warmup} warm-up steps (the slowest rank's). "
+        f"Total {time.perf_counter() - started:.0f} s."
+    )
+
+
+if __name__ == "__main__":
+    main()
