@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-layouts", type=int, default=24, help="measure at most this many (the best ranked first)")
+    p.add_argument("--paper", action="store_true", help="no measurement: run the search for the issue's example and "
+                   "published configurations and show where the published layout ranks")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -154,6 +156,46 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
+# (what, model, GPUs, GPUs per node, GPU, memory GiB, seq, sequences per step, the published layout)
+PUBLISHED = [
+    ("issue 47: full fine-tuning, found by hand in 7 invocations", "llama3-70b", 16, 8, "h100", 80, 4096, 32,
+     dict(tp=8, pp=1, dp=2, zero=3, checkpointing=True)),
+    ("torchtitan llama3_70b.toml (its preset: 64 A100; TP 8, FSDP, full AC, local batch 8)", "llama3-70b", 64, 8,
+     "a100", 80, 8192, 64, dict(tp=8, pp=1, dp=8, zero=3, checkpointing=True)),
+    ("torchtitan llama3_405b.toml (its preset: 128 H100; TP 8, FSDP, full AC, batch 2)", "llama3-405b", 128, 8,
+     "h100", 80, 8192, 32, dict(tp=8, pp=1, dp=16, zero=3, checkpointing=True)),
+    ("Llama 3 paper, Table 4 (Meta): 8,192 H100, TP 8, PP 16, DP 64, seq 8192, 16M tokens", "llama3-405b", 8192,
+     8, "h100", 80, 8192, 2048, dict(tp=8, pp=16, dp=64, cp=1)),
+]  # fmt: skip
+
+
+def paper(args) -> None:
+    """The search on paper for the issue's example and published layouts: the top, and where the published one ranks."""
+    from shardformer.tools.search import search, size
+    from shardformer.tools.search_report import seconds, why_lost
+
+    print(f"\n## The search on published configurations ({date.today()}): bf16, 10% headroom, cost model constants "
+          f"of `shardformer/tools/search_cost.py` (no simulation)\n")  # fmt: skip
+    print("| configuration | layouts (fit) | search's #1 | its step, tokens/s | published layout: rank, step | why |")
+    print("|---|---:|---|---|---|---|")
+    for what, model, gpus, per_node, hw, memory, seq, batch, mine in PUBLISHED:
+        started = time.perf_counter()
+        result = search(model, gpus, memory * 2**30, seq=seq, global_batch=batch, gpus_per_node=per_node,
+                        hardware=hw, simulate=False, prove=False, top=10**6, keep_all=True,
+                        schedules=("1f1b", "interleaved_1f1b"))  # fmt: skip
+        best = result.ranked[0] if result.ranked else None
+        matching = lambda c, mine=mine: all(getattr(c.layout, k) == v for k, v in mine.items())  # noqa: E731
+        rank = next((i for i, c in enumerate(result.ranked, 1) if matching(c)), None)
+        published = result.ranked[rank - 1] if rank else min(filter(matching, result.over), key=lambda c: c.peak)
+        where = (f"#{rank} of {len(result.ranked):,}, {seconds(published.cost.step)} ({size(published.peak)})" if rank
+                 else f"over the memory: {size(published.peak)} per GPU")  # fmt: skip
+        why = why_lost(best, published).split(": ", 1)[-1] if best and rank != 1 else "it is the search's choice"
+        top = f"{best.layout.short()} ({size(best.peak)})" if best else "nothing fits"
+        speed = f"{seconds(best.cost.step)}, {best.cost.tokens_per_s:,.0f}" if best else ""
+        print(f"| {what} | {result.enumerated:,} ({result.fit_closed_form:,}) | {top} | {speed} | {where} | {why} |")
+        print(f"search took {time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
 def main(argv=None):
     import transformers
 
@@ -162,6 +204,8 @@ def main(argv=None):
     from shardformer.tools.testing import run_on_ranks
 
     args = parse_args(argv)
+    if args.paper:
+        return paper(args)
     started = time.perf_counter()
     folder = save_model(args, tempfile.mkdtemp(prefix="plan_search_check_"))
     options = dict(seq=args.seq, global_batch=args.global_batch, gpus_per_node=WORLD, precision="fp32",

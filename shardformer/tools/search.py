@@ -60,6 +60,7 @@ class SearchResult:
     closest: Candidate | None = None  # nothing fits: the smallest shortfall
     would_fit: str | None = None  # nothing fits: what would
     offered: dict[str, str] = field(default_factory=dict)  # technique -> what the model admits, or why not
+    over: list[Candidate] = field(default_factory=list)  # keep_all: the layouts over the memory, with their cost
     notes: list[str] = field(default_factory=list)
     proof: str | None = None
 
@@ -72,9 +73,12 @@ def search(
     model: str, gpus: int, gpu_memory: int, *, seq: int, global_batch: int | None = None, gpus_per_node: int = 8,
     precision: str = "bf16", hardware: Hardware | str = "h100", headroom: float = 0.1, top: int = 3,
     simulate: bool = True, prove: bool = True, model_class: str | None = None, device: str = "cuda", schedules=None,
+    keep_all: bool = False,
 ) -> SearchResult:  # fmt: skip
     """Search the layouts of ``model`` (any name ``shardformer plan`` takes) on ``gpus`` GPUs of
-    ``gpu_memory`` bytes for ``global_batch`` sequences (default: ``gpus``) of ``seq`` tokens per step."""
+    ``gpu_memory`` bytes for ``global_batch`` sequences (default: ``gpus``) of ``seq`` tokens per step.
+    ``schedules``: the pipeline schedules to try (default all); ``keep_all``: also return the layouts
+    over the memory with their cost (``over``), to see where a given layout stands."""
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     global_batch = global_batch or gpus
     if gpus < 1 or gpus % min(gpus, gpus_per_node):
@@ -82,8 +86,10 @@ def search(
     out = SearchResult(model, gpus, gpus_per_node, gpu_memory, headroom, seq, global_batch, precision, hw)
     sizer = _Sizer(model, model_class, precision, seq, device)
     out.offered = _offered(sizer.shape)
-    found = _closed_form(sizer, gpus, gpus_per_node, global_batch, precision, out.usable, hw, schedules)
+    found = _closed_form(sizer, gpus, gpus_per_node, global_batch, precision, out.usable, hw, schedules, keep_all)
     layouts, fitting, nearest = found
+    out.over = [c for c in fitting if c.peak > out.usable]
+    fitting = [c for c in fitting if c.peak <= out.usable]
     out.enumerated, out.fit_closed_form = len(layouts), len(fitting)
     if sizer.refused:
         out.notes += [f"tp={tp} not offered: {why}" for tp, why in sorted(sizer.refused.items())]
@@ -128,17 +134,18 @@ def _offered(shape: ModelShape) -> dict[str, str]:
     return out
 
 
-def _closed_form(sizer, gpus, gpus_per_node, global_batch, precision, usable, hw, schedules):
-    """(every layout, those that fit in closed form with their cost, the smallest shortfall's)."""
+def _closed_form(sizer, gpus, gpus_per_node, global_batch, precision, usable, hw, schedules, keep_all=False):
+    """(every layout, those that fit in closed form with their cost (``keep_all``: every one), the smallest
+    shortfall's)."""
     layouts = enumerate_layouts(sizer.shape, gpus, gpus_per_node, global_batch, sizer.seq, precision, schedules)
     fitting, nearest = [], None
     for layout in layouts:
         peak, state = sizer.closed_form_peak(layout)
         if peak is None:
             continue
-        if peak > usable:
-            if nearest is None or peak < nearest.peak:
-                nearest = Candidate(layout, peak, StepCost())
+        if peak > usable and (nearest is None or peak < nearest.peak):
+            nearest = Candidate(layout, peak, StepCost())
+        if peak > usable and not keep_all:
             continue
         cost = step_cost(layout, sizer.shape, state, sizer.seq, precision, hw, gpus_per_node)
         fitting.append(Candidate(layout, peak, cost))
