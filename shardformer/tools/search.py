@@ -27,6 +27,7 @@ from shardformer.policies.anatomy_pipeline import pipeline_spec_for
 from shardformer.tools.fit import GIB, StageFit, plan_stages, simulated_stages
 from shardformer.tools.plan import build_meta_model, plan_model
 from shardformer.tools.search_cost import HARDWARE, Hardware, RankState, StepCost, step_cost
+from shardformer.tools.search_proof import prove_route
 from shardformer.tools.search_space import Layout, ModelShape, enumerate_layouts, model_shape
 from shardformer.tools.simulate import simulate_job
 
@@ -110,9 +111,6 @@ def search(
         out.closest = nearest
         out.would_fit = _would_fit(sizer, gpus, gpus_per_node, global_batch, precision, out.usable, hw, schedules)
     elif prove:
-        # deferred: spawns processes; the module imports nothing that starts them
-        from shardformer.tools.search_proof import prove_route
-
         out.proof = prove_route(model, out.ranked[0].layout, model_class)
     return out
 

@@ -211,6 +211,8 @@ def engine_admits(
         )  # fmt: skip
         if config.chunks_per_rank > 1:
             check_virtual(schedule, pp, config.chunks_per_rank, microbatches, layers)
+        if schedule == "1f1b" and pp > 1 and microbatches < pp and config.backend == "torch":
+            return False  # torch's Schedule1F1B refuses fewer micro-batches than stages (at the first step)
         check_split(layers, pp)
     except ValueError:
         return False
