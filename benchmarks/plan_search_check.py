@@ -29,11 +29,10 @@ from datetime import date
 import torch
 import torch.distributed as dist
 
-WORLD = 4
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=4, help="gloo ranks (default 4)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -81,7 +80,7 @@ def _max_over_ranks(seconds: float) -> float:
 
 def constants(args) -> dict:
     """This machine's FLOP/s (one thread, the MLP's product) and gloo's all-reduce alpha and beta."""
-    tokens = args.global_batch * args.seq // WORLD
+    tokens = args.global_batch * args.seq // args.world
     x, w = torch.randn(tokens, args.hidden), torch.randn(args.hidden, 4 * args.hidden)
     for _ in range(3):
         x @ w
@@ -98,7 +97,7 @@ def constants(args) -> dict:
         for _ in range(reps):
             dist.all_reduce(t)
         timings[name] = _max_over_ranks((time.perf_counter() - start) / reps)
-    p = WORLD
+    p = args.world
     alpha = timings["one"] / (2 * (p - 1))
     beta = 2 * (p - 1) / p * big.numel() * 4 / max(timings["big"] - 2 * (p - 1) * alpha, 1e-9)
     return {"flops": flops, "alpha": alpha, "beta": beta}
@@ -112,15 +111,15 @@ def measure(folder: str, layouts: list, args) -> dict:
 
     from shardformer import EngineConfig, ParallelEngine
 
-    found = {"constants": constants(args)}
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
     engines = []
     for layout in layouts:
         torch.manual_seed(0)
         model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))  # the same weights for every layout
         engines.append(ParallelEngine(model, adamw, EngineConfig(**layout.engine_fields("fp32"), prove=False)))
-    times = [[] for _ in layouts]
+    times, measured = [[] for _ in layouts], []
     for i in range(args.warmup + args.steps):
+        measured.append(constants(args))  # each round: the machine's load now is the layouts' load
         gen = torch.Generator().manual_seed(i)
         ids = torch.randint(0, args.vocab, (args.global_batch, args.seq), generator=gen)
         turn = list(range(len(layouts)))
@@ -132,8 +131,8 @@ def measure(folder: str, layouts: list, args) -> dict:
             took = _max_over_ranks(time.perf_counter() - start)
             if i >= args.warmup:
                 times[j].append(took)
-    found["steps"] = [statistics.median(t) for t in times]
-    return found
+    found = {k: statistics.median(c[k] for c in measured) for k in measured[0]}
+    return {"constants": found, "steps": [statistics.median(t) for t in times]}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -208,23 +207,23 @@ def main(argv=None):
         return paper(args)
     started = time.perf_counter()
     folder = save_model(args, tempfile.mkdtemp(prefix="plan_search_check_"))
-    options = dict(seq=args.seq, global_batch=args.global_batch, gpus_per_node=WORLD, precision="fp32",
+    options = dict(seq=args.seq, global_batch=args.global_batch, gpus_per_node=args.world, precision="fp32",
                    simulate=False, prove=False, device="cpu", top=10**6, schedules=("1f1b",))  # fmt: skip
-    first = search(folder, WORLD, 64 * 2**30, hardware="h100", **options)
+    first = search(folder, args.world, 64 * 2**30, hardware="h100", **options)
     layouts = chosen_layouts(first, args.max_layouts)
-    found = run_on_ranks(measure, WORLD, folder, layouts, args, timeout=3600, threads_per_rank=1)[0]
+    found = run_on_ranks(measure, args.world, folder, layouts, args, timeout=3600, threads_per_rank=1)[0]
     c = found["constants"]
     cpu = Hardware("this CPU, measured", c["flops"], 1.0, c["beta"], c["alpha"], c["beta"], c["alpha"])
-    ranked = {x.layout: x for x in search(folder, WORLD, 64 * 2**30, hardware=cpu, **options).ranked}
+    ranked = {x.layout: x for x in search(folder, args.world, 64 * 2**30, hardware=cpu, **options).ranked}
     predicted = [ranked[x].cost.step for x in layouts]
     measured = found["steps"]
     rho = spearman(predicted, measured)
     print(
         f"\n## The search's cost model against measured steps ({date.today()}): Llama {args.layers} x {args.hidden}, "
-        f"{WORLD} gloo ranks on CPU\n"
+        f"{args.world} gloo ranks on CPU\n"
     )
     print(
-        f"Constants measured in the same spawn: {c['flops'] / 1e9:.1f} GFLOP/s per rank (one thread), all-reduce "
+        f"Constants measured in the same spawn (medians over its rounds): {c['flops'] / 1e9:.1f} GFLOP/s per rank (one thread), all-reduce "
         f"alpha {c['alpha'] * 1e6:.0f} us, beta {c['beta'] / 1e9:.2f} GB/s. **Spearman rank correlation, predicted vs "
         f"measured: {rho:.2f}** over {len(layouts)} layouts.\n"
     )
@@ -238,7 +237,7 @@ def main(argv=None):
         )
     print(
         f"\nHow it was run: `{' '.join([os.path.basename(sys.executable), *sys.argv])}` on {platform.machine()} with "
-        f"{os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}; {WORLD} spawned "
+        f"{os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}; {args.world} spawned "
         f"gloo ranks, 1 torch thread each; {args.global_batch} x {args.seq} tokens per step, fp32, AdamW; median of "
         f"{args.steps} steps after {args.warmup} warm-up steps (the slowest rank's). "
         f"Total {time.perf_counter() - started:.0f} s."

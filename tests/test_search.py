@@ -9,7 +9,7 @@ from shardformer.core.config import EngineConfig
 from shardformer.pipeline.bubble import WHOLE_BACKWARD, bubble_fraction, replay, schedule_actions
 from shardformer.tools.plan import build_meta_model
 from shardformer.tools.search import search
-from shardformer.tools.search_cost import Hardware, RankState, step_cost
+from shardformer.tools.search_cost import Hardware, RankState, pipeline_step, step_cost
 from shardformer.tools.search_proof import prove_route
 from shardformer.tools.search_report import format_search
 from shardformer.tools.search_space import Layout, enumerate_layouts, model_shape
@@ -103,6 +103,9 @@ def test_the_bubble_is_the_schedules_own_action_list():
         busy, step = replay(schedule_actions("interleaved_1f1b", pp, m, 2), WHOLE_BACKWARD)
         assert 1 - busy[0] / step == pytest.approx(bubble_fraction("interleaved_1f1b", pp, m, 2))
     assert set(schedule_actions("zbv", 2, 4, 2)) == {0, 1}  # torch's own ZBV order, read from its class
+    for schedule, pp, m in (("1f1b", 4, 8), ("gpipe", 4, 6), ("1f1b", 8, 3)):  # the closed form is the replay's
+        _, step = replay(schedule_actions(schedule, pp, m), {"F": 1.0, "B": 1.7})
+        assert pipeline_step(schedule, pp, m, 1, 1.0, 1.7) == pytest.approx(step)
 
 
 def test_the_top_layouts_are_simulated_and_the_chosen_route_proven(llama):

@@ -21,7 +21,8 @@
   then an all-reduce of the shard over the replicas. pp: one send of the activation forward and one
   of its gradient backward per micro-batch and chunk boundary. Nothing is counted as overlapped.
 - **Pipeline bubble**: the schedule's own action list (`shardformer.pipeline.bubble.schedule_actions`)
-  replayed with each action costing its compute and communication; the step is the last rank's end.
+  replayed with each action costing its compute and communication; the step is the last rank's end
+  (GPipe and 1F1B in closed form, ``(m + pp - 1) x (F + B)``, which their replay equals: `pipeline_step`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from shardformer.core.config import SCHEDULES
 from shardformer.pipeline.bubble import replay, schedule_actions
 from shardformer.tools.plan import BYTES
 from shardformer.tools.search_space import Layout, ModelShape
@@ -144,8 +146,7 @@ def step_cost(
     }
     forward = sum(x for x, _ in chunk.values())
     backward = sum(y for _, y in chunk.values())
-    busy_units, step_units = _pipeline(layout.schedule, pp, m, v, round(backward / forward * 1000))
-    scale = forward * step_units / 1000  # the replay ran forward = 1000 units
+    scale = pipeline_step(layout.schedule, pp, m, v, forward, backward)
     parts = {k: m * v * (x + y) for k, (x, y) in chunk.items()}
     parts["bubble"] = scale - sum(parts.values()) if pp > 1 else 0.0
     parts["dp"] += _dp_step(layout, state, w, L)
@@ -186,12 +187,22 @@ def _dp_step(layout: Layout, state: RankState, w: int, L) -> float:
     return total
 
 
-@functools.cache
-def _pipeline(schedule: str, pp: int, microbatches: int, chunks: int, backward: int) -> tuple[float, float]:
-    """(busiest rank's busy units, step units) of the schedule with a forward of 1000 units and a
-    backward of ``backward`` units (whole; its input part in ZBV / DualPipeV's ``I``, ``W`` empty)."""
+def pipeline_step(schedule: str, pp: int, microbatches: int, chunks: int, forward: float, backward: float) -> float:
+    """Seconds of the schedule's step with each chunk's forward and backward of one micro-batch costing
+    ``forward`` and ``backward`` (whole; ZBV / DualPipeV run it in their ``I`` step, ``W`` empty).
+    GPipe and 1F1B in closed form: their action lists replay to ``(m + pp - 1) x (F + B)`` for equal
+    stages (tests/test_search.py checks the two agree), and a replay at 2,048 micro-batches and 64 stages
+    would take seconds for each of thousands of layouts. The virtual schedules are replayed, the
+    backward's cost rounded to 1% of the forward's so that one replay serves many layouts."""
     if pp == 1:
-        return microbatches * (1000 + backward), microbatches * (1000 + backward)
-    cost = {"F": 1000.0, "B": float(backward), "I": float(backward), "W": 0.0}
-    busy, step = replay(schedule_actions(schedule, pp, microbatches, chunks), cost)
-    return max(busy.values()), step
+        return microbatches * chunks * (forward + backward)
+    if schedule in SCHEDULES:
+        return (microbatches + pp - 1) * (forward + backward)
+    return forward * _replayed(schedule, pp, microbatches, chunks, round(backward / forward * 100)) / 100
+
+
+@functools.cache
+def _replayed(schedule: str, pp: int, microbatches: int, chunks: int, backward: int) -> float:
+    """Step units of the schedule's action list replayed with a forward of 100 units."""
+    cost = {"F": 100.0, "B": float(backward), "I": float(backward), "W": 0.0}
+    return replay(schedule_actions(schedule, pp, microbatches, chunks), cost)[1]

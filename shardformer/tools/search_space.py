@@ -67,6 +67,8 @@ class Layout:
         if self.cp == 1:
             del wanted["cp_mode"]
         defaults = {f.name: f.default for f in fields(EngineConfig)}
+        if "dp_replicate" in defaults:  # HSDP's seam (dp_splits)
+            wanted["dp_replicate"] = self.dp_replicate
         return {k: v for k, v in wanted.items() if k == "dp" or v != defaults[k]}
 
     def short(self) -> str:
