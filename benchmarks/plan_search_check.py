@@ -10,7 +10,8 @@
    matrix product's FLOP/s on one thread (the layer's own shapes: efficiency 1 against that), and
    gloo's all-reduce latency (1 float) and bandwidth (16 MiB) between the ranks; then trains every
    kept layout through ``ParallelEngine`` (the same weights and batches), the layouts taking turns
-   step by step (this machine is shared), and takes each one's median step (the slowest rank's).
+   step by step in groups of 16 (this machine is shared), and takes each one's median step (the
+   slowest rank's).
 3. The search runs again with the measured constants; the table lists predicted and measured step
    time per layout and the Spearman rank correlation between them.
 """
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -29,6 +31,8 @@ from datetime import date
 import torch
 import torch.distributed as dist
 
+GROUP = 16  # layouts trained side by side
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,9 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--max-layouts", type=int, default=24, help="measure at most this many (the best ranked first)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-layouts", type=int, default=100, help="measure at most this many (the best ranked first)")
     p.add_argument("--paper", action="store_true", help="no measurement: run the search for the issue's example and "
                    "published configurations and show where the published layout ranks")  # fmt: skip
     return p.parse_args(argv)
@@ -104,33 +108,37 @@ def constants(args) -> dict:
 
 
 def measure(folder: str, layouts: list, args) -> dict:
-    """Every layout's engine built from the same weights, then trained in rounds: each round runs one
-    step of every layout, in an order that rotates, so load from elsewhere on this shared machine
-    hits all alike. The median over rounds of each layout's step (the slowest rank's)."""
+    """Every layout's engine built from the same weights, then trained in rounds, ``GROUP`` layouts at a
+    time: each round runs one step of every layout of the group, in an order that rotates, so load from
+    elsewhere on this shared machine hits them alike. The median over rounds of each layout's step (the
+    slowest rank's)."""
     from transformers import AutoConfig, LlamaForCausalLM
 
     from shardformer import EngineConfig, ParallelEngine
 
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
-    engines = []
-    for layout in layouts:
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))  # the same weights for every layout
-        engines.append(ParallelEngine(model, adamw, EngineConfig(**layout.engine_fields("fp32"), prove=False)))
     times, measured = [[] for _ in layouts], []
-    for i in range(args.warmup + args.steps):
-        measured.append(constants(args))  # each round: the machine's load now is the layouts' load
-        gen = torch.Generator().manual_seed(i)
-        ids = torch.randint(0, args.vocab, (args.global_batch, args.seq), generator=gen)
-        turn = list(range(len(layouts)))
-        turn = turn[i % len(turn) :] + turn[: i % len(turn)]
-        for j in turn if i % 2 == 0 else reversed(turn):
-            dist.barrier()
-            start = time.perf_counter()
-            engines[j].train_step({"input_ids": ids, "labels": ids})
-            took = _max_over_ranks(time.perf_counter() - start)
-            if i >= args.warmup:
-                times[j].append(took)
+    for group in range(0, len(layouts), GROUP):  # a group's engines at once: all of them would not fit in memory
+        engines = {}
+        for j in range(group, min(group + GROUP, len(layouts))):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))  # the same weights for every layout
+            engines[j] = ParallelEngine(model, adamw, EngineConfig(**layouts[j].engine_fields("fp32"), prove=False))
+        for i in range(args.warmup + args.steps):
+            measured.append(constants(args))  # each round: the machine's load now is the layouts' load
+            gen = torch.Generator().manual_seed(i)
+            ids = torch.randint(0, args.vocab, (args.global_batch, args.seq), generator=gen)
+            turn = list(engines)
+            turn = turn[i % len(turn) :] + turn[: i % len(turn)]
+            for j in turn if i % 2 == 0 else reversed(turn):
+                dist.barrier()
+                start = time.perf_counter()
+                engines[j].train_step({"input_ids": ids, "labels": ids})
+                took = _max_over_ranks(time.perf_counter() - start)
+                if i >= args.warmup:
+                    times[j].append(took)
+        del engines
+        gc.collect()
     found = {k: statistics.median(c[k] for c in measured) for k in measured[0]}
     return {"constants": found, "steps": [statistics.median(t) for t in times]}
 
