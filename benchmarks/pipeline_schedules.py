@@ -9,7 +9,7 @@ hits all alike). Per schedule and rank:
 
 - **counted**: the idle fraction of the step when the schedule's own action lists (torch's
   ``pipeline_order``) are replayed with a forward costing 1 and a backward 2
-  (:func:`shardformer.pipeline.bubble.simulate`); ZBV and DualPipeV split the backward into input
+  (:func:`shardformer.pipeline.bubble.simulate` on `schedule_actions`); ZBV and DualPipeV split the backward into input
   and weight halves (at tp=1 with ZeRO-1/2, as here: the "backward" column says which ran);
 - **timed**: 1 - (time the rank spends in its stages' forward and backward) / (step time);
 - **step / 1F1B**: the median over rounds of the step time over the same round's 1F1B step (a round
@@ -44,25 +44,6 @@ def build_model(args):
     )  # fmt: skip
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
-
-
-def _actions(sched, schedule, pp, n) -> dict[int, list[tuple[int, str, int]]]:
-    """{rank: [(stage, kind, micro-batch), ...]}: the compute actions of a schedule. GPipe and 1F1B: the
-    order both backends run (pipeline/schedule.py; torch's drawing of its 1F1B, ``_get_pipeline_order``,
-    skips the last rank's first forward); the others: torch's ``pipeline_order`` (a private attribute
-    of torch.distributed.pipelining: a benchmark's look inside, not library code)."""
-    if schedule in ("1f1b", "gpipe"):
-        from shardformer.pipeline.schedule import order
-
-        return {r: [(r, kind, i) for kind, i in order(schedule, n, r, pp)] for r in range(pp)}
-    out = {}
-    for rank, actions in sched.pipeline_order.items():
-        flat = []
-        for a in actions:
-            for sub in (a.sub_actions or [a]) if a is not None else ():
-                flat.append((sub.stage_index, sub.computation_type.value, sub.microbatch_index))
-        out[rank] = [x for x in flat if x[1] in ("F", "B", "I", "W")]
-    return out
 
 
 def _timed(stage, busy):
@@ -111,9 +92,9 @@ def run_schedules(args):
                 counters[schedule] = [0.0]
                 for stage in getattr(sched, "_stages", None) or [sched._stage]:
                     _timed(stage, counters[schedule])
-                from shardformer.pipeline.bubble import SPLIT_BACKWARD, WHOLE_BACKWARD, simulate
+                from shardformer.pipeline.bubble import SPLIT_BACKWARD, WHOLE_BACKWARD, schedule_actions, simulate
 
-                actions = _actions(sched, schedule, args.pp, args.micro)
+                actions = schedule_actions(schedule, args.pp, args.micro, engine.config.chunks_per_rank)
                 split[schedule] = engine._torch_pipeline.split_backward and schedule in ("zbv", "dualpipev")
                 counted[schedule] = simulate(actions, SPLIT_BACKWARD if split[schedule] else WHOLE_BACKWARD)
             elif i >= args.warmup:

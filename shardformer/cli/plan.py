@@ -25,7 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "  shardformer plan llama-3-70b --tp 8 --gpus 8 --gpu-memory 80GB --zero 1 --precision bf16 "
         "--batch 1 --seq 4096\n"
         "  shardformer plan llama-7b --pp 2 --gpus 8 --gpu-memory 80GB --precision bf16 --batch 1 --seq 4096 "
-        "--microbatches 8 --simulate\n\n" + known_names_help(),
+        "--microbatches 8 --simulate\n"
+        "  shardformer plan llama-3-70b --search --gpus 16 --gpu-memory 80GB --seq 4096 --global-batch 32\n\n"
+        + known_names_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", metavar="MODEL", help="folder with config.json, a hub id downloaded before (org/name), "
@@ -65,6 +67,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the job runs: torch's "
                         "dropout keeps float masks on cpu, bool masks on cuda (default cpu)")  # fmt: skip
     parser.add_argument("--virtual-stages", type=int, help="model chunks per pp rank for interleaved_1f1b (default 2)")
+    search = parser.add_argument_group("search (--search: which layout?)")
+    search.add_argument("--search", action="store_true", help="enumerate every layout the model admits on --gpus "
+                        "of --gpu-memory (tp, cp, pp with schedule and virtual stages, dp with ZeRO stage, ep, "
+                        "micro-batches, checkpointing, sequence parallelism), keep those that fit, rank them by "
+                        "estimated step time and print the best as EngineConfig and `shardformer run` lines; "
+                        "needs --gpus, --gpu-memory and --seq")  # fmt: skip
+    search.add_argument("--global-batch", type=int, help="sequences per step over all data-parallel ranks; the "
+                        "micro-batch size and count are searched (default: --gpus)")  # fmt: skip
+    search.add_argument("--nodes", type=int, help="nodes of the job (default: --gpus / --gpus-per-node)")
+    search.add_argument("--gpus-per-node", type=int, help="GPUs per node: groups within a node use the fast "
+                        "link (default 8, or --gpus / --nodes)")  # fmt: skip
+    search.add_argument("--hardware", default="h100", choices=("h100", "h200", "a100"), help="the cost model's "
+                        "GPU and links (default h100)")  # fmt: skip
+    search.add_argument("--headroom", type=float, default=0.1, help="fraction of --gpu-memory left free for the "
+                        "CUDA context, NCCL and fragmentation (default 0.1)")  # fmt: skip
+    search.add_argument("--top", type=int, default=3, help="layouts to print (default 3)")
+    search.add_argument("--no-simulate", action="store_true", help="rank on the formula alone (no simulated ranks)")
+    search.add_argument("--no-prove", action="store_true", help="do not prove the chosen route on a tiny copy")
     parser.set_defaults(func=plan_command)
     return parser
 
@@ -76,6 +96,8 @@ def plan_command(args: argparse.Namespace) -> int:
 
     sys.path.insert(0, os.getcwd())  # --policy module:Class from the current folder
     try:
+        if args.search:
+            return search_command(args)
         check_sizes(args)
         if args.simulate:
             return simulate_command(args)
@@ -105,6 +127,34 @@ def plan_command(args: argparse.Namespace) -> int:
         )  # fmt: skip
         print("\n" + format_fit(stages, args.gpu_memory, plan.world, fit_header(args), missing))
     return 0
+
+
+def search_command(args: argparse.Namespace) -> int:
+    """``--search``: every layout of --gpus, ranked (`shardformer.tools.search`)."""
+    # deferred: this module imports nothing heavy at its top (`shardformer --help` stays fast)
+    from shardformer.tools.fit import parse_memory
+    from shardformer.tools.search import search
+    from shardformer.tools.search_report import format_search
+
+    fixed = [f"--{k}" for k in ("tp", "pp", "dp", "cp", "ep") if getattr(args, k) not in (None, 1)]
+    fixed += ["--batch"] if args.batch is not None else []
+    if fixed or args.simulate or args.policy:
+        raise ValueError(f"--search chooses the layout itself; drop {', '.join(fixed) or '--simulate / --policy'}")
+    if args.gpus is None or args.gpu_memory is None or args.seq is None:
+        raise ValueError("--search needs --gpus N, --gpu-memory SIZE and --seq TOKENS")
+    gpus_per_node = args.gpus_per_node or (args.gpus // args.nodes if args.nodes else min(args.gpus, 8))
+    if args.nodes and args.nodes * gpus_per_node != args.gpus:
+        raise ValueError(f"--nodes {args.nodes} x --gpus-per-node {gpus_per_node} is not --gpus {args.gpus}")
+    if not 0 <= args.headroom < 1:
+        raise ValueError(f"--headroom {args.headroom} must be a fraction in [0, 1)")
+    result = search(
+        args.model, args.gpus, parse_memory(args.gpu_memory), seq=args.seq, global_batch=args.global_batch,
+        gpus_per_node=gpus_per_node, precision=args.precision or "bf16", hardware=args.hardware,
+        headroom=args.headroom, top=args.top, simulate=not args.no_simulate, prove=not args.no_prove,
+        model_class=args.model_class, device=args.device,
+    )  # fmt: skip
+    print(format_search(result))
+    return 0 if result.ranked else 1
 
 
 def check_sizes(args: argparse.Namespace) -> None:

@@ -11,8 +11,12 @@ input exists, and returns every rank's idle fraction of the step; the schedule b
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import SimpleNamespace
 
-from shardformer.pipeline.virtual import check_virtual
+from shardformer.core.config import SCHEDULES
+from shardformer.pipeline.schedule import order
+from shardformer.pipeline.torch_schedule import MULTI_SCHEDULES
+from shardformer.pipeline.virtual import PLACEMENT, check_virtual, chunk_ranks
 
 # Costs of the actions: a backward is twice a forward. ZBV and DualPipeV split it into equal input and
 # weight halves, or, where gradient hooks must run (tp, cp, ZeRO-3, checkpointing), run the whole
@@ -36,6 +40,15 @@ def simulate(
     order: dict[int, Iterable[tuple[int, str, int]]], cost: dict[str, float] = SPLIT_BACKWARD
 ) -> dict[int, float]:
     """Every rank's idle fraction of the step when it runs ``order[rank]`` in turn (see the module doc)."""
+    busy, step = replay(order, cost)
+    return {rank: 1.0 - busy[rank] / step for rank in busy}
+
+
+def replay(
+    order: dict[int, Iterable[tuple[int, str, int]]], cost: dict[str, float] = SPLIT_BACKWARD
+) -> tuple[dict[int, float], float]:
+    """Each rank's busy time and the step's length when it runs ``order[rank]`` in turn, each action as
+    soon as its rank is free and its input exists."""
     todo = {rank: list(actions) for rank, actions in order.items()}
     last_stage = max(s for actions in todo.values() for s, _, _ in actions)
     done: dict[tuple[str, int, int], float] = {}  # ("F" | "B" | "W", stage, micro-batch) -> end time
@@ -65,8 +78,31 @@ def simulate(
                 progressed = True
         if not progressed:
             raise ValueError(f"the schedule waits forever: next actions {[a[:1] for a in todo.values() if a]}")
-    step = max(free.values())
-    return {rank: 1.0 - busy[rank] / step for rank in todo}
+    return busy, max(free.values())
+
+
+def schedule_actions(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int = 1) -> dict:
+    """``{rank: [(stage, kind, micro-batch), ...]}``: the compute actions each pp rank runs, in order.
+    GPipe and 1F1B: the order both backends run (`shardformer.pipeline.schedule.order`); the virtual
+    schedules: the ``pipeline_order`` torch.distributed.pipelining's own class computes (read from an
+    instance built on stand-in stages: it needs only their places, and no process group), so the
+    bubble counted is the one of the schedule that runs."""
+    if schedule in SCHEDULES:
+        return {r: [(r, kind, i) for kind, i in order(schedule, num_microbatches, r, pp)] for r in range(pp)}
+    total = pp * chunks_per_rank
+    places = chunk_ranks(PLACEMENT[schedule], pp, total)
+    stand_ins = [
+        SimpleNamespace(group_size=pp, group_rank=0, stage_index=c, num_stages=total, is_first=c == 0,
+                        is_last=c == total - 1, submod=None, stage_index_to_group_rank={})
+        for c in range(total) if places[c] == 0
+    ]  # fmt: skip
+    built = MULTI_SCHEDULES[schedule](stand_ins, num_microbatches)
+    out = {}
+    for rank, actions in built.pipeline_order.items():
+        flat = [sub for a in actions if a is not None for sub in (a.sub_actions or [a])]
+        kinds = [(sub.stage_index, sub.computation_type.value, sub.microbatch_index) for sub in flat]
+        out[rank] = [a for a in kinds if a[1] in ("F", "B", "I", "W")]
+    return out
 
 
 def bubble_report(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int, num_layers: int) -> str:

@@ -218,8 +218,12 @@ class TorchPipeline:
         options = {"n_microbatches": n, "loss_fn": lambda out, _: out.sum(), "scale_grads": False}
         if schedule in _SINGLE:
             return modules, _SINGLE[schedule](stages[0], **options)
-        return modules, _MULTI[schedule](stages, **options)
+        return modules, MULTI_SCHEDULES[schedule](stages, **options)
 
 
 _SINGLE = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-_MULTI = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+MULTI_SCHEDULES = {
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}

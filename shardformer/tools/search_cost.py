@@ -1,0 +1,208 @@
+"""The cost model ``shardformer plan --search`` ranks layouts by: one training step's time, by part.
+
+- **Compute**: the step's FLOPs, ``6 x N`` per token for the ``N`` parameters a token runs through
+  in matrix products (a MoE token: its top-k experts; the input embedding is a lookup) plus causal
+  attention's ``6 x layers x seq x heads x head_dim`` (forward and backward), spread evenly over the
+  ranks, at ``efficiency`` x ``peak_flops`` (`Hardware`). **Recompute** (activation checkpointing):
+  one more forward, a third of the compute.
+- **Communication**, each collective by the alpha-beta model on the link its group spans: ring
+  all-reduce ``2(p-1) alpha + 2(p-1)/p x bytes / beta``, all-gather, reduce-scatter and all-to-all
+  ``(p-1) alpha + (p-1)/p x bytes / beta``, a send ``alpha + bytes / beta``. A group is inside one
+  node when the ranks it spans fit in ``gpus_per_node`` (the mesh's rank order: tp innermost, then
+  cp, dp (ep is consecutive dp ranks), pp outermost), else every message pays the inter-node link.
+  tp: per layer and micro-batch 2 all-reduces forward and 2 backward of ``micro-batch x seq / cp x
+  hidden`` activations (sequence parallelism: the same bytes as all-gathers and reduce-scatters),
+  2 more when the layer is recomputed. cp ring: ``cp - 1`` sends of the layer's keys and values
+  forward, twice that backward; cp all-to-all: 4 forward and 4 backward. ep: 2 all-to-alls of
+  ``tokens x top-k x hidden`` forward and 2 backward per MoE layer. dp, once a step: ZeRO-1/2
+  reduce-scatter the fp32 gradients and all-gather the updated parameters; ZeRO-3 gathers each
+  layer's parameters twice per micro-batch (forward, backward) and reduce-scatters fp32 gradients
+  once; experts over the expert-dp ranks. HSDP (replicate x shard): the shard group's traffic,
+  then an all-reduce of the shard over the replicas. pp: one send of the activation forward and one
+  of its gradient backward per micro-batch and chunk boundary. Nothing is counted as overlapped.
+- **Pipeline bubble**: the schedule's own action list (`shardformer.pipeline.bubble.schedule_actions`)
+  replayed with each action costing its compute and communication; the step is the last rank's end
+  (GPipe and 1F1B in closed form, ``(m + pp - 1) x (F + B)``, which their replay equals: `pipeline_step`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from shardformer.core.config import SCHEDULES
+from shardformer.pipeline.bubble import replay, schedule_actions
+from shardformer.tools.plan import BYTES
+from shardformer.tools.search_space import Layout, ModelShape
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and its links. Bandwidths are what a collective moves per GPU (bus bandwidth), bytes/s."""
+
+    name: str
+    peak_flops: float  # dense, in the training precision
+    efficiency: float  # the fraction of peak the model's matrix products reach
+    intra_bandwidth: float
+    intra_latency: float  # seconds per message (alpha)
+    inter_bandwidth: float
+    inter_latency: float
+
+
+# Published peaks (dense bf16) and link speeds; efficiency and the achieved shares of the links are
+# stated assumptions (40% of peak; NCCL's bus bandwidth at large messages ~80% of the link's).
+HARDWARE = {
+    "h100": Hardware("H100 SXM, NVLink 4 (450 GB/s), 400 Gb/s InfiniBand per GPU", 989e12, 0.40, 360e9, 5e-6,
+                     40e9, 15e-6),
+    "h200": Hardware("H200 SXM, NVLink 4 (450 GB/s), 400 Gb/s InfiniBand per GPU", 989e12, 0.40, 360e9, 5e-6,
+                     40e9, 15e-6),
+    "a100": Hardware("A100 SXM, NVLink 3 (300 GB/s), 200 Gb/s InfiniBand per GPU", 312e12, 0.40, 240e9, 5e-6,
+                     20e9, 15e-6),
+}  # fmt: skip
+
+
+@dataclass
+class StepCost:
+    """Seconds of one step by part (the busiest rank's), and the step's length."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+    step: float = 0.0
+    tokens: int = 0  # tokens per step, the whole job
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step if self.step else 0.0
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What the dp traffic depends on: a rank's parameters (its fullest stage), of which routed experts,
+    and its largest layer's (ZeRO-3 gathers one at a time)."""
+
+    numel: int
+    expert_numel: int
+    layer_numel: int
+
+
+def all_reduce(nbytes: float, p: int, link: tuple[float, float]) -> float:
+    alpha, beta = link
+    return 0.0 if p == 1 else 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
+
+
+def one_way(nbytes: float, p: int, link: tuple[float, float]) -> float:
+    """All-gather, reduce-scatter or all-to-all of ``nbytes`` (the whole gathered size)."""
+    alpha, beta = link
+    return 0.0 if p == 1 else (p - 1) * alpha + (p - 1) / p * nbytes / beta
+
+
+class _Links:
+    """The (alpha, beta) of a group of ``size`` ranks ``stride`` apart in the mesh's rank order."""
+
+    def __init__(self, hw: Hardware, gpus_per_node: int):
+        self.hw, self.gpus_per_node = hw, gpus_per_node
+
+    def __call__(self, stride: int, size: int) -> tuple[float, float]:
+        if stride * size <= self.gpus_per_node:
+            return self.hw.intra_latency, self.hw.intra_bandwidth
+        return self.hw.inter_latency, self.hw.inter_bandwidth
+
+
+def step_cost(
+    layout: Layout, shape: ModelShape, state: RankState, seq: int, precision: str, hw: Hardware, gpus_per_node: int
+) -> StepCost:
+    """One step of ``layout`` (see the module doc)."""
+    w, L = BYTES[precision], _Links(hw, gpus_per_node)
+    tp, cp, pp, dp, ep, v = layout.tp, layout.cp, layout.pp, layout.dp, layout.ep, layout.virtual_stages
+    b, m, n = layout.micro_batch, layout.microbatches, seq // cp
+    layers = shape.layers / (pp * v)  # per chunk
+    tokens = b * seq
+    matmul = shape.active_numel - (0 if shape.tied else shape.vocab * shape.hidden)
+    flops = tokens * (2 * matmul + 2 * shape.layers * seq * shape.heads * shape.head_dim)  # forward, causal
+    f = flops / (tp * cp * pp * v) / (hw.peak_flops * hw.efficiency)  # one chunk's forward of one micro-batch
+    recompute = f if layout.checkpointing else 0.0
+    act = b * n * shape.hidden * w
+    tp_link, cp_link = L(1, tp), L(tp, cp)
+    tp_fwd = layers * 2 * all_reduce(act, tp, tp_link)
+    cp_fwd = layers * _cp_exchange(layout, shape, b * n, w, cp_link)
+    ep_fwd = 0.0
+    if ep > 1:
+        moe = shape.moe_layers / (pp * v)
+        ep_fwd = moe * 2 * one_way(b * n * shape.top_k * shape.hidden * w * ep, ep, L(tp * cp, ep))
+    gather = 0.0  # ZeRO-3: a layer's parameters gathered forward and again backward
+    if layout.zero == 3:
+        gather = layers * one_way(state.layer_numel * w, dp, L(tp * cp, dp))
+    p2p = 0.0
+    if pp > 1:
+        alpha, beta = L(tp * cp * dp, pp)
+        p2p = alpha + act / beta
+    chunk = {
+        "compute": (f, 2 * f),
+        "recompute": (0.0, recompute),
+        "tp": (tp_fwd, tp_fwd * (2 if layout.checkpointing else 1)),
+        "cp": (cp_fwd, 2 * cp_fwd + (cp_fwd if layout.checkpointing else 0.0)),
+        "ep": (ep_fwd, ep_fwd * (2 if layout.checkpointing else 1)),
+        "dp": (gather, gather),
+        "pp": (p2p, p2p),
+    }
+    forward = sum(x for x, _ in chunk.values())
+    backward = sum(y for _, y in chunk.values())
+    scale = pipeline_step(layout.schedule, pp, m, v, forward, backward)
+    parts = {k: m * v * (x + y) for k, (x, y) in chunk.items()}
+    parts["bubble"] = scale - sum(parts.values()) if pp > 1 else 0.0
+    parts["dp"] += _dp_step(layout, state, w, L)
+    return StepCost({k: x for k, x in parts.items() if x > 0}, scale + _dp_step(layout, state, w, L),
+                    tokens * m * dp)  # fmt: skip
+
+
+def _cp_exchange(layout: Layout, shape: ModelShape, local_tokens: int, w: int, link) -> float:
+    """One layer's forward context-parallel exchange."""
+    cp, tp = layout.cp, layout.tp
+    if cp == 1:
+        return 0.0
+    if layout.cp_mode == "ring":
+        kv_heads = max(shape.kv_heads // tp, 1)
+        kv = 2 * local_tokens * kv_heads * shape.head_dim * w
+        return (cp - 1) * (link[0] + kv / link[1])
+    heads = local_tokens * (shape.heads // tp) * shape.head_dim * w
+    return 4 * one_way(heads * cp, cp, link)
+
+
+def _dp_step(layout: Layout, state: RankState, w: int, L) -> float:
+    """The once-a-step data-parallel traffic (module doc): dense parameters over dp, experts over dp / ep."""
+    dp, ep, r = layout.dp, layout.ep, layout.dp_replicate
+    link = L(layout.tp * layout.cp, dp)
+    dense, experts = state.numel - state.expert_numel, state.expert_numel
+    total = 0.0
+    for numel, ranks, stride in ((dense, dp, 1), (experts, dp // ep, ep)):
+        if not numel or ranks == 1:
+            continue
+        shard = ranks // r if r > 1 else ranks
+        inner = L(layout.tp * layout.cp * stride, shard)
+        grads = one_way(numel * 4, shard, inner)  # fp32 reduce-scatter
+        if layout.zero < 3:
+            grads += one_way(numel * w, shard, inner)  # the updated parameters gathered
+        if r > 1:  # HSDP: the shard's gradients all-reduced over the replicas
+            grads += all_reduce(numel * 4 / shard, r, link)
+        total += grads
+    return total
+
+
+def pipeline_step(schedule: str, pp: int, microbatches: int, chunks: int, forward: float, backward: float) -> float:
+    """Seconds of the schedule's step with each chunk's forward and backward of one micro-batch costing
+    ``forward`` and ``backward`` (whole; ZBV / DualPipeV run it in their ``I`` step, ``W`` empty).
+    GPipe and 1F1B in closed form: their action lists replay to ``(m + pp - 1) x (F + B)`` for equal
+    stages (tests/test_search.py checks the two agree), and a replay at 2,048 micro-batches and 64 stages
+    would take seconds for each of thousands of layouts. The virtual schedules are replayed, the
+    backward's cost rounded to 1% of the forward's so that one replay serves many layouts."""
+    if pp == 1:
+        return microbatches * chunks * (forward + backward)
+    if schedule in SCHEDULES:
+        return (microbatches + pp - 1) * (forward + backward)
+    return forward * _replayed(schedule, pp, microbatches, chunks, round(backward / forward * 100)) / 100
+
+
+@functools.cache
+def _replayed(schedule: str, pp: int, microbatches: int, chunks: int, backward: int) -> float:
+    """Step units of the schedule's action list replayed with a forward of 100 units."""
+    cost = {"F": 100.0, "B": float(backward), "I": float(backward), "W": 0.0}
+    return replay(schedule_actions(schedule, pp, microbatches, chunks), cost)[1]

@@ -1,0 +1,118 @@
+"""`shardformer plan --search`: the layouts a model admits, sized, ranked by the documented cost model,
+the top confirmed on simulated ranks and its route proven; a model that cannot fit says what would."""
+
+import pytest
+import transformers as tf
+
+from shardformer.cli.main import main
+from shardformer.core.config import EngineConfig
+from shardformer.pipeline.bubble import WHOLE_BACKWARD, bubble_fraction, replay, schedule_actions
+from shardformer.tools.plan import build_meta_model
+from shardformer.tools.search import search
+from shardformer.tools.search_cost import Hardware, RankState, pipeline_step, step_cost
+from shardformer.tools.search_proof import prove_route
+from shardformer.tools.search_report import format_search
+from shardformer.tools.search_space import Layout, enumerate_layouts, model_shape
+
+SEQ = 32
+
+
+def _llama(folder, layers: int = 4) -> str:
+    config = tf.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return _llama(tmp_path_factory.mktemp("llama"))
+
+
+def test_the_answer_known_by_hand(llama):
+    """Two nodes of one GPU, compute free, no latency, links of beta = 1 GB/s: only traffic counts, 8
+    sequences of 32 tokens a step. dp=2 moves the gradients once a step (fp32 reduce-scatter, 4N/2
+    bytes out) and the parameters back (bf16 all-gather, 2N/2): 3N / beta. pp=2 sends one micro-batch's
+    activation (b x 32 x 64 x 2 bytes) forward and its gradient back per micro-batch, and 1F1B's step
+    is (m + pp - 1) forward-backward pairs: 8 micro-batches of 1 take 18 x 4096 / beta, less than dp's
+    3N / beta, tp's all-reduces or cp's key/value passes (each by hand below)."""
+    beta = 1e9
+    hw = Hardware("by hand", 1e30, 1.0, beta, 0.0, beta, 0.0)
+    options = dict(seq=SEQ, global_batch=8, gpus_per_node=1, hardware=hw, simulate=False, prove=False)
+    result = search(llama, 2, 2**30, **options)
+    best = result.ranked[0]
+    assert best.layout.engine_fields("bf16") == {"pp": 2, "dp": 1, "num_microbatches": 8, "precision": "bf16"}
+    assert best.cost.step == pytest.approx(18 * 1 * SEQ * 64 * 2 / beta, rel=1e-6)
+    assert best.cost.tokens_per_s == pytest.approx(8 * SEQ / best.cost.step)
+    assert all(c.peak <= result.usable for c in result.ranked) and len(result.ranked) == 3
+    out = format_search(result)
+    assert "EngineConfig(pp=2, dp=1, num_microbatches=8, precision='bf16')" in out and "why #2 lost:" in out
+    assert "shardformer run --nnodes 2 --nproc_per_node 1" in out
+    # the other layouts' costs, by hand: every collective on a 1 GB/s link, nothing else counts
+    n = sum(p.numel() for p in build_meta_model(llama).parameters())
+    shape, state = model_shape(build_meta_model(llama)), RankState(n, 0, n // 4)
+    cost = lambda **kw: step_cost(Layout(**kw), shape, state, SEQ, "bf16", hw, 1).step  # noqa: E731
+    assert cost(tp=1, pp=1, dp=2, micro_batch=4) == pytest.approx(3 * n / beta)
+    # tp: 4 layers x 4 all-reduces of 8 x 32 x 64 x 2 bytes, each sending (p-1)/p x 2 of them
+    assert cost(tp=2, pp=1, dp=1, micro_batch=8) == pytest.approx(4 * 4 * 8 * SEQ * 64 * 2 / beta)
+    # cp ring: per layer one pass of this rank's keys and values (8 x 16 tokens x 2 heads x 16 x 2 x 2 bytes)
+    # forward, two backward
+    assert cost(tp=1, pp=1, dp=1, cp=2, micro_batch=8) == pytest.approx(4 * 3 * 8 * 16 * 2 * 16 * 2 * 2 / beta)
+    assert EngineConfig(**best.layout.engine_fields("bf16"), prove=False).pp == 2  # a config the engine takes
+
+
+def test_a_model_that_cannot_fit_names_the_shortfall_and_what_would_fit(llama, capsys):
+    argv = ["plan", llama, "--search", "--gpus", "2", "--gpu-memory", "1MiB", "--seq", str(SEQ), "--no-simulate"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "nothing fits on 2 x 1.0 MiB (0.9 MiB usable)." in out
+    assert "smallest shortfall: " in out and " over; it fits on GPUs of " in out
+    assert "would fit: 4 GPUs of this memory: " in out or "would fit: 8 GPUs of this memory: " in out
+    assert main(["plan", llama, "--search", "--gpus", "2", "--seq", "8"]) == 2  # no --gpu-memory
+    assert "--search needs --gpus N, --gpu-memory SIZE and --seq TOKENS" in capsys.readouterr().err
+    assert main(["plan", llama, "--search", "--tp", "2", "--gpus", "2", "--gpu-memory", "1GB", "--seq", "8"]) == 2
+    assert "--search chooses the layout itself; drop --tp" in capsys.readouterr().err
+
+
+def test_ep_and_cp_are_offered_only_where_they_apply(llama, tmp_path):
+    dense = model_shape(build_meta_model(llama))
+    layouts = enumerate_layouts(dense, 8, 8, 16, SEQ, "bf16")
+    assert {x.ep for x in layouts} == {1} and {x.cp for x in layouts} >= {1, 2, 4}
+    assert {x.zero for x in layouts} == {1, 2, 3} and not any(x.zero == 3 and x.cp > 1 for x in layouts)
+    assert all(4 % x.tp == 0 and x.world == 8 for x in layouts)  # tp divides the 4 heads
+    bert = model_shape(build_meta_model("bert-tiny"))
+    assert "cannot be split over the sequence" in bert.cp_refused
+    assert {x.cp for x in enumerate_layouts(bert, 4, 4, 4, SEQ, "bf16")} == {1}
+    moe = tf.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, architectures=["MixtralForCausalLM"],
+    )  # fmt: skip
+    moe.save_pretrained(tmp_path)
+    shape = model_shape(build_meta_model(str(tmp_path)))
+    assert (shape.experts, shape.top_k, shape.moe_layers) == (4, 2, 2) and shape.active_numel < shape.numel
+    eps = {(x.ep, x.dp) for x in enumerate_layouts(shape, 8, 8, 16, SEQ, "bf16")}
+    assert {ep for ep, _ in eps} == {1, 2, 4} and all(dp % ep == 0 for ep, dp in eps)  # ep divides 4 experts and dp
+
+
+def test_the_bubble_is_the_schedules_own_action_list():
+    for pp, m in ((2, 4), (4, 8)):
+        busy, step = replay(schedule_actions("1f1b", pp, m), WHOLE_BACKWARD)
+        assert 1 - busy[0] / step == pytest.approx(bubble_fraction("1f1b", pp, m))
+        busy, step = replay(schedule_actions("interleaved_1f1b", pp, m, 2), WHOLE_BACKWARD)
+        assert 1 - busy[0] / step == pytest.approx(bubble_fraction("interleaved_1f1b", pp, m, 2))
+    assert set(schedule_actions("zbv", 2, 4, 2)) == {0, 1}  # torch's own ZBV order, read from its class
+    for schedule, pp, m in (("1f1b", 4, 8), ("gpipe", 4, 6), ("1f1b", 8, 3)):  # the closed form is the replay's
+        _, step = replay(schedule_actions(schedule, pp, m), {"F": 1.0, "B": 1.7})
+        assert pipeline_step(schedule, pp, m, 1, 1.0, 1.7) == pytest.approx(step)
+
+
+def test_the_top_layouts_are_simulated_and_the_chosen_route_proven(llama):
+    result = search(llama, 2, 2**30, seq=SEQ, global_batch=4, simulate=True, prove=False, top=2)
+    assert result.simulated >= 2 and 1 <= result.rank_builds <= result.simulated
+    assert all(c.simulated for c in result.ranked if c.layout.cp == 1)
+    assert "checked on simulated ranks" in format_search(result)
+    proof = prove_route(llama, Layout(tp=2, pp=1, dp=1, sequence_parallel=True))
+    assert proof.startswith("route '") and "proven exact on a tiny copy at tp=2 with sequence parallelism" in proof
+    assert prove_route(llama, Layout(tp=1, pp=1, dp=2)).startswith("tp=1: nothing is cut")
