@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardformer import EngineConfig
 from shardformer.checkpoint import load_checkpoint, save_checkpoint
+from shardformer.core.comm import CollectiveCounter
 from shardformer.core.mesh import ProcessMesh
 from shardformer.data_parallel import ZeroOptimizer
 from tests.checkpoint.common import remove_dir, shared_dir
@@ -68,12 +69,27 @@ def check_zero3_hybrid_parity_export_and_resharded_checkpoints():
 
 
 def check_zero1_and_zero2_hybrid_parity():
-    """States sharded over the 2 ranks of the shard group, gradients averaged over all 4 ranks."""
+    """States sharded over the 2 ranks of the shard group, gradients averaged over all 4 ranks; what
+    crosses to the replicas per step: ZeRO-2 this rank's reduced rows only (half the gradient), ZeRO-1
+    every row (the averaged gradient is written back to param.grad), plus one small flags tensor."""
     for stage, options in ((1, {}), (2, {"num_microbatches": 2})):
-        engine, *_ = _trained(GPT2, 1, 4, 2, zero_stage=stage, dp_replicate=2, **options)
+        with CollectiveCounter() as counter:
+            engine, sched, reference, batches = _trained(GPT2, 1, 4, 2, zero_stage=stage, dp_replicate=2, **options)
         zero = engine.optimizer
         assert isinstance(zero, ZeroOptimizer) and (zero.dp_size, zero.average_over) == (2, 4), zero
         assert zero.dp_rank == dist.get_rank() % 2
+        across = sum(b for (_, _, b), g in zip(counter.calls, counter.groups) if g is engine.mesh.dp_replicate_group)
+        rows = sum(bucket.row_numel for bucket in zero.buckets) * (1 if stage == 2 else 2)
+        assert across == 2 * 4 * (rows + len(zero.slots) + 2), (stage, across, rows)  # 2 steps, fp32 and int32
+    # the ZeRO-2 2 x 2 checkpoint (the replicas' equal pieces) resumed at plain dp=4 ZeRO-3
+    path = shared_dir("sf-hsdp-zero2-")
+    save_checkpoint(path, engine.model, engine.optimizer, sched, step=2)
+    expected = [reference.step(b) for b in batches[2:3]]
+    _, other = common.models(GPT2)
+    plain, sched4 = _engine(other, 1, 4)
+    load_checkpoint(path, plain.model, plain.optimizer, sched4)
+    assert_close(torch.tensor(_train(plain, sched4, batches[2:3])), torch.tensor(expected), what="2x2 ZeRO-2 -> ZeRO-3")
+    remove_dir(path)
 
 
 def check_tp2_with_two_replicas_of_one_shard():
