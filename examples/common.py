@@ -53,8 +53,9 @@ def setup(cfg) -> Env:
     transformers.utils.logging.disable_progress_bar()  # the training bar is the one to watch
     device = init_distributed()
     mesh = ProcessMesh(
-        cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.data_parallel_size, cfg.context_parallel_size
-    )
+        cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.data_parallel_size, cfg.context_parallel_size,
+        dp_replicate_size=cfg.dp_replicate,
+    )  # fmt: skip
     seed_everything(cfg.seed)
     return Env(device, mesh, PRECISIONS[cfg.precision])
 
@@ -115,6 +116,7 @@ def build_engine(model: torch.nn.Module, cfg, env: Env, *, train: bool = True, l
         tp=mesh.tp_size,
         pp=mesh.pp_size,
         dp=mesh.dp_size,
+        dp_replicate=mesh.dp_replicate_size,
         cp=mesh.cp_size,
         cp_mode=cfg.context_parallel_mode,
         zero_stage=cfg.zero_stage,

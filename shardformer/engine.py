@@ -21,7 +21,7 @@ import torch.nn as nn
 from shardformer.api import shard_before_split
 from shardformer.context_parallel import context_parallel_stage_forward
 from shardformer.core import comm
-from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divides
+from shardformer.core.config import PRECISIONS, EngineConfig, check_expert_divides, check_replicate_divides
 from shardformer.core.example_inputs import give_example_inputs
 from shardformer.core.mesh import ProcessMesh, resolve_sizes
 from shardformer.core.position_limit import check_positions, position_tables
@@ -68,11 +68,15 @@ def _check_loss_fn(cfg: EngineConfig, loss_fn) -> None:
 
 
 def _check_mesh(mesh: ProcessMesh | None, cfg: EngineConfig) -> None:
+    sizes = (cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.dp_replicate)
     if mesh is not None and (
-        (mesh.tp_size, mesh.pp_size, mesh.cp_size, mesh.ep_size) != (cfg.tp, cfg.pp, cfg.cp, cfg.ep)
+        (mesh.tp_size, mesh.pp_size, mesh.cp_size, mesh.ep_size, mesh.dp_replicate_size) != sizes
         or cfg.dp not in (None, mesh.dp_size)
     ):
-        raise ValueError(f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, cp={cfg.cp}, ep={cfg.ep}, dp={cfg.dp}")
+        raise ValueError(
+            f"mesh {mesh} does not match tp={cfg.tp}, pp={cfg.pp}, cp={cfg.cp}, ep={cfg.ep}, dp={cfg.dp}, "
+            f"dp_replicate={cfg.dp_replicate}"
+        )
 
 
 class ParallelEngine:
@@ -113,6 +117,7 @@ class ParallelEngine:
         world = dist.get_world_size() if dist.is_initialized() else 1
         _, dp, _ = resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
         check_expert_divides(cfg.ep, dp, "EngineConfig.ep")
+        check_replicate_divides(cfg.dp_replicate, dp)
         check_split_statistics(model, "ParallelEngine", {"dp": dp, "cp": cfg.cp})  # each rank sees its part only
         give_example_inputs(model, cfg.example_inputs)  # the pipeline split's copies read them too
         with studied_once():  # one study of the model: the pipeline split, the checks and the cut read it
@@ -126,7 +131,7 @@ class ParallelEngine:
                 recomputed = recomputed_modules(model, self.pipeline.layers if self.pipeline is not None else stack)
                 check_recomputed_statistics(model, "ParallelEngine", recomputed)
             _check_mesh(mesh, cfg)
-            self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
+            self.mesh = mesh or ProcessMesh(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.dp_replicate)
             self.model = shard_before_split(model, cfg.shard_config(self.mesh), policy, self.pipeline)  # split below
         self.study = sharding_of(self.model).study  # what the cut read of the model, for the stages and units below
         # the first stage alone will hold the position tables: every stage checks a batch's positions against them
@@ -199,9 +204,9 @@ class ParallelEngine:
             )  # fmt: skip
         if self.mesh.rank == 0:
             logger.info(
-                "ParallelEngine: tp=%d cp=%d (%s) pp=%d dp=%d, ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
+                "ParallelEngine: tp=%d cp=%d (%s) pp=%d dp=%d (%d replica(s)), ZeRO-%d, %s precision, %d micro-batch(es) (%s, backend %s); "
                 "rank 0 holds %s and %s trainable parameters",
-                cfg.tp, cfg.cp, cfg.cp_mode, cfg.pp, self.mesh.dp_size, cfg.zero_stage, cfg.precision, cfg.num_microbatches,
+                cfg.tp, cfg.cp, cfg.cp_mode, cfg.pp, self.mesh.dp_size, cfg.dp_replicate, cfg.zero_stage, cfg.precision, cfg.num_microbatches,
                 cfg.schedule, cfg.backend,
                 "every layer" if self.model.shardformer.layers is None else f"layers {list(self.model.shardformer.layers)}",
                 f"{sum(local_numel(p) for p in params):,}",

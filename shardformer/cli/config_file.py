@@ -72,6 +72,11 @@ BASE_KEYS: dict[str, Key] = {
     "data_parallel_size": _engine_key(
         "data_parallel_size", "data-parallel replicas; default: world // (tp * cp * pp)", minimum=1
     ),
+    "dp_replicate": _engine_key(
+        "dp_replicate",
+        "hybrid sharding: dp ranks as this many replicas of ZeRO shard groups (1: shard over all)",
+        minimum=1,
+    ),
     "context_parallel_size": _engine_key(
         "context_parallel_size", "processes that split each sequence (context parallelism)", minimum=1
     ),

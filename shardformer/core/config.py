@@ -42,10 +42,11 @@ from shardformer.core.config_refusals import (
     check_virtual_stages,
     refuse_context_parallel,
     refuse_expert_parallel,
+    refuse_hybrid_sharding,
     refuse_without_mesh,
     refuse_zero3,
 )
-from shardformer.core.sizes import check_expert_divides, resolve_sizes
+from shardformer.core.sizes import check_expert_divides, check_replicate_divides, resolve_sizes
 
 __all__ = [
     "BACKENDS",
@@ -66,6 +67,7 @@ __all__ = [
     "check_expert_divides",
     "check_int",
     "check_positive_int",
+    "check_replicate_divides",
     "is_positive_int",
     "resolve_sizes",
 ]
@@ -234,6 +236,9 @@ class EngineConfig:
     """How to train (and run) a model with `shardformer.ParallelEngine`.
 
     tp, pp, dp: tensor / pipeline / data parallel sizes (dp defaults to world // (tp * cp * pp)).
+    dp_replicate: hybrid sharded data parallelism (HSDP): the dp ranks as ``dp_replicate`` replicas of
+    ``dp_shard = dp // dp_replicate`` consecutive ranks; ZeRO (any stage) shards inside each group of
+    ``dp_shard`` ranks and gradients are averaged across the replicas too. 1 (default): shard over all dp.
     cp, cp_mode: context parallelism (as ShardConfig's context_parallel_size / _mode): every cp rank
     gets the same batch and the sequence is split over them.
     ep: expert parallelism (as ShardConfig.expert_parallel_size): the experts of every MoE layer are
@@ -272,6 +277,7 @@ class EngineConfig:
     tp: int = 1
     pp: int = 1
     dp: int | None = None
+    dp_replicate: int = 1
     cp: int = ShardConfig.context_parallel_size
     cp_mode: str = ShardConfig.context_parallel_mode
     ep: int = ShardConfig.expert_parallel_size
@@ -301,6 +307,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_fields(self, check_positive_int, ("tp", "pp", "cp", "ep", "num_microbatches", "vocab_pad_multiple"))
         check_positive_int("EngineConfig.dp", self.dp, optional=True)
+        check_positive_int("EngineConfig.dp_replicate", self.dp_replicate)
+        if self.dp is not None:
+            check_replicate_divides(self.dp_replicate, self.dp)
         check_example_inputs("EngineConfig.example_inputs", self.example_inputs)
         for name, choices in CHOICES.items():
             check_choice(f"EngineConfig.{name}", getattr(self, name), choices)
@@ -324,6 +333,7 @@ class EngineConfig:
         check_virtual_stages(self)
         refuse_zero3(self)
         refuse_expert_parallel(self)
+        refuse_hybrid_sharding(self)
 
     @property
     def chunks_per_rank(self) -> int:

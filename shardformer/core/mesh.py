@@ -7,6 +7,12 @@ Ranks are laid out with tp innermost, then cp (context parallelism), then dp, th
 so tensor-parallel peers are neighbours (on one node they share the fastest links), and context-
 parallel peers (which exchange keys and values every layer) come next. At cp=1 this is the
 (pp, dp, tp) layout the library always had.
+
+Hybrid sharded data parallelism (HSDP, ``dp_replicate_size`` > 1) splits the dp ranks further,
+``dp_rank = dp_replicate_rank * dp_shard_size + dp_shard_rank``: a shard group is consecutive dp
+ranks (inside a node), and ZeRO shards over it; the replicate group joins the ranks at one shard
+position in every shard group, and sums gradients across them. The batch is still split over the
+whole dp group.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardformer.core.comm import LOCAL, VirtualGroup, group_rank, group_size  # noqa: F401 - re-exported
-from shardformer.core.sizes import resolve_sizes  # the sizes against the world; imported from here too
+from shardformer.core.sizes import check_replicate_divides, resolve_sizes  # resolve_sizes: imported from here too
 
 DEFAULT_TIMEOUT_S = 300
 
@@ -38,6 +44,8 @@ class ProcessMesh:
     ``embedding_group`` joins the first and last pipeline stage of this rank's (dp, tp) column:
     it sums the gradients of weights tied across those stages (word embeddings and LM head).
     Middle stages belong to no embedding group: theirs is ``None``.
+    ``dp_shard_group`` / ``dp_replicate_group`` (and their sizes and ranks): hybrid sharding's split of
+    the dp group (the module docstring); at ``dp_replicate_size=1`` the shard group is ``dp_group``.
     """
 
     tp_size: int = 1
@@ -45,6 +53,7 @@ class ProcessMesh:
     dp_size: int | None = None
     cp_size: int = 1
     ep_size: int = 1
+    dp_replicate_size: int = 1
     rank: int = field(init=False)
     world_size: int = field(init=False)
 
@@ -60,6 +69,7 @@ class ProcessMesh:
         self.pp_size, self.dp_size, self.tp_size = resolve_sizes(
             self.world_size, self.tp_size, self.pp_size, self.dp_size, self.cp_size
         )
+        check_replicate_divides(self.dp_replicate_size, self.dp_size, "ProcessMesh.dp_replicate_size")  # before groups
         pp, dp, cp, tp = self.pp_size, self.dp_size, self.cp_size, self.tp_size
         self.pp_rank, rest = divmod(self.rank, dp * cp * tp)
         self.dp_rank, rest = divmod(rest, cp * tp)
@@ -94,6 +104,7 @@ class ProcessMesh:
         )
         self.cp_group = build(along(2)) if cp > 1 else LOCAL  # None would mean the whole world
         self._build_expert_groups(cells, rank, build)
+        self._build_hybrid_groups(cells, rank, build)
 
     def _build_expert_groups(self, cells, rank, build) -> None:
         """Expert parallelism folds into dp: ``dp_rank = expert_dp_rank * ep + ep_rank``. The ep group
@@ -116,6 +127,24 @@ class ProcessMesh:
             spans.setdefault((p, d % ep, c, t), []).append(rank(p, d, t, c))
         self.ep_group = build(list(lines.values()))
         self.expert_dp_group = build(list(spans.values()))  # a real group even of one: ZeRO reduces over it
+
+    def _build_hybrid_groups(self, cells, rank, build) -> None:
+        """HSDP: the dp group as ``dp_replicate_size`` shard groups of consecutive dp ranks; the replicate
+        groups join the ranks at one place of every shard group. At dp_replicate_size=1 the shard group
+        is the dp group and nothing is created (the groups of a plain mesh stay as they were)."""
+        replicate = self.dp_replicate_size
+        shard = self.dp_shard_size = self.dp_size // replicate
+        self.dp_replicate_rank, self.dp_shard_rank = divmod(self.dp_rank, shard)
+        if replicate == 1:
+            self.dp_shard_group, self.dp_replicate_group = self.dp_group, LOCAL
+            return
+        shards: dict[tuple, list[int]] = {}
+        replicas: dict[tuple, list[int]] = {}
+        for p, d, c, t in cells:
+            shards.setdefault((p, d // shard, c, t), []).append(rank(p, d, t, c))
+            replicas.setdefault((p, d % shard, c, t), []).append(rank(p, d, t, c))
+        self.dp_shard_group = build(list(shards.values()))
+        self.dp_replicate_group = build(list(replicas.values()))
 
     def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int | None = None) -> int:
         """The global rank at these coordinates (``cp_rank`` None: this rank's own)."""
@@ -164,6 +193,12 @@ class ProcessMesh:
             f"dp={self.dp_rank}/{self.dp_size}, "
             + (f"cp={self.cp_rank}/{self.cp_size}, " if self.cp_size > 1 else "")
             + (f"ep={self.ep_rank}/{self.ep_size}, " if self.ep_size > 1 else "")
+            + (
+                f"dp_replicate={self.dp_replicate_rank}/{self.dp_replicate_size}, "
+                f"dp_shard={self.dp_shard_rank}/{self.dp_shard_size}, "
+                if self.dp_replicate_size > 1
+                else ""
+            )
             + f"tp={self.tp_rank}/{self.tp_size})"
         )
 

@@ -1,5 +1,5 @@
 """The parallel sizes against the processes started: (pp, dp, tp) from the world size, and the
-expert-parallel size drawn from the data-parallel ranks. ShardConfig, EngineConfig, the mesh and
+expert-parallel size and the hybrid-sharding replicas drawn from the data-parallel ranks. ShardConfig, EngineConfig, the mesh and
 ``plan`` check them here, before any collective."""
 
 from __future__ import annotations
@@ -44,4 +44,15 @@ def check_expert_divides(ep: int, dp: int, setting: str = "expert_parallel_size"
         raise ValueError(
             f"{setting}={ep} does not divide data_parallel_size={dp}: expert-parallel ranks are data-parallel "
             f"ranks; pick ep in {divisors} or launch {ep // math.gcd(ep, dp)} times as many data-parallel ranks"
+        )
+
+
+def check_replicate_divides(replicate: int, dp: int, setting: str = "EngineConfig.dp_replicate") -> None:
+    """Hybrid sharding: ``dp = dp_replicate x dp_shard``, so ``replicate`` must be a positive divisor of ``dp``."""
+    check_positive_int(setting, replicate)
+    if dp % replicate:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ValueError(
+            f"{setting}={replicate} does not divide data_parallel_size={dp}: the dp ranks are dp_replicate "
+            f"replicas of dp_shard ranks each (dp = dp_replicate x dp_shard); pick dp_replicate in {divisors}"
         )

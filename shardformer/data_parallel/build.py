@@ -51,7 +51,7 @@ def build_optimizer(
         return None
     if config.zero_stage == 3:
         return FullyShardedOptimizer(
-            factory(params), model, mesh.dp_group, tp_group=mesh.tp_group, pp_group=mesh.pp_group,
+            factory(params), model, mesh.dp_shard_group, tp_group=mesh.tp_group, pp_group=mesh.pp_group,
             grad_hooks=grad_hooks, counted_elsewhere=tied.counted_elsewhere,
         )  # fmt: skip
     zero_kwargs = dict(
@@ -68,7 +68,11 @@ def build_optimizer(
     if mesh.ep_size > 1:  # dense parameters over dp, experts over the ranks holding the same ones
         optimizer = expert_optimizer(factory, params, mesh, config.zero_stage, **zero_kwargs)
     else:
-        optimizer = ZeroOptimizer(factory(params), mesh.dp_group, config.zero_stage, model=model, **zero_kwargs)
+        # hybrid sharding: states sharded over the shard group, gradients also averaged over the replicas
+        optimizer = ZeroOptimizer(
+            factory(params), mesh.dp_shard_group, config.zero_stage, model=model,
+            replicate_group=mesh.dp_replicate_group if mesh.dp_replicate_size > 1 else None, **zero_kwargs,
+        )  # fmt: skip
     if config.cp > 1:
         model.shardformer.context_parallel.sum_grads_elsewhere(params)
     return optimizer

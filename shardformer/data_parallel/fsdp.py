@@ -2,7 +2,8 @@
 
 ``fully_shard`` (torch.distributed.fsdp) wraps each transformer layer of the stack and then the
 model itself over the data-parallel sub-mesh (a 1-D DeviceMesh over this rank's dp group of the
-ProcessMesh). Every parameter becomes a DTensor sharded on dim 0 over dp; a layer's parameters are
+ProcessMesh; 2-D under hybrid sharding: see `dp_device_mesh`). Every parameter becomes a DTensor
+sharded on dim 0 over dp; a layer's parameters are
 all-gathered just before its forward (and again for its backward), dropped afterwards, and its
 gradients are reduce-scattered (averaged over dp, as DDP and our ZeRO-1/2 do). FSDP2 prefetches the
 next layer's all-gather while the current one computes.
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -38,11 +40,19 @@ GradHooks = list[tuple[nn.Parameter, list[Callable]]]
 
 
 def dp_device_mesh(mesh, device: torch.device) -> DeviceMesh:
-    """The 1-D DeviceMesh over this rank's data-parallel group of ``mesh`` (a ProcessMesh). A model on
-    the meta device (a simulated job, tools/simulate) gets a CPU mesh: FSDP2 takes its device from the
-    mesh and has no device handle for "meta"; the parameters stay on meta."""
+    """The DeviceMesh over this rank's data-parallel group of ``mesh`` (a ProcessMesh): 1-D, or at
+    ``dp_replicate_size`` > 1 the 2-D (replicate, shard) mesh on which ``fully_shard`` is HSDP (shards
+    inside the shard group, replicas across). A model on the meta device (a simulated job,
+    tools/simulate) gets a CPU mesh: FSDP2 takes its device from the mesh and has no device handle for
+    "meta"; the parameters stay on meta."""
     device_type = "cpu" if device.type == "meta" else device.type
-    return DeviceMesh.from_group(mesh.dp_group, device_type, mesh_dim_names=("dp",))
+    if mesh.dp_replicate_size == 1:
+        return DeviceMesh.from_group(mesh.dp_group, device_type, mesh_dim_names=("dp",))
+    ranks = torch.tensor(dist.get_process_group_ranks(mesh.dp_group)).view(mesh.dp_replicate_size, -1)
+    return DeviceMesh.from_group(
+        [mesh.dp_replicate_group, mesh.dp_shard_group], device_type, ranks,
+        mesh_dim_names=("dp_replicate", "dp_shard"),
+    )  # fmt: skip
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardformer.core import comm
+from shardformer.core.comm import group_size
 from shardformer.core.memory import StorageBytes
 from shardformer.data_parallel.grad_norm import clip_master_grads, global_grad_norm
 from shardformer.data_parallel.layout import build_buckets, build_slots, copy_rows_into, shard_of
@@ -67,7 +68,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             batch (context parallelism's cp group): each bucket is summed over it before the dp
             average (the model's own per-parameter cp reduction must then be off:
             ``ContextParallel.sum_grads_elsewhere``).
-        average_over: what the summed gradients are divided by (default: the dp group's size). Experts
+        replicate_group: hybrid sharding (HSDP): ranks holding the same shard of another copy of the
+            model (one per shard group, at this rank's place); each bucket's reduced shard is also summed
+            over it, so the states are sharded over ``dp_group`` and the gradients averaged over both.
+        average_over: what the summed gradients are divided by (default: the dp group's size, times the
+            replicate group's). Experts
             split by expert parallelism are summed over the ranks holding the same experts and averaged
             over the whole dp (their gradients already hold the tokens of every ep rank).
 
@@ -94,6 +99,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         late_grads=(),
         native_collectives: bool | None = None,
         sum_group=None,
+        replicate_group=None,
         average_over: int | None = None,
     ) -> None:
         check_arguments(
@@ -106,7 +112,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.pp_group = comm.LOCAL if pp_group is None else pp_group
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-        self.average_over = average_over or self.dp_size
+        self.replicate_group = replicate_group
+        self.replicas = 1 if replicate_group is None else group_size(replicate_group)
+        self.average_over = average_over or self.dp_size * self.replicas
         if native_collectives is None:
             native_collectives = not comm.per_rank_is_faster(dp_group)
         self.per_rank = not native_collectives
@@ -132,6 +140,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             backwards_per_step,
             late_grads,
             sum_group,
+            replicate_group=replicate_group,
             divisor=self.average_over,
             names=None if model is None else {id(p): n for n, p in model.named_parameters()},
         )
@@ -333,6 +342,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"ZeroOptimizer(stage={self.stage}, dp={self.dp_rank}/{self.dp_size}, params={len(self.slots)}, "
+            f"ZeroOptimizer(stage={self.stage}, dp={self.dp_rank}/{self.dp_size}, "
+            + (f"replicas={self.replicas}, " if self.replicas > 1 else "")
+            + f"params={len(self.slots)}, "
             f"buckets={len(self.buckets)}, optimizer={type(self.optim).__name__}, loss_scaler={self.loss_scaler})"
         )

@@ -20,6 +20,11 @@ fixes, before the optimizer changes anything.
 With a ``sum_group`` (context parallelism: its ranks hold the same parameters and computed parts
 of the same sequences) each bucket is first summed over it, then averaged over dp.
 
+With a ``replicate_group`` (hybrid sharding: the ranks at this rank's place in the other shard groups)
+each bucket's reduced rows are summed over it once reduced in the shard group, in bucket order on every
+rank: at stage 2 only this rank's row crosses to the replicas (1/dp_shard of the gradient). The flags
+(who has a gradient, stale or edited ones) are agreed over both groups, so every replica acts alike.
+
 Stage 2 holds what ZeRO-2 promises: with ``release_grads`` each ``param.grad`` is freed once copied
 into its bucket, and a bucket's ``[dp, row]`` buffer is freed once its reduce-scatter is done, keeping
 only this rank's row. At most ``IN_FLIGHT`` buckets are in flight (older ones are waited on), and the
@@ -80,9 +85,11 @@ class GradientReducer:
         sum_group=None,
         names: dict[int, str] | None = None,
         divisor: int | None = None,
+        replicate_group=None,
     ) -> None:
         self.slots, self.buckets, self.group, self.stage = slots, buckets, group, stage
         self.sum_group = sum_group  # summed over first (context parallelism's cp ranks), then averaged over dp
+        self.replicate_group = replicate_group  # HSDP: reduced rows summed over the replicas too
         self.per_rank = per_rank
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.divisor = divisor or self.dp  # the summed gradients' average: over dp, or what the owner says
@@ -275,6 +282,8 @@ class GradientReducer:
         flags = torch.tensor([*self._has_grad, int(self._stale), int(edited)], dtype=torch.int32, device=device)
         if self.dp > 1:
             comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)
+        if self.replicate_group is not None:
+            comm.all_reduce(flags, self.replicate_group, op=dist.ReduceOp.MAX)
         values = [bool(flag) for flag in flags.tolist()]
         return values[:-2], values[-2], values[-1]
 
@@ -328,6 +337,8 @@ class GradientReducer:
         return buf if buf is not None and buf.dtype == dtype and not self._pending else None
 
     def _finish(self, bucket: Bucket, out: torch.Tensor, has_grad: list[bool], grad_scale: float) -> None:
+        if self.replicate_group is not None:  # stage 2: this rank's row; stage 1: every row (written back)
+            comm.all_reduce(out, self.replicate_group)
         if self.stage == 2:
             row = out.mul_(grad_scale)
         else:

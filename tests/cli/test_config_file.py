@@ -46,6 +46,7 @@ def test_engine_keys_take_defaults_and_choices_from_engine_config():
     assert BASE_KEYS["tensor_parallel_size"].default == engine.tp and BASE_KEYS["data_parallel_size"].default is None
     assert BASE_KEYS["seed"].default == engine.seed and BASE_KEYS["max_grad_norm"].type is float
     assert BASE_KEYS["zero_stage"].choices == ENGINE_ZERO_STAGES and BASE_KEYS["precision"].choices == tuple(PRECISIONS)
+    assert BASE_KEYS["dp_replicate"].default == engine.dp_replicate == 1
 
 
 def test_short_size_names_in_the_file_and_on_the_command_line(tmp_path):

@@ -41,10 +41,10 @@ LR, EPS, DECAY, CLIP = 1e-3, 1e-6, 0.1, 0.5
 _MESHES = {}
 
 
-def _mesh(tp, dp, pp=1):
-    if (tp, pp, dp) not in _MESHES:
-        _MESHES[(tp, pp, dp)] = ProcessMesh(tp, pp, dp)
-    return _MESHES[(tp, pp, dp)]
+def _mesh(tp, dp, pp=1, dp_replicate=1):
+    if (tp, pp, dp, dp_replicate) not in _MESHES:
+        _MESHES[(tp, pp, dp, dp_replicate)] = ProcessMesh(tp, pp, dp, dp_replicate_size=dp_replicate)
+    return _MESHES[(tp, pp, dp, dp_replicate)]
 
 
 def adamw(params):
@@ -76,7 +76,7 @@ class Reference:
 
 def _engine(model, tp, dp, zero_stage=3, **options):
     cfg = EngineConfig(tp=tp, dp=dp, zero_stage=zero_stage, max_grad_norm=CLIP, **options)
-    engine = ParallelEngine(model, adamw, cfg, mesh=_mesh(tp, dp, cfg.pp))
+    engine = ParallelEngine(model, adamw, cfg, mesh=_mesh(tp, dp, cfg.pp, cfg.dp_replicate))
     return engine, _schedule(engine.optimizer)
 
 

@@ -1,0 +1,123 @@
+"""Hybrid sharded data parallelism (EngineConfig(dp_replicate=R)): ZeRO shards inside groups of dp / R
+consecutive dp ranks and gradients are averaged over all dp ranks, against one process.
+
+One spawn of 4 gloo ranks, dp = 2 replicas x 2 shards: the mesh's groups; ZeRO-3 (FSDP2 on the 2-D
+mesh) and our ZeRO-1/2 trained with AdamW and clipping against the unsharded model (losses, gradient
+norm, weights), the HF export; a ZeRO-3 checkpoint saved at 2 x 2, resumed at plain dp=4 and, saved
+there, resumed at 2 x 2 ZeRO-1; and tp=2 x (2 replicas x 1 shard). What is not built is refused.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from shardformer import EngineConfig
+from shardformer.checkpoint import load_checkpoint, save_checkpoint
+from shardformer.core.comm import CollectiveCounter
+from shardformer.core.mesh import ProcessMesh
+from shardformer.data_parallel import ZeroOptimizer
+from tests.checkpoint.common import remove_dir, shared_dir
+from tests.helpers import assert_close, check_table
+from tests.pipeline import common
+from tests.zero.test_zero3 import GPT2, _assert_weights, _engine, _export_matches, _train, _trained
+
+
+def check_mesh_groups():
+    """dp=4 as 2 replicas of 2 shards: shard groups of consecutive ranks, replicas across them."""
+    mesh = ProcessMesh(dp_replicate_size=2)
+    rank = dist.get_rank()
+    assert (mesh.dp_rank, mesh.dp_shard_size, mesh.dp_replicate_size) == (rank, 2, 2)
+    assert (mesh.dp_replicate_rank, mesh.dp_shard_rank) == divmod(rank, 2)
+    assert dist.get_process_group_ranks(mesh.dp_shard_group) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert dist.get_process_group_ranks(mesh.dp_replicate_group) == [rank % 2, rank % 2 + 2]
+    assert dist.get_process_group_ranks(mesh.dp_group) == [0, 1, 2, 3]  # the batch is split over all four
+    plain = ProcessMesh()
+    assert plain.dp_shard_group is plain.dp_group and plain.dp_shard_size == 4
+
+
+def _hybrid_rows(engine):
+    """ZeRO-3 parameters: DTensors replicated over the first mesh dimension, rows sharded over the second."""
+    for name, p in engine.model.named_parameters():
+        assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard"), name
+        assert p.placements == (Replicate(), Shard(0)), (name, p.placements)
+
+
+def check_zero3_hybrid_parity_export_and_resharded_checkpoints():
+    engine, sched, reference, batches = _trained(GPT2, 1, 4, 2, dp_replicate=2)
+    _hybrid_rows(engine)
+    _export_matches(engine, reference.model)
+    path = shared_dir("sf-hsdp-ckpt-")
+    save_checkpoint(os.path.join(path, "hybrid"), engine.model, engine.optimizer, sched, step=2)
+    expected = [reference.step(b) for b in batches[2:]]
+
+    # 2 x 2 ZeRO-3 -> plain dp=4 ZeRO-3, one step, saved -> 2 x 2 ZeRO-1
+    _, other = common.models(GPT2)
+    plain, sched4 = _engine(other, 1, 4)
+    info = load_checkpoint(os.path.join(path, "hybrid"), plain.model, plain.optimizer, sched4)
+    assert info["layout"] == {"tp": 1, "pp": 1, "dp": 4, "world": 4}, info
+    assert_close(torch.tensor(_train(plain, sched4, batches[2:3])), torch.tensor(expected[:1]), what="dp=4 ZeRO-3")
+    save_checkpoint(os.path.join(path, "plain"), plain.model, plain.optimizer, sched4, step=3)
+    _, again = common.models(GPT2)
+    back, sched1 = _engine(again, 1, 4, zero_stage=1, dp_replicate=2)
+    load_checkpoint(os.path.join(path, "plain"), back.model, back.optimizer, sched1)
+    assert_close(torch.tensor(_train(back, sched1, batches[3:])), torch.tensor(expected[1:]), what="2 x 2 ZeRO-1")
+    _assert_weights(back, reference.model, "2x2 ZeRO-3 -> dp=4 ZeRO-3 -> 2x2 ZeRO-1: weights")
+    remove_dir(path)
+
+
+def check_zero1_and_zero2_hybrid_parity():
+    """States sharded over the 2 ranks of the shard group, gradients averaged over all 4 ranks; what
+    crosses to the replicas per step: ZeRO-2 this rank's reduced rows only (half the gradient), ZeRO-1
+    every row (the averaged gradient is written back to param.grad), plus one small flags tensor."""
+    for stage, options in ((1, {}), (2, {"num_microbatches": 2})):
+        with CollectiveCounter() as counter:
+            engine, sched, reference, batches = _trained(GPT2, 1, 4, 2, zero_stage=stage, dp_replicate=2, **options)
+        zero = engine.optimizer
+        assert isinstance(zero, ZeroOptimizer) and (zero.dp_size, zero.average_over) == (2, 4), zero
+        assert zero.dp_rank == dist.get_rank() % 2
+        across = sum(b for (_, _, b), g in zip(counter.calls, counter.groups) if g is engine.mesh.dp_replicate_group)
+        rows = sum(bucket.row_numel for bucket in zero.buckets) * (1 if stage == 2 else 2)
+        assert across == 2 * 4 * (rows + len(zero.slots) + 2), (stage, across, rows)  # 2 steps, fp32 and int32
+    # the ZeRO-2 2 x 2 checkpoint (the replicas' equal pieces) resumed at plain dp=4 ZeRO-3
+    path = shared_dir("sf-hsdp-zero2-")
+    save_checkpoint(path, engine.model, engine.optimizer, sched, step=2)
+    expected = [reference.step(b) for b in batches[2:3]]
+    _, other = common.models(GPT2)
+    plain, sched4 = _engine(other, 1, 4)
+    load_checkpoint(path, plain.model, plain.optimizer, sched4)
+    assert_close(torch.tensor(_train(plain, sched4, batches[2:3])), torch.tensor(expected), what="2x2 ZeRO-2 -> ZeRO-3")
+    remove_dir(path)
+
+
+def check_tp2_with_two_replicas_of_one_shard():
+    for stage in (3, 1):
+        _trained(GPT2, 2, 2, 2, zero_stage=stage, dp_replicate=2)
+
+
+test_hsdp_world4 = check_table(
+    [
+        check_mesh_groups,
+        check_zero3_hybrid_parity_export_and_resharded_checkpoints,
+        check_zero1_and_zero2_hybrid_parity,
+        check_tp2_with_two_replicas_of_one_shard,
+    ],
+    4,
+)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dp": 4, "dp_replicate": 3}, r"EngineConfig.dp_replicate=3 does not divide data_parallel_size=4"),
+        ({"dp_replicate": 0}, r"EngineConfig.dp_replicate=0 must be a positive integer"),
+        ({"dp_replicate": 2, "pp": 2}, r"EngineConfig.pp=2 with dp_replicate=2"),
+        ({"dp_replicate": 2, "cp": 2}, r"EngineConfig.cp=2 with dp_replicate=2"),
+        ({"dp_replicate": 2, "ep": 2}, r"EngineConfig.ep=2 with dp_replicate=2"),
+    ],
+)
+def test_hybrid_sharding_refuses_what_it_does_not_offer(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
