@@ -67,9 +67,6 @@ EXACT = [
     # ALBERT: one layer applied three times (its weights cut once, their gradients added over the
     # applications) after a factorised embedding (16 -> 32 through embedding_hidden_mapping_in)
     ("sized:AlbertForMaskedLM", ALBERT),
-    # MobileBERT: its attention and feed-forward layers read the bottlenecks' narrow output (projections of
-    # the stream left whole), not the stream: cut behind them
-    ("runnable:MobileBertForSequenceClassification", {}),
     # CodeGen regroups its fused qkv into 4 fixed blocks of [q | v | k]: 12 blocks cut, the output
     # projection's input in 4 (derived on a wider copy: 4 blocks of one head cannot split)
     ("sized:CodeGenForCausalLM", dict(n_embd=128, n_head=16, n_layer=2, vocab_size=300, rotary_dim=4, n_positions=64)),
@@ -86,6 +83,22 @@ def test_roles_come_from_the_dataflow_not_the_names():
     groups, whole = pair(flows.reads["layers.0"])
     assert {(g.cols, g.row) for g in groups} == {(("mixer.down_proj",), "mixer.q_proj"), (("o_proj",), "up_proj")}
     assert whole == []
+
+
+def test_layers_behind_bottlenecks_left_whole_are_paired():
+    """MobileBERT's attention and feed-forward layers read its bottlenecks' narrow output (projections of
+    the stream, left whole), not the stream: paired behind them (exact in the conformance sweep)."""
+    from shardformer.core.inputs import make_inputs
+
+    model = factory("runnable:MobileBertForSequenceClassification")().eval()
+    inputs = make_inputs(model, seed=0)
+    inputs.pop("labels", None)
+    reads = trace(model, inputs).reads["mobilebert.encoder.layer.0"]
+    assert pair(reads) == ([], list(reads))  # nothing reads the stream and feeds a row
+    groups, whole = pair(reads, after_whole=True)
+    assert ("attention.self.key", "attention.self.query", "attention.self.value") in [g.cols for g in groups]
+    assert {g.row for g in groups} >= {"attention.output.dense", "ffn.0.output.dense", "output.dense"}
+    assert set(whole) == {"bottleneck.input.dense", "bottleneck.attention.dense", "output.bottleneck.dense"}
 
 
 def test_fused_blocks_and_per_rank_attributes_are_found_by_simulation():
