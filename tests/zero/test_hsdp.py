@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardformer import EngineConfig
+from shardformer import EngineConfig, ParallelEngine
 from shardformer.checkpoint import load_checkpoint, save_checkpoint
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.mesh import ProcessMesh
@@ -121,3 +121,9 @@ test_hsdp_world4 = check_table(
 def test_hybrid_sharding_refuses_what_it_does_not_offer(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
+
+
+def test_engine_refuses_replicas_that_do_not_divide_the_world_before_any_collective():
+    """dp left to the world (1 process here): dp_replicate=2 cannot divide it; no process group is needed."""
+    with pytest.raises(ValueError, match=r"EngineConfig.dp_replicate=2 does not divide data_parallel_size=1"):
+        ParallelEngine(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), EngineConfig(dp_replicate=2))
