@@ -46,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-layouts", type=int, default=100, help="measure at most this many (the best ranked first)")
+    p.add_argument("--cases", type=int, nargs="*", help="with --paper: which of them (default all)")
     p.add_argument("--paper", action="store_true", help="no measurement: run the search for the issue's example and "
                    "published configurations and show where the published layout ranks")  # fmt: skip
     return p.parse_args(argv)
@@ -185,7 +186,8 @@ def paper(args) -> None:
           f"of `shardformer/tools/search_cost.py` (no simulation)\n")  # fmt: skip
     print("| configuration | layouts (fit) | search's #1 | its step, tokens/s | published layout: rank, step | why |")
     print("|---|---:|---|---|---|---|")
-    for what, model, gpus, per_node, hw, memory, seq, batch, mine in PUBLISHED:
+    cases = [PUBLISHED[i] for i in args.cases] if args.cases else PUBLISHED
+    for what, model, gpus, per_node, hw, memory, seq, batch, mine in cases:
         started = time.perf_counter()
         result = search(model, gpus, memory * 2**30, seq=seq, global_batch=batch, gpus_per_node=per_node,
                         hardware=hw, simulate=False, prove=False, top=10**6, keep_all=True,

@@ -12,7 +12,7 @@ from shardformer.tools.search import search
 from shardformer.tools.search_cost import Hardware, RankState, pipeline_step, step_cost
 from shardformer.tools.search_proof import prove_route
 from shardformer.tools.search_report import format_search
-from shardformer.tools.search_space import Layout, enumerate_layouts, model_shape
+from shardformer.tools.search_space import Layout, dp_splits, enumerate_layouts, model_shape
 
 SEQ = 32
 
@@ -82,6 +82,7 @@ def test_ep_and_cp_are_offered_only_where_they_apply(llama, tmp_path):
     assert {x.ep for x in layouts} == {1} and {x.cp for x in layouts} >= {1, 2, 4}
     assert {x.zero for x in layouts} == {1, 2, 3} and not any(x.zero == 3 and x.cp > 1 for x in layouts)
     assert all(4 % x.tp == 0 and x.world == 8 for x in layouts)  # tp divides the 4 heads
+    assert dp_splits(4, 8, 2) == [1] and {x.dp_replicate for x in layouts} == {1}  # HSDP: not in EngineConfig yet
     bert = model_shape(build_meta_model("bert-tiny"))
     assert "cannot be split over the sequence" in bert.cp_refused
     assert {x.cp for x in enumerate_layouts(bert, 4, 4, 4, SEQ, "bf16")} == {1}

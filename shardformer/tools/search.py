@@ -101,7 +101,9 @@ def search(
         if simulate and candidate.layout.cp == 1:
             candidate.peak, candidate.simulated = sizer.simulated_peak(candidate.layout), True
             out.simulated += 1
-            if candidate.peak > out.usable:
+            if candidate.peak > out.usable:  # the formula fit, the simulated ranks do not
+                if nearest is None or candidate.peak < nearest.peak:
+                    nearest = candidate
                 continue
         out.ranked.append(candidate)
     out.rank_builds = sizer.simulations

@@ -205,4 +205,10 @@ def pipeline_step(schedule: str, pp: int, microbatches: int, chunks: int, forwar
 def _replayed(schedule: str, pp: int, microbatches: int, chunks: int, backward: int) -> float:
     """Step units of the schedule's action list replayed with a forward of 100 units."""
     cost = {"F": 100.0, "B": float(backward), "I": float(backward), "W": 0.0}
-    return replay(schedule_actions(schedule, pp, microbatches, chunks), cost)[1]
+    return replay(_actions(schedule, pp, microbatches, chunks), cost)[1]
+
+
+@functools.cache
+def _actions(schedule: str, pp: int, microbatches: int, chunks: int) -> dict:
+    """The schedule's action lists, built once (torch builds a virtual schedule's order for every rank)."""
+    return schedule_actions(schedule, pp, microbatches, chunks)
