@@ -46,8 +46,10 @@ class Layout:
 
     def record(self) -> dict[str, int]:
         """The layout as a checkpoint's manifest records it (``ep`` only where experts are split)."""
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world": self.world} | (
-            {"ep": self.ep} if self.ep > 1 else {}
+        return (
+            {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world": self.world}
+            | ({"ep": self.ep} if self.ep > 1 else {})
+            | ({"cp": self.cp} if self.cp > 1 else {})
         )
 
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from shardformer.checkpoint import async_save as async_save_
 from shardformer.checkpoint import commit, dcp_io, ranks, typed_json
 from shardformer.checkpoint.errors import CheckpointError
-from shardformer.checkpoint.gather import Layout, layout_of, refuse_context_parallel
+from shardformer.checkpoint.gather import Layout, layout_of
 from shardformer.checkpoint.hf_export import is_timm, original_class
 from shardformer.checkpoint.model_config import config_of
 from shardformer.checkpoint.optim_state import class_name, merge_infos, optimizer_entries
@@ -90,7 +90,6 @@ def _stage(path, model, optimizer, scheduler, step, extra, held: contextlib.Exit
     """Everything a save does before DCP writes (the RNG files, the state to write, on CPU if ``copy``);
     the rest of the save as a function of the process group it runs on."""
     lay = layout_of(model)
-    refuse_context_parallel(lay, "a resumable training checkpoint")
     full, tmp = ranks.rank_zero_result(lay.rank, lambda: _prepare(path, held))
     reshard(model)  # ZeRO-3: the dp shards, not a root a forward left gathered, are what is saved
     manifest, error, state, rank_files, part = None, None, None, [], None

@@ -30,7 +30,7 @@ import torch.nn as nn
 from shardformer.checkpoint import async_save, commit, dcp_io, foreign, ranks
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import dtype_kind, expert_spec
-from shardformer.checkpoint.gather import Layout, layout_of, refuse_context_parallel
+from shardformer.checkpoint.gather import Layout, layout_of
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
 from shardformer.checkpoint.optim_state import OptimizerReader, apply_optimizer, class_name
@@ -181,7 +181,6 @@ def load_checkpoint(
     """
     async_save.wait_for_previous()  # a commit of ours in flight must not meet this load's recovery
     lay = layout_of(model)
-    refuse_context_parallel(lay, "a resumable training checkpoint")
     full, found = ranks.rank_zero_result(lay.rank, lambda: _recovered(path))
     if not found:  # its own type, so that "resume if there is a checkpoint" can tell it apart
         raise FileNotFoundError(f"no checkpoint at {full}")

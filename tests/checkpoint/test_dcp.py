@@ -25,14 +25,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import GPT2LMHeadModel
 
-from shardformer import EngineConfig, ParallelEngine
+from shardformer import EngineConfig, ParallelEngine, ProcessMesh
 from shardformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from shardformer.engine import split_batch
 from tests.checkpoint.common import remove_dir, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common
 from tests.policies import zoo
-from tests.zero.test_zero3 import CLIP, LR, Reference, _assert_weights, _engine, _mesh, _train, adamw
+from tests.zero.test_zero3 import CLIP, LR, Reference, _assert_weights, _engine, _mesh, _schedule, _train, adamw
 
 GPT2 = "GPT2LMHeadModel"
 
@@ -76,6 +76,29 @@ def check_tp2_pp2_to_tp2_dp2_zero3_and_plain_dcp_load():
     assert info["step"] == 2 and info["layout"] == {"tp": 2, "pp": 2, "dp": 1, "world": 4}, info
     assert_close(torch.tensor(_train(zero3, sched3, data[2:])), torch.tensor(expected), what="resumed at ZeRO-3")
     _assert_weights(zero3, reference.model, "tp2 x pp2 -> tp2 x dp2 ZeRO-3: weights")
+    remove_dir(path)
+
+
+def check_cp2_dp2_to_tp2_dp2():
+    """Context-parallel ranks hold their cp peers' pieces: saved once, resumed at another layout."""
+    reference_model, model = common.models(GPT2)
+    reference = Reference(reference_model, 2)
+    data = common.batches(GPT2, 4, seed=7)
+    cfg = EngineConfig(cp=2, dp=2, zero_stage=1, max_grad_norm=CLIP)
+    engine = ParallelEngine(model, adamw, cfg, mesh=ProcessMesh(1, 1, 2, 2))
+    sched = _schedule(engine.optimizer)
+    expected_first = [reference.step(b) for b in data[:2]]
+    assert_close(torch.tensor(_train(engine, sched, data[:2])), torch.tensor(expected_first), what="cp2 x dp2")
+    path = shared_dir("sf-dcp-cp-")
+    ckpt = os.path.join(path, "ckpt")
+    save_checkpoint(ckpt, engine.model, engine.optimizer, sched, step=2)
+    expected = [reference.step(b) for b in data[2:]]
+    _, other = common.models(GPT2)
+    resumed, sched2 = _engine(other, 2, 2, zero_stage=1)
+    info = load_checkpoint(ckpt, resumed.model, resumed.optimizer, sched2)
+    assert info["step"] == 2 and info["layout"]["cp"] == 2, info
+    assert_close(torch.tensor(_train(resumed, sched2, data[2:])), torch.tensor(expected), what="cp2 -> tp2 x dp2")
+    _assert_weights(resumed, reference.model, "cp2 x dp2 -> tp2 x dp2: weights")
     remove_dir(path)
 
 
@@ -202,6 +225,7 @@ def check_a_transformers_distributed_checkpoint_resumes():
 test_dcp_world4 = check_table(
     [
         check_tp2_pp2_to_tp2_dp2_zero3_and_plain_dcp_load,
+        check_cp2_dp2_to_tp2_dp2,
         check_a_plain_fsdp2_checkpoint_resumes,
         check_an_accelerate_fsdp2_state_resumes,
         check_a_transformers_distributed_checkpoint_resumes,

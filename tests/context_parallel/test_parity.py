@@ -15,7 +15,6 @@ import transformers as tf
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from shardformer import ShardConfig, shard_model, sharding_of
-from shardformer.checkpoint.training import save_checkpoint
 from shardformer.context_parallel import check_context_parallel
 from shardformer.context_parallel.attention import SplitMask
 from shardformer.core.comm import CollectiveCounter
@@ -140,8 +139,6 @@ def check_refusals_before_any_collective():
         shard_model(odd_heads, _cp("all_to_all"))
     ref, model = common.pair("llama")
     model = shard_model(model, _cp("ring"))
-    with pytest.raises(ValueError, match="a resumable training checkpoint does not support context parallelism"):
-        save_checkpoint("/nonexistent-cp-checkpoint", model)
     # inputs other than tokens (an image's features go where its tokens are): refused on both ranks alike
     # (GotOcr2 hung: one rank's image-token count check failed while the other waited in the ring)
     with pytest.raises(ValueError, match="cannot split a forward with pixel_values: it splits the token inputs"):
