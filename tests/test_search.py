@@ -82,7 +82,7 @@ def test_ep_and_cp_are_offered_only_where_they_apply(llama, tmp_path):
     assert {x.ep for x in layouts} == {1} and {x.cp for x in layouts} >= {1, 2, 4}
     assert {x.zero for x in layouts} == {1, 2, 3} and not any(x.zero == 3 and x.cp > 1 for x in layouts)
     assert all(4 % x.tp == 0 and x.world == 8 for x in layouts)  # tp divides the 4 heads
-    assert dp_splits(4, 8, 2) == [1] and {x.dp_replicate for x in layouts} == {1}  # HSDP: not in EngineConfig yet
+    assert dp_splits(4, 8, 2) == [1] and {x.dp_replicate for x in layouts} == {1}  # HSDP: not searched yet
     bert = model_shape(build_meta_model("bert-tiny"))
     assert "cannot be split over the sequence" in bert.cp_refused
     assert {x.cp for x in enumerate_layouts(bert, 4, 4, 4, SEQ, "bf16")} == {1}

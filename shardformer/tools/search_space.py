@@ -9,8 +9,8 @@ are replicated, as the library does); pp and its chunks fit in the layer stack; 
 experts (MoE models only); cp only where the library's context-parallel checks accept the model's
 attention. Each layout is then checked by `EngineConfig` itself (what the engine refuses is not offered).
 
-Hybrid sharded data parallelism (dp = replicate x shard) is enumerated only once `EngineConfig` has a
-``dp_replicate`` field (`dp_splits`): the cost model already prices a split dp.
+Hybrid sharded data parallelism (dp = replicate x shard, `EngineConfig.dp_replicate`) is not enumerated
+yet (`dp_splits`): the cost model prices a split dp, the memory model does not.
 """
 
 from __future__ import annotations
@@ -151,11 +151,10 @@ def tp_sizes(shape: ModelShape, most: int) -> list[int]:
 
 
 def dp_splits(dp: int, gpus_per_node: int, tp_cp: int) -> list[int]:
-    """``dp_replicate`` values to try: HSDP's replicate groups, once EngineConfig offers them. The seam:
-    with a ``dp_replicate`` field this returns the splits whose shard group fills a node or less."""
-    if "dp_replicate" not in {f.name for f in fields(EngineConfig)}:
-        return [1]
-    return [r for r in range(1, dp + 1) if dp % r == 0 and (dp // r) * tp_cp <= max(gpus_per_node, tp_cp)]
+    """``dp_replicate`` values to try: plain dp only. EngineConfig has HSDP (``dp_replicate``), but this
+    search does not yet size its per-rank memory (ZeRO shards over dp / dp_replicate) nor mirror its
+    refusals (pp, cp or ep > 1), so it offers no replicate split rather than a layout it cannot price."""
+    return [1]
 
 
 def enumerate_layouts(
