@@ -120,13 +120,9 @@ class ProcessMesh:
         if ep == 1:
             self.ep_group, self.expert_dp_group = LOCAL, self.dp_group
             return
-        lines: dict[tuple, list[int]] = {}
-        spans: dict[tuple, list[int]] = {}
-        for p, d, c, t in cells:
-            lines.setdefault((p, d // ep, c, t), []).append(rank(p, d, t, c))
-            spans.setdefault((p, d % ep, c, t), []).append(rank(p, d, t, c))
-        self.ep_group = build(list(lines.values()))
-        self.expert_dp_group = build(list(spans.values()))  # a real group even of one: ZeRO reduces over it
+        lines, spans = _split_dp(cells, rank, ep)
+        self.ep_group = build(lines)
+        self.expert_dp_group = build(spans)  # a real group even of one: ZeRO reduces over it
 
     def _build_hybrid_groups(self, cells, rank, build) -> None:
         """HSDP: the dp group as ``dp_replicate_size`` shard groups of consecutive dp ranks; the replicate
@@ -138,13 +134,9 @@ class ProcessMesh:
         if replicate == 1:
             self.dp_shard_group, self.dp_replicate_group = self.dp_group, LOCAL
             return
-        shards: dict[tuple, list[int]] = {}
-        replicas: dict[tuple, list[int]] = {}
-        for p, d, c, t in cells:
-            shards.setdefault((p, d // shard, c, t), []).append(rank(p, d, t, c))
-            replicas.setdefault((p, d % shard, c, t), []).append(rank(p, d, t, c))
-        self.dp_shard_group = build(list(shards.values()))
-        self.dp_replicate_group = build(list(replicas.values()))
+        shards, replicas = _split_dp(cells, rank, shard)
+        self.dp_shard_group = build(shards)
+        self.dp_replicate_group = build(replicas)
 
     def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int | None = None) -> int:
         """The global rank at these coordinates (``cp_rank`` None: this rank's own)."""
@@ -251,3 +243,14 @@ def _tear_down() -> None:
 
 
 launch_from_torch = init_distributed
+
+
+def _split_dp(cells, rank, width: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The dp ranks of every (pp, cp, tp) place cut into blocks of ``width`` consecutive dp ranks (the
+    ranks of each block), and joined across the blocks at one offset (the ranks at each offset)."""
+    blocks: dict[tuple, list[int]] = {}
+    offsets: dict[tuple, list[int]] = {}
+    for p, d, c, t in cells:
+        blocks.setdefault((p, d // width, c, t), []).append(rank(p, d, t, c))
+        offsets.setdefault((p, d % width, c, t), []).append(rank(p, d, t, c))
+    return list(blocks.values()), list(offsets.values())
