@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import transformers as tf
 from transformers.modeling_outputs import CausalLMOutput
 
-from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
+from shardformer.core.tiny import fill_zero_matrices, tiny_config, tiny_copy_config
 from shardformer.core.tiny_run import runnable_tiny_config
 from shardformer.models import inputs_for
 
@@ -151,3 +151,15 @@ def factory(name: str, **options):
     if name.startswith("sized:"):
         return functools.partial(config_model, name.removeprefix("sized:"), **options)
     return functools.partial(transformers_model, name, **options)
+
+
+def save_tiny(cls_name: str, options: dict, path: str, perturb) -> None:
+    """A tiny ``transformers.<cls_name>`` (``options`` on its tiny config) saved at ``path`` after
+    ``perturb(name, param)`` made the weights a test cares about distinct."""
+    cls = getattr(tf, cls_name)
+    torch.manual_seed(0)
+    model = cls(tiny_config(cls.config_class, **options))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            perturb(name, param)
+    model.save_pretrained(path)

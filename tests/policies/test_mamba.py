@@ -21,6 +21,7 @@ import transformers as tf
 from shardformer import ShardConfig, shard_model
 from shardformer.core.tiny import tiny_config
 from shardformer.tools.testing import run_on_ranks
+from tests.policies.derived_models import save_tiny
 
 MAMBA2 = dict(hidden_size=32, num_heads=8, head_dim=8, state_size=16, chunk_size=8)  # inner width 64 = 8 x 8
 WIDE = dict(hidden_size=64, num_heads=16, head_dim=8, state_size=12, chunk_size=8, n_groups=1)  # not the tiny copy's
@@ -43,15 +44,9 @@ MODELS = {
 PER_CHANNEL = ("A_log", ".D", "dt_bias", "dt_proj", "conv1d", "mixer.norm", "mamba.norm")
 
 
-def _save(cls_name: str, options: dict, path: str) -> None:
-    cls = getattr(tf, cls_name)
-    torch.manual_seed(0)
-    model = cls(tiny_config(cls.config_class, **options))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if any(part in name for part in PER_CHANNEL):
-                param.add_(torch.randn_like(param) * 0.3)
-    model.save_pretrained(path)
+def _distinct_channels(name: str, param) -> None:
+    if any(part in name for part in PER_CHANNEL):
+        param.add_(torch.randn_like(param) * 0.3)
 
 
 def _ranks(folders: dict[str, tuple[str, str]]) -> dict:
@@ -98,7 +93,7 @@ def test_mamba_and_mamba2_mixers_are_cut_by_channel(tmp_path):
     folders = {}
     for name, (cls_name, options) in MODELS.items():
         folders[name] = (cls_name, str(tmp_path / name))
-        _save(cls_name, options, folders[name][1])
+        save_tiny(cls_name, options, folders[name][1], _distinct_channels)
     for out in run_on_ranks(_ranks, 2, folders, timeout=600):
         for name in MODELS:
             ok, text = out[name]

@@ -8,11 +8,10 @@ given another head's weights would compute the same). One spawn."""
 
 from __future__ import annotations
 
-import torch
 import transformers as tf
 
-from shardformer.core.tiny import tiny_config
 from shardformer.tools.testing import run_on_ranks
+from tests.policies.derived_models import save_tiny
 
 MODELS = {
     "StableLmForCausalLM": dict(qk_layernorm=True),
@@ -20,15 +19,9 @@ MODELS = {
 }
 
 
-def _save(cls_name: str, options: dict, path: str) -> None:
-    cls = getattr(tf, cls_name)
-    torch.manual_seed(0)
-    model = cls(tiny_config(cls.config_class, **options))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:  # every head's norm its own weights
-                param.normal_(1.0, 0.3)
-    model.save_pretrained(path)
+def _distinct_norms(name: str, param) -> None:
+    if "norm" in name:  # every head's norm its own weights
+        param.normal_(1.0, 0.3)
 
 
 def _ranks(folders: dict[str, str]) -> dict:
@@ -64,7 +57,7 @@ def test_per_head_norms_are_cut_with_their_heads(tmp_path):
     folders = {}
     for cls_name, options in MODELS.items():
         folders[cls_name] = str(tmp_path / cls_name)
-        _save(cls_name, options, folders[cls_name])
+        save_tiny(cls_name, options, folders[cls_name], _distinct_norms)
     for out in run_on_ranks(_ranks, 2, folders):
         for cls_name in MODELS:
             ok, text = out[cls_name]
