@@ -31,7 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from sweeps.engine import train_with  # noqa: E402
-from sweeps.rows import NOT_TESTED, run_rows  # noqa: E402
+from sweeps.rows import NOT_TESTED, add_budget_flags, run_rows  # noqa: E402
 from sweeps.saved import save_sweep, versions  # noqa: E402
 from sweeps.tables import show  # noqa: E402
 from sweeps.tp import verify_row  # noqa: E402
@@ -192,7 +192,7 @@ def main() -> None:
     add_filters(parser, task="causal-lm")
     parser.add_argument("--all", action="store_true", help="also classes whose config has no base_model_tp_plan")
     parser.add_argument("--no-pp", action="store_true", help="tp=2 rows only")
-    parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds one row may take (default 300)")
+    add_budget_flags(parser)
     parser.add_argument("--save", metavar="DIR", help="write DIR/config-flips-<date>.md and .json")
     args = parser.parse_args()
     import transformers as tf
@@ -213,12 +213,14 @@ def main() -> None:
             print(f"{row['class']}: no flips read ({type(e).__name__}: {str(e)[:120]})", file=sys.stderr)
         print(f"{row['class']}: {[_label(f) for f in found[row['class']]]}", file=sys.stderr, flush=True)
     defaults = run_rows([dict(r, technique=t) for r in classes for t in techniques], flip_row, check_unsharded,
-                        budget=args.row_timeout, progress=show)  # fmt: skip
+                        budget=args.row_timeout, memory_gib=args.row_memory, progress=show)  # fmt: skip
     # flips run where the class's default row passed: the changes that matter start from passed
     passed = [{k: r[k] for k in ("task", "model_type", "class", "kind", "technique")} for r in defaults
               if r["result"] == "passed"]  # fmt: skip
     flipped = [dict(row, flip=flip) for row in passed for flip in found[row["class"]]]
-    results = defaults + run_rows(flipped, flip_row, check_unsharded, budget=args.row_timeout, progress=show)
+    results = defaults + run_rows(
+        flipped, flip_row, check_unsharded, budget=args.row_timeout, memory_gib=args.row_memory, progress=show
+    )
     stamp = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M}"
     text = table(results, stamp)
     print(text)

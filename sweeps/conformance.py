@@ -54,7 +54,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from sweeps.engine import ENGINE_NAMES, by_class, train_technique, train_with  # noqa: E402
-from sweeps.rows import run_rows  # noqa: E402
+from sweeps.rows import add_budget_flags, run_rows  # noqa: E402
 from sweeps.saved import default_jsonl, recorder, resumed  # noqa: E402
 from sweeps.tables import engine_table, save, save_engine, show, table  # noqa: E402
 from sweeps.tp import plan_row, verify_row  # noqa: E402
@@ -64,7 +64,7 @@ from sweeps.zoo import add_filters, architectures, check_unsharded, chosen_rows 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_filters(parser)
-    parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds one class may take (default 300)")
+    add_budget_flags(parser)
     parser.add_argument("--plan-sweep", action="store_true", help="the causal-LM tp-plan sweep (tools.pair_check)")
     parser.add_argument("--sdpa", action="store_true", help="sdpa attention instead of eager (plan sweep)")
     parser.add_argument(
@@ -121,7 +121,9 @@ def main() -> None:
     earlier, rows = resumed(jsonl, rows, key=lambda r: (r["class"], r.get("technique")))
     progress = recorder(jsonl, show)
     world = max(2, args.pp)
-    results = earlier + run_rows(rows, check, precheck, world=world, budget=args.row_timeout, progress=progress)
+    results = earlier + run_rows(
+        rows, check, precheck, world=world, budget=args.row_timeout, memory_gib=args.row_memory, progress=progress
+    )
     if techniques:
         results = by_class(results, techniques)
         text = engine_table(results, techniques)

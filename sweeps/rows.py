@@ -8,6 +8,8 @@ starts the ranks (``shardformer.tools.testing.run_on_ranks``), and rank 0 writes
 starts and one when it ends. The parent reads those lines. A row still running after its budget has the
 whole session killed from the parent (SIGKILL works whatever the row is doing; a timer or an alarm
 inside the rank waits for a C call that holds the GIL) and becomes an ``error`` row naming the budget;
+so does a row during which one of the spawn's processes grows past its memory budget (resident memory,
+read by the parent every poll: a row that swaps the machine to a halt is stopped, and what it held is freed);
 a crash becomes an ``error`` row with the crash's last line. Either way the sweep goes on in a fresh
 spawn after that row.
 
@@ -16,6 +18,7 @@ Every row :func:`run_rows` returns carries a :class:`Verdict` beside its own key
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -25,6 +28,8 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import TypedDict
+
+import psutil
 
 from shardformer.tools.testing import run_on_ranks
 from sweeps.saved import append_line
@@ -40,6 +45,7 @@ RESULTS = (PASSED, REFUSED, REFUSED_AT_STEP, FAILED, RANDOM_IN_TRAINING, NOT_TES
 NOT_APPLICABLE = "n/a"  # a technique that does not apply to the row's class (ep without experts)
 
 ROWS_PER_SPAWN = 100
+MEMORY_GIB = 8.0  # the resident memory one process of a spawn may reach (its ranks grow over 100 rows)
 STARTUP_S = 300.0  # the ranks' start (imports, process group) before the first row's budget begins
 POLL_S = 0.5
 
@@ -120,12 +126,14 @@ def run_rows(
     *,
     world: int = 2,
     budget: float = 300.0,
+    memory_gib: float = MEMORY_GIB,
     progress: Callable[[dict], None] | None = None,
     rows_per_spawn: int = ROWS_PER_SPAWN,
 ) -> list[dict]:
     """Each row checked on ``world`` ranks (``check`` and ``precheck`` module-level: they are pickled), with
-    ``budget`` seconds a row; the rows with their :class:`Verdict`, ``progress(row)`` called as each ends. A
-    row holding ``skip`` (a reason) is not tested without a spawn."""
+    ``budget`` seconds a row and ``memory_gib`` of resident memory a process; the rows with their
+    :class:`Verdict`, ``progress(row)`` called as each ends. A row holding ``skip`` (a reason) is not tested
+    without a spawn."""
     os.environ.setdefault("SHARDFORMER_TIMEOUT_S", "120")  # a collective waiting on a dead peer fails in 2 minutes
     done: list[dict] = []
 
@@ -139,16 +147,17 @@ def run_rows(
             report({k: v for k, v in row.items() if k != "skip"} | {"result": NOT_TESTED, "reason": row["skip"]})
     remaining = [r for r in rows if "skip" not in r]
     while remaining:
-        finished, stopped = _spawn(remaining[:rows_per_spawn], check, precheck, world, budget, report)
+        finished, stopped = _spawn(remaining[:rows_per_spawn], check, precheck, world, (budget, memory_gib), report)
         remaining = remaining[finished:]
         if stopped is not None and remaining:
             report(dict(remaining.pop(0), **stopped))
     return done
 
 
-def _spawn(chunk, check, precheck, world, budget, report) -> tuple[int, dict | None]:
+def _spawn(chunk, check, precheck, world, budgets, report) -> tuple[int, dict | None]:
     """One spawn over ``chunk``: how many rows finished, and the verdict of the row it stopped on (None
-    when it finished them all)."""
+    when it finished them all). ``budgets``: (seconds a row, GiB a process)."""
+    budget, memory_gib = budgets
     fd, out_path = tempfile.mkstemp(prefix="sf-sweep-", suffix=".jsonl")
     os.close(fd)
     backstop = budget * len(chunk) + STARTUP_S  # run_on_ranks' own limit; the parent's budget comes first
@@ -175,6 +184,9 @@ def _spawn(chunk, check, precheck, world, budget, report) -> tuple[int, dict | N
             elif stopped is None and finished < len(chunk) and time.monotonic() > deadline:
                 stopped = _over_budget(started, budget)
                 _kill(process)
+            elif stopped is None and finished < len(chunk) and _largest_rss_gib(process.pid) > memory_gib:
+                stopped = _over_memory(memory_gib, time.monotonic() - deadline + budget)
+                _kill(process)
             if stopped is None and finished < len(chunk):
                 time.sleep(POLL_S)
     finally:
@@ -195,6 +207,42 @@ def _over_budget(started: bool, budget: float) -> dict:
         "reason": f"no result within the row budget of {budget:g} s (--row-timeout): the ranks were killed",
         "seconds": budget,
     }
+
+
+def _over_memory(memory_gib: float, seconds: float) -> dict:
+    return {
+        "result": ERROR,
+        "reason": f"a rank grew past the memory budget of {memory_gib:g} GiB (--row-memory): the ranks were killed",
+        "seconds": round(seconds, 1),
+    }
+
+
+def _largest_rss_gib(pid: int) -> float:
+    """The largest resident memory among ``pid`` and its descendants (the supervisor, the ranks, their fork
+    server), in GiB; 0 for processes gone while reading."""
+    try:
+        tree = [psutil.Process(pid)]
+        tree += tree[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    largest = 0
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            largest = max(largest, proc.memory_info().rss)
+    return largest / 2**30
+
+
+def add_budget_flags(parser, seconds: float = 300.0) -> None:
+    """``--row-timeout`` and ``--row-memory``, the two budgets of a row, on a sweep's command line."""
+    parser.add_argument(
+        "--row-timeout", type=float, default=seconds, help=f"seconds one row may take (default {seconds:g})"
+    )
+    parser.add_argument(
+        "--row-memory",
+        type=float,
+        default=MEMORY_GIB,
+        help=f"GiB of resident memory one rank may reach during a row (default {MEMORY_GIB:g})",
+    )
 
 
 def _kill(process) -> None:

@@ -33,7 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from sweeps.rows import NOT_TESTED, PASSED, RESULTS, run_rows, set_reason  # noqa: E402
+from sweeps.rows import NOT_TESTED, PASSED, RESULTS, add_budget_flags, run_rows, set_reason  # noqa: E402
 from sweeps.saved import default_jsonl, recorder, resumed, save_sweep, versions  # noqa: E402
 from sweeps.tp import verify  # noqa: E402
 
@@ -232,7 +232,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated timm modules (default: all)")
     parser.add_argument("--names", default="", help="comma-separated timm model names (instead of the smallest)")
-    parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds one model may take (default 300)")
+    add_budget_flags(parser)
     parser.add_argument("--max-params", type=float, default=100e6, help="largest model verified (default 100M)")
     parser.add_argument("--save", metavar="DIR", help="write DIR/timm-<date>.md and .json")
     parser.add_argument("--jsonl", help="per-row results, appended as rows finish; rows already in it are not rerun")
@@ -243,7 +243,14 @@ def main() -> None:
     jsonl = args.jsonl or default_jsonl("timm")
     earlier, rows = resumed(jsonl, rows, key=lambda r: r["name"])
     precheck = functools.partial(check_options, max_params=int(args.max_params))
-    results = earlier + run_rows(rows, verify_model, precheck, budget=args.row_timeout, progress=recorder(jsonl, show))
+    results = earlier + run_rows(
+        rows,
+        verify_model,
+        precheck,
+        budget=args.row_timeout,
+        memory_gib=args.row_memory,
+        progress=recorder(jsonl, show),
+    )
     text = table(results)
     print(text)
     if args.save:

@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from sweeps.rows import NOT_TESTED, PASSED, run_rows, set_reason  # noqa: E402
+from sweeps.rows import NOT_TESTED, PASSED, add_budget_flags, run_rows, set_reason  # noqa: E402
 from sweeps.zoo import add_filters, chosen_rows, unsharded_failure  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_filters(parser)
     parser.add_argument("--generate", action="store_true", help="also run greedy generate where the class can")
-    parser.add_argument("--row-timeout", type=float, default=60.0, help="seconds one class may take (default 60)")
+    add_budget_flags(parser, 60.0)
     parser.add_argument("--chunk", type=int, default=80, help="rows per child process (default 80)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -77,7 +77,15 @@ def main() -> None:
             print(f"{r['class']}: {r['reason'][:200]}", file=sys.stderr, flush=True)
 
     check = functools.partial(check_row, generate=args.generate)
-    results = run_rows(rows, check, world=1, budget=args.row_timeout, progress=progress, rows_per_spawn=args.chunk)
+    results = run_rows(
+        rows,
+        check,
+        world=1,
+        budget=args.row_timeout,
+        memory_gib=args.row_memory,
+        progress=progress,
+        rows_per_spawn=args.chunk,
+    )
     print(summary(results))
     if args.json:
         with open(args.json, "w") as f:

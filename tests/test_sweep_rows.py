@@ -4,6 +4,7 @@ killed from outside (even one stuck in a C call that holds the GIL) and the swee
 import os
 import re
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -19,11 +20,17 @@ def _check(row: dict) -> None:
         raise ValueError("a bug in the check")
     elif row["does"] == "not tested":
         raise NotTested("no tiny copy runs")
+    elif row["does"] == "grow":
+        held = b"x" * (3 << 30)  # written, so resident: past the 2.5 GiB budget below
+        time.sleep(60)  # far past the time budget: only the memory budget can stop this row in time
+        del held
     elif row["does"] == "hang":
         re.match(r"(a+)+$", "a" * 60 + "b")  # years of backtracking in C, the GIL held: no timer thread runs
 
 
 def test_each_row_gets_its_result_and_a_row_past_its_budget_is_killed():
+    """Past the time budget (a hang), or past the memory budget (a rank that grows): killed, named, and the
+    sweep goes on in a fresh spawn (the machine's memory back)."""
     rows = [
         {"name": "skipped", "skip": "class not importable"},
         {"name": "a", "does": "pass"},
@@ -42,6 +49,12 @@ def test_each_row_gets_its_result_and_a_row_past_its_budget_is_killed():
     assert got["d"]["result"] == ERROR and "row budget of 2 s" in got["d"]["reason"], got["d"]
     assert got["d"]["seconds"] == 2.0
     assert all(isinstance(r["seconds"], float) for r in got.values() if r["name"] != "skipped")
+
+    # a row that grows past the memory budget is stopped long before its time budget, and the next row runs
+    grown, after = run_rows([{"name": "m", "does": "grow"}, {"name": "f", "does": "pass"}], _check, world=1,
+                            budget=55.0, memory_gib=2.5)  # fmt: skip
+    assert grown["result"] == ERROR and "memory budget of 2.5 GiB" in grown["reason"], grown
+    assert grown["seconds"] < 55.0 and after["result"] == PASSED
 
 
 def test_upstream_failures_are_named():
