@@ -42,6 +42,24 @@ def check_verify_names_the_first_diverging_module():
     # c_attn's own output gathers back equal; the attention that splits it into Q, K, V does not
     assert report.divergence.module == "transformer.h.0.attn", report.format()
     assert report.divergence.cls == "GPT2Attention" and report.divergence.error > 1e-3
+    # a wrong cut differs as much in float64: the rerun does not excuse it
+    assert report.checks[-1].name == "float64 rerun" and report.checks[-1].detail.endswith("the cut"), report.format()
+
+
+def tiny_cpmant():
+    """CPM-Ant's tiny copy: exact at tp=2, but its outputs after one SGD step differ by ~7e-4 in float32
+    (rounding of the two ranks' partial sums, amplified by the model) — 6e-12 in float64."""
+    from sweeps.zoo import build_tiny
+
+    return build_tiny("CpmAntForCausalLM", None)
+
+
+def check_float32_rounding_is_told_apart_from_a_wrong_cut():
+    report = verify_on_this_rank(tiny_cpmant)
+    assert report.ok, report.format()
+    after = next(c for c in report.checks if c.name == "outputs after step")
+    assert "in float32" in after.detail and "rounding, not the cut" in after.detail, report.format()
+    assert report.checks[-1].name == "float64 rerun", report.format()
 
 
 def check_custom_opt_policy_without_attrs_or_bindings_is_exact():  # traps 1 and 5
@@ -103,6 +121,7 @@ test_tp2 = check_table(
     [
         check_verify_passes_on_every_builtin_policy,
         check_verify_names_the_first_diverging_module,
+        check_float32_rounding_is_told_apart_from_a_wrong_cut,
         check_custom_opt_policy_without_attrs_or_bindings_is_exact,
         check_custom_vocab_parallel_head_with_injected_loss_is_exact_and_generates,
         check_sampled_tokens_agree_on_every_rank,

@@ -23,7 +23,7 @@ GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-4  # gradients, and weights after an optimizer s
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor, atol=ATOL, rtol=RTOL) -> tuple[float, bool]:
     """The largest ``|actual - expected|`` (inf when the shapes differ) and whether all is within tolerance."""
-    a, b = actual.detach().float(), expected.detach().float()
+    a, b = actual.detach().double(), expected.detach().double()  # float64 runs compared in float64
     if a.shape != b.shape:
         return float("inf"), False
     err = torch.where(a == b, 0.0, (a - b).abs())

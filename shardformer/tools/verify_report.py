@@ -25,6 +25,12 @@ class Check:
     name: str
     ok: bool
     detail: str
+    error: float | None = None  # the largest difference, where the check measures one
+
+
+# float32 rounding shrinks by ~5e8 in float64 (the ratio of their epsilons); a wrong cut does not shrink
+# at all. Rounding amplified differently by the two runs still shrinks by far more than this.
+ROUNDING_SHRINK = 1e-4
 
 
 @dataclass
@@ -72,6 +78,34 @@ def merge_reports(reports: list[VerifyReport]) -> VerifyReport:
     return merged
 
 
+def excuse_rounding(report: VerifyReport, exact: VerifyReport) -> None:
+    """Where ``exact`` (the same comparison in float64) passes every check and each of ``report``'s
+    failing checks shrank there by ``ROUNDING_SHRINK`` or more, those failures were float32 rounding:
+    they pass, their detail naming both runs, and a "float64 rerun" check records it. Otherwise
+    ``report`` stays as it is (and says what the float64 run found)."""
+    failing = [c for c in report.checks if not c.ok]
+    exact_checks = {c.name: c for c in exact.checks}
+
+    def shrank(check: Check) -> bool:
+        again = exact_checks.get(check.name)
+        if again is None or not again.ok:
+            return False
+        if check.error is None or again.error is None:  # greedy tokens: equal in float64 is enough
+            return check.name == "greedy generate"
+        return again.error <= check.error * ROUNDING_SHRINK
+
+    if exact.ok and failing and all(shrank(c) for c in failing):
+        for check in failing:
+            check.ok = True
+            check.detail += f" in float32; {exact_checks[check.name].detail} in float64: rounding, not the cut"
+        report.checks.append(Check("float64 rerun", True, f"{len(exact.checks)} checks pass in float64"))
+        report.divergence = None
+    elif exact.error is not None:
+        report.checks.append(Check("float64 rerun", True, f"did not run: {exact.error}"))
+    else:
+        report.checks.append(Check("float64 rerun", True, "the float32 failures do not shrink in float64: the cut"))
+
+
 def params_check(name: str, diffs: list[ParamDiff], grads: bool, where: str = "") -> Check:
     """A check over `shardformer.core.compare.compare_params`' result: the first mismatch if
     any, else the count and the largest difference. ``where`` (" on stage 1") follows the count."""
@@ -81,12 +115,12 @@ def params_check(name: str, diffs: list[ParamDiff], grads: bool, where: str = ""
         what = f"max |diff| {bad.error:.3g}"
         if bad.only_in is not None:
             what = f"{'gradient ' if grads else ''}present in only one model"
-        return Check(name, False, f"first mismatch {bad.name}: {what} ({len(compared)} compared{where})")
+        return Check(name, False, f"first mismatch {bad.name}: {what} ({len(compared)} compared{where})", bad.error)
     worst, worst_name = 0.0, "-"
     for d in compared:
         if d.error > worst:
             worst, worst_name = d.error, d.name
-    return Check(name, True, f"{len(compared)} parameters{where}, max |diff| {worst:.2g} ({worst_name})")
+    return Check(name, True, f"{len(compared)} parameters{where}, max |diff| {worst:.2g} ({worst_name})", worst)
 
 
 def broadcast_weights(model: nn.Module) -> None:
