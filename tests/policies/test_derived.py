@@ -213,6 +213,8 @@ def _ranks(cases, refused):
     shard_model(t5, ShardConfig(tensor_parallel_size=dist.get_world_size()))
     bias = t5.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
     out["t5 bias"] = (full_shape, tuple(bias.shape))
+    out["whole vocabulary"] = _whole_vocabulary()
+    out["t5gemma2"] = _t5gemma2_eoi()
     for name, options in refused:
         key = f"refused {name}{options}"
         try:
@@ -223,6 +225,47 @@ def _ranks(cases, refused):
         except NotDerivableError as e:
             out[key] = f"not derivable: {e}"
     return out
+
+
+def _whole_vocabulary() -> list[tuple[str, str]]:
+    """LM heads whose code reads an embedding's weight itself (MobileBERT concatenates its decoder's with
+    another matrix; Perceiver multiplies by its input embedding's): sharded (the proof on the tiny copy
+    run: exact), the route and the class of the input embedding, whose vocabulary stays whole."""
+    from shardformer import ShardConfig, shard_model
+
+    found = []
+    for name, embedding in (
+        ("MobileBertForMaskedLM", "mobilebert.embeddings.word_embeddings"),
+        ("PerceiverForMaskedLM", "perceiver.input_preprocessor.embeddings"),
+    ):
+        model = shard_model(factory(name)(), ShardConfig(tensor_parallel_size=2))
+        found.append((model.shardformer.route, type(model.get_submodule(embedding)).__name__))
+    return found
+
+
+def _t5gemma2_eoi() -> tuple:
+    """T5Gemma2's scaled embedding writes a learned ``eoi_embedding`` over one token's rows: sharded by
+    vocabulary it keeps its own forward and that parameter (the token placed in the inputs, the vector not zero)."""
+    import copy
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.core.inputs import make_inputs
+    from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D
+
+    model = factory("T5Gemma2ForConditionalGeneration")()
+    for module in model.modules():
+        if hasattr(module, "eoi_embedding"):
+            module.eoi_token_index = 7
+            torch.nn.init.normal_(module.eoi_embedding)
+    ref = copy.deepcopy(model)
+    shard_model(model, ShardConfig(tensor_parallel_size=2))
+    inputs = make_inputs(ref, seed=4)
+    inputs["input_ids"][:, -1] = 7  # text after the image tokens
+    got, want = model(**inputs), ref(**inputs)
+    got.loss.backward(), want.loss.backward()
+    embed, ref_embed = model.get_input_embeddings(), ref.get_input_embeddings()
+    grad = (embed.eoi_embedding.grad - ref_embed.eoi_embedding.grad).abs().max().item()
+    return isinstance(embed, VocabParallelEmbedding1D), abs(got.loss.item() - want.loss.item()), grad
 
 
 def test_derived_models_are_exact_or_refused():
@@ -241,6 +284,9 @@ def test_derived_models_are_exact_or_refused():
     assert bias_diff == 0.0, out["bart"]
     assert out["whisper"][0] == 99 // 2 + 1 and out["whisper"][1] < 1e-5, out["whisper"]
     assert out["albert"] == ((16, 32), (32, 32)), out["albert"]  # the one shared layer, cut once
+    assert out["whole vocabulary"] == [("derived", "Embedding")] * 2, out["whole vocabulary"]
+    cut, loss_diff, eoi_grad_diff = out["t5gemma2"]
+    assert cut and loss_diff < 1e-5 and eoi_grad_diff < 1e-5, out["t5gemma2"]
     full, local = out["t5 bias"]
     assert local == (full[0], full[1] // 2), out["t5 bias"]
     # a scale shared by the heads that also scales the attention's input: the forward is exact, its
