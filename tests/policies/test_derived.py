@@ -37,6 +37,7 @@ EXACT = [
     ("liar", {}),
     ("liar", {"head_norm": True}),
     ("liar", {"head_scale": True}),  # a scale of the queries shared by the heads: its gradient summed over tp
+    ("liar", {"head_reads_weight": True}),  # logits = x @ lm_head.weight.t(): the vocabulary stays whole
     ("OPTForCausalLM", {}),
     ("BartForConditionalGeneration", {}),
     ("RobertaForMaskedLM", {}),
@@ -227,20 +228,13 @@ def _ranks(cases, refused):
     return out
 
 
-def _whole_vocabulary() -> list[tuple[str, str]]:
-    """LM heads whose code reads an embedding's weight itself (MobileBERT concatenates its decoder's with
-    another matrix; Perceiver multiplies by its input embedding's): sharded (the proof on the tiny copy
-    run: exact), the route and the class of the input embedding, whose vocabulary stays whole."""
+def _whole_vocabulary() -> tuple[str, str, str]:
+    """An LM head whose weight the model's code reads itself (as MobileBERT's and Perceiver's do): the
+    route, the class of the head (left whole) and of the untied input embedding (still vocab-parallel)."""
     from shardformer import ShardConfig, shard_model
 
-    found = []
-    for name, embedding in (
-        ("MobileBertForMaskedLM", "mobilebert.embeddings.word_embeddings"),
-        ("PerceiverForMaskedLM", "perceiver.input_preprocessor.embeddings"),
-    ):
-        model = shard_model(factory(name)(), ShardConfig(tensor_parallel_size=2))
-        found.append((model.shardformer.route, type(model.get_submodule(embedding)).__name__))
-    return found
+    model = shard_model(liar(head_reads_weight=True), ShardConfig(tensor_parallel_size=2))
+    return model.shardformer.route, type(model.lm_head).__name__, type(model.embed).__name__
 
 
 def _t5gemma2_eoi() -> tuple:
@@ -284,7 +278,7 @@ def test_derived_models_are_exact_or_refused():
     assert bias_diff == 0.0, out["bart"]
     assert out["whisper"][0] == 99 // 2 + 1 and out["whisper"][1] < 1e-5, out["whisper"]
     assert out["albert"] == ((16, 32), (32, 32)), out["albert"]  # the one shared layer, cut once
-    assert out["whole vocabulary"] == [("derived", "Embedding")] * 2, out["whole vocabulary"]
+    assert out["whole vocabulary"] == ("derived", "Linear", "VocabParallelEmbedding1D"), out["whole vocabulary"]
     cut, loss_diff, eoi_grad_diff = out["t5gemma2"]
     assert cut and loss_diff < 1e-5 and eoi_grad_diff < 1e-5, out["t5gemma2"]
     full, local = out["t5 bias"]
