@@ -26,6 +26,7 @@ from shardformer.core.record import build_mesh
 from shardformer.core.refusal import DATA_PARALLEL, POLICY, Refusal, has_convolutions, indent, parts_of
 from shardformer.models import family_of, model_class_name, supported_models
 from shardformer.policies.derived import DerivedPolicy, NotDerivableError, NotProvenError, derive, derived_model
+from shardformer.policies.derived.blocks import is_projection
 from shardformer.policies.derived.policy import with_pooling_heads
 from shardformer.policies.proof import prove
 from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError, has_tp_plan
@@ -96,11 +97,33 @@ def no_route_error(model: nn.Module) -> Refusal:
             f"projections to cut; its layers are convolutions, which tensor parallelism does not cut",
             DATA_PARALLEL,
         )
+    foreign = _unknown_matrices(model)
+    if foreign:
+        return Refusal(
+            f"no route cuts {name}: its matrices are held by "
+            + ", ".join(f"{cls} ({path})" for cls, path in foreign.items())
+            + ", module classes tensor parallelism does not cut (it cuts nn.Linear, transformers' Conv1D and "
+            "nn.Embedding); quantization-aware layers and the like run whole on every rank",
+            DATA_PARALLEL,
+            POLICY,
+        )
     return Refusal(
         f"no built-in policy for {name}; supported: {', '.join(supported_models())}, and any transformers model "
         f"whose config has a base_model_tp_plan or whose blocks can be traced",
         POLICY,
     )
+
+
+def _unknown_matrices(model: nn.Module) -> dict[str, str]:
+    """``{class name: first path}`` of the modules holding a matrix (a 2-D weight) that are neither a
+    projection nor an embedding (IBert's quantization-aware ``QuantLinear`` and ``QuantEmbedding``)."""
+    found: dict[str, str] = {}
+    for path, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        known = is_projection(module) or isinstance(module, nn.Embedding)
+        if isinstance(weight, nn.Parameter) and weight.dim() == 2 and not known:
+            found.setdefault(type(module).__name__, path)
+    return found
 
 
 class NoExactRouteError(NotProvenError):

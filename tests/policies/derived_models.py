@@ -30,10 +30,12 @@ class LiarConfig(tf.PretrainedConfig):
     model_type = "shardformer-liar"
 
     def __init__(self, vocab_size=99, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                 num_hidden_layers=2, head_scale=False, head_norm=False, mix_heads=False, **kwargs):  # fmt: skip
+                 num_hidden_layers=2, head_scale=False, head_norm=False, mix_heads=False, head_reads_weight=False,
+                 **kwargs):  # fmt: skip
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_attention_heads, self.num_hidden_layers = num_attention_heads, num_hidden_layers
         self.head_scale, self.head_norm, self.mix_heads = head_scale, head_norm, mix_heads
+        self.head_reads_weight = head_reads_weight  # the model's code multiplies by lm_head.weight (MobileBERT's)
         super().__init__(**kwargs)
 
 
@@ -100,7 +102,10 @@ class LiarForCausalLM(tf.PreTrainedModel):
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x)
-        logits = self.lm_head(self.norm(x))
+        if self.config.head_reads_weight:
+            logits = self.norm(x) @ self.lm_head.weight.t()
+        else:
+            logits = self.lm_head(self.norm(x))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())

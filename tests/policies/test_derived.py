@@ -37,6 +37,7 @@ EXACT = [
     ("liar", {}),
     ("liar", {"head_norm": True}),
     ("liar", {"head_scale": True}),  # a scale of the queries shared by the heads: its gradient summed over tp
+    ("liar", {"head_reads_weight": True}),  # logits = x @ lm_head.weight.t(): the vocabulary stays whole
     ("OPTForCausalLM", {}),
     ("BartForConditionalGeneration", {}),
     ("RobertaForMaskedLM", {}),
@@ -213,6 +214,8 @@ def _ranks(cases, refused):
     shard_model(t5, ShardConfig(tensor_parallel_size=dist.get_world_size()))
     bias = t5.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
     out["t5 bias"] = (full_shape, tuple(bias.shape))
+    out["whole vocabulary"] = _whole_vocabulary()
+    out["t5gemma2"] = _t5gemma2_eoi()
     for name, options in refused:
         key = f"refused {name}{options}"
         try:
@@ -223,6 +226,40 @@ def _ranks(cases, refused):
         except NotDerivableError as e:
             out[key] = f"not derivable: {e}"
     return out
+
+
+def _whole_vocabulary() -> tuple[str, str, str]:
+    """An LM head whose weight the model's code reads itself (as MobileBERT's and Perceiver's do): the
+    route, the class of the head (left whole) and of the untied input embedding (still vocab-parallel)."""
+    from shardformer import ShardConfig, shard_model
+
+    model = shard_model(liar(head_reads_weight=True), ShardConfig(tensor_parallel_size=2))
+    return model.shardformer.route, type(model.lm_head).__name__, type(model.embed).__name__
+
+
+def _t5gemma2_eoi() -> tuple:
+    """T5Gemma2's scaled embedding writes a learned ``eoi_embedding`` over one token's rows: sharded by
+    vocabulary it keeps its own forward and that parameter (the token placed in the inputs, the vector not zero)."""
+    import copy
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.core.inputs import make_inputs
+    from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D
+
+    model = factory("T5Gemma2ForConditionalGeneration")()
+    for module in model.modules():
+        if hasattr(module, "eoi_embedding"):
+            module.eoi_token_index = 7
+            torch.nn.init.normal_(module.eoi_embedding)
+    ref = copy.deepcopy(model)
+    shard_model(model, ShardConfig(tensor_parallel_size=2))
+    inputs = make_inputs(ref, seed=4)
+    inputs["input_ids"][:, -1] = 7  # text after the image tokens
+    got, want = model(**inputs), ref(**inputs)
+    got.loss.backward(), want.loss.backward()
+    embed, ref_embed = model.get_input_embeddings(), ref.get_input_embeddings()
+    grad = (embed.eoi_embedding.grad - ref_embed.eoi_embedding.grad).abs().max().item()
+    return isinstance(embed, VocabParallelEmbedding1D), abs(got.loss.item() - want.loss.item()), grad
 
 
 def test_derived_models_are_exact_or_refused():
@@ -241,6 +278,9 @@ def test_derived_models_are_exact_or_refused():
     assert bias_diff == 0.0, out["bart"]
     assert out["whisper"][0] == 99 // 2 + 1 and out["whisper"][1] < 1e-5, out["whisper"]
     assert out["albert"] == ((16, 32), (32, 32)), out["albert"]  # the one shared layer, cut once
+    assert out["whole vocabulary"] == ("derived", "Linear", "VocabParallelEmbedding1D"), out["whole vocabulary"]
+    cut, loss_diff, eoi_grad_diff = out["t5gemma2"]
+    assert cut and loss_diff < 1e-5 and eoi_grad_diff < 1e-5, out["t5gemma2"]
     full, local = out["t5 bias"]
     assert local == (full[0], full[1] // 2), out["t5 bias"]
     # a scale shared by the heads that also scales the attention's input: the forward is exact, its

@@ -37,6 +37,21 @@ def test_model_no_route_applies_to_names_the_supported_classes():
     assert "no built-in policy for Sequential; supported: " in str(error) and "BertForMaskedLM" in str(error), error
 
 
+def test_quantization_aware_layers_are_named_with_data_parallelism_first():
+    """IBert's matrices sit in QuantLinear / QuantEmbedding (F.linear on their own weight), which no cut
+    layer stands in for: the refusal names the classes and a path, and points at data parallelism."""
+    from transformers import IBertConfig, IBertForMaskedLM
+
+    from shardformer.policies.routes import no_route_error
+
+    config = IBertConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+    )
+    error = str(no_route_error(IBertForMaskedLM(config)))
+    assert error.startswith("Train it with data parallelism"), error
+    assert "QuantLinear (ibert.encoder.layer.0.attention.self.query)" in error and "QuantEmbedding" in error, error
+
+
 def test_heads_that_tp_does_not_divide_are_named():
     with pytest.raises(
         ValueError, match=r"num_attention_heads=4 is not divisible by tensor_parallel_size=3.*\[1, 2, 4\]"

@@ -219,7 +219,18 @@ def check_compiled_qwen3_matches_unsharded():
     _compiled_matches_unsharded(tf.Qwen3ForCausalLM, tiny_config(tf.Qwen3Config))
 
 
+def check_gemma4_mlps_beside_heads_of_per_layer_widths():
+    """Gemma-4's layers read their head width from a per-layer config (its own config gives none): the MLPs
+    its plan splits have no heads, and the model is cut exactly (it was refused with a TypeError)."""
+    from shardformer.tools.verify import verify_on_this_rank
+    from tests.policies.derived_models import factory
+
+    report = verify_on_this_rank(factory("runnable:Gemma4ForCausalLM"))
+    assert report.ok and "TpPlanPolicy" in report.policy, report.format()
+
+
 TP2 = [
+    check_gemma4_mlps_beside_heads_of_per_layer_widths,
     check_llama_base_and_classifier_heads,
     check_compiled_qwen3_matches_unsharded,
     check_llama_and_phi3_issue_the_minimum_collectives,

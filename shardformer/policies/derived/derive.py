@@ -26,7 +26,7 @@ from shardformer.policies.derived.mixers import MIXER_COLUMN, MixerCut, MixerPar
 from shardformer.policies.derived.partial_grads import partial_modules
 from shardformer.policies.derived.settings import calling_settings
 from shardformer.policies.derived.simulate import common_parent, find_cut, record_calls
-from shardformer.policies.derived.trace import mixed_rows, pair, trace
+from shardformer.policies.derived.trace import inside, mixed_rows, pair, trace
 from shardformer.tensor_parallel.layers.multihead import refusal as multihead_refusal
 
 logger = logging.getLogger("shardformer")
@@ -71,6 +71,7 @@ class Derivation:
     embeddings: list[str] = field(default_factory=list)  # embeddings that look up the caller's token ids
     whole_heads: dict[str, str] = field(default_factory=dict)  # pooling heads left whole, with why
     grad_sum: set[str] = field(default_factory=set)  # modules outside the blocks whose gradient is partial
+    read_by_weight: list[str] = field(default_factory=list)  # outside the blocks, read by the code (`Trace`)
 
 
 NO_STACK = "has no stack of repeated blocks with projections to cut (tensor parallelism cuts linear projections)"
@@ -137,10 +138,6 @@ def derive(model: nn.Module, tp: int, tower: str = "") -> Derivation:
                 found = second
         _CACHE[key] = found
     return _CACHE[key]
-
-
-def _inside(rel: str, owners: list[str]) -> bool:
-    return any(rel.startswith(f"{owner}.") for owner in owners)
 
 
 def _copy_does_not_run(model: nn.Module, inputs: dict, error: Exception) -> NotDerivableError:
@@ -237,7 +234,7 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
         for block in units
     }
     for block, owners in packed.items():
-        flows.bypassed[block] = [r for r in flows.bypassed.get(block, []) if not _inside(r, owners)]
+        flows.bypassed[block] = [r for r in flows.bypassed.get(block, []) if not inside(r, owners)]
     bypassed = {b: rels for b, rels in flows.bypassed.items() if rels and b in flows.blocks}
     settings = calling_settings(tiny, inputs, bypassed)
     if settings:  # the projections their code read by weight are called now: traced again
@@ -267,7 +264,8 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
         rules[cls].grad_sum |= rels
     # token ids: transformers' input_ids, or a plain module's first argument (not token types or positions)
     ids = [inputs["input_ids"]] if has_config(tiny) and "input_ids" in inputs else list(inputs.values())[:1]
-    return Derivation(rules, refused, heads, input_embeddings(tiny, inputs, ids), whole_heads, outside)
+    embeddings = input_embeddings(tiny, inputs, ids)
+    return Derivation(rules, refused, heads, embeddings, whole_heads, outside, flows.read_by_weight)
 
 
 def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp: int, inputs, head=False) -> list[str]:
@@ -281,7 +279,7 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
     for mixer, cut in mixers.items():
         refused += _mixer_rule(name, mixer, cut, rule)
     owned = [*packed, *mixers]  # modules cut as one: their projections join no plain group
-    reads = {rel: flow for rel, flow in flows.reads.get(block, {}).items() if not _inside(rel, owned)}
+    reads = {rel: flow for rel, flow in flows.reads.get(block, {}).items() if not inside(rel, owned)}
     # a timm or plain module, or a pooling head: projections of replicated tensors join a group, and a
     # projection on the heads' outputs left whole is refused (transformers models' blocks keep the rules
     # their sweep was run with); in a head, projections after its attention's row read the stream
@@ -298,7 +296,7 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
         else:
             text = f"{name}: {rel} is torch's nn.MultiheadAttention, and {why}"
             refused.append(Reason(text, HEADS if "heads do not split" in why else DATA_PARALLEL))
-    for rel in [r for r in flows.bypassed.get(block, []) if not _inside(r, owned)]:
+    for rel in [r for r in flows.bypassed.get(block, []) if not inside(r, owned)]:
         text = (
             f"{name}: {rel} is never called: the {'head' if head else 'block'}'s code reads its weight itself "
             f"(F.linear(x, {rel.rpartition('.')[2]}.weight, ...)), which no cut layer can stand in for"
@@ -337,7 +335,7 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
     rule.idle |= {
         rel
         for rel, m in module.named_modules()
-        if rel and is_projection(m) and rel not in reads and not _inside(rel, owned)
+        if rel and is_projection(m) and rel not in reads and not inside(rel, owned)
     }
     return refused
 

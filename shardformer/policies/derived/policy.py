@@ -112,11 +112,13 @@ class DerivedPolicy(TpPlanPolicy):
                 f"no projection of {', '.join(whole[:4])}{' ...' if len(whole) > 4 else ''} reads and writes its "
                 f"block's stream: the blocks would stay whole"
             )
-        self._vocab(layers, modules)
+        read = set(derivation.read_by_weight)  # the model's code reads these weights itself: they stay whole
+        if not {self.head_path, self.embedding_path} & read:
+            self._vocab(layers, modules)
         if self.head_path in layers and seq2seq_routable(model):
             layers[self.head_path].gather_output = False  # the loss is taken over, on the vocab slices
         self._tied_embeddings(layers, modules)
-        self._token_embeddings(layers, modules, derivation.embeddings)
+        self._token_embeddings(layers, modules, [p for p in derivation.embeddings if p not in read])
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
 

@@ -55,6 +55,9 @@ class FlowMode(TorchFunctionMode):
         self.origins: dict[int, frozenset[str]] = {}
         self.alive: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.used: set[int] = set()  # ids of every tensor a function read (parameters are long-lived)
+        self.owners: dict[int, set[str]] = {}  # weights watched: id -> the paths of the modules holding them
+        self.running: set[str] = set()  # the watched modules whose forward is running
+        self.read_elsewhere: set[str] = set()  # watched modules whose weight a function read outside their forward
 
     def get(self, t) -> Flow | None:
         return self.flows.get(id(t)) if torch.is_tensor(t) else None
@@ -82,7 +85,11 @@ class FlowMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.used.update(id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, nn.Parameter))
+        params = [id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, nn.Parameter)]
+        self.used.update(params)
+        for owners in (self.owners[i] for i in params if i in self.owners):
+            if not owners & self.running:  # a tied weight is read by the forward of either module holding it
+                self.read_elsewhere |= owners
         flows = [f for t in tree_leaves((args, kwargs)) if (f := self.get(t)) is not None]
         if flows:
             merged = Flow()
@@ -112,6 +119,10 @@ class Trace:
     # the model's outputs were computed from without passing through a block's projection
     origins: dict[str, dict[str, frozenset[str]]] = field(default_factory=dict)
     output_origins: frozenset[str] = frozenset()
+    # outside the blocks: modules whose weight the model's code reads itself (MobileBERT's LM head concatenates
+    # its decoder's weight with another's; Perceiver's decoder multiplies by the input embedding's): no
+    # vocab-parallel layer stands in for them there
+    read_by_weight: list[str] = field(default_factory=list)
 
 
 def _leaf_with_params(module: nn.Module) -> bool:
@@ -172,6 +183,11 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
         return before, after
 
     modules = dict(model.named_modules())
+    for path, m in modules.items():  # the weights of modules outside the blocks: read only by their own forward?
+        if isinstance(getattr(m, "weight", None), nn.Parameter) and not inside(path, blocks):
+            mode.owners.setdefault(id(m.weight), set()).add(path)
+            handles.append(m.register_forward_pre_hook(lambda _m, _a, p=path: mode.running.add(p)))
+            handles.append(m.register_forward_hook(lambda _m, _a, _o, p=path: mode.running.discard(p)))
     for path in blocks + result.heads:
         block = modules[path]
         handles.append(block.register_forward_pre_hook(enter_block(path, block), with_kwargs=True))
@@ -182,6 +198,7 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
                 handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
     output = run_hooked(model, inputs, handles, mode)
     result.output_origins = mode.origins_of(list(output.values()) if isinstance(output, dict) else output)
+    result.read_by_weight = sorted(mode.read_elsewhere)
     for path in blocks + result.heads:
         result.bypassed[path] = [
             rel
@@ -189,6 +206,10 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
             if rel and is_projection(m) and rel not in result.reads.get(path, {}) and id(m.weight) in mode.used
         ]
     return result
+
+
+def inside(path: str, owners: list[str]) -> bool:
+    return any(path.startswith(f"{owner}.") for owner in owners)
 
 
 @dataclass

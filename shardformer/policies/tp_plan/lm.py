@@ -6,34 +6,48 @@
 
 from __future__ import annotations
 
-import torch
+import functools
+
 import torch.nn as nn
 
 from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D
 
+# what `VocabParallelEmbedding1D` sets on itself, carried onto the model's own embedding it stands in for
+_LOOKUP_ATTRIBUTES = ("process_group", "num_embeddings", "vocab_start", "vocab_end", "padding_idx")
+_LOOKUP_ATTRIBUTES += ("_local_padding_idx",)
 
-class ScaledVocabParallelEmbedding1D(VocabParallelEmbedding1D):
-    """Vocab-parallel version of an embedding that multiplies its output by ``embed_scale``
-    (Gemma's ``sqrt(hidden_size)``), in the model's own way (the scale cast to the weight's dtype)."""
+
+class _VocabParallelLookup(VocabParallelEmbedding1D, nn.Embedding):
+    """The lookup an ``nn.Embedding`` subclass's own forward reaches through ``super().forward(ids)``,
+    made vocab-parallel (the class sits between the subclass and ``nn.Embedding``)."""
+
+
+@functools.cache
+def _parallel_subclass(cls: type[nn.Embedding]) -> type[nn.Module]:
+    return type(f"VocabParallel{cls.__name__}", (cls, _VocabParallelLookup), {"__module__": __name__})
+
+
+class SubclassVocabParallelEmbedding1D(VocabParallelEmbedding1D):
+    """A model's own ``nn.Embedding`` subclass (Gemma's scaled embedding; T5Gemma2's, which also writes a
+    learned ``eoi_embedding`` over one token's rows) with its vocabulary split over ranks: the module keeps
+    its class's forward and every parameter, buffer and attribute that forward reads (whatever their
+    names), and only the lookup it calls is the vocab-parallel one. A forward that reads ``self.weight``
+    itself instead is not followed; the proof on the tiny copy finds it."""
 
     @classmethod
     def from_native(cls, module: nn.Embedding, process_group=None, **options):
-        layer = super().from_native(module, process_group, **options)
-        scale = module.embed_scale
-        # persistent only where the model's own is: an export must not write a tensor the checkpoint never held
-        persistent = "embed_scale" in module.state_dict()
-        value = scale.clone() if torch.is_tensor(scale) else torch.tensor(scale)
-        layer.register_buffer("embed_scale", value, persistent=persistent)
-        return layer
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+        lookup = VocabParallelEmbedding1D.from_native(module, process_group, **options)
+        module.__class__ = _parallel_subclass(type(module))
+        module.weight = lookup.weight
+        for name in _LOOKUP_ATTRIBUTES:
+            setattr(module, name, getattr(lookup, name))
+        return module
 
 
 def embedding_layer(module: nn.Module) -> type[nn.Module] | None:
     """Our vocab-parallel class for an input embedding, or None if its forward is not one we know."""
     if type(module) is nn.Embedding:
         return VocabParallelEmbedding1D
-    if isinstance(module, nn.Embedding) and hasattr(module, "embed_scale"):
-        return ScaledVocabParallelEmbedding1D
+    if isinstance(module, nn.Embedding):
+        return SubclassVocabParallelEmbedding1D
     return None

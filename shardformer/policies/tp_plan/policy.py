@@ -237,7 +237,8 @@ class TpPlanPolicy(Policy):
             module = modules[parent]
             head_dim = getattr(module, "head_dim", config_head_dim)  # the module's own, where layers differ
             # [heads, head_dim] of the query or key/value heads: contiguous per rank, as the columns cut them
-            per_head = {torch.Size((n, head_dim)) for n in sizes[:2] if n and n % tp == 0}
+            # (none where neither the module nor the config gives one: an MLP beside per-layer head widths)
+            per_head = {torch.Size((n, head_dim)) for n in sizes[:2] if n and head_dim and n % tp == 0}
             attrs.update(heads.per_rank_attributes(parent, module, tp, groups))
             if isinstance(getattr(module, "attention_dropout", None), float) and parent not in layers:
                 layers[parent] = Layer(parent, replace_layer=styles.AttentionDropoutRng)
