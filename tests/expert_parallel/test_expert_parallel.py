@@ -63,8 +63,7 @@ def check_gpt_oss_ep2():  # expert biases, its own clamped gate; found from the 
 
 def check_dbrx_ep2_trains_and_exports():
     """DBRX keeps its experts flattened ([experts * ffn, hidden]) in a child module: each rank keeps its
-    experts' rows; trained two steps (ZeRO-1) and exported in the model's own layout."""
-    _parity("dbrx", output_router_logits=True)
+    experts' rows; trained two steps (ZeRO-1: losses and every weight) and exported in the model's own layout."""
     ref, engine = _train("dbrx", steps=2, zero_stage=1)
     _same_weights(ref, engine.model, "dbrx")
     w1 = engine.model.transformer.blocks[0].ffn.experts.mlp.w1
