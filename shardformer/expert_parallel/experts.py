@@ -1,8 +1,9 @@
-"""Expert parallelism on transformers' stacked experts: each ep rank keeps ``num_experts / ep`` whole
-experts (a slice of every ``[E, ...]`` parameter) and runs the module's own forward on the tokens
-routed to them.
+"""Expert parallelism on transformers' experts: each ep rank keeps ``num_experts / ep`` whole experts
+(its rows of every ``[E, ...]`` or ``[E * rows, ...]`` parameter, `.layout`) and runs the module's own
+forward on the tokens routed to them. This file holds the split and the routed call's forward; the
+grouped and dense calls' forward is in `.grouped`.
 
-The experts module is called as transformers' MoE blocks call it, ``experts(hidden [T, H],
+The routed call is the one transformers' MoE blocks make, ``experts(hidden [T, H] (DBRX: [B, S, H]),
 top_k_index [T, k], top_k_weights [T, k])``. Here that call becomes:
 
 1. every (token, slot) pair with a real expert is sorted by expert (the order the module's own loop
