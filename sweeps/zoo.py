@@ -13,7 +13,6 @@ import json
 from sweeps.rows import NOT_TESTED, NotTested, set_reason
 
 MOE_STYLES = ("moe_", "grouped_gemm", "ep_")
-MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 # task: the auto mapping of transformers' modeling_auto it sweeps, in the order of the tables
 TASKS = {
@@ -54,13 +53,12 @@ def _kind(config_class) -> str:
     plan = getattr(config_class, "base_model_tp_plan", None)
     if plan:
         return "moe" if any(style.startswith(MOE_STYLES) for style in plan.values()) else "dense"
+    from shardformer.expert_parallel.find import declared_count
+
     try:
-        config = config_class()
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        values = text.to_dict()
+        return "moe" if declared_count(config_class()) else "dense"
     except Exception:  # noqa: BLE001 - reported when the row runs
         return "dense"
-    return "moe" if any(isinstance(values.get(k), int) and values[k] > 1 for k in MOE_KEYS) else "dense"
 
 
 def task_rows(tasks=None, only=None) -> list[dict]:
@@ -149,8 +147,7 @@ def tiny_config_of(class_name: str):
     config = model_class.config_class()
     if hasattr(config, "num_query_tokens") and getattr(config, "image_token_index", 0) is None:
         config.image_token_index = VOCAB + 1  # BLIP-2's checkpoints set one; its default config (None) cannot run
-    for key, value in AS_CHECKPOINTS_SET.get(class_name, {}).items():
-        setattr(config, key, value)
+    set_as_checkpoints(config, class_name)
     return runnable_tiny_config(model_class, config, 2, inputs=inputs_for)
 
 
@@ -161,7 +158,20 @@ AS_CHECKPOINTS_SET = {
     "PerceiverForImageClassificationFourier": {"num_cross_attention_heads": 1},
     "PerceiverForImageClassificationConvProcessing": {"num_cross_attention_heads": 1},
     "ReformerModelWithLMHead": {"is_decoder": True},  # its __init__ asserts it
+    # DBRX's attention reads attn_config.rope_theta, a field its sub-config class does not declare, and
+    # clamps by clip_qkv, None by default (5.24); its checkpoints set both
+    **{n: {"attn_config.rope_theta": 500000.0, "attn_config.clip_qkv": 8.0} for n in ("DbrxForCausalLM", "DbrxModel")},
 }
+
+
+def set_as_checkpoints(config, class_name: str) -> None:
+    """Set the class's `AS_CHECKPOINTS_SET` values on ``config``; a dotted key names a sub-config's field."""
+    for key, value in AS_CHECKPOINTS_SET.get(class_name, {}).items():
+        *path, field = key.split(".")
+        owner = config
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, field, value)
 
 
 class TinyBuildError(NotTested):
@@ -233,8 +243,7 @@ def default_build_failure(class_name: str) -> str | None:
     model_class = getattr(tf, class_name)
     try:
         config = model_class.config_class()
-        for key, value in AS_CHECKPOINTS_SET.get(class_name, {}).items():
-            setattr(config, key, value)
+        set_as_checkpoints(config, class_name)
         with torch.device("meta"):
             model_class(config)
     except Exception as e:  # noqa: BLE001 - the reason the row names

@@ -73,6 +73,10 @@ def test_one_layer_of_each_kind_is_kept():
     assert gemma4.to_dict()["per_layer_config"] == {
         "1": {"head_dim": 2 * gemma4.to_dict()["head_dim"]}
     }  # twice as wide, as in full
+    # MoE layers kept: DeepSeek-V3's 3 leading dense layers, NLLB-MoE's MoE layer every 4th
+    assert tiny_copy_config(tf.DeepseekV3Config(), tp=2).first_k_dense_replace == 1
+    nllb = tiny_copy_config(tf.NllbMoeConfig(), tp=2)
+    assert nllb.encoder_sparse_step == nllb.decoder_sparse_step == 2 == nllb.encoder_layers
 
 
 def test_no_scaling_that_runs_names_each_attempt():

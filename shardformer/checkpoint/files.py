@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from shardformer.checkpoint.errors import CheckpointError
-from shardformer.expert_parallel.experts import ExpertSpec
+from shardformer.expert_parallel.layout import ExpertSpec
 from shardformer.tensor_parallel.slicer import shard_spec
 
 RANKS = "ranks"
@@ -67,5 +67,5 @@ def full_shape(tensor: torch.Tensor) -> list[int]:
         shape[spec.dim] = spec.full_size
     experts = expert_spec(tensor)
     if experts is not None:
-        shape[0] = experts.num_experts
+        shape[0] = experts.full_rows
     return shape

@@ -17,7 +17,7 @@ import torch.nn as nn
 from shardformer.core.comm import group_rank, group_size
 from shardformer.core.record import is_sharded, sharding_of
 from shardformer.data_parallel.fsdp import full_of, reshard
-from shardformer.expert_parallel.experts import gather_experts, is_expert_param
+from shardformer.expert_parallel.layout import gather_experts, is_expert_param
 from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 
 

@@ -28,7 +28,7 @@ from shardformer.checkpoint.files import expert_spec
 from shardformer.checkpoint.pieces import checkpointable, compose, flat_range, storage_pieces, tp_pieces
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.data_parallel.fsdp_optimizer import FullyShardedOptimizer
-from shardformer.expert_parallel.experts import is_expert_param
+from shardformer.expert_parallel.layout import is_expert_param
 from shardformer.expert_parallel.optimizer import ExpertParallelOptimizer
 from shardformer.tensor_parallel.detect import names_by_tensor
 from shardformer.tensor_parallel.slicer import shard_spec

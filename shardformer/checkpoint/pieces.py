@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from shardformer.checkpoint.files import expert_spec
 from shardformer.core.shard_spec import ShardSpec
-from shardformer.expert_parallel.experts import ExpertSpec
+from shardformer.expert_parallel.layout import ExpertSpec
 from shardformer.tensor_parallel.slicer import shard_spec
 
 MODEL = "model."  # a training checkpoint's model tensors: "model.<HF name>", as torchtitan and accelerate write
@@ -67,8 +67,8 @@ def tp_pieces(
             whole, spans = _spans(size, spec)
         else:
             whole, spans = size, [(0, 0, size)]
-        if experts is not None and dim == 0:  # this rank's experts: rows [first, first + local)
-            whole, spans = experts.num_experts, [(lo, g + experts.first, n) for lo, g, n in spans]
+        if experts is not None and dim == 0:  # this rank's experts: their rows of dim 0
+            whole, spans = experts.full_rows, [(lo, g + experts.row_span[0], n) for lo, g, n in spans]
         full.append(whole)
         per_dim.append(spans)
     pieces = [

@@ -30,7 +30,7 @@ from shardformer.checkpoint.consolidate import SAFE_INDEX, SAFE_WEIGHTS
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import dtype_kind, expert_spec, full_shape
 from shardformer.core.config import ShardConfig
-from shardformer.expert_parallel.experts import ExpertSpec
+from shardformer.expert_parallel.layout import ExpertSpec
 from shardformer.tensor_parallel.slicer import ShardSpec, shard_spec
 
 
@@ -205,7 +205,7 @@ def read_shard(
 ) -> torch.Tensor:
     """The piece of ``name`` that ``spec`` (and ``experts``: rows of dim 0) give this rank (vocabulary
     padding rows zero)."""
-    rows = None if experts is None else (experts.first, experts.first + experts.local)
+    rows = None if experts is None else experts.row_span
     if spec is None or spec.world_size == 1 and spec.padded_size == spec.full_size:
         return reader.read(name) if rows is None else reader.read(name, 0, *rows)
     if rows is not None and spec.dim == 0:

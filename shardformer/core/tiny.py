@@ -185,7 +185,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[key] = VOCAB
         elif key.endswith(_ID_WORDS):
             out[key] = value if 0 <= value < VOCAB else special.get(value, SIZES["eos_token_id"])
-        elif key.endswith("layers") and value > 2:
+        elif key.endswith(("layers", "sparse_step")) and value > 2:  # a period of MoE layers (NLLB-MoE's 4) too
             out[key] = 2
         elif any(w in key for w in _POSITION_WORDS) and value > 64:
             out[key] = 64

@@ -115,8 +115,13 @@ def fit_hybrid(out: dict, data: dict) -> None:
     Mamba layers only (Bamba's and GraniteMoeHybrid's default configs) gets attention in its last
     layer (`lacks_attention`); a Mamba-2 mixer's heads fill its inner width, ``expand x hidden``
     (Zamba2's ``n_mamba_heads`` shrinks as a head count while ``mamba_headdim`` shrinks as a width), or
-    set it (Falcon-H1's ``mamba_d_ssm``, else as wide as its heads: one channel each)."""
+    set it (Falcon-H1's ``mamba_d_ssm``, else as wide as its heads: one channel each). Dense layers
+    before the experts (DeepSeek's ``first_k_dense_replace``, 3 of 61) leave the last layer MoE: a
+    tiny copy of dense layers only has no experts to split or cut."""
     types, depth = out.get("layer_types"), depth_of(out, {})
+    dense = data.get("first_k_dense_replace")
+    if type(dense) is int and depth and dense >= depth:
+        out["first_k_dense_replace"] = depth - 1
     if lacks_attention(types) and set(types) == {"linear_attention"}:
         out["layer_types"] = [*types[:-1], "full_attention"]
     if "attn_layer_indices" in data and not data["attn_layer_indices"] and depth:

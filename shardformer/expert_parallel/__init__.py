@@ -15,8 +15,9 @@ from typing import Any
 import torch.nn as nn
 
 from shardformer.core.comm import group_rank
-from shardformer.expert_parallel.experts import ExpertSpec, is_expert_param, make_expert_parallel
+from shardformer.expert_parallel.experts import make_expert_parallel
 from shardformer.expert_parallel.find import ExpertParallelError, find_experts
+from shardformer.expert_parallel.layout import ExpertSpec, is_expert_param
 from shardformer.expert_parallel.proof import prove_expert_parallel
 
 __all__ = [

@@ -1,8 +1,9 @@
-"""Expert parallelism on transformers' stacked experts: each ep rank keeps ``num_experts / ep`` whole
-experts (a slice of every ``[E, ...]`` parameter) and runs the module's own forward on the tokens
-routed to them.
+"""Expert parallelism on transformers' experts: each ep rank keeps ``num_experts / ep`` whole experts
+(its rows of every ``[E, ...]`` or ``[E * rows, ...]`` parameter, `.layout`) and runs the module's own
+forward on the tokens routed to them. This file holds the split and the routed call's forward; the
+grouped and dense calls' forward is in `.grouped`.
 
-The experts module is called as transformers' MoE blocks call it, ``experts(hidden [T, H],
+The routed call is the one transformers' MoE blocks make, ``experts(hidden [T, H] (DBRX: [B, S, H]),
 top_k_index [T, k], top_k_weights [T, k])``. Here that call becomes:
 
 1. every (token, slot) pair with a real expert is sorted by expert (the order the module's own loop
@@ -24,47 +25,13 @@ the tp ranks' partial outputs once, after the combine, gives the whole output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 
-from shardformer.core.comm import all_gather, group_rank, group_size
+from shardformer.core.comm import group_rank, group_size
 from shardformer.expert_parallel.dispatch import exchange, exchange_counts, kept_in_graph
-
-
-@dataclass(frozen=True)
-class ExpertSpec:
-    """How a stacked expert parameter is split over the ep group: dim 0, ``local`` experts per rank,
-    rank ``rank`` holding experts ``[rank * local, (rank + 1) * local)`` of ``num_experts``."""
-
-    num_experts: int
-    ep_size: int
-    rank: int
-
-    @property
-    def local(self) -> int:
-        return self.num_experts // self.ep_size
-
-    @property
-    def first(self) -> int:
-        return self.rank * self.local
-
-
-def is_expert_param(param) -> bool:
-    """Whether ``param`` is one rank's slice of stacked experts (split by expert parallelism)."""
-    return getattr(param, "expert_spec", None) is not None
-
-
-def gather_experts(local: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's experts of a stacked parameter, in expert order (a collective over the ep group)."""
-    return torch.cat(all_gather(local.contiguous(), group), dim=0)
-
-
-def expert_params(module: nn.Module) -> dict[str, nn.Parameter]:
-    """The module's own parameters stacked by expert (leading dimension ``num_experts``)."""
-    count = module.num_experts
-    return {n: p for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == count}
+from shardformer.expert_parallel.grouped import GroupedExpertParallel
+from shardformer.expert_parallel.layout import ExpertSpec, call_kind, expert_params
 
 
 class ExpertParallel:
@@ -76,6 +43,8 @@ class ExpertParallel:
 
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
         spec, group = self.ep_spec, self.ep_group
+        shape = hidden_states.shape  # DBRX passes [batch, seq, hidden] with the routing of [batch * seq]
+        hidden_states = hidden_states.reshape(-1, shape[-1])
         tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         slot = torch.arange(k, device=flat.device).repeat(tokens)
@@ -104,35 +73,38 @@ class ExpertParallel:
             local_index = local_ids.repeat_interleave(received_counts.reshape(-1))
         received = exchange(hidden_states[token], send, recv, group)
         ones = torch.ones((received.shape[0], 1), dtype=top_k_weights.dtype, device=received.device)
-        own = super().forward(received, local_index.unsqueeze(1), ones, *args, **kwargs)
+        own = super().forward(received, local_index.unsqueeze(1), ones, *args, **kwargs).reshape(received.shape)
         own = kept_in_graph(own, [received, *expert_params(self).values()])
         back = exchange(own, recv, send, group)
         weights = top_k_weights.reshape(-1)[order]
         weighted = back * weights.unsqueeze(1)
-        return torch.zeros_like(hidden_states).index_add_(0, token, weighted.to(hidden_states.dtype))
+        combined = torch.zeros_like(hidden_states).index_add_(0, token, weighted.to(hidden_states.dtype))
+        return combined.view(shape)
 
 
 _CLASSES: dict[type, type] = {}
 
 
-def _ep_class(cls: type) -> type:
+def _ep_class(cls: type, mixin: type) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (ExpertParallel, cls), {"__module__": cls.__module__})
+        _CLASSES[cls] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__})
     return _CLASSES[cls]
 
 
 def make_expert_parallel(module: nn.Module, group) -> nn.Module:
     """Keep this rank's experts of ``module`` (in place) and route its calls through the ep group."""
     size, rank = group_size(group), group_rank(group)
-    spec = ExpertSpec(module.num_experts, size, rank)
+    count = module.num_experts
     for name, param in expert_params(module).items():
-        piece = param.detach()[spec.first : spec.first + spec.local].clone()
-        new = nn.Parameter(piece, requires_grad=param.requires_grad)
+        spec = ExpertSpec(count, size, rank, param.shape[0] // count)
+        new = nn.Parameter(spec.local_part(param.detach()).clone(), requires_grad=param.requires_grad)
         if hasattr(param, "shard_spec"):  # expert-internal tp cut another dimension first
             new.shard_spec = param.shard_spec
         new.expert_spec = spec
-        setattr(module, name, new)
-    module.__class__ = _ep_class(type(module))
-    module.num_experts = spec.local  # what the module's own forward loops over
-    module.ep_group, module.ep_spec = group, spec
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner), leaf, new)
+    mixin = ExpertParallel if call_kind(module) == "routed" else GroupedExpertParallel
+    module.__class__ = _ep_class(type(module), mixin)
+    module.num_experts = count // size  # what the module's own forward loops over
+    module.ep_group, module.ep_spec = group, ExpertSpec(count, size, rank)
     return module

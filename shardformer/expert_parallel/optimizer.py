@@ -16,7 +16,7 @@ import torch
 from shardformer.core import comm
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.data_parallel.grad_norm import clip_master_grads
-from shardformer.expert_parallel.experts import is_expert_param
+from shardformer.expert_parallel.layout import is_expert_param
 
 
 class ExpertParallelOptimizer:

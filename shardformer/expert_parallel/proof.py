@@ -27,7 +27,7 @@ from shardformer.core.divergence import first_tensor
 from shardformer.core.instance import CannotReproduce, set_attention, study_instance
 from shardformer.core.tiny_run import runnable_tiny_config
 from shardformer.expert_parallel.experts import make_expert_parallel
-from shardformer.expert_parallel.find import _EXPERT_COUNTS, find_experts
+from shardformer.expert_parallel.find import EXPERT_COUNTS, expert_configs, find_experts
 from shardformer.models import inputs_for
 from shardformer.policies.copies import copy_key, no_dropout
 from shardformer.policies.proof import FLOOR_RTOL, SCALE_RTOL, _device, _transformers_quiet
@@ -55,10 +55,11 @@ def prove_expert_parallel(model: nn.Module, group) -> str | None:
 def _tiny_config(model: nn.Module, ep: int):
     config = copy.deepcopy(runnable_tiny_config(type(model), model.config, 1))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in _EXPERT_COUNTS:
-        count = getattr(text, name, None)
-        if isinstance(count, int) and not isinstance(count, bool) and count > 1 and count % ep:
-            setattr(text, name, 2 * ep)
+    for holder in expert_configs(config):
+        for name in EXPERT_COUNTS:
+            count = getattr(holder, name, None)
+            if isinstance(count, int) and not isinstance(count, bool) and count > 1 and count % ep:
+                setattr(holder, name, 2 * ep)
     if hasattr(text, "output_router_logits"):
         text.output_router_logits = True  # the load-balancing loss joins the loss: the router's gradient is checked
     return config
@@ -134,7 +135,7 @@ def _compare(ref, sharded, group, ep: int, rank: int, device, failures: list[str
         spec = getattr(p, "expert_spec", None)
         expected = total.get(name) if spec is not None else own.get(name)
         if expected is not None and spec is not None:
-            expected = expected[spec.first : spec.first + spec.local]
+            expected = spec.local_part(expected)
         if expected is None:
             if p.grad is not None and p.grad.abs().max().item() > 0:
                 failures.append(f"gradient of {name} is nonzero where the unsharded copy has none")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from shardformer.expert_parallel.find import ExpertParallelError, find_experts
+from shardformer.expert_parallel.layout import expert_params
 
 _TOP_K = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
 
@@ -55,6 +56,6 @@ def expert_sizing(model: nn.Module, ep: int = 1) -> ExpertSizing | None:
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     top_k = next((getattr(text, n) for n in _TOP_K if isinstance(getattr(text, n, None), int)), 1)
-    numel = sum(p.numel() for m in modules for p in m.parameters(recurse=False))
+    numel = sum(p.numel() for m in modules for p in expert_params(m).values())
     hidden = getattr(text, "hidden_size", None) or modules[0].parameters().__next__().shape[-1]
     return ExpertSizing(tuple(paths), modules[0].num_experts, ep, top_k, hidden, numel)

@@ -42,7 +42,7 @@ from shardformer.core.record import is_sharded, sharding_of
 from shardformer.data_parallel.grad_norm import clip_master_grads, global_grad_norm
 from shardformer.data_parallel.layout import ParamSlot
 from shardformer.data_parallel.running_stats import check_recomputed_statistics, check_split_statistics
-from shardformer.expert_parallel.experts import is_expert_param
+from shardformer.expert_parallel.layout import is_expert_param
 from shardformer.tensor_parallel.layers import VocabParallelLMHead1D
 from shardformer.tensor_parallel.lm_head import gathered_logits
 from shardformer.tensor_parallel.recompute import recomputed_modules

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from shardformer.core.comm import CollectiveCounter
 from shardformer.core.config import EngineConfig
 from shardformer.engine import ParallelEngine
-from shardformer.expert_parallel.experts import is_expert_param
+from shardformer.expert_parallel.layout import is_expert_param
 from shardformer.tools.model_source import build_model
 from shardformer.tools.plan import BYTES, GATHERED, plan_model
 from shardformer.tools.rank_bytes import step_bytes, zero3_bytes

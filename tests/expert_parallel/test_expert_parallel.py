@@ -13,6 +13,7 @@ import transformers
 
 from shardformer import EngineConfig, ParallelEngine, ShardConfig, shard_model
 from shardformer.expert_parallel import ExpertParallelError
+from shardformer.expert_parallel.layout import expert_params
 from tests.expert_parallel.common import (
     batch,
     build,
@@ -29,7 +30,7 @@ def _parity(name, tp=1, **config):
     info = model.shardformer
     assert info.experts is not None and info.experts.proven, info.experts
     local = model.get_submodule(info.experts.paths[0])
-    assert local.num_experts == 2 and all(p.shape[0] == 2 for p in local.parameters(recurse=False))
+    assert local.num_experts == 2 and all(p.expert_spec.local == 2 for p in expert_params(local).values())
     ep_rank = info.mesh.ep_rank
     batches = [batch(10 + r) for r in range(2)]
     out = model(**batches[ep_rank])
@@ -58,6 +59,37 @@ def check_deepseek_v3_ep2():  # shared experts (kept whole), grouped routing, a 
 
 def check_gpt_oss_ep2():  # expert biases, its own clamped gate; found from the structure (its ep plan agrees)
     _parity("gpt_oss", output_router_logits=True)
+
+
+def check_dbrx_ep2_trains_and_exports():
+    """DBRX keeps its experts flattened ([experts * ffn, hidden]) in a child module: each rank keeps its
+    experts' rows; trained two steps (ZeRO-1: losses and every weight) and exported in the model's own layout."""
+    ref, engine = _train("dbrx", steps=2, zero_stage=1)
+    _same_weights(ref, engine.model, "dbrx")
+    w1 = engine.model.transformer.blocks[0].ffn.experts.mlp.w1
+    assert w1.shape == (2 * 24, 32) and w1.expert_spec.row_span == (dist.get_rank() * 48, dist.get_rank() * 48 + 48)
+    folder = _shared_folder()
+    engine.model.save_pretrained(folder)
+    dist.barrier()
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    for name, p in ref.named_parameters():
+        assert_close(dict(back.named_parameters())[name], p, what=f"dbrx exported {name}")
+    dist.barrier()
+
+
+def check_jetmoe_ep2():  # four exchanges per layer: the attention's experts and the MLP's, in and out
+    model = _parity("jetmoe", output_router_logits=True)
+    assert len(model.shardformer.experts.paths) == 8, model.shardformer.experts.paths
+
+
+def check_llama4_ep2():  # the shared expert kept whole on every rank, the routed experts split
+    model = _parity("llama4", output_router_logits=True)
+    moe = model.model.layers[0].feed_forward
+    assert model.shardformer.experts.paths == (
+        "model.layers.0.feed_forward.experts",
+        "model.layers.1.feed_forward.experts",
+    )
+    assert moe.experts.gate_up_proj.shape[0] == 2 and not hasattr(moe.shared_expert.up_proj.weight, "expert_spec")
 
 
 def _first_two_experts_only(router, _inputs, out):
@@ -167,6 +199,13 @@ def check_refusals():
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4))  # fmt: skip
     with pytest.raises(ExpertParallelError, match="LlamaForCausalLM cannot be split by experts: it has no mixture"):
         shard_model(dense, ShardConfig(expert_parallel_size=2))
+    switch = transformers.SwitchTransformersForConditionalGeneration(transformers.SwitchTransformersConfig(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=4,
+        num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, expert_capacity=3))  # fmt: skip
+    with pytest.raises(ExpertParallelError, match=r"encoder.block.1.layer.1.mlp.experts \(SwitchTransformersExperts\) "
+                       r"holds its 4 experts as one module each.*router encoder.block.1.layer.1.mlp.router "
+                       r"\(SwitchTransformersTop1Router\) keeps at most expert_capacity=3 tokens"):  # fmt: skip
+        shard_model(switch, ShardConfig(expert_parallel_size=2))
     _, odd = build("mixtral", num_local_experts=3)
     with pytest.raises(ExpertParallelError, match="holds 3 experts, which do not divide over expert_parallel_size=2"):
         shard_model(odd, ShardConfig(expert_parallel_size=2))
@@ -178,6 +217,9 @@ CHECKS_2 = [
     check_deepseek_v3_ep2,
     check_gpt_oss_ep2,
     check_experts_that_receive_no_token,
+    check_dbrx_ep2_trains_and_exports,
+    check_jetmoe_ep2,
+    check_llama4_ep2,
     check_engine_ep2_zero1_2_and_3_with_clipping,
     check_export_and_generate,
     check_refusals,
