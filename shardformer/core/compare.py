@@ -97,16 +97,18 @@ def compare_params(
     return diffs
 
 
-def gradient_failures(ref: nn.Module, sharded: nn.Module, group, scale_rtol: float, floor_rtol: float) -> list[str]:
+def gradient_failures(
+    ref: nn.Module, sharded: nn.Module, group, scale_rtol: float, floor_rtol: float, tighter: float = 1.0
+) -> list[str]:
     """What differs among the gradients of ``sharded`` (gathered over ``group``) and ``ref``'s, each within
     ``scale_rtol`` of its own largest entry plus ``floor_rtol`` of the model's largest (a proof's tolerance:
     a tiny copy's small gradients, a per-head scale before a near-uniform softmax, would hide a missing
-    rank's part inside an absolute one; gradients zero in exact arithmetic, a key bias, are rounding only).
-    Every rank of ``group`` must call it."""
+    rank's part inside an absolute one; gradients zero in exact arithmetic, a key bias, are rounding only;
+    ``tighter`` scales the elementwise tolerances too). Every rank of ``group`` must call it."""
     ref_grads = {name: p.grad for name, p in ref.named_parameters()}
     largest = max((g.abs().max().item() for g in ref_grads.values() if g is not None and g.numel()), default=0.0)
     failures = []
-    for diff in compare_params(ref, sharded, group, grads=True):
+    for diff in compare_params(ref, sharded, group, grads=True, atol=GRAD_ATOL * tighter, rtol=GRAD_RTOL * tighter):
         scale = ref_grads[diff.name].abs().max().item() if ref_grads.get(diff.name) is not None else 0.0
         if diff.only_in is not None or not diff.ok or diff.error > scale_rtol * scale + floor_rtol * largest:
             failures.append(f"gradient of {diff.name} differs" + ("" if diff.only_in else f" by {diff.error:.2e}"))

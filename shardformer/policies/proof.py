@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.comm import all_reduce, every_rank
-from shardformer.core.compare import gradient_failures, max_error
+from shardformer.core.compare import ATOL, RTOL, gradient_failures, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.instance import transformers_quiet as _transformers_quiet
@@ -42,6 +42,10 @@ logger = logging.getLogger("shardformer")
 
 SCALE_RTOL = 1e-3  # rounding is ~1e-6 of a gradient's largest entry; a rank's missing part is far more
 FLOOR_RTOL = 1e-6  # of the model's largest gradient entry
+# A float32 copy that differs only by numbers (no error raised) is proven again in float64 with every
+# tolerance this much tighter: rounding shrinks ~5e8-fold there, a wrong cut not at all (models that amplify
+# rounding, a softmax over large logits or many layers, would otherwise be refused although the cut is exact).
+FLOAT64_TIGHTER = 1e-4
 _VERDICTS: dict[tuple, str | None] = {}  # None: proven; else why not
 
 
@@ -133,10 +137,13 @@ def _other_outputs(ref_out, out, ref_main) -> list[tuple[torch.Tensor, torch.Ten
     return [(a, b) for a, b in pairs if a.shape == b.shape] if len(tensors(ref_out)) == len(tensors(out)) else []
 
 
-def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device) -> str | None:
+def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device, tighter: float = 1.0) -> str | None:
     tp = shard_config.tensor_parallel_size
     ref = tiny.to(device)
+    float64_copy = copy.deepcopy(ref) if tighter == 1.0 and _dtype(ref) == torch.float32 else None
     inputs = inputs_for(ref, seed=1)
+    if tighter != 1.0:  # the float64 run: its float inputs too
+        inputs = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
     sharded = copy.deepcopy(ref)
     ref.train(), sharded.train()  # the training path (the recipe's dropout is 0)
     group = _tp_group(shard_config)
@@ -153,22 +160,36 @@ def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device) -> s
         failures.append(f"the tiny copy cannot be cut: {type(e).__name__}: {str(e)[:300]}")
     if not failures:
         group = sharding_of(sharded).tp_group
+        hard = 0.0  # a failure no precision explains: an error, or nothing cut
         if sum(p.numel() for p in sharded.parameters()) >= sum(p.numel() for p in ref.parameters()):
             failures.append("the tiny copy was not sharded")
+            hard = 1.0
         inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         try:
-            _compare(ref, sharded, group, inputs, device, failures)
+            _compare(ref, sharded, group, inputs, device, failures, tighter)
         except Exception as e:  # noqa: BLE001 - the cut copy cannot run: every rank's copy fails alike
             failures.append(f"the sharded tiny copy fails: {type(e).__name__}: {str(e)[:300]}")
-        verdict = torch.tensor([float(len(failures))], device=device)
-        if all_reduce(verdict, group).item() == 0:  # every rank refuses, or none
+            hard = 1.0
+        verdict = all_reduce(torch.tensor([float(len(failures)), hard], device=device), group)
+        if verdict[0].item() == 0:  # every rank refuses, or none
             return None
-    return "; ".join(failures[:3]) or "another rank saw a difference"
+        if verdict[1].item() == 0 and float64_copy is not None:  # numbers only, on every rank: rounding?
+            again = _prove(float64_copy.double(), shard_config, make_policy, device, FLOAT64_TIGHTER)
+            if again is None:
+                logger.debug("the float32 copy differed (%s); exact in float64: rounding", "; ".join(failures[:3]))
+                return None
+            failures.append(f"in float64 too, at tolerances {1 / FLOAT64_TIGHTER:g}x tighter: {again}")
+    return "; ".join(failures[:3] + failures[-1:] if len(failures) > 3 else failures) or "another rank saw a difference"
 
 
-def _compare(ref: nn.Module, sharded: nn.Module, group, inputs: dict, device, failures: list[str]) -> None:
-    """Outputs, loss and every gradient of ``sharded`` against ``ref``; what differs goes to ``failures``
-    (the first diverging module with the first failure)."""
+def _dtype(model: nn.Module) -> torch.dtype | None:
+    param = next(model.parameters(), None)
+    return None if param is None else param.dtype
+
+
+def _compare(ref: nn.Module, sharded: nn.Module, group, inputs: dict, device, failures: list[str], tighter=1.0):
+    """Outputs, loss and every gradient of ``sharded`` against ``ref``, every tolerance times ``tighter``;
+    what differs goes to ``failures`` (the first diverging module with the first failure)."""
     rec_ref, rec_sh = ActivationRecorder(ref), ActivationRecorder(sharded)
     args = {k: v for k, v in inputs.items() if k != "x"}
     positional = [inputs["x"]] if "x" in inputs else []  # timm models take their images positionally
@@ -179,22 +200,24 @@ def _compare(ref: nn.Module, sharded: nn.Module, group, inputs: dict, device, fa
     rec_ref.remove(), rec_sh.remove()
     if main.shape != ref_main.shape:
         main = gather_from_parallel(main, group, ref_main.shape[-1])
-    weights = torch.randn(ref_main.shape, generator=torch.Generator().manual_seed(2)).to(device)
+    wide = torch.float64 if ref_main.dtype == torch.float64 else torch.float32
+    weights = torch.randn(ref_main.shape, generator=torch.Generator().manual_seed(2)).to(device, wide)
     extras = [] if ref_loss is not None else _other_outputs(ref_out, out, ref_main)
     if ref_loss is None:  # no loss of its own: a fixed random projection of the outputs
-        ref_loss, loss = (ref_main.float() * weights).sum(), (main.float() * weights).sum()
+        ref_loss, loss = (ref_main.to(wide) * weights).sum(), (main.to(wide) * weights).sum()
         for i, (a, b) in enumerate(extras):
-            w = torch.randn(a.shape, generator=torch.Generator().manual_seed(3 + i)).to(device)
-            ref_loss, loss = ref_loss + (a.float() * w).sum(), loss + (b.float() * w).sum()
+            w = torch.randn(a.shape, generator=torch.Generator().manual_seed(3 + i)).to(device, wide)
+            ref_loss, loss = ref_loss + (a.to(wide) * w).sum(), loss + (b.to(wide) * w).sum()
     divergence = first_divergence(rec_ref, rec_sh, group)
     where = f"first diverging module: {divergence}" if divergence else "no single module diverges first"
-    err, ok = max_error(main, ref_main)
+    tol = {"atol": ATOL * tighter, "rtol": RTOL * tighter}
+    err, ok = max_error(main, ref_main, **tol)
     for a, b in extras:
-        err, ok = max(err, max_error(b, a)[0]), ok and max_error(b, a)[1]
+        err, ok = max(err, max_error(b, a, **tol)[0]), ok and max_error(b, a, **tol)[1]
     if not ok:
         failures.append(f"outputs differ by {err:.2e}; {where}")
-    err, ok = max_error(loss, ref_loss)
+    err, ok = max_error(loss, ref_loss, **tol)
     if not ok:
         failures.append(f"loss differs by {err:.2e}" + ("" if failures else f"; {where}"))
     ref_loss.backward(), loss.backward()
-    failures += gradient_failures(ref, sharded, group, SCALE_RTOL, FLOOR_RTOL)
+    failures += gradient_failures(ref, sharded, group, SCALE_RTOL * tighter, FLOOR_RTOL * tighter, tighter)
