@@ -101,8 +101,9 @@ def refuse_hybrid_sharding(config: Any) -> None:
     _refuse(config, f"dp_replicate={config.dp_replicate}", {
         "ep": (
             config.ep > 1,
-            "hybrid sharding does not place expert-parallel ranks inside the shard groups yet; use ep=1 or "
-            "dp_replicate=1",
+            "hybrid sharding does not place expert-parallel ranks inside the shard groups yet (the experts' "
+            "ZeRO would shard over the dp_shard / ep ranks holding the same experts in a shard group and sum "
+            "across replicas; not built): use ep=1 or dp_replicate=1",
         ),
     })  # fmt: skip
 
