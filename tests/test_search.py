@@ -95,8 +95,9 @@ def test_ep_and_cp_are_offered_only_where_they_apply(llama, tmp_path):
     assert (shape.experts, shape.top_k, shape.moe_layers) == (4, 2, 2) and shape.active_numel < shape.numel
     eps = {(x.ep, x.dp) for x in enumerate_layouts(shape, 8, 8, 16, SEQ, "bf16")}
     assert {ep for ep, _ in eps} == {1, 2, 4} and all(dp % ep == 0 for ep, dp in eps)  # ep divides 4 experts and dp
-    across = enumerate_layouts(shape, 16, 4, 16, SEQ, "bf16")  # 4 nodes: hybrid sharding, but not with ep
-    assert {x.dp_replicate for x in across} >= {1, 2} and not any(x.ep > 1 and x.dp_replicate > 1 for x in across)
+    across = enumerate_layouts(shape, 16, 4, 16, SEQ, "bf16")  # 4 nodes: hybrid sharding, ep inside its shards
+    assert any(x.ep > 1 and x.dp_replicate > 1 for x in across)
+    assert all((x.dp // x.dp_replicate) % x.ep == 0 for x in across)  # tp=2: no ep=4 over dp=8 as 4 x 2
 
 
 def test_hybrid_sharding_wins_across_a_slow_link_and_is_offered_only_across_nodes(tmp_path):

@@ -94,20 +94,6 @@ def refuse_expert_parallel(config: Any) -> None:
     })  # fmt: skip
 
 
-def refuse_hybrid_sharding(config: Any) -> None:
-    """EngineConfig at dp_replicate > 1 (HSDP): built and proven with tp, pp and cp; not yet with ep."""
-    if config.dp_replicate == 1:
-        return
-    _refuse(config, f"dp_replicate={config.dp_replicate}", {
-        "ep": (
-            config.ep > 1,
-            "hybrid sharding does not place expert-parallel ranks inside the shard groups yet (the experts' "
-            "ZeRO would shard over the dp_shard / ep ranks holding the same experts in a shard group and sum "
-            "across replicas; not built): use ep=1 or dp_replicate=1",
-        ),
-    })  # fmt: skip
-
-
 def _refuse(config: Any, technique: str, refused: dict[str, tuple[bool, str]]) -> None:
     """Raise for the first ``{field: (refused, fix)}`` that is refused, naming the field, its value and the fix."""
     for name, (bad, fix) in refused.items():

@@ -98,8 +98,8 @@ class Plan:
         # the model's share of them unless told)
         if experts is None:
             experts = round(numel * self.routed_numel / max(self.rank_numel, 1))
-        dense = model_state_bytes(numel - experts, self.precision, self.dp, self.zero, self.largest_layer)
-        split = model_state_bytes(experts, self.precision, self.dp // self.ep, self.zero)
+        dense = model_state_bytes(numel - experts, self.precision, self.dp_shard, self.zero, self.largest_layer)
+        split = model_state_bytes(experts, self.precision, self.dp_shard // self.ep, self.zero)
         return {k: dense.get(k, 0) + split.get(k, 0) for k in {**dense, **split}}
 
     @property

@@ -198,7 +198,7 @@ def _variants(shape, base: Layout, global_batch: int, schedules, gpus_per_node: 
         ):
             m = per_rank // b
             choices = (zero, schedule, virtual, m, shape.layers, precision, replicate)
-            if not engine_admits(base.pp, base.cp, base.ep, *choices):
+            if not engine_admits(base.pp, base.cp, base.ep, base.dp, *choices):
                 continue
             for ckpt, sp in itertools.product((False, True), (False, True) if base.tp > 1 else (False,)):
                 out.append(
@@ -210,15 +210,15 @@ def _variants(shape, base: Layout, global_batch: int, schedules, gpus_per_node: 
 
 @functools.cache
 def engine_admits(
-    pp: int, cp: int, ep: int, zero: int, schedule: str, virtual: int, microbatches: int, layers: int, precision: str,
-    replicate: int = 1,
+    pp: int, cp: int, ep: int, dp: int, zero: int, schedule: str, virtual: int, microbatches: int, layers: int,
+    precision: str, replicate: int = 1,
 ) -> bool:  # fmt: skip
     """Whether EngineConfig and the schedule take these choices (ZeRO-3 with cp, fp16 with ep or ZeRO-3, ep
-    with hybrid sharding, too few micro-batches or layers for a virtual schedule, ...): what the engine
-    refuses is not offered."""
+    not dividing hybrid sharding's shard group, too few micro-batches or layers for a virtual schedule, ...):
+    what the engine refuses is not offered."""
     try:
         config = EngineConfig(
-            pp=pp, cp=cp, ep=ep, dp=ep * replicate, dp_replicate=replicate, zero_stage=zero, schedule=schedule, precision=precision, prove=False,
+            pp=pp, cp=cp, ep=ep, dp=dp, dp_replicate=replicate, zero_stage=zero, schedule=schedule, precision=precision, prove=False,
             virtual_stages=virtual if schedule in VIRTUAL_SCHEDULES and pp > 1 else None, num_microbatches=microbatches,
         )  # fmt: skip
         if config.chunks_per_rank > 1:

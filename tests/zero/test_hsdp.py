@@ -22,6 +22,8 @@ from shardformer.core.mesh import ProcessMesh
 from shardformer.data_parallel import ZeroOptimizer
 from tests.checkpoint.common import remove_dir, shared_dir
 from tests.context_parallel.test_engine import _engine_run as context_parallel_run
+from tests.expert_parallel.test_expert_parallel import _same_weights as same_expert_weights
+from tests.expert_parallel.test_expert_parallel import _train as expert_parallel_run
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common
 from tests.zero.test_zero3 import GPT2, _assert_weights, _engine, _export_matches, _train, _trained
@@ -126,6 +128,19 @@ def check_pp2_and_cp2_with_two_replicas_of_one_shard():
     assert dist.get_process_group_ranks(engine.mesh.dp_replicate_group) == [rank % 2, rank % 2 + 2]
 
 
+def check_ep2_inside_shard_groups_of_two():
+    """ep=2 x (2 replicas x 2 shards): each shard group is one ep group; the experts' ZeRO group is the
+    ranks of a shard group holding the same experts (one here), summed across the replicas; ZeRO-1 and
+    ZeRO-3 (FSDP2 on the experts' own 2-D mesh) against the unsharded MoE model: losses and weights."""
+    for zero in (1, 3):
+        ref, engine = expert_parallel_run("qwen3_moe", size=8, zero_stage=zero, max_grad_norm=0.3, dp_replicate=2)
+        mesh, rank = engine.mesh, dist.get_rank()
+        assert dist.get_process_group_ranks(mesh.ep_group) == dist.get_process_group_ranks(mesh.dp_shard_group)
+        assert dist.get_process_group_ranks(mesh.expert_dp_shard_group) == [rank]
+        assert dist.get_process_group_ranks(mesh.dp_replicate_group) == [rank % 2, rank % 2 + 2]
+        same_expert_weights(ref, engine.model, f"ep=2 x (2 x 2), zero={zero}")
+
+
 test_hsdp_world4 = check_table(
     [
         check_mesh_groups,
@@ -133,6 +148,7 @@ test_hsdp_world4 = check_table(
         check_zero1_and_zero2_hybrid_parity,
         check_tp2_with_two_replicas_of_one_shard,
         check_pp2_and_cp2_with_two_replicas_of_one_shard,
+        check_ep2_inside_shard_groups_of_two,
     ],
     4,
 )
@@ -143,7 +159,7 @@ test_hsdp_world4 = check_table(
     [
         ({"dp": 4, "dp_replicate": 3}, r"EngineConfig.dp_replicate=3 does not divide data_parallel_size=4"),
         ({"dp_replicate": 0}, r"EngineConfig.dp_replicate=0 must be a positive integer"),
-        ({"dp_replicate": 2, "ep": 2}, r"EngineConfig.ep=2 with dp_replicate=2"),
+        ({"dp": 4, "dp_replicate": 4, "ep": 2}, r"dp_replicate=4 with expert_parallel_size=2: .* ep must "),
     ],
 )
 def test_hybrid_sharding_refuses_what_it_does_not_offer(options, message):
