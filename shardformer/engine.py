@@ -117,7 +117,7 @@ class ParallelEngine:
         world = dist.get_world_size() if dist.is_initialized() else 1
         _, dp, _ = resolve_sizes(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)
         check_expert_divides(cfg.ep, dp, "EngineConfig.ep")
-        check_replicate_divides(cfg.dp_replicate, dp)
+        check_replicate_divides(cfg.dp_replicate, dp, ep=cfg.ep)
         check_split_statistics(model, "ParallelEngine", {"dp": dp, "cp": cfg.cp})  # each rank sees its part only
         give_example_inputs(model, cfg.example_inputs)  # the pipeline split's copies read them too
         with studied_once():  # one study of the model: the pipeline split, the checks and the cut read it

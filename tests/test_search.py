@@ -82,7 +82,7 @@ def test_ep_and_cp_are_offered_only_where_they_apply(llama, tmp_path):
     assert {x.ep for x in layouts} == {1} and {x.cp for x in layouts} >= {1, 2, 4}
     assert {x.zero for x in layouts} == {1, 2, 3} and not any(x.zero == 3 and x.cp > 1 for x in layouts)
     assert all(4 % x.tp == 0 and x.world == 8 for x in layouts)  # tp divides the 4 heads
-    assert dp_splits(4, 8, 2) == [1] and {x.dp_replicate for x in layouts} == {1}  # HSDP: not searched yet
+    assert {x.dp_replicate for x in layouts} == {1}  # one node: no hybrid sharding
     bert = model_shape(build_meta_model("bert-tiny"))
     assert "cannot be split over the sequence" in bert.cp_refused
     assert {x.cp for x in enumerate_layouts(bert, 4, 4, 4, SEQ, "bf16")} == {1}
@@ -95,6 +95,44 @@ def test_ep_and_cp_are_offered_only_where_they_apply(llama, tmp_path):
     assert (shape.experts, shape.top_k, shape.moe_layers) == (4, 2, 2) and shape.active_numel < shape.numel
     eps = {(x.ep, x.dp) for x in enumerate_layouts(shape, 8, 8, 16, SEQ, "bf16")}
     assert {ep for ep, _ in eps} == {1, 2, 4} and all(dp % ep == 0 for ep, dp in eps)  # ep divides 4 experts and dp
+    across = enumerate_layouts(shape, 16, 4, 16, SEQ, "bf16")  # 4 nodes: hybrid sharding, ep inside its shards
+    assert any(x.ep > 1 and x.dp_replicate > 1 for x in across)
+    assert all((x.dp // x.dp_replicate) % x.ep == 0 for x in across)  # tp=2: no ep=4 over dp=8 as 4 x 2
+
+
+def test_hybrid_sharding_wins_across_a_slow_link_and_is_offered_only_across_nodes(tmp_path):
+    """2 nodes of 8 GPUs, compute and the links inside a node free, 1 GB/s between nodes; one layer and
+    one head (no pp, no tp) and an odd sequence (no cp): dp=16 is the only mesh. Only ZeRO-3 fits in
+    400 MiB, hybrid (8 shards) or plain (16). Plain ZeRO-3 over all 16 crosses the slow link with its
+    reduce-scatter (15/16 x 4N bytes) and its layer gathers; hybrid sharding (2 replicas x 8) keeps them
+    inside the node and only all-reduces each rank's 1/8 of the fp32 gradient over the 2 replicas:
+    2 x 1/2 x 4N/8 = N/2 bytes a step on the slow link."""
+    config = tf.LlamaConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=1,
+        num_key_value_heads=1, max_position_embeddings=64, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    beta = 1e9
+    hw = Hardware("by hand", 1e30, 1.0, 1e30, 0.0, beta, 0.0)
+    options = dict(seq=31, global_batch=16, gpus_per_node=8, hardware=hw, simulate=False, prove=False)
+    result = search(str(tmp_path), 16, 400 * 2**20, **options)
+    best, plain = result.ranked[0], result.ranked[2]
+    assert best.layout.engine_fields("bf16") == {"dp": 16, "zero_stage": 3, "precision": "bf16", "dp_replicate": 2}
+    assert best.layout.short() == "tp1 pp1 dp16(2x8) z3 mb1x1"
+    n = sum(p.numel() for p in build_meta_model(str(tmp_path)).parameters())
+    assert best.cost.step == pytest.approx(n / 2 / beta)
+    assert (plain.layout.dp_replicate, plain.layout.zero) == (1, 3) and plain.cost.step > 8 * best.cost.step
+    # per rank: ZeRO-3's parameters, gradients and Adam state, 1/8 of 16 bytes a parameter, and a gathered
+    # layer; ZeRO-1/2 hold the whole bf16 parameters (and ZeRO-1 gradients): over 400 MiB
+    assert 16 * n / 8 < best.peak <= result.usable and {c.layout.zero for c in result.ranked} == {3}
+    assert "dp_replicate = 2" in format_search(result)
+    assert EngineConfig(**best.layout.engine_fields("bf16"), prove=False).dp_replicate == 2
+    # offered where a dp group spans nodes: replicate = the nodes spanned or a divisor of them, shard = whole
+    # nodes' dp ranks; not within a node, nor where a node holds one dp rank (tp x cp fills it)
+    assert dp_splits(16, 8, 1) == [1, 2] and dp_splits(32, 8, 1) == [1, 2, 4] and dp_splits(16, 8, 2) == [1, 2, 4]
+    assert dp_splits(8, 8, 1) == [1] and dp_splits(2, 8, 8) == [1] and dp_splits(4, 8, 16) == [1]
+    one_node = enumerate_layouts(model_shape(build_meta_model(str(tmp_path))), 8, 8, 16, 31, "bf16")
+    assert one_node and {x.dp_replicate for x in one_node} == {1}
 
 
 def test_the_bubble_is_the_schedules_own_action_list():

@@ -39,6 +39,7 @@ class Layout:
     cp: int = 1  # context-parallel replicas of this (tp, pp, dp) place
     ep: int = 1  # expert parallelism: dp ranks ``expert_dp * ep + ep_rank`` split the experts ``ep`` ways
     ep_rank: int = 0
+    dp_replicate: int = 1  # hybrid sharding: ZeRO's groups are dp / dp_replicate ranks
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -70,6 +71,7 @@ def layout_of(model: nn.Module) -> Layout:
         return Layout(
             mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.tp_rank, mesh.pp_rank, mesh.dp_rank, rank, world,
             mesh.tp_group, mesh.dp_group, mesh.pp_group, mesh.cp_size, mesh.ep_size, mesh.ep_rank,
+            mesh.dp_replicate_size,
         )  # fmt: skip
     # No mesh: one process, or a tp group given directly. Only a group spanning the whole world
     # says where every rank sits; otherwise the data-parallel place is unknown, and guessing it

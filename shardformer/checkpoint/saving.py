@@ -39,7 +39,7 @@ def _write_rank_part(tmp: str, model, optimizer, lay: Layout) -> tuple[dict, lis
     entries, ties = model_entries(model)
     state, part = {"model": entries}, {"ties": ties, "optimizer": None, "names": list(entries)}
     if optimizer is not None:
-        opt_state, part["optimizer"] = optimizer_entries(model, optimizer, lay.dp // lay.ep)
+        opt_state, part["optimizer"] = optimizer_entries(model, optimizer, lay.dp // lay.ep // lay.dp_replicate)
         state["optim"] = {"state": opt_state}
     coords = {"pp": lay.pp_rank, "dp": lay.dp_rank, "tp": lay.tp_rank} | ({"ep": lay.ep_rank} if lay.ep > 1 else {})
     return state, write_rng(tmp, model, lay.rank, coords), part

@@ -42,7 +42,6 @@ from shardformer.core.config_refusals import (
     check_virtual_stages,
     refuse_context_parallel,
     refuse_expert_parallel,
-    refuse_hybrid_sharding,
     refuse_without_mesh,
     refuse_zero3,
 )
@@ -309,7 +308,7 @@ class EngineConfig:
         check_positive_int("EngineConfig.dp", self.dp, optional=True)
         check_positive_int("EngineConfig.dp_replicate", self.dp_replicate)
         if self.dp is not None:
-            check_replicate_divides(self.dp_replicate, self.dp)
+            check_replicate_divides(self.dp_replicate, self.dp, ep=self.ep)
         check_example_inputs("EngineConfig.example_inputs", self.example_inputs)
         for name, choices in CHOICES.items():
             check_choice(f"EngineConfig.{name}", getattr(self, name), choices)
@@ -333,7 +332,6 @@ class EngineConfig:
         check_virtual_stages(self)
         refuse_zero3(self)
         refuse_expert_parallel(self)
-        refuse_hybrid_sharding(self)
 
     @property
     def chunks_per_rank(self) -> int:

@@ -94,24 +94,6 @@ def refuse_expert_parallel(config: Any) -> None:
     })  # fmt: skip
 
 
-def refuse_hybrid_sharding(config: Any) -> None:
-    """EngineConfig at dp_replicate > 1 (HSDP): built and proven at pp=1 without cp or ep, ZeRO-1/2 at tp=1."""
-    if config.dp_replicate == 1:
-        return
-    _refuse(config, f"dp_replicate={config.dp_replicate}", {
-        "pp": (config.pp > 1, "hybrid sharding is not proven with pipeline stages yet; use pp=1 or dp_replicate=1"),
-        "cp": (
-            config.cp > 1,
-            "hybrid sharding is not proven with context parallelism yet; use cp=1 or dp_replicate=1",
-        ),
-        "ep": (
-            config.ep > 1,
-            "hybrid sharding does not place expert-parallel ranks inside the shard groups yet; use ep=1 or "
-            "dp_replicate=1",
-        ),
-    })  # fmt: skip
-
-
 def _refuse(config: Any, technique: str, refused: dict[str, tuple[bool, str]]) -> None:
     """Raise for the first ``{field: (refused, fix)}`` that is refused, naming the field, its value and the fix."""
     for name, (bad, fix) in refused.items():

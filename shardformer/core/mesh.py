@@ -69,7 +69,7 @@ class ProcessMesh:
         self.pp_size, self.dp_size, self.tp_size = resolve_sizes(
             self.world_size, self.tp_size, self.pp_size, self.dp_size, self.cp_size
         )
-        check_replicate_divides(self.dp_replicate_size, self.dp_size, "ProcessMesh.dp_replicate_size")  # before groups
+        check_replicate_divides(self.dp_replicate_size, self.dp_size, "ProcessMesh.dp_replicate_size", self.ep_size)
         pp, dp, cp, tp = self.pp_size, self.dp_size, self.cp_size, self.tp_size
         self.pp_rank, rest = divmod(self.rank, dp * cp * tp)
         self.dp_rank, rest = divmod(rest, cp * tp)
@@ -127,16 +127,26 @@ class ProcessMesh:
     def _build_hybrid_groups(self, cells, rank, build) -> None:
         """HSDP: the dp group as ``dp_replicate_size`` shard groups of consecutive dp ranks; the replicate
         groups join the ranks at one place of every shard group. At dp_replicate_size=1 the shard group
-        is the dp group and nothing is created (the groups of a plain mesh stay as they were)."""
+        is the dp group and nothing is created (the groups of a plain mesh stay as they were). With
+        experts split over ep ranks (inside a shard group), ``expert_dp_shard_group`` is the ranks of the
+        shard group holding this rank's experts: their ZeRO group; the replicate group holds them too."""
         replicate = self.dp_replicate_size
         shard = self.dp_shard_size = self.dp_size // replicate
         self.dp_replicate_rank, self.dp_shard_rank = divmod(self.dp_rank, shard)
+        self.expert_dp_shard_size = self.expert_dp_size // replicate
         if replicate == 1:
             self.dp_shard_group, self.dp_replicate_group = self.dp_group, LOCAL
+            self.expert_dp_shard_group = self.expert_dp_group
             return
         shards, replicas = _split_dp(cells, rank, shard)
         self.dp_shard_group = build(shards)
         self.dp_replicate_group = build(replicas)
+        self.expert_dp_shard_group = self.dp_shard_group  # at ep=1 the experts are dense parameters
+        if self.ep_size > 1:  # the ranks of one shard group holding the same experts (ep divides dp_shard)
+            holders: dict[tuple, list[int]] = {}
+            for p, d, c, t in cells:
+                holders.setdefault((p, d // shard, d % self.ep_size, c, t), []).append(rank(p, d, t, c))
+            self.expert_dp_shard_group = build(list(holders.values()))
 
     def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int | None = None) -> int:
         """The global rank at these coordinates (``cp_rank`` None: this rank's own)."""

@@ -47,12 +47,19 @@ def check_expert_divides(ep: int, dp: int, setting: str = "expert_parallel_size"
         )
 
 
-def check_replicate_divides(replicate: int, dp: int, setting: str = "EngineConfig.dp_replicate") -> None:
-    """Hybrid sharding: ``dp = dp_replicate x dp_shard``, so ``replicate`` must be a positive divisor of ``dp``."""
+def check_replicate_divides(replicate: int, dp: int, setting: str = "EngineConfig.dp_replicate", ep: int = 1) -> None:
+    """Hybrid sharding: ``dp = dp_replicate x dp_shard``, so ``replicate`` must be a positive divisor of ``dp``;
+    expert-parallel groups (``ep`` consecutive dp ranks) sit inside a shard group, so ``ep`` divides dp_shard."""
     check_positive_int(setting, replicate)
     if dp % replicate:
         divisors = [d for d in range(1, dp + 1) if dp % d == 0]
         raise ValueError(
             f"{setting}={replicate} does not divide data_parallel_size={dp}: the dp ranks are dp_replicate "
             f"replicas of dp_shard ranks each (dp = dp_replicate x dp_shard); pick dp_replicate in {divisors}"
+        )
+    if (dp // replicate) % ep:
+        fits = [r for r in range(1, dp + 1) if dp % r == 0 and (dp // r) % ep == 0]
+        raise ValueError(
+            f"{setting}={replicate} with expert_parallel_size={ep}: the experts are split over ep consecutive ranks "
+            f"of a shard group, so ep must divide dp_shard={dp // replicate}; pick dp_replicate in {fits}"
         )

@@ -45,13 +45,18 @@ def dp_device_mesh(mesh, device: torch.device) -> DeviceMesh:
     inside the shard group, replicas across). A model on the meta device (a simulated job,
     tools/simulate) gets a CPU mesh: FSDP2 takes its device from the mesh and has no device handle for
     "meta"; the parameters stay on meta."""
+    return _sub_mesh(mesh, mesh.dp_group, mesh.dp_shard_group, device, "dp")
+
+
+def _sub_mesh(mesh, group, shard_group, device: torch.device, name: str) -> DeviceMesh:
+    """The 1-D DeviceMesh over ``group``, or under hybrid sharding the 2-D (replicate, shard) one: its
+    ranks in dp order are the replicas' shard groups one after the other."""
     device_type = "cpu" if device.type == "meta" else device.type
     if mesh.dp_replicate_size == 1:
-        return DeviceMesh.from_group(mesh.dp_group, device_type, mesh_dim_names=("dp",))
-    ranks = torch.tensor(dist.get_process_group_ranks(mesh.dp_group)).view(mesh.dp_replicate_size, -1)
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=(name,))
+    ranks = torch.tensor(dist.get_process_group_ranks(group)).view(mesh.dp_replicate_size, -1)
     return DeviceMesh.from_group(
-        [mesh.dp_replicate_group, mesh.dp_shard_group], device_type, ranks,
-        mesh_dim_names=("dp_replicate", "dp_shard"),
+        [mesh.dp_replicate_group, shard_group], device_type, ranks, mesh_dim_names=("dp_replicate", f"{name}_shard"),
     )  # fmt: skip
 
 
@@ -109,14 +114,14 @@ def fully_shard_model(
 
 def _shard_experts(model: nn.Module, mesh, device: torch.device, policy) -> None:
     """Experts split by expert parallelism: each experts module its own FSDP2 unit over the ranks holding
-    the same experts (expert-dp), its gradients divided by the whole dp size (they already hold the
-    tokens of every ep rank), as dense gradients are averaged over dp."""
+    the same experts (expert-dp; hybrid sharding: sharded in the shard group's, replicated across), its
+    gradients divided by the whole dp size (they already hold the tokens of every ep rank), as dense
+    gradients are averaged over dp."""
 
     experts = sharding_of(model).experts if is_sharded(model) else None
     if experts is None:
         return
-    device_type = "cpu" if device.type == "meta" else device.type
-    expert_mesh = DeviceMesh.from_group(mesh.expert_dp_group, device_type, mesh_dim_names=("expert_dp",))
+    expert_mesh = _sub_mesh(mesh, mesh.expert_dp_group, mesh.expert_dp_shard_group, device, "expert_dp")
     for path in experts.paths:
         try:
             module = model.get_submodule(path)
@@ -124,9 +129,10 @@ def _shard_experts(model: nn.Module, mesh, device: torch.device, policy) -> None
             continue
         fully_shard(module, mesh=expert_mesh, mp_policy=policy)
         module.set_gradient_divide_factor(float(mesh.dp_size))
-        # over 2+ ranks: a sum, then the division (gloo has no pre-scaled sum); alone FSDP2 divides while
-        # copying, and forcing the sum would divide a second time (torch 2.14)
-        module.set_force_sum_reduction_for_comms(mesh.expert_dp_size > 1)
+        # a shard over 2+ ranks: a sum, then the division (gloo has no pre-scaled sum); a shard of one rank:
+        # FSDP2 divides while copying (then sums over the replicas), and forcing the sum would divide a
+        # second time (torch 2.14)
+        module.set_force_sum_reduction_for_comms(mesh.expert_dp_shard_size > 1)
 
 
 def through_root(stage_forward: Callable, calls_the_model: bool = False) -> Callable:

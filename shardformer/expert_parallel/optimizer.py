@@ -32,11 +32,13 @@ class ExpertParallelOptimizer:
         self.pp_group = zero_kwargs.pop("pp_group", comm.LOCAL)
         # tied weights (summed over stages after backward, counted once in the norm) are dense
         dense_only = {k: zero_kwargs.pop(k) for k in ("late_grads", "counted_elsewhere") if k in zero_kwargs}
+        # hybrid sharding: both sharded inside this rank's shard group, and summed over the replicas too
+        zero_kwargs["replicate_group"] = mesh.dp_replicate_group if mesh.dp_replicate_size > 1 else None
         self.dense = ZeroOptimizer(
-            make_optimizer(dense), mesh.dp_group, stage, pp_group=self.pp_group, **zero_kwargs, **dense_only
+            make_optimizer(dense), mesh.dp_shard_group, stage, pp_group=self.pp_group, **zero_kwargs, **dense_only
         )
         self.experts = experts and ZeroOptimizer(
-            make_optimizer(experts), mesh.expert_dp_group, stage, average_over=mesh.dp_size, **zero_kwargs
+            make_optimizer(experts), mesh.expert_dp_shard_group, stage, average_over=mesh.dp_size, **zero_kwargs
         )
         self.parts = (self.dense, self.experts) if experts else (self.dense,)
         self.param_groups = [g for part in self.parts for g in part.param_groups]  # LR schedulers see every group

@@ -75,8 +75,8 @@ def comm_buffers(plan: Plan, first: bool, last: bool, in_flight_: int, batch: in
     if plan.pp > 1 and batch and hidden:  # hidden unknown (no transformers config): activations are unknown too
         act = batch * seq * hidden * BYTES[plan.precision]
         out["pipeline send/receive"] = in_flight_ * act * ((not first) + (not last)) + act
-    if plan.zero in (1, 2) and plan.dp > 1:
-        bucket = max(DEFAULT_BUCKET_SIZE, -(-plan.largest_param // plan.dp) * plan.dp)
+    if plan.zero in (1, 2) and plan.dp_shard > 1:
+        bucket = max(DEFAULT_BUCKET_SIZE, -(-plan.largest_param // plan.dp_shard) * plan.dp_shard)
         out["ZeRO buckets in flight (fp32)"] = ZERO_IN_FLIGHT * 4 * bucket
     return out
 

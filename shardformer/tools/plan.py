@@ -63,10 +63,16 @@ class Plan:
     experts: ExpertSizing | None = None  # a mixture of experts' experts, found before the model was cut
     ep: int = 1  # expert-parallel size: routed experts split over ep of the dp ranks
     tokens: int | None = None  # tokens per micro-batch and rank (batch x seq / cp), when given
+    dp_replicate: int = 1  # hybrid sharding: ZeRO shards over dp / dp_replicate ranks (EngineConfig's)
 
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks ZeRO shards over: the whole dp group, or hybrid sharding's shard group."""
+        return self.dp // self.dp_replicate
 
     @property
     def rank_numel(self) -> int:
@@ -87,13 +93,13 @@ class Plan:
         if numel is None:
             numel = max(n for _, n in self.stages) if self.stages else self.rank_numel
         if self.ep == 1:
-            return model_state_bytes(numel, self.precision, self.dp, self.zero, self.largest_layer)
+            return model_state_bytes(numel, self.precision, self.dp_shard, self.zero, self.largest_layer)
         # split experts are stepped by ZeRO over the dp / ep ranks holding them (a stage is taken to hold
         # the model's share of them unless told)
         if experts is None:
             experts = round(numel * self.routed_numel / max(self.rank_numel, 1))
-        dense = model_state_bytes(numel - experts, self.precision, self.dp, self.zero, self.largest_layer)
-        split = model_state_bytes(experts, self.precision, self.dp // self.ep, self.zero)
+        dense = model_state_bytes(numel - experts, self.precision, self.dp_shard, self.zero, self.largest_layer)
+        split = model_state_bytes(experts, self.precision, self.dp_shard // self.ep, self.zero)
         return {k: dense.get(k, 0) + split.get(k, 0) for k in {**dense, **split}}
 
     @property

@@ -198,7 +198,9 @@ class _Sizer:
         plan = self.plan(layout.tp, layout.pp, layout.ep)
         if plan is None:
             return None
-        plan = replace(plan, dp=layout.dp, zero=layout.zero, cp=layout.cp, cp_mode=layout.cp_mode)
+        plan = replace(
+            plan, dp=layout.dp, zero=layout.zero, cp=layout.cp, cp_mode=layout.cp_mode, dp_replicate=layout.dp_replicate
+        )  # fmt: skip
         stages, _ = plan_stages(
             plan, self.config, layout.micro_batch, self.seq, layout.microbatches, layout.schedule, self.device
         )  # fmt: skip
@@ -222,7 +224,10 @@ class _Sizer:
         )  # fmt: skip
 
     def simulated_peak(self, layout: Layout) -> int:
-        job = self._simulation(layout.tp, layout.pp, layout.dp, layout.zero, layout.ep, layout.micro_batch)
+        # hybrid sharding: a rank holds what it holds at plain dp over its shard group (the replicas'
+        # all-reduce adds no state), so the job simulated is the one of dp / dp_replicate ranks
+        dp = layout.dp // layout.dp_replicate
+        job = self._simulation(layout.tp, layout.pp, dp, layout.zero, layout.ep, layout.micro_batch)
         stages, _ = simulated_stages(
             job, layout.micro_batch, self.seq, layout.microbatches, layout.schedule, self.device
         )  # fmt: skip

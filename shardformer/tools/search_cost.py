@@ -17,8 +17,10 @@
   ``tokens x top-k x hidden`` forward and 2 backward per MoE layer. dp, once a step: ZeRO-1/2
   reduce-scatter the fp32 gradients and all-gather the updated parameters; ZeRO-3 gathers each
   layer's parameters twice per micro-batch (forward, backward) and reduce-scatters fp32 gradients
-  once; experts over the expert-dp ranks. HSDP (replicate x shard): the shard group's traffic,
-  then an all-reduce of the shard over the replicas. pp: one send of the activation forward and one
+  once; experts over the expert-dp ranks. HSDP (replicate x shard): that traffic inside the shard
+  group (its link: a node's when the shard group fits in one), ZeRO-3's gathers too, then an fp32
+  all-reduce over the replicas on the link they span: of this rank's 1/shard of the gradient
+  (ZeRO-2/3), of the whole gradient at ZeRO-1 (every row is written back to ``param.grad``). pp: one send of the activation forward and one
   of its gradient backward per micro-batch and chunk boundary. Nothing is counted as overlapped.
 - **Pipeline bubble**: the schedule's own action list (`shardformer.pipeline.bubble.schedule_actions`)
   replayed with each action costing its compute and communication; the step is the last rank's end
@@ -128,9 +130,10 @@ def step_cost(
     if ep > 1:
         moe = shape.moe_layers / (pp * v)
         ep_fwd = moe * 2 * one_way(b * n * shape.top_k * shape.hidden * w * ep, ep, L(tp * cp, ep))
-    gather = 0.0  # ZeRO-3: a layer's parameters gathered forward and again backward
+    gather = 0.0  # ZeRO-3: a layer's parameters gathered forward and again backward (HSDP: in the shard group)
     if layout.zero == 3:
-        gather = layers * one_way(state.layer_numel * w, dp, L(tp * cp, dp))
+        shard = dp // layout.dp_replicate
+        gather = layers * one_way(state.layer_numel * w, shard, L(tp * cp, shard))
     p2p = 0.0
     if pp > 1:
         alpha, beta = L(tp * cp * dp, pp)
@@ -170,19 +173,19 @@ def _cp_exchange(layout: Layout, shape: ModelShape, local_tokens: int, w: int, l
 def _dp_step(layout: Layout, state: RankState, w: int, L) -> float:
     """The once-a-step data-parallel traffic (module doc): dense parameters over dp, experts over dp / ep."""
     dp, ep, r = layout.dp, layout.ep, layout.dp_replicate
-    link = L(layout.tp * layout.cp, dp)
     dense, experts = state.numel - state.expert_numel, state.expert_numel
     total = 0.0
     for numel, ranks, stride in ((dense, dp, 1), (experts, dp // ep, ep)):
         if not numel or ranks == 1:
             continue
-        shard = ranks // r if r > 1 else ranks
+        shard = ranks // r
         inner = L(layout.tp * layout.cp * stride, shard)
         grads = one_way(numel * 4, shard, inner)  # fp32 reduce-scatter
         if layout.zero < 3:
             grads += one_way(numel * w, shard, inner)  # the updated parameters gathered
-        if r > 1:  # HSDP: the shard's gradients all-reduced over the replicas
-            grads += all_reduce(numel * 4 / shard, r, link)
+        if r > 1:  # HSDP: the reduced gradients all-reduced over the replicas (ZeRO-1: every row, written back)
+            across = L(layout.tp * layout.cp * stride * shard, r)
+            grads += all_reduce(numel * 4 / (1 if layout.zero == 1 else shard), r, across)
         total += grads
     return total
 

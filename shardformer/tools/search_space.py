@@ -9,8 +9,8 @@ are replicated, as the library does); pp and its chunks fit in the layer stack; 
 experts (MoE models only); cp only where the library's context-parallel checks accept the model's
 attention. Each layout is then checked by `EngineConfig` itself (what the engine refuses is not offered).
 
-Hybrid sharded data parallelism (dp = replicate x shard, `EngineConfig.dp_replicate`) is not enumerated
-yet (`dp_splits`): the cost model prices a split dp, the memory model does not.
+Hybrid sharded data parallelism (dp = replicate x shard, `EngineConfig.dp_replicate`) is enumerated
+where a dp group spans nodes (`dp_splits`): ZeRO shards over dp / replicate ranks inside a node.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Layout:
     microbatches: int = 1  # micro-batches per step and dp rank
     checkpointing: bool = False
     sequence_parallel: bool = False
-    dp_replicate: int = 1  # HSDP: dp = dp_replicate x (dp / dp_replicate); 1 until EngineConfig has it
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate x (dp / dp_replicate), ZeRO sharded over the latter
 
     @property
     def world(self) -> int:
@@ -62,19 +62,19 @@ class Layout:
             "zero_stage": self.zero, "num_microbatches": self.microbatches, "schedule": self.schedule,
             "virtual_stages": self.virtual_stages if self.schedule in VIRTUAL_SCHEDULES and self.pp > 1 else None,
             "precision": precision, "activation_checkpointing": self.checkpointing,
-            "sequence_parallel": self.sequence_parallel,
+            "sequence_parallel": self.sequence_parallel, "dp_replicate": self.dp_replicate,
         }  # fmt: skip
         if self.cp == 1:
             del wanted["cp_mode"]
         defaults = {f.name: f.default for f in fields(EngineConfig)}
-        if "dp_replicate" in defaults:  # HSDP's seam (dp_splits)
-            wanted["dp_replicate"] = self.dp_replicate
         return {k: v for k, v in wanted.items() if k == "dp" or v != defaults[k]}
 
     def short(self) -> str:
         parts = [f"tp{self.tp}"] + ([f"cp{self.cp}({self.cp_mode})"] if self.cp > 1 else [])
         parts.append(f"pp{self.pp}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        parts += [f"dp{self.dp}"] + ([f"ep{self.ep}"] if self.ep > 1 else [])
+        hybrid = f"({self.dp_replicate}x{self.dp // self.dp_replicate})" if self.dp_replicate > 1 else ""
+        parts += [f"dp{self.dp}{hybrid}"]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
         text = " ".join(parts) + f" z{self.zero}"
         if self.pp > 1:
             text += f" {self.schedule}"
@@ -151,10 +151,17 @@ def tp_sizes(shape: ModelShape, most: int) -> list[int]:
 
 
 def dp_splits(dp: int, gpus_per_node: int, tp_cp: int) -> list[int]:
-    """``dp_replicate`` values to try: plain dp only. EngineConfig has HSDP (``dp_replicate``), but this
-    search does not yet size its per-rank memory (ZeRO shards over dp / dp_replicate) nor mirror its
-    refusals (pp, cp or ep > 1), so it offers no replicate split rather than a layout it cannot price."""
-    return [1]
+    """``dp_replicate`` values to try: plain dp (1), and where a dp group spans several nodes (its ranks
+    are ``tp x cp`` apart) hybrid sharding whose shard groups are whole nodes' dp ranks: ``replicate``
+    divides the number of nodes spanned, so ZeRO's gathers and reduce-scatters stay inside a node (or
+    inside ``nodes / replicate`` of them) and only the replicas' all-reduce crosses. Not offered
+    within one node, nor where a node holds a single dp rank (a shard of one would replicate the
+    whole state: no memory saved)."""
+    per_node, rest = divmod(gpus_per_node, tp_cp)
+    if rest or per_node < 2 or dp <= per_node or dp % per_node:
+        return [1]
+    nodes = dp // per_node
+    return [1] + [r for r in range(2, nodes + 1) if nodes % r == 0]
 
 
 def enumerate_layouts(
@@ -163,7 +170,7 @@ def enumerate_layouts(
     """Every layout of ``gpus`` GPUs the model's shapes and EngineConfig admit for ``global_batch``
     sequences of ``seq`` tokens per step."""
     out = []
-    cps = [1] if shape.cp_refused else [c for c in POWERS if c <= gpus and seq % (2 * c) == 0]
+    cps = [1] if shape.cp_refused else [c for c in POWERS if c <= gpus and (c == 1 or seq % (2 * c) == 0)]
     for tp in tp_sizes(shape, min(gpus, gpus_per_node)):
         for cp in cps:
             for pp in (p for p in POWERS if p <= shape.layers and gpus % (tp * cp * p) == 0):
@@ -186,28 +193,32 @@ def _variants(shape, base: Layout, global_batch: int, schedules, gpus_per_node: 
     per_rank = global_batch // base.dp
     out = []
     for mode, (schedule, virtual), zero in itertools.product(modes, pipes, ZERO_CHOICES):
-        for b in (b for b in MICRO_BATCH_SIZES if per_rank % b == 0):
+        for b, replicate in itertools.product(
+            (b for b in MICRO_BATCH_SIZES if per_rank % b == 0), dp_splits(base.dp, gpus_per_node, base.tp * base.cp)
+        ):
             m = per_rank // b
-            if not engine_admits(base.pp, base.cp, base.ep, zero, schedule, virtual, m, shape.layers, precision):
+            choices = (zero, schedule, virtual, m, shape.layers, precision, replicate)
+            if not engine_admits(base.pp, base.cp, base.ep, base.dp, *choices):
                 continue
             for ckpt, sp in itertools.product((False, True), (False, True) if base.tp > 1 else (False,)):
-                for replicate in dp_splits(base.dp, gpus_per_node, base.tp * base.cp):
-                    out.append(
-                        Layout(base.tp, base.pp, base.dp, base.cp, mode, base.ep, zero, schedule, virtual, b, m, ckpt,
-                               sp, replicate)
-                    )  # fmt: skip
+                out.append(
+                    Layout(base.tp, base.pp, base.dp, base.cp, mode, base.ep, zero, schedule, virtual, b, m, ckpt,
+                           sp, replicate)
+                )  # fmt: skip
     return out
 
 
 @functools.cache
 def engine_admits(
-    pp: int, cp: int, ep: int, zero: int, schedule: str, virtual: int, microbatches: int, layers: int, precision: str
-) -> bool:
-    """Whether EngineConfig and the schedule take these choices (ZeRO-3 with cp, fp16 with ep or ZeRO-3,
-    too few micro-batches or layers for a virtual schedule, ...): what the engine refuses is not offered."""
+    pp: int, cp: int, ep: int, dp: int, zero: int, schedule: str, virtual: int, microbatches: int, layers: int,
+    precision: str, replicate: int = 1,
+) -> bool:  # fmt: skip
+    """Whether EngineConfig and the schedule take these choices (ZeRO-3 with cp, fp16 with ep or ZeRO-3, ep
+    not dividing hybrid sharding's shard group, too few micro-batches or layers for a virtual schedule, ...):
+    what the engine refuses is not offered."""
     try:
         config = EngineConfig(
-            pp=pp, cp=cp, ep=ep, dp=ep, zero_stage=zero, schedule=schedule, precision=precision, prove=False,
+            pp=pp, cp=cp, ep=ep, dp=dp, dp_replicate=replicate, zero_stage=zero, schedule=schedule, precision=precision, prove=False,
             virtual_stages=virtual if schedule in VIRTUAL_SCHEDULES and pp > 1 else None, num_microbatches=microbatches,
         )  # fmt: skip
         if config.chunks_per_rank > 1:

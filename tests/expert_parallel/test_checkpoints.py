@@ -1,6 +1,6 @@
 """Expert parallelism and checkpoints on 4 ranks (two spawns): training checkpoints resharded across ep
-(ep=2, its experts' ZeRO shards over 2 ranks -> ep=1, ep=2 and ZeRO-3 at ep=2 -> ep=1; ep=4 -> tp=2 x
-ep=2 -> ep=1; DeepSeek-V3 at pp=2 x ep=2, a stage without experts -> ep=1), each loaded
+(ep=2, its experts' ZeRO shards over 2 ranks -> ep=1, ep=2, ep=2 x (2 replicas x 2 shards), and ZeRO-3
+at ep=2 -> ep=1; ep=4 -> tp=2 x ep=2 -> ep=1; DeepSeek-V3 at pp=2 x ep=2, a stage without experts -> ep=1), each loaded
 run's next steps equal to the run that never stopped (losses and every weight, AdamW); shard-on-load
 reading only this rank's experts (ep=2, tp=2 x ep=2, GPT-OSS at ep=4), equal to from_pretrained +
 shard_model; the refusals (a ZeroOptimizer over the whole dp holding experts, a folder of per-expert
@@ -64,11 +64,13 @@ def check_reshard_ep2_to_ep1_and_ep2():
     assert {n.split("-")[1] for n in names if n.startswith("tensors-")} == {f"rank0000{r}" for r in range(4)}, names
     reference = [engine.train_step(DATA[1])]  # its loss checks the weights loaded, the weights after it the optimizer
     expected = gathered_weights(engine.model)
-    for sizes in ({}, {"ep": 2}):  # ep=1 (one ZeroOptimizer), and the layout it was saved at
+    # ep=1 (one ZeroOptimizer), the layout it was saved at, and hybrid sharding (2 replicas x 2 shards, the
+    # experts' ZeRO over the one rank of a shard group holding them)
+    for sizes in ({}, {"ep": 2}, {"ep": 2, "dp_replicate": 2}):
         other = _engine(**sizes)
         info = _resumed_equals(ckpt, other, reference, (1,), f"ep=2 -> {sizes or 'ep=1'}")
         assert info["layout"] == {"tp": 1, "pp": 1, "dp": 4, "world": 4, "ep": 2}, info
-        assert info["rng_restored"] == bool(sizes), info
+        assert info["rng_restored"] == bool(sizes), info  # the same ranks: hybrid sharding too
         _same_weights(other, expected, f"ep=2 -> {sizes or 'ep=1'}")
     # ZeRO-3 (each experts module an FSDP2 unit over the ranks holding its experts): loads, and saves a
     # checkpoint that ZeRO-1 at ep=1 resumes

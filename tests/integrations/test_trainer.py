@@ -7,7 +7,8 @@ writes (loaded by plain from_pretrained), a run resumed from the step-2 checkpoi
 predict after training (loss, logits over the whole vocabulary, each example once). At tp=2 also LoRA
 adapters under ShardedTrainer: losses, the saved adapter loaded by plain PEFT, and resume;
 load_best_model_at_end restoring the same (early) best checkpoint as the plain Trainer; and a tiny T5
-(an encoder-decoder through Trainer's default column filter): its logged losses.
+(an encoder-decoder through Trainer's default column filter): its logged losses. At tp=2 x dp=2 also a
+model on hybrid sharding's mesh (dp_replicate=2): ShardedTrainer has no ZeRO, so it trains as plain dp.
 """
 
 import functools
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import GPT2LMHeadModel, Trainer
 
-from shardformer import ShardConfig, shard_model
+from shardformer import ProcessMesh, ShardConfig, shard_model
 from shardformer.checkpoint import gather_full_state
 from shardformer.engine import EngineConfig, ParallelEngine
 from shardformer.integrations import ShardedTrainer
@@ -141,6 +142,13 @@ def _sharded_run(tp):
     # the resumed log holds steps 1-2 from the checkpoint's trainer state, then its own steps 3-4
     result["resumed_loss"], result["resumed_state"] = logged(resumed, "loss"), gather_full_state(again)
 
+    if dp == 2:  # on hybrid sharding's mesh (2 replicas x 1 shard): ShardedTrainer has no ZeRO, so plain dp
+        mesh = ProcessMesh(tp_size=tp, dp_replicate_size=dp)
+        hybrid = shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp, mesh=mesh))
+        args = training_args(out2, GLOBAL_BATCH, dp, save_strategy="no")
+        trainer = ShardedTrainer(model=hybrid, args=args, train_dataset=dataset())
+        trainer.train()
+        result["hybrid"] = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
     if dp == 1:  # once: activation checkpointing, and what is refused
         model = shard_model(tiny_gpt2(), ShardConfig(tensor_parallel_size=tp))
         args = training_args(out2, GLOBAL_BATCH, dp, save_strategy="no", **{common.CHECKPOINTING: True})
@@ -234,4 +242,7 @@ def test_trainer_at_tp2_matches_one_process():
 
 
 def test_trainer_at_tp2_dp2_matches_one_process():
-    _compare(run_on_ranks(_sharded_run, 4, 2, timeout=300)[0], reference())
+    result = run_on_ranks(_sharded_run, 4, 2, timeout=300)[0]
+    _compare(result, reference())
+    for key in ("loss", "grad_norm"):  # the mesh split into 2 replicas x 1 shard: the same run
+        assert_close(torch.tensor(result["hybrid"][key]), torch.tensor(reference()[key]), what=f"dp_replicate=2 {key}")

@@ -4,7 +4,8 @@ consecutive dp ranks and gradients are averaged over all dp ranks, against one p
 One spawn of 4 gloo ranks, dp = 2 replicas x 2 shards: the mesh's groups; ZeRO-3 (FSDP2 on the 2-D
 mesh) and our ZeRO-1/2 trained with AdamW and clipping against the unsharded model (losses, gradient
 norm, weights), the HF export; a ZeRO-3 checkpoint saved at 2 x 2, resumed at plain dp=4 and, saved
-there, resumed at 2 x 2 ZeRO-1; and tp=2 x (2 replicas x 1 shard). What is not built is refused.
+there, resumed at 2 x 2 ZeRO-1; tp=2, pp=2 and cp=2 each x (2 replicas x 1 shard). What is not built
+is refused. pp=2 x (2 x 2) needs 8 ranks: benchmarks/hsdp_pipeline_check.py, run by hand.
 """
 
 import os
@@ -20,6 +21,9 @@ from shardformer.core.comm import CollectiveCounter
 from shardformer.core.mesh import ProcessMesh
 from shardformer.data_parallel import ZeroOptimizer
 from tests.checkpoint.common import remove_dir, shared_dir
+from tests.context_parallel.test_engine import _engine_run as context_parallel_run
+from tests.expert_parallel.test_expert_parallel import _same_weights as same_expert_weights
+from tests.expert_parallel.test_expert_parallel import _train as expert_parallel_run
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common
 from tests.zero.test_zero3 import GPT2, _assert_weights, _engine, _export_matches, _train, _trained
@@ -106,12 +110,45 @@ def check_tp2_with_two_replicas_of_one_shard():
         _trained(GPT2, 2, 2, 2, zero_stage=stage, dp_replicate=2)
 
 
+def check_pp2_and_cp2_with_two_replicas_of_one_shard():
+    """Each pipeline stage's (and each cp rank's) dp ranks split into shard x replicate as at pp=1: at
+    pp=2 (cp=2) x dp=2 the replicas of a stage (of a cp rank) are its two dp ranks, the shard groups
+    single ranks. ZeRO-3 on torch's 1F1B and ZeRO-1 on our p2p; cp: ZeRO-2 with the ring."""
+    for stage, backend in ((3, "torch"), (1, "p2p")):
+        engine, *_ = _trained(
+            GPT2, 1, 2, 2, zero_stage=stage, pp=2, num_microbatches=2, backend=backend, dp_replicate=2
+        )  # fmt: skip
+        stage_ranks = [engine.mesh.global_rank(engine.mesh.pp_rank, d, 0) for d in range(2)]
+        assert dist.get_process_group_ranks(engine.mesh.dp_replicate_group) == stage_ranks
+        assert dist.get_process_group_ranks(engine.mesh.dp_shard_group) == [dist.get_rank()]
+    cfg = EngineConfig(cp=2, zero_stage=2, num_microbatches=2, dp_replicate=2)
+    engine = context_parallel_run("llama", cfg, 4, "send")  # exact: losses and weights
+    assert engine.optimizer.replicas == 2 and engine.mesh.dp_shard_size == 1
+    rank = dist.get_rank()
+    assert dist.get_process_group_ranks(engine.mesh.dp_replicate_group) == [rank % 2, rank % 2 + 2]
+
+
+def check_ep2_inside_shard_groups_of_two():
+    """ep=2 x (2 replicas x 2 shards): each shard group is one ep group; the experts' ZeRO group is the
+    ranks of a shard group holding the same experts (one here), summed across the replicas; ZeRO-1 and
+    ZeRO-3 (FSDP2 on the experts' own 2-D mesh) against the unsharded MoE model: losses and weights."""
+    for zero in (1, 3):
+        ref, engine = expert_parallel_run("qwen3_moe", size=8, zero_stage=zero, max_grad_norm=0.3, dp_replicate=2)
+        mesh, rank = engine.mesh, dist.get_rank()
+        assert dist.get_process_group_ranks(mesh.ep_group) == dist.get_process_group_ranks(mesh.dp_shard_group)
+        assert dist.get_process_group_ranks(mesh.expert_dp_shard_group) == [rank]
+        assert dist.get_process_group_ranks(mesh.dp_replicate_group) == [rank % 2, rank % 2 + 2]
+        same_expert_weights(ref, engine.model, f"ep=2 x (2 x 2), zero={zero}")
+
+
 test_hsdp_world4 = check_table(
     [
         check_mesh_groups,
         check_zero3_hybrid_parity_export_and_resharded_checkpoints,
         check_zero1_and_zero2_hybrid_parity,
         check_tp2_with_two_replicas_of_one_shard,
+        check_pp2_and_cp2_with_two_replicas_of_one_shard,
+        check_ep2_inside_shard_groups_of_two,
     ],
     4,
 )
@@ -122,9 +159,7 @@ test_hsdp_world4 = check_table(
     [
         ({"dp": 4, "dp_replicate": 3}, r"EngineConfig.dp_replicate=3 does not divide data_parallel_size=4"),
         ({"dp_replicate": 0}, r"EngineConfig.dp_replicate=0 must be a positive integer"),
-        ({"dp_replicate": 2, "pp": 2}, r"EngineConfig.pp=2 with dp_replicate=2"),
-        ({"dp_replicate": 2, "cp": 2}, r"EngineConfig.cp=2 with dp_replicate=2"),
-        ({"dp_replicate": 2, "ep": 2}, r"EngineConfig.ep=2 with dp_replicate=2"),
+        ({"dp": 4, "dp_replicate": 4, "ep": 2}, r"dp_replicate=4 with expert_parallel_size=2: .* ep must "),
     ],
 )
 def test_hybrid_sharding_refuses_what_it_does_not_offer(options, message):
