@@ -11,10 +11,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
-# The examples launched end to end with `shardformer run` (train, then inference) on 2 processes: about two
-# minutes; `make test` runs one of them (the fine-tuning one), CI runs them all.
+# The examples launched end to end with `shardformer run` (train, then inference) on 2 processes, and the
+# launcher's failure paths and two-node launch (marked `launch`): about three minutes; `make test` runs one
+# example (the fine-tuning one) and one plain launch, CI runs them all.
 examples: $(STAMP)
-	$(PY) -m pytest -m example tests/examples
+	$(PY) -m pytest -m "example or launch" tests/examples tests/cli/test_launch_e2e.py
 
 demo: $(STAMP)
 	$(VENV)/bin/shardformer run --nproc_per_node 2 examples/gpt2/main.py --config examples/gpt2/config.py --mode train

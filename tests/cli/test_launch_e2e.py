@@ -1,6 +1,8 @@
 """`shardformer run` end to end: real torchrun jobs of 2 CPU processes (gloo) in subprocesses.
 
-Each launch costs a few seconds (every process imports torch), so each test is one launch.
+Each launch costs a few seconds (every process imports torch), so each test is one launch. `make test` runs the
+plain launch; the failure paths and the two-node launch are marked `launch` and run with the examples
+(`make examples`, which CI runs after `make test`), keeping `make test` within its ten minutes.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import re
 import socket
 import subprocess
 import sys
+
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "all_reduce_job.py")
@@ -41,6 +45,7 @@ def test_two_processes_all_reduce():
         assert "mode=train tp=2 sum=3 batch_size=4" in line
 
 
+@pytest.mark.launch
 def test_a_crashed_rank_ends_the_job_and_is_named():
     argv = launcher("--nproc_per_node", "2", JOB, "--config", CONFIG, "--mode", "train", "--set", "crash_rank=1")
     # rank 0 is left waiting in all_reduce; with a collective timeout far past LIMIT_S, only torchrun stopping it
@@ -62,6 +67,7 @@ def _summary(*argv: str) -> tuple[int, list[str]]:
     return result.returncode, [line for line in result.stderr.splitlines() if line.startswith("shardformer run:")]
 
 
+@pytest.mark.launch
 def test_a_failed_run_exits_with_the_first_failed_ranks_own_status():
     """Every rank fails, rank 0 first (it raises); torchrun stops rank 0 during its (slow) teardown, after
     rank 1's failure (sys.exit(3)) reached it: rank 0 is named with its own status, 1, not torchrun's
@@ -88,6 +94,7 @@ def start_node(node_rank: int, port: int) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
+@pytest.mark.launch
 def test_two_nodes_on_localhost():
     port = free_port()
     nodes = [start_node(1, port), start_node(0, port)]  # node 1 first: it waits for node 0's store
