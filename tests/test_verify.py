@@ -173,3 +173,30 @@ def test_cli_verify_fails_on_a_broken_policy_naming_the_module(capsys):
     assert status == 1, out
     assert "first diverging module: transformer.h.0.attn (GPT2Attention)" in out
     assert "FAILED" in out
+
+
+def test_rounding_is_excused_only_where_float64_or_the_models_own_rounding_explains_it():
+    """`excuse_rounding` on made-up reports: failures that shrink 10^4-fold in float64 pass; the outputs after
+    the step pass within the unsharded model's own float32-vs-float64 gap; a gradient that differs as much in
+    float64, or an output past the model's own rounding, stays failed."""
+    from shardformer.tools.verify_report import Check, VerifyReport, excuse_rounding
+
+    def report(*checks, after=None):
+        return VerifyReport("M", "P", 2, [Check(*c) for c in checks], reference_after_step=after)
+
+    shrinks = report(("gradients", False, "3e-4", 3e-4))
+    excuse_rounding(shrinks, report(("gradients", True, "1e-12", 1e-12)))
+    assert shrinks.ok and "rounding, not the cut" in shrinks.checks[0].detail
+
+    stays = report(("gradients", False, "3e-4", 3e-4))
+    excuse_rounding(stays, report(("gradients", True, "2e-5", 2e-5)))  # passes at fp32 tolerance, not 10^4 smaller
+    assert not stays.ok and stays.checks[-1].detail.startswith("not excused")
+
+    ref32, ref64 = torch.zeros(3), torch.tensor([0.0, 6e-4, 0.0], dtype=torch.float64)
+    within = report(("outputs after step", False, "5e-4", 5e-4), after=ref32)
+    excuse_rounding(within, report(("outputs after step", True, "1e-5", 1e-5), after=ref64))
+    assert within.ok and "own float32 rounding" in within.checks[0].detail
+
+    past = report(("outputs after step", False, "9e-4", 9e-4), after=ref32)
+    excuse_rounding(past, report(("outputs after step", True, "1e-5", 1e-5), after=ref64))
+    assert not past.ok

@@ -216,6 +216,12 @@ class TorchPipeline:
             stages.append(stage)
         # scale_grads=False: ``scale`` already divides by the number of micro-batches
         options = {"n_microbatches": n, "loss_fn": lambda out, _: out.sum(), "scale_grads": False}
+        if schedule == "1f1b" and n < self.num_stages:  # every rank has the same n: all raise, none waits
+            raise ValueError(
+                f"num_microbatches={n} with schedule='1f1b' at pp={self.num_stages}: torch's 1F1B keeps a "
+                f"micro-batch in flight per stage and needs at least {self.num_stages}; use "
+                f"EngineConfig(num_microbatches={self.num_stages}) or more (the bubble shrinks), or schedule='gpipe'"
+            )
         if schedule in _SINGLE:
             return modules, _SINGLE[schedule](stages[0], **options)
         return modules, MULTI_SCHEDULES[schedule](stages, **options)

@@ -108,6 +108,7 @@ def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None 
     dist.all_reduce(failing, op=dist.ReduceOp.MAX)  # every rank reruns, or none: the rerun has collectives
     if failing.item():
         excuse_rounding(report, _compare(model, policy, model_class, seed, torch.float64))
+    report.reference_after_step = None  # the report goes to rank 0 without its tensors
     return report
 
 
@@ -162,6 +163,7 @@ def _compare(model: Any, policy: Any, model_class: str | None, seed: int, dtype:
         # from weights that agree within the step's tolerance, so held to that tolerance
         err, ok = max_error(out, ref_out, GRAD_ATOL, GRAD_RTOL)
         report.checks.append(Check("outputs after step", ok, f"max |diff| {err:.2g}", err))
+        report.reference_after_step = ref_out.detach()
 
         step = "generate"
         if callable(getattr(ref, "can_generate", None)) and ref.can_generate():

@@ -42,6 +42,8 @@ class VerifyReport:
     pp: int = 1
     divergence: Divergence | None = None
     error: str | None = None  # sharding refused or a step failed
+    # the unsharded model's outputs after its step, kept on the rank only to measure its own rounding
+    reference_after_step: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -100,6 +102,14 @@ def excuse_rounding(report: VerifyReport, exact: VerifyReport) -> None:
             check.detail += f" in float32; {exact_checks[check.name].detail} in float64: rounding, not the cut"
         report.checks.append(Check("float64 rerun", True, f"{len(exact.checks)} checks pass in float64"))
         report.divergence = None
+    elif _within_own_rounding(report, exact, failing):
+        noise = _own_rounding(report, exact)
+        failing[0].ok = True
+        failing[0].detail += (
+            f" in float32, within the model's own float32 rounding: its unsharded float32 run differs from its "
+            f"float64 run by {noise:.2g} after the same step"
+        )
+        report.checks.append(Check("float64 rerun", True, "the unsharded model's own rounding after the step"))
     elif exact.error is not None:
         report.checks.append(Check("float64 rerun", True, f"did not run: {exact.error}"))
     else:
@@ -112,6 +122,23 @@ def excuse_rounding(report: VerifyReport, exact: VerifyReport) -> None:
                 "parts in float32 whatever its dtype, as norms calling .float() do)",
             )
         )
+
+
+def _own_rounding(report: VerifyReport, exact: VerifyReport) -> float:
+    """How far the unsharded model's outputs after its step lie from its float64 self's."""
+    ours, exact_ref = report.reference_after_step, exact.reference_after_step
+    if ours is None or exact_ref is None or ours.shape != exact_ref.shape:
+        return 0.0
+    return (ours.double() - exact_ref.double()).abs().max().item()
+
+
+def _within_own_rounding(report: VerifyReport, exact: VerifyReport, failing: list[Check]) -> bool:
+    """Only the outputs after the step differ, by no more than the unsharded model's own float32 rounding
+    there (a model that computes parts in float32 whatever its dtype gains nothing from float64, and an SGD
+    step on large gradients amplifies rounding past the step's tolerance)."""
+    if [c.name for c in failing] != ["outputs after step"] or failing[0].error is None:
+        return False
+    return failing[0].error <= _own_rounding(report, exact)
 
 
 def params_check(name: str, diffs: list[ParamDiff], grads: bool, where: str = "") -> Check:

@@ -191,6 +191,9 @@ def check_inputs_embeds_run_the_models_own_forward_at_pp1_and_are_refused_at_pp2
     piped = ParallelEngine(model, common.sgd, EngineConfig(tp=2, pp=2), mesh=_mesh(2, 2, 1))
     with pytest.raises(ValueError, match=r"inputs_embeds at pipeline_parallel_size=2: .*pass input_ids"):
         piped.train_step(data[0])
+    # the default num_microbatches=1 cannot fill torch's 1F1B over 2 stages: named, with the fix, on every rank
+    with pytest.raises(ValueError, match=r"num_microbatches=1 with schedule='1f1b' at pp=2: .*num_microbatches=2"):
+        piped.train_step(common.batches("GPT2LMHeadModel", 1)[0])
 
 
 def check_different_batches_or_a_skipped_step_raise_on_every_rank_before_the_update():
