@@ -31,12 +31,19 @@ ENGINE_LAYOUTS = {
     "cp": {"cp": 2, "num_microbatches": 2},
     "ep": {"ep": 2},  # dp=2, the experts split over both ranks; MoE classes only
 }
+# the fine-tuning techniques (sweeps/finetune.py): ShardedTrainer, and PEFT LoRA under it
+FINETUNE_LAYOUTS = {
+    "Trainer": "ShardedTrainer, SGD; tp=2 where the class shards at tp=2, else tp=1 x dp=2",
+    "LoRA": "PEFT LoRA (r=4) on PEFT's default targets, else all-linear, under ShardedTrainer in the Trainer layout",
+}
 ENGINE_NAMES = {"pp": "pp", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "checkpointing": "checkpointing",
-                "cp": "cp", "ep": "ep"}  # fmt: skip
+                "cp": "cp", "ep": "ep", "trainer": "Trainer", "lora": "LoRA"}  # fmt: skip
 
 
 def layout_text(technique: str) -> str:
     """A technique's layout as the tables print it (``zero_stage=1, dp=2``)."""
+    if technique in FINETUNE_LAYOUTS:
+        return FINETUNE_LAYOUTS[technique]
     layout = ENGINE_LAYOUTS[technique]
     return ", ".join(f"{k}={v}" for k, v in layout.items()) + ("" if "pp" in layout or "cp" in layout else ", dp=2")
 
@@ -60,6 +67,17 @@ def _scalar_loss(output, _batch=None):
     return next(t for t in values if torch.is_tensor(t) and t.is_floating_point()).float().pow(2).mean()
 
 
+def engine_batches(ref, row: dict) -> list[dict]:
+    """The 2 batches of 4 a row trains on: the class's inputs, with labels where its head takes them."""
+    from shardformer.models import inputs_for
+
+    batches = [inputs_for(ref, seed, batch=4) for seed in (1, 2)]
+    if row.get("task") == "causal-lm" and "labels" in inspect.signature(ref.forward).parameters:
+        for b in batches:  # the model's own loss, also where the class's name does not say it is a causal
+            b.setdefault("labels", b["input_ids"].clone())  # LM (BertGenerationDecoder)
+    return batches
+
+
 def train_with(row: dict, layout: dict) -> None:
     """2 SGD steps of the class through ParallelEngine in ``layout`` (EngineConfig fields) and of its
     unsharded copy, each step's batch split in the same equal chunks: the losses, then every weight
@@ -70,7 +88,6 @@ def train_with(row: dict, layout: dict) -> None:
     from shardformer import EngineConfig, ParallelEngine
     from shardformer.checkpoint.gather import gather_full_state
     from shardformer.core.compare import GRAD_ATOL, GRAD_RTOL, max_error
-    from shardformer.models import inputs_for
 
     def sgd(params):
         return torch.optim.SGD(params, lr=0.1)
@@ -79,10 +96,7 @@ def train_with(row: dict, layout: dict) -> None:
     ref = build_tiny(row["class"], row.get("flip"))
     model = build_tiny(row["class"], row.get("flip"))
     model.load_state_dict(ref.state_dict())
-    batches = [inputs_for(ref, seed, batch=4) for seed in (1, 2)]
-    if row.get("task") == "causal-lm" and "labels" in inspect.signature(ref.forward).parameters:
-        for b in batches:  # the model's own loss, also where the class's name does not say it is a causal
-            b.setdefault("labels", b["input_ids"].clone())  # LM (BertGenerationDecoder)
+    batches = engine_batches(ref, row)
     # the model's own loss where the batch has labels (context parallelism refuses any other loss_fn)
     loss_fn = None if "labels" in batches[0] else _scalar_loss
     try:
@@ -98,7 +112,7 @@ def train_with(row: dict, layout: dict) -> None:
         return
     chunks = engine.mesh.dp_size * engine.config.num_microbatches
     initial = {k: v.clone() for k, v in ref.state_dict().items()}
-    expected = _reference_steps(ref, batches, chunks, sgd)
+    expected = reference_steps(ref, batches, chunks, sgd)
     row["logits"], ok = max_error(torch.tensor(got), torch.tensor(expected))
     merged = gather_full_state(engine.model)  # on rank 0, which writes the row (None elsewhere)
     row["grad"] = 0.0  # in this sweep: the largest weight error after the steps
@@ -119,7 +133,7 @@ def train_with(row: dict, layout: dict) -> None:
         row.update(result=PASSED, reason="")
 
 
-def _reference_steps(ref, batches, chunks, optimizer) -> list[float]:
+def reference_steps(ref, batches, chunks, optimizer) -> list[float]:
     """The unsharded model's training steps, each batch's loss the mean over ``chunks`` equal chunks."""
     from shardformer.engine import split_batch
 
@@ -148,7 +162,7 @@ def _random_in_training(ref, initial: dict, batches, chunks, optimizer) -> bool:
     kept = torch.random.get_rng_state()
     torch.manual_seed(12345)
     try:
-        _reference_steps(again, batches, chunks, optimizer)
+        reference_steps(again, batches, chunks, optimizer)
     finally:
         torch.random.set_rng_state(kept)
     trained = dict(ref.named_parameters())
