@@ -67,14 +67,19 @@ def _scalar_loss(output, _batch=None):
     return next(t for t in values if torch.is_tensor(t) and t.is_floating_point()).float().pow(2).mean()
 
 
+# tasks whose decoder-only classes learn the next token of their own input ids (labels = input_ids)
+LANGUAGE_MODELS = ("causal-lm", "seq2seq-lm", "image-text-to-text")
+
+
 def engine_batches(ref, row: dict) -> list[dict]:
     """The 2 batches of 4 a row trains on: the class's inputs, with labels where its head takes them."""
     from shardformer.models import inputs_for
 
     batches = [inputs_for(ref, seed, batch=4) for seed in (1, 2)]
-    if row.get("task") == "causal-lm" and "labels" in inspect.signature(ref.forward).parameters:
+    if row.get("task") in LANGUAGE_MODELS and "labels" in inspect.signature(ref.forward).parameters:
         for b in batches:  # the model's own loss, also where the class's name does not say it is a causal
-            b.setdefault("labels", b["input_ids"].clone())  # LM (BertGenerationDecoder)
+            if "input_ids" in b and "decoder_input_ids" not in b:  # LM (BertGenerationDecoder, AudioFlamingo3)
+                b.setdefault("labels", b["input_ids"].clone())
     return batches
 
 
