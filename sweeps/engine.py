@@ -73,14 +73,29 @@ LANGUAGE_MODELS = ("causal-lm", "seq2seq-lm", "image-text-to-text")
 
 def engine_batches(ref, row: dict) -> list[dict]:
     """The 2 batches of 4 a row trains on: the class's inputs, with labels where its head takes them."""
+    import torch
+
     from shardformer.models import inputs_for
 
     batches = [inputs_for(ref, seed, batch=4) for seed in (1, 2)]
-    if row.get("task") in LANGUAGE_MODELS and "labels" in inspect.signature(ref.forward).parameters:
-        for b in batches:  # the model's own loss, also where the class's name does not say it is a causal
-            if "input_ids" in b and "decoder_input_ids" not in b:  # LM (BertGenerationDecoder, AudioFlamingo3)
-                b.setdefault("labels", b["input_ids"].clone())
+    takes = inspect.signature(ref.forward).parameters
+    task = row.get("task")
+    for seed, b in zip((1, 2), batches):
+        g = torch.Generator().manual_seed(100 + seed)
+        if task in LANGUAGE_MODELS and "labels" in takes and "input_ids" in b and "decoder_input_ids" not in b:
+            b.setdefault("labels", b["input_ids"].clone())  # the model's own loss, also where the class's name
+            # does not say it is a causal LM (BertGenerationDecoder, AudioFlamingo3)
+        elif task == "sequence-classification" and "labels" in takes:  # an encoder-decoder's (BART) too
+            b.setdefault("labels", torch.randint(0, ref.config.num_labels, (4,), generator=g))
+        elif task == "question-answering" and "start_positions" in takes and "input_ids" in b:
+            for key in ("start_positions", "end_positions"):  # a span inside the sequence
+                b.setdefault(key, torch.randint(0, b["input_ids"].shape[-1], (4,), generator=g))
     return batches
+
+
+def has_labels(batch: dict) -> bool:
+    """Whether the batch holds what the head's own loss reads (labels, or a QA head's span)."""
+    return "labels" in batch or "start_positions" in batch
 
 
 def train_with(row: dict, layout: dict) -> None:
@@ -103,7 +118,7 @@ def train_with(row: dict, layout: dict) -> None:
     model.load_state_dict(ref.state_dict())
     batches = engine_batches(ref, row)
     # the model's own loss where the batch has labels (context parallelism refuses any other loss_fn)
-    loss_fn = None if "labels" in batches[0] else _scalar_loss
+    loss_fn = None if has_labels(batches[0]) else _scalar_loss
     try:
         engine = ParallelEngine(model, sgd, EngineConfig(**layout), loss_fn=loss_fn)
     except (NotImplementedError, ValueError, TypeError) as e:
@@ -130,7 +145,7 @@ def train_with(row: dict, layout: dict) -> None:
         row["grad"] = max(row["grad"], error)
         if not good:
             failures.append(f"{name} differs by {error:.2e} after the steps")
-    if failures and dist.get_rank() == 0 and _random_in_training(ref, initial, batches, chunks, sgd):
+    if failures and dist.get_rank() == 0 and random_in_training(ref, initial, batches, chunks, sgd):
         set_reason(row, RANDOM_IN_TRAINING, "two unsharded runs with other RNG seeds differ too: " + failures[0], 400)
     elif failures:
         set_reason(row, FAILED, "; ".join(failures[:3]), 400)
@@ -147,14 +162,15 @@ def reference_steps(ref, batches, chunks, optimizer) -> list[float]:
     losses = []
     for b in batches:
         opt.zero_grad()
-        loss = sum(_scalar_loss(ref(**part)) for part in split_batch(b, chunks, "chunks")) / chunks
+        parts = split_batch(b, chunks, "chunks") if chunks > 1 else [b]  # whole: whatever its tensors' sizes
+        loss = sum(_scalar_loss(ref(**part)) for part in parts) / chunks
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses
 
 
-def _random_in_training(ref, initial: dict, batches, chunks, optimizer) -> bool:
+def random_in_training(ref, initial: dict, batches, chunks, optimizer) -> bool:
     """Whether the same steps from the same weights under another RNG seed end elsewhere than ``ref``."""
     import copy
 

@@ -19,8 +19,18 @@ import os
 import shutil
 import tempfile
 
-from sweeps.engine import engine_batches, reference_steps, train_technique
-from sweeps.rows import FAILED, NOT_APPLICABLE, PASSED, REFUSED, REFUSED_AT_STEP, reason_first, set_reason
+from sweeps.engine import engine_batches, has_labels, random_in_training, reference_steps, train_technique
+from sweeps.rows import (
+    FAILED,
+    NOT_APPLICABLE,
+    NOT_TESTED,
+    PASSED,
+    RANDOM_IN_TRAINING,
+    REFUSED,
+    REFUSED_AT_STEP,
+    reason_first,
+    set_reason,
+)
 from sweeps.zoo import build_tiny
 
 LR = 0.1
@@ -33,6 +43,12 @@ def check_technique(row: dict) -> None:
         train_under_trainer(row, lora=row["technique"] == "LoRA")
     else:
         train_technique(row)
+
+
+def _sgd(params):
+    import torch
+
+    return torch.optim.SGD(params, lr=LR)
 
 
 def _with_lora(model, targets: str | None):
@@ -103,10 +119,10 @@ def train_under_trainer(row: dict, lora: bool) -> None:
     torch.manual_seed(0)
     ref = build_tiny(row["class"], row.get("flip"))
     batches = engine_batches(ref, row)
-    if "labels" not in batches[0]:
+    if not has_labels(batches[0]):
         row.update(result=NOT_APPLICABLE, reason="no labels for this head: no loss for Trainer to train")
         return
-    state = ref.state_dict()
+    state = ref.state_dict()  # the initial weights (LoRA's adapters are drawn from their own seed)
     targets = None
     if lora:
         try:
@@ -121,7 +137,12 @@ def train_under_trainer(row: dict, lora: bool) -> None:
         return
     row["route"] = ("tp=2" if tp == 2 else "tp=1, dp=2") + (f", LoRA on {targets or 'PEFT defaults'}" if lora else "")
     chunks = 2 // tp
-    items = [part for b in batches for part in split_batch(b, chunks, "chunks")]
+    try:
+        items = [part for b in batches for part in split_batch(b, chunks, "chunks")] if chunks > 1 else batches
+    except ValueError as e:  # the tensors of the batch do not share a batch size: no dp rank can get half
+        set_reason(row, NOT_TESTED, f"the batch cannot be split over dp=2: {e}")
+        return
+    initial = {k: v.clone() for k, v in ref.state_dict().items()}
     out = tempfile.mkdtemp(prefix="sf-sweep-trainer-")
     try:
         trainer = _trainer(model, items, out)
@@ -132,7 +153,7 @@ def train_under_trainer(row: dict, lora: bool) -> None:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     got = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
-    expected = reference_steps(ref, batches, chunks, lambda params: torch.optim.SGD(params, lr=LR))
+    expected = reference_steps(ref, batches, chunks, _sgd)
     row["logits"], ok = max_error(torch.tensor(got), torch.tensor(expected))
     trained, wanted = _trained_weights(model, ref, lora)
     row["grad"] = 0.0  # the largest error of a trained weight after the steps
@@ -145,7 +166,9 @@ def train_under_trainer(row: dict, lora: bool) -> None:
         row["grad"] = max(row["grad"], error)
         if not good:
             failures.append(f"{name} differs by {error:.2e} after the steps")
-    if failures:
+    if failures and dist.get_rank() == 0 and random_in_training(ref, initial, batches, chunks, _sgd):
+        set_reason(row, RANDOM_IN_TRAINING, "two unsharded runs with other RNG seeds differ too: " + failures[0], 400)
+    elif failures:
         set_reason(row, FAILED, "; ".join(failures[:3]), 400)
     else:
         row.update(result=PASSED, reason="")
