@@ -8,7 +8,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from sweeps.engine import ENGINE_NAMES, layout_text  # noqa: E402
+from sweeps.engine import ENGINE_NAMES, engine_batches, has_labels, layout_text  # noqa: E402
 from sweeps.finetune import _lora_targets, train_under_trainer  # noqa: E402
 from sweeps.zoo import newest_verify_sweep, per_task  # noqa: E402
 
@@ -43,9 +43,13 @@ def test_the_fine_tuning_techniques_and_their_layouts():
 
 
 def test_lora_takes_peft_defaults_else_all_linear_and_a_head_without_labels_is_not_applicable():
-    from transformers import BertConfig, BertModel, ViTConfig, ViTModel
+    from transformers import BertConfig, BertForQuestionAnswering, BertModel, ViTConfig, ViTModel
 
     small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    qa = BertForQuestionAnswering(BertConfig(vocab_size=32, **small))
+    batches = engine_batches(qa, {"task": "question-answering"})  # a span in each sequence: the head's loss
+    assert all(has_labels(b) and int(b["end_positions"].max()) < b["input_ids"].shape[-1] for b in batches)
+    assert qa(**batches[0]).loss is not None
     _, targets = _lora_targets(BertModel(BertConfig(vocab_size=32, **small)))
     assert targets is None  # PEFT has default targets for bert (query, value)
     vit, targets = _lora_targets(ViTModel(ViTConfig(image_size=8, patch_size=4, **small)))
