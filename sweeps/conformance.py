@@ -21,8 +21,9 @@ compared in training mode (``shardformer.tools.pair_check``).
     .venv/bin/python sweeps/conformance.py --plan-sweep [--dense] [--sdpa] [--sequence-parallel]
     .venv/bin/python sweeps/conformance.py --pp 2 [--task ...] [--only ...]
     .venv/bin/python sweeps/conformance.py --engine all --task causal-lm [--only ...] [--save sweeps]
-    .venv/bin/python sweeps/conformance.py --engine all --per-task 5 --save sweeps
-        # a stratified sample: the first 5 classes of each task that passed at tp=2 in the newest verify sweep
+    .venv/bin/python sweeps/conformance.py --engine all --per-task 5 --sample-also headline --save sweeps
+        # a stratified sample: the first 5 classes of each task that passed at tp=2 in the newest verify
+        # sweep, and README's headline classes
 
 ``--pp 2`` trains each class at pp=2 through ``ParallelEngine`` (2 micro-batches, 2 SGD steps) on 2 ranks
 against its unsharded copy (losses, every weight after the steps): passed, refused (the engine's reason:
@@ -61,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from sweeps.engine import ENGINE_NAMES, by_class, train_with  # noqa: E402
 from sweeps.finetune import check_technique  # noqa: E402
+from sweeps.matrix import HEADLINE  # noqa: E402
 from sweeps.rows import add_budget_flags, run_rows  # noqa: E402
 from sweeps.saved import default_jsonl, recorder, resumed  # noqa: E402
 from sweeps.tables import engine_table, save, save_engine, show, table  # noqa: E402
@@ -98,6 +100,12 @@ def _parser() -> argparse.ArgumentParser:
         "--sample-from",
         metavar="JSON",
         help="the verify sweep --per-task samples from (default: the newest sweeps/conformance-<date>.json)",
+    )
+    parser.add_argument(
+        "--sample-also",
+        default="",
+        metavar="CLASSES",
+        help="comma-separated classes --per-task adds to its sample ('headline': README's headline classes)",
     )
     parser.add_argument("--json", help="also write the results here (a list of rows)")
     parser.add_argument(
@@ -139,8 +147,12 @@ def main() -> None:
     sample = ""
     if args.per_task:
         source = args.sample_from or newest_verify_sweep(os.path.dirname(os.path.abspath(__file__)))
-        rows = per_task(rows, args.per_task, source)
+        headline = args.sample_also == "headline"
+        also = frozenset(HEADLINE if headline else filter(None, args.sample_also.split(",")))
+        rows = per_task(rows, args.per_task, source, also)
         sample = f"the first {args.per_task} classes of each task that passed at tp=2 in {os.path.basename(source)}"
+        if also:
+            sample += ", and README's headline classes" if headline else f", and {', '.join(sorted(also))}"
     jsonl = args.jsonl or default_jsonl("conformance")
     earlier, rows = resumed(jsonl, rows, key=lambda r: (r["class"], r.get("technique")))
     progress = recorder(jsonl, show)

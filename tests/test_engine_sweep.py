@@ -30,6 +30,8 @@ def test_per_task_takes_the_first_classes_that_passed_at_tp_each_technique_inclu
     assert [(r["class"], r["technique"]) for r in sample] == [
         ("A", "pp"), ("A", "Trainer"), ("C", "pp"), ("C", "Trainer"), ("E", "pp"), ("E", "Trainer"),
     ]  # fmt: skip
+    also = per_task(rows, 1, str(path), frozenset({"B"}))  # a named class joins the sample, passed or not
+    assert [r["class"] for r in also] == ["A", "A", "B", "B", "E", "E"]
     (tmp_path / "conformance-2026-02-01.json").write_text("{}")
     (tmp_path / "conformance-engine-2026-03-01.json").write_text("{}")  # not a verify sweep
     assert newest_verify_sweep(str(tmp_path)).endswith("conformance-2026-02-01.json")
