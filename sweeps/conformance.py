@@ -21,6 +21,9 @@ compared in training mode (``shardformer.tools.pair_check``).
     .venv/bin/python sweeps/conformance.py --plan-sweep [--dense] [--sdpa] [--sequence-parallel]
     .venv/bin/python sweeps/conformance.py --pp 2 [--task ...] [--only ...]
     .venv/bin/python sweeps/conformance.py --engine all --task causal-lm [--only ...] [--save sweeps]
+    .venv/bin/python sweeps/conformance.py --engine all --per-task 5 --sample-also headline --save sweeps
+        # a stratified sample: the first 5 classes of each task that passed at tp=2 in the newest verify
+        # sweep, and README's headline classes
 
 ``--pp 2`` trains each class at pp=2 through ``ParallelEngine`` (2 micro-batches, 2 SGD steps) on 2 ranks
 against its unsharded copy (losses, every weight after the steps): passed, refused (the engine's reason:
@@ -29,8 +32,12 @@ no split, or one the tiny-copy proof found inexact), failed, not tested or error
 ``--engine TECHNIQUES`` (comma-separated, or ``all``) trains each class through ``ParallelEngine`` on 2
 ranks once per technique, in that technique's layout (``ENGINE_LAYOUTS``): ``pp`` (pp=2, 2
 micro-batches), ``zero1`` / ``zero2`` / ``zero3`` (dp=2 at that ZeRO stage), ``checkpointing`` (dp=2,
-ZeRO-1, activation checkpointing), ``cp`` (cp=2, 2 micro-batches) and ``ep`` (dp=2 with the experts
-split over both ranks; "n/a" for a class without experts). Each run splits a step's batch into 2 equal
+ZeRO-1, activation checkpointing), ``cp`` (cp=2, 2 micro-batches), ``ep`` (dp=2 with the experts
+split over both ranks; "n/a" for a class without experts), and the fine-tuning tools (``sweeps/finetune.py``):
+``trainer`` (``ShardedTrainer`` at tp=2 where the class shards at tp=2, else tp=1 x dp=2) and ``lora``
+(PEFT LoRA on PEFT's default targets, else "all-linear", under ``ShardedTrainer``; both "n/a" for a head
+whose batch has no labels: no loss to train). Every task's classes, each batch with the labels its head
+takes. Each run splits a step's batch into 2 equal
 chunks, as its unsharded copy's reference step does; 2 SGD steps, then the losses and every weight
 (gathered over ep, ZeRO-3 and the stages). One row per class and technique in the ``--jsonl`` file (one
 technique that hangs costs only its own row); ``--save`` writes ``conformance-engine-<date>.md`` (one
@@ -53,12 +60,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from sweeps.engine import ENGINE_NAMES, by_class, train_technique, train_with  # noqa: E402
+from sweeps.engine import ENGINE_NAMES, by_class, train_with  # noqa: E402
+from sweeps.finetune import check_technique  # noqa: E402
+from sweeps.matrix import HEADLINE  # noqa: E402
 from sweeps.rows import add_budget_flags, run_rows  # noqa: E402
 from sweeps.saved import default_jsonl, recorder, resumed  # noqa: E402
 from sweeps.tables import engine_table, save, save_engine, show, table  # noqa: E402
 from sweeps.tp import plan_row, verify_row  # noqa: E402
-from sweeps.zoo import add_filters, architectures, check_unsharded, chosen_rows  # noqa: E402
+from sweeps.zoo import add_filters, architectures, check_unsharded, chosen_rows, newest_verify_sweep, per_task  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +88,24 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TECHNIQUES",
         help="train each class through ParallelEngine on 2 ranks in each technique's layout, against its "
         f"unsharded copy: comma-separated {','.join(ENGINE_NAMES)} or 'all' (ep: MoE classes only)",
+    )
+    parser.add_argument(
+        "--per-task",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a stratified sample: the first N classes of each task that passed at tp=2 in --sample-from",
+    )
+    parser.add_argument(
+        "--sample-from",
+        metavar="JSON",
+        help="the verify sweep --per-task samples from (default: the newest sweeps/conformance-<date>.json)",
+    )
+    parser.add_argument(
+        "--sample-also",
+        default="",
+        metavar="CLASSES",
+        help="comma-separated classes --per-task adds to its sample ('headline': README's headline classes)",
     )
     parser.add_argument("--json", help="also write the results here (a list of rows)")
     parser.add_argument(
@@ -108,7 +135,7 @@ def main() -> None:
     precheck = check_unsharded
     if techniques:
         rows = [dict(r, technique=t) for r in chosen_rows(args, parser) for t in techniques]
-        check = train_technique
+        check = check_technique
     elif args.pp > 1:
         rows = chosen_rows(args, parser)
         check = functools.partial(train_with, layout={"pp": args.pp, "num_microbatches": 2})
@@ -117,6 +144,15 @@ def main() -> None:
         check = functools.partial(plan_row, impl=impl, sequence_parallel=args.sequence_parallel)
     else:
         rows, check = chosen_rows(args, parser), verify_row
+    sample = ""
+    if args.per_task:
+        source = args.sample_from or newest_verify_sweep(os.path.dirname(os.path.abspath(__file__)))
+        headline = args.sample_also == "headline"
+        also = frozenset(HEADLINE if headline else filter(None, args.sample_also.split(",")))
+        rows = per_task(rows, args.per_task, source, also)
+        sample = f"the first {args.per_task} classes of each task that passed at tp=2 in {os.path.basename(source)}"
+        if also:
+            sample += ", and README's headline classes" if headline else f", and {', '.join(sorted(also))}"
     jsonl = args.jsonl or default_jsonl("conformance")
     earlier, rows = resumed(jsonl, rows, key=lambda r: (r["class"], r.get("technique")))
     progress = recorder(jsonl, show)
@@ -131,7 +167,7 @@ def main() -> None:
         text = table(results, impl, args.sequence_parallel, plan_sweep, args.pp)
     print(text)
     if args.save and techniques:
-        save_engine(args.save, text, results, techniques)
+        save_engine(args.save, text, results, techniques, sample)
     elif args.save:
         save(args.save, text, results, impl, args.sequence_parallel, plan_sweep, args.pp)
     print(f"\nper-row results: {jsonl}", file=sys.stderr)

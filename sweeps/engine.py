@@ -31,12 +31,19 @@ ENGINE_LAYOUTS = {
     "cp": {"cp": 2, "num_microbatches": 2},
     "ep": {"ep": 2},  # dp=2, the experts split over both ranks; MoE classes only
 }
+# the fine-tuning techniques (sweeps/finetune.py): ShardedTrainer, and PEFT LoRA under it
+FINETUNE_LAYOUTS = {
+    "Trainer": "ShardedTrainer, SGD; tp=2 where the class shards at tp=2, else tp=1 x dp=2",
+    "LoRA": "PEFT LoRA (r=4) on PEFT's default targets, else all-linear, under ShardedTrainer in the Trainer layout",
+}
 ENGINE_NAMES = {"pp": "pp", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "checkpointing": "checkpointing",
-                "cp": "cp", "ep": "ep"}  # fmt: skip
+                "cp": "cp", "ep": "ep", "trainer": "Trainer", "lora": "LoRA"}  # fmt: skip
 
 
 def layout_text(technique: str) -> str:
     """A technique's layout as the tables print it (``zero_stage=1, dp=2``)."""
+    if technique in FINETUNE_LAYOUTS:
+        return FINETUNE_LAYOUTS[technique]
     layout = ENGINE_LAYOUTS[technique]
     return ", ".join(f"{k}={v}" for k, v in layout.items()) + ("" if "pp" in layout or "cp" in layout else ", dp=2")
 
@@ -60,6 +67,37 @@ def _scalar_loss(output, _batch=None):
     return next(t for t in values if torch.is_tensor(t) and t.is_floating_point()).float().pow(2).mean()
 
 
+# tasks whose decoder-only classes learn the next token of their own input ids (labels = input_ids)
+LANGUAGE_MODELS = ("causal-lm", "seq2seq-lm", "image-text-to-text")
+
+
+def engine_batches(ref, row: dict) -> list[dict]:
+    """The 2 batches of 4 a row trains on: the class's inputs, with labels where its head takes them."""
+    import torch
+
+    from shardformer.models import inputs_for
+
+    batches = [inputs_for(ref, seed, batch=4) for seed in (1, 2)]
+    takes = inspect.signature(ref.forward).parameters
+    task = row.get("task")
+    for seed, b in zip((1, 2), batches):
+        g = torch.Generator().manual_seed(100 + seed)
+        if task in LANGUAGE_MODELS and "labels" in takes and "input_ids" in b and "decoder_input_ids" not in b:
+            b.setdefault("labels", b["input_ids"].clone())  # the model's own loss, also where the class's name
+            # does not say it is a causal LM (BertGenerationDecoder, AudioFlamingo3)
+        elif task == "sequence-classification" and "labels" in takes:  # an encoder-decoder's (BART) too
+            b.setdefault("labels", torch.randint(0, ref.config.num_labels, (4,), generator=g))
+        elif task == "question-answering" and "start_positions" in takes and "input_ids" in b:
+            for key in ("start_positions", "end_positions"):  # a span inside the sequence
+                b.setdefault(key, torch.randint(0, b["input_ids"].shape[-1], (4,), generator=g))
+    return batches
+
+
+def has_labels(batch: dict) -> bool:
+    """Whether the batch holds what the head's own loss reads (labels, or a QA head's span)."""
+    return "labels" in batch or "start_positions" in batch
+
+
 def train_with(row: dict, layout: dict) -> None:
     """2 SGD steps of the class through ParallelEngine in ``layout`` (EngineConfig fields) and of its
     unsharded copy, each step's batch split in the same equal chunks: the losses, then every weight
@@ -70,7 +108,6 @@ def train_with(row: dict, layout: dict) -> None:
     from shardformer import EngineConfig, ParallelEngine
     from shardformer.checkpoint.gather import gather_full_state
     from shardformer.core.compare import GRAD_ATOL, GRAD_RTOL, max_error
-    from shardformer.models import inputs_for
 
     def sgd(params):
         return torch.optim.SGD(params, lr=0.1)
@@ -79,12 +116,9 @@ def train_with(row: dict, layout: dict) -> None:
     ref = build_tiny(row["class"], row.get("flip"))
     model = build_tiny(row["class"], row.get("flip"))
     model.load_state_dict(ref.state_dict())
-    batches = [inputs_for(ref, seed, batch=4) for seed in (1, 2)]
-    if row.get("task") == "causal-lm" and "labels" in inspect.signature(ref.forward).parameters:
-        for b in batches:  # the model's own loss, also where the class's name does not say it is a causal
-            b.setdefault("labels", b["input_ids"].clone())  # LM (BertGenerationDecoder)
+    batches = engine_batches(ref, row)
     # the model's own loss where the batch has labels (context parallelism refuses any other loss_fn)
-    loss_fn = None if "labels" in batches[0] else _scalar_loss
+    loss_fn = None if has_labels(batches[0]) else _scalar_loss
     try:
         engine = ParallelEngine(model, sgd, EngineConfig(**layout), loss_fn=loss_fn)
     except (NotImplementedError, ValueError, TypeError) as e:
@@ -98,7 +132,7 @@ def train_with(row: dict, layout: dict) -> None:
         return
     chunks = engine.mesh.dp_size * engine.config.num_microbatches
     initial = {k: v.clone() for k, v in ref.state_dict().items()}
-    expected = _reference_steps(ref, batches, chunks, sgd)
+    expected = reference_steps(ref, batches, chunks, sgd)
     row["logits"], ok = max_error(torch.tensor(got), torch.tensor(expected))
     merged = gather_full_state(engine.model)  # on rank 0, which writes the row (None elsewhere)
     row["grad"] = 0.0  # in this sweep: the largest weight error after the steps
@@ -111,7 +145,7 @@ def train_with(row: dict, layout: dict) -> None:
         row["grad"] = max(row["grad"], error)
         if not good:
             failures.append(f"{name} differs by {error:.2e} after the steps")
-    if failures and dist.get_rank() == 0 and _random_in_training(ref, initial, batches, chunks, sgd):
+    if failures and dist.get_rank() == 0 and random_in_training(ref, initial, batches, chunks, sgd):
         set_reason(row, RANDOM_IN_TRAINING, "two unsharded runs with other RNG seeds differ too: " + failures[0], 400)
     elif failures:
         set_reason(row, FAILED, "; ".join(failures[:3]), 400)
@@ -119,7 +153,7 @@ def train_with(row: dict, layout: dict) -> None:
         row.update(result=PASSED, reason="")
 
 
-def _reference_steps(ref, batches, chunks, optimizer) -> list[float]:
+def reference_steps(ref, batches, chunks, optimizer) -> list[float]:
     """The unsharded model's training steps, each batch's loss the mean over ``chunks`` equal chunks."""
     from shardformer.engine import split_batch
 
@@ -128,14 +162,15 @@ def _reference_steps(ref, batches, chunks, optimizer) -> list[float]:
     losses = []
     for b in batches:
         opt.zero_grad()
-        loss = sum(_scalar_loss(ref(**part)) for part in split_batch(b, chunks, "chunks")) / chunks
+        parts = split_batch(b, chunks, "chunks") if chunks > 1 else [b]  # whole: whatever its tensors' sizes
+        loss = sum(_scalar_loss(ref(**part)) for part in parts) / chunks
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses
 
 
-def _random_in_training(ref, initial: dict, batches, chunks, optimizer) -> bool:
+def random_in_training(ref, initial: dict, batches, chunks, optimizer) -> bool:
     """Whether the same steps from the same weights under another RNG seed end elsewhere than ``ref``."""
     import copy
 
@@ -148,7 +183,7 @@ def _random_in_training(ref, initial: dict, batches, chunks, optimizer) -> bool:
     kept = torch.random.get_rng_state()
     torch.manual_seed(12345)
     try:
-        _reference_steps(again, batches, chunks, optimizer)
+        reference_steps(again, batches, chunks, optimizer)
     finally:
         torch.random.set_rng_state(kept)
     trained = dict(ref.named_parameters())

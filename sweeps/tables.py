@@ -108,11 +108,12 @@ def engine_table(rows: list[dict], techniques: list[str]) -> str:
     return "\n".join(lines)
 
 
-def save_engine(folder: str, text: str, rows: list[dict], techniques: list[str]) -> str:
-    """The engine sweep's table and rows as ``conformance-engine-<date>.md`` / ``.json``."""
+def save_engine(folder: str, text: str, rows: list[dict], techniques: list[str], sample: str = "") -> str:
+    """The engine sweep's table and rows as ``conformance-engine-<date>.md`` / ``.json``; ``sample``: how
+    its classes were chosen, where a sample (``--per-task``)."""
     head = versions("transformers", "torch") | {
         "attention": "eager", "techniques": techniques, "layouts": {t: layout_text(t) for t in techniques},
-    }  # fmt: skip
+    } | ({"sample": sample} if sample else {})  # fmt: skip
     return save_sweep(folder, "conformance-engine", "engine", text, head, rows)
 
 

@@ -131,6 +131,35 @@ def chosen_rows(args, parser, rows_of=task_rows, keep=None) -> list[dict]:
     return rows[: args.limit] if args.limit else rows
 
 
+def newest_verify_sweep(folder: str) -> str:
+    """The newest saved verify sweep in ``folder`` (``conformance-<date>.json``)."""
+    import glob
+    import os
+
+    found = sorted(glob.glob(os.path.join(folder, "conformance-[0-9]*.json")))
+    if not found:
+        raise SystemExit(f"no verify sweep (conformance-<date>.json) in {folder}")
+    return found[-1]
+
+
+def per_task(rows: list[dict], n: int, sweep_path: str, also: frozenset = frozenset()) -> list[dict]:
+    """A stratified sample of ``rows``: the first ``n`` classes of each task that passed at tp=2 in the saved
+    verify sweep ``sweep_path`` (classes that shard exactly, so that a row tests the technique, not the cut),
+    and the classes named in ``also``."""
+    with open(sweep_path) as f:
+        passed = {r["class"] for r in json.load(f)["rows"] if r["result"] == "passed"}
+    taken: dict[str, set] = {}  # task -> its classes sampled (a class has a row per technique in the engine sweep)
+    sample = []
+    for row in rows:
+        classes = taken.setdefault(row["task"], set())
+        if row["class"] in passed and (row["class"] in classes or len(classes) < n):
+            classes.add(row["class"])
+            sample.append(row)
+        elif row["class"] in also:
+            sample.append(row)
+    return sample
+
+
 # -- each class's tiny copy -----------------------------------------------------------------------------
 
 

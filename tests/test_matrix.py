@@ -69,3 +69,33 @@ def test_the_readme_summary_is_the_generated_one():
     committed = text[text.index(matrix.SUMMARY_BEGIN) : text.index(matrix.SUMMARY_END) + len(matrix.SUMMARY_END)]
     assert committed == expected, "README's summary was edited by hand or the sweep JSON changed: run sweeps/matrix.py"
     assert "| LlamaForCausalLM | yes |" in committed  # tp, from the verify sweep
+
+
+def test_the_summary_counts_the_classes_each_column_swept():
+    rows = [
+        {"task": "causal-lm", "model_type": "llama", "class": "LlamaForCausalLM", "result": "passed"},
+        {"task": "base-model", "model_type": "bert", "class": "BertModel", "result": "not tested"},
+        {"task": "masked-lm", "model_type": "bert", "class": "BertForMaskedLM", "result": "passed"},
+    ]  # fmt: skip
+    verify = {"sweep": "verify", "date": "2026-01-01", "transformers": "9.9", "tp": 2, "rows": rows, "file": "v.json"}
+    engine_rows = [
+        {"task": "causal-lm", "model_type": "llama", "class": "LlamaForCausalLM",
+         "techniques": {"Trainer": {"result": "passed"}, "LoRA": {"result": "failed"}}},
+        {"task": "base-model", "model_type": "bert", "class": "BertModel",
+         "techniques": {"Trainer": {"result": "n/a"}, "LoRA": {"result": "n/a"}}},
+    ]  # fmt: skip
+    engine = {
+        "sweep": "engine", "date": "2026-01-04", "transformers": "9.9", "techniques": ["Trainer", "LoRA"],
+        "layouts": {"Trainer": "ShardedTrainer", "LoRA": "PEFT LoRA"}, "rows": engine_rows, "file": "e.json",
+        "sample": "the first 1 classes of each task",
+    }  # fmt: skip
+    notes, _ = matrix.build([verify, engine])
+    assert "2 base-model/causal-lm classes: the first 1 classes of each task)" in notes[1]
+    summary = matrix.render_summary([verify, engine]).splitlines()
+    head = summary[2].strip("| ").split(" | ")
+    swept = dict(zip(head, summary[4].strip("| ").split(" | ")))
+    tested = dict(zip(head, summary[5].strip("| ").split(" | ")))
+    assert swept["class"] == "**classes swept** (of all 3)" and (swept["tp"], swept["Trainer"], swept["cp"]) == (
+        "3", "2", "0"
+    )  # fmt: skip
+    assert (tested["tp"], tested["Trainer"], tested["LoRA"]) == ("2 / 2", "1 / 1", "0 / 1")  # n/a and – not tested
