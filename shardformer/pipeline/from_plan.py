@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from shardformer.pipeline.spec import PipelineSpec, stage_of
+from shardformer.pipeline.spec import HEAD_INPUTS, PipelineSpec, stage_of
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, stand_in
 from shardformer.tensor_parallel.detect import call_optional
 
@@ -104,8 +104,9 @@ def plan_stage_forward(model: nn.Module, hidden, inputs: dict):
             return model.base_model(**feed, **extra, use_cache=False).last_hidden_state
         embedding = _embedding_path(model)
         forward = own_forward(model)
+        targets = {k: inputs[k] for k in HEAD_INPUTS if inputs.get(k) is not None}  # a QA head's span too
         if stage == 0 or embedding is None or inputs.get("input_ids") is None:
-            return forward(**feed, **extra, labels=inputs.get("labels"), use_cache=False)
+            return forward(**feed, **extra, **targets, use_cache=False)
         # the last stage runs on input_ids too (a classifier pools the last token that is not padding,
         # found from input_ids), its embedding answering with the received hidden states
         ids = inputs["input_ids"]
@@ -114,4 +115,4 @@ def plan_stage_forward(model: nn.Module, hidden, inputs: dict):
                 f"input_ids {tuple(ids.shape)} do not match the hidden states received {tuple(hidden.shape)}"
             )
         with stand_in(model, {embedding: Returns(hidden)}):
-            return forward(input_ids=ids, **extra, labels=inputs.get("labels"), use_cache=False)
+            return forward(input_ids=ids, **extra, **targets, use_cache=False)

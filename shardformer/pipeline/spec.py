@@ -28,6 +28,9 @@ from shardformer.core.config import check_positive_int, is_positive_int
 from shardformer.core.record import ATTRIBUTE, ShardedModelInfo, attach, sharding_of, with_stage
 from shardformer.pipeline.skeleton import keep_skeleton
 
+# what only a head reads (its loss's targets): given to the last stage only
+HEAD_INPUTS = ("labels", "start_positions", "end_positions", "next_sentence_label", "mc_labels")
+
 
 @dataclass(frozen=True)
 class PipelineSpec:

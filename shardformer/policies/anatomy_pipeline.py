@@ -42,7 +42,7 @@ import torch.nn as nn
 from shardformer.core.record import sharding_of
 from shardformer.models import family_spec
 from shardformer.pipeline.from_plan import spec_from_pp_plan
-from shardformer.pipeline.spec import PipelineSpec, stage_of
+from shardformer.pipeline.spec import HEAD_INPUTS, PipelineSpec, stage_of
 from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_spec
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, taken_inputs
 from shardformer.policies.anatomy import stacks
@@ -106,8 +106,6 @@ class AnatomyStageForward:
 
 logger = logging.getLogger("shardformer")
 FIX = "pass ParallelEngine(..., pipeline=PipelineSpec(layers=..., first=..., last=..., shared=..., stage_forward=...))"
-# what only a head reads (its loss's targets): given to the last stage only
-HEAD_INPUTS = ("labels", "start_positions", "end_positions", "next_sentence_label", "mc_labels")
 
 
 def spec_from_anatomy(model: nn.Module) -> PipelineSpec:

@@ -75,6 +75,19 @@ def check_llama_sequence_classification_pp2_on_right_padded_batches():
     _check(cls.__name__, 2, 2, 1, "1f1b", 2, None, "torch", model_pair=pair, data=data)
 
 
+def check_llama_question_answering_pp2_gets_its_span():
+    """A QA head's targets (start and end positions) reach the last stage as labels do (it had no loss)."""
+    cls = tf.LlamaForQuestionAnswering
+    pair = load_pair(cls, tiny_config(cls.config_class, num_hidden_layers=common.LAYERS))
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(STEPS):
+        start = torch.randint(0, 6, (common.BATCH,), generator=g)
+        ids = torch.randint(3, 99, (common.BATCH, 8), generator=g)
+        data.append({"input_ids": ids, "start_positions": start, "end_positions": start + 2})
+    _check(cls.__name__, 2, 2, 1, "1f1b", 2, None, "torch", model_pair=pair, data=data)
+
+
 def check_granite_with_its_multipliers_pp2_is_exact_through_the_anatomy_route():
     """Granite multiplies its embeddings by ``embedding_multiplier`` (12.0 in released checkpoints) inside
     its forward: the pp plan's stages miss it (the first step's loss was off, the embeddings drifted). Its
@@ -95,6 +108,7 @@ def check_granite_with_its_multipliers_pp2_is_exact_through_the_anatomy_route():
 CHECKS = [
     check_granite_with_its_multipliers_pp2_is_exact_through_the_anatomy_route,
     check_llama_sequence_classification_pp2_on_right_padded_batches,
+    check_llama_question_answering_pp2_gets_its_span,
     check_llama_tp2_pp2_zero1_with_activation_checkpointing,
     check_tied_llama_tp2_pp2_zero2,
     check_mixtral_tp2_pp2_zero1,
