@@ -15,7 +15,7 @@ import logging
 import torch.nn as nn
 
 from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, fix_of
-from shardformer.policies.derived.attributes import per_rank_attributes
+from shardformer.policies.derived.attributes import per_rank_attributes, rebuilt_counts
 from shardformer.policies.derived.blocks import (
     blocks_to_cut,
     is_projection,
@@ -273,6 +273,7 @@ class DerivedPolicy(TpPlanPolicy):
                 _add_layer(layers, path, GradAllReduce)
         # a class's blocks differ inside (T5's encoder and decoder blocks): attributes of modules it has
         divide = {d for d in rule.divide if not _owner(d) or f"{block}.{_owner(d)}" in modules}
+        divide |= rebuilt_counts(modules[block], divide)
         for mixer, layout in layouts.items():  # a mixer's counts: its widths' shares (B and C may be whole)
             counts = {d for d in divide if d.startswith(f"{mixer}.")}
             attrs.update({f"{block}.{k}": v for k, v in local_counts(modules[block], counts, layout).items()})
