@@ -28,6 +28,7 @@ from shardformer.policies.derived.column_cuts import cut_options
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
 from shardformer.policies.derived.heads import head_inputs_layer
 from shardformer.policies.derived.mixers import FUSED_PACKAGE, MIXER_COLUMN, fused_kernels, layouts_in, local_counts
+from shardformer.policies.derived.numpy_draws import NoTrainingDraws, draws_from_numpy
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
 from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.widths import local_widths_layer
@@ -256,6 +257,9 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, dims in rule.head_params.items():
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims))
+        for rel, module in modules[block].named_modules():  # per-head draws from numpy: refused in training
+            if draws_from_numpy(type(module)) and any(c.startswith(f"{rel}.") for c in rule.cols if rel):
+                _add_layer(layers, f"{block}.{rel}", NoTrainingDraws)
         for rel in rule.head_lists:
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=HeadModules)
