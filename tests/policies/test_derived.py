@@ -74,6 +74,9 @@ EXACT = [
     # transformers 5.24 ships a tp plan for CodeGen that the plan route does not cut exactly (its
     # [q | v | k] blocks): the proof rejects it and the derived route, proven, takes over
     ("CodeGenForCausalLM", {}),
+    # BigBird switches to full attention at short sequences: a new attention module built from its
+    # parent's config while running, which counts the rank's heads (the parent holds a per-rank config)
+    ("BigBirdForMaskedLM", {}),
     # TIPSv2's tiny copy differs by float32 rounding alone (a gradient 2e-4 off at its scale): the proof's
     # float64 rerun, at 10^4-fold tighter tolerances, finds it exact (refused before it)
     ("runnable:Tipsv2Model", {}),
@@ -219,6 +222,7 @@ def _ranks(cases, refused):
     out["t5 bias"] = (full_shape, tuple(bias.shape))
     out["whole vocabulary"] = _whole_vocabulary()
     out["t5gemma2"] = _t5gemma2_eoi()
+    out["bigbird block sparse"] = _bigbird_block_sparse()
     for name, options in refused:
         key = f"refused {name}{options}"
         try:
@@ -238,6 +242,35 @@ def _whole_vocabulary() -> tuple[str, str, str]:
 
     model = shard_model(liar(head_reads_weight=True), ShardConfig(tensor_parallel_size=2))
     return model.shardformer.route, type(model.lm_head).__name__, type(model.embed).__name__
+
+
+def _bigbird_block_sparse() -> tuple:
+    """BigBird's block-sparse attention at a sequence long enough to run it (the proof's is not): its
+    difference in eval, its refusal in training (each head's random blocks drawn head after head from
+    numpy's generator), and its difference at a short sequence after (full attention, rebuilt)."""
+    import copy
+
+    import transformers as tf
+
+    from shardformer import ShardConfig, shard_model
+    from shardformer.core.refusal import Refusal
+
+    sizes = dict(hidden_size=32, num_attention_heads=4, intermediate_size=36, num_hidden_layers=2, vocab_size=99)
+    config = tf.BigBirdConfig(**sizes, block_size=2, num_random_blocks=1, max_position_embeddings=64)
+    model = tf.BigBirdModel(config).eval()
+    ref = copy.deepcopy(model)
+    shard_model(model, ShardConfig(tensor_parallel_size=2))
+    ids = torch.randint(0, 99, (2, 32), generator=torch.Generator().manual_seed(0))
+    long_diff = (model(input_ids=ids).last_hidden_state - ref(input_ids=ids).last_hidden_state).abs().max().item()
+    try:
+        model.train()(input_ids=ids)
+        refusal = ""
+    except Refusal as e:
+        refusal = str(e)
+    model.eval()
+    short = ids[:, :8]
+    short_diff = (model(input_ids=short).last_hidden_state - ref(input_ids=short).last_hidden_state).abs().max().item()
+    return long_diff, refusal, short_diff
 
 
 def _t5gemma2_eoi() -> tuple:
@@ -284,6 +317,9 @@ def test_derived_models_are_exact_or_refused():
     assert out["whole vocabulary"] == ("derived", "Linear", "VocabParallelEmbedding1D"), out["whole vocabulary"]
     cut, loss_diff, eoi_grad_diff = out["t5gemma2"]
     assert cut and loss_diff < 1e-5 and eoi_grad_diff < 1e-5, out["t5gemma2"]
+    long_diff, refusal, short_diff = out["bigbird block sparse"]
+    assert long_diff < 1e-5 and short_diff < 1e-5, out["bigbird block sparse"]
+    assert "BigBirdBlockSparseAttention draws each head's random pattern" in refusal, refusal
     full, local = out["t5 bias"]
     assert local == (full[0], full[1] // 2), out["t5 bias"]
     # a scale shared by the heads that also scales the attention's input: the forward is exact, its

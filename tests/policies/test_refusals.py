@@ -133,4 +133,7 @@ def test_a_model_refused_on_every_route_prints_each_reason_and_the_fix_once():
     assert "Routes tried:" in lines[1], message
     assert lines[2].startswith("  tp plan: model.layers.0.self_attn (DogeAttention) holds parameters"), message
     assert lines[3].startswith("  derived: no exact cut of DogeForCausalLM"), message
+    # the module and the reason, not the error the candidate cut raised
+    assert "self_attn.dt_proj (Linear) reads every head's features" in message, message
+    assert "RuntimeError" not in message, message
     _printed_once(message, printed)

@@ -5,7 +5,11 @@ weights. `.simulate` tries them in every subset; `.policy.DerivedPolicy` sets th
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
+import inspect
+import textwrap
 
 import torch.nn as nn
 
@@ -69,3 +73,61 @@ def apply_attributes(root: nn.Module, names, tp: int) -> None:
     for dotted, value in per_rank_attributes(root, names, tp).items():
         owner, _, name = dotted.rpartition(".")
         setattr(root.get_submodule(owner), name, value)
+
+
+def rebuilt_counts(block: nn.Module, divide) -> set[str]:
+    """``parent.config.X`` for each count and width a cut module's class builds itself from, where its
+    parent builds it again from ``self.config`` while running (BigBird's attention switches to full
+    attention at short sequences: a new module from the config, holding the cut projections), so that
+    the rebuilt module counts the rank's heads."""
+    found = set()
+    for dotted in divide:
+        owner, _, name = dotted.rpartition(".")
+        if owner == "config" or owner.endswith(".config") or not owner:
+            continue
+        module = block.get_submodule(owner)
+        value, parent = getattr(module, name), owner.rpartition(".")[0]
+        config = getattr(block.get_submodule(parent), "config", None)
+        if config is None or not _builds_from_config(type(block.get_submodule(parent))):
+            continue
+        for field in _config_reads(type(module)) | {name}:
+            # the count itself, a width equal to it, and the heads a width counts (its head size kept)
+            if getattr(config, field, None) == value or (field in _config_reads(type(module)) and is_head_count(field)):
+                found.add(f"{parent}.config.{field}".lstrip("."))
+        # the module there now counts those heads too (it runs at other inputs: BigBird's block-sparse one)
+        heads = {getattr(config, f.rpartition(".")[2]) for f in found if is_head_count(f.rpartition(".")[2])}
+        found |= {f"{owner}.{n}" for n, v in int_attributes(module).items() if is_head_count(n) and v in heads}
+    return found
+
+
+@functools.cache
+def _builds_from_config(cls: type) -> bool:
+    """Whether a method of ``cls`` other than ``__init__`` calls something with ``self.config``."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(
+        isinstance(call, ast.Call) and any(_is_self_config(a) for a in call.args)
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef) and fn.name != "__init__"
+        for call in ast.walk(fn)
+    )
+
+
+def _is_self_config(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "config" and getattr(node.value, "id", None) == "self"
+
+
+@functools.cache
+def _config_reads(cls: type) -> frozenset[str]:
+    """The ``config.X`` that ``cls.__init__`` reads (what a module built from a config takes from it)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    return frozenset(
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and getattr(n.value, "id", None) == "config"
+    )

@@ -15,7 +15,7 @@ import logging
 import torch.nn as nn
 
 from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, fix_of
-from shardformer.policies.derived.attributes import per_rank_attributes
+from shardformer.policies.derived.attributes import per_rank_attributes, rebuilt_counts
 from shardformer.policies.derived.blocks import (
     blocks_to_cut,
     is_projection,
@@ -28,6 +28,7 @@ from shardformer.policies.derived.column_cuts import cut_options
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
 from shardformer.policies.derived.heads import head_inputs_layer
 from shardformer.policies.derived.mixers import FUSED_PACKAGE, MIXER_COLUMN, fused_kernels, layouts_in, local_counts
+from shardformer.policies.derived.numpy_draws import NoTrainingDraws, draws_from_numpy
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
 from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.widths import local_widths_layer
@@ -256,6 +257,9 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, dims in rule.head_params.items():
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims))
+        for rel, module in modules[block].named_modules():  # per-head draws from numpy: refused in training
+            if draws_from_numpy(type(module)) and any(c.startswith(f"{rel}.") for c in rule.cols if rel):
+                _add_layer(layers, f"{block}.{rel}", NoTrainingDraws)
         for rel in rule.head_lists:
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=HeadModules)
@@ -273,6 +277,7 @@ class DerivedPolicy(TpPlanPolicy):
                 _add_layer(layers, path, GradAllReduce)
         # a class's blocks differ inside (T5's encoder and decoder blocks): attributes of modules it has
         divide = {d for d in rule.divide if not _owner(d) or f"{block}.{_owner(d)}" in modules}
+        divide |= rebuilt_counts(modules[block], divide)
         for mixer, layout in layouts.items():  # a mixer's counts: its widths' shares (B and C may be whole)
             counts = {d for d in divide if d.startswith(f"{mixer}.")}
             attrs.update({f"{block}.{k}": v for k, v in local_counts(modules[block], counts, layout).items()})

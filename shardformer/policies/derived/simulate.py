@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.compare import ATOL, RTOL, max_error
-from shardformer.core.refusal import HEADS, Reason
+from shardformer.core.refusal import DATA_PARALLEL, HEADS, Reason
 from shardformer.core.shard_spec import make_spec, slice_tensor
 from shardformer.policies.derived.attributes import apply_attributes, attribute_candidates, splits_over
 from shardformer.policies.derived.blocks import in_width, out_width, run_hooked, value_at
@@ -306,7 +306,26 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                         cut.head_inputs = {prefix: passed_whole} if passed_whole else {}
                     return cut, ""
                 errors.append(f"{_describe(blocks, divide)}: the ranks' summed output differs from the group's")
+    per_head = _count_of_width(parent, stream_width)
+    if per_head:  # Doge's dt_proj: every key/value head's values in, one value per head out
+        return None, Reason(
+            f"{group.row} ({type(row_module).__name__}) reads every head's features ({in_width(row_module)} "
+            f"inputs) and writes one value per head ({stream_width} = {per_head}), which the code after it reads "
+            f"per head: cut by heads, each rank holds its heads' features but needs its heads' values computed "
+            f"from all of them, which no cut of the projection gives exactly",
+            DATA_PARALLEL,
+        )
     return None, _why_none(parent, prefix, tp, errors[0] if errors else "no candidate cut")
+
+
+def _count_of_width(parent: nn.Module, width: int) -> str:
+    """The head count (``config.num_key_value_heads``, an int of a module) equal to ``width``, or ""."""
+    config = getattr(parent, "config", None)
+    counts = {f"config.{k}": v for k, v in vars(config).items()} if config is not None else {}
+    for rel, module in parent.named_modules():
+        counts.update({f"{rel}.{k}".lstrip("."): v for k, v in int_attributes(module).items()})
+    equal = [name for name, v in counts.items() if is_head_count(name.rpartition(".")[2]) and v == width]
+    return min(equal, key=lambda name: ("key_value" not in name and "kv" not in name, name), default="")
 
 
 def _why_none(parent: nn.Module, prefix: str, tp: int, first_error: str) -> str:
