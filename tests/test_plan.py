@@ -269,3 +269,5 @@ def test_cli_plans_hybrid_sharding_as_zero_over_its_shard_group(tmp_path, capsys
         == 2
     )
     assert "drop --dp-replicate" in capsys.readouterr().err
+    assert main(["plan", folder, "--dp", "4", "--dp-replicate", "2", "--simulate"]) == 2
+    assert "--simulate takes no --dp-replicate" in capsys.readouterr().err

@@ -217,10 +217,12 @@ def simulate_command(args: argparse.Namespace) -> int:
     from shardformer.tools.simulate import simulate_job
     from shardformer.tools.simulate_report import format_simulation
 
-    if args.policy or args.cp != 1 or args.dp_replicate != 1:
-        # hybrid sharding: a rank holds what it holds at plain --dp dp/dp-replicate; simulate that job
-        print("shardformer plan: error: --simulate takes no --policy, --cp or --dp-replicate (simulate the "
-              "shard group: --dp dp/dp-replicate)", file=sys.stderr)  # fmt: skip
+    if args.policy or args.cp != 1:
+        print("shardformer plan: error: --simulate takes no --policy or --cp", file=sys.stderr)
+        return 2
+    if args.dp_replicate != 1:  # a rank holds what it holds at plain dp over its shard group
+        print("shardformer plan: error: --simulate takes no --dp-replicate; simulate the shard group's job "
+              "(--dp dp / dp-replicate)", file=sys.stderr)  # fmt: skip
         return 2
     if (args.batch is None) != (args.seq is None):
         raise ValueError(f"--batch {args.batch} and --seq {args.seq}: give both, or neither")
