@@ -264,6 +264,8 @@ def test_cli_plans_hybrid_sharding_as_zero_over_its_shard_group(tmp_path, capsys
         assert hybrid.splitlines()[1:] == shard_group.replace("fits on 4 x", "fits on 8 x").splitlines()[1:]
     assert main(["plan", folder, "--dp", "4", "--dp-replicate", "3"]) == 2
     assert "--dp-replicate=3 does not divide data_parallel_size=4" in capsys.readouterr().err
+    assert main(["plan", folder, "--dp", "4", "--ep", "4", "--dp-replicate", "2"]) == 2  # ep inside a shard group
+    assert "so ep must divide dp_shard=2" in capsys.readouterr().err
     assert (
         main(["plan", folder, "--gpus", "8", "--gpu-memory", "1GB", "--seq", "8", "--search", "--dp-replicate", "2"])
         == 2

@@ -187,7 +187,8 @@ def check_sizes(args: argparse.Namespace) -> None:
             )
         args.dp = args.gpus // per_replica
     args.dp = args.dp or 1
-    check_replicate_divides(args.dp_replicate, args.dp, "--dp-replicate", ep=args.ep)
+    if args.dp_replicate != 1:  # at 1, ep against dp is plan_model's check, with its own message
+        check_replicate_divides(args.dp_replicate, args.dp, "--dp-replicate", ep=args.ep)
 
 
 def fit_header(args: argparse.Namespace) -> str:
