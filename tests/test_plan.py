@@ -248,3 +248,28 @@ def test_plan_splits_an_encoder_decoder_over_four_stages(tmp_path):
         size(blocks[2]) + embedding,
         size(blocks[3]) + norm + embedding,
     ]
+
+
+def test_cli_plans_hybrid_sharding_as_zero_over_its_shard_group(tmp_path, capsys):
+    # --dp-replicate R: ZeRO shards over dp / R ranks, so every byte is the plain plan's at dp / R
+    folder = _saved("GPT2LMHeadModel", tmp_path / "gpt2")
+    for zero in (1, 3):
+        fixed = ["--tp", "2", "--zero", str(zero), "--summary", "--gpu-memory", "1GB"]
+        assert main(["plan", folder, *fixed, "--dp", "4", "--dp-replicate", "2"]) == 0
+        hybrid = capsys.readouterr().out
+        assert main(["plan", folder, *fixed, "--dp", "2"]) == 0
+        shard_group = capsys.readouterr().out
+        assert "dp=4 (2 replicas x 2 shards) = 8 processes" in hybrid
+        # all but the layout line and the world size of the fit's header
+        assert hybrid.splitlines()[1:] == shard_group.replace("fits on 4 x", "fits on 8 x").splitlines()[1:]
+    assert main(["plan", folder, "--dp", "4", "--dp-replicate", "3"]) == 2
+    assert "--dp-replicate=3 does not divide data_parallel_size=4" in capsys.readouterr().err
+    assert main(["plan", folder, "--dp", "4", "--ep", "4", "--dp-replicate", "2"]) == 2  # ep inside a shard group
+    assert "so ep must divide dp_shard=2" in capsys.readouterr().err
+    assert (
+        main(["plan", folder, "--gpus", "8", "--gpu-memory", "1GB", "--seq", "8", "--search", "--dp-replicate", "2"])
+        == 2
+    )
+    assert "drop --dp-replicate" in capsys.readouterr().err
+    assert main(["plan", folder, "--dp", "4", "--dp-replicate", "2", "--simulate"]) == 2
+    assert "--simulate takes no --dp-replicate" in capsys.readouterr().err

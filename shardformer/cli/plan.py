@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -38,6 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     parser.add_argument("--dp", type=int, help="data-parallel size (default: --gpus / (tp x cp x pp), else 1)")
+    parser.add_argument("--dp-replicate", type=int, default=1, help="hybrid sharded data parallelism (HSDP, "
+                        "EngineConfig.dp_replicate): the dp ranks as this many replicas, ZeRO sharding the model "
+                        "state over dp / dp-replicate ranks inside each (default 1: over all dp ranks)")  # fmt: skip
     parser.add_argument("--gpus", type=int, help="GPUs of the job in all: sets --dp (or checks it)")
     parser.add_argument("--gpu-memory", metavar="SIZE", help="memory of one GPU (80GB, 80GiB, 141GB; GB = 2**30 "
                         "bytes): add up each stage's bytes per rank and answer whether the job fits")  # fmt: skip
@@ -108,6 +112,8 @@ def plan_command(args: argparse.Namespace) -> int:
             model, args.tp, args.pp, args.dp, args.zero, args.precision, policy=policy, batch=args.batch,
             seq=args.seq, device=args.device, cp=args.cp, cp_mode=args.cp_mode, ep=args.ep,
         )  # fmt: skip
+        # hybrid sharding changes only the group ZeRO shards over (Plan.dp_shard), not the cut
+        plan = dataclasses.replace(plan, dp_replicate=args.dp_replicate)
     except (ValueError, NotImplementedError) as e:
         message = str(e).replace("pass it: shard_model(model, config, policy=MyPolicy())", "pass --policy module:Class")
         print(f"shardformer plan: error: {message}", file=sys.stderr)
@@ -137,6 +143,7 @@ def search_command(args: argparse.Namespace) -> int:
     from shardformer.tools.search_report import format_search
 
     fixed = [f"--{k}" for k in ("tp", "pp", "dp", "cp", "ep") if getattr(args, k) not in (None, 1)]
+    fixed += ["--dp-replicate"] if args.dp_replicate != 1 else []
     fixed += ["--batch"] if args.batch is not None else []
     if fixed or args.simulate or args.policy:
         raise ValueError(f"--search chooses the layout itself; drop {', '.join(fixed) or '--simulate / --policy'}")
@@ -158,8 +165,9 @@ def search_command(args: argparse.Namespace) -> int:
 
 
 def check_sizes(args: argparse.Namespace) -> None:
-    """--gpus sets --dp (or checks it); --gpu-memory becomes bytes; sizes are positive."""
+    """--gpus sets --dp (or checks it); --gpu-memory becomes bytes; sizes are positive; --dp-replicate divides dp."""
     # deferred: this module imports nothing heavy at its top (`shardformer --help` stays fast)
+    from shardformer.core.sizes import check_replicate_divides  # EngineConfig's own check and message
     from shardformer.tools.fit import parse_memory
 
     if args.microbatches < 1:
@@ -179,6 +187,8 @@ def check_sizes(args: argparse.Namespace) -> None:
             )
         args.dp = args.gpus // per_replica
     args.dp = args.dp or 1
+    if args.dp_replicate != 1:  # at 1, ep against dp is plan_model's check, with its own message
+        check_replicate_divides(args.dp_replicate, args.dp, "--dp-replicate", ep=args.ep)
 
 
 def fit_header(args: argparse.Namespace) -> str:
@@ -210,6 +220,10 @@ def simulate_command(args: argparse.Namespace) -> int:
 
     if args.policy or args.cp != 1:
         print("shardformer plan: error: --simulate takes no --policy or --cp", file=sys.stderr)
+        return 2
+    if args.dp_replicate != 1:  # a rank holds what it holds at plain dp over its shard group
+        print("shardformer plan: error: --simulate takes no --dp-replicate; simulate the shard group's job "
+              "(--dp dp / dp-replicate)", file=sys.stderr)  # fmt: skip
         return 2
     if (args.batch is None) != (args.seq is None):
         raise ValueError(f"--batch {args.batch} and --seq {args.seq}: give both, or neither")

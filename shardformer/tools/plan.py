@@ -320,7 +320,9 @@ def format_plan(plan: Plan, show_params: bool = True) -> str:
     lines = [
         f"layout: tp={plan.tp} x "
         + (f"cp={plan.cp} ({plan.cp_mode}) x " if plan.cp > 1 else "")
-        + f"pp={plan.pp} x dp={plan.dp} = {plan.world} processes, zero stage {plan.zero}, {plan.precision}",
+        + f"pp={plan.pp} x dp={plan.dp}"
+        + (f" ({plan.dp_replicate} replicas x {plan.dp_shard} shards)" if plan.dp_replicate > 1 else "")
+        + f" = {plan.world} processes, zero stage {plan.zero}, {plan.precision}",
         "",
     ]
     if plan.tp == 1:  # the parallel forms are put in all the same; listing them would suggest a cut
