@@ -11,6 +11,7 @@ sys.path.insert(0, ROOT)
 from sweeps.engine import ENGINE_NAMES, engine_batches, has_labels, layout_text  # noqa: E402
 from sweeps.finetune import _lora_targets, train_under_trainer  # noqa: E402
 from sweeps.zoo import newest_verify_sweep, per_task  # noqa: E402
+from tests.helpers import PEFT_READS_A_DEPRECATED_PROPERTY  # noqa: E402
 
 
 def test_per_task_takes_the_first_classes_that_passed_at_tp_each_technique_included(tmp_path):
@@ -44,6 +45,7 @@ def test_the_fine_tuning_techniques_and_their_layouts():
     assert layout_text("ZeRO-3") == "zero_stage=3, dp=2"
 
 
+@PEFT_READS_A_DEPRECATED_PROPERTY
 def test_lora_takes_peft_defaults_else_all_linear_and_a_head_without_labels_is_not_applicable():
     from transformers import BertConfig, BertForQuestionAnswering, BertModel, ViTConfig, ViTModel
 
