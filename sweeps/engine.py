@@ -107,7 +107,6 @@ def train_with(row: dict, layout: dict) -> None:
 
     from shardformer import EngineConfig, ParallelEngine
     from shardformer.checkpoint.gather import gather_full_state
-    from shardformer.core.compare import GRAD_ATOL, GRAD_RTOL, max_error
 
     def sgd(params):
         return torch.optim.SGD(params, lr=0.1)
@@ -133,19 +132,35 @@ def train_with(row: dict, layout: dict) -> None:
     chunks = engine.mesh.dp_size * engine.config.num_microbatches
     initial = {k: v.clone() for k, v in ref.state_dict().items()}
     expected = reference_steps(ref, batches, chunks, sgd)
-    row["logits"], ok = max_error(torch.tensor(got), torch.tensor(expected))
     merged = gather_full_state(engine.model)  # on rank 0, which writes the row (None elsewhere)
-    row["grad"] = 0.0  # in this sweep: the largest weight error after the steps
+    wanted = dict(ref.named_parameters()) if dist.get_rank() == 0 else {}
+    judge_steps(row, got, expected, (merged, wanted, "is on no stage"),
+                lambda: random_in_training(ref, initial, batches, chunks, sgd))  # fmt: skip
+
+
+def judge_steps(row: dict, got: list, expected: list, weights: tuple, rerun) -> None:
+    """Fill ``row`` from a sharded run's losses against the unsharded run's, then its trained weights:
+    ``weights`` = (trained by name, full size; wanted by name, on rank 0 only; what to say of a name missing
+    from trained). Where something differs, ``rerun()`` (rank 0) says whether two unsharded runs under other
+    RNG seeds differ too: then the row is "random in training", else failed."""
+    import torch
+    import torch.distributed as dist
+
+    from shardformer.core.compare import GRAD_ATOL, GRAD_RTOL, max_error
+
+    trained, wanted, missing = weights
+    row["logits"], ok = max_error(torch.tensor(got), torch.tensor(expected))
+    row["grad"] = 0.0  # in these sweeps: the largest weight error after the steps
     failures = [] if ok else [f"losses differ by {row['logits']:.2e}"]
-    for name, p in ref.named_parameters() if dist.get_rank() == 0 else ():
-        if name not in merged:
-            failures.append(f"{name} is on no stage")
+    for name, p in wanted.items():
+        if name not in trained:
+            failures.append(f"{name} {missing}")
             continue
-        error, good = max_error(merged[name].float(), p.detach(), GRAD_ATOL, GRAD_RTOL)
+        error, good = max_error(trained[name], p, GRAD_ATOL, GRAD_RTOL)
         row["grad"] = max(row["grad"], error)
         if not good:
             failures.append(f"{name} differs by {error:.2e} after the steps")
-    if failures and dist.get_rank() == 0 and random_in_training(ref, initial, batches, chunks, sgd):
+    if failures and dist.get_rank() == 0 and rerun():
         set_reason(row, RANDOM_IN_TRAINING, "two unsharded runs with other RNG seeds differ too: " + failures[0], 400)
     elif failures:
         set_reason(row, FAILED, "; ".join(failures[:3]), 400)

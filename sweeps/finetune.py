@@ -19,13 +19,17 @@ import os
 import shutil
 import tempfile
 
-from sweeps.engine import engine_batches, has_labels, random_in_training, reference_steps, train_technique
+from sweeps.engine import (
+    engine_batches,
+    has_labels,
+    judge_steps,
+    random_in_training,
+    reference_steps,
+    train_technique,
+)
 from sweeps.rows import (
-    FAILED,
     NOT_APPLICABLE,
     NOT_TESTED,
-    PASSED,
-    RANDOM_IN_TRAINING,
     REFUSED,
     REFUSED_AT_STEP,
     reason_first,
@@ -113,7 +117,6 @@ def train_under_trainer(row: dict, lora: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from shardformer.core.compare import GRAD_ATOL, GRAD_RTOL, max_error
     from shardformer.engine import split_batch
 
     torch.manual_seed(0)
@@ -154,24 +157,10 @@ def train_under_trainer(row: dict, lora: bool) -> None:
         shutil.rmtree(out, ignore_errors=True)
     got = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     expected = reference_steps(ref, batches, chunks, _sgd)
-    row["logits"], ok = max_error(torch.tensor(got), torch.tensor(expected))
     trained, wanted = _trained_weights(model, ref, lora)
-    row["grad"] = 0.0  # the largest error of a trained weight after the steps
-    failures = [] if ok else [f"losses differ by {row['logits']:.2e}"]
-    for name, p in wanted.items() if dist.get_rank() == 0 else ():
-        if name not in trained:
-            failures.append(f"{name} is not in the trained model")
-            continue
-        error, good = max_error(trained[name].float(), p.float(), GRAD_ATOL, GRAD_RTOL)
-        row["grad"] = max(row["grad"], error)
-        if not good:
-            failures.append(f"{name} differs by {error:.2e} after the steps")
-    if failures and dist.get_rank() == 0 and random_in_training(ref, initial, batches, chunks, _sgd):
-        set_reason(row, RANDOM_IN_TRAINING, "two unsharded runs with other RNG seeds differ too: " + failures[0], 400)
-    elif failures:
-        set_reason(row, FAILED, "; ".join(failures[:3]), 400)
-    else:
-        row.update(result=PASSED, reason="")
+    wanted = wanted if dist.get_rank() == 0 else {}
+    judge_steps(row, got, expected, (trained, wanted, "is not in the trained model"),
+                lambda: random_in_training(ref, initial, batches, chunks, _sgd))  # fmt: skip
 
 
 def _trained_weights(model, ref, lora: bool) -> tuple[dict, dict]:
