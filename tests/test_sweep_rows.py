@@ -21,7 +21,7 @@ def _check(row: dict) -> None:
     elif row["does"] == "not tested":
         raise NotTested("no tiny copy runs")
     elif row["does"] == "grow":
-        held = b"x" * (3 << 30)  # written, so resident: past the 2.5 GiB budget below
+        held = b"x" * (2 << 30)  # written, so resident: past the 1.5 GiB budget below
         time.sleep(60)  # far past the time budget: only the memory budget can stop this row in time
         del held
     elif row["does"] == "hang":
@@ -36,25 +36,23 @@ def test_each_row_gets_its_result_and_a_row_past_its_budget_is_killed():
         {"name": "a", "does": "pass"},
         {"name": "b", "does": "raise"},
         {"name": "c", "does": "not tested"},
-        {"name": "d", "does": "hang"},
+        {"name": "m", "does": "grow"},  # stopped by the memory budget long before its time budget
+        {"name": "d", "does": "hang"},  # in a fresh spawn, after the grown row's ranks were killed
         {"name": "e", "does": "pass"},  # in a fresh spawn, after the hung row's ranks were killed
     ]
     seen = []
-    got = {r["name"]: r for r in run_rows(rows, _check, world=1, budget=2.0, progress=seen.append)}
-    assert [r["name"] for r in seen] == ["skipped", "a", "b", "c", "d", "e"]
+    got = {r["name"]: r for r in run_rows(rows, _check, world=1, budget=6.0, memory_gib=1.5, progress=seen.append)}
+    assert [r["name"] for r in seen] == ["skipped", "a", "b", "c", "m", "d", "e"]
     assert (got["skipped"]["result"], got["skipped"]["reason"]) == (NOT_TESTED, "class not importable")
     assert got["a"]["result"] == got["e"]["result"] == PASSED
     assert got["b"]["result"] == ERROR and "ValueError: a bug in the check" in got["b"]["reason"]
     assert (got["c"]["result"], got["c"]["reason"]) == (NOT_TESTED, "no tiny copy runs")
-    assert got["d"]["result"] == ERROR and "row budget of 2 s" in got["d"]["reason"], got["d"]
-    assert got["d"]["seconds"] == 2.0
+    assert got["d"]["result"] == ERROR and "row budget of 6 s" in got["d"]["reason"], got["d"]
+    assert got["d"]["seconds"] == 6.0
+    grown = got["m"]
+    assert grown["result"] == ERROR and "memory budget of 1.5 GiB" in grown["reason"], grown
+    assert grown["seconds"] < 6.0
     assert all(isinstance(r["seconds"], float) for r in got.values() if r["name"] != "skipped")
-
-    # a row that grows past the memory budget is stopped long before its time budget, and the next row runs
-    grown, after = run_rows([{"name": "m", "does": "grow"}, {"name": "f", "does": "pass"}], _check, world=1,
-                            budget=55.0, memory_gib=2.5)  # fmt: skip
-    assert grown["result"] == ERROR and "memory budget of 2.5 GiB" in grown["reason"], grown
-    assert grown["seconds"] < 55.0 and after["result"] == PASSED
 
 
 def test_upstream_failures_are_named():
