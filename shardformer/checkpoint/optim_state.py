@@ -27,6 +27,7 @@ from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import expert_spec
 from shardformer.checkpoint.pieces import checkpointable, compose, flat_range, storage_pieces, tp_pieces
 from shardformer.data_parallel import ZeroOptimizer
+from shardformer.data_parallel.fsdp import local_shape
 from shardformer.data_parallel.fsdp_optimizer import FullyShardedOptimizer
 from shardformer.expert_parallel.layout import is_expert_param
 from shardformer.expert_parallel.optimizer import ExpertParallelOptimizer
@@ -137,7 +138,7 @@ def optimizer_entries(model: nn.Module, optimizer, expert_dp_size: int) -> tuple
             if id(param) not in names:
                 continue
             name = names[id(param)][0]
-            shape = part.slots[local].master.shape if isinstance(part, ZeroOptimizer) else param.to_local().shape if fsdp else param.shape  # fmt: skip
+            shape = part.slots[local].master.shape if isinstance(part, ZeroOptimizer) else local_shape(param)
             entry = {**state_dict["state"].get(local, {})}
             if local in zero.get("master_params", {}):
                 entry[MASTER] = zero["master_params"][local]

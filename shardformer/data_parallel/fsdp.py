@@ -20,6 +20,10 @@ local tensors over dp. Two things the sharder attached to the original parameter
   the reduce-scatter over dp (tp peers hold the same rows of the same parameter), so this is exact.
   Key/value heads replicated over tp ranks (``ShardSpec.splits``) sum pieces at tp-local offsets that
   a dp shard does not keep; they are refused.
+
+FSDP2 cannot shard a 0-dim parameter (CLIP's ``logit_scale``, SigLIP's ``logit_bias``): such scalars
+are left out of ``fully_shard`` (``ignored_params``), kept whole on every dp rank as ZeRO-1 keeps its
+replicated weights, and their gradients averaged over dp by a hook run with the others.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardformer.core import comm
 from shardformer.core.record import is_sharded, sharding_of
 from shardformer.core.shard_spec import shard_spec
 
@@ -84,6 +89,21 @@ def check_fully_shardable(model: nn.Module) -> None:
             )
 
 
+def kept_whole(param: torch.Tensor) -> bool:
+    """A parameter ZeRO-3 keeps whole on every dp rank: a scalar, which FSDP2 cannot shard."""
+    return param.dim() == 0
+
+
+def _dp_mean(group, size: int) -> Callable:
+    """A gradient hook: the gradient of a parameter kept whole, averaged over the dp ranks (FSDP2 averages
+    the sharded ones in backward)."""
+
+    def mean(grad: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(grad, group).div_(size)
+
+    return mean
+
+
 def fully_shard_model(
     model: nn.Module, layers: nn.Module | None, mesh, device: torch.device, precision: str = "fp32"
 ) -> GradHooks:
@@ -96,19 +116,21 @@ def fully_shard_model(
     hooks = {name: list(p._backward_hooks.values()) for name, p in model.named_parameters() if p._backward_hooks}
     dp_mesh = dp_device_mesh(mesh, device)
     policy = mixed_precision(precision)
+    whole = {p for p in model.parameters() if kept_whole(p)}
     _shard_experts(model, mesh, device, policy)
     for layer in layers if layers is not None else ():
         if layer is not None:
-            fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=policy, ignored_params=whole & set(layer.parameters()))
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=whole)
     out: GradHooks = []
     for name, p in model.named_parameters():
         if specs[name] is not None:
             p.shard_spec = specs[name]
         if name in expert_specs:
             p.expert_spec = expert_specs[name]
-        if name in hooks:
-            out.append((p, hooks[name]))
+        mean = [_dp_mean(mesh.dp_group, mesh.dp_size)] if p in whole and p.requires_grad and mesh.dp_size > 1 else []
+        if name in hooks or mean:
+            out.append((p, mean + hooks.get(name, [])))
     return out
 
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from shardformer.core import comm
-from shardformer.data_parallel.fsdp import GradHooks, local_bytes
+from shardformer.data_parallel.fsdp import GradHooks, kept_whole, local_bytes
 from shardformer.data_parallel.grad_norm import reduce_norm_stats
 from shardformer.data_parallel.optimizer_surface import share_surface
 from shardformer.tensor_parallel.slicer import shard_spec
@@ -61,13 +61,16 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"FullyShardedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        plain = [n for n, p in model.named_parameters() if id(p) in mine and not isinstance(p, DTensor)]
+        plain = [
+            n for n, p in model.named_parameters() if id(p) in mine and not isinstance(p, DTensor) and not kept_whole(p)
+        ]
         if plain:
             raise ValueError(
                 f"{plain[0]} is not sharded by FSDP2 (not a DTensor); build the optimizer after fully_shard_model"
             )
         self.optim, self.model = optimizer, model
         self.dp_group = dp_group
+        self._dp_size = comm.group_size(dp_group)
         self.tp_group = comm.LOCAL if tp_group is None else tp_group
         self.pp_group = comm.LOCAL if pp_group is None else pp_group
         self.grad_hooks = list(grad_hooks)
@@ -97,7 +100,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         for param, hooks in self.grad_hooks:
             if param.grad is None:
                 continue
-            local = param.grad.to_local()
+            local = _local(param.grad)
             for hook in hooks:
                 result = hook(local)
                 if result is not None:
@@ -114,8 +117,10 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             sums[False] = torch.zeros((), dtype=torch.float64, device=device)
             for p in self._norm_params:
                 if p.grad is not None:  # each dp rank holds its disjoint rows: the dp sum is the whole
-                    local = p.grad.to_local()
-                    sums[shard_spec(p) is not None] += torch.linalg.vector_norm(local, 2, dtype=torch.float64).square()
+                    square = torch.linalg.vector_norm(_local(p.grad), 2, dtype=torch.float64).square()
+                    if not isinstance(p.grad, DTensor):  # kept whole on every dp rank: counted once over dp
+                        square = square / self._dp_size
+                    sums[shard_spec(p) is not None] += square
             self._grad_stats = reduce_norm_stats(sums[True], sums[False], self.dp_group, self.tp_group, self.pp_group)
         return self._grad_stats
 
@@ -128,7 +133,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         if coef < 1.0 and not found_inf:
             for p in self._params():
                 if p.grad is not None:
-                    p.grad.to_local().mul_(coef)
+                    _local(p.grad).mul_(coef)
         return norm
 
     @torch.no_grad()
@@ -215,3 +220,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         dp = dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
         return f"FullyShardedOptimizer(dp={dp}, optimizer={type(self.optim).__name__})"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part: a DTensor's local shard, or a tensor kept whole (a scalar) itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -313,8 +313,36 @@ def check_dp2_bf16_compute_from_fp32_shards():
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in engine.model.parameters())
 
 
+def check_dp2_scalar_parameters_kept_whole():
+    """CLIP's ``logit_scale`` is 0-dim, which FSDP2 cannot shard: kept whole on each rank, its gradient
+    averaged over dp; losses, the clipped norm and every weight after AdamW steps as one process."""
+    ref, model = _twins("CLIPModel")
+    g = torch.Generator().manual_seed(0)
+    size = model.config.vision_config.image_size
+    batches = [
+        {"input_ids": torch.randint(3, 99, (4, 8), generator=g), "pixel_values": torch.randn(4, 3, size, size,
+         generator=g), "return_loss": True}
+        for _ in range(3)
+    ]  # fmt: skip
+    engine, sched = _engine(model, 1, 2)
+    assert not isinstance(engine.model.logit_scale, DTensor) and engine.model.logit_scale.dim() == 0
+    reference = Reference(ref, 2)
+    expected = [reference.step(b) for b in batches[:2]]
+    assert_close(torch.tensor(_train(engine, sched, batches[:2])), torch.tensor(expected), what="CLIP losses")
+    assert_close(torch.tensor(engine.last_grad_norm), torch.tensor(reference.norm), what="CLIP gradient norm")
+    expected.append(reference.step(batches[2]))
+    path = shared_dir("sf-zero3-scalar-")  # resumed from a checkpoint: the scalar's Adam state too
+    save_checkpoint(path, engine.model, engine.optimizer, sched, step=2)
+    resumed, sched2 = _engine(_twins("CLIPModel")[1], 1, 2)
+    load_checkpoint(path, resumed.model, resumed.optimizer, sched2)
+    assert_close(torch.tensor(_train(resumed, sched2, batches[2:])), torch.tensor(expected[2:]), what="resumed")
+    _assert_weights(resumed, ref, "CLIP weights after 3 steps")
+    remove_dir(path)
+
+
 test_zero3_dp2 = check_table(
     [
+        check_dp2_scalar_parameters_kept_whole,
         check_dp2_parity_eval_step_and_reshard,
         check_dp2_models_without_a_stage_forward,
         check_dp2_bf16_compute_from_fp32_shards,
