@@ -45,6 +45,15 @@ class PeftLoraSupport:
         return base if isinstance(base, nn.Module) else None
 
     def refusal(self, path: str, wrapper: nn.Module, layer: Layer | None, shard_config: ShardConfig) -> str | None:
+        experts = shard_config.expert_parallel_size > 1 and any(p.dim() == 3 for p in wrapper.parameters())
+        if (layer is not None or experts) and any(c.__name__ == "ParamWrapper" for c in type(wrapper).__mro__):
+            # LoRA on a module's raw parameters (an MoE's experts): its low-rank factors span the whole
+            # parameter, which the policy's replacement or ep's split of the experts cuts without them
+            return (
+                "PEFT's ParamWrapper (LoRA on parameters: target_parameters, or 'all-linear' on a mixture of "
+                "experts) is not cut with the module it wraps; leave the experts out of the targets, e.g. "
+                "LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'])"
+            )
         if layer is None:
             return None  # the base stays whole: so does its adapter
         if not hasattr(wrapper, "base_layer"):  # modules_to_save, trainable_token_indices

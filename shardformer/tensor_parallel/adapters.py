@@ -74,7 +74,8 @@ class SeenThrough:
 
     @classmethod
     def unwrap(cls, model: nn.Module) -> SeenThrough:
-        """Put every wrapper's base layer in its place (the wrapper still holds its base)."""
+        """Put every wrapper's base layer in its place (the wrapper still holds its base; a wrapper around
+        wrappers, the innermost base)."""
         found = adapter_wrappers(model)
         if found and not _SUPPORT:
             names = ", ".join(path for path, _, _ in found[:3])
@@ -82,9 +83,13 @@ class SeenThrough:
                 f"{type(model).__name__} holds adapter layers ({names}) and shardformer's PEFT support is not "
                 f"loaded; import shardformer (it loads shardformer.integrations.peft) before sharding"
             )
-        for path, _, base in found:
+        peeled = []
+        for path, wrapper, base in found:
+            while (inner := _base_of(base)) is not None:  # adapters on adapters (PEFT's ParamWrapper pairs)
+                base = inner
             model.set_submodule(path, base)
-        return cls(model, found)
+            peeled.append((path, wrapper, base))
+        return cls(model, peeled)
 
     def check(self, replacements, shard_config: ShardConfig) -> None:
         """Refuse, before any collective, a wrapper whose base is cut in a way its adapters cannot follow."""

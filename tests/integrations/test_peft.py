@@ -16,9 +16,10 @@ import warnings
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from shardformer import ModelSharder, ShardConfig, get_autopolicy, shard_model
+from shardformer.core.tiny import tiny_config
 from shardformer.tensor_parallel.layers import Linear1D_Col, Linear1D_Row
 from shardformer.tensor_parallel.layers.lora import LoraColumnB, LoraRowA
 from tests.helpers import assert_close, check_table, full_of
@@ -203,6 +204,11 @@ def check_what_cannot_be_cut_is_refused_before_the_first_step():
         _refused(lambda c=config: get_peft_model(sharded(), c), next(iter(extra)))
         _refused(lambda c=config: shard_model(get_peft_model(tiny_llama(), c), ShardConfig(tensor_parallel_size=TP)),
                  "modules_to_save / trainable_token_indices")  # fmt: skip
+    moe = get_peft_model(MixtralForCausalLM(tiny_config(MixtralConfig)), LoraConfig(target_modules="all-linear"))
+    _refused(
+        lambda: shard_model(moe, ShardConfig(tensor_parallel_size=TP)), "mlp.experts (ParamWrapper)", "target_modules"
+    )
+    assert type(moe.base_model.model.model.layers[0].mlp.experts).__name__ == "ParamWrapper"  # left as it was
     model = get_peft_model(tiny_gpt2(), lora_config("gpt2"))
     _refused(lambda: ModelSharder(model, get_autopolicy(tiny_gpt2()), ShardConfig(tensor_parallel_size=TP)).shard(),
              "c_attn", "shard_model")  # fmt: skip
