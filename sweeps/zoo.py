@@ -49,10 +49,11 @@ def _mapping(name: str) -> dict[str, tuple[str, ...]]:
 
 
 def _kind(config_class) -> str:
-    """ "moe" or "dense": from the tp plan's styles when there is one, else from the default config."""
-    plan = getattr(config_class, "base_model_tp_plan", None)
-    if plan:
-        return "moe" if any(style.startswith(MOE_STYLES) for style in plan.values()) else "dense"
+    """ "moe" or "dense": from the tp plan's styles, else from the default config's expert count (a plan
+    may name only the embedding, as GPT-OSS's does)."""
+    plan = getattr(config_class, "base_model_tp_plan", None) or {}
+    if any(style.startswith(MOE_STYLES) for style in plan.values()):
+        return "moe"
     from shardformer.expert_parallel.find import declared_count
 
     try:
@@ -103,9 +104,14 @@ def architectures(only=None) -> list[dict]:
         plan = getattr(config_class, "base_model_tp_plan", None)
         if not plan:
             continue
-        kind = "moe" if any(style.startswith(MOE_STYLES) for style in plan.values()) else "dense"
         rows.append(
-            {"task": "causal-lm", "model_type": model_type, "class": lm_name, "kind": kind, "route": "TpPlanPolicy"}
+            {
+                "task": "causal-lm",
+                "model_type": model_type,
+                "class": lm_name,
+                "kind": _kind(config_class),
+                "route": "TpPlanPolicy",
+            }  # fmt: skip
         )
     return rows
 
