@@ -135,7 +135,9 @@ class ParallelEngine:
             self.model = shard_before_split(model, cfg.shard_config(self.mesh), policy, self.pipeline)  # split below
         self.study = sharding_of(self.model).study  # what the cut read of the model, for the stages and units below
         # the first stage alone will hold the position tables: every stage checks a batch's positions against them
-        self._position_tables = position_tables(self.model) if cfg.pp > 1 else []
+        towers = getattr(self.pipeline.stage_forward, "towers", ()) if self.pipeline is not None else ()
+        tables = position_tables(self.model) if cfg.pp > 1 else []  # a tower's table is read with patch positions
+        self._position_tables = [t for t in tables if not any(t.path.startswith(f"{r}.") for r in towers)]
         self.policy = sharding_of(self.model).policy  # the route's (proven) or the one passed
         self._forward_agreement = self.model.shardformer.forward_agreement
         if self._forward_agreement is not None:  # checked per step below: shapes (the step agreement: values)

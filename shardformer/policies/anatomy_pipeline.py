@@ -64,9 +64,13 @@ class AnatomyStageForward:
 
     __name__ = "anatomy_stage_forward"
 
-    def __init__(self, layers: str, entries: tuple[str, ...], layer_outputs: int, offsets=(), held=None) -> None:
+    def __init__(
+        self, layers: str, entries: tuple[str, ...], layer_outputs: int, offsets=(), held=None, later_inputs=None
+    ) -> None:
         self.layers, self.entries, self.layer_outputs = layers, entries, layer_outputs
         self.offsets, self.held = dict(offsets), held or {}
+        self.later_inputs = later_inputs  # None: every input on every stage; else what stages after the first take
+        self.towers: tuple[str, ...] = ()  # modules on the first stage that read other inputs (a vision tower)
 
     def __call__(self, model: nn.Module, hidden, inputs: dict):
         stage, num_stages = stage_of(model)
@@ -90,6 +94,8 @@ class AnatomyStageForward:
         kwargs = {
             k: v for k, v in taken_inputs(forward, inputs).items() if v is not None and (last or k not in HEAD_INPUTS)
         }
+        if stage > 0 and self.later_inputs is not None:  # a tower's inputs (pixels): its output is in `hidden`
+            kwargs = {k: v for k, v in kwargs.items() if k in self.later_inputs or k in HEAD_INPUTS}
         if "use_cache" in inspect.signature(forward).parameters:
             kwargs["use_cache"] = False  # no KV cache in training: layers of other stages would never fill it
         with stage_view(model, stand_ins):
@@ -133,18 +139,25 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
     stages = _stages_of(model, found) if len(found) > 1 and not encoder_decoder else None
     if stages is not None:
         found = (stages,)  # Swin: split between its stages, each a stack of blocks of its own width
-    if len(found) > 1 and not encoder_decoder:
-        raise NotImplementedError(
-            f"{name} has {len(found)} layer stacks ({', '.join(found)}) that are not an encoder and a decoder, nor "
-            f"one each in the items of one list (as Swin's stages are): pipeline stages over them are not "
-            f"supported; use pipeline_parallel_size=1, or {FIX}"
-        )
+    later_inputs = None
+    if len(found) > 1 and not encoder_decoder:  # towers (vision, audio) before a language model's stack
+        later_inputs = _language_inputs(model, found[-1])
+        if later_inputs is None:
+            raise NotImplementedError(
+                f"{name} has {len(found)} layer stacks ({', '.join(found)}) that are not an encoder and a decoder, "
+                f"nor one each in the items of one list (as Swin's stages are), nor towers before a language "
+                f"model's stack: pipeline stages over them are not supported; use pipeline_parallel_size=1, or {FIX}"
+            )
+        towers = tuple(_tower_root(stack, found[-1]) for stack in found[:-1])
+        found = found[-1:]
     layers = found if encoder_decoder else found[0]
     try:
         ends = ends_of(model, layers)
     except AnatomyError as e:
         raise NotImplementedError(f"no pipeline split of {name}: {e}; use pipeline_parallel_size=1") from e
-    spec = spec_from_ends(model, layers, ends)
+    spec = spec_from_ends(model, layers, ends, later_inputs)
+    if later_inputs is not None:
+        spec.stage_forward.towers = towers
     try:  # every parameter placed: the anatomy was read off a tiny copy, whose modules may differ
         check_pipeline_spec(spec, model, 2, _boundary(model, spec))
     except PipelineSpecError as e:  # the spec is the anatomy's, not the user's: say why it falls short
@@ -152,7 +165,7 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
             f"no pipeline split of {name} from its anatomy: {_unseen(model, found) or e}; use pipeline_parallel_size=1, "
             f"or {FIX}"
         ) from e
-    error, refusals = first_rank_answer(lambda: _proof(model, layers, ends))  # proven once, taken by all
+    error, refusals = first_rank_answer(lambda: _proof(model, layers, ends, later_inputs))  # proven once, for all
     if encoder_decoder:
         spec.stage_forward.refusals = dict(refusals)  # the cuts inside the stacks that are not exact
     if error is not None:
@@ -235,7 +248,24 @@ def _boundary(model: nn.Module, spec: PipelineSpec) -> list[int] | None:
     return [len(model.get_submodule(spec.layers)), len(model.get_submodule(spec.second_layers))]
 
 
-def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends) -> PipelineSpec:
+def _tower_root(stack: str, language: str) -> str:
+    """The module holding ``stack`` just below where its path parts from the language model's stack."""
+    parts, other = stack.split("."), language.split(".")
+    shared = next(i for i, (a, b) in enumerate(zip(parts, other)) if a != b)
+    return ".".join(parts[: shared + 1])
+
+
+def _language_inputs(model: nn.Module, stack: str) -> frozenset[str] | None:
+    """The inputs the stages after the first take when ``stack`` is a language model's, after towers whose
+    output the first stage merges into its embeddings: what the module holding the stack takes (a VLM's
+    ``language_model``: ids, masks, positions; not the pixels). None when that module takes no token ids."""
+    parent = stack.rpartition(".")[0]
+    holder = model.get_submodule(parent) if parent else model
+    taken = set(inspect.signature(own_forward(holder)).parameters)
+    return frozenset(taken) if "input_ids" in taken else None
+
+
+def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends, later_inputs=None) -> PipelineSpec:
     """The spec: ``ends.before`` on the first stage, ``ends.after`` on the last, and the modules of the
     first that hold a weight tied to one of the last on both (``shared``). Two stacks (an encoder and a
     decoder): the modules of each of ``ends.sections`` with the layer next to them."""
@@ -272,7 +302,7 @@ def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends) 
     shared += [p for p in ends.after if id(part(model, p)) in held and p not in shared]
     last = tuple(p for p in ends.after if p not in shared)
     tokens = {p: tuple(part(model, p).shape) for p in first if isinstance(part(model, p), nn.Parameter)}
-    stage = AnatomyStageForward(layers, ends.before, ends.layer_outputs, ends.offsets, tokens)
+    stage = AnatomyStageForward(layers, ends.before, ends.layer_outputs, ends.offsets, tokens, later_inputs)
     return PipelineSpec(layers, stage, first=tuple(first), last=last, shared=tuple(shared), every=ends.every)
 
 
@@ -287,25 +317,25 @@ def _params(model: nn.Module, path: str) -> list[nn.Parameter]:
 _PROOFS: dict[tuple, tuple[str | None, dict[str, str]]] = {}
 
 
-def _proof(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, str]]:
+def _proof(model: nn.Module, layers, ends: Ends, later_inputs=None) -> tuple[str | None, dict[str, str]]:
     """(why two stages of a tiny copy do not compute what the copy computes (loss or output, every
     gradient), or None; for an encoder-decoder, {cut kind: why stages cut there are not exact}).
     Cached per stack under everything the verdict depends on (`shardformer.policies.copies.copy_key`)."""
     key = (copy_key(model, 1), str(layers))
     if key not in _PROOFS:
         try:
-            _PROOFS[key] = _prove(model, layers, ends)
+            _PROOFS[key] = _prove(model, layers, ends, later_inputs)
         except Exception as e:  # noqa: BLE001 - a split that crashes is not exact: say how
             _PROOFS[key] = (failure_of(e), {})
     return _PROOFS[key]
 
 
-def _prove(model: nn.Module, layers, ends: Ends) -> tuple[str | None, dict[str, str]]:
+def _prove(model: nn.Module, layers, ends: Ends, later_inputs=None) -> tuple[str | None, dict[str, str]]:
     tiny, inputs = tiny_for(model)
     if isinstance(layers, str) and len(tiny.get_submodule(layers)) < 2:
         return f"the tiny copy has fewer than two layers in {layers}", {}
     tiny.eval()
-    spec = spec_from_ends(tiny, layers, ends)
+    spec = spec_from_ends(tiny, layers, ends, later_inputs)
     error = prove_split(tiny, inputs, spec, _boundary(tiny, spec) or [1, len(spec.layer_paths(tiny)) - 1])
     if isinstance(layers, str) or error is not None:
         return error, {}

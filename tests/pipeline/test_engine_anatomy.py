@@ -9,12 +9,15 @@ held by the model itself, Swin split between its stages; the export reloaded by 
 hand-written plain-module LM. One spawn.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 import transformers as tf
 
 from shardformer.core.tiny import tiny_config
+from shardformer.models import inputs_for
 from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_spec
 from shardformer.policies.anatomy import final_norm, layer_stack
 from shardformer.policies.anatomy_pipeline import AnatomyStageForward, pipeline_spec_for
@@ -23,6 +26,7 @@ from shardformer.tools.pair_check import load_pair
 from tests.helpers import check_table
 from tests.pipeline import common
 from tests.pipeline.test_engine import STEPS, _check
+from tests.policies.derived_models import runnable_model
 
 
 def _classifier_batches(steps, labels=3, seed=0):
@@ -297,7 +301,23 @@ def check_deberta_v2_relative_attention_tp2_pp2():
     assert encoder.rel_embeddings is not None and encoder.LayerNorm is not None, engine.mesh.pp_rank
 
 
+def check_llava_vision_tower_on_the_first_stage_tp2_pp2():
+    """A vision-language model: the vision tower and projector run on the first stage, which merges their
+    output into the embeddings; the language model's layers are split; later stages take no pixels."""
+    model = runnable_model("LlavaForConditionalGeneration")
+    ref = copy.deepcopy(model)
+    data = []
+    for step in range(STEPS):
+        batch = inputs_for(model, seed=step, batch=common.BATCH)
+        data.append({**batch, "labels": batch["input_ids"].clone()})
+    engine = _check("llava", 2, 2, 1, "1f1b", 2, 0.5, "torch", model_pair=(ref, model), data=data,
+                    optimizer=common.adamw)  # fmt: skip
+    tower = [n for n, _ in engine.model.named_parameters() if ".vision_tower." in n]
+    assert bool(tower) == (engine.mesh.pp_rank == 0), (engine.mesh.pp_rank, tower[:2])
+
+
 CHECKS = [
+    check_llava_vision_tower_on_the_first_stage_tp2_pp2,
     check_deberta_v2_relative_attention_tp2_pp2,
     check_deit_image_classification_tp2_pp2_zero1,
     check_convnext_tp2_pp2_zero1_sgd,
