@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from datetime import date
 
 import torch
@@ -47,6 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-layouts", type=int, default=100, help="measure at most this many (the best ranked first)")
     p.add_argument("--cases", type=int, nargs="*", help="with --paper: which of them (default all)")
+    p.add_argument("--count", action="store_true", help="no timing: count the collectives of one step of a few "
+                   "layouts (4 ranks), what the cost model's communication terms follow")  # fmt: skip
+    p.add_argument("--save", help="write the measured constants and steps to this JSON file")
+    p.add_argument("--measured", help="no measurement: predict again for the steps a --save file holds")
     p.add_argument("--paper", action="store_true", help="no measurement: run the search for the issue's example and "
                    "published configurations and show where the published layout ranks")  # fmt: skip
     return p.parse_args(argv)
@@ -144,6 +150,40 @@ def measure(folder: str, layouts: list, args) -> dict:
     return {"constants": found, "steps": [statistics.median(t) for t in times]}
 
 
+COUNTED = [dict(tp=4), dict(tp=2, dp=2), dict(tp=2, dp=2, activation_checkpointing=True), dict(dp=4, zero_stage=1),
+           dict(dp=4, zero_stage=2), dict(cp=2, dp=2), dict(cp=2, cp_mode="all_to_all", dp=2), dict(cp=4)]  # fmt: skip
+
+
+def count(folder: str, args) -> list:
+    """Each of ``COUNTED``'s layouts: one step (after one) under ``CollectiveCounter``, calls and bytes by
+    collective and group."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from shardformer import EngineConfig, ParallelEngine
+    from shardformer.core.comm import CollectiveCounter
+
+    ids = torch.randint(0, args.vocab, (args.global_batch, args.seq), generator=torch.Generator().manual_seed(0))
+    out = []
+    for fields in COUNTED:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))
+        engine = ParallelEngine(
+            model, lambda p: torch.optim.AdamW(p, lr=1e-4), EngineConfig(**fields, precision="fp32", prove=False)
+        )  # fmt: skip
+        mesh = engine.mesh
+        groups = (("tp", mesh.tp_group), ("cp", mesh.cp_group), ("dp", mesh.dp_shard_group))
+        names = {id(g): name for name, g in groups if g is not None}
+        engine.train_step({"input_ids": ids, "labels": ids})
+        with CollectiveCounter() as counter:
+            engine.train_step({"input_ids": ids, "labels": ids})
+        calls: dict[str, list[int]] = {}
+        for (op, _, nbytes), group in zip(counter.calls, counter.groups):
+            seen = calls.setdefault(f"{op} over {names.get(id(group), 'world')}", [0, 0])
+            seen[0], seen[1] = seen[0] + 1, seen[1] + nbytes
+        out.append((fields, calls))
+    return out
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
@@ -210,18 +250,36 @@ def main(argv=None):
 
     from shardformer.tools.search import search
     from shardformer.tools.search_cost import Hardware
+    from shardformer.tools.search_space import Layout
     from shardformer.tools.testing import run_on_ranks
 
     args = parse_args(argv)
     if args.paper:
         return paper(args)
+    if args.count:
+        folder = save_model(args, tempfile.mkdtemp(prefix="plan_search_check_"))
+        print(f"\n## Collectives of one step, rank 0 ({date.today()}): Llama {args.layers} x {args.hidden}, "
+              f"{args.global_batch} x {args.seq} tokens, fp32\n\n| layout | collective | calls | bytes |\n|---|---|---:|---:|")  # fmt: skip
+        for fields, calls in run_on_ranks(count, 4, folder, args, timeout=1800, threads_per_rank=1)[0]:
+            for what, (n, nbytes) in sorted(calls.items()):
+                print(f"| {fields} | {what} | {n} | {nbytes:,} |")
+        return None
     started = time.perf_counter()
     folder = save_model(args, tempfile.mkdtemp(prefix="plan_search_check_"))
     options = dict(seq=args.seq, global_batch=args.global_batch, gpus_per_node=args.world, precision="fp32",
                    simulate=False, prove=False, device="cpu", top=10**6, schedules=("1f1b",))  # fmt: skip
     first = search(folder, args.world, 64 * 2**30, hardware="h100", **options)
     layouts = chosen_layouts(first, args.max_layouts)
-    found = run_on_ranks(measure, args.world, folder, layouts, args, timeout=3600, threads_per_rank=1)[0]
+    if args.measured:  # the same model and layouts, measured before: only the prediction is new
+        with open(args.measured) as f:
+            found = json.load(f)
+        layouts = [Layout(**x) for x in found["layouts"]]
+    else:
+        found = run_on_ranks(measure, args.world, folder, layouts, args, timeout=3600, threads_per_rank=1)[0]
+        found["layouts"], found["load"] = [asdict(x) for x in layouts], os.getloadavg()
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(found, f, indent=1)
     c = found["constants"]
     cpu = Hardware("this CPU, measured", c["flops"], 1.0, c["beta"], c["alpha"], c["beta"], c["alpha"])
     ranked = {x.layout: x for x in search(folder, args.world, 64 * 2**30, hardware=cpu, **options).ranked}
@@ -233,6 +291,7 @@ def main(argv=None):
         f"{args.world} gloo ranks on CPU\n"
     )
     print(
+        f"Load average when measured (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in found.get('load', ()))}. "
         f"Constants measured in the same spawn (medians over its rounds): {c['flops'] / 1e9:.1f} GFLOP/s per rank (one thread), all-reduce "
         f"alpha {c['alpha'] * 1e6:.0f} us, beta {c['beta'] / 1e9:.2f} GB/s. **Spearman rank correlation, predicted vs "
         f"measured: {rho:.2f}** over {len(layouts)} layouts.\n"

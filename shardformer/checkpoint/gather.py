@@ -46,12 +46,20 @@ class Layout:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
 
     def record(self) -> dict[str, int]:
-        """The layout as a checkpoint's manifest records it (``ep`` only where experts are split)."""
+        """The layout as a checkpoint's manifest records it (``ep``, ``cp`` and ``dp_replicate`` only where
+        above 1, so a plain layout's record reads as before)."""
         return (
             {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world": self.world}
             | ({"ep": self.ep} if self.ep > 1 else {})
             | ({"cp": self.cp} if self.cp > 1 else {})
+            | ({"dp_replicate": self.dp_replicate} if self.dp_replicate > 1 else {})
         )
+
+
+def rank_place(record: dict[str, int]) -> dict[str, int]:
+    """What of a layout's record says where each rank sits (its RNG streams mean that place): all of it but
+    ``dp_replicate``, which regroups ZeRO's ranks and moves none."""
+    return {k: v for k, v in record.items() if k != "dp_replicate"}
 
 
 def _world() -> tuple[int, int]:

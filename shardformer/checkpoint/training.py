@@ -30,7 +30,7 @@ import torch.nn as nn
 from shardformer.checkpoint import async_save, commit, dcp_io, foreign, ranks
 from shardformer.checkpoint.errors import CheckpointError
 from shardformer.checkpoint.files import dtype_kind, expert_spec
-from shardformer.checkpoint.gather import Layout, layout_of
+from shardformer.checkpoint.gather import Layout, layout_of, rank_place
 from shardformer.checkpoint.hf_export import original_class
 from shardformer.checkpoint.model_config import config_differences, config_of
 from shardformer.checkpoint.optim_state import OptimizerReader, apply_optimizer, class_name
@@ -146,7 +146,7 @@ def _read_all(path: str, model: nn.Module, optimizer, scheduler, lay: Layout, al
         saved = found.settings if meta is None else meta["optimizer"]
         stored = found.optimizer
         opt = OptimizerReader(stored.folder, saved, stored.metadata, model, optimizer, candidates, stored.name(""))
-    keep_rng = meta is not None and meta["layout"] == lay.record()  # a rank's streams mean that rank's place
+    keep_rng = meta is not None and rank_place(meta["layout"]) == rank_place(lay.record())
     return {
         "meta": meta,
         "loads": found.loads(targets, None if opt is None else opt.targets),

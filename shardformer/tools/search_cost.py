@@ -5,17 +5,26 @@
   attention's ``6 x layers x seq x heads x head_dim`` (forward and backward), spread evenly over the
   ranks, at ``efficiency`` x ``peak_flops`` (`Hardware`). **Recompute** (activation checkpointing):
   one more forward, a third of the compute.
-- **Communication**, each collective by the alpha-beta model on the link its group spans: ring
+- **Communication**, each collective by the alpha-beta model on the links its group spans: ring
   all-reduce ``2(p-1) alpha + 2(p-1)/p x bytes / beta``, all-gather, reduce-scatter and all-to-all
   ``(p-1) alpha + (p-1)/p x bytes / beta``, a send ``alpha + bytes / beta``. A group is inside one
   node when the ranks it spans fit in ``gpus_per_node`` (the mesh's rank order: tp innermost, then
-  cp, dp (ep is consecutive dp ranks), pp outermost), else every message pays the inter-node link.
+  cp, dp (ep is consecutive dp ranks), pp outermost): the node's alpha and beta. Across nodes (`Span`),
+  with ``g`` of its ranks on each node: the inter-node alpha, and ``beta = min(intra, g x inter)``:
+  every GPU has its own NIC (``inter`` is per GPU), the collective's rings cross between nodes
+  through the group's ``g`` NICs of a node at once, and the bytes each rank moves also pass its
+  fast link. A send between nodes goes through one NIC: ``beta = inter``.
   tp: per layer and micro-batch 2 all-reduces forward and 2 backward of ``micro-batch x seq / cp x
   hidden`` activations (sequence parallelism: the same bytes as all-gathers and reduce-scatters),
-  2 more when the layer is recomputed. cp ring: ``cp - 1`` sends of the layer's keys and values
-  forward, twice that backward; cp all-to-all: 4 forward and 4 backward. ep: 2 all-to-alls of
-  ``tokens x top-k x hidden`` forward and 2 backward per MoE layer. dp, once a step: ZeRO-1/2
-  reduce-scatter the fp32 gradients and all-gather the updated parameters; ZeRO-3 gathers each
+  1 more when the layer is recomputed (torch's checkpoint stops recomputing after the last tensor
+  the backward needs, before the MLP's all-reduce); per micro-batch, outside the layers, the vocabulary-parallel
+  embedding's and head's activation all-reduces and the loss's three fp32 ones per token. cp ring:
+  ``cp - 1`` sends of the layer's keys and values forward, backward ``cp - 1`` again with the fp32
+  key/value gradients and one more of those; cp all-to-all: 4 forward and 4 backward; once a step,
+  the fp32 gradient all-reduced over the cp ranks (each computed its part of the sequences). ep: 2 all-to-alls of
+  ``tokens x top-k x hidden`` forward and 2 backward per MoE layer. dp, once a step: ZeRO-2
+  reduce-scatters the fp32 gradients, ZeRO-1 all-reduces them (written back to ``param.grad``), both
+  all-gather the updated parameters; ZeRO-3 gathers each
   layer's parameters twice per micro-batch (forward, backward) and reduce-scatters fp32 gradients
   once; experts over the expert-dp ranks. HSDP (replicate x shard): that traffic inside the shard
   group (its link: a node's when the shard group fits in one), ZeRO-3's gathers too, then an fp32
@@ -86,27 +95,56 @@ class RankState:
     layer_numel: int
 
 
-def all_reduce(nbytes: float, p: int, link: tuple[float, float]) -> float:
-    alpha, beta = link
-    return 0.0 if p == 1 else 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
+@dataclass(frozen=True)
+class Span:
+    """Where a group's ranks sit: ``per_node`` of them on each of ``nodes`` nodes, and the links between
+    them. A collective runs as rings (NCCL's channels), one crossing between nodes through each of the
+    group's ``per_node`` NICs of a node, so the bytes a rank moves cross at the slower of its fast link
+    and ``per_node`` x the per-GPU inter-node bandwidth; each ring step waits for the slowest hop."""
+
+    per_node: int
+    nodes: int
+    hw: Hardware
+
+    @property
+    def alpha(self) -> float:
+        return self.hw.intra_latency if self.nodes == 1 else self.hw.inter_latency
+
+    @property
+    def beta(self) -> float:
+        if self.nodes == 1:
+            return self.hw.intra_bandwidth
+        return min(self.hw.intra_bandwidth, self.per_node * self.hw.inter_bandwidth)
 
 
-def one_way(nbytes: float, p: int, link: tuple[float, float]) -> float:
+def all_reduce(nbytes: float, p: int, link: Span) -> float:
+    return 0.0 if p == 1 else 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * nbytes / link.beta
+
+
+def one_way(nbytes: float, p: int, link: Span) -> float:
     """All-gather, reduce-scatter or all-to-all of ``nbytes`` (the whole gathered size)."""
-    alpha, beta = link
-    return 0.0 if p == 1 else (p - 1) * alpha + (p - 1) / p * nbytes / beta
+    return 0.0 if p == 1 else (p - 1) * link.alpha + (p - 1) / p * nbytes / link.beta
+
+
+def send(nbytes: float, link: Span) -> float:
+    """One hop to the next rank of the group: between nodes through one NIC (the slowest hop sets the pace)."""
+    return link.alpha + nbytes / (link.beta if link.nodes == 1 else min(link.beta, link.hw.inter_bandwidth))
 
 
 class _Links:
-    """The (alpha, beta) of a group of ``size`` ranks ``stride`` apart in the mesh's rank order."""
+    """The `Span` of a group of ``size`` ranks ``stride`` apart in the mesh's rank order. Every rank has
+    its own NIC (the node's inter-node bandwidth is ``gpus_per_node`` x ``inter_bandwidth``), and the
+    node's other ranks run their own copies of the group's collective at the same time, so a group
+    with ``per_node`` ranks on a node has ``per_node`` NICs of it."""
 
     def __init__(self, hw: Hardware, gpus_per_node: int):
         self.hw, self.gpus_per_node = hw, gpus_per_node
 
-    def __call__(self, stride: int, size: int) -> tuple[float, float]:
+    def __call__(self, stride: int, size: int) -> Span:
         if stride * size <= self.gpus_per_node:
-            return self.hw.intra_latency, self.hw.intra_bandwidth
-        return self.hw.inter_latency, self.hw.inter_bandwidth
+            return Span(size, 1, self.hw)
+        per_node = max(1, min(size, self.gpus_per_node // stride))
+        return Span(per_node, -(-size // per_node), self.hw)
 
 
 def step_cost(
@@ -125,7 +163,7 @@ def step_cost(
     act = b * n * shape.hidden * w
     tp_link, cp_link = L(1, tp), L(tp, cp)
     tp_fwd = layers * 2 * all_reduce(act, tp, tp_link)
-    cp_fwd = layers * _cp_exchange(layout, shape, b * n, w, cp_link)
+    cp_fwd, cp_bwd = (layers * x for x in _cp_exchange(layout, shape, b * n, w, cp_link))
     ep_fwd = 0.0
     if ep > 1:
         moe = shape.moe_layers / (pp * v)
@@ -136,13 +174,13 @@ def step_cost(
         gather = layers * one_way(state.layer_numel * w, shard, L(tp * cp, shard))
     p2p = 0.0
     if pp > 1:
-        alpha, beta = L(tp * cp * dp, pp)
-        p2p = alpha + act / beta
+        p2p = send(act, L(tp * cp * dp, pp))
     chunk = {
         "compute": (f, 2 * f),
         "recompute": (0.0, recompute),
-        "tp": (tp_fwd, tp_fwd * (2 if layout.checkpointing else 1)),
-        "cp": (cp_fwd, 2 * cp_fwd + (cp_fwd if layout.checkpointing else 0.0)),
+        # recomputed: torch's checkpoint stops after the last tensor backward needs, before the MLP's all-reduce
+        "tp": (tp_fwd, tp_fwd * (1.5 if layout.checkpointing else 1)),
+        "cp": (cp_fwd, cp_bwd + (cp_fwd if layout.checkpointing else 0.0)),
         "ep": (ep_fwd, ep_fwd * (2 if layout.checkpointing else 1)),
         "dp": (gather, gather),
         "pp": (p2p, p2p),
@@ -152,22 +190,38 @@ def step_cost(
     scale = pipeline_step(layout.schedule, pp, m, v, forward, backward)
     parts = {k: m * v * (x + y) for k, (x, y) in chunk.items()}
     parts["bubble"] = scale - sum(parts.values()) if pp > 1 else 0.0
-    parts["dp"] += _dp_step(layout, state, w, L)
-    return StepCost({k: x for k, x in parts.items() if x > 0}, scale + _dp_step(layout, state, w, L),
-                    tokens * m * dp)  # fmt: skip
+    once = {"tp": m * _tp_ends(layout, b * n, act, tp_link), "dp": _dp_step(layout, state, w, L),
+            "cp": all_reduce(state.numel * 4, cp, cp_link)}  # fmt: skip
+    for k, x in once.items():
+        parts[k] += x
+    return StepCost({k: x for k, x in parts.items() if x > 0}, scale + sum(once.values()), tokens * m * dp)
 
 
-def _cp_exchange(layout: Layout, shape: ModelShape, local_tokens: int, w: int, link) -> float:
-    """One layer's forward context-parallel exchange."""
+def _tp_ends(layout: Layout, local_tokens: int, act: float, link: Span) -> float:
+    """One micro-batch's tensor-parallel traffic outside the layers: the vocabulary-parallel embedding's
+    output all-reduce (first stage), the head's input-gradient all-reduce and the vocabulary-parallel
+    loss's three fp32 all-reduces per token (last stage; pp > 1: the busier end only)."""
+    if layout.tp == 1:
+        return 0.0
+    return (1 if layout.pp > 1 else 2) * all_reduce(act, layout.tp, link) + 3 * all_reduce(
+        local_tokens * 4, layout.tp, link
+    )
+
+
+def _cp_exchange(layout: Layout, shape: ModelShape, local_tokens: int, w: int, link) -> tuple[float, float]:
+    """One layer's context-parallel exchange, forward and backward. The ring (`context_parallel.ring`):
+    keys and values move ``cp - 1`` times forward; backward they move ``cp - 1`` times again, each
+    shift with the fp32 key/value gradients, which make the full turn (``cp`` shifts)."""
     cp, tp = layout.cp, layout.tp
     if cp == 1:
-        return 0.0
+        return 0.0, 0.0
     if layout.cp_mode == "ring":
         kv_heads = max(shape.kv_heads // tp, 1)
         kv = 2 * local_tokens * kv_heads * shape.head_dim * w
-        return (cp - 1) * (link[0] + kv / link[1])
+        grads = kv * 4 / w
+        return (cp - 1) * send(kv, link), (cp - 1) * send(kv + grads, link) + send(grads, link)
     heads = local_tokens * (shape.heads // tp) * shape.head_dim * w
-    return 4 * one_way(heads * cp, cp, link)
+    return 4 * one_way(heads * cp, cp, link), 4 * one_way(heads * cp, cp, link)
 
 
 def _dp_step(layout: Layout, state: RankState, w: int, L) -> float:
@@ -180,7 +234,8 @@ def _dp_step(layout: Layout, state: RankState, w: int, L) -> float:
             continue
         shard = ranks // r
         inner = L(layout.tp * layout.cp * stride, shard)
-        grads = one_way(numel * 4, shard, inner)  # fp32 reduce-scatter
+        # fp32 gradients: reduce-scattered (ZeRO-2/3); ZeRO-1 all-reduces them (written back to param.grad)
+        grads = (all_reduce if layout.zero == 1 else one_way)(numel * 4, shard, inner)
         if layout.zero < 3:
             grads += one_way(numel * w, shard, inner)  # the updated parameters gathered
         if r > 1:  # HSDP: the reduced gradients all-reduced over the replicas (ZeRO-1: every row, written back)

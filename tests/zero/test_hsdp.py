@@ -67,7 +67,8 @@ def check_zero3_hybrid_parity_export_and_resharded_checkpoints():
     _, other = common.models(GPT2)
     plain, sched4 = _engine(other, 1, 4)
     info = load_checkpoint(os.path.join(path, "hybrid"), plain.model, plain.optimizer, sched4)
-    assert info["layout"] == {"tp": 1, "pp": 1, "dp": 4, "world": 4}, info
+    assert info["layout"] == {"tp": 1, "pp": 1, "dp": 4, "world": 4, "dp_replicate": 2}, info
+    assert info["rng_restored"]  # the same ranks: hybrid sharding regroups ZeRO's ranks, moves none
     assert_close(torch.tensor(_train(plain, sched4, batches[2:3])), torch.tensor(expected[:1]), what="dp=4 ZeRO-3")
     save_checkpoint(os.path.join(path, "plain"), plain.model, plain.optimizer, sched4, step=3)
     if dist.get_rank() == 0:  # the replicas' equal chunks written once: no more bytes than at plain dp=4
@@ -75,7 +76,8 @@ def check_zero3_hybrid_parity_export_and_resharded_checkpoints():
         assert hybrid <= flat, (hybrid, flat)  # 778 KB vs 846 KB here: fewer chunks, fewer headers
     _, again = common.models(GPT2)
     back, sched1 = _engine(again, 1, 4, zero_stage=1, dp_replicate=2)
-    load_checkpoint(os.path.join(path, "plain"), back.model, back.optimizer, sched1)
+    info = load_checkpoint(os.path.join(path, "plain"), back.model, back.optimizer, sched1)
+    assert info["layout"] == {"tp": 1, "pp": 1, "dp": 4, "world": 4}, info  # plain dp: no dp_replicate
     assert_close(torch.tensor(_train(back, sched1, batches[3:])), torch.tensor(expected[1:]), what="2 x 2 ZeRO-1")
     _assert_weights(back, reference.model, "2x2 ZeRO-3 -> dp=4 ZeRO-3 -> 2x2 ZeRO-1: weights")
     remove_dir(path)
