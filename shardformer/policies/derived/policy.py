@@ -40,6 +40,7 @@ from shardformer.tensor_parallel.layers.linear import Linear1D_RowIntoParallel, 
 from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
 from shardformer.tensor_parallel.layers.norm import SplitLayerNorm, norm_over_ranks_layer
 from shardformer.tensor_parallel.layers.per_head import HeadModules
+from shardformer.tensor_parallel.layers.read_attention import ReadMultiheadAttention
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Policy, Row_Layer
 
@@ -211,6 +212,9 @@ class DerivedPolicy(TpPlanPolicy):
         }
         for rel in rule.attention:  # torch's nn.MultiheadAttention, replaced whole by the layer cutting its heads
             layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=ParallelMultiheadAttention)
+        for rel in rule.read_attention:  # its code hands the cut projections' weights to torch's function
+            path = f"{block}.{rel}".rstrip(".")
+            layers[path] = Layer(path, replace_layer=ReadMultiheadAttention)
         unknown = sorted(
             set(inside) - set(rule.cols) - rule.rows - rule.whole - rule.idle - rule.inner_rows - set(rule.channels)
         )
