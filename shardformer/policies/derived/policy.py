@@ -20,6 +20,7 @@ from shardformer.policies.derived.blocks import (
     blocks_to_cut,
     is_projection,
     out_width,
+    own_weights,
     pooling_heads,
     repeated_blocks,
     value_at,
@@ -106,7 +107,16 @@ class DerivedPolicy(TpPlanPolicy):
         if not layers:
             if config is None:  # a timm model or a plain module: convolutions, or projections a Policy may name
                 raise no_stack(model)
-            raise NotDerivableError(f"no projection of {type(model).__name__} reads and writes a block's stream")
+            blocks = blocks_to_cut(model)
+            held = own_weights(modules[blocks[0]]) if blocks else {}
+            named = "; ".join(f"{cls} ({', '.join(rels)})" for cls, rels in held.items())
+            raise NotDerivableError(
+                f"no projection of {type(model).__name__} reads and writes a block's stream"
+                + (f": its blocks compute with {named}, modules multiplying by weights of their own, not "
+                   f"nn.Linear projections, which the derived route does not cut" if named else ""),
+                DATA_PARALLEL,
+                POLICY,
+            )  # fmt: skip
         idle = [b for b in repeated_blocks(model) if _all_idle(modules[b], derivation.rules.get(type(modules[b])))]
         whole = uncovered_blocks(model, layers, idle)
         if whole:
