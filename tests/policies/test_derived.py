@@ -88,6 +88,8 @@ EXACT = [
     ("runnable:WavLMForCTC", {}),
     # Nystromformer's depthwise convolution over the heads' values (groups = heads): cut with the heads
     ("NystromformerModel", {}),
+    # LFM's short convolution over in_proj's [B | C | x] channels (depthwise): cut with the blocks
+    ("Lfm3ForCausalLM", {}),
 ]
 
 

@@ -80,6 +80,16 @@ def _head_param_options(parent: nn.Module, counts: dict[int, str]) -> dict[str, 
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
+def depthwise_options(parent: nn.Module, widths: set[int]) -> dict[str, dict[str, int]]:
+    """The depthwise convolutions in ``parent`` over as many channels as a column's block (LFM2's short
+    convolution over ``[B | C | x]``'s channels, RecurrentGemma's over ``linear_x``'s): cut with the blocks."""
+    found: dict[str, dict[str, int]] = {}
+    for rel, m in parent.named_modules():
+        if isinstance(m, CONVOLUTIONS) and m.groups == m.in_channels == m.out_channels > 1 and m.groups in widths:
+            found[rel] = {name: 0 for name, _ in m.named_parameters(recurse=False)}
+    return found
+
+
 def depthwise_counts(parent: nn.Module, params: dict[str, dict[str, int]]) -> tuple[str, ...]:
     """The channel and group counts of the depthwise convolutions whose weight ``params`` cuts by heads
     (Nystromformer's convolution over the heads' values, ``groups = heads``): each rank's holds its heads

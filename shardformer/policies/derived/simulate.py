@@ -30,6 +30,7 @@ from shardformer.policies.derived.heads import (
     HeadCut,
     bias_options,
     depthwise_counts,
+    depthwise_options,
     distinct_heads,
     head_lists,
     head_options,
@@ -254,7 +255,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     # blocked cuts (CodeGen regroups its fused qkv into 4 blocks of [q | v | k]: each block cut on its
     # own, and the row's input in as many blocks)
     # and last, the module run under LocalWidths (reshapes to the stream's width read off the input)
-    biases = bias_options(parent, col_rels, widths)
+    biases = bias_options(parent, col_rels, widths) | depthwise_options(parent, widths)
     heads_options = head_options(parent, args, kwargs, tp, inputs, stream_width, biases, lists, config)
     stages = [(None, 1, per_col, 0)] + [(h, 1, per_col, 0) for h in heads_options]
     for m in BLOCKED_ROWS:
