@@ -80,6 +80,16 @@ EXACT = [
     # TIPSv2's tiny copy differs by float32 rounding alone (a gradient 2e-4 off at its scale): the proof's
     # float64 rerun, at 10^4-fold tighter tolerances, finds it exact (refused before it)
     ("runnable:Tipsv2Model", {}),
+    # GPT-OSS's attention keeps no head count, yet holds one sink per head: cut with the heads counted
+    # by the config it keeps (proven at the model's own 4 heads, not on a wider copy)
+    ("GptOssForCausalLM", {}),
+    # WavLM hands its projections' weights to F.multi_head_attention_forward: the read is followed
+    # (this rank's heads of its gated relative-position mask; the mask's tables' gradients summed)
+    ("runnable:WavLMForCTC", {}),
+    # Nystromformer's depthwise convolution over the heads' values (groups = heads): cut with the heads
+    ("NystromformerModel", {}),
+    # LFM's short convolution over in_proj's [B | C | x] channels (depthwise): cut with the blocks
+    ("Lfm3ForCausalLM", {}),
 ]
 
 

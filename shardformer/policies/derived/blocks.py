@@ -148,3 +148,14 @@ def _holds_stack(module: nn.Module) -> bool:
     return any(
         isinstance(m, (nn.ModuleList, nn.Sequential)) and _like_blocks(m, "") for _, m in module.named_modules() if _
     )
+
+
+def own_weights(block: nn.Module) -> dict[str, list[str]]:
+    """``{class name: paths}`` of the leaves in ``block`` that hold a matrix of their own and are no
+    projection (JetMoE's ``JetMoeParallelExperts``: experts' weights multiplied by the module's own code)."""
+    found: dict[str, list[str]] = {}
+    for rel, m in block.named_modules():
+        matrices = any(p.dim() >= 2 for p in m.parameters(recurse=False))
+        if rel and matrices and not list(m.children()) and not is_projection(m) and not isinstance(m, nn.Embedding):
+            found.setdefault(type(m).__name__, []).append(rel)
+    return found

@@ -57,6 +57,7 @@ class BlockRule:
     settings: dict[str, bool] = field(default_factory=dict)  # flags that make the code call a projection
     split_norms: set[str] = field(default_factory=set)  # LayerNorms over cut features: statistics over ranks
     attention: set[str] = field(default_factory=set)  # torch's nn.MultiheadAttention modules, cut by heads
+    read_attention: set[str] = field(default_factory=set)  # modules running F.multi_head_attention_forward
     local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row writing the width it makes local
     inner_rows: set[str] = field(default_factory=set)  # rows whose all-reduced output feeds cut work (Mamba's x_proj)
     channels: dict[str, dict[str, tuple]] = field(default_factory=dict)  # leaf -> {tensor: (dim, role)} (mixers)
@@ -234,7 +235,10 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
         for block in units
     }
     for block, owners in packed.items():
-        flows.bypassed[block] = [r for r in flows.bypassed.get(block, []) if not inside(r, owners)]
+        followed = {r for read in flows.read_attention.get(block, {}).values() for r in read[:4]}
+        flows.bypassed[block] = [
+            r for r in flows.bypassed.get(block, []) if not inside(r, owners) and r not in followed
+        ]
     bypassed = {b: rels for b, rels in flows.bypassed.items() if rels and b in flows.blocks}
     settings = calling_settings(tiny, inputs, bypassed)
     if settings:  # the projections their code read by weight are called now: traced again
@@ -268,6 +272,21 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
     return Derivation(rules, refused, heads, embeddings, whole_heads, outside, flows.read_by_weight)
 
 
+def _read_attention_rule(name: str, reads: dict[str, tuple], rule: BlockRule, tp: int) -> list[Reason]:
+    """The cut of the modules whose code hands their projections' weights to F.multi_head_attention_forward:
+    q, k, v by their outputs, the output projection by its inputs, the owner run on this rank's heads."""
+    refused = []
+    for owner, (q, k, v, out, heads) in reads.items():
+        if heads % tp:
+            text = f"{name}: {owner or 'the block'} runs F.multi_head_attention_forward on {heads} heads, which do not split over tensor_parallel_size={tp}"
+            refused.append(Reason(text, HEADS))
+            continue
+        rule.cols.update(dict.fromkeys((q, k, v), 1))
+        rule.rows.add(out)
+        rule.read_attention.add(owner)
+    return refused
+
+
 def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp: int, inputs, head=False) -> list[str]:
     """Fill ``rule`` with the cut of the block (or pooling head) at ``block`` of the traced ``tiny``; the
     reasons no exact cut of a part of it was found. A pooling head that does not attend is left empty."""
@@ -296,6 +315,7 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
         else:
             text = f"{name}: {rel} is torch's nn.MultiheadAttention, and {why}"
             refused.append(Reason(text, HEADS if "heads do not split" in why else DATA_PARALLEL))
+    refused += _read_attention_rule(name, flows.read_attention.get(block, {}), rule, tp)
     for rel in [r for r in flows.bypassed.get(block, []) if not inside(r, owned)]:
         text = (
             f"{name}: {rel} is never called: the {'head' if head else 'block'}'s code reads its weight itself "

@@ -43,13 +43,24 @@ def slice_heads(t: torch.Tensor, cut: HeadCut, heads: int, rank: int, tp: int) -
     return t.narrow(cut.dim, rank * size, size)
 
 
-def head_counts(parent: nn.Module, tp: int) -> dict[int, str]:
-    """``{value: dotted name}`` of the head counts the parent's subtree holds (dividing by tp)."""
+def head_counts(parent: nn.Module, tp: int, config=None) -> dict[int, str]:
+    """``{value: dotted name}`` of the head counts the parent's subtree holds (dividing by tp), then those
+    of the configs its modules keep (``self.config``) and of the model's (text) ``config``: GPT-OSS's and
+    Parakeet's attention keep no head count of their own, yet hold per-head parameters (``sinks``,
+    ``bias_u``) as long as ``config.num_attention_heads``."""
     counts: dict[int, str] = {}
     for rel, module in parent.named_modules():
         for name, value in int_attributes(module).items():
             if is_head_count(name) and value > 1 and value % tp == 0:
                 counts.setdefault(value, f"{rel}.{name}" if rel else name)
+    held = [
+        (f"{rel}.config" if rel else "config", m.config) for rel, m in parent.named_modules() if hasattr(m, "config")
+    ]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for prefix, conf in [*held, *([("config", text)] if text is not None else [])]:
+        for name, value in getattr(conf, "__dict__", {}).items():
+            if is_head_count(name) and type(value) is int and value > 1 and value % tp == 0:
+                counts.setdefault(value, f"{prefix}.{name}")
     return counts
 
 
@@ -64,6 +75,31 @@ def _head_param_options(parent: nn.Module, counts: dict[int, str]) -> dict[str, 
             if len(dims) == 1:
                 found.setdefault(rel, {})[name] = dims[0]
     return found
+
+
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def depthwise_options(parent: nn.Module, widths: set[int]) -> dict[str, dict[str, int]]:
+    """The depthwise convolutions in ``parent`` over as many channels as a column's block (LFM2's short
+    convolution over ``[B | C | x]``'s channels, RecurrentGemma's over ``linear_x``'s): cut with the blocks."""
+    found: dict[str, dict[str, int]] = {}
+    for rel, m in parent.named_modules():
+        if isinstance(m, CONVOLUTIONS) and m.groups == m.in_channels == m.out_channels > 1 and m.groups in widths:
+            found[rel] = {name: 0 for name, _ in m.named_parameters(recurse=False)}
+    return found
+
+
+def depthwise_counts(parent: nn.Module, params: dict[str, dict[str, int]]) -> tuple[str, ...]:
+    """The channel and group counts of the depthwise convolutions whose weight ``params`` cuts by heads
+    (Nystromformer's convolution over the heads' values, ``groups = heads``): each rank's holds its heads
+    only, so its counts are per rank too."""
+    found = []
+    for rel, dims in params.items():
+        m = parent.get_submodule(rel)
+        if isinstance(m, CONVOLUTIONS) and m.groups == m.in_channels == m.out_channels > 1 and dims.get("weight") == 0:
+            found += [f"{rel}.{name}" if rel else name for name in ("in_channels", "out_channels", "groups")]
+    return tuple(found)
 
 
 def head_lists(parent: nn.Module, tp: int) -> dict[str, int]:
@@ -124,10 +160,11 @@ def bias_options(parent: nn.Module, col_rels: list[str], widths: set[int]) -> di
     return found
 
 
-def head_options(parent, args, kwargs, tp, inputs, stream_width, biases=None, lists=None) -> list[tuple]:
+def head_options(parent, args, kwargs, tp, inputs, stream_width, biases=None, lists=None, config=None) -> list[tuple]:
     """Per-head parameter, input and module-list cuts to try, ``(params, inputs, lists)`` (with ``biases``,
-    `bias_options`, cut alike; ``lists``: `head_lists`), the fewest cut tensors first."""
-    counts = head_counts(parent, tp)
+    `bias_options`, cut alike; ``lists``: `head_lists`; ``config``: the model's, whose head counts count
+    too), the fewest cut tensors first."""
+    counts = head_counts(parent, tp, config)
     if not counts and not biases:
         return []
     params = _head_param_options(parent, counts)

@@ -20,6 +20,7 @@ from shardformer.policies.derived.blocks import (
     blocks_to_cut,
     is_projection,
     out_width,
+    own_weights,
     pooling_heads,
     repeated_blocks,
     value_at,
@@ -40,6 +41,7 @@ from shardformer.tensor_parallel.layers.linear import Linear1D_RowIntoParallel, 
 from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
 from shardformer.tensor_parallel.layers.norm import SplitLayerNorm, norm_over_ranks_layer
 from shardformer.tensor_parallel.layers.per_head import HeadModules
+from shardformer.tensor_parallel.layers.read_attention import ReadMultiheadAttention
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
 from shardformer.tensor_parallel.policy import Argument, Col_Layer, Layer, Policy, Row_Layer
 
@@ -105,7 +107,16 @@ class DerivedPolicy(TpPlanPolicy):
         if not layers:
             if config is None:  # a timm model or a plain module: convolutions, or projections a Policy may name
                 raise no_stack(model)
-            raise NotDerivableError(f"no projection of {type(model).__name__} reads and writes a block's stream")
+            blocks = blocks_to_cut(model)
+            held = own_weights(modules[blocks[0]]) if blocks else {}
+            named = "; ".join(f"{cls} ({', '.join(rels)})" for cls, rels in held.items())
+            raise NotDerivableError(
+                f"no projection of {type(model).__name__} reads and writes a block's stream"
+                + (f": its blocks compute with {named}, modules multiplying by weights of their own, not "
+                   f"nn.Linear projections, which the derived route does not cut" if named else ""),
+                DATA_PARALLEL,
+                POLICY,
+            )  # fmt: skip
         idle = [b for b in repeated_blocks(model) if _all_idle(modules[b], derivation.rules.get(type(modules[b])))]
         whole = uncovered_blocks(model, layers, idle)
         if whole:
@@ -211,6 +222,9 @@ class DerivedPolicy(TpPlanPolicy):
         }
         for rel in rule.attention:  # torch's nn.MultiheadAttention, replaced whole by the layer cutting its heads
             layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=ParallelMultiheadAttention)
+        for rel in rule.read_attention:  # its code hands the cut projections' weights to torch's function
+            path = f"{block}.{rel}".rstrip(".")
+            layers[path] = Layer(path, replace_layer=ReadMultiheadAttention)
         unknown = sorted(
             set(inside) - set(rule.cols) - rule.rows - rule.whole - rule.idle - rule.inner_rows - set(rule.channels)
         )

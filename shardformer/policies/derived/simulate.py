@@ -29,6 +29,8 @@ from shardformer.policies.derived.given_inputs import inputs_from_outside
 from shardformer.policies.derived.heads import (
     HeadCut,
     bias_options,
+    depthwise_counts,
+    depthwise_options,
     distinct_heads,
     head_lists,
     head_options,
@@ -253,8 +255,8 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     # blocked cuts (CodeGen regroups its fused qkv into 4 blocks of [q | v | k]: each block cut on its
     # own, and the row's input in as many blocks)
     # and last, the module run under LocalWidths (reshapes to the stream's width read off the input)
-    biases = bias_options(parent, col_rels, widths)
-    heads_options = head_options(parent, args, kwargs, tp, inputs, stream_width, biases, lists)
+    biases = bias_options(parent, col_rels, widths) | depthwise_options(parent, widths)
+    heads_options = head_options(parent, args, kwargs, tp, inputs, stream_width, biases, lists, config)
     stages = [(None, 1, per_col, 0)] + [(h, 1, per_col, 0) for h in heads_options]
     for m in BLOCKED_ROWS:
         if in_width(row_module) % (m * tp) == 0:
@@ -273,7 +275,8 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     for heads, row_blocks, options, local_width, split_norms in stages:
         for choice in sorted(itertools.product(*options), key=_cost):
             blocks = dict(zip(col_rels, choice))
-            for divide in attr_sets:
+            convs = depthwise_counts(parent, heads[0]) if heads else ()
+            for divide in (d + convs for d in attr_sets):
                 trials += 1
                 if trials > MAX_TRIALS:  # a count, not a clock: every rank stops at the same candidate
                     return None, f"no exact cut among the first {MAX_TRIALS} candidates ({errors[0]})"

@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from shardformer.policies.derived.blocks import blocks_to_cut, in_width, is_projection, pooling_heads, run_hooked
+from shardformer.tensor_parallel.layers.read_attention import weights_read
 
 
 @dataclass
@@ -58,6 +60,9 @@ class FlowMode(TorchFunctionMode):
         self.owners: dict[int, set[str]] = {}  # weights watched: id -> the paths of the modules holding them
         self.running: set[str] = set()  # the watched modules whose forward is running
         self.read_elsewhere: set[str] = set()  # watched modules whose weight a function read outside their forward
+        self.attention_reads: list[
+            tuple
+        ] = []  # F.multi_head_attention_forward on projections' weights (`ReadAttention`)
 
     def get(self, t) -> Flow | None:
         return self.flows.get(id(t)) if torch.is_tensor(t) else None
@@ -76,6 +81,13 @@ class FlowMode(TorchFunctionMode):
                     found.add(self.names[id(t)])
         return frozenset(found)
 
+    def _read_attention(self, read: dict, args, kwargs) -> None:
+        names = {role: self.names.get(id(read[role]), "") for role in ("q", "k", "v", "out")}
+        query = args[0] if args else kwargs.get("query")
+        masks = [kwargs.get("attn_mask"), kwargs.get("key_padding_mask")]  # the per-head tensors handed in
+        read_attention = ReadAttention(names, read["heads"], self.origins_of(query), self.origins_of(masks))
+        self.attention_reads.append(read_attention)
+
     def set_origins(self, out, origins: frozenset[str]) -> None:
         for t in tree_leaves(out):
             if torch.is_tensor(t):
@@ -84,6 +96,9 @@ class FlowMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        read = weights_read(args, kwargs) if func is F.multi_head_attention_forward else None
+        if read is not None:
+            self._read_attention(read, args, kwargs)
         out = func(*args, **kwargs)
         params = [id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, nn.Parameter)]
         self.used.update(params)
@@ -98,10 +113,23 @@ class FlowMode(TorchFunctionMode):
             for t in tree_leaves(out):
                 if torch.is_tensor(t):
                     self.set(t, merged)
-        origins = self.origins_of((args, kwargs))
+        # what the output projection the function runs writes is made of its own parameters, as a called one's
+        origins = self.origins_of([read["out"], read["out_bias"]] if read else (args, kwargs))
         if origins:
             self.set_origins(out, origins)
         return out
+
+
+@dataclass(frozen=True)
+class ReadAttention:
+    """One call of ``F.multi_head_attention_forward`` on projections' weights (WavLM's attention):
+    ``weights`` ``{"q", "k", "v", "out": parameter name}``, the ``heads`` it was handed, and the origins
+    of its query and of the masks (per head, each rank reads its heads' share)."""
+
+    weights: dict
+    heads: int
+    query: frozenset[str]
+    masks: frozenset[str]
 
 
 @dataclass
@@ -115,6 +143,9 @@ class Trace:
     # projections never called whose weight the block's code reads itself (``F.linear(x, self.qkv.weight,
     # bias)``: timm's EVA and BEiT attention with a q/v bias): a cut layer cannot stand in for them
     bypassed: dict[str, list[str]] = field(default_factory=dict)
+    # per block: {owner: (q, k, v, out, heads)} of the modules whose code runs F.multi_head_attention_forward
+    # on its projections' weights (`ReadAttention`), paths relative to the block: cut by `ReadMultiheadAttention`
+    read_attention: dict[str, dict[str, tuple]] = field(default_factory=dict)
     # per block: the parameters (model-wide names) each projection's input was computed from; and those
     # the model's outputs were computed from without passing through a block's projection
     origins: dict[str, dict[str, frozenset[str]]] = field(default_factory=dict)
@@ -199,6 +230,7 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
     output = run_hooked(model, inputs, handles, mode)
     result.output_origins = mode.origins_of(list(output.values()) if isinstance(output, dict) else output)
     result.read_by_weight = sorted(mode.read_elsewhere)
+    _place_read_attention(result, mode.attention_reads, modules)
     for path in blocks + result.heads:
         result.bypassed[path] = [
             rel
@@ -206,6 +238,33 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
             if rel and is_projection(m) and rel not in result.reads.get(path, {}) and id(m.weight) in mode.used
         ]
     return result
+
+
+def _place_read_attention(result: Trace, reads: list[ReadAttention], modules: dict) -> None:
+    """Each read inside a block, relative to it: its projections (cut as columns and a row) and their owner;
+    its query's origins read by the columns, its masks' by the row (each rank reads its heads' share)."""
+    for read in reads:
+        rels = [name.rpartition(".")[0] for name in read.weights.values()]
+        block = next((b for b in result.blocks + result.heads if all(r.startswith(f"{b}.") for r in rels)), None)
+        if block is None or not all(is_projection(modules.get(r)) for r in rels):
+            continue
+        q, k, v, out = (r[len(block) + 1 :] for r in rels)
+        owner = _common_owner([q, k, v, out])
+        result.read_attention.setdefault(block, {})[owner] = (q, k, v, out, read.heads)
+        origins = result.origins.setdefault(block, {})
+        for rel in (q, k, v):
+            origins[rel] = origins.get(rel, frozenset()) | read.query
+        origins[out] = origins.get(out, frozenset()) | read.masks
+
+
+def _common_owner(rels: list[str]) -> str:
+    parts = [r.split(".")[:-1] for r in rels]
+    common = []
+    for names in zip(*parts):
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
 
 
 def inside(path: str, owners: list[str]) -> bool:

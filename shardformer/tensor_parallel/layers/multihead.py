@@ -11,6 +11,8 @@ allowed; a float mask is added).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,6 +41,74 @@ def _float_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor |
     return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(mask, float("-inf"))
 
 
+@dataclass(frozen=True)
+class Heads:
+    """This rank's share of an attention's heads: ``local`` of ``total``, each ``width`` wide."""
+
+    local: int
+    total: int
+    width: int
+    process_group: object = None
+
+
+def attend(
+    heads: Heads, qkv, weights, biases, out_proj, batch_first, key_padding_mask, attn_mask, dropout,
+    need_weights=True, average_attn_weights=True, is_causal=False,
+):  # fmt: skip
+    """``F.multi_head_attention_forward`` on this rank's heads: ``weights`` and ``biases`` are the rank's
+    rows of q, k and v, ``out_proj`` maps the heads' outputs to the stream (all-reducing them). Returns
+    the output and the attention weights averaged over every head (or None)."""
+    query, key, value = qkv
+    if need_weights and not average_attn_weights:
+        raise NotImplementedError(
+            "per-head attention weights (average_attn_weights=False) of a tensor-parallel "
+            "multi-head attention are spread over ranks; ask for need_weights=False or averaged weights"
+        )
+    unbatched = query.dim() == 2  # (L, E): one sequence
+    if unbatched or not batch_first:
+        query, key, value = (t.unsqueeze(0) if unbatched else t.transpose(0, 1) for t in (query, key, value))
+        key_padding_mask = (
+            key_padding_mask.unsqueeze(0) if unbatched and key_padding_mask is not None else key_padding_mask
+        )
+    batch, length, source = query.shape[0], query.shape[1], key.shape[1]
+    inputs = {}  # one identity-forward / all-reduce-backward per distinct input (self-attention: one)
+    q, k, v = (
+        F.linear(inputs.setdefault(id(t), copy_to_parallel(t, heads.process_group)), w, b)
+        .view(batch, -1, heads.local, heads.width)
+        .transpose(1, 2)
+        for t, w, b in zip((query, key, value), weights, biases)
+    )
+    mask = _mask(heads, attn_mask, key_padding_mask, q, batch, length, source)
+    if need_weights:
+        scores = q @ k.transpose(-2, -1) / heads.width**0.5
+        if is_causal and mask is None:
+            mask = _float_mask(torch.ones(length, source, dtype=torch.bool, device=q.device).triu(1), q)
+        probs = (scores if mask is None else scores + mask).softmax(dim=-1)
+        probs = F.dropout(probs, dropout) if dropout else probs
+        out = probs @ v
+        averaged = reduce_from_parallel(probs.sum(dim=1), heads.process_group) / heads.total
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal=is_causal and mask is None)
+        averaged = None
+    out = out_proj(out.transpose(1, 2).reshape(batch, length, heads.local * heads.width))
+    if unbatched:
+        return out.squeeze(0), None if averaged is None else averaged.squeeze(0)
+    return (out if batch_first else out.transpose(0, 1)), averaged
+
+
+def _mask(heads: Heads, attn_mask, key_padding_mask, like, batch, length, source):
+    """One additive mask ``[batch or 1, heads or 1, length, source]`` of this rank's heads."""
+    mask = _float_mask(attn_mask, like)
+    if mask is not None and mask.dim() == 3:  # [batch * heads, L, S]: this rank's heads of each batch row
+        start = group_rank(heads.process_group) * heads.local
+        mask = mask.view(batch, heads.total, length, source)[:, start : start + heads.local]
+    padding = _float_mask(key_padding_mask, like)
+    if padding is not None:
+        padding = padding.view(batch, 1, 1, source)
+        mask = padding if mask is None else mask + padding
+    return mask
+
+
 class ParallelMultiheadAttention(nn.Module):
     """``nn.MultiheadAttention`` with this rank's heads (see the module's text)."""
 
@@ -64,56 +134,13 @@ class ParallelMultiheadAttention(nn.Module):
         self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
         average_attn_weights=True, is_causal=False,
     ):  # fmt: skip
-        if need_weights and not average_attn_weights:
-            raise NotImplementedError(
-                "per-head attention weights (average_attn_weights=False) of a tensor-parallel "
-                "nn.MultiheadAttention are spread over ranks; ask for need_weights=False or averaged weights"
-            )
-        unbatched = query.dim() == 2  # (L, E): one sequence
-        if unbatched or not self.batch_first:
-            query, key, value = (t.unsqueeze(0) if unbatched else t.transpose(0, 1) for t in (query, key, value))
-            key_padding_mask = (
-                key_padding_mask.unsqueeze(0) if unbatched and key_padding_mask is not None else key_padding_mask
-            )
-        batch, length, source = query.shape[0], query.shape[1], key.shape[1]
-        weights = self.in_proj_weight.chunk(3)
         biases = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None, None, None)
-        inputs = {}  # one identity-forward / all-reduce-backward per distinct input (self-attention: one)
-        q, k, v = (
-            F.linear(inputs.setdefault(id(t), copy_to_parallel(t, self.process_group)), w, b)
-            .view(batch, -1, self.num_heads, self.head_dim)
-            .transpose(1, 2)
-            for t, w, b in zip((query, key, value), weights, biases)
-        )
-        mask = self._mask(attn_mask, key_padding_mask, q, batch, length, source)
-        dropout = self.dropout if self.training else 0.0
-        if need_weights:
-            scores = q @ k.transpose(-2, -1) / self.head_dim**0.5
-            if is_causal and mask is None:
-                mask = _float_mask(torch.ones(length, source, dtype=torch.bool, device=q.device).triu(1), q)
-            probs = (scores if mask is None else scores + mask).softmax(dim=-1)
-            probs = F.dropout(probs, dropout) if dropout else probs
-            out = probs @ v
-            averaged = reduce_from_parallel(probs.sum(dim=1), self.process_group) / self.total_heads
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal=is_causal and mask is None)
-            averaged = None
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
-        if unbatched:
-            return out.squeeze(0), None if averaged is None else averaged.squeeze(0)
-        return (out if self.batch_first else out.transpose(0, 1)), averaged
-
-    def _mask(self, attn_mask, key_padding_mask, like, batch, length, source):
-        """One additive mask ``[batch or 1, heads or 1, length, source]`` of this rank's heads."""
-        mask = _float_mask(attn_mask, like)
-        if mask is not None and mask.dim() == 3:  # [batch * heads, L, S]: this rank's heads of each batch row
-            start = group_rank(self.process_group) * self.num_heads
-            mask = mask.view(batch, self.total_heads, length, source)[:, start : start + self.num_heads]
-        padding = _float_mask(key_padding_mask, like)
-        if padding is not None:
-            padding = padding.view(batch, 1, 1, source)
-            mask = padding if mask is None else mask + padding
-        return mask
+        heads = Heads(self.num_heads, self.total_heads, self.head_dim, self.process_group)
+        return attend(
+            heads, (query, key, value), self.in_proj_weight.chunk(3), biases, self.out_proj, self.batch_first,
+            key_padding_mask, attn_mask, self.dropout if self.training else 0.0, need_weights,
+            average_attn_weights, is_causal,
+        )  # fmt: skip
 
     @classmethod
     def from_native(cls, module: nn.MultiheadAttention, process_group=None, **_) -> ParallelMultiheadAttention:
