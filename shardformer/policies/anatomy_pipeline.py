@@ -47,6 +47,7 @@ from shardformer.pipeline.spec_check import PipelineSpecError, check_pipeline_sp
 from shardformer.pipeline.stage_view import Returns, own_forward, stage_view, taken_inputs
 from shardformer.policies.anatomy import stacks
 from shardformer.policies.anatomy_ends import AnatomyError, Ends, ends_of, own_ancestor, part, tiny_for
+from shardformer.policies.anatomy_towers import LaterInputs, language_inputs, payloads, tower_root
 from shardformer.policies.copies import copy_key
 from shardformer.policies.derived.blocks import run_hooked
 from shardformer.policies.encoder_decoder import EncoderDecoderStageForward, proof_splits
@@ -95,7 +96,7 @@ class AnatomyStageForward:
             k: v for k, v in taken_inputs(forward, inputs).items() if v is not None and (last or k not in HEAD_INPUTS)
         }
         if stage > 0 and self.later_inputs is not None:  # a tower's inputs (pixels): its output is in `hidden`
-            kwargs = {k: v for k, v in kwargs.items() if k in self.later_inputs or k in HEAD_INPUTS}
+            kwargs = {k: v for k, v in kwargs.items() if self.later_inputs.takes(k) or k in HEAD_INPUTS}
         if "use_cache" in inspect.signature(forward).parameters:
             kwargs["use_cache"] = False  # no KV cache in training: layers of other stages would never fill it
         with stage_view(model, stand_ins):
@@ -139,33 +140,37 @@ def spec_from_anatomy(model: nn.Module) -> PipelineSpec:
     stages = _stages_of(model, found) if len(found) > 1 and not encoder_decoder else None
     if stages is not None:
         found = (stages,)  # Swin: split between its stages, each a stack of blocks of its own width
-    later_inputs = None
+    rules: list[LaterInputs | None] = [None]
     if len(found) > 1 and not encoder_decoder:  # towers (vision, audio) before a language model's stack
-        later_inputs = _language_inputs(model, found[-1])
-        if later_inputs is None:
+        language = language_inputs(model, found[-1])
+        if language is None:
             raise NotImplementedError(
                 f"{name} has {len(found)} layer stacks ({', '.join(found)}) that are not an encoder and a decoder, "
                 f"nor one each in the items of one list (as Swin's stages are), nor towers before a language "
                 f"model's stack: pipeline stages over them are not supported; use pipeline_parallel_size=1, or {FIX}"
             )
-        towers = tuple(_tower_root(stack, found[-1]) for stack in found[:-1])
+        towers = tuple(tower_root(stack, found[-1]) for stack in found[:-1])
+        rules = [LaterInputs(keep=language), LaterInputs(drop=payloads(model))]  # the second: positions from a grid
         found = found[-1:]
     layers = found if encoder_decoder else found[0]
     try:
         ends = ends_of(model, layers)
     except AnatomyError as e:
         raise NotImplementedError(f"no pipeline split of {name}: {e}; use pipeline_parallel_size=1") from e
-    spec = spec_from_ends(model, layers, ends, later_inputs)
-    if later_inputs is not None:
-        spec.stage_forward.towers = towers
-    try:  # every parameter placed: the anatomy was read off a tiny copy, whose modules may differ
-        check_pipeline_spec(spec, model, 2, _boundary(model, spec))
-    except PipelineSpecError as e:  # the spec is the anatomy's, not the user's: say why it falls short
-        raise NotImplementedError(
-            f"no pipeline split of {name} from its anatomy: {_unseen(model, found) or e}; use pipeline_parallel_size=1, "
-            f"or {FIX}"
-        ) from e
-    error, refusals = first_rank_answer(lambda: _proof(model, layers, ends, later_inputs))  # proven once, for all
+    for later_inputs in rules:  # the first rule proven exact
+        spec = spec_from_ends(model, layers, ends, later_inputs)
+        if later_inputs is not None:
+            spec.stage_forward.towers = towers
+        try:  # every parameter placed: the anatomy was read off a tiny copy, whose modules may differ
+            check_pipeline_spec(spec, model, 2, _boundary(model, spec))
+        except PipelineSpecError as e:  # the spec is the anatomy's, not the user's: say why it falls short
+            raise NotImplementedError(
+                f"no pipeline split of {name} from its anatomy: {_unseen(model, found) or e}; use "
+                f"pipeline_parallel_size=1, or {FIX}"
+            ) from e
+        error, refusals = first_rank_answer(lambda r=later_inputs: _proof(model, layers, ends, r))  # for all ranks
+        if error is None:
+            break
     if encoder_decoder:
         spec.stage_forward.refusals = dict(refusals)  # the cuts inside the stacks that are not exact
     if error is not None:
@@ -248,23 +253,6 @@ def _boundary(model: nn.Module, spec: PipelineSpec) -> list[int] | None:
     return [len(model.get_submodule(spec.layers)), len(model.get_submodule(spec.second_layers))]
 
 
-def _tower_root(stack: str, language: str) -> str:
-    """The module holding ``stack`` just below where its path parts from the language model's stack."""
-    parts, other = stack.split("."), language.split(".")
-    shared = next(i for i, (a, b) in enumerate(zip(parts, other)) if a != b)
-    return ".".join(parts[: shared + 1])
-
-
-def _language_inputs(model: nn.Module, stack: str) -> frozenset[str] | None:
-    """The inputs the stages after the first take when ``stack`` is a language model's, after towers whose
-    output the first stage merges into its embeddings: what the module holding the stack takes (a VLM's
-    ``language_model``: ids, masks, positions; not the pixels). None when that module takes no token ids."""
-    parent = stack.rpartition(".")[0]
-    holder = model.get_submodule(parent) if parent else model
-    taken = set(inspect.signature(own_forward(holder)).parameters)
-    return frozenset(taken) if "input_ids" in taken else None
-
-
 def spec_from_ends(model: nn.Module, layers: str | tuple[str, str], ends: Ends, later_inputs=None) -> PipelineSpec:
     """The spec: ``ends.before`` on the first stage, ``ends.after`` on the last, and the modules of the
     first that hold a weight tied to one of the last on both (``shared``). Two stacks (an encoder and a
@@ -321,7 +309,7 @@ def _proof(model: nn.Module, layers, ends: Ends, later_inputs=None) -> tuple[str
     """(why two stages of a tiny copy do not compute what the copy computes (loss or output, every
     gradient), or None; for an encoder-decoder, {cut kind: why stages cut there are not exact}).
     Cached per stack under everything the verdict depends on (`shardformer.policies.copies.copy_key`)."""
-    key = (copy_key(model, 1), str(layers))
+    key = (copy_key(model, 1), str(layers), later_inputs)
     if key not in _PROOFS:
         try:
             _PROOFS[key] = _prove(model, layers, ends, later_inputs)
