@@ -14,7 +14,7 @@ import logging
 
 import torch.nn as nn
 
-from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, fix_of
+from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, fix_of, has_convolutions
 from shardformer.policies.derived.attributes import per_rank_attributes, rebuilt_counts
 from shardformer.policies.derived.blocks import (
     blocks_to_cut,
@@ -24,6 +24,7 @@ from shardformer.policies.derived.blocks import (
     repeated_blocks,
     value_at,
 )
+from shardformer.policies.derived.channels import channel_layers
 from shardformer.policies.derived.column_cuts import cut_options
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
 from shardformer.policies.derived.heads import head_inputs_layer
@@ -55,6 +56,8 @@ class DerivedPolicy(TpPlanPolicy):
         model, tp = self.model, shard_config.tensor_parallel_size
         if tp == 1:  # nothing to cut (cp-only, dp-only): derive nothing, the model stays as it is
             return {type(model): Argument({}, [list])}
+        if not blocks_to_cut(model) and has_convolutions(model):  # a convnet: its convolutions cut over channels
+            return self._channel_argument(model, tp)
         if getattr(model, "config", None) is None and not blocks_to_cut(model):
             raise no_stack(model)
         whole, tower = self.tower_of or (model, "")
@@ -122,6 +125,17 @@ class DerivedPolicy(TpPlanPolicy):
         self._token_embeddings(layers, modules, [p for p in derivation.embeddings if p not in read])
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
+
+    def _channel_argument(self, model: nn.Module, tp: int) -> dict:
+        layers = channel_layers(model, tp)
+        if not layers:
+            raise NotDerivableError(
+                f"{type(model).__name__} has no stack of blocks with projections, and no convolution whose output "
+                f"channels only per-channel work and convolutions read (each is read across its channels: a "
+                f"residual sum with the whole stream, a norm over channels, a flatten), so nothing is cut",
+                DATA_PARALLEL,
+            )
+        return {type(model): Argument({}, [lambda: layers])}
 
     def proven_parts(self) -> list[str]:
         return [""]  # the whole model
@@ -324,7 +338,7 @@ def derived_model(model: nn.Module) -> bool:
     """Whether ``model`` could take the derived route: it has repeated blocks (a transformers model's
     config is scaled down to a tiny copy; any other module is copied with two blocks per stack), or it
     is no transformers model (the route then refuses it with the reason: a convolutional network)."""
-    return bool(blocks_to_cut(model)) or not has_config(model)
+    return bool(blocks_to_cut(model)) or not has_config(model) or has_convolutions(model)
 
 
 @functools.cache
