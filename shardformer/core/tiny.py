@@ -45,6 +45,8 @@ SIZES = {
     "qk_nope_head_dim": 4,
     "v_head_dim": 8,
     "sliding_window": 4,
+    "width_coefficient": 0.25,  # EfficientNet's scaling of every stage's channels (its default is B7's 2.0)
+    "depth_coefficient": 0.5,  # and of its blocks per stage (B7's 3.1)
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -213,6 +215,9 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         if name in data and not key.endswith("_id") and name not in _KV_HEADS and _scalar(data[name]):
             out[name] = value
     _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
+    if isinstance(data.get("hidden_dim"), int) and data.get("width_coefficient") and "width_coefficient" in out:
+        # EfficientNet's last width is its coefficient's multiple of 1280: scaled with the coefficient
+        out["hidden_dim"] = round(data["hidden_dim"] * out["width_coefficient"] / data["width_coefficient"])
     if "head_dim" in out and data.get("head_dim") == data.get("qk_rope_head_dim") is not None:
         out["head_dim"] = out.get("qk_rope_head_dim", data["head_dim"])  # multi-head latent attention rotates head_dim
     if scaling.keep_widths:  # the recipe's own sizes (tiny_config's) give way to the user's widths

@@ -42,6 +42,10 @@ PER_CHANNEL = frozenset(
     pad interpolate upsample to float type_as""".split()
 )
 
+# reductions that are per channel when every dimension they reduce is spatial (timm's squeeze-excitation
+# ``x.mean((2, 3), keepdim=True)``)
+OVER_DIMS = frozenset("mean sum amax amin std var logsumexp".split())
+
 
 @dataclass
 class ChannelCut:
@@ -49,6 +53,7 @@ class ChannelCut:
     groups (``groups``), and ``{module: {tensor: dim}}`` of the per-channel tensors cut with them."""
 
     columns: list[str] = field(default_factory=list)
+    whole: dict[str, str] = field(default_factory=dict)  # convs whose output channels stay whole, with why
     rows: list[str] = field(default_factory=list)
     groups: list[str] = field(default_factory=list)
     tensors: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -63,7 +68,7 @@ class _ChannelMode(TorchFunctionMode):
         self.alive: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.names = names  # id of a parameter or buffer -> (module path, tensor name)
         self.links: list[frozenset[str]] = []  # tags that met in one function: cut together or not at all
-        self.bad: set[str] = set()  # tags read across channels
+        self.bad: dict[str, str] = {}  # tag -> what reads its channels across them (the first seen)
         self.tensors: dict[frozenset[str], set[tuple[str, str, int]]] = defaultdict(set)
         self.quiet = 0  # inside a convolution module: its own functions are judged by its hooks
 
@@ -88,18 +93,26 @@ class _ChannelMode(TorchFunctionMode):
         tags = frozenset().union(*(self.tag(t) for t in tagged))
         if len({self.tag(t) for t in tagged}) > 1:
             self.links.append(tags)
-        if self._per_channel(func, tensors, tagged, tags):
+        if self._per_channel(func, tensors, tagged, tags, args, kwargs):
             self.set(out, tags)
         else:
-            self.bad |= tags
+            self.spoil(tags, f"torch's {getattr(func, '__name__', func)} reads them")
         return out
 
-    def _per_channel(self, func, tensors, tagged, tags) -> bool:
+    def spoil(self, tags, why: str) -> None:
+        for t in tags:
+            self.bad.setdefault(t, why)
+
+    def _per_channel(self, func, tensors, tagged, tags, args, kwargs) -> bool:
         """Whether ``func`` computes each channel of its tagged inputs on its own; the whole tensors it
         reads with one entry per channel (parameters, buffers) are noted to be cut with them."""
+        ref = tagged[0]
+        if getattr(func, "__name__", "") in OVER_DIMS:  # over the spatial dimensions alone: per channel
+            dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            dims = [dims] if isinstance(dims, int) else dims
+            return len(tagged) == 1 and bool(dims) and all(d % ref.dim() >= 2 for d in dims)
         if getattr(func, "__name__", "") not in PER_CHANNEL:
             return False
-        ref = tagged[0]
         if ref.dim() < 2 or any(t.dim() != ref.dim() or t.shape[1] != ref.shape[1] for t in tagged):
             return False
         channels = ref.shape[1]
@@ -162,8 +175,25 @@ def channel_cut(model: nn.Module, inputs: dict, tp: int) -> ChannelCut:
         handles += [conv.register_forward_pre_hook(before(path)), conv.register_forward_hook(after(path, conv))]
     output = run_hooked(model, inputs, handles, mode)
     for t in tree_leaves(list(output.values()) if isinstance(output, dict) else output):
-        mode.bad |= mode.tag(t)  # the model's output is whole
+        mode.spoil(mode.tag(t), "they are the model's output")
     return _choose(convs, [p for p in order if p in candidates], reads, passes, mode)
+
+
+def _kept_whole(members, readers, convs, bad, rows, columns) -> str | None:
+    """Why the linked columns ``members`` stay whole (None: they are cut), their ``readers`` the rows."""
+    spoilt = sorted(members & set(bad))
+    if spoilt:
+        return f"{bad[spoilt[0]]} across the channels ({spoilt[0]}'s)"
+    if members & rows or readers & columns or readers & members:
+        return "a convolution reading them is cut by its output channels already, or they feed one that is"
+    odd = sorted(p for p in readers if type(convs[p]) not in PLAIN_CONVS or convs[p].groups != 1)
+    if odd:
+        kind = type(convs[odd[0]]).__name__
+        return (
+            f"{odd[0]} reads them ({kind}, groups={convs[odd[0]].groups}): only torch's own convolution of one group "
+            f"sums over a rank's input channels exactly"
+        )
+    return None if readers else "no convolution reads them"
 
 
 def _choose(convs, order, reads, passes, mode: _ChannelMode) -> ChannelCut:
@@ -182,18 +212,26 @@ def _choose(convs, order, reads, passes, mode: _ChannelMode) -> ChannelCut:
     classes: dict[str, set[str]] = defaultdict(set)
     for path in order:
         classes[find(path)].add(path)
+    first = {m: min(order.index(p) for p in m) for m in map(frozenset, classes.values())}
+    # two orders, the better kept: the first run first (a stem and the residual stream it links), or the
+    # classes of one convolution first (a bottleneck's 1x1 -> 3x3 pair before the residual stream)
+    cuts = [
+        _cut_classes(sorted(first, key=key), convs, order, reads, passes, mode)
+        for key in (first.get, lambda m: (len(m) > 1, first[m]))
+    ]
+    return max(cuts, key=lambda c: sum(convs[p].weight.numel() for p in [*c.columns, *c.rows, *c.groups]))
+
+
+def _cut_classes(ordered, convs, order, reads, passes, mode: _ChannelMode) -> ChannelCut:
+    """Each class of linked columns in ``ordered`` cut where all its readers can be rows."""
     cut = ChannelCut()
     columns: set[str] = set()
     rows: set[str] = set()
-    for members in sorted(classes.values(), key=lambda m: min(order.index(p) for p in m)):
-        if members & mode.bad or members & rows:
-            continue
+    for members in map(set, ordered):
         readers = {p for p, r in reads.items() if r & members and p not in passes}
-        if not readers or readers & columns or readers & members:
-            continue
-        if any(type(convs[p]) not in PLAIN_CONVS or convs[p].groups != 1 for p in readers):
-            continue
-        if any(r & members and not r <= members for r in [*reads.values(), *passes.values()]):
+        why = _kept_whole(members, readers, convs, mode.bad, rows, columns)
+        if why:
+            cut.whole.update(dict.fromkeys(sorted(members), why))
             continue
         columns |= members
         rows |= readers
@@ -207,9 +245,10 @@ def _choose(convs, order, reads, passes, mode: _ChannelMode) -> ChannelCut:
     return cut
 
 
-def channel_layers(model: nn.Module, tp: int) -> list[Layer]:
+def channel_layers(model: nn.Module, tp: int) -> tuple[list[Layer], dict[str, str]]:
     """The layers cutting ``model``'s convolutions over channels (`channel_cut` of one forward of
-    ``model`` itself on the recipe's inputs: on the meta device where its weights are)."""
+    ``model`` itself on the recipe's inputs: on the meta device where its weights are), and the
+    convolutions whose output channels stay whole, with why."""
     inputs = make_inputs(model, seed=0)
     inputs.pop("labels", None)
     like = next(model.parameters())  # its device (meta: the user's model not loaded yet) and float dtype
@@ -222,4 +261,4 @@ def channel_layers(model: nn.Module, tp: int) -> list[Layer]:
     layers += [Layer(p, replace_layer=ConvRow) for p in cut.rows]
     layers += [Layer(p, replace_layer=ConvGroups) for p in cut.groups]
     layers += [Layer(p, replace_layer=head_params_layer(dims)) for p, dims in cut.tensors.items()]
-    return layers
+    return layers, cut.whole

@@ -127,12 +127,13 @@ class DerivedPolicy(TpPlanPolicy):
         return {type(model): Argument(attrs, [lambda: found])}
 
     def _channel_argument(self, model: nn.Module, tp: int) -> dict:
-        layers = channel_layers(model, tp)
+        layers, whole = channel_layers(model, tp)
         if not layers:
+            whys = "; ".join(f"{conv}: {why}" for conv, why in list(whole.items())[:3])
             raise NotDerivableError(
-                f"{type(model).__name__} has no stack of blocks with projections, and no convolution whose output "
-                f"channels only per-channel work and convolutions read (each is read across its channels: a "
-                f"residual sum with the whole stream, a norm over channels, a flatten), so nothing is cut",
+                f"{type(model).__name__} has no stack of blocks with projections, and the output channels of none "
+                f"of its convolutions can be cut (a convolution's channels are cut where only per-channel work "
+                f"and convolutions read them): {whys or 'it runs no convolution'}",
                 DATA_PARALLEL,
             )
         return {type(model): Argument({}, [lambda: layers])}
