@@ -32,19 +32,98 @@ from shardformer.tensor_parallel.policy import Layer
 
 # torch functions that compute each channel from that channel alone (dim 1 of [batch, channels, ...])
 PER_CHANNEL = frozenset(
-    """batch_norm instance_norm relu relu_ relu6 gelu silu silu_ sigmoid sigmoid_ tanh tanh_ hardswish hardswish_
-    hardsigmoid hardsigmoid_ hardtanh hardtanh_ leaky_relu leaky_relu_ elu elu_ mish selu celu softplus
-    dropout dropout_ dropout2d dropout1d dropout3d alpha_dropout feature_alpha_dropout clone contiguous
-    add add_ __add__ __iadd__ __radd__ sub sub_ __sub__ __isub__ __rsub__ mul mul_ __mul__ __imul__ __rmul__
-    div div_ __truediv__ __itruediv__ __rtruediv__ neg __neg__ abs exp sqrt rsqrt pow __pow__ clamp clamp_ clip
-    max_pool1d max_pool2d max_pool3d avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d
-    adaptive_avg_pool3d adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d max_pool2d_with_indices
-    pad interpolate upsample to float type_as""".split()
+    [
+        "batch_norm",
+        "instance_norm",
+        "relu",
+        "relu_",
+        "relu6",
+        "gelu",
+        "silu",
+        "silu_",
+        "sigmoid",
+        "sigmoid_",
+        "tanh",
+        "tanh_",
+        "hardswish",
+        "hardswish_",
+        "hardsigmoid",
+        "hardsigmoid_",
+        "hardtanh",
+        "hardtanh_",
+        "leaky_relu",
+        "leaky_relu_",
+        "elu",
+        "elu_",
+        "mish",
+        "selu",
+        "celu",
+        "softplus",
+        "dropout",
+        "dropout_",
+        "dropout2d",
+        "dropout1d",
+        "dropout3d",
+        "alpha_dropout",
+        "feature_alpha_dropout",
+        "clone",
+        "contiguous",
+        "add",
+        "add_",
+        "__add__",
+        "__iadd__",
+        "__radd__",
+        "sub",
+        "sub_",
+        "__sub__",
+        "__isub__",
+        "__rsub__",
+        "mul",
+        "mul_",
+        "__mul__",
+        "__imul__",
+        "__rmul__",
+        "div",
+        "div_",
+        "__truediv__",
+        "__itruediv__",
+        "__rtruediv__",
+        "neg",
+        "__neg__",
+        "abs",
+        "exp",
+        "sqrt",
+        "rsqrt",
+        "pow",
+        "__pow__",
+        "clamp",
+        "clamp_",
+        "clip",
+        "max_pool1d",
+        "max_pool2d",
+        "max_pool3d",
+        "avg_pool1d",
+        "avg_pool2d",
+        "avg_pool3d",
+        "adaptive_avg_pool1d",
+        "adaptive_avg_pool2d",
+        "adaptive_avg_pool3d",
+        "adaptive_max_pool1d",
+        "adaptive_max_pool2d",
+        "adaptive_max_pool3d",
+        "max_pool2d_with_indices",
+        "pad",
+        "interpolate",
+        "upsample",
+        "to",
+        "float",
+        "type_as",
+    ]
 )
 
 # reductions that are per channel when every dimension they reduce is spatial (timm's squeeze-excitation
 # ``x.mean((2, 3), keepdim=True)``)
-OVER_DIMS = frozenset("mean sum amax amin std var logsumexp".split())
+OVER_DIMS = frozenset(["mean", "sum", "amax", "amin", "std", "var", "logsumexp"])
 
 
 @dataclass
