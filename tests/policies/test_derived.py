@@ -80,6 +80,10 @@ EXACT = [
     # TIPSv2's tiny copy differs by float32 rounding alone (a gradient 2e-4 off at its scale): the proof's
     # float64 rerun, at 10^4-fold tighter tolerances, finds it exact (refused before it)
     ("runnable:Tipsv2Model", {}),
+    # a convolutional network cut over channels: the stem and the residual stream it joins (identity
+    # shortcut) by output channels, batch norms with them, the 1x1 and shortcut convolutions reading them by
+    # input channels; a bottleneck's 3x3 -> 1x1 pair; 32-pixel images
+    ("sized:ResNetModel", dict(hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16)),
 ]
 
 

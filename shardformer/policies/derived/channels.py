@@ -175,7 +175,7 @@ class _ChannelMode(TorchFunctionMode):
         if self._per_channel(func, tensors, tagged, tags, args, kwargs):
             self.set(out, tags)
         else:
-            self.spoil(tags, f"torch's {getattr(func, '__name__', func)} reads them")
+            self.spoil(tags, f"torch's {getattr(func, '__name__', func)} reads them, not channel by channel")
         return out
 
     def spoil(self, tags, why: str) -> None:
@@ -204,8 +204,8 @@ class _ChannelMode(TorchFunctionMode):
                 dim = t.dim() - (ref.dim() - 1)
             if dim is None or dim < 0 or t.shape[dim] == 1:
                 continue  # the same for every channel (a scalar, a spatial map)
-            if t.shape[dim] != channels or id(t) not in self.names:
-                return False  # a whole tensor over the channels: a residual, a computed gate
+            if t.shape[dim] != channels or not self.names.get(id(t), ("",))[0]:
+                return False  # a whole tensor over the channels (a residual, a computed gate), or the root's
             path, name = self.names[id(t)]
             self.tensors[tags].add((path, name, dim))
         return True
@@ -262,7 +262,7 @@ def _kept_whole(members, readers, convs, bad, rows, columns) -> str | None:
     """Why the linked columns ``members`` stay whole (None: they are cut), their ``readers`` the rows."""
     spoilt = sorted(members & set(bad))
     if spoilt:
-        return f"{bad[spoilt[0]]} across the channels ({spoilt[0]}'s)"
+        return f"{bad[spoilt[0]]} ({spoilt[0]}'s output channels)"
     if members & rows or readers & columns or readers & members:
         return "a convolution reading them is cut by its output channels already, or they feed one that is"
     odd = sorted(p for p in readers if type(convs[p]) not in PLAIN_CONVS or convs[p].groups != 1)
