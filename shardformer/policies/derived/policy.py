@@ -337,8 +337,9 @@ def _owner(dotted: str) -> str:
 
 def derived_model(model: nn.Module) -> bool:
     """Whether ``model`` could take the derived route: it has repeated blocks (a transformers model's
-    config is scaled down to a tiny copy; any other module is copied with two blocks per stack), or it
-    is no transformers model (the route then refuses it with the reason: a convolutional network)."""
+    config is scaled down to a tiny copy; any other module is copied with two blocks per stack), it has
+    convolutions (cut over channels, `.channels`), or it is no transformers model (the route then refuses
+    it with the reason)."""
     return bool(blocks_to_cut(model)) or not has_config(model) or has_convolutions(model)
 
 
