@@ -137,15 +137,18 @@ def fit_hybrid(out: dict, data: dict) -> None:
 
 
 def fit_stages(out: dict, data: dict, hidden, scaling) -> None:
-    """A convolutional network's stages (a config with no hidden size: ResNet, RegNet, BiT): two blocks per
-    stage at most (``depths``), which keeps each kind (the first, with its shortcut, and the others), and
+    """A convolutional network's stages (no hidden size, no attention heads: ResNet, RegNet, BiT): two blocks
+    per stage at most (``depths``), which keeps each kind (the first, with its shortcut, and the others), and
     its widths (``hidden_sizes``, ``embedding_size``, RegNet's ``groups_width``) scaled by one factor so the
-    widest is 64, each a multiple of 8 (not BiT's, whose norms hold 32 groups). EfficientNet's width and depth coefficients (B7's 2.0 and 3.1 by
-    default) at 0.25 and 0.5, and its last width, the width coefficient's multiple of 1280, scaled with it."""
+    widest is 64, each a multiple of 8 (not BiT's, whose norms hold 32 groups). EfficientNet's width and depth
+    coefficients (B7's 2.0 and 3.1 by default) at 0.25 and 0.5, and its last width, the width coefficient's
+    multiple of 1280, scaled with it."""
     depths, widths = data.get("depths"), data.get("hidden_sizes")
-    if hidden is None and not scaling.keep_depth and _ints(depths):
+    if hidden is not None or "num_attention_heads" in data:  # attention stages (Segformer, PVT): as they were
+        depths = widths = None
+    if not scaling.keep_depth and _ints(depths):
         out["depths"] = [min(d, 2) for d in depths]
-    if hidden is None and not scaling.keep_widths and _ints(widths) and max(widths) > 64 and "num_groups" not in data:
+    if not scaling.keep_widths and _ints(widths) and max(widths) > 64 and "num_groups" not in data:
         scale = lambda w: max(8, round(w * 64 / max(widths) / 8) * 8)  # noqa: E731
         out["hidden_sizes"] = [scale(w) for w in widths]
         out.update({k: scale(data[k]) for k in ("embedding_size", "groups_width") if isinstance(data.get(k), int)})
