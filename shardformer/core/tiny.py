@@ -13,6 +13,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 
+from shardformer.core import tiny_layers
 from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
 
@@ -104,14 +105,13 @@ def tiny_copy_config(config, tp: int = 2, heads: int | None = None, special: dic
     choices kept (layouts, flags, activations), its sizes scaled down, heads enough for ``tp`` ranks
     (``heads``: this many query heads instead, for layouts that group heads in fixed blocks).
 
-    Sizes the recipe knows get its values; other widths are scaled like the hidden size (an
-    ``ffn_dim`` of 4 hidden stays 4 hidden); positions become 64; token ids stay inside the vocabulary;
-    sub-configs (a vision and a text tower) are scaled the same way; one layer of each kind the
-    model has is kept (`.tiny_layers`). Special tokens outside the vocabulary (an image, a
-    vision-start token) get distinct ids at its top (`_special_ids`).
+    Sizes the recipe knows get its values; other widths are scaled like the hidden size (an ``ffn_dim`` of 4
+    hidden stays 4 hidden); positions become 64; token ids stay inside the vocabulary; sub-configs (a vision and
+    a text tower) are scaled alike; one layer of each kind is kept, two blocks per stage of a convnet
+    (`.tiny_layers`); special tokens outside the vocabulary get distinct ids at its top (`_special_ids`).
 
-    The first of `tiny_copy_configs` that the config class accepts; a config that builds is not
-    yet a model that runs: `shardformer.core.tiny_run.runnable_tiny_config` tries them all.
+    The first of `tiny_copy_configs` that the config class accepts; a config that builds is not yet a model
+    that runs: `shardformer.core.tiny_run.runnable_tiny_config` tries them all.
     """
     return next(tiny_copy_configs(config, tp, heads, special))[1]
 
@@ -213,6 +213,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         if name in data and not key.endswith("_id") and name not in _KV_HEADS and _scalar(data[name]):
             out[name] = value
     _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
+    tiny_layers.fit_stages(out, data, hidden, scaling)
     if "head_dim" in out and data.get("head_dim") == data.get("qk_rope_head_dim") is not None:
         out["head_dim"] = out.get("qk_rope_head_dim", data["head_dim"])  # multi-head latent attention rotates head_dim
     if scaling.keep_widths:  # the recipe's own sizes (tiny_config's) give way to the user's widths
@@ -232,12 +233,11 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     rope = out.get("rope_parameters", data.get("rope_parameters"))
     multimodal_rope = "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())
     if multimodal_rope and isinstance(rope, dict) and "rope_type" in rope and not scaling.keep_widths:
-        # one flat set, not one per layer type; the model's default sections (Qwen2-VL's [16, 24, 24])
-        # fit its full head only
+        # one flat set, not one per layer type; the default sections (Qwen2-VL's [16, 24, 24]) fit its full head only
         out["rope_parameters"] = {"mrope_section": _sections([1, 2, 1], _rotary_pairs(data, rope))} | rope
     if data.get("is_encoder_decoder") and data.get("decoder_start_token_id") is None:
-        # generation settings live apart from the config in transformers 5; the decoder's first
-        # token is still read from the config (T5's _shift_right): the pad token, as T5's checkpoints say
+        # generation settings live apart from the config in transformers 5; the decoder's first token is still
+        # read from the config (T5's _shift_right): the pad token, as T5's checkpoints say
         out["decoder_start_token_id"] = out.get("pad_token_id", data.get("pad_token_id")) or 0
     for key, value in _FIT_TWO_LAYERS.items():
         if key in data:

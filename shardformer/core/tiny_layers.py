@@ -134,3 +134,28 @@ def fit_hybrid(out: dict, data: dict) -> None:
     ssm, head = data.get("mamba_d_ssm"), data.get("mamba_d_head")  # Falcon-H1 sets the inner width itself
     if heads in out and type(ssm) is int and type(head) is int:
         out["mamba_d_ssm"] = out[heads] * head
+
+
+def fit_stages(out: dict, data: dict, hidden, scaling) -> None:
+    """A convolutional network's stages (no hidden size, no attention heads: ResNet, RegNet, BiT): two blocks
+    per stage at most (``depths``), which keeps each kind (the first, with its shortcut, and the others), and
+    its widths (``hidden_sizes``, ``embedding_size``, RegNet's ``groups_width``) scaled by one factor so the
+    widest is 64, each a multiple of 8 (not BiT's, whose norms hold 32 groups). EfficientNet's width and depth
+    coefficients (B7's 2.0 and 3.1 by default) at 0.25 and 0.5, and its last width, the width coefficient's
+    multiple of 1280, scaled with it."""
+    depths, widths = data.get("depths"), data.get("hidden_sizes")
+    if hidden is not None or "num_attention_heads" in data:  # attention stages (Segformer, PVT): as they were
+        depths = widths = None
+    if not scaling.keep_depth and _ints(depths):
+        out["depths"] = [min(d, 2) for d in depths]
+    if not scaling.keep_widths and _ints(widths) and max(widths) > 64 and "num_groups" not in data:
+        scale = lambda w: max(8, round(w * 64 / max(widths) / 8) * 8)  # noqa: E731
+        out["hidden_sizes"] = [scale(w) for w in widths]
+        out.update({k: scale(data[k]) for k in ("embedding_size", "groups_width") if isinstance(data.get(k), int)})
+    if isinstance(data.get("hidden_dim"), int) and data.get("width_coefficient") and data.get("depth_coefficient"):
+        out.update(width_coefficient=0.25, depth_coefficient=0.5)
+        out["hidden_dim"] = round(data["hidden_dim"] * 0.25 / data["width_coefficient"])
+
+
+def _ints(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, int) for v in value)

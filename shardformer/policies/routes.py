@@ -26,7 +26,7 @@ from shardformer.core.record import build_mesh
 from shardformer.core.refusal import DATA_PARALLEL, POLICY, Refusal, has_convolutions, indent, parts_of
 from shardformer.models import family_of, model_class_name, supported_models
 from shardformer.policies.derived import DerivedPolicy, NotDerivableError, NotProvenError, derive, derived_model
-from shardformer.policies.derived.blocks import is_projection
+from shardformer.policies.derived.blocks import blocks_to_cut, is_projection
 from shardformer.policies.derived.policy import with_pooling_heads
 from shardformer.policies.proof import prove
 from shardformer.policies.tp_plan import TpPlanPolicy, UnsupportedStyleError, has_tp_plan
@@ -51,7 +51,9 @@ class Route:
 
     def heads(self, model: nn.Module, tp: int) -> int | None:
         """The tiny copy's query heads (the derived route may have found its cut on a wider copy)."""
-        return derive(model, tp).heads if self.name == DERIVED else None
+        if self.name != DERIVED or not blocks_to_cut(model) and has_convolutions(model):
+            return None  # a convnet's channel cut counts no heads
+        return derive(model, tp).heads
 
 
 def candidate_routes(model: nn.Module) -> list[Route]:

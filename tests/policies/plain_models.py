@@ -93,6 +93,40 @@ def bare_encoder() -> nn.TransformerEncoder:
     return nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
 
 
+class InvertedResidual(nn.Module):
+    """MobileNet-V2 / EfficientNet's block: a 1x1 expansion, a depthwise 3x3, a per-channel scale, a
+    squeeze-excitation gate, a 1x1 projection back onto the residual stream."""
+
+    def __init__(self, dim: int, wide: int) -> None:
+        super().__init__()
+        self.expand, self.bn = nn.Conv2d(dim, wide, 1), nn.BatchNorm2d(wide)
+        self.dw = nn.Conv2d(wide, wide, 3, padding=1, groups=wide)
+        self.scale = nn.Parameter(torch.rand(wide, 1, 1) + 0.5)
+        self.se_reduce, self.se_expand = nn.Conv2d(wide, 4, 1), nn.Conv2d(4, wide, 1)
+        self.project = nn.Conv2d(wide, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.dw(F.silu(self.bn(self.expand(x))))) * self.scale
+        gate = torch.sigmoid(self.se_expand(F.relu(self.se_reduce(h.mean((2, 3), keepdim=True)))))
+        return x + self.project(h * gate)
+
+
+def conv_net(cut: bool = True) -> nn.Module:
+    """A small convolutional network: a stem, an inverted residual block, a pooled linear head; with
+    ``cut=False``, a stem normalised in groups (across channels) and a 1x1 convolution the head reads:
+    no channels to cut."""
+    torch.manual_seed(0)
+    if not cut:
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Linear(8, 10),
+        )  # fmt: skip
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), InvertedResidual(8, 16),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
+    )  # fmt: skip
+
+
 class PlainBlockNoEmbed(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -164,4 +198,6 @@ def factory(name: str, **options):
         return torch_encoder_lm
     if name == "linear_first":
         return linear_first
+    if name == "conv_net":
+        return functools.partial(conv_net, **options)
     return functools.partial(timm_model, name)

@@ -22,6 +22,7 @@ from tests.policies.plain_models import (
     PlainBlockNoEmbed,
     TorchEncoderLM,
     bare_encoder,
+    conv_net,
     factory,
     linear_first,
     plain_lm,
@@ -36,10 +37,11 @@ from tests.policies.plain_models import (
 # its statistics over ranks
 # nn.TransformerEncoder's nn.MultiheadAttention is cut by heads by its own layer; timm's ViT with an attention
 # pooling head (global_pool="map") takes the ViT family's policy, and its AttentionPoolLatent the derived cut;
-# ConvNeXt with its MLP channels-last (conv_mlp=False): fc1 -> fc2 cut as any MLP, read off its [B, C, H, W] stream
+# ConvNeXt with its MLP channels-last (conv_mlp=False): fc1 -> fc2 cut as any MLP, read off its [B, C, H, W] stream;
+# a convolutional network (conv_net) cut over channels
 EXACT = [
     "plain", "torch_encoder", "linear_first", "deit", "swin", "beit", "eva02", "eva02_fused", "eva02_base", "swinv2", "vit_reg",
-    "vit_map", "convnext",
+    "vit_map", "convnext", "conv_net",
 ]  # fmt: skip
 BUILT_IN = {"vit_reg", "vit_map"}
 # CaiT's self-attention mixes its heads (talking heads): refused naming the projections; a small MViT
@@ -153,19 +155,29 @@ def test_local_widths_rewrite_only_the_reshape_that_cannot_fit():
         assert t.view((2, 2, 40)).shape == (2, 2, 40)
 
 
-def test_a_convolutional_network_is_refused_pointing_at_data_parallelism():
-    import timm
-
+def test_a_convolutional_network_is_cut_over_channels_where_exact():
+    """Column convolutions by output channels, the per-channel work between (batch norm, the depthwise
+    convolution, a per-channel scale) with them, the squeeze-excitation's expansion a column too (its gate
+    multiplies the cut channels), rows reading them; what the stem writes reaches the head whole (flatten)."""
     from shardformer.policies.derived import NotDerivableError
+    from shardformer.policies.derived.channels import channel_cut
     from shardformer.policies.derived.policy import derived_model
 
-    # (a ConvNeXt's channels-last MLP is cut: its Linears read the [B, C, H, W] stream; see EXACT)
-    for model in [timm.create_model("resnet18", pretrained=False)]:
-        assert derived_model(model)  # tried, to say why not
-        policy = DerivedPolicy()
-        policy.set_model(model)
-        with pytest.raises(NotDerivableError, match=r"data parallelism .* ZeRO"):
-            policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
+    model = conv_net().eval()
+    cut = channel_cut(model, make_inputs(model, seed=0), 2)
+    assert (cut.columns, cut.rows, cut.groups) == (["3.expand", "3.se_expand"], ["3.project", "3.se_reduce"], ["3.dw"])
+    assert cut.tensors == {
+        "3.bn": dict.fromkeys(["weight", "bias", "running_mean", "running_var"], 0),
+        "3": {"scale": 0},
+    }
+    assert "flatten reads them" in cut.whole["0"], cut.whole
+    # channels normalised in groups and read by the head: nothing to cut; refused naming why, pointing at dp
+    model = conv_net(cut=False)
+    assert derived_model(model)  # tried, to say why not
+    policy = DerivedPolicy()
+    policy.set_model(model)
+    with pytest.raises(NotDerivableError, match=r"data parallelism(.|\n)*0: torch's group_norm reads them"):
+        policy.argument_policy(None, ShardConfig(tensor_parallel_size=2))
 
 
 def test_heads_that_tp_does_not_split_are_named():

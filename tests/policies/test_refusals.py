@@ -107,17 +107,19 @@ def test_heads_that_tp_does_not_divide_point_at_the_size_not_a_policy():
     assert POLICY not in message, message
 
 
-@pytest.mark.parametrize("name", ["timm ResNet", "transformers ResNet"])
-def test_convolutions_point_at_data_parallelism(name):
-    import timm
+@pytest.mark.parametrize("name", ["plain", "transformers BiT"])
+def test_convolutions_no_channel_cut_computes_point_at_data_parallelism(name):
+    """Convolutional networks are cut over channels where exact (ResNet: tests/policies/test_derived.py);
+    one whose every convolution's channels are read across them (group norms, a flatten) is refused."""
+    from tests.policies.plain_models import conv_net
 
     models = {
-        "timm ResNet": lambda: timm.create_model("test_resnet"),
-        "transformers ResNet": lambda: tf.ResNetModel(tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])),
+        "plain": lambda: conv_net(cut=False),
+        "transformers BiT": lambda: tf.BitModel(tf.BitConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_groups=4)),
     }  # fmt: skip
     message, printed = _refusal(models[name]())
     assert message.startswith("Train it with data parallelism and ZeRO (EngineConfig(dp=..."), message
-    assert POLICY not in message, message
+    assert "group_norm reads them" in message and POLICY not in message, message
     _printed_once(message, printed)
 
 

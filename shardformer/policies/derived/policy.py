@@ -14,7 +14,7 @@ import logging
 
 import torch.nn as nn
 
-from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, fix_of
+from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, fix_of, has_convolutions
 from shardformer.policies.derived.attributes import per_rank_attributes, rebuilt_counts
 from shardformer.policies.derived.blocks import (
     blocks_to_cut,
@@ -25,6 +25,7 @@ from shardformer.policies.derived.blocks import (
     repeated_blocks,
     value_at,
 )
+from shardformer.policies.derived.channels import channel_layers
 from shardformer.policies.derived.column_cuts import cut_options
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
 from shardformer.policies.derived.heads import head_inputs_layer
@@ -57,6 +58,8 @@ class DerivedPolicy(TpPlanPolicy):
         model, tp = self.model, shard_config.tensor_parallel_size
         if tp == 1:  # nothing to cut (cp-only, dp-only): derive nothing, the model stays as it is
             return {type(model): Argument({}, [list])}
+        if not blocks_to_cut(model) and has_convolutions(model):  # a convnet: its convolutions cut over channels
+            return self._channel_argument(model, tp)
         if getattr(model, "config", None) is None and not blocks_to_cut(model):
             raise no_stack(model)
         whole, tower = self.tower_of or (model, "")
@@ -133,6 +136,18 @@ class DerivedPolicy(TpPlanPolicy):
         self._token_embeddings(layers, modules, [p for p in derivation.embeddings if p not in read])
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
+
+    def _channel_argument(self, model: nn.Module, tp: int) -> dict:
+        layers, whole = channel_layers(model, tp)
+        if not layers:
+            whys = "; ".join(f"{conv}: {why}" for conv, why in list(whole.items())[:3])
+            raise NotDerivableError(
+                f"{type(model).__name__} has no stack of blocks with projections, and the output channels of none "
+                f"of its convolutions can be cut (a convolution's channels are cut where only per-channel work "
+                f"and convolutions read them): {whys or 'it runs no convolution'}",
+                DATA_PARALLEL,
+            )
+        return {type(model): Argument({}, [lambda: layers])}
 
     def proven_parts(self) -> list[str]:
         return [""]  # the whole model
@@ -336,9 +351,10 @@ def _owner(dotted: str) -> str:
 
 def derived_model(model: nn.Module) -> bool:
     """Whether ``model`` could take the derived route: it has repeated blocks (a transformers model's
-    config is scaled down to a tiny copy; any other module is copied with two blocks per stack), or it
-    is no transformers model (the route then refuses it with the reason: a convolutional network)."""
-    return bool(blocks_to_cut(model)) or not has_config(model)
+    config is scaled down to a tiny copy; any other module is copied with two blocks per stack), it has
+    convolutions (cut over channels, `.channels`), or it is no transformers model (the route then refuses
+    it with the reason)."""
+    return bool(blocks_to_cut(model)) or not has_config(model) or has_convolutions(model)
 
 
 @functools.cache
