@@ -90,7 +90,6 @@ EXACT = [
     ("NystromformerModel", {}),
     # LFM's short convolution over in_proj's [B | C | x] channels (depthwise): cut with the blocks
     ("Lfm3ForCausalLM", {}),
-
     # a convolutional network cut over channels: the stem and the residual stream it joins (identity
     # shortcut) by output channels, batch norms with them, the 1x1 and shortcut convolutions reading them by
     # input channels; a bottleneck's 3x3 -> 1x1 pair; 32-pixel images
