@@ -200,3 +200,16 @@ def test_rounding_is_excused_only_where_float64_or_the_models_own_rounding_expla
     past = report(("outputs after step", False, "9e-4", 9e-4), after=ref32)
     excuse_rounding(past, report(("outputs after step", True, "1e-5", 1e-5), after=ref64))
     assert not past.ok
+
+
+def test_outputs_after_a_step_that_overflows_the_unsharded_model_compare_where_finite():
+    """A step at verify's LR can overflow the unsharded model's own outputs (a batch-normed ResNet's): the
+    sharded ones must be non-finite at the same places and agree elsewhere."""
+    from shardformer.tools.verify import _outputs_after_step
+
+    ref = torch.tensor([1.0, float("nan"), 3.0, float("inf")])
+    assert _outputs_after_step(ref.clone(), ref).ok
+    assert not _outputs_after_step(torch.tensor([1.0, 2.0, 3.0, float("inf")]), ref).ok  # finite where it is not
+    assert not _outputs_after_step(torch.tensor([1.5, float("nan"), 3.0, float("inf")]), ref).ok  # differs
+    check = _outputs_after_step(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+    assert not check.ok and check.detail == "max |diff| 0.5"
