@@ -92,12 +92,16 @@ def test_no_scaling_that_runs_names_each_attempt():
 
 def test_no_dropout_of_any_kind():
     """Stochastic depth and LayerDrop are dropout too: a tiny BEiT with its default drop_path_rate=0.1
-    trained at pp=2 differed from its unsharded copy by the layers each dropped, not by the split."""
+    trained at pp=2 differed from its unsharded copy by the layers each dropped, not by the split; a
+    token classifier's head with no classifier dropout in its config dropped 10%."""
     from shardformer.core.tiny import tiny_config
 
     beit = tiny_config(tf.BeitConfig)
     assert beit.drop_path_rate == 0.0 and beit.hidden_dropout_prob == 0.0
     assert tiny_config(tf.HubertConfig).layerdrop == 0.0
+    # transformers' generic token-classification head drops 10% where the config sets no classifier dropout
+    llama = tf.LlamaForTokenClassification(tiny_copy_config(tf.LlamaConfig()))
+    assert llama.dropout.p == 0.0
 
 
 def test_audio_copies_run_on_waveforms_and_log_mels():
@@ -151,10 +155,13 @@ def test_inputs_follow_the_models_own_conventions():
 def test_configs_the_recipe_used_to_refuse():
     """ResNet's ``layer_types`` is the class's list of allowed kinds, not a schedule of layers (no
     "full_attention" appended); Perceiver sizes by ``d_model`` (it names no ``hidden_size``) and a
-    single cross-attention head stays one (its image classifiers' Fourier features: 261 channels)."""
+    single cross-attention head stays one (its image classifiers' Fourier features: 261 channels); image
+    and patch sizes given as ``[height, width]`` (InternVL) or per stage (Florence 2) are scaled as given."""
     assert tiny_copy_config(tf.ResNetConfig()).layer_type == "bottleneck"
     perceiver = tiny_copy_config(tf.PerceiverConfig(num_cross_attention_heads=1))
     assert perceiver.num_cross_attention_heads == 1 and perceiver.d_latents < tf.PerceiverConfig().d_latents
+    for config in (tf.InternVLConfig(), tf.Florence2Config()):
+        assert tiny_copy_config(config).vision_config is not None
 
 
 def test_upstream_failure_is_named():
