@@ -152,6 +152,27 @@ def test_inputs_follow_the_models_own_conventions():
             assert torch.isfinite(model(**inputs).loss if "labels" in inputs else model(**inputs).logits).all()
 
 
+def test_inputs_of_tiles_images_per_sample_and_perceivers_pixels():
+    """Mllama's processor's tiles (one used, its aspect ratio id 1) with a cross-attention mask per text
+    token; Idefics's images per sample with theirs; Perceiver's image classifiers take pixels (their main
+    input is named ``inputs``). Shapes only: the models are built on the meta device."""
+
+    def inputs(model_class):
+        with torch.device("meta"):
+            model = model_class(tiny_copy_config(model_class.config_class()))
+        return make_inputs(model, seed=0)
+
+    x = inputs(tf.MllamaForConditionalGeneration)
+    tiles = x["pixel_values"].shape[2]
+    assert x["pixel_values"].dim() == 6 and x["aspect_ratio_ids"].tolist() == [[1], [1]]
+    assert x["aspect_ratio_mask"].tolist() == [[[1] + [0] * (tiles - 1)]] * 2
+    assert x["cross_attention_mask"].shape == (*x["input_ids"].shape, 1, tiles)
+    x = inputs(tf.IdeficsForVisionText2Text)
+    assert x["pixel_values"].dim() == 5 and x["image_attention_mask"].shape == (*x["input_ids"].shape, 1)
+    x = inputs(tf.PerceiverForImageClassificationLearned)
+    assert list(x) == ["pixel_values"] and x["pixel_values"].dim() == 4
+
+
 def test_configs_the_recipe_used_to_refuse():
     """ResNet's ``layer_types`` is the class's list of allowed kinds, not a schedule of layers (no
     "full_attention" appended); Perceiver sizes by ``d_model`` (it names no ``hidden_size``) and a
