@@ -200,3 +200,14 @@ def test_rounding_is_excused_only_where_float64_or_the_models_own_rounding_expla
     past = report(("outputs after step", False, "9e-4", 9e-4), after=ref32)
     excuse_rounding(past, report(("outputs after step", True, "1e-5", 1e-5), after=ref64))
     assert not past.ok
+
+
+def test_the_main_output_of_a_backbone_is_its_first_feature_map():
+    """A backbone returns ``feature_maps``, a tuple (HGNetV2's): its first map is the output compared."""
+    from transformers.modeling_outputs import BackboneOutput
+
+    from shardformer.core.divergence import first_tensor
+
+    maps = (torch.ones(1, 2, 3, 3), torch.zeros(1, 4, 2, 2))
+    assert first_tensor(BackboneOutput(feature_maps=maps)) is maps[0]
+    assert first_tensor((None, [None, maps[1]])) is maps[1]
