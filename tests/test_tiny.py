@@ -154,7 +154,7 @@ def test_inputs_follow_the_models_own_conventions():
 
 def test_inputs_of_tiles_images_per_sample_and_perceivers_pixels():
     """Mllama's processor's tiles (one used, its aspect ratio id 1) with a cross-attention mask per text
-    token; Idefics's images per sample with theirs; Perceiver's image classifiers take pixels (their main
+    token; Idefics's images per sample with theirs; Kosmos-2's image slots; Perceiver's image classifiers take pixels (their main
     input is named ``inputs``). Shapes only: the models are built on the meta device."""
 
     def inputs(model_class):
@@ -169,6 +169,9 @@ def test_inputs_of_tiles_images_per_sample_and_perceivers_pixels():
     assert x["cross_attention_mask"].shape == (*x["input_ids"].shape, 1, tiles)
     x = inputs(tf.IdeficsForVisionText2Text)
     assert x["pixel_values"].dim() == 5 and x["image_attention_mask"].shape == (*x["input_ids"].shape, 1)
+    x = inputs(tf.Kosmos2ForConditionalGeneration)  # its image slots (one per latent query) before the text
+    slots = x["image_embeds_position_mask"]
+    assert slots.shape == x["input_ids"].shape and slots.sum(1).tolist() == [x["input_ids"].shape[1] - 8] * 2
     x = inputs(tf.PerceiverForImageClassificationLearned)
     assert list(x) == ["pixel_values"] and x["pixel_values"].dim() == 4
 

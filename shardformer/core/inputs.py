@@ -70,6 +70,13 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
             x["mm_token_type_ids"] = (x["input_ids"] == image).int()
         if "aspect_ratio_ids" in params:  # Mllama: one image per sample, cut into tiles, cross-attended
             x.update(_tiled_images(_vision_config(config), x["pixel_values"], x["input_ids"].shape))
+        queries = getattr(config, "latent_query_num", None)
+        if "image_embeds_position_mask" in params and isinstance(queries, int):  # Kosmos-2: image slots, then text
+            ids = x["input_ids"]
+            x["input_ids"] = torch.cat([ids[:, :1].expand(-1, queries), ids], dim=1)
+            x["image_embeds_position_mask"] = (
+                (torch.arange(x["input_ids"].shape[1]) < queries).long().expand_as(x["input_ids"])
+            )
         if "image_attention_mask" in params:  # Idefics: images per sample, each text token sees them all
             x["pixel_values"] = x["pixel_values"][:, None]
             x["image_attention_mask"] = torch.ones(*x["input_ids"].shape, 1, dtype=torch.long)
