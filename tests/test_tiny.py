@@ -184,8 +184,9 @@ def test_configs_the_recipe_used_to_refuse():
     assert tiny_copy_config(tf.ResNetConfig()).layer_type == "bottleneck"
     perceiver = tiny_copy_config(tf.PerceiverConfig(num_cross_attention_heads=1))
     assert perceiver.num_cross_attention_heads == 1 and perceiver.d_latents < tf.PerceiverConfig().d_latents
-    for config in (tf.InternVLConfig(), tf.Florence2Config()):
-        assert tiny_copy_config(config).vision_config is not None
+    internvl = tiny_copy_config(tf.InternVLConfig()).vision_config
+    assert internvl.image_size == [32, 32] and internvl.patch_size == [8, 8]  # 4 x 4 patches, shuffled to 2 x 2
+    assert tiny_copy_config(tf.Florence2Config()).vision_config.patch_size == [7, 3, 3, 3]
 
 
 def test_upstream_failure_is_named():

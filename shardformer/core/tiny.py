@@ -180,6 +180,8 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[key] = 0.0
         elif isinstance(value, dict) and isinstance(value.get("mrope_section"), list) and not scaling.keep_widths:
             out[key] = dict(value, mrope_section=rotary_sections(value["mrope_section"], _rotary_pairs(data, value)))
+        elif key in _VISION and _int_list(value):  # [height, width] (InternVL), or one per stage (Florence 2)
+            out[key] = [min(v, _VISION[key]) for v in value]
         elif key.endswith(_WIDTH_WORDS) and _int_list(value) and isinstance(hidden, int) and not scaling.keep_widths:
             out[key] = [max(SIZES["head_dim"], round(v * sizes["hidden_size"] / hidden)) for v in value]  # conv_dim
         elif not isinstance(value, int) or isinstance(value, bool):
