@@ -154,8 +154,8 @@ def test_inputs_follow_the_models_own_conventions():
 
 def test_inputs_of_tiles_images_per_sample_and_perceivers_pixels():
     """Mllama's processor's tiles (one used, its aspect ratio id 1) with a cross-attention mask per text
-    token; Idefics's images per sample with theirs; Kosmos-2's image slots; Perceiver's image classifiers take pixels (their main
-    input is named ``inputs``). Shapes only: the models are built on the meta device."""
+    token; Idefics's images per sample with theirs; Kosmos-2's image slots; Perceiver's image classifiers
+    take pixels (their main input is named ``inputs``). Shapes only: the models are built on the meta device."""
 
     def inputs(model_class):
         with torch.device("meta"):
