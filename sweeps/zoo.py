@@ -193,6 +193,12 @@ AS_CHECKPOINTS_SET = {
     "PerceiverForImageClassificationFourier": {"num_cross_attention_heads": 1},
     "PerceiverForImageClassificationConvProcessing": {"num_cross_attention_heads": 1},
     "ReformerModelWithLMHead": {"is_decoder": True},  # its __init__ asserts it
+    # generate's multimodal rotary reads vision_start_token_id, which the thinker's config class does not
+    # declare (its checkpoints' thinker configs set it)
+    **{
+        n: {"vision_start_token_id": 151652}
+        for n in ("Qwen2_5OmniThinkerForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration")
+    },
     # DBRX's attention reads attn_config.rope_theta, a field its sub-config class does not declare, and
     # clamps by clip_qkv, None by default (5.24); its checkpoints set both
     **{n: {"attn_config.rope_theta": 500000.0, "attn_config.clip_qkv": 8.0} for n in ("DbrxForCausalLM", "DbrxModel")},

@@ -96,7 +96,8 @@ def test_tiny_copies_keep_special_tokens_apart_and_rotary_sections_whole():
     tiny head; a tower's width holds its heads."""
     import transformers
 
-    from shardformer.core.tiny import VOCAB, _sections, tiny_copy_config
+    from shardformer.core.tiny import VOCAB, tiny_copy_config
+    from shardformer.core.tiny_rotary import rotary_sections
 
     config = transformers.Qwen2_5_VLConfig()
     config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]
@@ -107,4 +108,4 @@ def test_tiny_copies_keep_special_tokens_apart_and_rotary_sections_whole():
     assert sum(tiny.text_config.rope_parameters["mrope_section"]) == head // 2
     vision = tiny_copy_config(transformers.Qwen2VLConfig(), tp=2).vision_config
     assert vision.embed_dim % vision.num_heads == 0, (vision.embed_dim, vision.num_heads)
-    assert _sections([16, 24, 24], 4) == [1, 2, 1] and _sections([1, 2, 1], 2) == [0, 2, 0]
+    assert rotary_sections([16, 24, 24], 4) == [1, 2, 1] and rotary_sections([1, 2, 1], 2) == [0, 2, 0]

@@ -92,12 +92,16 @@ def test_no_scaling_that_runs_names_each_attempt():
 
 def test_no_dropout_of_any_kind():
     """Stochastic depth and LayerDrop are dropout too: a tiny BEiT with its default drop_path_rate=0.1
-    trained at pp=2 differed from its unsharded copy by the layers each dropped, not by the split."""
+    trained at pp=2 differed from its unsharded copy by the layers each dropped, not by the split; a
+    token classifier's head with no classifier dropout in its config dropped 10%."""
     from shardformer.core.tiny import tiny_config
 
     beit = tiny_config(tf.BeitConfig)
     assert beit.drop_path_rate == 0.0 and beit.hidden_dropout_prob == 0.0
     assert tiny_config(tf.HubertConfig).layerdrop == 0.0
+    # transformers' generic token-classification head drops 10% where the config sets no classifier dropout
+    llama = tf.LlamaForTokenClassification(tiny_copy_config(tf.LlamaConfig()))
+    assert llama.dropout.p == 0.0
 
 
 def test_audio_copies_run_on_waveforms_and_log_mels():
@@ -148,13 +152,41 @@ def test_inputs_follow_the_models_own_conventions():
             assert torch.isfinite(model(**inputs).loss if "labels" in inputs else model(**inputs).logits).all()
 
 
+def test_inputs_of_tiles_images_per_sample_and_perceivers_pixels():
+    """Mllama's processor's tiles (one used, its aspect ratio id 1) with a cross-attention mask per text
+    token; Idefics's images per sample with theirs; Kosmos-2's image slots; Perceiver's image classifiers
+    take pixels (their main input is named ``inputs``). Shapes only: the models are built on the meta device."""
+
+    def inputs(model_class):
+        with torch.device("meta"):
+            model = model_class(tiny_copy_config(model_class.config_class()))
+        return make_inputs(model, seed=0)
+
+    x = inputs(tf.MllamaForConditionalGeneration)
+    tiles = x["pixel_values"].shape[2]
+    assert x["pixel_values"].dim() == 6 and x["aspect_ratio_ids"].tolist() == [[1], [1]]
+    assert x["aspect_ratio_mask"].tolist() == [[[1] + [0] * (tiles - 1)]] * 2
+    assert x["cross_attention_mask"].shape == (*x["input_ids"].shape, 1, tiles)
+    x = inputs(tf.IdeficsForVisionText2Text)
+    assert x["pixel_values"].dim() == 5 and x["image_attention_mask"].shape == (*x["input_ids"].shape, 1)
+    x = inputs(tf.Kosmos2ForConditionalGeneration)  # its image slots (one per latent query) before the text
+    slots = x["image_embeds_position_mask"]
+    assert slots.shape == x["input_ids"].shape and slots.sum(1).tolist() == [x["input_ids"].shape[1] - 8] * 2
+    x = inputs(tf.PerceiverForImageClassificationLearned)
+    assert list(x) == ["pixel_values"] and x["pixel_values"].dim() == 4
+
+
 def test_configs_the_recipe_used_to_refuse():
     """ResNet's ``layer_types`` is the class's list of allowed kinds, not a schedule of layers (no
     "full_attention" appended); Perceiver sizes by ``d_model`` (it names no ``hidden_size``) and a
-    single cross-attention head stays one (its image classifiers' Fourier features: 261 channels)."""
+    single cross-attention head stays one (its image classifiers' Fourier features: 261 channels); image
+    and patch sizes given as ``[height, width]`` (InternVL) or per stage (Florence 2) are scaled as given."""
     assert tiny_copy_config(tf.ResNetConfig()).layer_type == "bottleneck"
     perceiver = tiny_copy_config(tf.PerceiverConfig(num_cross_attention_heads=1))
     assert perceiver.num_cross_attention_heads == 1 and perceiver.d_latents < tf.PerceiverConfig().d_latents
+    internvl = tiny_copy_config(tf.InternVLConfig()).vision_config
+    assert internvl.image_size == [32, 32] and internvl.patch_size == [8, 8]  # 4 x 4 patches, shuffled to 2 x 2
+    assert tiny_copy_config(tf.Florence2Config()).vision_config.patch_size == [7, 3, 3, 3]
 
 
 def test_upstream_failure_is_named():

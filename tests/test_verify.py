@@ -213,3 +213,14 @@ def test_outputs_after_a_step_that_overflows_the_unsharded_model_compare_where_f
     assert not _outputs_after_step(torch.tensor([1.5, float("nan"), 3.0, float("inf")]), ref).ok  # differs
     check = _outputs_after_step(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
     assert not check.ok and check.detail == "max |diff| 0.5"
+
+
+def test_the_main_output_of_a_backbone_is_its_first_feature_map():
+    """A backbone returns ``feature_maps``, a tuple (HGNetV2's): its first map is the output compared."""
+    from transformers.modeling_outputs import BackboneOutput
+
+    from shardformer.core.divergence import first_tensor
+
+    maps = (torch.ones(1, 2, 3, 3), torch.zeros(1, 4, 2, 2))
+    assert first_tensor(BackboneOutput(feature_maps=maps)) is maps[0]
+    assert first_tensor((None, [None, maps[1]])) is maps[1]

@@ -32,7 +32,8 @@ class Divergence:
 
 
 def first_tensor(out) -> torch.Tensor | None:
-    """A model's main output: the tensor itself, ``logits`` of a ModelOutput, else its first tensor."""
+    """A model's main output: the tensor itself, ``logits`` of a ModelOutput, else its first tensor (also
+    inside a tuple: a backbone's ``feature_maps``)."""
     if torch.is_tensor(out):
         return out
     if isinstance(out, dict):  # ModelOutput: logits first when there is a loss in front
@@ -41,8 +42,9 @@ def first_tensor(out) -> torch.Tensor | None:
         out = list(out.values())
     if isinstance(out, (tuple, list)):
         for item in out:
-            if torch.is_tensor(item):
-                return item
+            found = first_tensor(item) if isinstance(item, (tuple, list)) else item
+            if torch.is_tensor(found):
+                return found
     return None
 
 

@@ -35,6 +35,8 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     encoder_main = getattr(getattr(model, "encoder", None), "main_input_name", None)
     if main == "inputs" and encoder_main in params:  # SpeechEncoderDecoder: what its encoder reads
         main = encoder_main
+    if main == "inputs" and "pixel_values" in params and "input_ids" not in params:  # Perceiver's image heads
+        main = "pixel_values"
     if config is None and not _is_timm(model):
         return _plain_inputs(model, params, batch, g)
     if main == "pixel_values" and "input_ids" not in params or not hasattr(model, "config"):
@@ -63,9 +65,21 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     if "pixel_values" in params and "input_ids" in x and not no_tower:  # two towers (CLIP), an image-text model
         x.update(_images(model, config, batch, g))
         x["input_ids"] = _with_image_tokens(model, config, x["input_ids"], x.get("qformer_input_ids"))
-        if "mm_token_type_ids" in params:  # which tokens are image features (Qwen2-VL's multimodal rotary)
-            image = _special_tokens(config).get("image_token_id")
+        image = _special_tokens(config).get("image_token_id")
+        if "mm_token_type_ids" in params and image is not None:  # image features (Qwen2-VL's multimodal rotary)
             x["mm_token_type_ids"] = (x["input_ids"] == image).int()
+        if "aspect_ratio_ids" in params:  # Mllama: one image per sample, cut into tiles, cross-attended
+            x.update(_tiled_images(_vision_config(config), x["pixel_values"], x["input_ids"].shape))
+        queries = getattr(config, "latent_query_num", None)
+        if "image_embeds_position_mask" in params and isinstance(queries, int):  # Kosmos-2: image slots, then text
+            ids = x["input_ids"]
+            x["input_ids"] = torch.cat([ids[:, :1].expand(-1, queries), ids], dim=1)
+            x["image_embeds_position_mask"] = (
+                (torch.arange(x["input_ids"].shape[1]) < queries).long().expand_as(x["input_ids"])
+            )
+        if "image_attention_mask" in params:  # Idefics: images per sample, each text token sees them all
+            x["pixel_values"] = x["pixel_values"][:, None]
+            x["image_attention_mask"] = torch.ones(*x["input_ids"].shape, 1, dtype=torch.long)
     ids = x.get("input_ids")
     eos = getattr(config, "eos_token_id", None)
     if ids is not None and getattr(config, "is_encoder_decoder", False) and isinstance(eos, int):
@@ -196,6 +210,23 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
         }
     pixels = torch.randn(batch, channels, size, size, generator=g)
     return {"pixel_values": pixels[:, None] if "pixel_attention_mask" in params else pixels}
+
+
+def _tiled_images(vision, pixels: torch.Tensor, tokens: tuple[int, int]) -> dict:
+    """Mllama's processor's output for one picture per sample that fits one tile (aspect ratio 1 x 1, id 1):
+    ``[batch, images, tiles, ...]`` pixels with the unused tiles masked, and every text token seeing the
+    image's tile."""
+    tiles = vision.max_num_tiles
+    used = torch.zeros(tokens[0], 1, tiles, dtype=torch.long)
+    used[..., 0] = 1
+    return {
+        "pixel_values": torch.cat(
+            [pixels[:, None, None], pixels[:, None, None].expand(-1, -1, tiles - 1, -1, -1, -1)], 2
+        ),
+        "aspect_ratio_ids": torch.ones(tokens[0], 1, dtype=torch.long),
+        "aspect_ratio_mask": used,
+        "cross_attention_mask": used[:, None].expand(-1, tokens[1], -1, -1).clone(),
+    }
 
 
 def _tower_takes_sizes(model: nn.Module, vision) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from shardformer.core import tiny_layers
 from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
+from shardformer.core.tiny_rotary import rotary_sections
 
 VOCAB = 99
 SIZES = {
@@ -69,6 +70,8 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
     for key, value in defaults.items():
         if isinstance(value, float) and any(w in key for w in _DROPOUT_WORDS):
             kwargs[key] = 0.0
+    if defaults.get("classifier_dropout") is None:  # transformers' generic token-classification head: 0.1 unset
+        kwargs["classifier_dropout"] = 0.0
     if "qk_rope_head_dim" in defaults:  # multi-head latent attention: no grouped heads, rotates head_dim
         kwargs.update({k: v for k, v in _MLA.items() if k in defaults})
     if "layer_types" in defaults and _settable(config_class, "layer_types"):
@@ -176,7 +179,9 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         elif isinstance(value, float) and any(w in key for w in _DROPOUT_WORDS):
             out[key] = 0.0
         elif isinstance(value, dict) and isinstance(value.get("mrope_section"), list) and not scaling.keep_widths:
-            out[key] = dict(value, mrope_section=_sections(value["mrope_section"], _rotary_pairs(data, value)))
+            out[key] = dict(value, mrope_section=rotary_sections(value["mrope_section"], _rotary_pairs(data, value)))
+        elif key in _VISION and _int_list(value):  # [height, width] (InternVL), or one per stage (Florence 2)
+            out[key] = [min(v, _VISION[key]) for v in value]
         elif key.endswith(_WIDTH_WORDS) and _int_list(value) and isinstance(hidden, int) and not scaling.keep_widths:
             out[key] = [max(SIZES["head_dim"], round(v * sizes["hidden_size"] / hidden)) for v in value]  # conv_dim
         elif not isinstance(value, int) or isinstance(value, bool):
@@ -233,8 +238,9 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     rope = out.get("rope_parameters", data.get("rope_parameters"))
     multimodal_rope = "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())
     if multimodal_rope and isinstance(rope, dict) and "rope_type" in rope and not scaling.keep_widths:
-        # one flat set, not one per layer type; the default sections (Qwen2-VL's [16, 24, 24]) fit its full head only
-        out["rope_parameters"] = {"mrope_section": _sections([1, 2, 1], _rotary_pairs(data, rope))} | rope
+        # one flat set, not one per layer type; the model's default sections (Qwen2-VL's [16, 24, 24])
+        # fit its full head only
+        out["rope_parameters"] = {"mrope_section": rotary_sections([1, 2, 1], _rotary_pairs(data, rope))} | rope
     if data.get("is_encoder_decoder") and data.get("decoder_start_token_id") is None:
         # generation settings live apart from the config in transformers 5; the decoder's first token is still
         # read from the config (T5's _shift_right): the pad token, as T5's checkpoints say
@@ -371,21 +377,6 @@ def _rotary_pairs(data: dict, rope: dict) -> int:
     """Rotated pairs in a tiny head (fewer with a partial rotary factor)."""
     factor = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0)) or 1.0
     return max(1, int(SIZES["head_dim"] * factor) // 2)
-
-
-def _sections(sections: list[int], total: int) -> list[int]:
-    """Multimodal rotary sections (time, height, width: Qwen2-VL's ``mrope_section``) scaled to a head's
-    ``total`` rotary pairs, in the same proportions as far as integers allow (each at least one where
-    ``total`` allows it)."""
-    least = 1 if total >= len(sections) else 0
-    scaled = [max(least, section * total // sum(sections)) for section in sections]
-    while sum(scaled) != total:
-        for i in sorted(range(len(scaled)), key=lambda i: -sections[i]):
-            if sum(scaled) < total:
-                scaled[i] += 1
-            elif sum(scaled) > total and scaled[i] > least:
-                scaled[i] -= 1
-    return scaled
 
 
 def fill_zero_matrices(model, std: float = 0.02) -> None:

@@ -25,7 +25,8 @@ def open_choices(data: dict, scaled: dict) -> dict:
     if grid and isinstance(full, int) and isinstance(tiny, int):
         out["image_grid_pinpoints"] = [[side * tiny // full for side in pinpoint] for pinpoint in grid]
     tokens, vision = data.get("mm_tokens_per_image"), scaled.get("vision_config") or {}
-    per_side = (vision.get("image_size") or 0) // (vision.get("patch_size") or 1 << 30)
+    image, patch = _square(vision.get("image_size")), _square(vision.get("patch_size"))
+    per_side = image // patch if image and patch else 0
     if isinstance(tokens, int) and round(tokens**0.5) ** 2 == tokens and per_side:
         # Gemma 3 pools its patches to a square of image tokens whose side divides the patches' side
         most = scaled.get("mm_tokens_per_image", tokens)
@@ -37,3 +38,13 @@ def open_choices(data: dict, scaled: dict) -> dict:
     for i, key in enumerate(IDS_READ_WITH_DEFAULTS.get(data.get("model_type"), ())):
         out[key] = FIRST_ORDINARY_ID + i  # distinct ids inside the tiny vocabulary
     return out
+
+
+def _square(size) -> int | None:
+    """The side of an image or patch size given as one int or as equal ``[height, width]``; None for a
+    rectangle or a size per stage (Florence 2's patch sizes, one per convolution stage)."""
+    if type(size) is int:
+        return size
+    if isinstance(size, (list, tuple)) and len(size) == 2 and type(size[0]) is int and size[0] == size[1]:
+        return size[0]
+    return None

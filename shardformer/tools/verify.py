@@ -77,6 +77,12 @@ def _loss_and_output(model, inputs, weights, group, full_shape):
     return loss, main
 
 
+def _per_token(images: dict, inputs: dict) -> bool:
+    """Whether an input beside the images has a value per text token (a cross-attention mask)."""
+    tokens = inputs["input_ids"].shape[:2]
+    return any(torch.is_tensor(v) and v.dim() > 2 and v.shape[:2] == tokens for v in images.values())
+
+
 def _generate(model, inputs):
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -89,7 +95,9 @@ def _generate(model, inputs):
         with torch.no_grad():
             return model.generate(**{main: inputs[main]}, **kwargs)
     images = {k: v for k, v in inputs.items() if k not in ("input_ids", "labels", "decoder_input_ids")}
-    if "pixel_values" in images and inputs["input_ids"].shape[1] > SEQ:  # image tokens, then text: all of it
+    # image tokens then text, or text that cross-attends to the images with a mask per token (Idefics,
+    # Mllama): all of it
+    if "pixel_values" in images and (inputs["input_ids"].shape[1] > SEQ or _per_token(images, inputs)):
         prompt = inputs["input_ids"]
         kwargs.update(images)  # with what places the images (Qwen2-VL's grid and token types)
     else:

@@ -139,6 +139,16 @@ def test_tables_read_by_the_heads_alone_have_their_gradients_summed():
     assert derive(liar(head_scale="both"), 2).rules[type(liar().layers[0])].grad_sum == set()
 
 
+def test_embeddings_whose_forward_indexes_their_weight_stay_whole():
+    """WhisperForCausalLM's positional embedding is an ``nn.Embedding`` called with the caller's token ids
+    whose own forward slices its weight (``self.weight[:n]``): no vocab-parallel lookup can stand in for it
+    (cut, the decoder's first projection read wrong positions); the token embedding is a plain lookup."""
+    derivation = derive(factory("WhisperForCausalLM")(), 2)
+    assert "model.decoder.embed_positions" in derivation.read_by_weight
+    assert "model.decoder.embed_tokens" in derivation.embeddings
+    assert "model.decoder.embed_tokens" not in derivation.read_by_weight
+
+
 def test_route_order():
     assert type(get_autopolicy(transformers_model("OPTForCausalLM"))) is DerivedPolicy
     assert type(get_autopolicy(transformers_model("LlamaForCausalLM"))).__name__ == "TpPlanPolicy"

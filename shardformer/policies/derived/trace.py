@@ -45,6 +45,9 @@ class Flow:
         return Flow(self.stream or other.stream, self.sources | other.sources)
 
 
+_LOOKUPS = (F.embedding, torch.embedding)  # how nn.Embedding's own forward reads its weight
+
+
 class FlowMode(TorchFunctionMode):
     """Propagates `Flow` (inside the block running) and origins (everywhere: the names of the
     parameters a tensor was computed from, ``names`` mapping their ids) through every torch function
@@ -60,9 +63,9 @@ class FlowMode(TorchFunctionMode):
         self.owners: dict[int, set[str]] = {}  # weights watched: id -> the paths of the modules holding them
         self.running: set[str] = set()  # the watched modules whose forward is running
         self.read_elsewhere: set[str] = set()  # watched modules whose weight a function read outside their forward
-        self.attention_reads: list[
-            tuple
-        ] = []  # F.multi_head_attention_forward on projections' weights (`ReadAttention`)
+        # F.multi_head_attention_forward on projections' weights (`ReadAttention`)
+        self.attention_reads: list[tuple] = []
+        self.lookups: set[str] = set()  # the watched modules that are embeddings
 
     def get(self, t) -> Flow | None:
         return self.flows.get(id(t)) if torch.is_tensor(t) else None
@@ -102,8 +105,13 @@ class FlowMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         params = [id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, nn.Parameter)]
         self.used.update(params)
-        for owners in (self.owners[i] for i in params if i in self.owners):
-            if not owners & self.running:  # a tied weight is read by the forward of either module holding it
+        # a weight's values read, not its dtype, device or shape (`x.to(self.embed.weight.dtype)`)
+        values_read = any(torch.is_tensor(t) for t in tree_leaves(out))
+        for owners in (self.owners[i] for i in params if i in self.owners and values_read):
+            running = owners & self.running  # a tied weight is read by the forward of either module holding it
+            # an embedding's own forward that reads its weight other than by the lookup (Whisper's positions:
+            # `self.weight[:n]`) is read by its code too: a vocab-parallel lookup cannot stand in for it
+            if not running or (running <= self.lookups and func not in _LOOKUPS):
                 self.read_elsewhere |= owners
         flows = [f for t in tree_leaves((args, kwargs)) if (f := self.get(t)) is not None]
         if flows:
@@ -151,8 +159,9 @@ class Trace:
     origins: dict[str, dict[str, frozenset[str]]] = field(default_factory=dict)
     output_origins: frozenset[str] = frozenset()
     # outside the blocks: modules whose weight the model's code reads itself (MobileBERT's LM head concatenates
-    # its decoder's weight with another's; Perceiver's decoder multiplies by the input embedding's): no
-    # vocab-parallel layer stands in for them there
+    # its decoder's weight with another's; Perceiver's decoder multiplies by the input embedding's), and
+    # embeddings whose own forward indexes their weight (Whisper's positions): no vocab-parallel layer
+    # stands in for them there
     read_by_weight: list[str] = field(default_factory=list)
 
 
@@ -217,6 +226,8 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
     for path, m in modules.items():  # the weights of modules outside the blocks: read only by their own forward?
         if isinstance(getattr(m, "weight", None), nn.Parameter) and not inside(path, blocks):
             mode.owners.setdefault(id(m.weight), set()).add(path)
+            if isinstance(m, nn.Embedding):
+                mode.lookups.add(path)
             handles.append(m.register_forward_pre_hook(lambda _m, _a, p=path: mode.running.add(p)))
             handles.append(m.register_forward_hook(lambda _m, _a, _o, p=path: mode.running.discard(p)))
     for path in blocks + result.heads:

@@ -32,7 +32,7 @@ class SubclassVocabParallelEmbedding1D(VocabParallelEmbedding1D):
     learned ``eoi_embedding`` over one token's rows) with its vocabulary split over ranks: the module keeps
     its class's forward and every parameter, buffer and attribute that forward reads (whatever their
     names), and only the lookup it calls is the vocab-parallel one. A forward that reads ``self.weight``
-    itself instead is not followed; the proof on the tiny copy finds it."""
+    itself instead (Whisper's positions) is not followed: the derived route's trace leaves it whole."""
 
     @classmethod
     def from_native(cls, module: nn.Embedding, process_group=None, **options):

@@ -1,0 +1,18 @@
+"""Multimodal rotary sections of a tiny copy's head (Qwen2-VL's ``mrope_section``: time, height, width)."""
+
+from __future__ import annotations
+
+
+def rotary_sections(sections: list[int], total: int) -> list[int]:
+    """Multimodal rotary sections (time, height, width: Qwen2-VL's ``mrope_section``) scaled to a head's
+    ``total`` rotary pairs, in the same proportions as far as integers allow (each at least one where
+    ``total`` allows it)."""
+    least = 1 if total >= len(sections) else 0
+    scaled = [max(least, section * total // sum(sections)) for section in sections]
+    while sum(scaled) != total:
+        for i in sorted(range(len(scaled)), key=lambda i: -sections[i]):
+            if sum(scaled) < total:
+                scaled[i] += 1
+            elif sum(scaled) > total and scaled[i] > least:
+                scaled[i] -= 1
+    return scaled
