@@ -390,11 +390,16 @@ def _sections(sections: list[int], total: int) -> list[int]:
 
 def fill_zero_matrices(model, std: float = 0.02) -> None:
     """Random values in every matrix a model initialises to zero (Gemma 3's image projector, BLIP-2's
-    query tokens): on a tiny random copy such a matrix makes what follows it zero or degenerate (a
-    norm of zeros turns rounding into huge gradients), and a check would test nothing of its path."""
+    query tokens) or to values below ``NEGLIGIBLE`` (BLIP's vision tower: ``initializer_range`` 1e-10):
+    on a tiny random copy such a matrix makes what follows it zero or degenerate (a norm of zeros turns
+    rounding into huge gradients, any cut of a 1e-10 attention matches to 1e-25), and a check would test
+    nothing of its path."""
     import torch
 
     with torch.no_grad():
         for param in model.parameters():
-            if param.dim() > 1 and not param.any():
+            if param.dim() > 1 and param.is_floating_point() and not param.abs().max() > NEGLIGIBLE:
                 param.normal_(0, std)
+
+
+NEGLIGIBLE = 1e-6  # a weight no larger than this computes nothing a comparison at fp32 tolerances tells apart
