@@ -38,6 +38,7 @@ EXACT = [
     ("liar", {"head_norm": True}),
     ("liar", {"head_scale": True}),  # a scale of the queries shared by the heads: its gradient summed over tp
     ("liar", {"head_reads_weight": True}),  # logits = x @ lm_head.weight.t(): the vocabulary stays whole
+    ("liar", {"channel_norm": True}),  # a BatchNorm on the MLP's inner channels (LeViT's): cut with them
     ("OPTForCausalLM", {}),
     ("BartForConditionalGeneration", {}),
     ("RobertaForMaskedLM", {}),

@@ -29,6 +29,7 @@ from shardformer.policies.derived.given_inputs import inputs_from_outside
 from shardformer.policies.derived.heads import (
     HeadCut,
     bias_options,
+    channel_options,
     distinct_heads,
     head_counts,
     head_lists,
@@ -38,6 +39,7 @@ from shardformer.policies.derived.heads import (
 from shardformer.policies.derived.rewrites import use_module_width
 from shardformer.policies.derived.trace import Group
 from shardformer.policies.derived.widths import run_in_local_widths
+from shardformer.policies.tp_plan.styles import forget_cached_tensors
 from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.layers.norm import normalize, splits_features
@@ -172,6 +174,7 @@ def _run_ranks(
         use_module_width(local)  # as the policy gives it on the ranks (an input's width is a whole width)
         for rel, dims in head_params.items():
             leaf = local.get_submodule(rel)
+            forget_cached_tensors(leaf)
             for name, dim in dims.items():
                 t = getattr(leaf, name)
                 part = slice_tensor(t.detach(), make_spec(t.shape, dim, rank, tp))
@@ -256,6 +259,9 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     # own, and the row's input in as many blocks)
     # and last, the module run under LocalWidths (reshapes to the stream's width read off the input)
     biases = bias_options(parent, col_rels, widths)
+    # not of the stream's width: a per-channel leaf there (a layer scale) works on the stream, whole
+    for rel, names in channel_options(parent, _rel(row, parent_path), widths - {stream_width}).items():
+        biases.setdefault(rel, {}).update(names)
     heads_options = head_options(parent, args, kwargs, tp, inputs, stream_width, biases, lists)
     stages = [(None, 1, per_col, 0)] + [(h, 1, per_col, 0) for h in heads_options]
     for m in BLOCKED_ROWS:
