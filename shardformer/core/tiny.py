@@ -380,12 +380,12 @@ def _rotary_pairs(data: dict, rope: dict) -> int:
 
 
 def fill_zero_matrices(model, std: float = 0.02) -> None:
-    """Random values in every matrix a model initialises to zero (Gemma 3's image projector, BLIP-2's
-    query tokens): on a tiny random copy such a matrix makes what follows it zero or degenerate (a
-    norm of zeros turns rounding into huge gradients), and a check would test nothing of its path."""
+    """Random values in every matrix a model initialises to zero or below 1e-6 (Gemma 3's image projector,
+    BLIP-2's query tokens; BLIP's 1e-10 vision tower, where any cut matched to 1e-25): on a tiny copy
+    it makes what follows zero or degenerate (a norm of zeros turns rounding into huge gradients)."""
     import torch
 
     with torch.no_grad():
         for param in model.parameters():
-            if param.dim() > 1 and not param.any():
+            if param.dim() > 1 and param.is_floating_point() and not param.abs().max() > 1e-6:
                 param.normal_(0, std)

@@ -8,7 +8,8 @@ tp cut leaves partial: the policy sums it over the ranks. ``head_scale="both"`` 
 attention's input with it (a gradient part whole, part per rank: no sum is exact, the proof must
 refuse it). ``mix_heads=True`` makes each query feature depend on every head's (no cut
 over heads computes it: not derivable). ``head_norm=True`` adds a per-head norm module between q and the attention
-(a replicated leaf whose gradient the policy sums).
+(a replicated leaf whose gradient the policy sums). ``channel_norm=True`` adds a BatchNorm over the MLP's
+inner channels (LeViT's linear-then-BatchNorm: per channel, cut with the channels).
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ class LiarConfig(tf.PretrainedConfig):
 
     def __init__(self, vocab_size=99, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                  num_hidden_layers=2, head_scale=False, head_norm=False, mix_heads=False, head_reads_weight=False,
-                 **kwargs):  # fmt: skip
+                 channel_norm=False, **kwargs):  # fmt: skip
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_attention_heads, self.num_hidden_layers = num_attention_heads, num_hidden_layers
         self.head_scale, self.head_norm, self.mix_heads = head_scale, head_norm, mix_heads
         self.head_reads_weight = head_reads_weight  # the model's code multiplies by lm_head.weight (MobileBERT's)
+        self.channel_norm = channel_norm
         super().__init__(**kwargs)
 
 
@@ -74,11 +76,15 @@ class LiarBlock(nn.Module):
         self.mixer = LiarAttention(config)
         self.o_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)  # [gate | up]
         self.up_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)  # the MLP's output
+        self.channels = nn.BatchNorm1d(config.intermediate_size) if config.channel_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mixer(self.norm_a(x))
         gate, up = self.o_proj(self.norm_b(x)).chunk(2, dim=-1)
-        return x + self.up_proj(F.silu(gate) * up)
+        inner = F.silu(gate) * up
+        if self.channels is not None:
+            inner = self.channels(inner.flatten(0, 1)).view(inner.shape)
+        return x + self.up_proj(inner)
 
 
 class LiarForCausalLM(tf.PreTrainedModel):

@@ -38,6 +38,7 @@ EXACT = [
     ("liar", {"head_norm": True}),
     ("liar", {"head_scale": True}),  # a scale of the queries shared by the heads: its gradient summed over tp
     ("liar", {"head_reads_weight": True}),  # logits = x @ lm_head.weight.t(): the vocabulary stays whole
+    ("liar", {"channel_norm": True}),  # a BatchNorm on the MLP's inner channels (LeViT's): cut with them
     ("OPTForCausalLM", {}),
     ("BartForConditionalGeneration", {}),
     ("RobertaForMaskedLM", {}),
@@ -94,6 +95,9 @@ EXACT = [
     # shortcut) by output channels, batch norms with them, the 1x1 and shortcut convolutions reading them by
     # input channels; a bottleneck's 3x3 -> 1x1 pair; 32-pixel images
     ("sized:ResNetModel", dict(hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16)),
+    # BLIP's vision attention splits its fused qkv by its head count beside the input's width (the count
+    # made local as it runs); its tiny copy's 1e-10 initialisation redrawn, else any cut matched to 1e-25
+    ("runnable:BlipModel", {}),
 ]
 
 

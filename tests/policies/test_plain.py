@@ -153,6 +153,12 @@ def test_local_widths_rewrite_only_the_reshape_that_cannot_fit():
     with LocalWidths(32, 2):
         assert t.transpose(1, 2).reshape(2, 5, 32).shape == (2, 5, 16)
         assert t.view((2, 2, 40)).shape == (2, 2, 40)
+    # BLIP splits its fused qkv by the head count (left whole) and the input's width over it: the count made local
+    qkv = torch.zeros(2, 5, 48)  # [B, N, 3 x 2 heads x 8] of 4 heads on 2 ranks
+    assert local_sizes(qkv, [2, 5, 3, 4, 8], 32, 2, heads=(4,)) == [2, 5, 3, 2, 8]
+    assert local_sizes(qkv, [2, 5, 3, 4, 8], 32, 2) is None  # no head count given: left as written
+    with LocalWidths(32, 2, heads=(4,)):
+        assert qkv.reshape(2, 5, 3, 4, 8).shape == (2, 5, 3, 2, 8)
 
 
 def test_a_convolutional_network_is_cut_over_channels_where_exact():
@@ -190,6 +196,14 @@ def test_heads_that_tp_does_not_split_are_named():
         "EvaBlock: attn.qkv -> attn.proj: attn.num_heads=3: its heads do not split over tensor_parallel_size=2" in why
     )
     assert why.fix == HEADS  # the refusal's first line: another tensor_parallel_size, not a Policy
+    # one query head (Segformer's, PVT's first stage; kept, not read: the code reads head_dim) is no
+    # key/value head to replicate: named too
+    from shardformer.policies.derived.simulate import _why_none
+
+    attention = torch.nn.Linear(4, 4)
+    attention.num_attention_heads, attention.num_key_value_heads = 1, 1
+    why = _why_none(torch.nn.ModuleDict({"attention": attention}), "blocks.0", 2, "the first candidate")
+    assert why.startswith("blocks.0.attention.num_attention_heads=1: its heads do not split over"), why
 
 
 def test_torch_transformer_encoder_cuts_multihead_attention_by_heads():

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from shardformer.core.comm import group_rank, group_size
 from shardformer.policies.derived.blocks import is_projection
 from shardformer.tensor_parallel.detect import int_attributes, is_head_count
+from shardformer.tensor_parallel.layers.norm import splits_features
 
 MAX_HEAD_OPTIONS = 16
 
@@ -157,6 +158,25 @@ def bias_options(parent: nn.Module, col_rels: list[str], widths: set[int]) -> di
         for name, t in tensors:
             if t.dim() == 1 and t.is_floating_point() and t.shape[0] in widths:
                 found.setdefault(owner, {})[name] = 0
+    return found
+
+
+def channel_options(parent: nn.Module, row_rel: str, widths: set[int]) -> dict[str, dict[str, int]]:
+    """Leaves computing per channel on a column's output (LeViT's BatchNorm1d after its ``qkv``: its
+    weight, bias and running statistics ``[C]``): every float tensor 1-D and as long as a column's
+    output, not a norm over the features (`SplitLayerNorm`'s) nor beside the row (on the stream): cut
+    with the columns' channels."""
+    found: dict[str, dict[str, int]] = {}
+    row_owner = row_rel.rpartition(".")[0]
+    for rel, module in parent.named_modules():
+        if not rel or list(module.children()) or is_projection(module) or splits_features(module):
+            continue
+        if row_owner and (rel == row_owner or rel.startswith(f"{row_owner}.")):
+            continue
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        floats = [(n, t) for n, t in tensors if t.is_floating_point()]
+        if floats and all(t.dim() == 1 and t.shape[0] in widths for _, t in floats):
+            found[rel] = {name: 0 for name, _ in floats}
     return found
 
 

@@ -28,7 +28,7 @@ from shardformer.policies.derived.blocks import (
 from shardformer.policies.derived.channels import channel_layers
 from shardformer.policies.derived.column_cuts import cut_options
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
-from shardformer.policies.derived.heads import head_inputs_layer
+from shardformer.policies.derived.heads import head_counts, head_inputs_layer
 from shardformer.policies.derived.mixers import FUSED_PACKAGE, MIXER_COLUMN, fused_kernels, layouts_in, local_counts
 from shardformer.policies.derived.numpy_draws import NoTrainingDraws, draws_from_numpy
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
@@ -299,7 +299,8 @@ class DerivedPolicy(TpPlanPolicy):
             layers[path] = Layer(path, replace_layer=head_inputs_layer(cuts, counts))
         for rel, row in rule.local_widths.items():  # after the module's own cut (its biases) above
             path = f"{block}.{rel}" if rel else block
-            _add_layer(layers, path, local_widths_layer(out_width(modules[f"{block}.{row}"])))
+            heads = tuple(head_counts(modules[path], tp))  # the module's own, whole: its stage's (Swin's differ)
+            _add_layer(layers, path, local_widths_layer(out_width(modules[f"{block}.{row}"]), heads))
         for rel in rule.grad_sum:  # beside what else replaces the module (its per-rank widths)
             path = f"{block}.{rel}" if rel else block
             if path in modules:

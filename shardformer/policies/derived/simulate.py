@@ -29,9 +29,11 @@ from shardformer.policies.derived.given_inputs import inputs_from_outside
 from shardformer.policies.derived.heads import (
     HeadCut,
     bias_options,
+    channel_options,
     depthwise_counts,
     depthwise_options,
     distinct_heads,
+    head_counts,
     head_lists,
     head_options,
     slice_heads,
@@ -39,6 +41,7 @@ from shardformer.policies.derived.heads import (
 from shardformer.policies.derived.rewrites import use_module_width
 from shardformer.policies.derived.trace import Group
 from shardformer.policies.derived.widths import run_in_local_widths
+from shardformer.policies.tp_plan.styles import forget_cached_tensors
 from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.layers.norm import normalize, splits_features
@@ -166,12 +169,14 @@ def _run_ranks(
     ``row_blocks``: the row's input features cut block by block; ``local_width``: the parent runs
     under `.widths.LocalWidths` for that width."""
     head_params, head_inputs, head_lists = heads or ({}, {}, {})
+    whole_heads = tuple(head_counts(parent, tp))  # read before any count is divided
     total = None
     for rank in range(tp):
         local = copy.deepcopy(parent)
         use_module_width(local)  # as the policy gives it on the ranks (an input's width is a whole width)
         for rel, dims in head_params.items():
             leaf = local.get_submodule(rel)
+            forget_cached_tensors(leaf)
             for name, dim in dims.items():
                 t = getattr(leaf, name)
                 part = slice_tensor(t.detach(), make_spec(t.shape, dim, rank, tp))
@@ -200,7 +205,7 @@ def _run_ranks(
             local.set_submodule(rel, _whole_stats_norm(local.get_submodule(rel), whole, rank, tp))
         apply_attributes(local, divide, tp)
         if local_width:
-            run_in_local_widths(local, local_width, tp)
+            run_in_local_widths(local, local_width, tp, whole_heads)
         with torch.no_grad():
             local(*call_args, **call_kwargs)
         if len(captured) != 1:
@@ -256,6 +261,9 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     # own, and the row's input in as many blocks)
     # and last, the module run under LocalWidths (reshapes to the stream's width read off the input)
     biases = bias_options(parent, col_rels, widths) | depthwise_options(parent, widths)
+    # not of the stream's width: a per-channel leaf there (a layer scale) works on the stream, whole
+    for rel, names in channel_options(parent, _rel(row, parent_path), widths - {stream_width}).items():
+        biases.setdefault(rel, {}).update(names)
     heads_options = head_options(parent, args, kwargs, tp, inputs, stream_width, biases, lists, config)
     stages = [(None, 1, per_col, 0)] + [(h, 1, per_col, 0) for h in heads_options]
     for m in BLOCKED_ROWS:
@@ -279,7 +287,8 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
             for divide in (d + convs for d in attr_sets):
                 trials += 1
                 if trials > MAX_TRIALS:  # a count, not a clock: every rank stops at the same candidate
-                    return None, f"no exact cut among the first {MAX_TRIALS} candidates ({errors[0]})"
+                    first = f"no exact cut among the first {MAX_TRIALS} candidates ({errors[0]})"
+                    return None, _why_none(parent, prefix, tp, first)
                 try:
                     got = _run_ranks(
                         parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, config, heads,
@@ -333,18 +342,18 @@ def _count_of_width(parent: nn.Module, width: int) -> str:
 
 def _why_none(parent: nn.Module, prefix: str, tp: int, first_error: str) -> str:
     """Why no cut of a group is exact: a head count its code reads that ``tp`` cannot split (3 heads
-    at tp=2, the likeliest reason, named first), then the first candidate's failure."""
-    unsplit = []
+    at tp=2, the likeliest reason, named first; a query count below tp too: one head of Swin's,
+    Segformer's or PVT's first stage, which only key/value heads may replicate), then the first
+    candidate's failure."""
+    unsplit, unread = [], []  # counts the code reads first; else those it keeps (Segformer reads head_dim)
     for rel, module in parent.named_modules():
         read = attributes_read(type(module))
         for name, value in int_attributes(module).items():
-            if (
-                is_head_count(name)
-                and (read is None or name in read)
-                and value > 1
-                and not splits_over(name, value, tp)
-            ):
-                unsplit.append(".".join(p for p in (prefix, rel, name) if p) + f"={value}")
+            queries = "key_value" not in name and "kv" not in name.lower()
+            if is_head_count(name) and (not splits_over(name, value, tp) or (queries and value % tp)):
+                found = unsplit if read is None or name in read else unread
+                found.append(".".join(p for p in (prefix, rel, name) if p) + f"={value}")
+    unsplit = unsplit or unread
     if not unsplit:
         return first_error
     text = (

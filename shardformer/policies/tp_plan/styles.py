@@ -174,6 +174,7 @@ class HeadParams:
 
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
+        forget_cached_tensors(module)  # computed from the whole parameters before the cut
         slicer = Slicer(group_rank(process_group), group_size(process_group))
         buffers = dict(module.named_buffers(recurse=False))
         dims, blocks = cls.dims or (0,) * len(cls.names), cls.blocks or (1,) * len(cls.names)
@@ -205,6 +206,14 @@ def params_layer(path: str, module: nn.Module, named: dict[str, str]) -> type[He
                 f"not supported (only 'colwise' on a 1-D per-head parameter, or inside 'moe_tp_experts')"
             )
     return type("HeadParams", (HeadParams,), {"names": tuple(named)})
+
+
+def forget_cached_tensors(module: nn.Module) -> None:
+    """Empty the module's own caches of tensors (LeViT's ``attention_bias_cache``: its per-head biases
+    gathered once in eval mode): what they hold was computed from parameters a cut now replaces."""
+    for name, value in vars(module).items():
+        if not name.startswith("_") and isinstance(value, dict) and value and all(map(torch.is_tensor, value.values())):
+            value.clear()
 
 
 def head_params_layer(dims: dict[str, int], blocks: dict[str, int | tuple[int, ...]] | None = None, units=None):
