@@ -38,13 +38,12 @@ def test_each_row_gets_its_result_and_a_row_past_its_budget_is_killed():
         {"name": "c", "does": "not tested"},
         {"name": "m", "does": "grow"},  # stopped by the memory budget long before its time budget
         {"name": "d", "does": "hang"},  # in a fresh spawn, after the grown row's ranks were killed
-        {"name": "e", "does": "pass"},  # in a fresh spawn, after the hung row's ranks were killed
     ]
     seen = []
     got = {r["name"]: r for r in run_rows(rows, _check, world=1, budget=6.0, memory_gib=1.5, progress=seen.append)}
-    assert [r["name"] for r in seen] == ["skipped", "a", "b", "c", "m", "d", "e"]
+    assert [r["name"] for r in seen] == ["skipped", "a", "b", "c", "m", "d"]
     assert (got["skipped"]["result"], got["skipped"]["reason"]) == (NOT_TESTED, "class not importable")
-    assert got["a"]["result"] == got["e"]["result"] == PASSED
+    assert got["a"]["result"] == PASSED
     assert got["b"]["result"] == ERROR and "ValueError: a bug in the check" in got["b"]["reason"]
     assert (got["c"]["result"], got["c"]["reason"]) == (NOT_TESTED, "no tiny copy runs")
     assert got["d"]["result"] == ERROR and "row budget of 6 s" in got["d"]["reason"], got["d"]
