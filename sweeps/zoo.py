@@ -180,8 +180,9 @@ def tiny_config_of(class_name: str):
 
     model_class = getattr(tf, class_name)
     config = model_class.config_class()
-    if hasattr(config, "num_query_tokens") and getattr(config, "image_token_index", 0) is None:
-        config.image_token_index = VOCAB + 1  # BLIP-2's checkpoints set one; its default config (None) cannot run
+    for key in ("image_token_index", "video_token_index"):  # BLIP-2's, InstructBLIP-Video's
+        if hasattr(config, "num_query_tokens") and getattr(config, key, 0) is None:
+            setattr(config, key, VOCAB + 1)  # their checkpoints set one; their default config (None) cannot run
     set_as_checkpoints(config, class_name)
     return runnable_tiny_config(model_class, config, 2, inputs=inputs_for)
 
