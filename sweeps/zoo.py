@@ -293,6 +293,30 @@ def default_build_failure(class_name: str) -> str | None:
     return None
 
 
+# model type -> (a fragment of the error, why): the model's own code failing on the tiny copy, not the recipe
+# (each shown by a test in tests/test_sweep_rows.py)
+UPSTREAM_FAILURES = {
+    "reformer": ("model.train()", "Reformer computes gradients only in training mode; the checks run in eval mode"),
+    "xlstm": (
+        "matC_old has wrong shape",
+        "xLSTM's cache sizes its state by qk_dim rounded up to a multiple of 64 (xLSTMConfig.qk_dim), its layers "
+        "by hidden_size * qk_dim_factor unrounded: any width where the two differ fails in eval mode",
+    ),
+    "blt": (
+        "no attribute 'num_hidden_layers'",
+        "BltConfig has no num_hidden_layers, which the cache built in eval mode reads: its default config fails alike",
+    ),
+}
+
+
+def upstream_failure(class_name: str, error: str) -> str | None:
+    """Why ``error`` (the tiny copy's failure) is the class's own code's, from `UPSTREAM_FAILURES`, or None."""
+    import transformers as tf
+
+    fragment, why = UPSTREAM_FAILURES.get(getattr(tf, class_name).config_class.model_type, (None, None))
+    return why if fragment is not None and fragment in error else None
+
+
 _UNSHARDED: dict[tuple[str, str], dict] = {}  # (class, flip) -> what check_unsharded found (rows per technique)
 
 
@@ -305,8 +329,11 @@ def check_unsharded(row: dict) -> None:
         found: dict = {}
         failure = unsharded_failure(name, flip)  # the tiny model itself: nothing to shard
         upstream = default_build_failure(name) if failure is not None and failure[0] == "config" else None
+        known = upstream_failure(name, failure[1]) if failure is not None else None
         if upstream is not None:  # not the recipe's doing: the class's own default config builds no model
             set_reason(found, NOT_TESTED, f"upstream: {name}({tiny_config_class(name)}()) does not build: {upstream}")
+        elif known is not None:
+            set_reason(found, NOT_TESTED, f"upstream: {known}; the tiny model fails in {failure[0]}: {failure[1]}")
         elif failure is not None and failure[0] == "config":  # a config we cannot scale down
             set_reason(found, NOT_TESTED, f"no tiny copy that runs: {failure[1]}")
         elif failure is not None:

@@ -6,6 +6,8 @@ import re
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -69,3 +71,28 @@ def test_upstream_failures_are_named():
     row = {"class": "LayoutLMv2ForSequenceClassification"}
     check_unsharded(row)
     assert row["result"] == NOT_TESTED and row["reason"].startswith("upstream: ") and "detectron2" in row["reason"]
+
+
+def test_upstream_forward_failures_are_named():
+    """A class whose own code fails on the tiny copy's inputs is marked upstream with the reason: xLSTM's
+    cache rounds its key width up to a multiple of 64 and its layers do not (the tiny copy, in eval mode);
+    BLT's cache reads a num_hidden_layers its config lacks (its default config, on the meta device)."""
+    import torch
+    import transformers as tf
+
+    from shardformer.core.tiny import tiny_copy_config
+    from sweeps.zoo import upstream_failure
+
+    xlstm = tf.xLSTMForCausalLM(tiny_copy_config(tf.xLSTMConfig())).eval()
+    with pytest.raises(ValueError, match="matC_old has wrong shape") as caught:
+        xlstm(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert xlstm.config.qk_dim != xlstm.config.hidden_size * xlstm.config.qk_dim_factor
+    assert "multiple of 64" in upstream_failure("xLSTMForCausalLM", str(caught.value))
+    with torch.device("meta"):
+        blt = tf.BltForCausalLM(tf.BltConfig()).eval()
+        with pytest.raises(AttributeError, match="num_hidden_layers") as caught:
+            blt(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert "BltConfig" in upstream_failure("BltForCausalLM", str(caught.value))
+    assert upstream_failure("LlamaForCausalLM", "any error") is None
+    # Reformer's assertion, shown on its tiny copy in tests/test_tiny.py, names every Reformer head's row
+    assert "training mode" in upstream_failure("ReformerForMaskedLM", "use `model.train()` to put the model")
