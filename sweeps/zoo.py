@@ -203,6 +203,10 @@ AS_CHECKPOINTS_SET = {
     # DBRX's attention reads attn_config.rope_theta, a field its sub-config class does not declare, and
     # clamps by clip_qkv, None by default (5.24); its checkpoints set both
     **{n: {"attn_config.rope_theta": 500000.0, "attn_config.clip_qkv": 8.0} for n in ("DbrxForCausalLM", "DbrxModel")},
+    # Llama 4's default vision tower is 768 wide with a 7680-wide output, its adapter sized for the checkpoints'
+    # 1408 (4 x 1408 after the pixel shuffle) and their 4096-wide output:
+    # the default config runs no image
+    "Llama4ForConditionalGeneration": {"vision_config.hidden_size": 1408, "vision_config.vision_output_dim": 4096},
 }
 
 
@@ -305,6 +309,10 @@ UPSTREAM_FAILURES = {
     "blt": (
         "no attribute 'num_hidden_layers'",
         "BltConfig has no num_hidden_layers, which the cache built in eval mode reads: its default config fails alike",
+    ),
+    "llama4": (
+        "no attribute 'image_outputs'",
+        "Llama4ForConditionalGeneration.forward reads image_outputs from its language model's output, which has none",
     ),
 }
 

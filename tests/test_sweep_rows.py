@@ -76,7 +76,8 @@ def test_upstream_failures_are_named():
 def test_upstream_forward_failures_are_named():
     """A class whose own code fails on the tiny copy's inputs is marked upstream with the reason: xLSTM's
     cache rounds its key width up to a multiple of 64 and its layers do not (the tiny copy, in eval mode);
-    BLT's cache reads a num_hidden_layers its config lacks (its default config, on the meta device)."""
+    BLT's cache reads a num_hidden_layers its config lacks (its default config, on the meta device); Llama 4's
+    image-text forward reads an output its language model does not give."""
     import torch
     import transformers as tf
 
@@ -93,6 +94,12 @@ def test_upstream_forward_failures_are_named():
         with pytest.raises(AttributeError, match="num_hidden_layers") as caught:
             blt(input_ids=torch.ones(1, 4, dtype=torch.long))
     assert "BltConfig" in upstream_failure("BltForCausalLM", str(caught.value))
+    llama4 = tf.Llama4ForConditionalGeneration(tiny_copy_config(tf.Llama4Config())).eval()
+    with pytest.raises(AttributeError, match="image_outputs") as caught:  # on any input: text alone here
+        llama4(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert "language model" in upstream_failure("Llama4ForConditionalGeneration", str(caught.value))
+    vision = tf.Llama4VisionConfig()  # its default tower: an adapter sized for the checkpoints' 1408, not 768
+    assert vision.intermediate_size == 1408 / vision.pixel_shuffle_ratio**2 != vision.hidden_size * 4
     assert upstream_failure("LlamaForCausalLM", "any error") is None
     # Reformer's assertion, shown on its tiny copy in tests/test_tiny.py, names every Reformer head's row
     assert "training mode" in upstream_failure("ReformerForMaskedLM", "use `model.train()` to put the model")

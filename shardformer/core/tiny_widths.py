@@ -12,3 +12,25 @@ def tie_merged_width(out: dict, data: dict) -> None:
     merge = vision.get("merge_size")
     if isinstance(merge, int) and data["out_hidden_size"] == vision.get("hidden_size", 0) * merge * merge:
         out["out_hidden_size"] = tiny.get("hidden_size", vision["hidden_size"]) * merge * merge
+
+
+def tie_projection_to_channels(out: dict, data: dict) -> None:
+    """A shared embedding width that is the vision convnet's last channels, unprojected (ALIGN's
+    ``projection_dim``: EfficientNet's last ``out_channels`` times its ``width_coefficient``): the copy's
+    width is the copy's tower's."""
+    vision, tiny = data.get("vision_config"), out.get("vision_config")
+    if not isinstance(vision, dict) or not isinstance(tiny, dict) or not isinstance(data.get("projection_dim"), int):
+        return
+    channels, coefficient = vision.get("out_channels"), vision.get("width_coefficient")
+    if isinstance(channels, list) and channels and data["projection_dim"] == round(channels[-1] * (coefficient or 1)):
+        out["projection_dim"] = round(tiny["out_channels"][-1] * (tiny.get("width_coefficient") or 1))
+
+
+def tie_shuffled_width(out: dict, data: dict) -> None:
+    """A vision adapter that pixel-shuffles patches by ``pixel_shuffle_ratio`` then reads them with a layer
+    of ``intermediate_size`` inputs (Llama 4's: the hidden size over the ratio squared): the copy keeps the
+    tie at its own hidden size."""
+    ratio, hidden, tiny = data.get("pixel_shuffle_ratio"), data.get("hidden_size"), out.get("hidden_size")
+    widths = isinstance(ratio, float) and isinstance(hidden, int) and isinstance(tiny, int)
+    if widths and data.get("intermediate_size") == hidden / ratio**2:
+        out["intermediate_size"] = round(tiny / ratio**2)
