@@ -17,7 +17,7 @@ from shardformer.core import tiny_layers
 from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
 from shardformer.core.tiny_rotary import rotary_sections
-from shardformer.core.tiny_widths import tie_merged_width, tie_projection_to_channels, tie_shuffled_width
+from shardformer.core import tiny_widths
 
 VOCAB = 99
 SIZES = {
@@ -225,9 +225,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         if name in data and not key.endswith("_id") and name not in _KV_HEADS and _scalar(data[name]):
             out[name] = value
     _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
-    tie_merged_width(out, data)
-    tie_projection_to_channels(out, data)
-    tie_shuffled_width(out, data)
+    tiny_widths.tie_to_others(out, data)
     tiny_layers.fit_stages(out, data, hidden, scaling)
     if "head_dim" in out and data.get("head_dim") == data.get("qk_rope_head_dim") is not None:
         out["head_dim"] = out.get("qk_rope_head_dim", data["head_dim"])  # multi-head latent attention rotates head_dim

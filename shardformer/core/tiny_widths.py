@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def tie_to_others(out: dict, data: dict) -> None:
+    """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
+    for tie in (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries):
+        tie(out, data)
+
+
 def tie_merged_width(out: dict, data: dict) -> None:
     """A projector fed the vision tower's patches merged ``merge_size x merge_size`` (MuseGlimmer's
     ``out_hidden_size``, 4 x the tower's width): the copy's width is the copy's tower's, merged alike."""
@@ -34,3 +40,15 @@ def tie_shuffled_width(out: dict, data: dict) -> None:
     widths = isinstance(ratio, float) and isinstance(hidden, int) and isinstance(tiny, int)
     if widths and data.get("intermediate_size") == hidden / ratio**2:
         out["intermediate_size"] = round(tiny / ratio**2)
+
+
+def tie_patch_queries(out: dict, data: dict) -> None:
+    """A projector that picks its number of queries by the image's number of patches (Aria's
+    ``projector_patch_to_query_dict``, for 490- and 980-pixel images): one entry, for the copy's image, with
+    at most as many queries as patches."""
+    tiny = out.get("vision_config")
+    key = next((k for k, v in data.items() if k.endswith("patch_to_query_dict") and isinstance(v, dict) and v), None)
+    if key is None or not isinstance(tiny, dict) or not tiny.get("image_size") or not tiny.get("patch_size"):
+        return
+    patches = (tiny["image_size"] // tiny["patch_size"]) ** 2
+    out[key] = {patches: min(min(int(q) for q in data[key].values()), patches)}
