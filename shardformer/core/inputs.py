@@ -20,6 +20,9 @@ SEQ = 8  # tokens per sequence
 PADDED_TO = {"perceiver": "max_position_embeddings"}
 # model type -> frames per video its processor samples, where the forward takes videos as ``pixel_values``
 VIDEO_FRAMES = {"instructblipvideo": 4}
+# model types whose pixel_attention_mask keeps whole pictures, [batch, pictures] (GraniteDocling's tiles, PI0's
+# cameras), and which require it
+PICTURE_MASKS = {"granite_docling", "pi0"}
 
 
 def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
@@ -70,8 +73,6 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     no_tower = "vision_config" in getattr(config, "__dict__", {}) and config.vision_config is None
     if "pixel_values" in params and "input_ids" in x and not no_tower:  # two towers (CLIP), an image-text model
         x.update(_images(model, config, batch, g))
-        if "state" in x:  # a robot policy (PI0): one camera per sample, its mask [batch, cameras]
-            x["pixel_attention_mask"] = torch.ones(batch, 1, dtype=torch.bool)
         x["input_ids"] = _with_image_tokens(model, config, x["input_ids"], x.get("qformer_input_ids"))
         image = _special_tokens(config).get("image_token_id")
         if "mm_token_type_ids" in params and image is not None:  # image features (Qwen2-VL's multimodal rotary)
@@ -200,13 +201,17 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     channels = channels or getattr(model, "in_chans", 3)
     params = inspect.signature(model.forward).parameters
     if "image_grid_thw" in params:  # MuseGlimmer names the merge and the temporal patch its own way
-        side = 2 * (getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", 1))
+        merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", 1)
+        side = 2 * merge
         frames = getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", 1)
         patch = vision.patch_size * vision.patch_size * frames
-        return {
+        grid = {
             "pixel_values": torch.randn(batch * side * side, channels * patch, generator=g),
             "image_grid_thw": torch.tensor([[1, side, side]] * batch),
         }
+        if "image_merge_sizes" in params:  # VideoLLaMA 3: each image's merge, given with its grid
+            grid["image_merge_sizes"] = torch.tensor([merge] * batch)
+        return grid
     if "image_sizes" in params and (getattr(config, "image_grid_pinpoints", None) or _tower_takes_sizes(model, vision)):
         return _sized_images(config, channels, size, batch, g)
     if "spatial_shapes" in params and isinstance(getattr(vision, "num_patches", None), int):
@@ -220,8 +225,15 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     frames = frames or VIDEO_FRAMES.get(getattr(config, "model_type", None))
     if frames:
         return {"pixel_values": torch.randn(batch, frames, channels, size, size, generator=g)}
-    pixels = torch.randn(batch, channels, size, size, generator=g)
-    return {"pixel_values": pixels[:, None] if "pixel_attention_mask" in params else pixels}
+    pixels = {"pixel_values": torch.randn(batch, channels, size, size, generator=g)}
+    high = getattr(config, "high_res_vision_config", None)
+    if "high_res_pixel_values" in params and high is not None:  # DeepSeek-VL hybrid: the picture at two sizes
+        pixels["high_res_pixel_values"] = torch.randn(batch, channels, high.image_size, high.image_size, generator=g)
+    if "pixel_attention_mask" in params:  # one picture per sample (Idefics2/3: its pixels' mask left to the model)
+        pixels["pixel_values"] = pixels["pixel_values"][:, None]
+        if getattr(config, "model_type", None) in PICTURE_MASKS:
+            pixels["pixel_attention_mask"] = torch.ones(batch, 1, dtype=torch.bool)
+    return pixels
 
 
 def _tiled_images(vision, pixels: torch.Tensor, tokens: tuple[int, int]) -> dict:

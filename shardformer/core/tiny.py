@@ -13,11 +13,10 @@ import functools
 import inspect
 from dataclasses import dataclass
 
-from shardformer.core import tiny_layers
+from shardformer.core import tiny_layers, tiny_widths
 from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
 from shardformer.core.tiny_rotary import rotary_sections
-from shardformer.core import tiny_widths
 
 VOCAB = 99
 SIZES = {
