@@ -264,6 +264,9 @@ def unsharded_failure(class_name: str, flip: dict | None = None, generate: bool 
         inputs = inputs_for(model, 1)
         step = "forward"
         loss, out = _loss_and_output(model, inputs, None, None, None)
+        if torch.is_tensor(out) and not torch.isfinite(out).all():  # nothing to compare a sharded copy with
+            bad = (~torch.isfinite(out)).sum().item()
+            raise FloatingPointError(f"{bad} of its {out.numel()} outputs are not finite (unsharded, before any step)")
         step = "backward"
         (loss if loss is not None else out.float().sum()).backward()
         if generate and callable(getattr(model, "can_generate", None)) and model.can_generate():
