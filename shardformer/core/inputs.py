@@ -23,6 +23,11 @@ VIDEO_FRAMES = {"instructblipvideo": 4}
 # model types whose pixel_attention_mask keeps whole pictures, [batch, pictures] (GraniteDocling's tiles, PI0's
 # cameras), and which require it
 PICTURE_MASKS = {"granite_docling", "pi0"}
+# model type -> the shape its processor gives the patches of a grid in, other than one flattened patch per row
+PATCH_LAYOUTS = {
+    "kimi_k25": lambda channels, side: (-1, channels, side, side),  # a picture per patch
+    "paddleocr_vl": lambda channels, side: (-1, channels, side, side),
+}
 
 
 def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
@@ -201,7 +206,9 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     channels = channels or getattr(model, "in_chans", 3)
     params = inspect.signature(model.forward).parameters
     if "image_grid_thw" in params:  # MuseGlimmer names the merge and the temporal patch its own way
-        merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", 1)
+        kernel = getattr(vision, "merge_kernel_size", None)  # Kimi K2.5: [height, width]
+        merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None)
+        merge = merge or (kernel[0] if isinstance(kernel, (list, tuple)) else 1)
         side = 2 * merge
         frames = getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", 1)
         patch = vision.patch_size * vision.patch_size * frames
@@ -211,6 +218,9 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
         }
         if "image_merge_sizes" in params:  # VideoLLaMA 3: each image's merge, given with its grid
             grid["image_merge_sizes"] = torch.tensor([merge] * batch)
+        layout = PATCH_LAYOUTS.get(getattr(config, "model_type", None))
+        if layout is not None:
+            grid["pixel_values"] = grid["pixel_values"].reshape(layout(channels, vision.patch_size))
         return grid
     if "image_sizes" in params and (getattr(config, "image_grid_pinpoints", None) or _tower_takes_sizes(model, vision)):
         return _sized_images(config, channels, size, batch, g)

@@ -104,6 +104,7 @@ _VISION = {
     "image_size": 32,
     "patch_size": 8,
     "tubelet_size": 8,
+    "merge_kernel_size": 2,  # Kimi K2.5's patches merged 2 x 2, as its checkpoints do
     "rotary_dim": 4,
 }  # 16 patches; rotation inside a head of 8
 _POSITION_WORDS = ("position", "max_", "positions", "seq_len", "window")

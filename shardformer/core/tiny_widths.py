@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
-    for tie in (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries):
+    ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
+    for tie in ties:
         tie(out, data)
 
 
@@ -52,3 +53,15 @@ def tie_patch_queries(out: dict, data: dict) -> None:
         return
     patches = (tiny["image_size"] // tiny["patch_size"]) ** 2
     out[key] = {patches: min(min(int(q) for q in data[key].values()), patches)}
+
+
+def tie_vision_width(out: dict, data: dict) -> None:
+    """A width of the top config that is the vision tower's, unlike the text's (Kimi K2.5's
+    ``projection_hidden_size``, the norm over the tower's features): the copy's tower's."""
+    vision, tiny = data.get("vision_config"), out.get("vision_config")
+    if not isinstance(vision, dict) or not isinstance(tiny, dict) or not isinstance(vision.get("hidden_size"), int):
+        return
+    text = (data.get("text_config") or {}).get("hidden_size", data.get("hidden_size"))
+    for key, value in data.items():
+        if key.endswith("_hidden_size") and value == vision["hidden_size"] != text:
+            out[key] = tiny["hidden_size"]
