@@ -6,6 +6,8 @@ import re
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -68,3 +70,51 @@ def test_upstream_failures_are_named():
     row = {"class": "LayoutLMv2ForSequenceClassification"}
     check_unsharded(row)
     assert row["result"] == NOT_TESTED and row["reason"].startswith("upstream: ") and "detectron2" in row["reason"]
+
+
+def test_upstream_forward_failures_are_named():
+    """A class whose own code fails on the tiny copy's inputs is marked upstream with the reason: xLSTM's
+    cache rounds its key width up to a multiple of 64 and its layers do not (the tiny copy, in eval mode);
+    BLT's cache reads a num_hidden_layers its config lacks (its default config, on the meta device); Llama 4's
+    image-text forward reads an output its language model does not give."""
+    import torch
+    import transformers as tf
+
+    from shardformer.core.tiny import tiny_copy_config
+    from sweeps.zoo import upstream_failure
+
+    xlstm = tf.xLSTMForCausalLM(tiny_copy_config(tf.xLSTMConfig())).eval()
+    with pytest.raises(ValueError, match="matC_old has wrong shape") as caught:
+        xlstm(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert xlstm.config.qk_dim != xlstm.config.hidden_size * xlstm.config.qk_dim_factor
+    assert "multiple of 64" in upstream_failure("xLSTMForCausalLM", str(caught.value))
+    with torch.device("meta"):
+        blt = tf.BltForCausalLM(tf.BltConfig()).eval()
+        with pytest.raises(AttributeError, match="num_hidden_layers") as caught:
+            blt(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert "BltConfig" in upstream_failure("BltForCausalLM", str(caught.value))
+    llama4 = tf.Llama4ForConditionalGeneration(tiny_copy_config(tf.Llama4Config())).eval()
+    with pytest.raises(AttributeError, match="image_outputs") as caught:  # on any input: text alone here
+        llama4(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert "language model" in upstream_failure("Llama4ForConditionalGeneration", str(caught.value))
+    vision = tf.Llama4VisionConfig()  # its default tower: an adapter sized for the checkpoints' 1408, not 768
+    assert vision.intermediate_size == 1408 / vision.pixel_shuffle_ratio**2 != vision.hidden_size * 4
+    assert upstream_failure("LlamaForCausalLM", "any error") is None
+    # Reformer's assertion, shown on its tiny copy in tests/test_tiny.py, names every Reformer head's row
+    assert "training mode" in upstream_failure("ReformerForMaskedLM", "use `model.train()` to put the model")
+
+
+def test_a_tiny_copy_with_non_finite_outputs_is_not_tested():
+    """ALIGN's tiny random EfficientNet, in eval mode, shrinks its features to ~1e-29 and normalises them to
+    0/0: its unsharded outputs are NaN before any step, so there is nothing to prove a cut against (the
+    sweep's precheck, sweeps.zoo.unsharded_failure, says so)."""
+    import torch
+    import transformers as tf
+
+    from shardformer.core.inputs import make_inputs
+    from shardformer.core.tiny import tiny_copy_config
+
+    torch.manual_seed(0)
+    align = tf.AlignModel(tiny_copy_config(tf.AlignConfig())).eval()
+    with torch.no_grad():
+        assert torch.isnan(align(**make_inputs(align, seed=0)).logits_per_image).all()

@@ -234,3 +234,29 @@ def test_inputs_found_in_sub_configs():
     assert marian.decoder_vocab_size == marian.vocab_size
     gemma4, x = _tiny("Gemma4ForConditionalGeneration")
     assert gemma4.config.vision_config is None and "pixel_values" not in x
+
+
+def test_inputs_of_videos_policies_and_tied_widths():
+    """VideoPrism takes clips of num_frames pictures; InstructBLIP-Video 4 frames with one video token per
+    query per frame; PI0 its robot state and the noise and timestep its loss would draw; the copy keeps the
+    ties between widths its config holds (ALIGN's projection is its convnet's last channels, Aria's
+    patch-to-query table names the copy's patch count). Built from the first scaling, without a forward."""
+
+    def built(name, **options):
+        model_class = getattr(tf, name)
+        torch.manual_seed(0)
+        model = model_class(tiny_copy_config(model_class.config_class(**options))).eval()
+        return model, make_inputs(model, seed=0)
+
+    prism, x = built("VideoPrismClipModel")
+    vision = prism.config.vision_config
+    assert x["pixel_values_videos"].shape == (2, vision.num_frames, 3, vision.image_size, vision.image_size)
+    video, x = built("InstructBlipVideoForConditionalGeneration", video_token_index=100)
+    assert x["pixel_values"].shape[1] == 4
+    assert (x["input_ids"] == video.config.video_token_index).sum(1).tolist() == [4 * video.config.num_query_tokens] * 2
+    pi0, x = built("PI0ForConditionalGeneration")
+    assert x["state"].shape == (2, pi0.config.max_state_dim) and x["pixel_attention_mask"].shape == (2, 1)
+    align = tiny_copy_config(tf.AlignConfig())
+    assert align.projection_dim == round(align.vision_config.out_channels[-1] * align.vision_config.width_coefficient)
+    aria = tiny_copy_config(tf.AriaConfig())
+    assert list(aria.projector_patch_to_query_dict) == [(aria.vision_config.image_size // 8) ** 2]

@@ -18,6 +18,16 @@ SEQ = 8  # tokens per sequence
 # model type -> the config value its processor pads every text to (Perceiver's masked-LM decoder has one
 # query per position, so its logits and labels meet only at that length)
 PADDED_TO = {"perceiver": "max_position_embeddings"}
+# model type -> frames per video its processor samples, where the forward takes videos as ``pixel_values``
+VIDEO_FRAMES = {"instructblipvideo": 4}
+# model types whose pixel_attention_mask keeps whole pictures, [batch, pictures] (GraniteDocling's tiles, PI0's
+# cameras), and which require it
+PICTURE_MASKS = {"granite_docling", "pi0"}
+# model type -> the shape its processor gives the patches of a grid in, other than one flattened patch per row
+PATCH_LAYOUTS = {
+    "kimi_k25": lambda channels, side: (-1, channels, side, side),  # a picture per patch
+    "paddleocr_vl": lambda channels, side: (-1, channels, side, side),
+}
 
 
 def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
@@ -58,6 +68,10 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, length), generator=g), config)}
     if "input_ids" in x:
         x.update(side_inputs(config, params, tuple(x["input_ids"].shape), g))
+    videos = params.get("pixel_values_videos")
+    if videos is not None and videos.default is videos.empty:  # a video-text model (VideoPrism): its clips
+        frames = _vision_config(config).num_frames
+        x["pixel_values_videos"] = _images(model, config, batch, g, frames)["pixel_values"]
     qformer = getattr(config, "qformer_config", None)
     if "qformer_input_ids" in params and qformer is not None:  # InstructBLIP's instruction to its Q-Former
         x["qformer_input_ids"] = torch.randint(3, qformer.vocab_size, (batch, SEQ), generator=g)
@@ -179,10 +193,10 @@ def _vocab(model: nn.Module, config) -> int:
         return VOCAB
 
 
-def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
+def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: int | None = None) -> dict:
     """Random images as the model takes them: a batch of pictures; one picture per sample (Idefics2/3,
-    SmolVLM: their ``pixel_attention_mask``); or patches with their grid (Qwen2-VL: ``image_grid_thw``,
-    a 2×2 grid of merged patches per image)."""
+    SmolVLM: their ``pixel_attention_mask``); ``frames`` pictures per sample (a video: ``VIDEO_FRAMES``);
+    or patches with their grid (Qwen2-VL: ``image_grid_thw``, a 2×2 grid of merged patches per image)."""
     vision = _vision_config(config)
     size = getattr(vision, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", None)
     # a timm model without a patch embedding (HaloNet: 256 x 256 only): the size it was built for
@@ -191,13 +205,23 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None)
     channels = channels or getattr(model, "in_chans", 3)
     params = inspect.signature(model.forward).parameters
-    if "image_grid_thw" in params:
-        side = 2 * getattr(vision, "spatial_merge_size", 1)
-        patch = vision.patch_size * vision.patch_size * getattr(vision, "temporal_patch_size", 1)
-        return {
+    if "image_grid_thw" in params:  # MuseGlimmer names the merge and the temporal patch its own way
+        kernel = getattr(vision, "merge_kernel_size", None)  # Kimi K2.5: [height, width]
+        merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None)
+        merge = merge or (kernel[0] if isinstance(kernel, (list, tuple)) else 1)
+        side = 2 * merge
+        frames = getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", 1)
+        patch = vision.patch_size * vision.patch_size * frames
+        grid = {
             "pixel_values": torch.randn(batch * side * side, channels * patch, generator=g),
             "image_grid_thw": torch.tensor([[1, side, side]] * batch),
         }
+        if "image_merge_sizes" in params:  # VideoLLaMA 3: each image's merge, given with its grid
+            grid["image_merge_sizes"] = torch.tensor([merge] * batch)
+        layout = PATCH_LAYOUTS.get(getattr(config, "model_type", None))
+        if layout is not None:
+            grid["pixel_values"] = grid["pixel_values"].reshape(layout(channels, vision.patch_size))
+        return grid
     if "image_sizes" in params and (getattr(config, "image_grid_pinpoints", None) or _tower_takes_sizes(model, vision)):
         return _sized_images(config, channels, size, batch, g)
     if "spatial_shapes" in params and isinstance(getattr(vision, "num_patches", None), int):
@@ -208,8 +232,18 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator) -> dict:
                 "pixel_values"
             ]
         }
-    pixels = torch.randn(batch, channels, size, size, generator=g)
-    return {"pixel_values": pixels[:, None] if "pixel_attention_mask" in params else pixels}
+    frames = frames or VIDEO_FRAMES.get(getattr(config, "model_type", None))
+    if frames:
+        return {"pixel_values": torch.randn(batch, frames, channels, size, size, generator=g)}
+    pixels = {"pixel_values": torch.randn(batch, channels, size, size, generator=g)}
+    high = getattr(config, "high_res_vision_config", None)
+    if "high_res_pixel_values" in params and high is not None:  # DeepSeek-VL hybrid: the picture at two sizes
+        pixels["high_res_pixel_values"] = torch.randn(batch, channels, high.image_size, high.image_size, generator=g)
+    if "pixel_attention_mask" in params:  # one picture per sample (Idefics2/3: its pixels' mask left to the model)
+        pixels["pixel_values"] = pixels["pixel_values"][:, None]
+        if getattr(config, "model_type", None) in PICTURE_MASKS:
+            pixels["pixel_attention_mask"] = torch.ones(batch, 1, dtype=torch.bool)
+    return pixels
 
 
 def _tiled_images(vision, pixels: torch.Tensor, tokens: tuple[int, int]) -> dict:
@@ -256,10 +290,12 @@ def _sized_images(config, channels: int, side: int, batch: int, g: torch.Generat
 
 
 def _vision_config(config):
-    """The config that sizes the images: the vision tower's, also inside an encoder (T5Gemma 2), or the
-    encoder itself (VisionEncoderDecoder), else the model's own."""
+    """The config that sizes the images: the vision tower's, also inside an encoder (T5Gemma 2) or a
+    vision-language model (PI0's ``vlm_config``), or the encoder itself (VisionEncoderDecoder), else the
+    model's own."""
     encoder = getattr(config, "encoder", None)
-    for found in (getattr(config, "vision_config", None), getattr(encoder, "vision_config", None)):
+    inner = (getattr(getattr(config, key, None), "vision_config", None) for key in ("encoder", "vlm_config"))
+    for found in (getattr(config, "vision_config", None), *inner):
         if found is not None:
             return found
     return encoder if hasattr(encoder, "image_size") else config
@@ -312,17 +348,21 @@ def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor, qformer_ids=
     start and end tokens where the model has them (Qwen2-VL). ``qformer_ids``: InstructBLIP's
     instruction, which its image features depend on."""
     special = _special_tokens(config)
-    token = special.get("image_token_id", special.get("image_token_index"))
+    names = ("image_token_id", "image_token_index", "video_token_index")
+    name = next((n for n in names if n in special), None)
+    # InstructBLIP-Video's video token stands for its get_video_features
+    features_of = "get_video_features" if name == "video_token_index" else "get_image_features"
     # a head over a multimodal base model (Gemma 3's classifier) leaves get_image_features to its base
-    tower = next((m for m in model.modules() if hasattr(m, "get_image_features")), None)
-    if token is None or tower is None:
+    tower = next((m for m in model.modules() if hasattr(m, features_of)), None)
+    if name is None or tower is None:
         return ids
+    token = special[name]
     one = _images(model, config, 1, torch.Generator().manual_seed(0))
     if qformer_ids is not None:
         one["qformer_input_ids"] = qformer_ids[:1]
     try:
         with torch.no_grad():
-            out = tower.get_image_features(**one)
+            out = getattr(tower, features_of)(**one)
     except Exception:  # noqa: BLE001 - a model wanting more than the recipe gives: text only
         return ids
     features = getattr(out, "pooler_output", None)  # the features the model places, by transformers' convention

@@ -13,7 +13,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 
-from shardformer.core import tiny_layers
+from shardformer.core import tiny_layers, tiny_widths
 from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
 from shardformer.core.tiny_rotary import rotary_sections
@@ -47,6 +47,7 @@ SIZES = {
     "qk_nope_head_dim": 4,
     "v_head_dim": 8,
     "sliding_window": 4,
+    "num_query_tokens": 8,  # BLIP-2's learned queries: 4 video frames' worth (InstructBLIP-Video) fit 64 positions
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -99,7 +100,13 @@ _GENERAL_IDS = (
     "cls_token_id",
 )
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
-_VISION = {"image_size": 32, "patch_size": 8, "rotary_dim": 4}  # 16 patches; rotation inside a head of 8
+_VISION = {
+    "image_size": 32,
+    "patch_size": 8,
+    "tubelet_size": 8,
+    "merge_kernel_size": 2,  # Kimi K2.5's patches merged 2 x 2, as its checkpoints do
+    "rotary_dim": 4,
+}  # 16 patches; rotation inside a head of 8
 _POSITION_WORDS = ("position", "max_", "positions", "seq_len", "window")
 
 
@@ -218,6 +225,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         if name in data and not key.endswith("_id") and name not in _KV_HEADS and _scalar(data[name]):
             out[name] = value
     _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
+    tiny_widths.tie_to_others(out, data)
     tiny_layers.fit_stages(out, data, hidden, scaling)
     if "head_dim" in out and data.get("head_dim") == data.get("qk_rope_head_dim") is not None:
         out["head_dim"] = out.get("qk_rope_head_dim", data["head_dim"])  # multi-head latent attention rotates head_dim

@@ -1,0 +1,67 @@
+"""Widths a config ties to another config's: a scaled copy keeps the tie, or the model it builds does not run."""
+
+from __future__ import annotations
+
+
+def tie_to_others(out: dict, data: dict) -> None:
+    """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
+    ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
+    for tie in ties:
+        tie(out, data)
+
+
+def tie_merged_width(out: dict, data: dict) -> None:
+    """A projector fed the vision tower's patches merged ``merge_size x merge_size`` (MuseGlimmer's
+    ``out_hidden_size``, 4 x the tower's width): the copy's width is the copy's tower's, merged alike."""
+    vision, tiny = data.get("vision_config"), out.get("vision_config")
+    if not isinstance(vision, dict) or not isinstance(tiny, dict) or not isinstance(data.get("out_hidden_size"), int):
+        return
+    merge = vision.get("merge_size")
+    if isinstance(merge, int) and data["out_hidden_size"] == vision.get("hidden_size", 0) * merge * merge:
+        out["out_hidden_size"] = tiny.get("hidden_size", vision["hidden_size"]) * merge * merge
+
+
+def tie_projection_to_channels(out: dict, data: dict) -> None:
+    """A shared embedding width that is the vision convnet's last channels, unprojected (ALIGN's
+    ``projection_dim``: EfficientNet's last ``out_channels`` times its ``width_coefficient``): the copy's
+    width is the copy's tower's."""
+    vision, tiny = data.get("vision_config"), out.get("vision_config")
+    if not isinstance(vision, dict) or not isinstance(tiny, dict) or not isinstance(data.get("projection_dim"), int):
+        return
+    channels, coefficient = vision.get("out_channels"), vision.get("width_coefficient")
+    if isinstance(channels, list) and channels and data["projection_dim"] == round(channels[-1] * (coefficient or 1)):
+        out["projection_dim"] = round(tiny["out_channels"][-1] * (tiny.get("width_coefficient") or 1))
+
+
+def tie_shuffled_width(out: dict, data: dict) -> None:
+    """A vision adapter that pixel-shuffles patches by ``pixel_shuffle_ratio`` then reads them with a layer
+    of ``intermediate_size`` inputs (Llama 4's: the hidden size over the ratio squared): the copy keeps the
+    tie at its own hidden size."""
+    ratio, hidden, tiny = data.get("pixel_shuffle_ratio"), data.get("hidden_size"), out.get("hidden_size")
+    widths = isinstance(ratio, float) and isinstance(hidden, int) and isinstance(tiny, int)
+    if widths and data.get("intermediate_size") == hidden / ratio**2:
+        out["intermediate_size"] = round(tiny / ratio**2)
+
+
+def tie_patch_queries(out: dict, data: dict) -> None:
+    """A projector that picks its number of queries by the image's number of patches (Aria's
+    ``projector_patch_to_query_dict``, for 490- and 980-pixel images): one entry, for the copy's image, with
+    at most as many queries as patches."""
+    tiny = out.get("vision_config")
+    key = next((k for k, v in data.items() if k.endswith("patch_to_query_dict") and isinstance(v, dict) and v), None)
+    if key is None or not isinstance(tiny, dict) or not tiny.get("image_size") or not tiny.get("patch_size"):
+        return
+    patches = (tiny["image_size"] // tiny["patch_size"]) ** 2
+    out[key] = {patches: min(min(int(q) for q in data[key].values()), patches)}
+
+
+def tie_vision_width(out: dict, data: dict) -> None:
+    """A width of the top config that is the vision tower's, unlike the text's (Kimi K2.5's
+    ``projection_hidden_size``, the norm over the tower's features): the copy's tower's."""
+    vision, tiny = data.get("vision_config"), out.get("vision_config")
+    if not isinstance(vision, dict) or not isinstance(tiny, dict) or not isinstance(vision.get("hidden_size"), int):
+        return
+    text = (data.get("text_config") or {}).get("hidden_size", data.get("hidden_size"))
+    for key, value in data.items():
+        if key.endswith("_hidden_size") and value == vision["hidden_size"] != text:
+            out[key] = tiny["hidden_size"]
