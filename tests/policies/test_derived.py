@@ -94,6 +94,9 @@ EXACT = [
     # shortcut) by output channels, batch norms with them, the 1x1 and shortcut convolutions reading them by
     # input channels; a bottleneck's 3x3 -> 1x1 pair; 32-pixel images
     ("sized:ResNetModel", dict(hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16)),
+    # ConvNeXt-V2's GRN between pwconv1 and pwconv2 (BitNet's RMS norms before o_proj and down_proj alike):
+    # its weight and bias cut with the features, its mean over them the mean of the ranks' means
+    ("sized:ConvNextV2Model", dict(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, image_size=32)),
 ]
 
 
@@ -137,6 +140,21 @@ def test_tables_read_by_the_heads_alone_have_their_gradients_summed():
     assert derivation.grad_sum == {"bros.bbox_embeddings.bbox_projection"}
     assert derive(liar(head_norm=True), 2).rules[type(liar().layers[0])].grad_sum == {"mixer.q_norm"}
     assert derive(liar(head_scale="both"), 2).rules[type(liar().layers[0])].grad_sum == set()
+
+
+def test_a_group_reading_zeros_for_want_of_a_kernel_names_the_kernel():
+    """MRA's attention returns zeros where transformers' CUDA kernel is not loaded (on CPU): its output
+    projection reads zeros, and the refusal names the missing kernel, not a cut that failed."""
+    from transformers import MraConfig
+    from transformers.models.mra.modeling_mra import MraAttention
+
+    from shardformer.policies.derived.missing_kernels import zeros_without_kernel
+
+    attention = MraAttention(MraConfig(hidden_size=32, num_attention_heads=4))
+    why = zeros_without_kernel(attention, "output.dense", torch.zeros(2, 8, 32))
+    assert "mra_cuda_kernel is None" in why and why.fix.startswith("load the kernel"), why
+    assert zeros_without_kernel(attention, "output.dense", torch.ones(2, 8, 32)) is None  # it computed something
+    assert zeros_without_kernel(torch.nn.Linear(4, 4), "weight", torch.zeros(2, 4)) is None  # no kernel missing
 
 
 def test_embeddings_whose_forward_indexes_their_weight_stay_whole():

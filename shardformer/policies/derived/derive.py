@@ -56,6 +56,7 @@ class BlockRule:
     head_lists: dict[str, int] = field(default_factory=dict)  # list of one module per head -> its length
     settings: dict[str, bool] = field(default_factory=dict)  # flags that make the code call a projection
     split_norms: set[str] = field(default_factory=set)  # LayerNorms over cut features: statistics over ranks
+    feature_norms: dict[str, dict[str, int]] = field(default_factory=dict)  # other norms over them: leaf -> dims
     attention: set[str] = field(default_factory=set)  # torch's nn.MultiheadAttention modules, cut by heads
     read_attention: set[str] = field(default_factory=set)  # modules running F.multi_head_attention_forward
     local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row writing the width it makes local
@@ -351,6 +352,7 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
             rule.head_inputs.setdefault(owner, {}).update(cuts)
         rule.local_widths.update(cut.local_widths)
         rule.split_norms |= cut.split_norms
+        rule.feature_norms.update(cut.feature_norms)
     # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
     rule.idle |= {
         rel

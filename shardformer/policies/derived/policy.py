@@ -40,7 +40,7 @@ from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_p
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import Linear1D_RowIntoParallel, is_conv1d
 from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
-from shardformer.tensor_parallel.layers.norm import SplitLayerNorm, norm_over_ranks_layer
+from shardformer.tensor_parallel.layers.norm import NormOverRanks, SplitLayerNorm, norm_over_ranks_layer
 from shardformer.tensor_parallel.layers.per_head import HeadModules
 from shardformer.tensor_parallel.layers.read_attention import ReadMultiheadAttention
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
@@ -283,6 +283,10 @@ class DerivedPolicy(TpPlanPolicy):
         for rel in rule.split_norms:
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=SplitLayerNorm)
+        for rel, dims in rule.feature_norms.items():  # other norms over cut features: cut, their means over ranks
+            if f"{block}.{rel}" in modules:
+                _add_layer(layers, f"{block}.{rel}", head_params_layer(dims))
+                _add_layer(layers, f"{block}.{rel}", NormOverRanks)
         for rel, dims in rule.head_params.items():
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims))
