@@ -31,12 +31,6 @@ def out_width(module: nn.Module) -> int:
     return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[1]
 
 
-def owner_path(dotted: str) -> str:
-    """The module path of an attribute path (``attn.config.n_head`` -> ``attn``; ``n_head`` -> ``""``)."""
-    owner = dotted.rpartition(".")[0]
-    return owner[: -len("config")].rstrip(".") if owner == "config" or owner.endswith(".config") else owner
-
-
 def value_at(root: nn.Module, dotted: str):
     """The attribute at a dotted path below ``root`` (``attn.num_heads``, ``attn.config.n_head``)."""
     obj = root

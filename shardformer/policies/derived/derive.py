@@ -20,7 +20,7 @@ from shardformer.core import example_inputs
 from shardformer.core.inputs import NoInputsError, make_inputs
 from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refusal, has_convolutions
 from shardformer.policies.copies import KEEP, copy_key, instance_copy, repeated_stacks, two_blocks
-from shardformer.policies.derived.blocks import attends, is_projection, owner_path, repeated_blocks
+from shardformer.policies.derived.blocks import attends, is_projection, repeated_blocks
 from shardformer.policies.derived.given_inputs import input_embeddings
 from shardformer.policies.derived.mixers import MIXER_COLUMN, MixerCut, MixerParts, cut_mixers
 from shardformer.policies.derived.partial_grads import partial_modules
@@ -49,7 +49,7 @@ class BlockRule:
     row_blocks: dict[str, int] = field(default_factory=dict)  # a row whose input is cut block by block
     whole: set[str] = field(default_factory=set)
     divide: set[str] = field(default_factory=set)  # int attributes (or config.X of a module) / tp
-    divided_on: dict[str, set[type]] = field(default_factory=dict)  # attribute -> its module's classes, proven
+    divided_with: dict[str, set[str]] = field(default_factory=dict)  # attribute -> the columns of groups dividing it
     grad_sum: set[str] = field(default_factory=set)  # replicated leaves that run on this rank's heads only
     idle: set[str] = field(default_factory=set)  # projections the traced forward never ran: left whole
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)  # leaf -> {param: heads' dim}
@@ -348,7 +348,7 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
             rule.row_blocks[group.row] = cut.row_blocks
         rule.divide |= set(cut.divide)
         for dotted in cut.divide:  # a class's blocks may differ inside (RecurrentGemma's temporal blocks)
-            rule.divided_on.setdefault(dotted, set()).add(type(module.get_submodule(owner_path(dotted))))
+            rule.divided_with.setdefault(dotted, set()).update(cut.blocks)
         rule.head_params.update(cut.head_params)
         rule.head_lists.update(cut.head_lists)
         for owner, cuts in cut.head_inputs.items():

@@ -21,7 +21,6 @@ from shardformer.policies.derived.blocks import (
     is_projection,
     out_width,
     own_weights,
-    owner_path,
     pooling_heads,
     repeated_blocks,
     value_at,
@@ -311,7 +310,7 @@ class DerivedPolicy(TpPlanPolicy):
             if path in modules:
                 _add_layer(layers, path, GradAllReduce)
         # a class's blocks differ inside (T5's encoder and decoder blocks; RecurrentGemma's temporal block, an
-        # attention in some layers and a recurrence in others): the attributes it has
+        # attention in some layers and a recurrence in others): the attributes it has, for the groups it has
         divide = {d for d in rule.divide if _held(modules[block], d, rule)}
         divide |= rebuilt_counts(modules[block], divide)
         for mixer, layout in layouts.items():  # a mixer's counts: its widths' shares (B and C may be whole)
@@ -351,13 +350,13 @@ def _all_idle(block: nn.Module, rule: BlockRule | None) -> bool:
 
 
 def _held(block: nn.Module, dotted: str, rule: BlockRule) -> bool:
-    """Whether ``block`` has the attribute at ``dotted``, on a module of a class the rule divided it on."""
+    """Whether ``block`` has the attribute at ``dotted`` and a column of a group the rule divides it for."""
     try:
         value_at(block, dotted)
     except AttributeError:
         return False
-    classes = rule.divided_on.get(dotted)
-    return classes is None or type(block.get_submodule(owner_path(dotted))) in classes
+    columns, inside = rule.divided_with.get(dotted), dict(block.named_modules())
+    return columns is None or any(c in inside for c in columns)
 
 
 def derived_model(model: nn.Module) -> bool:
