@@ -33,6 +33,10 @@ ALBERT = dict(
     embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, vocab_size=99
 )
 OPT_DEFAULT_FFN = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=99, dropout=0.0)
+RECURRENT_GEMMA = dict(
+    hidden_size=32, lru_width=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+    vocab_size=99, num_hidden_layers=3, attention_window_size=16,
+)  # fmt: skip
 EXACT = [
     ("liar", {}),
     ("liar", {"head_norm": True}),
@@ -98,6 +102,12 @@ EXACT = [
     # BLIP's vision attention splits its fused qkv by its head count beside the input's width (the count
     # made local as it runs); its tiny copy's 1e-10 initialisation redrawn, else any cut matched to 1e-25
     ("runnable:BlipModel", {}),
+    # ConvNeXt-V2's GRN between pwconv1 and pwconv2 (BitNet's RMS norms before o_proj and down_proj alike):
+    # its weight and bias cut with the features, its mean over them the mean of the ranks' means
+    ("sized:ConvNextV2Model", dict(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, image_size=32)),
+    # RecurrentGemma's temporal block: a recurrence in two layers, an attention in the third, under one name
+    # (the recurrence's counts divided in its layers only; its RG-LRU gates cut with the channels)
+    ("sized:RecurrentGemmaForCausalLM", RECURRENT_GEMMA),
 ]
 
 
@@ -141,6 +151,21 @@ def test_tables_read_by_the_heads_alone_have_their_gradients_summed():
     assert derivation.grad_sum == {"bros.bbox_embeddings.bbox_projection"}
     assert derive(liar(head_norm=True), 2).rules[type(liar().layers[0])].grad_sum == {"mixer.q_norm"}
     assert derive(liar(head_scale="both"), 2).rules[type(liar().layers[0])].grad_sum == set()
+
+
+def test_a_group_reading_zeros_for_want_of_a_kernel_names_the_kernel():
+    """MRA's attention returns zeros where transformers' CUDA kernel is not loaded (on CPU): its output
+    projection reads zeros, and the refusal names the missing kernel, not a cut that failed."""
+    from transformers import MraConfig
+    from transformers.models.mra.modeling_mra import MraAttention
+
+    from shardformer.policies.derived.missing_kernels import zeros_without_kernel
+
+    attention = MraAttention(MraConfig(hidden_size=32, num_attention_heads=4))
+    why = zeros_without_kernel(attention, "output.dense", torch.zeros(2, 8, 32))
+    assert "mra_cuda_kernel is None" in why and why.fix.startswith("load the kernel"), why
+    assert zeros_without_kernel(attention, "output.dense", torch.ones(2, 8, 32)) is None  # it computed something
+    assert zeros_without_kernel(torch.nn.Linear(4, 4), "weight", torch.zeros(2, 4)) is None  # no kernel missing
 
 
 def test_embeddings_whose_forward_indexes_their_weight_stay_whole():

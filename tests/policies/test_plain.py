@@ -449,3 +449,22 @@ def test_cli_plans_any_timm_model_by_name(capsys):
     assert "per tensor-parallel rank (0.534)" in capsys.readouterr().out
     assert main(["verify", "timm:eva02_smal", "--tp", "2"]) == 2  # refused before any process starts
     assert "timm has no model named 'eva02_smal' (similar: eva02_" in capsys.readouterr().err
+
+
+def test_channels_summed_with_what_a_convolution_reading_them_writes_are_named():
+    """TextNet's identity branch: a convolution's output summed with its own input. The same channels are read
+    and written, so no convolution is their row; the refusal names that convolution and why."""
+    from shardformer.policies.derived.channels import channel_cut
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem, self.conv = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3, padding=1)
+            self.head = nn.Conv2d(8, 4, 1)
+
+        def forward(self, x):
+            h = self.stem(x)
+            return self.head(h + self.conv(h)).mean((2, 3))
+
+    cut = channel_cut(Residual(), {"x": torch.randn(2, 3, 8, 8)}, 2)
+    assert cut.whole["stem"].startswith("conv reads them and its output is summed with them"), cut.whole

@@ -263,8 +263,16 @@ def _kept_whole(members, readers, convs, bad, rows, columns) -> str | None:
     spoilt = sorted(members & set(bad))
     if spoilt:
         return f"{bad[spoilt[0]]} ({spoilt[0]}'s output channels)"
-    if members & rows or readers & columns or readers & members:
-        return "a convolution reading them is cut by its output channels already, or they feed one that is"
+    if readers & members:
+        reader = sorted(readers & members)[0]
+        return (
+            f"{reader} reads them and its output is summed with them (a residual around convolutions, TextNet's "
+            f"identity branch): the same channels are read and written, so no convolution can sum over a rank's part"
+        )
+    if members & rows:
+        return f"{sorted(members & rows)[0]} reads channels cut by an earlier convolution already (a row)"
+    if readers & columns:
+        return f"{sorted(readers & columns)[0]} reads them, and its own output channels are cut already"
     odd = sorted(p for p in readers if type(convs[p]) not in PLAIN_CONVS or convs[p].groups != 1)
     if odd:
         kind = type(convs[odd[0]]).__name__

@@ -49,6 +49,7 @@ class BlockRule:
     row_blocks: dict[str, int] = field(default_factory=dict)  # a row whose input is cut block by block
     whole: set[str] = field(default_factory=set)
     divide: set[str] = field(default_factory=set)  # int attributes (or config.X of a module) / tp
+    divided_with: dict[str, set[str]] = field(default_factory=dict)  # attribute -> the columns of groups dividing it
     grad_sum: set[str] = field(default_factory=set)  # replicated leaves that run on this rank's heads only
     idle: set[str] = field(default_factory=set)  # projections the traced forward never ran: left whole
     head_params: dict[str, dict[str, int]] = field(default_factory=dict)  # leaf -> {param: heads' dim}
@@ -56,6 +57,7 @@ class BlockRule:
     head_lists: dict[str, int] = field(default_factory=dict)  # list of one module per head -> its length
     settings: dict[str, bool] = field(default_factory=dict)  # flags that make the code call a projection
     split_norms: set[str] = field(default_factory=set)  # LayerNorms over cut features: statistics over ranks
+    feature_norms: dict[str, dict[str, int]] = field(default_factory=dict)  # other norms over them: leaf -> dims
     attention: set[str] = field(default_factory=set)  # torch's nn.MultiheadAttention modules, cut by heads
     read_attention: set[str] = field(default_factory=set)  # modules running F.multi_head_attention_forward
     local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row writing the width it makes local
@@ -345,18 +347,18 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
         if cut.row_blocks > 1:
             rule.row_blocks[group.row] = cut.row_blocks
         rule.divide |= set(cut.divide)
+        for dotted in cut.divide:  # a class's blocks may differ inside (RecurrentGemma's temporal blocks)
+            rule.divided_with.setdefault(dotted, set()).update(cut.blocks)
         rule.head_params.update(cut.head_params)
         rule.head_lists.update(cut.head_lists)
         for owner, cuts in cut.head_inputs.items():
             rule.head_inputs.setdefault(owner, {}).update(cuts)
         rule.local_widths.update(cut.local_widths)
         rule.split_norms |= cut.split_norms
+        rule.feature_norms.update(cut.feature_norms)
     # projections the forward never ran (a decoder's cross-attention used alone) compute nothing: whole
-    rule.idle |= {
-        rel
-        for rel, m in module.named_modules()
-        if rel and is_projection(m) and rel not in reads and not inside(rel, owned)
-    }
+    rule.idle |= {rel for rel, m in module.named_modules() if rel and is_projection(m) and rel not in reads}
+    rule.idle -= {rel for rel in rule.idle if inside(rel, owned)}
     return refused
 
 

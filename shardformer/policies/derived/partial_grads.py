@@ -37,7 +37,15 @@ def _reached(flows, rules: dict, modules: dict) -> dict[str, set[str]]:
 
 def _cut_in(rule, rel: str) -> bool:
     """Whether the module at ``rel`` in a block of ``rule`` is cut (its parameters are each rank's own)."""
-    cut = {*rule.cols, *rule.rows, *rule.inner_rows, *rule.channels, *rule.head_params, *rule.split_norms}
+    cut = {
+        *rule.cols,
+        *rule.rows,
+        *rule.inner_rows,
+        *rule.channels,
+        *rule.head_params,
+        *rule.split_norms,
+        *rule.feature_norms,
+    }
     owners = {*rule.head_lists, *rule.attention}
     return rel in cut or any(rel == o or rel.startswith(f"{o}.") for o in owners)
 

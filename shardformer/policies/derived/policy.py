@@ -40,7 +40,7 @@ from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_p
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import Linear1D_RowIntoParallel, is_conv1d
 from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
-from shardformer.tensor_parallel.layers.norm import SplitLayerNorm, norm_over_ranks_layer
+from shardformer.tensor_parallel.layers.norm import NormOverRanks, SplitLayerNorm, norm_over_ranks_layer
 from shardformer.tensor_parallel.layers.per_head import HeadModules
 from shardformer.tensor_parallel.layers.read_attention import ReadMultiheadAttention
 from shardformer.tensor_parallel.lm_head import seq2seq_routable
@@ -286,6 +286,11 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, dims in rule.head_params.items():
             if f"{block}.{rel}" in modules:
                 layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(dims))
+        for rel, dims in rule.feature_norms.items():  # other norms over cut features: cut, their means over ranks
+            if f"{block}.{rel}" in modules:  # with its per-head parameters (RecurrentGemma's RG-LRU gates)
+                merged = {**rule.head_params.get(rel, {}), **dims}
+                layers[f"{block}.{rel}"] = Layer(f"{block}.{rel}", replace_layer=head_params_layer(merged))
+                _add_layer(layers, f"{block}.{rel}", NormOverRanks)
         for rel, module in modules[block].named_modules():  # per-head draws from numpy: refused in training
             if draws_from_numpy(type(module)) and any(c.startswith(f"{rel}.") for c in rule.cols if rel):
                 _add_layer(layers, f"{block}.{rel}", NoTrainingDraws)
@@ -305,8 +310,9 @@ class DerivedPolicy(TpPlanPolicy):
             path = f"{block}.{rel}" if rel else block
             if path in modules:
                 _add_layer(layers, path, GradAllReduce)
-        # a class's blocks differ inside (T5's encoder and decoder blocks): attributes of modules it has
-        divide = {d for d in rule.divide if not _owner(d) or f"{block}.{_owner(d)}" in modules}
+        # a class's blocks differ inside (T5's encoder and decoder blocks; RecurrentGemma's temporal block, an
+        # attention in some layers and a recurrence in others): the attributes it has, for the groups it has
+        divide = {d for d in rule.divide if _held(modules[block], d, rule)}
         divide |= rebuilt_counts(modules[block], divide)
         for mixer, layout in layouts.items():  # a mixer's counts: its widths' shares (B and C may be whole)
             counts = {d for d in divide if d.startswith(f"{mixer}.")}
@@ -344,10 +350,14 @@ def _all_idle(block: nn.Module, rule: BlockRule | None) -> bool:
     return rule is not None and bool(inside) and inside <= rule.idle
 
 
-def _owner(dotted: str) -> str:
-    """The module path of an attribute path (``attn.config.n_head`` -> ``attn``; ``n_head`` -> ``""``)."""
-    owner = dotted.rpartition(".")[0]
-    return owner[: -len("config")].rstrip(".") if owner == "config" or owner.endswith(".config") else owner
+def _held(block: nn.Module, dotted: str, rule: BlockRule) -> bool:
+    """Whether ``block`` has the attribute at ``dotted`` and a column of a group the rule divides it for."""
+    try:
+        value_at(block, dotted)
+    except AttributeError:
+        return False
+    columns, inside = rule.divided_with.get(dotted), dict(block.named_modules())
+    return columns is None or any(c in inside for c in columns)
 
 
 def derived_model(model: nn.Module) -> bool:

@@ -25,6 +25,7 @@ from shardformer.core.shard_spec import make_spec, slice_tensor
 from shardformer.policies.derived.attributes import apply_attributes, attribute_candidates, splits_over
 from shardformer.policies.derived.blocks import in_width, out_width, run_hooked, value_at
 from shardformer.policies.derived.column_cuts import column_candidates, cut_options, fits_blocks
+from shardformer.policies.derived.feature_norms import feature_norm_options, replay_means
 from shardformer.policies.derived.given_inputs import inputs_from_outside
 from shardformer.policies.derived.heads import (
     HeadCut,
@@ -38,6 +39,7 @@ from shardformer.policies.derived.heads import (
     head_options,
     slice_heads,
 )
+from shardformer.policies.derived.missing_kernels import zeros_without_kernel
 from shardformer.policies.derived.rewrites import use_module_width
 from shardformer.policies.derived.trace import Group
 from shardformer.policies.derived.widths import run_in_local_widths
@@ -67,6 +69,9 @@ class Cut:
     row_blocks: int = 1  # the row's input features in this many blocks, each cut on its own
     local_widths: dict[str, str] = field(default_factory=dict)  # module -> the row whose output width it makes local
     split_norms: set[str] = field(default_factory=set)  # LayerNorms over the cut features (SplitLayerNorm)
+    feature_norms: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # other norms over them: {leaf: {param: dim}}
 
 
 def common_parent(paths: list[str]) -> str:
@@ -162,25 +167,30 @@ def _run_ranks(
     row_blocks=1,
     local_width=0,
     split_norms=None,
+    feature_norms=None,
 ) -> torch.Tensor:
     """Sum of the row's outputs over ``tp`` simulated ranks (without the row's bias). ``heads``:
     ``(params {leaf: {name: dim}}, inputs {key: HeadCut}, lists {list: length})`` cut by heads, relative
     to the parent;
     ``row_blocks``: the row's input features cut block by block; ``local_width``: the parent runs
-    under `.widths.LocalWidths` for that width."""
+    under `.widths.LocalWidths` for that width; ``feature_norms``: ``{leaf: (dims, the whole leaf's means)}``
+    (`.feature_norms`)."""
     head_params, head_inputs, head_lists = heads or ({}, {}, {})
     whole_heads = tuple(head_counts(parent, tp))  # read before any count is divided
     total = None
     for rank in range(tp):
         local = copy.deepcopy(parent)
         use_module_width(local)  # as the policy gives it on the ranks (an input's width is a whole width)
-        for rel, dims in head_params.items():
+        norms = (feature_norms or {}).items()
+        for rel, dims in [*head_params.items(), *((rel, dims) for rel, (dims, _) in norms)]:
             leaf = local.get_submodule(rel)
             forget_cached_tensors(leaf)
             for name, dim in dims.items():
                 t = getattr(leaf, name)
                 part = slice_tensor(t.detach(), make_spec(t.shape, dim, rank, tp))
                 setattr(leaf, name, nn.Parameter(part) if isinstance(t, nn.Parameter) else part)
+        for rel, (_, means) in norms:
+            replay_means(local.get_submodule(rel), means)
         for rel, length in head_lists.items():  # this rank's heads' modules, as HeadModules shows them
             items = list(local.get_submodule(rel))
             local.set_submodule(rel, nn.ModuleList(items[rank * length // tp : (rank + 1) * length // tp]))
@@ -225,6 +235,9 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
         return None, "the group did not run in the recorded forward"
     args, kwargs, _ = calls[parent_path]
     expected = calls[row][2]
+    without_kernel = zeros_without_kernel(parent, group.row, calls[row][0][0] if calls[row][0] else None)
+    if without_kernel:
+        return None, without_kernel
     lists = head_lists(parent, tp)
     if lists:  # per-head modules told apart: each rank must run its own heads'
         parent, expected = distinct_heads(parent, lists, _rel(row, parent_path), args, kwargs)
@@ -276,11 +289,15 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     # a LayerNorm over the columns' whole output width between them and the row (EVA-02's MLP): its
     # statistics summed over ranks (SplitLayerNorm); simulated with the whole input's statistics
     norms = _split_norm_inputs(model, parent_path, parent, {out_width(m) for m in col_modules.values()}, inputs)
-    stages = [(*stage, {}) for stage in stages]
+    stages = [(*stage, {}, {}) for stage in stages]
     if norms:
-        stages += [(h, 1, per_col, 0, norms) for h in [None, *heads_options]]
+        stages += [(h, 1, per_col, 0, norms, {}) for h in [None, *heads_options]]
+    # other norms over the row's input features (BitNet's RMS norm, ConvNeXt-V2's GRN): means over ranks
+    features = feature_norm_options(model, parent_path, parent, in_width(row_module), inputs, record_calls)
+    if features:
+        stages += [(h, 1, per_col, 0, {}, features) for h in [None, *heads_options]]
     trials = 0
-    for heads, row_blocks, options, local_width, split_norms in stages:
+    for heads, row_blocks, options, local_width, split_norms, feature_norms in stages:
         for choice in sorted(itertools.product(*options), key=_cost):
             blocks = dict(zip(col_rels, choice))
             convs = depthwise_counts(parent, heads[0]) if heads else ()
@@ -292,7 +309,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                 try:
                     got = _run_ranks(
                         parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, config, heads,
-                        row_blocks, local_width, split_norms,
+                        row_blocks, local_width, split_norms, feature_norms,
                     )  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - a cut the code cannot run is a rejected candidate
                     errors.append(f"{_describe(blocks, divide)}: {type(e).__name__}: {str(e)[:200]}")
@@ -305,6 +322,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
                     if local_width:  # the width is the row's output, read per block (Swin's stages differ)
                         cut.local_widths = {prefix: group.row}
                     cut.split_norms = {in_block(rel) for rel in split_norms}
+                    cut.feature_norms = {in_block(rel): dims for rel, (dims, _) in feature_norms.items()}
                     if heads is not None:
                         params, head_inputs, per_head = heads
                         cut.head_params = {in_block(rel): dims for rel, dims in params.items()}

@@ -80,6 +80,12 @@ class SplitLayerNorm(nn.Module):
         return cls(module, process_group)
 
 
+def is_mean_over_last(func, args, kwargs) -> bool:
+    """Whether a torch function call takes the mean over its tensor's last dimension."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return func in (torch.Tensor.mean, torch.mean) and torch.is_tensor(args[0]) and dim in (-1, args[0].dim() - 1)
+
+
 class _MeanOverRanks(TorchFunctionMode):
     """Means over the last dimension taken over every rank's equal part of it (all-reduced both ways)."""
 
@@ -90,8 +96,7 @@ class _MeanOverRanks(TorchFunctionMode):
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        if func in (torch.Tensor.mean, torch.mean) and torch.is_tensor(args[0]) and dim in (-1, args[0].dim() - 1):
+        if is_mean_over_last(func, args, kwargs):
             return _sum_over_ranks(out, self.group) / group_size(self.group)
         return out
 
