@@ -224,3 +224,24 @@ def test_the_main_output_of_a_backbone_is_its_first_feature_map():
     maps = (torch.ones(1, 2, 3, 3), torch.zeros(1, 4, 2, 2))
     assert first_tensor(BackboneOutput(feature_maps=maps)) is maps[0]
     assert first_tensor((None, [None, maps[1]])) is maps[1]
+
+
+def test_the_float64_rerun_raises_the_float32_a_model_asks_for():
+    """A norm that computes in float32 whatever its input (transformers' RMSNorms cast to float32) rounds a
+    float64 copy to float32 precision; inside `Float64Everywhere` it computes in float64 throughout, so the
+    rerun can tell a cut's rounding from a wrong cut (MuseSpark's router and norms: 4e-4 in float32, 1.8e-6
+    in a plain float64 rerun, 1.4e-12 in this mode)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from shardformer.core.float64_mode import Float64Everywhere
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64, eps=1e-6).double()
+    x = torch.randn(4, 64, dtype=torch.float64) * 3
+    exact = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert (norm(x) - exact).abs().max() > 1e-9  # a float32 step inside
+    with Float64Everywhere():
+        assert (norm(x) - exact).abs().max() < 1e-14
+        assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
+        assert torch.arange(3).float().dtype == x.to(torch.float32).dtype == torch.float64
+    assert x.float().dtype == torch.float32  # only inside the mode

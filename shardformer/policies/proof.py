@@ -28,6 +28,7 @@ from shardformer.core.comm import all_reduce, every_rank
 from shardformer.core.compare import ATOL, RTOL, gradient_failures, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
+from shardformer.core.float64_mode import Float64Everywhere
 from shardformer.core.instance import transformers_quiet as _transformers_quiet
 from shardformer.core.record import sharding_of
 from shardformer.models import inputs_for
@@ -174,7 +175,8 @@ def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device, tigh
         if verdict[0].item() == 0:  # every rank refuses, or none
             return None
         if verdict[1].item() == 0 and float64_copy is not None:  # numbers only, on every rank: rounding?
-            again = _prove(float64_copy.double(), shard_config, make_policy, device, FLOAT64_TIGHTER)
+            with Float64Everywhere():  # float32 the model asks for (norms' .float()) too
+                again = _prove(float64_copy.double(), shard_config, make_policy, device, FLOAT64_TIGHTER)
             if again is None:
                 logger.debug("the float32 copy differed (%s); exact in float64: rounding", "; ".join(failures[:3]))
                 return None

@@ -10,6 +10,7 @@ gathered back (split dim, fused blocks and padding from the layer's ShardSpec), 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -20,6 +21,7 @@ from shardformer.api import shard_model
 from shardformer.core.compare import ATOL, GRAD_ATOL, GRAD_RTOL, RTOL, compare_params, gather_like, max_error
 from shardformer.core.config import ShardConfig, check_positive_int
 from shardformer.core.divergence import ActivationRecorder, Divergence, first_divergence, first_tensor
+from shardformer.core.float64_mode import Float64Everywhere
 from shardformer.models import inputs_for
 from shardformer.tensor_parallel.regions import gather_from_parallel
 from shardformer.tools.model_source import build_model, check_model_source, load_policy
@@ -172,45 +174,50 @@ def _compare(model: Any, policy: Any, model_class: str | None, seed: int, dtype:
               for k, v in inputs_for(ref, seed + 1).items()}  # fmt: skip
 
     step = "forward"
+    # float64: no float32 step left in the run, not even where the model asks for one (built and cut as usual)
+    precise = Float64Everywhere() if dtype == torch.float64 else contextlib.nullcontext()
     try:
-        rec_ref, rec_sh = ActivationRecorder(ref), ActivationRecorder(sharded)
-        ref_loss, ref_out = _loss_and_output(ref, inputs, None, None, None)
-        weights = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
-        if ref_loss is None:  # no loss of its own: a fixed random projection of the output
-            ref_loss = (ref_out.to(dtype) * weights).sum()
-        loss, out = _loss_and_output(sharded, inputs, weights, group, ref_out.shape)
-        rec_ref.remove(), rec_sh.remove()
-        err, ok = max_error(out, ref_out, ATOL, RTOL)
-        detail = f"max |diff| {err:.2g} (output {list(ref_out.shape)})"
-        report.checks.append(Check("forward outputs", ok, detail, err))
-        report.divergence = first_divergence(rec_ref, rec_sh, group)
-        err, ok = max_error(loss, ref_loss, ATOL, RTOL)
-        report.checks.append(Check("loss", ok, f"{loss.item():.6g} vs {ref_loss.item():.6g} (|diff| {err:.2g})", err))
-
-        step = "backward"
-        ref_loss.backward(), loss.backward()
-        report.checks.append(params_check("gradients", compare_params(ref, sharded, group, grads=True), True))
-
-        step = "optimizer step"
-        for m in (ref, sharded):
-            torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR).step()
-        after_step = compare_params(ref, sharded, group, grads=False)
-        report.checks.append(params_check("weights after step", after_step, False))
-        with torch.no_grad():
-            _, ref_out = _loss_and_output(ref, inputs, weights, None, None)
-            _, out = _loss_and_output(sharded, inputs, weights, group, ref_out.shape)
-        # from weights that agree within the step's tolerance, so held to that tolerance
-        report.checks.append(_outputs_after_step(out, ref_out))
-        report.reference_after_step = ref_out.detach()
-
-        step = "generate"
-        if callable(getattr(ref, "can_generate", None)) and ref.can_generate():
-            expected, got = _generate(ref, inputs), _generate(sharded, inputs)
-            same = got.shape == expected.shape and torch.equal(got, expected)
-            detail = f"{BATCH} x {NEW_TOKENS} new tokens " + (
-                "equal" if same else f"differ: {got[:, SEQ // 2 :].tolist()} vs {expected[:, SEQ // 2 :].tolist()}"
+        with precise:
+            rec_ref, rec_sh = ActivationRecorder(ref), ActivationRecorder(sharded)
+            ref_loss, ref_out = _loss_and_output(ref, inputs, None, None, None)
+            weights = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+            if ref_loss is None:  # no loss of its own: a fixed random projection of the output
+                ref_loss = (ref_out.to(dtype) * weights).sum()
+            loss, out = _loss_and_output(sharded, inputs, weights, group, ref_out.shape)
+            rec_ref.remove(), rec_sh.remove()
+            err, ok = max_error(out, ref_out, ATOL, RTOL)
+            detail = f"max |diff| {err:.2g} (output {list(ref_out.shape)})"
+            report.checks.append(Check("forward outputs", ok, detail, err))
+            report.divergence = first_divergence(rec_ref, rec_sh, group)
+            err, ok = max_error(loss, ref_loss, ATOL, RTOL)
+            report.checks.append(
+                Check("loss", ok, f"{loss.item():.6g} vs {ref_loss.item():.6g} (|diff| {err:.2g})", err)
             )
-            report.checks.append(Check("greedy generate", same, detail))
+
+            step = "backward"
+            ref_loss.backward(), loss.backward()
+            report.checks.append(params_check("gradients", compare_params(ref, sharded, group, grads=True), True))
+
+            step = "optimizer step"
+            for m in (ref, sharded):
+                torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR).step()
+            after_step = compare_params(ref, sharded, group, grads=False)
+            report.checks.append(params_check("weights after step", after_step, False))
+            with torch.no_grad():
+                _, ref_out = _loss_and_output(ref, inputs, weights, None, None)
+                _, out = _loss_and_output(sharded, inputs, weights, group, ref_out.shape)
+            # from weights that agree within the step's tolerance, so held to that tolerance
+            report.checks.append(_outputs_after_step(out, ref_out))
+            report.reference_after_step = ref_out.detach()
+
+            step = "generate"
+            if callable(getattr(ref, "can_generate", None)) and ref.can_generate():
+                expected, got = _generate(ref, inputs), _generate(sharded, inputs)
+                same = got.shape == expected.shape and torch.equal(got, expected)
+                detail = f"{BATCH} x {NEW_TOKENS} new tokens " + (
+                    "equal" if same else f"differ: {got[:, SEQ // 2 :].tolist()} vs {expected[:, SEQ // 2 :].tolist()}"
+                )
+                report.checks.append(Check("greedy generate", same, detail))
     except Exception as e:  # noqa: BLE001 - reported, with the module that diverged if one did
         report.error = f"{step} failed: {type(e).__name__}: {e}"
     return report

@@ -121,8 +121,8 @@ def excuse_rounding(report: VerifyReport, exact: VerifyReport) -> None:
             Check(
                 "float64 rerun",
                 True,
-                f"not excused: in float64 {detail or 'another check fails'} (a wrong cut, or a model that computes "
-                "parts in float32 whatever its dtype, as norms calling .float() do)",
+                f"not excused: in float64 {detail or 'another check fails'} (a wrong cut, or a part that rounds "
+                "below float64 even where float32 casts are raised, as a cast to bfloat16 does)",
             )
         )
 
