@@ -102,6 +102,8 @@ def test_no_dropout_of_any_kind():
     # transformers' generic token-classification head drops 10% where the config sets no classifier dropout
     llama = tf.LlamaForTokenClassification(tiny_copy_config(tf.LlamaConfig()))
     assert llama.dropout.p == 0.0
+    # a router's jitter noise is randomness too: Switch's (0.01) made its proof compare two noise draws
+    assert tiny_config(tf.SwitchTransformersConfig).router_jitter_noise == 0.0
 
 
 def test_audio_copies_run_on_waveforms_and_log_mels():

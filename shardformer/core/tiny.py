@@ -55,9 +55,10 @@ SIZES = {
 # schedules over the layers that two layers must still contain (one full-attention layer, no shared KV)
 _FIT_TWO_LAYERS = {"full_attention_interval": 2, "num_kv_shared_layers": 0}
 _MLA = {"head_dim": SIZES["qk_rope_head_dim"], "num_key_value_heads": SIZES["num_attention_heads"]}
-# dropout, stochastic depth, SpecAugment's random masks (wav2vec2): randomness a check must not see
+# dropout, stochastic depth, SpecAugment's random masks (wav2vec2), routers' jitter noise (Switch, Mixtral):
+# randomness a check must not see
 _DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate", "drop_path", "layerdrop", "stochastic_depth", "mask_time_prob")
-_DROPOUT_WORDS += ("mask_feature_prob",)
+_DROPOUT_WORDS += ("mask_feature_prob", "jitter")
 # keys of a saved config that its class recomputes (or refuses as arguments)
 _DERIVED = ("transformers_version", "architectures", "_name_or_path", "model_type", "dtype", "torch_dtype")
 
