@@ -33,10 +33,6 @@ ALBERT = dict(
     embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, vocab_size=99
 )
 OPT_DEFAULT_FFN = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=99, dropout=0.0)
-RECURRENT_GEMMA = dict(
-    hidden_size=32, lru_width=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-    vocab_size=99, num_hidden_layers=3, attention_window_size=16,
-)  # fmt: skip
 EXACT = [
     ("liar", {}),
     ("liar", {"head_norm": True}),
@@ -105,9 +101,6 @@ EXACT = [
     # ConvNeXt-V2's GRN between pwconv1 and pwconv2 (BitNet's RMS norms before o_proj and down_proj alike):
     # its weight and bias cut with the features, its mean over them the mean of the ranks' means
     ("sized:ConvNextV2Model", dict(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, image_size=32)),
-    # RecurrentGemma's temporal block: a recurrence in two layers, an attention in the third, under one name
-    # (the recurrence's counts divided in its layers only; its RG-LRU gates cut with the channels)
-    ("sized:RecurrentGemmaForCausalLM", RECURRENT_GEMMA),
 ]
 
 
