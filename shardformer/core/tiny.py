@@ -177,7 +177,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     settable = functools.partial(_settable, cls)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = _read(text, "hidden_size") or _read(text, "d_model")  # Perceiver names no hidden_size
-    full_heads = _read(text, "num_attention_heads")
+    full_heads = _read(text, "num_attention_heads") or data.get("num_attention_heads")  # per layer: read raises
     out = {}
     for key, value in data.items():
         sub = _read(config, key)
@@ -355,6 +355,8 @@ def _scale_dict(values: dict, sizes: dict, data: dict) -> dict:
         full, tiny = data.get(key), sizes.get(key)
         if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, full, tiny)) and full > 0:
             out[key] = max(1, round(value * tiny / full))
+    for key in (k for k in _KV_HEADS if k in values and values[k] == values.get("num_attention_heads")):
+        out[key] = out["num_attention_heads"]  # ungrouped heads stay ungrouped (Dots3 Note's, validated)
     return out
 
 
