@@ -179,11 +179,10 @@ def tiny_config_of(class_name: str):
     from shardformer.models import inputs_for
 
     model_class = getattr(tf, class_name)
-    config = model_class.config_class()
+    config = default_config(class_name)
     for key in ("image_token_index", "video_token_index"):  # BLIP-2's, InstructBLIP-Video's
         if hasattr(config, "num_query_tokens") and getattr(config, key, 0) is None:
             setattr(config, key, VOCAB + 1)  # their checkpoints set one; their default config (None) cannot run
-    set_as_checkpoints(config, class_name)
     return runnable_tiny_config(model_class, config, 2, inputs=inputs_for)
 
 
@@ -218,6 +217,32 @@ def set_as_checkpoints(config, class_name: str) -> None:
         for part in path:
             owner = getattr(owner, part)
         setattr(owner, field, value)
+
+
+def default_config(class_name: str):
+    """The class's default config as its checkpoints' would be: with its `AS_CHECKPOINTS_SET` values and, where
+    it builds no model (on the meta device), what it leaves unset filled (`shardformer.core.tiny_defaults`)."""
+    import transformers as tf
+
+    from shardformer.core.tiny_defaults import complete_unset
+
+    model_class = getattr(tf, class_name)
+    config = model_class.config_class()
+    set_as_checkpoints(config, class_name)
+    if _meta_build_failure(model_class, config) is not None:
+        complete_unset(config)
+    return config
+
+
+def _meta_build_failure(model_class, config) -> str | None:
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model_class(config)
+    except Exception as e:  # noqa: BLE001 - the reason a row names
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return None
 
 
 class TinyBuildError(NotTested):
@@ -284,20 +309,15 @@ def tiny_config_class(class_name: str) -> str:
 
 
 def default_build_failure(class_name: str) -> str | None:
-    """Why the class built from its default config (with the values its checkpoints set, on the meta
-    device: no memory) fails, or None when it builds: a tiny copy of that config cannot do better."""
-    import torch
+    """Why the class built from its `default_config` (on the meta device: no memory) fails, or None when it
+    builds: a tiny copy of that config cannot do better."""
     import transformers as tf
 
-    model_class = getattr(tf, class_name)
     try:
-        config = model_class.config_class()
-        set_as_checkpoints(config, class_name)
-        with torch.device("meta"):
-            model_class(config)
+        config = default_config(class_name)
     except Exception as e:  # noqa: BLE001 - the reason the row names
         return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-    return None
+    return _meta_build_failure(getattr(tf, class_name), config)
 
 
 # model type -> (a fragment of the error, why): the model's own code failing on the tiny copy, not the recipe

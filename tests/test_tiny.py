@@ -191,6 +191,35 @@ def test_configs_the_recipe_used_to_refuse():
     assert tiny_copy_config(tf.Florence2Config()).vision_config.patch_size == [7, 3, 3, 3]
 
 
+def test_what_a_default_config_leaves_unset_is_filled():
+    """Default configs that build no model (their checkpoints set the values) are completed as transformers'
+    configs derive them: LFM2-MoE's schedule (every layer attention), Dots1's expert counts, CohereCompass's
+    RoPE (one per kind of layer), MoonshineStreaming's undeclared key/value heads; a scaled copy of a uniform
+    schedule keeps it where the class does not recompute it. Built on the meta device: no memory."""
+    import torch
+
+    from shardformer.core.tiny_defaults import complete_unset
+
+    for model_class in (tf.Lfm2MoeForCausalLM, tf.Dots1ForCausalLM, tf.CohereCompassForCausalLM):
+        config = model_class.config_class()
+        with torch.device("meta"), pytest.raises((TypeError, KeyError)):
+            model_class(config)
+        complete_unset(config)
+        with torch.device("meta"):
+            model_class(config)
+    lfm, dots = tf.Lfm2MoeConfig(), tf.Dots1Config(n_shared_experts=2)
+    complete_unset(lfm), complete_unset(dots)
+    assert lfm.layer_types == ["full_attention"] * lfm.num_hidden_layers
+    assert (dots.n_routed_experts, dots.num_experts_per_tok, dots.n_shared_experts) == (4, 2, 2)  # set: kept
+    assert tiny_copy_config(lfm).layer_types == ["full_attention"] * 2
+    compass = tf.CohereCompassTextConfig()
+    complete_unset(compass)
+    assert compass.rope_parameters["full_attention"]["rope_type"] == "default"
+    moonshine = tf.MoonshineStreamingConfig()
+    complete_unset(moonshine)
+    assert moonshine.num_key_value_heads == moonshine.num_attention_heads
+
+
 def test_upstream_failure_is_named():
     """Reformer computes gradients only in training mode (its reversible layers recompute activations
     there), and every check runs a copy in eval mode: the sweep's "not tested" row names this upstream

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shardformer.core import tiny_layers, tiny_widths
 from shardformer.core.tiny_choices import open_choices
+from shardformer.core.tiny_defaults import fill_schedule
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
 from shardformer.core.tiny_rotary import rotary_sections
 
@@ -78,9 +79,7 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
         kwargs.update({k: v for k, v in _MLA.items() if k in defaults})
     if "layer_types" in defaults and _settable(config_class, "layer_types"):
         kwargs["layer_types"] = None  # recomputed for num_hidden_layers
-    for key, value in _FIT_TWO_LAYERS.items():
-        if key in defaults:
-            kwargs[key] = value
+    kwargs.update({k: v for k, v in _FIT_TWO_LAYERS.items() if k in defaults})
     kwargs.update(overrides)
     config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
     types = getattr(config, "layer_types", None)  # a schedule, not ResNet's class-level list of allowed kinds
@@ -88,6 +87,7 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
     if schedule and lacks_attention(types):
         kwargs["layer_types"] = [*types[:-1], "full_attention"]  # a cache-holding attention layer for generate
         config = config_class(**({k: v for k, v in base.items() if k not in _DERIVED} if base else {}) | kwargs)
+    fill_schedule(config, defaults)  # a schedule unset for the class to recompute, which it did not (LFM2-MoE)
     return config
 
 
@@ -178,7 +178,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     settable = functools.partial(_settable, cls)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = _read(text, "hidden_size") or _read(text, "d_model")  # Perceiver names no hidden_size
-    full_heads = _read(text, "num_attention_heads")
+    full_heads = _read(text, "num_attention_heads") or data.get("num_attention_heads")  # per layer: read raises
     out = {}
     for key, value in data.items():
         sub = _read(config, key)
@@ -224,7 +224,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     for key, value in sizes.items():
         name = aliases.get(key, key)
         if name in data and not key.endswith("_id") and name not in _KV_HEADS and _scalar(data[name]):
-            out[name] = value
+            out[name] = min(value, data[name]) if key in _TOP_K and type(data[name]) is int else value
     _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
     tiny_widths.tie_to_others(out, data)
     tiny_layers.fit_stages(out, data, hidden, scaling)
@@ -254,9 +254,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         # generation settings live apart from the config in transformers 5; the decoder's first token is still
         # read from the config (T5's _shift_right): the pad token, as T5's checkpoints say
         out["decoder_start_token_id"] = out.get("pad_token_id", data.get("pad_token_id")) or 0
-    for key, value in _FIT_TWO_LAYERS.items():
-        if key in data:
-            out[key] = value
+    out.update({k: v for k, v in _FIT_TWO_LAYERS.items() if k in data})
     out.update(open_choices(data, out))
     base = {k: v for k, v in data.items() if settable(k)}
     if scaling.recompute:
@@ -286,6 +284,7 @@ _COUNTS = {
     "zero_expert_num",
     "sliding_window",
 }
+_TOP_K = ("num_experts_per_tok", "moe_topk")  # top-1 routing (Llama 4's, ZAYA's) is a choice the copy keeps
 _WIDTH_WORDS = ("size", "dim", "embd", "width", "d_model", "channels")
 _LAYER_LISTS = ("layer_types", "per_layer_config")
 # widths a model compares with its hidden size to decide whether it projects between them
@@ -357,6 +356,8 @@ def _scale_dict(values: dict, sizes: dict, data: dict) -> dict:
         full, tiny = data.get(key), sizes.get(key)
         if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, full, tiny)) and full > 0:
             out[key] = max(1, round(value * tiny / full))
+    for key in (k for k in _KV_HEADS if k in values and values[k] == values.get("num_attention_heads")):
+        out[key] = out["num_attention_heads"]  # ungrouped heads stay ungrouped (Dots3 Note's, validated)
     return out
 
 

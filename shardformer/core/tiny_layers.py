@@ -42,8 +42,8 @@ def _source_lists(lists: dict[str, list]) -> dict[str, list[int]]:
     return {
         k: v
         for k, v in lists.items()
-        if len(set(v)) > MAX_KINDS
-        and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= i for i, s in enumerate(v))
+        if all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= i for i, s in enumerate(v))
+        and len(set(v)) > MAX_KINDS  # after the check: a list of lists (Moonshine's per-layer windows) has no set
     }
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 
 def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
+    ties += (tie_groups,)
     for tie in ties:
         tie(out, data)
 
@@ -65,3 +68,21 @@ def tie_vision_width(out: dict, data: dict) -> None:
     for key, value in data.items():
         if key.endswith("_hidden_size") and value == vision["hidden_size"] != text:
             out[key] = tiny["hidden_size"]
+
+
+def tie_groups(out: dict, data: dict) -> None:
+    """A group count (a GroupNorm's: WavTokenizer's ``decoder_attention_num_groups``, 32) dividing widths of the
+    user's config that the copy scaled to sizes it does not divide: the most groups that divide them all."""
+    for key, groups in data.items():
+        if not key.endswith("num_groups") or type(groups) is not int or groups < 2 or key in out:
+            continue
+        widths = [w for k, w in out.items() if k.endswith(_WIDTHS) and _divides(groups, data.get(k)) and type(w) is int]
+        if any(w % groups for w in widths):
+            out[key] = math.gcd(groups, *widths)
+
+
+_WIDTHS = ("hidden_size", "_dim", "channels", "width")
+
+
+def _divides(groups: int, width) -> bool:
+    return type(width) is int and width > groups and width % groups == 0
