@@ -6,6 +6,7 @@ from __future__ import annotations
 def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
+    ties += (tie_projection_to_text,)
     for tie in ties:
         tie(out, data)
 
@@ -65,3 +66,20 @@ def tie_vision_width(out: dict, data: dict) -> None:
     for key, value in data.items():
         if key.endswith("_hidden_size") and value == vision["hidden_size"] != text:
             out[key] = tiny["hidden_size"]
+
+
+def tie_projection_to_text(out: dict, data: dict) -> None:
+    """A tower's projection whose width is the text's hidden size (Janus's vision ``projection_dim``, its
+    features placed among the text's embeddings): the copy's text width, not the tower's scaled one."""
+    text, tiny = data.get("text_config"), out.get("text_config")
+    if not isinstance(text, dict) or not isinstance(tiny, dict):
+        return
+    width, tiny_width = (t.get("hidden_size", t.get("d_model")) for t in (text, tiny))  # BART's text: d_model
+    if not isinstance(width, int) or not isinstance(tiny_width, int):
+        return
+    for key, sub in data.items():
+        if key == "text_config" or not isinstance(sub, dict) or not isinstance(out.get(key), dict):
+            continue
+        for field, value in sub.items():
+            if field.endswith("projection_dim") and value == width != sub.get("hidden_size"):
+                out[key][field] = tiny_width
