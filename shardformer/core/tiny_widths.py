@@ -6,7 +6,7 @@ from __future__ import annotations
 def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
-    ties += (tie_projection_to_text,)
+    ties += (tie_projection_to_text, tie_channels_to_sibling)
     for tie in ties:
         tie(out, data)
 
@@ -83,3 +83,17 @@ def tie_projection_to_text(out: dict, data: dict) -> None:
         for field, value in sub.items():
             if field.endswith("projection_dim") and value == width != sub.get("hidden_size"):
                 out[key][field] = tiny_width
+
+
+def tie_channels_to_sibling(out: dict, data: dict) -> None:
+    """A convnet's last channels that feed a sibling tower as its patch embeddings (Unlimited OCR's SAM
+    ``downsample_channels`` into its CLIP encoder): the copy's last channels are the copy's sibling's width."""
+    subs = [k for k, v in data.items() if isinstance(v, dict) and isinstance(out.get(k), dict)]
+    for key in subs:
+        for field, value in data[key].items():
+            if not field.endswith("channels") or not isinstance(value, list) or not value:
+                continue
+            for other in subs:
+                width = out[other].get("hidden_size")
+                if other != key and value[-1] == data[other].get("hidden_size") and isinstance(width, int):
+                    out[key][field] = [*out[key].get(field, value)[:-1], width]

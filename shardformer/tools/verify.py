@@ -114,10 +114,16 @@ def _generate(model, inputs):
 
 
 def _required_by_generate(model) -> list[str]:
-    """The parameters a model's own ``generate`` requires (BLIP's captioner: ``pixel_values``); read from its
-    class, as a sharded model's ``generate`` may be wrapped."""
-    params = list(inspect.signature(type(model).generate).parameters.values())[1:]  # after self
-    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    """The parameters a model's own ``generate`` requires (BLIP's captioner: ``pixel_values``), past the
+    ``generate(*args, **kwargs)`` a sharded model's class may wrap it in."""
+    for cls in type(model).__mro__:
+        if "generate" not in vars(cls):
+            continue
+        params = list(inspect.signature(vars(cls)["generate"]).parameters.values())[1:]  # after self
+        named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if named:
+            return [p.name for p in named if p.default is p.empty]
+    return []
 
 
 def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None = None, seed: int = 0) -> VerifyReport:
