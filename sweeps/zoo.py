@@ -180,9 +180,11 @@ def tiny_config_of(class_name: str):
 
     model_class = getattr(tf, class_name)
     config = model_class.config_class()
-    for key in ("image_token_index", "video_token_index"):  # BLIP-2's, InstructBLIP-Video's
-        if hasattr(config, "num_query_tokens") and getattr(config, key, 0) is None:
-            setattr(config, key, VOCAB + 1)  # their checkpoints set one; their default config (None) cannot run
+    # BLIP-2's, InstructBLIP-Video's, NemotronH Omni's: their checkpoints set one; their default config (None)
+    # cannot place an image
+    for key in ("image_token_index", "video_token_index", "image_token_id"):
+        if hasattr(config, "vision_config") and key in dir(config) and getattr(config, key, 0) is None:
+            setattr(config, key, VOCAB + 1)
     set_as_checkpoints(config, class_name)
     return runnable_tiny_config(model_class, config, 2, inputs=inputs_for)
 
