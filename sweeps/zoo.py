@@ -180,11 +180,9 @@ def tiny_config_of(class_name: str):
 
     model_class = getattr(tf, class_name)
     config = model_class.config_class()
-    # BLIP-2's, InstructBLIP-Video's, NemotronH Omni's: their checkpoints set one; their default config (None)
-    # cannot place an image
-    for key in ("image_token_index", "video_token_index", "image_token_id"):
-        if hasattr(config, "vision_config") and key in dir(config) and getattr(config, key, 0) is None:
-            setattr(config, key, VOCAB + 1)
+    for key in ("image_token_index", "video_token_index"):  # BLIP-2's, InstructBLIP-Video's
+        if hasattr(config, "num_query_tokens") and getattr(config, key, 0) is None:
+            setattr(config, key, VOCAB + 1)  # their checkpoints set one; their default config (None) cannot run
     set_as_checkpoints(config, class_name)
     return runnable_tiny_config(model_class, config, 2, inputs=inputs_for)
 
@@ -212,6 +210,9 @@ AS_CHECKPOINTS_SET = {
     # Janus's default vision projection (2048) is not its default text width (4096): the default config places no
     # image; its 7B checkpoint projects to its text's 4096
     "JanusForConditionalGeneration": {"vision_config.projection_dim": 4096},
+    # its default config has no image token (None) and places no image; its checkpoints set one past the text's
+    # vocabulary (the copy maps it to one of its own ids)
+    "NemotronH_Omni_Reasoning_V3": {"image_token_id": 131072},
     # their rotaries split each head by the checkpoints' mrope_section, which the code defaults to when the
     # config names none; a tiny head must have it scaled, so it is written down as the checkpoints write it
     "PaddleOCRVLForConditionalGeneration": {

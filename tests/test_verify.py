@@ -224,3 +224,20 @@ def test_the_main_output_of_a_backbone_is_its_first_feature_map():
     maps = (torch.ones(1, 2, 3, 3), torch.zeros(1, 4, 2, 2))
     assert first_tensor(BackboneOutput(feature_maps=maps)) is maps[0]
     assert first_tensor((None, [None, maps[1]])) is maps[1]
+
+
+def test_generate_gets_the_inputs_a_models_own_generate_requires():
+    """BLIP's captioner's ``generate(pixel_values, ...)`` is found past the ``generate(*args, **kwargs)`` a
+    sharded model's class wraps it in."""
+    from shardformer.tools.verify import _required_by_generate
+
+    class Captioner:
+        def generate(self, pixel_values, input_ids=None, **kwargs):
+            return pixel_values
+
+    class Sharded(Captioner):
+        def generate(self, *args, **kwargs):
+            return super().generate(*args, **kwargs)
+
+    assert _required_by_generate(Sharded()) == ["pixel_values"]
+    assert _required_by_generate(object.__new__(type("Plain", (), {"generate": lambda self, **kw: 0}))) == []

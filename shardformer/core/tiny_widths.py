@@ -81,7 +81,7 @@ def tie_projection_to_text(out: dict, data: dict) -> None:
         if key == "text_config" or not isinstance(sub, dict) or not isinstance(out.get(key), dict):
             continue
         for field, value in sub.items():
-            if field.endswith("projection_dim") and value == width != sub.get("hidden_size"):
+            if str(field).endswith("projection_dim") and value == width != sub.get("hidden_size"):
                 out[key][field] = tiny_width
 
 
@@ -91,7 +91,7 @@ def tie_channels_to_sibling(out: dict, data: dict) -> None:
     subs = [k for k, v in data.items() if isinstance(v, dict) and isinstance(out.get(k), dict)]
     for key in subs:
         for field, value in data[key].items():
-            if not field.endswith("channels") or not isinstance(value, list) or not value:
+            if not str(field).endswith("channels") or not isinstance(value, list) or not value:
                 continue
             for other in subs:
                 width = out[other].get("hidden_size")
