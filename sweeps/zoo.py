@@ -206,6 +206,20 @@ AS_CHECKPOINTS_SET = {
     # 1408 (4 x 1408 after the pixel shuffle) and their 4096-wide output:
     # the default config runs no image
     "Llama4ForConditionalGeneration": {"vision_config.hidden_size": 1408, "vision_config.vision_output_dim": 4096},
+    # Janus's default vision projection (2048) is not its default text width (4096): the default config places no
+    # image; its 7B checkpoint projects to its text's 4096
+    "JanusForConditionalGeneration": {"vision_config.projection_dim": 4096},
+    # its default config has no image token (None) and places no image; its checkpoints set one past the text's
+    # vocabulary (the copy maps it to one of its own ids)
+    "NemotronH_Omni_Reasoning_V3": {"image_token_id": 131072},
+    # their rotaries split each head by the checkpoints' mrope_section, which the code defaults to when the
+    # config names none; a tiny head must have it scaled, so it is written down as the checkpoints write it
+    "PaddleOCRVLForConditionalGeneration": {
+        "text_config.rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [16, 24, 24]}
+    },
+    "Ernie4_5_VLMoeForConditionalGeneration": {
+        "text_config.rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [22, 22, 20]}
+    },
 }
 
 

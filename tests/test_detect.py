@@ -108,4 +108,6 @@ def test_tiny_copies_keep_special_tokens_apart_and_rotary_sections_whole():
     assert sum(tiny.text_config.rope_parameters["mrope_section"]) == head // 2
     vision = tiny_copy_config(transformers.Qwen2VLConfig(), tp=2).vision_config
     assert vision.embed_dim % vision.num_heads == 0, (vision.embed_dim, vision.num_heads)
-    assert rotary_sections([16, 24, 24], 4) == [1, 2, 1] and rotary_sections([1, 2, 1], 2) == [0, 2, 0]
+    assert rotary_sections([16, 24, 24], 4) == [2, 1, 1] and rotary_sections([1, 2, 1], 2) == [0, 2, 0]
+    # equal sections stay equal (Ernie 4.5 VL stacks height and width) where the head has room
+    assert rotary_sections([22, 22, 20], 4) == [1, 1, 2] and rotary_sections([16, 24, 24], 2) == [0, 1, 1]

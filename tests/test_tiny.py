@@ -291,3 +291,32 @@ def test_inputs_of_videos_policies_and_tied_widths():
     assert align.projection_dim == round(align.vision_config.out_channels[-1] * align.vision_config.width_coefficient)
     aria = tiny_copy_config(tf.AriaConfig())
     assert list(aria.projector_patch_to_query_dict) == [(aria.vision_config.image_size // 8) ** 2]
+
+
+def test_vision_language_copies_keep_their_ties():
+    """Widths and counts a vision-language config ties across its towers stay tied in the copy: Janus's and
+    Florence 2's vision projection is the text's width, Unlimited OCR's SAM channels feed its CLIP encoder,
+    Cosmos 3 Edge's position table is a square of patches, Ernie 4.5 VL's height and width rotary sections stay
+    equal and its experts' widths split over 2 ranks; NemotronH Omni's patches come with a grid without time."""
+    janus = tiny_copy_config(tf.JanusConfig(vision_config={"projection_dim": 4096}))
+    assert janus.vision_config.projection_dim == janus.text_config.hidden_size
+    florence = tiny_copy_config(tf.Florence2Config())
+    assert florence.vision_config.projection_dim == florence.text_config.hidden_size
+    ocr = tiny_copy_config(tf.UnlimitedOcrConfig()).vision_config
+    assert ocr.sam_config.downsample_channels[-1] == ocr.encoder_config.hidden_size
+    assert tiny_copy_config(tf.Cosmos3EdgeConfig()).vision_config.num_patches == 16
+    rope = {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [22, 22, 20]}
+    ernie = tiny_copy_config(tf.Ernie4_5_VLMoeConfig(text_config={"rope_parameters": rope})).text_config
+    assert ernie.rope_parameters["mrope_section"] == [1, 1, 2]
+    assert all(w % 8 == 0 for w in ernie.moe_intermediate_size), ernie.moe_intermediate_size
+
+    class Omni(torch.nn.Module):
+        config = tf.PretrainedConfig(vision_config=tf.PretrainedConfig(patch_size=8, num_channels=3))
+
+        def forward(self, input_ids, pixel_values=None, image_grid_hw=None):
+            return input_ids
+
+    from shardformer.core.inputs import _images
+
+    x = _images(Omni(), Omni.config, 2, torch.Generator().manual_seed(0))
+    assert x["image_grid_hw"].tolist() == [[2, 2]] * 2 and x["pixel_values"].shape == (8, 3 * 8 * 8)

@@ -245,3 +245,20 @@ def test_the_float64_rerun_raises_the_float32_a_model_asks_for():
         assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
         assert torch.arange(3).float().dtype == x.to(torch.float32).dtype == torch.float64
     assert x.float().dtype == torch.float32  # only inside the mode
+
+
+def test_generate_gets_the_inputs_a_models_own_generate_requires():
+    """BLIP's captioner's ``generate(pixel_values, ...)`` is found past the ``generate(*args, **kwargs)`` a
+    sharded model's class wraps it in."""
+    from shardformer.tools.verify import _required_by_generate
+
+    class Captioner:
+        def generate(self, pixel_values, input_ids=None, **kwargs):
+            return pixel_values
+
+    class Sharded(Captioner):
+        def generate(self, *args, **kwargs):
+            return super().generate(*args, **kwargs)
+
+    assert _required_by_generate(Sharded()) == ["pixel_values"]
+    assert _required_by_generate(object.__new__(type("Plain", (), {"generate": lambda self, **kw: 0}))) == []

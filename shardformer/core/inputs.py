@@ -205,7 +205,8 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None)
     channels = channels or getattr(model, "in_chans", 3)
     params = inspect.signature(model.forward).parameters
-    if "image_grid_thw" in params:  # MuseGlimmer names the merge and the temporal patch its own way
+    grids = [k for k in ("image_grid_thw", "image_grid_hw") if k in params]  # NemotronH Omni's: no time axis
+    if grids:  # MuseGlimmer names the merge and the temporal patch its own way
         kernel = getattr(vision, "merge_kernel_size", None)  # Kimi K2.5: [height, width]
         merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None)
         merge = merge or (kernel[0] if isinstance(kernel, (list, tuple)) else 1)
@@ -214,7 +215,7 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
         patch = vision.patch_size * vision.patch_size * frames
         grid = {
             "pixel_values": torch.randn(batch * side * side, channels * patch, generator=g),
-            "image_grid_thw": torch.tensor([[1, side, side]] * batch),
+            grids[0]: torch.tensor([[1, side, side] if grids[0].endswith("thw") else [side, side]] * batch),
         }
         if "image_merge_sizes" in params:  # VideoLLaMA 3: each image's merge, given with its grid
             grid["image_merge_sizes"] = torch.tensor([merge] * batch)

@@ -92,14 +92,8 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
 
 
 _ID_WORDS = ("token_id", "token_ids", "token_index")
-_GENERAL_IDS = (
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "decoder_start_token_id",
-    "sep_token_id",
-    "cls_token_id",
-)
+_GENERAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+_GENERAL_IDS += ("sep_token_id", "cls_token_id")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
 _VISION = {
     "image_size": 32,
@@ -107,6 +101,7 @@ _VISION = {
     "tubelet_size": 8,
     "merge_kernel_size": 2,  # Kimi K2.5's patches merged 2 x 2, as its checkpoints do
     "rotary_dim": 4,
+    "num_patches": 16,  # a count, not a width: a square grid a learned position table is reshaped to (Cosmos 3 Edge)
 }  # 16 patches; rotation inside a head of 8
 _POSITION_WORDS = ("position", "max_", "positions", "seq_len", "window")
 
@@ -191,7 +186,9 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         elif key in _VISION and _int_list(value):  # [height, width] (InternVL), or one per stage (Florence 2)
             out[key] = [min(v, _VISION[key]) for v in value]
         elif key.endswith(_WIDTH_WORDS) and _int_list(value) and isinstance(hidden, int) and not scaling.keep_widths:
-            out[key] = [max(SIZES["head_dim"], round(v * sizes["hidden_size"] / hidden)) for v in value]  # conv_dim
+            widths = [max(SIZES["head_dim"], round(v * sizes["hidden_size"] / hidden)) for v in value]  # conv_dim
+            # MLP widths by layer type (Ernie 4.5 VL's experts): whole blocks of 8, as the ranks split them
+            out[key] = [-(-w // 8) * 8 for w in widths] if "intermediate" in key else widths
         elif not isinstance(value, int) or isinstance(value, bool):
             continue
         elif key.endswith("vocab_size") and value == data.get("vocab_size"):  # Marian's decoder_vocab_size

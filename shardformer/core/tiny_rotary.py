@@ -6,13 +6,18 @@ from __future__ import annotations
 def rotary_sections(sections: list[int], total: int) -> list[int]:
     """Multimodal rotary sections (time, height, width: Qwen2-VL's ``mrope_section``) scaled to a head's
     ``total`` rotary pairs, in the same proportions as far as integers allow (each at least one where
-    ``total`` allows it)."""
+    ``total`` allows it); sections of equal size stay equal where they can (Ernie 4.5 VL stacks its height
+    and width sections), the odd one out taking the rounding first."""
     least = 1 if total >= len(sections) else 0
     scaled = [max(least, section * total // sum(sections)) for section in sections]
-    while sum(scaled) != total:
+    while sum(scaled) < total:  # the largest sections first, a group of equal ones only while it fits whole
+        short = total - sum(scaled)
+        sizes = sorted(set(sections), reverse=True)
+        size = next((s for s in sizes if sections.count(s) <= short), sizes[0])
+        grown = [i for i, s in enumerate(sections) if s == size][:short]
+        scaled = [v + (i in grown) for i, v in enumerate(scaled)]
+    while sum(scaled) > total:
         for i in sorted(range(len(scaled)), key=lambda i: -sections[i]):
-            if sum(scaled) < total:
-                scaled[i] += 1
-            elif sum(scaled) > total and scaled[i] > least:
+            if sum(scaled) > total and scaled[i] > least:
                 scaled[i] -= 1
     return scaled

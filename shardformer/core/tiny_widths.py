@@ -8,7 +8,7 @@ import math
 def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
-    ties += (tie_groups,)
+    ties += (tie_groups, tie_projection_to_text, tie_channels_to_sibling)
     for tie in ties:
         tie(out, data)
 
@@ -86,3 +86,34 @@ _WIDTHS = ("hidden_size", "_dim", "channels", "width")
 
 def _divides(groups: int, width) -> bool:
     return type(width) is int and width > groups and width % groups == 0
+
+
+def tie_projection_to_text(out: dict, data: dict) -> None:
+    """A tower's projection whose width is the text's hidden size (Janus's vision ``projection_dim``, its
+    features placed among the text's embeddings): the copy's text width, not the tower's scaled one."""
+    text, tiny = data.get("text_config"), out.get("text_config")
+    if not isinstance(text, dict) or not isinstance(tiny, dict):
+        return
+    width, tiny_width = (t.get("hidden_size", t.get("d_model")) for t in (text, tiny))  # BART's text: d_model
+    if not isinstance(width, int) or not isinstance(tiny_width, int):
+        return
+    for key, sub in data.items():
+        if key == "text_config" or not isinstance(sub, dict) or not isinstance(out.get(key), dict):
+            continue
+        for field, value in sub.items():
+            if str(field).endswith("projection_dim") and value == width != sub.get("hidden_size"):
+                out[key][field] = tiny_width
+
+
+def tie_channels_to_sibling(out: dict, data: dict) -> None:
+    """A convnet's last channels that feed a sibling tower as its patch embeddings (Unlimited OCR's SAM
+    ``downsample_channels`` into its CLIP encoder): the copy's last channels are the copy's sibling's width."""
+    subs = [k for k, v in data.items() if isinstance(v, dict) and isinstance(out.get(k), dict)]
+    for key in subs:
+        for field, value in data[key].items():
+            if not str(field).endswith("channels") or not isinstance(value, list) or not value:
+                continue
+            for other in subs:
+                width = out[other].get("hidden_size")
+                if other != key and value[-1] == data[other].get("hidden_size") and isinstance(width, int):
+                    out[key][field] = [*out[key].get(field, value)[:-1], width]

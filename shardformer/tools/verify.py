@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -93,7 +94,9 @@ def _generate(model, inputs):
     kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad, "min_new_tokens": NEW_TOKENS}
     main = getattr(model, "main_input_name", "input_ids")
     main = main if main in inputs else next(iter(inputs))  # SpeechEncoderDecoder's "inputs": its encoder's
-    if "input_ids" not in inputs:  # audio or images into an encoder-decoder: the decoder generates from its start token
+    # audio or images into an encoder-decoder (PP-FormulaNet's input_ids feed its decoder): the decoder
+    # generates from its start token
+    if "input_ids" not in inputs or getattr(config, "is_encoder_decoder", False) and main != "input_ids":
         with torch.no_grad():
             return model.generate(**{main: inputs[main]}, **kwargs)
     images = {k: v for k, v in inputs.items() if k not in ("input_ids", "labels", "decoder_input_ids")}
@@ -104,8 +107,25 @@ def _generate(model, inputs):
         kwargs.update(images)  # with what places the images (Qwen2-VL's grid and token types)
     else:
         prompt = inputs["input_ids"][:, : SEQ // 2]
+        required = _required_by_generate(model)
+        if required:  # BLIP's own generate: it takes pixel_values and sets its decoder's pad token itself
+            kwargs.pop("pad_token_id")
+            kwargs.update({k: images[k] for k in required if k in images})
     with torch.no_grad():
         return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+
+
+def _required_by_generate(model) -> list[str]:
+    """The parameters a model's own ``generate`` requires (BLIP's captioner: ``pixel_values``), past the
+    ``generate(*args, **kwargs)`` a sharded model's class may wrap it in."""
+    for cls in type(model).__mro__:
+        if "generate" not in vars(cls):
+            continue
+        params = list(inspect.signature(vars(cls)["generate"]).parameters.values())[1:]  # after self
+        named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if named:
+            return [p.name for p in named if p.default is p.empty]
+    return []
 
 
 def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None = None, seed: int = 0) -> VerifyReport:
