@@ -233,7 +233,7 @@ def build_tiny(class_name: str, flip: dict | None = None):
 def _build(class_name: str, config, flip: dict | None):
     import transformers as tf
 
-    from shardformer.core.tiny_init import fill_zero_matrices
+    from shardformer.core.tiny import fill_zero_matrices
 
     for key, value in (flip or {}).items():  # on the config that holds the key (a text config's, else the top)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config

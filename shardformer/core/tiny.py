@@ -385,3 +385,15 @@ def _rotary_pairs(data: dict, rope: dict) -> int:
     """Rotated pairs in a tiny head (fewer with a partial rotary factor)."""
     factor = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0)) or 1.0
     return max(1, int(SIZES["head_dim"] * factor) // 2)
+
+
+def fill_zero_matrices(model, std: float = 0.02) -> None:
+    """Random values in every matrix a model initialises to zero or below 1e-6 (Gemma 3's image projector,
+    BLIP-2's query tokens; BLIP's 1e-10 vision tower, where any cut matched to 1e-25): on a tiny copy
+    it makes what follows zero or degenerate (a norm of zeros turns rounding into huge gradients)."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1 and param.is_floating_point() and not param.abs().max() > 1e-6:
+                param.normal_(0, std)

@@ -17,8 +17,7 @@ import torch
 
 from shardformer.core.inputs import make_inputs
 from shardformer.core.instance import set_attention, study_instance
-from shardformer.core.tiny import tiny_copy_configs
-from shardformer.core.tiny_init import fill_zero_matrices
+from shardformer.core.tiny import fill_zero_matrices, tiny_copy_configs
 
 MAX_PARAMS = 40_000_000  # the scalings that keep the user's widths are used only while the copy stays small
 

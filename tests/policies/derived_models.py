@@ -22,8 +22,7 @@ import torch.nn.functional as F
 import transformers as tf
 from transformers.modeling_outputs import CausalLMOutput
 
-from shardformer.core.tiny import tiny_config, tiny_copy_config
-from shardformer.core.tiny_init import fill_zero_matrices
+from shardformer.core.tiny import fill_zero_matrices, tiny_config, tiny_copy_config
 from shardformer.core.tiny_run import runnable_tiny_config
 from shardformer.models import inputs_for
 
