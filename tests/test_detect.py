@@ -111,3 +111,31 @@ def test_tiny_copies_keep_special_tokens_apart_and_rotary_sections_whole():
     assert rotary_sections([16, 24, 24], 4) == [2, 1, 1] and rotary_sections([1, 2, 1], 2) == [0, 2, 0]
     # equal sections stay equal (Ernie 4.5 VL stacks height and width) where the head has room
     assert rotary_sections([22, 22, 20], 4) == [1, 1, 2] and rotary_sections([16, 24, 24], 2) == [0, 1, 1]
+
+
+def test_a_tie_a_route_cuts_on_one_side_is_closed():
+    """An LM head tied to a token embedding the route left whole (BERT2BERT's and T5Gemma's decoder
+    embedding): the vocabulary is split in both. Another half-cut tie is kept whole; a gradient hook
+    on a tied table (UDOP's relative position table) cuts nothing. (Both models' rows in the verify
+    sweep prove the cut exact.)"""
+    import torch.nn as nn
+
+    from shardformer.policies.tp_plan.styles import GradAllReduce
+    from shardformer.policies.tp_plan.ties import cut_ties_alike
+    from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
+    from shardformer.tensor_parallel.policy import Col_Layer, Layer
+
+    model = nn.ModuleDict(
+        dict(
+            embed=nn.Embedding(10, 4), head=nn.Linear(4, 10, bias=False), table=nn.Embedding(6, 4), proj=nn.Linear(4, 6)
+        )
+    )
+    model.head.weight = model.embed.weight
+    model.proj.weight = model.table.weight
+    layers = {"head": Col_Layer("head", replace_layer=VocabParallelLMHead1D), "proj": Col_Layer("proj")}
+    cut_ties_alike(model, layers)
+    assert layers["embed"].replace_layer is VocabParallelEmbedding1D and "head" in layers
+    assert "proj" not in layers and "table" not in layers
+    hooked = {"table": Layer("table", replace_layer=GradAllReduce)}
+    cut_ties_alike(model, hooked)
+    assert list(hooked) == ["table"]

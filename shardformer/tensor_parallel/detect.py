@@ -62,8 +62,17 @@ def call_optional(model: nn.Module, method: str):
         return None
 
 
-def _is_cuttable(module: nn.Module) -> bool:
+def is_cuttable(module: nn.Module) -> bool:
+    """A module whose weight a policy can cut (a projection or an embedding)."""
     return isinstance(module, (nn.Linear, nn.Embedding)) or is_conv1d(module)
+
+
+def cuts_weights(layer) -> bool:
+    """Whether a layer descriptor's class holds per-rank parts of its module's weights: one that only
+    hooks them (``keeps_weights``, set on that very class: a gradient summed over ranks) leaves a tie
+    as it was."""
+    cls = layer.replace_layer
+    return not (isinstance(cls, type) and vars(cls).get("keeps_weights", False))
 
 
 def check_ties_are_cut_alike(model: nn.Module, ties: list[list[str]], replaced: set[str]) -> None:
@@ -74,7 +83,7 @@ def check_ties_are_cut_alike(model: nn.Module, ties: list[list[str]], replaced: 
     for names in ties:
         owners = {n: n.rpartition(".")[0] for n in names}
         cut = [n for n in names if owners[n] in replaced]
-        whole = [n for n in names if owners[n] not in replaced and _is_cuttable(model.get_submodule(owners[n]))]
+        whole = [n for n in names if owners[n] not in replaced and is_cuttable(model.get_submodule(owners[n]))]
         if cut and whole:
             raise PolicyMismatch(
                 f"{cut[0]} and {whole[0]} are one tied tensor in the model, but the policy replaces "
@@ -342,7 +351,7 @@ def detect_from_model(model: nn.Module, config, shard_config, targets, replaceme
     cuts = [c for r in replacements if (c := cut_of(r.path, r.layer, r.module)) is not None]
     check_sizes(cuts, tp, config, parents)
     ties = find_ties(model)
-    check_ties_are_cut_alike(model, ties, {r.path for r in replacements})
+    check_ties_are_cut_alike(model, ties, {r.path for r in replacements if cuts_weights(r.layer)})
     stale = stale_attributes(cuts, tp, parents, resolve_rewrites(targets, model))
     refused = [s for s in stale if s.kind == "width" or s.value % tp != 0]
     if refused:

@@ -315,3 +315,28 @@ def test_plan_sizes_a_published_phi3_and_mixtral_at_tp2_pp2():
         if fused:
             shapes = {n: (f, r) for n, f, r in plan.params}
             assert shapes[fused] == ((9216, 3072), (4608, 3072))  # [Q | K | V] cut block by block
+
+
+def test_a_wrappers_inner_lm_head_is_the_head():
+    """ShieldGemma 2's get_output_embeddings() asks its inner model's text decoder, which holds no head:
+    the inner model's LM head is then the head, cut by vocabulary (padded), not as a plain projection."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Linear(4, 99)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.norm = Inner(), nn.LayerNorm(4)
+
+        def get_output_embeddings(self):
+            return None
+
+    policy = TpPlanPolicy()
+    policy.set_model(Wrapper())
+    assert policy.head_path == "model.lm_head"

@@ -37,6 +37,7 @@ from shardformer.policies.derived.widths import local_widths_layer
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
 from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_params_layer
+from shardformer.policies.tp_plan.ties import cut_ties_alike
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import Linear1D_RowIntoParallel, is_conv1d
 from shardformer.tensor_parallel.layers.multihead import ParallelMultiheadAttention
@@ -132,7 +133,7 @@ class DerivedPolicy(TpPlanPolicy):
             self._vocab(layers, modules)
         if self.head_path in layers and seq2seq_routable(model):
             layers[self.head_path].gather_output = False  # the loss is taken over, on the vocab slices
-        self._tied_embeddings(layers, modules)
+        cut_ties_alike(self.model, layers)
         self._token_embeddings(layers, modules, [p for p in derivation.embeddings if p not in read])
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
@@ -195,25 +196,6 @@ class DerivedPolicy(TpPlanPolicy):
             rule = derivation.rules.get(type(modules[head]))
             if rule is not None:
                 cls._cut_block(head, modules, rule, tp, config, layers, attrs)
-
-    def _tied_embeddings(self, layers: dict[str, Layer], modules) -> None:
-        """Embeddings tied to the cut input embedding (an encoder's and a decoder's, sharing one
-        matrix) are cut alike; if one of them cannot be, the vocabulary stays whole everywhere."""
-        if self.embedding_path not in layers:
-            return
-        for names in find_ties(self.model):
-            paths = [n.rpartition(".")[0] for n in names]
-            if self.embedding_path not in paths:
-                continue
-            for path in paths:
-                if path in layers:
-                    continue
-                embed_cls = embedding_layer(modules[path])
-                if embed_cls is None:
-                    for cut in (*paths, self.head_path):
-                        layers.pop(cut, None)
-                    return
-                layers[path] = Col_Layer(path, bias=None, replace_layer=embed_cls)
 
     def _token_embeddings(self, layers: dict[str, Layer], modules, paths: list[str]) -> None:
         """Embeddings that look up the caller's token ids and that no LM head shares (CLIP's text token

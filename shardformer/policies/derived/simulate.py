@@ -296,16 +296,18 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     features = feature_norm_options(model, parent_path, parent, in_width(row_module), inputs, record_calls)
     if features:
         stages += [(h, 1, per_col, 0, {}, features) for h in [None, *heads_options]]
-    trials = 0
+    trials, unsplit = 0, _unsplit_heads(parent, prefix, tp)
     for heads, row_blocks, options, local_width, split_norms, feature_norms in stages:
         for choice in sorted(itertools.product(*options), key=_cost):
             blocks = dict(zip(col_rels, choice))
             convs = depthwise_counts(parent, heads[0]) if heads else ()
             for divide in (d + convs for d in attr_sets):
                 trials += 1
+                if unsplit and errors:  # no even cut splits those heads: the first candidate's failure says how
+                    return None, _why_none(unsplit, tp, errors[0])
                 if trials > MAX_TRIALS:  # a count, not a clock: every rank stops at the same candidate
                     first = f"no exact cut among the first {MAX_TRIALS} candidates ({errors[0]})"
-                    return None, _why_none(parent, prefix, tp, first)
+                    return None, _why_none(unsplit, tp, first)
                 try:
                     got = _run_ranks(
                         parent, _rel(row, parent_path), col_rels, blocks, divide, tp, args, kwargs, config, heads,
@@ -345,7 +347,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
             f"from all of them, which no cut of the projection gives exactly",
             DATA_PARALLEL,
         )
-    return None, _why_none(parent, prefix, tp, errors[0] if errors else "no candidate cut")
+    return None, _why_none(unsplit, tp, errors[0] if errors else "no candidate cut")
 
 
 def _count_of_width(parent: nn.Module, width: int) -> str:
@@ -358,12 +360,11 @@ def _count_of_width(parent: nn.Module, width: int) -> str:
     return min(equal, key=lambda name: ("key_value" not in name and "kv" not in name, name), default="")
 
 
-def _why_none(parent: nn.Module, prefix: str, tp: int, first_error: str) -> str:
-    """Why no cut of a group is exact: a head count its code reads that ``tp`` cannot split (3 heads
-    at tp=2, the likeliest reason, named first; a query count below tp too: one head of Swin's,
-    Segformer's or PVT's first stage, which only key/value heads may replicate), then the first
-    candidate's failure."""
-    unsplit, unread = [], []  # counts the code reads first; else those it keeps (Segformer reads head_dim)
+def _unsplit_heads(parent: nn.Module, prefix: str, tp: int) -> list[str]:
+    """The head counts ``tp`` cannot split (3 heads at tp=2; a query count below tp too: one head of
+    Swin's, Segformer's or PVT's first stage, which only key/value heads may replicate), as
+    ``name=value``: those its code reads, else those it keeps (Segformer reads head_dim)."""
+    unsplit, unread = [], []
     for rel, module in parent.named_modules():
         read = attributes_read(type(module))
         for name, value in int_attributes(module).items():
@@ -371,7 +372,11 @@ def _why_none(parent: nn.Module, prefix: str, tp: int, first_error: str) -> str:
             if is_head_count(name) and (not splits_over(name, value, tp) or (queries and value % tp)):
                 found = unsplit if read is None or name in read else unread
                 found.append(".".join(p for p in (prefix, rel, name) if p) + f"={value}")
-    unsplit = unsplit or unread
+    return unsplit or unread
+
+
+def _why_none(unsplit: list[str], tp: int, first_error: str) -> str:
+    """Why no cut of a group is exact: the head counts ``tp`` cannot split, then the first candidate's failure."""
     if not unsplit:
         return first_error
     text = (

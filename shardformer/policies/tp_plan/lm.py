@@ -48,6 +48,17 @@ def embedding_layer(module: nn.Module) -> type[nn.Module] | None:
     """Our vocab-parallel class for an input embedding, or None if its forward is not one we know."""
     if type(module) is nn.Embedding:
         return VocabParallelEmbedding1D
-    if isinstance(module, nn.Embedding):
+    if isinstance(module, nn.Embedding) and _reaches_lookup(type(module)):
         return SubclassVocabParallelEmbedding1D
     return None
+
+
+def _reaches_lookup(cls: type[nn.Embedding]) -> bool:
+    """Whether every ``forward`` of the subclass's own classes hands the lookup on (``super().forward``),
+    so that ``nn.Embedding.forward`` does it: one that looks up ``self.weight`` itself (IDEFICS's decoupled
+    embedding calls ``F.embedding``) would read this rank's rows with the whole vocabulary's ids."""
+    for klass in cls.__mro__[: cls.__mro__.index(nn.Embedding)]:
+        forward = vars(klass).get("forward")
+        if forward is not None and not {"super", "forward"} <= set(getattr(forward, "__code__", forward).co_names):
+            return False
+    return True

@@ -19,6 +19,7 @@ from shardformer.core.refusal import POLICY
 from shardformer.policies.derived.blocks import is_projection, repeated_blocks
 from shardformer.policies.tp_plan import experts, heads, styles
 from shardformer.policies.tp_plan.lm import embedding_layer
+from shardformer.policies.tp_plan.ties import cut_ties_alike
 from shardformer.tensor_parallel.detect import call_optional
 from shardformer.tensor_parallel.layers import VocabParallelLMHead1D
 from shardformer.tensor_parallel.lm_head import routes_loss
@@ -101,6 +102,14 @@ def _path_of(model: nn.Module, module: nn.Module | None) -> str | None:
     return next((name for name, m in model.named_modules() if m is module), None)
 
 
+def _inner_head(model: nn.Module) -> nn.Module | None:
+    """The LM head of the one model a wrapper holds, where the wrapper's own ``get_output_embeddings``
+    finds none (ShieldGemma 2 asks its inner model's text decoder, which holds no head): cut by
+    vocabulary, padded, like any LM head, not as a plain projection whose width must divide."""
+    heads = [head for child in model.children() if (head := call_optional(child, "get_output_embeddings")) is not None]
+    return heads[0] if len(heads) == 1 else None
+
+
 class TpPlanPolicy(Policy):
     """Shards any transformers model that ships a tensor-parallel plan, exactly. ``tower_policy``:
     the policy class (``cut_tower``) that cuts stacks the plan leaves whole, such as a VLM's vision
@@ -114,7 +123,7 @@ class TpPlanPolicy(Policy):
     def set_model(self, model: nn.Module) -> None:
         super().set_model(model)
         self.embedding_path = _path_of(model, call_optional(model, "get_input_embeddings"))
-        self.head_path = _path_of(model, call_optional(model, "get_output_embeddings"))
+        self.head_path = _path_of(model, call_optional(model, "get_output_embeddings") or _inner_head(model))
 
     def argument_policy(self, config, shard_config):
         model, tp = self.model, shard_config.tensor_parallel_size
@@ -161,6 +170,7 @@ class TpPlanPolicy(Policy):
                 more, more_attrs = self.tower_policy.cut_tower(model, tower, shard_config)
                 layers.update({layer.suffix: layer for layer in more})
                 attrs.update(more_attrs)
+        cut_ties_alike(model, layers)
         found = list(layers.values())
         return {type(model): Argument(attrs, [lambda: found])}
 

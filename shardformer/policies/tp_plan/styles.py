@@ -47,6 +47,7 @@ class GradAllReduce:
     is accumulated, so gradient accumulation over micro-batches stays exact."""
 
     supports_sequence_parallel = True  # per-token, per-head or no-op: exact on sequence chunks
+    keeps_weights = True  # the hook is on the Parameter: every module tied to it is summed too
 
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
