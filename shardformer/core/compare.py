@@ -113,3 +113,9 @@ def gradient_failures(
         if diff.only_in is not None or not diff.ok or diff.error > scale_rtol * scale + floor_rtol * largest:
             failures.append(f"gradient of {diff.name} differs" + ("" if diff.only_in else f" by {diff.error:.2e}"))
     return failures
+
+
+def own_inputs(inputs: dict) -> dict:
+    """``inputs`` with each tensor cloned: a copy of the model that writes into its inputs (FSMT's
+    ``shift_tokens_right`` fills the caller's ids in place) cannot change what the other copy reads."""
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
