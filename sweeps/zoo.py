@@ -210,6 +210,16 @@ AS_CHECKPOINTS_SET = {
 }
 
 
+# class -> the generation settings its checkpoints' generation_config.json sets, from the model's config, where its
+# generate cannot run without them
+GENERATION_AS_CHECKPOINTS = {
+    # Pop2Piano's generate prepends a composer's embedding, read through this map (one entry per embedding)
+    "Pop2PianoForConditionalGeneration": lambda config: {
+        "composer_to_feature_token": {f"composer{i + 1}": i for i in range(config.composer_vocab_size)}
+    },
+}
+
+
 def set_as_checkpoints(config, class_name: str) -> None:
     """Set the class's `AS_CHECKPOINTS_SET` values on ``config``; a dotted key names a sub-config's field."""
     for key, value in AS_CHECKPOINTS_SET.get(class_name, {}).items():
@@ -243,6 +253,8 @@ def _build(class_name: str, config, flip: dict | None):
     except Exception as e:  # noqa: BLE001
         raise TinyBuildError(f"a tiny {class_name} cannot be built from this config: {type(e).__name__}: {e}") from e
     fill_zero_matrices(model)
+    for key, value in GENERATION_AS_CHECKPOINTS.get(class_name, lambda _: {})(config).items():
+        setattr(model.generation_config, key, value)
     return model
 
 

@@ -118,3 +118,24 @@ def test_a_tiny_copy_with_non_finite_outputs_is_not_tested():
     align = tf.AlignModel(tiny_copy_config(tf.AlignConfig())).eval()
     with torch.no_grad():
         assert torch.isnan(align(**make_inputs(align, seed=0)).logits_per_image).all()
+
+
+def test_generate_gets_what_the_class_needs():
+    """MusicGen's generate starts each codebook's delay pattern from the decoder start token its checkpoints
+    set (bos), and Pop2Piano's reads a composer map from the generation config its checkpoints ship
+    (`sweeps.zoo.GENERATION_AS_CHECKPOINTS`), then generates from ``input_features`` alone: verify's greedy
+    generate runs on both tiny copies."""
+    import torch
+    import transformers as tf
+
+    from shardformer.core.inputs import make_inputs
+    from shardformer.core.tiny import tiny_copy_config
+    from shardformer.tools.verify import NEW_TOKENS, _generate
+    from sweeps.zoo import GENERATION_AS_CHECKPOINTS
+
+    for name in ("MusicgenForCausalLM", "Pop2PianoForConditionalGeneration"):
+        torch.manual_seed(0)
+        model = getattr(tf, name)(tiny_copy_config(getattr(tf, name).config_class())).eval()
+        for key, value in GENERATION_AS_CHECKPOINTS.get(name, lambda _: {})(model.config).items():
+            setattr(model.generation_config, key, value)
+        assert _generate(model, make_inputs(model, seed=0)).shape[-1] >= NEW_TOKENS

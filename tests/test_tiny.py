@@ -260,3 +260,27 @@ def test_inputs_of_videos_policies_and_tied_widths():
     assert align.projection_dim == round(align.vision_config.out_channels[-1] * align.vision_config.width_coefficient)
     aria = tiny_copy_config(tf.AriaConfig())
     assert list(aria.projector_patch_to_query_dict) == [(aria.vision_config.image_size // 8) ** 2]
+
+
+def test_inputs_of_speech_towers_and_generate_as_processors_make_them():
+    """OmniASR's feature extractor gives a waveform with a channel, ``[batch, 1, samples]``, and its CTC loss
+    reads the lengths from ``padding_mask``; Granite Speech's mel bins come delta-expanded and paired (4 x
+    ``num_mel_bins``); Pop2Piano's generate reads only ``input_features`` (so its forward does too); RWKV
+    runs uncached (eval mode's cache writes its state in place, which backward cannot pass); Inkling's head
+    scores only its ``unpadded_vocab_size``, which stays inside the copy's vocabulary. Meta-device builds."""
+
+    def built(name):
+        model_class = getattr(tf, name)
+        with torch.device("meta"):
+            model = model_class(tiny_copy_config(model_class.config_class()))
+        return model, make_inputs(model, seed=0)
+
+    omni, x = built("OmniASRForCTC")
+    assert x["input_values"].shape[:2] == (2, 1) and x["padding_mask"].shape == (2, x["input_values"].shape[-1])
+    granite, x = built("GraniteSpeech5ForCTC")
+    assert x["input_features"].shape[-1] == 4 * granite.config.encoder_config.num_mel_bins
+    pop2piano, x = built("Pop2PianoForConditionalGeneration")
+    assert set(x) == {"input_features", "labels"} and x["input_features"].shape[-1] == pop2piano.config.d_model
+    assert built("RwkvForCausalLM")[1]["use_cache"] is False
+    inkling = tiny_copy_config(tf.Inkling2TextConfig())
+    assert inkling.vocab_size // 2 < inkling.unpadded_vocab_size < inkling.vocab_size

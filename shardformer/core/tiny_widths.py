@@ -6,6 +6,7 @@ from __future__ import annotations
 def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
+    ties += (tie_used_vocab, tie_sibling_width)
     for tie in ties:
         tie(out, data)
 
@@ -65,3 +66,28 @@ def tie_vision_width(out: dict, data: dict) -> None:
     for key, value in data.items():
         if key.endswith("_hidden_size") and value == vision["hidden_size"] != text:
             out[key] = tiny["hidden_size"]
+
+
+def tie_used_vocab(out: dict, data: dict) -> None:
+    """The part of a padded vocabulary that holds tokens (Inkling's ``unpadded_vocab_size``, most of its
+    ``vocab_size``): the same part of the copy's vocabulary, or its head scores ids its embedding lacks
+    (scaled as a width, 1392 of 99) and generate picks them."""
+    vocab, tiny = data.get("vocab_size"), out.get("vocab_size")
+    if not isinstance(vocab, int) or not isinstance(tiny, int):
+        return
+    for key, value in data.items():
+        if key.endswith("unpadded_vocab_size") and type(value) is int and 0 < value <= vocab:
+            out[key] = value * tiny // vocab
+
+
+def tie_sibling_width(out: dict, data: dict) -> None:
+    """A sub-config's width that is another sub-config's hidden size, unlike its own (Dia's decoder
+    ``cross_hidden_size``: its encoder's, which it cross-attends to): the copy's other tower's."""
+    subs = {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(out.get(k), dict)}
+    for name, sub in subs.items():
+        for key, value in sub.items():
+            if not key.endswith("_hidden_size") or type(value) is not int or value == sub.get("hidden_size"):
+                continue
+            other = next((o for o in subs if o != name and subs[o].get("hidden_size") == value), None)
+            if other is not None and isinstance(out[other].get("hidden_size"), int):
+                out[name][key] = out[other]["hidden_size"]

@@ -89,6 +89,10 @@ def _generate(model, inputs):
     ids = [getattr(c, k, None) for k in ("pad_token_id", "eos_token_id") for c in (config, text)]
     pad = next((v for v in ids if isinstance(v, int)), 0)
     kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad, "min_new_tokens": NEW_TOKENS}
+    if model.generation_config.decoder_start_token_id is None and isinstance(getattr(text, "num_codebooks", None), int):
+        # MusicGen's decoder starts each codebook's delay pattern from it (its checkpoints set it to bos), and its
+        # own generate reads num_return_sequences without the default
+        kwargs.update(decoder_start_token_id=text.bos_token_id, num_return_sequences=1)
     main = getattr(model, "main_input_name", "input_ids")
     main = main if main in inputs else next(iter(inputs))  # SpeechEncoderDecoder's "inputs": its encoder's
     if "input_ids" not in inputs:  # audio or images into an encoder-decoder: the decoder generates from its start token
@@ -102,6 +106,10 @@ def _generate(model, inputs):
         kwargs.update(images)  # with what places the images (Qwen2-VL's grid and token types)
     else:
         prompt = inputs["input_ids"][:, : SEQ // 2]
+    codes = inputs.get("decoder_input_ids")
+    if codes is not None and codes.dim() == 3:  # Dia's decoder codes per channel: its audio prompt, their first half
+        codes = codes[:, : SEQ // 2]
+        kwargs.update(decoder_input_ids=codes, decoder_attention_mask=torch.ones(codes.shape[:2], dtype=torch.long))
     with torch.no_grad():
         return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **kwargs)
 
