@@ -279,6 +279,10 @@ def unsharded_failure(class_name: str, flip: dict | None = None, generate: bool 
         if torch.is_tensor(out) and not torch.isfinite(out).all():  # nothing to compare a sharded copy with
             bad = (~torch.isfinite(out)).sum().item()
             raise FloatingPointError(f"{bad} of its {out.numel()} outputs are not finite (unsharded, before any step)")
+        if torch.is_tensor(out) and out.is_floating_point() and not out.abs().max() > 0:  # any cut would "agree"
+            raise FloatingPointError(
+                "its outputs are all zero (unsharded, before any step): its random layers shrink them"
+            )
         step = "backward"
         (loss if loss is not None else out.float().sum()).backward()
         if generate and callable(getattr(model, "can_generate", None)) and model.can_generate():
@@ -328,6 +332,17 @@ UPSTREAM_FAILURES = {
     "llama4": (
         "no attribute 'image_outputs'",
         "Llama4ForConditionalGeneration.forward reads image_outputs from its language model's output, which has none",
+    ),
+    "gemma4_unified_assistant": (
+        "inputs_embeds and shared_kv_states cannot be None",
+        "Gemma 4's unified assistant is a drafter: its forward requires the keys and values its target model shares "
+        "(shared_kv_states) with the target's inputs_embeds, so it runs only inside the target's generate "
+        "(assistant_model=...), never on its own",
+    ),
+    "vibevoice": (
+        "requires `diffusers`",
+        "VibeVoice's generate samples its audio latents with a diffusers noise scheduler (DPMSolverMultistepScheduler), "
+        "and diffusers is not among shardformer's dependencies (installable from PyPI; not installed here)",
     ),
 }
 

@@ -139,3 +139,27 @@ def test_generate_gets_what_the_class_needs():
         for key, value in GENERATION_AS_CHECKPOINTS.get(name, lambda _: {})(model.config).items():
             setattr(model.generation_config, key, value)
         assert _generate(model, make_inputs(model, seed=0)).shape[-1] >= NEW_TOKENS
+
+
+def test_drafters_and_missing_generation_backends_are_named_upstream():
+    """Gemma 4's unified assistant refuses any forward without its target model's shared keys and values
+    (a drafter, run inside the target's generate); VibeVoice's generate builds its noise scheduler from
+    diffusers, not installed here. Meta-device build; the scheduler's own builder, no model."""
+    import torch
+    import transformers as tf
+    from transformers.models.vibevoice.generation_vibevoice import VibeVoiceGenerationMixin
+
+    from shardformer.core.tiny import tiny_copy_config
+    from sweeps.zoo import upstream_failure
+
+    with torch.device("meta"):
+        assistant = tf.Gemma4UnifiedAssistantForCausalLM(tiny_copy_config(tf.Gemma4UnifiedAssistantConfig()))
+        with pytest.raises(ValueError, match="shared_kv_states cannot be None") as caught:
+            assistant(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert "drafter" in upstream_failure("Gemma4UnifiedAssistantForCausalLM", str(caught.value))
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="requires `diffusers`") as caught:
+            VibeVoiceGenerationMixin._build_default_noise_scheduler(tf.GenerationConfig())
+        assert "diffusers" in upstream_failure("VibeVoiceForConditionalGeneration", str(caught.value))

@@ -68,7 +68,12 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     else:
         length = getattr(config, PADDED_TO.get(getattr(config, "model_type", None), ""), SEQ)
         x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, length), generator=g), config)}
-    if "input_ids" in x:
+    codes = getattr(config, "codebook_vocab_size", None)
+    if "input_ids" in x and isinstance(codes, int) and not getattr(config, "is_encoder_decoder", False):
+        # Kyutai's decoder sums a text token and one code per codebook at each step: [batch, seq, 1 + codebooks]
+        steps = torch.randint(0, codes, (batch, SEQ, config.num_codebooks), generator=g)
+        x["input_ids"] = torch.cat([x["input_ids"][..., None], steps], dim=-1)
+    if "input_ids" in x and x["input_ids"].dim() == 2:
         x.update(side_inputs(config, params, tuple(x["input_ids"].shape), g))
     videos = params.get("pixel_values_videos")
     if videos is not None and videos.default is videos.empty:  # a video-text model (VideoPrism): its clips

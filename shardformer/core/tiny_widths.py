@@ -6,7 +6,7 @@ from __future__ import annotations
 def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
-    ties += (tie_used_vocab, tie_sibling_width)
+    ties += (tie_used_vocab, tie_sibling_width, tie_codebook_vocab)
     for tie in ties:
         tie(out, data)
 
@@ -91,3 +91,15 @@ def tie_sibling_width(out: dict, data: dict) -> None:
             other = next((o for o in subs if o != name and subs[o].get("hidden_size") == value), None)
             if other is not None and isinstance(out[other].get("hidden_size"), int):
                 out[name][key] = out[other]["hidden_size"]
+
+
+def tie_codebook_vocab(out: dict, data: dict) -> None:
+    """A vocabulary of audio codes that is a codec sub-config's ``codebook_size`` (plus a pad: Kyutai's
+    ``codebook_vocab_size``, 2048 + 1): the copy's codec's, or the codes it gives index past the table."""
+    for name, sub in data.items():
+        tiny = out.get(name)
+        if not isinstance(sub, dict) or not isinstance(tiny, dict) or not isinstance(sub.get("codebook_size"), int):
+            continue
+        for key, value in data.items():
+            if key.endswith("vocab_size") and type(value) is int and 0 <= value - sub["codebook_size"] <= 1:
+                out[key] = tiny.get("codebook_size", sub["codebook_size"]) + value - sub["codebook_size"]

@@ -95,6 +95,14 @@ def _generate(model, inputs):
         kwargs.update(decoder_start_token_id=text.bos_token_id, num_return_sequences=1)
     main = getattr(model, "main_input_name", "input_ids")
     main = main if main in inputs else next(iter(inputs))  # SpeechEncoderDecoder's "inputs": its encoder's
+    codec = getattr(config, "codec_config", None)
+    if isinstance(
+        getattr(codec, "frame_size", None), int
+    ):  # Kyutai transcribes audio its codec encodes, a step a frame
+        samples = (len(inputs["input_ids"]), 1, codec.frame_size * SEQ)
+        audio = torch.randn(samples, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            return model.generate(input_values=audio, **kwargs)
     if "input_ids" not in inputs:  # audio or images into an encoder-decoder: the decoder generates from its start token
         with torch.no_grad():
             return model.generate(**{main: inputs[main]}, **kwargs)
