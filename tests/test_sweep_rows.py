@@ -107,7 +107,8 @@ def test_upstream_forward_failures_are_named():
 def test_a_tiny_copy_with_non_finite_outputs_is_not_tested():
     """ALIGN's tiny random EfficientNet, in eval mode, shrinks its features to ~1e-29 and normalises them to
     0/0: its unsharded outputs are NaN before any step, so there is nothing to prove a cut against (the
-    sweep's precheck, sweeps.zoo.unsharded_failure, says so)."""
+    sweep's precheck, sweeps.zoo.unsharded_failure, says so). EfficientNet's own copy ends at exactly zero,
+    which the precheck also refuses to call a proof."""
     import torch
     import transformers as tf
 
@@ -118,6 +119,10 @@ def test_a_tiny_copy_with_non_finite_outputs_is_not_tested():
     align = tf.AlignModel(tiny_copy_config(tf.AlignConfig())).eval()
     with torch.no_grad():
         assert torch.isnan(align(**make_inputs(align, seed=0)).logits_per_image).all()
+        # the same tower without the normalisation: features shrunk to exactly zero, which any cut would match
+        torch.manual_seed(0)
+        efficientnet = tf.EfficientNetModel(tiny_copy_config(tf.EfficientNetConfig())).eval()
+        assert not efficientnet(**make_inputs(efficientnet, seed=0)).pooler_output.abs().max() > 0
 
 
 def test_generate_gets_what_the_class_needs():

@@ -51,6 +51,16 @@ def _waveform_has_channels(model_type: str | None) -> bool:
     return clip.get("input_values") is not None and clip["input_values"].dim() == 3
 
 
+def streamed_audio(config, params, tokens: tuple[int, int], g: torch.Generator) -> dict:
+    """Log-mel frames beside the token ids of a model that adds its audio to every token's embedding
+    (Voxtral Realtime: ``audio_length_per_tok`` frames a token, ``[batch, mel bins, frames]``), else nothing."""
+    per_token = getattr(config, "audio_length_per_tok", None)
+    if "input_features" not in params or not isinstance(per_token, int):
+        return {}
+    bins = _audio_config(config).num_mel_bins
+    return {"input_features": torch.randn(tokens[0], bins, per_token * tokens[1], generator=g)}
+
+
 def ctc_labels(config, batch: int, g: torch.Generator) -> torch.Tensor:
     """A CTC head's transcripts: half as many tokens as the waveform's frames (room for the blanks
     between repeats), none of them the blank (the pad token)."""

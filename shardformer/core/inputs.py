@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core import example_inputs
-from shardformer.core.audio_inputs import audio_inputs, ctc_labels
+from shardformer.core.audio_inputs import audio_inputs, ctc_labels, streamed_audio
 from shardformer.core.refusal import POLICY, Refusal
 from shardformer.core.side_inputs import side_inputs
 from shardformer.core.tiny import VOCAB
@@ -75,6 +75,7 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x["input_ids"] = torch.cat([x["input_ids"][..., None], steps], dim=-1)
     if "input_ids" in x and x["input_ids"].dim() == 2:
         x.update(side_inputs(config, params, tuple(x["input_ids"].shape), g))
+        x.update(streamed_audio(config, params, tuple(x["input_ids"].shape), g))
     videos = params.get("pixel_values_videos")
     if videos is not None and videos.default is videos.empty:  # a video-text model (VideoPrism): its clips
         frames = _vision_config(config).num_frames

@@ -96,9 +96,7 @@ def _generate(model, inputs):
     main = getattr(model, "main_input_name", "input_ids")
     main = main if main in inputs else next(iter(inputs))  # SpeechEncoderDecoder's "inputs": its encoder's
     codec = getattr(config, "codec_config", None)
-    if isinstance(
-        getattr(codec, "frame_size", None), int
-    ):  # Kyutai transcribes audio its codec encodes, a step a frame
+    if isinstance(getattr(codec, "frame_size", None), int):  # Kyutai transcribes audio its codec encodes, a frame
         samples = (len(inputs["input_ids"]), 1, codec.frame_size * SEQ)
         audio = torch.randn(samples, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
@@ -114,6 +112,8 @@ def _generate(model, inputs):
         kwargs.update(images)  # with what places the images (Qwen2-VL's grid and token types)
     else:
         prompt = inputs["input_ids"][:, : SEQ // 2]
+    if "input_features" in inputs:  # Voxtral Realtime streams audio for every token, the generated ones too: all of it
+        kwargs["input_features"] = inputs["input_features"]
     codes = inputs.get("decoder_input_ids")
     if codes is not None and codes.dim() == 3:  # Dia's decoder codes per channel: its audio prompt, their first half
         codes = codes[:, : SEQ // 2]
@@ -250,8 +250,9 @@ def verify(
     with config.json, ``module:function``, ``timm:<name>`` or a built-in name (`TINY_MODELS`).
     ``policy``: a Policy (instance or class, importable) or ``module:Class``; default: the built-in one.
     ``pipeline``: a PipelineSpec for ``pp > 1`` (default: the family's built-in one). With ``pp > 1`` the training engine runs one step (loss, weights, outputs after it); module-by-module
-    divergence and generate are checked at ``pp=1``. Returns a `VerifyReport` (``.ok``,
-    ``.format()``, ``.divergence``).
+    divergence and generate are checked at ``pp=1``; greedy generate gets what the class's own generate reads
+    beside a prompt (MusicGen's decoder start token, Dia's audio-code prompt, Kyutai's audio). Returns a
+    `VerifyReport` (``.ok``, ``.format()``, ``.divergence``).
     """
     check_positive_int("tp", tp)
     check_positive_int("pp", pp)
