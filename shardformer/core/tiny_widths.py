@@ -83,10 +83,10 @@ def tie_used_vocab(out: dict, data: dict) -> None:
 def tie_sibling_width(out: dict, data: dict) -> None:
     """A sub-config's width that is another sub-config's hidden size, unlike its own (Dia's decoder
     ``cross_hidden_size``: its encoder's, which it cross-attends to): the copy's other tower's."""
-    subs = {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(out.get(k), dict)}
+    subs = {k: v for k, v in data.items() if isinstance(v, dict) and "model_type" in v and isinstance(out.get(k), dict)}
     for name, sub in subs.items():
         for key, value in sub.items():
-            if not key.endswith("_hidden_size") or type(value) is not int or value == sub.get("hidden_size"):
+            if not str(key).endswith("_hidden_size") or type(value) is not int or value == sub.get("hidden_size"):
                 continue
             other = next((o for o in subs if o != name and subs[o].get("hidden_size") == value), None)
             if other is not None and isinstance(out[other].get("hidden_size"), int):
