@@ -223,6 +223,16 @@ AS_CHECKPOINTS_SET = {
 }
 
 
+# class -> the generation settings its checkpoints' generation_config.json sets, from the model's config, where its
+# generate cannot run without them
+GENERATION_AS_CHECKPOINTS = {
+    # Pop2Piano's generate prepends a composer's embedding, read through this map (one entry per embedding)
+    "Pop2PianoForConditionalGeneration": lambda config: {
+        "composer_to_feature_token": {f"composer{i + 1}": i for i in range(config.composer_vocab_size)}
+    },
+}
+
+
 def set_as_checkpoints(config, class_name: str) -> None:
     """Set the class's `AS_CHECKPOINTS_SET` values on ``config``; a dotted key names a sub-config's field."""
     for key, value in AS_CHECKPOINTS_SET.get(class_name, {}).items():
@@ -282,6 +292,8 @@ def _build(class_name: str, config, flip: dict | None):
     except Exception as e:  # noqa: BLE001
         raise TinyBuildError(f"a tiny {class_name} cannot be built from this config: {type(e).__name__}: {e}") from e
     fill_zero_matrices(model)
+    for key, value in GENERATION_AS_CHECKPOINTS.get(class_name, lambda _: {})(config).items():
+        setattr(model.generation_config, key, value)
     return model
 
 
@@ -306,6 +318,10 @@ def unsharded_failure(class_name: str, flip: dict | None = None, generate: bool 
         if torch.is_tensor(out) and not torch.isfinite(out).all():  # nothing to compare a sharded copy with
             bad = (~torch.isfinite(out)).sum().item()
             raise FloatingPointError(f"{bad} of its {out.numel()} outputs are not finite (unsharded, before any step)")
+        if torch.is_tensor(out) and out.is_floating_point() and not out.abs().max() > 0:  # any cut would "agree"
+            raise FloatingPointError(
+                "its outputs are all zero (unsharded, before any step): its random layers shrink them"
+            )
         step = "backward"
         (loss if loss is not None else out.float().sum()).backward()
         if generate and callable(getattr(model, "can_generate", None)) and model.can_generate():
@@ -350,6 +366,17 @@ UPSTREAM_FAILURES = {
     "llama4": (
         "no attribute 'image_outputs'",
         "Llama4ForConditionalGeneration.forward reads image_outputs from its language model's output, which has none",
+    ),
+    "gemma4_unified_assistant": (
+        "inputs_embeds and shared_kv_states cannot be None",
+        "Gemma 4's unified assistant is a drafter: its forward requires the keys and values its target model shares "
+        "(shared_kv_states) with the target's inputs_embeds, so it runs only inside the target's generate "
+        "(assistant_model=...), never on its own",
+    ),
+    "vibevoice": (
+        "requires `diffusers`",
+        "VibeVoice's generate samples its audio latents with a diffusers noise scheduler (DPMSolverMultistepScheduler), "
+        "and diffusers is not among shardformer's dependencies (installable from PyPI; not installed here)",
     ),
 }
 

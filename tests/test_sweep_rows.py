@@ -109,7 +109,8 @@ def test_upstream_forward_failures_are_named():
 def test_a_tiny_copy_with_non_finite_outputs_is_not_tested():
     """ALIGN's tiny random EfficientNet, in eval mode, shrinks its features to ~1e-29 and normalises them to
     0/0: its unsharded outputs are NaN before any step, so there is nothing to prove a cut against (the
-    sweep's precheck, sweeps.zoo.unsharded_failure, says so)."""
+    sweep's precheck, sweeps.zoo.unsharded_failure, says so). EfficientNet's own copy ends at exactly zero,
+    which the precheck also refuses to call a proof."""
     import torch
     import transformers as tf
 
@@ -120,3 +121,52 @@ def test_a_tiny_copy_with_non_finite_outputs_is_not_tested():
     align = tf.AlignModel(tiny_copy_config(tf.AlignConfig())).eval()
     with torch.no_grad():
         assert torch.isnan(align(**make_inputs(align, seed=0)).logits_per_image).all()
+        # the same tower without the normalisation: features shrunk to exactly zero, which any cut would match
+        torch.manual_seed(0)
+        efficientnet = tf.EfficientNetModel(tiny_copy_config(tf.EfficientNetConfig())).eval()
+        assert not efficientnet(**make_inputs(efficientnet, seed=0)).pooler_output.abs().max() > 0
+
+
+def test_generate_gets_what_the_class_needs():
+    """MusicGen's generate starts each codebook's delay pattern from the decoder start token its checkpoints
+    set (bos), and Pop2Piano's reads a composer map from the generation config its checkpoints ship
+    (`sweeps.zoo.GENERATION_AS_CHECKPOINTS`), then generates from ``input_features`` alone: verify's greedy
+    generate runs on both tiny copies."""
+    import torch
+    import transformers as tf
+
+    from shardformer.core.inputs import make_inputs
+    from shardformer.core.tiny import tiny_copy_config
+    from shardformer.tools.verify import NEW_TOKENS, _generate
+    from sweeps.zoo import GENERATION_AS_CHECKPOINTS
+
+    for name in ("MusicgenForCausalLM", "Pop2PianoForConditionalGeneration"):
+        torch.manual_seed(0)
+        model = getattr(tf, name)(tiny_copy_config(getattr(tf, name).config_class())).eval()
+        for key, value in GENERATION_AS_CHECKPOINTS.get(name, lambda _: {})(model.config).items():
+            setattr(model.generation_config, key, value)
+        assert _generate(model, make_inputs(model, seed=0)).shape[-1] >= NEW_TOKENS
+
+
+def test_drafters_and_missing_generation_backends_are_named_upstream():
+    """Gemma 4's unified assistant refuses any forward without its target model's shared keys and values
+    (a drafter, run inside the target's generate); VibeVoice's generate builds its noise scheduler from
+    diffusers, not installed here. Meta-device build; the scheduler's own builder, no model."""
+    import torch
+    import transformers as tf
+    from transformers.models.vibevoice.generation_vibevoice import VibeVoiceGenerationMixin
+
+    from shardformer.core.tiny import tiny_copy_config
+    from sweeps.zoo import upstream_failure
+
+    with torch.device("meta"):
+        assistant = tf.Gemma4UnifiedAssistantForCausalLM(tiny_copy_config(tf.Gemma4UnifiedAssistantConfig()))
+        with pytest.raises(ValueError, match="shared_kv_states cannot be None") as caught:
+            assistant(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert "drafter" in upstream_failure("Gemma4UnifiedAssistantForCausalLM", str(caught.value))
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="requires `diffusers`") as caught:
+            VibeVoiceGenerationMixin._build_default_noise_scheduler(tf.GenerationConfig())
+        assert "diffusers" in upstream_failure("VibeVoiceForConditionalGeneration", str(caught.value))

@@ -320,3 +320,43 @@ def test_vision_language_copies_keep_their_ties():
 
     x = _images(Omni(), Omni.config, 2, torch.Generator().manual_seed(0))
     assert x["image_grid_hw"].tolist() == [[2, 2]] * 2 and x["pixel_values"].shape == (8, 3 * 8 * 8)
+
+
+def test_inputs_of_speech_towers_and_generate_as_processors_make_them():
+    """OmniASR's feature extractor gives a waveform with a channel, ``[batch, 1, samples]``, and its CTC loss
+    reads the lengths from ``padding_mask``; Granite Speech's mel bins come delta-expanded and paired (4 x
+    ``num_mel_bins``); Pop2Piano's generate reads only ``input_features`` (so its forward does too); Dia's
+    decoder and Kyutai's read a code per channel (codebook) at each step; Voxtral Realtime adds audio frames
+    to every token; RWKV
+    runs uncached (eval mode's cache writes its state in place, which backward cannot pass); Inkling's head
+    scores only its ``unpadded_vocab_size``, which stays inside the copy's vocabulary. Meta-device builds."""
+
+    def built(name):
+        model_class = getattr(tf, name)
+        with torch.device("meta"):
+            model = model_class(tiny_copy_config(model_class.config_class()))
+        return model, make_inputs(model, seed=0)
+
+    omni, x = built("OmniASRForCTC")
+    assert x["input_values"].shape[:2] == (2, 1) and x["padding_mask"].shape == (2, x["input_values"].shape[-1])
+    granite, x = built("GraniteSpeech5ForCTC")
+    assert x["input_features"].shape[-1] == 4 * granite.config.encoder_config.num_mel_bins
+    pop2piano, x = built("Pop2PianoForConditionalGeneration")
+    assert set(x) == {"input_features", "labels"} and x["input_features"].shape[-1] == pop2piano.config.d_model
+    assert built("RwkvForCausalLM")[1]["use_cache"] is False
+    dia, x = built("DiaForConditionalGeneration")  # decoder codes per step and channel; cross-attends the encoder
+    channels = dia.config.decoder_config.num_channels
+    assert x["decoder_input_ids"].shape == (2, x["labels"].shape[1], channels) and len(x["labels"]) == 2 * channels
+    assert dia.config.decoder_config.cross_hidden_size == dia.config.encoder_config.hidden_size
+    kyutai, x = built("KyutaiSpeechToTextForConditionalGeneration")  # a text token and a code per codebook a step
+    assert x["input_ids"].shape[-1] == 1 + kyutai.config.num_codebooks
+    assert kyutai.config.codebook_vocab_size == kyutai.config.codec_config.codebook_size + 1
+    voxtral, x = built("VoxtralRealtimeForConditionalGeneration")  # its audio added to each token: frames per token
+    per_token = voxtral.config.audio_length_per_tok
+    assert x["input_features"].shape == (
+        2,
+        voxtral.config.audio_config.num_mel_bins,
+        per_token * x["input_ids"].shape[1],
+    )
+    inkling = tiny_copy_config(tf.Inkling2TextConfig())
+    assert inkling.vocab_size // 2 < inkling.unpadded_vocab_size < inkling.vocab_size

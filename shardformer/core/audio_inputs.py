@@ -4,21 +4,61 @@ and a CTC head's transcripts that fit the frames."""
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
+import torch.nn as nn
+from transformers.models.auto.feature_extraction_auto import (
+    FEATURE_EXTRACTOR_MAPPING_NAMES,
+    feature_extractor_class_from_name,
+)
 
 FRAMES = 8  # frames the feature encoder leaves of a waveform: a few, as tokens are for text
 SAMPLES = 4000  # a quarter second at 16 kHz: a waveform for an encoder whose strides the config does not name
 _SUB_CONFIGS = ("encoder_config", "audio_config", "speech_config", "encoder")  # where a speech tower's sizes live
 
 
-def audio_inputs(config, main: str, batch: int, g: torch.Generator) -> dict:
+def audio_inputs(model, config, main: str, batch: int, g: torch.Generator) -> dict:
     """``{main: ...}`` for a model whose main input is ``input_values`` or ``input_features``."""
     audio = _audio_config(config)
     if main == "input_values" and _conv_layers(audio):  # wav2vec2 and its kin: a raw waveform
-        return {"input_values": torch.randn(batch, waveform_length(audio), generator=g)}
+        channels = (1,) if _waveform_has_channels(getattr(config, "model_type", None)) else ()
+        return {"input_values": torch.randn(batch, *channels, waveform_length(audio), generator=g)}
     if main == "input_values" and _width(audio) is None:  # a feature encoder its config does not size (Moonshine)
         return {"input_values": torch.randn(batch, SAMPLES, generator=g)}
-    return {main: _features(config, audio, batch, g)}
+    features = _features(config, audio, batch, g)
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    width = features.shape[-1]
+    if isinstance(first, nn.Linear) and first.in_features != width and first.in_features % width == 0:
+        # frames stacked as the feature extractor stacks them (Granite Speech: mel bins delta-expanded, then paired)
+        features = torch.randn(*features.shape[:-1], first.in_features, generator=g)
+    return {main: features}
+
+
+@functools.cache
+def _waveform_has_channels(model_type: str | None) -> bool:
+    """Whether the model type's feature extractor gives a waveform as ``[batch, 1, samples]`` (OmniASR's),
+    not ``[batch, samples]`` (wav2vec2's): its output for one silent clip, as a user's processor makes it."""
+    name = FEATURE_EXTRACTOR_MAPPING_NAMES.get(model_type)
+    try:
+        extractor = feature_extractor_class_from_name(name)()
+        clip = extractor(
+            np.zeros(SAMPLES, dtype=np.float32), sampling_rate=extractor.sampling_rate, return_tensors="pt"
+        )
+    except Exception:  # noqa: BLE001 - no extractor, or one that wants more: the plain layout
+        return False
+    return clip.get("input_values") is not None and clip["input_values"].dim() == 3
+
+
+def streamed_audio(config, params, tokens: tuple[int, int], g: torch.Generator) -> dict:
+    """Log-mel frames beside the token ids of a model that adds its audio to every token's embedding
+    (Voxtral Realtime: ``audio_length_per_tok`` frames a token, ``[batch, mel bins, frames]``), else nothing."""
+    per_token = getattr(config, "audio_length_per_tok", None)
+    if "input_features" not in params or not isinstance(per_token, int):
+        return {}
+    bins = _audio_config(config).num_mel_bins
+    return {"input_features": torch.randn(tokens[0], bins, per_token * tokens[1], generator=g)}
 
 
 def ctc_labels(config, batch: int, g: torch.Generator) -> torch.Tensor:

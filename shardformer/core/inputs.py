@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core import example_inputs
-from shardformer.core.audio_inputs import audio_inputs, ctc_labels
+from shardformer.core.audio_inputs import audio_inputs, ctc_labels, streamed_audio
 from shardformer.core.refusal import POLICY, Refusal
 from shardformer.core.side_inputs import side_inputs
 from shardformer.core.tiny import VOCAB
@@ -60,14 +60,22 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
     if main == "flattened_patches":  # Pix2Struct: each patch's row and column, then its pixels
         x = _flattened_patches(config.vision_config, batch, g)
     elif main in ("input_values", "input_features"):  # speech: a waveform or log-mel features
-        x = audio_inputs(config, main, batch, g)
+        x = audio_inputs(model, config, main, batch, g)
     elif main == "inputs" and "input_ids" not in params:  # Perceiver without a preprocessor: features
         x = {"inputs": torch.randn(batch, SEQ, config.d_model, generator=g)}
+    elif _generates_from_features(model, params):  # Pop2Piano: its feature extractor's features, embedded no
+        x = {"input_features": torch.randn(batch, SEQ, config.d_model, generator=g)}  # further; generate reads no ids
     else:
         length = getattr(config, PADDED_TO.get(getattr(config, "model_type", None), ""), SEQ)
         x = {"input_ids": _text(torch.randint(0, _vocab(model, config), (batch, length), generator=g), config)}
-    if "input_ids" in x:
+    codes = getattr(config, "codebook_vocab_size", None)
+    if "input_ids" in x and isinstance(codes, int) and not getattr(config, "is_encoder_decoder", False):
+        # Kyutai's decoder sums a text token and one code per codebook at each step: [batch, seq, 1 + codebooks]
+        steps = torch.randint(0, codes, (batch, SEQ, config.num_codebooks), generator=g)
+        x["input_ids"] = torch.cat([x["input_ids"][..., None], steps], dim=-1)
+    if "input_ids" in x and x["input_ids"].dim() == 2:
         x.update(side_inputs(config, params, tuple(x["input_ids"].shape), g))
+        x.update(streamed_audio(config, params, tuple(x["input_ids"].shape), g))
     videos = params.get("pixel_values_videos")
     if videos is not None and videos.default is videos.empty:  # a video-text model (VideoPrism): its clips
         frames = _vision_config(config).num_frames
@@ -104,8 +112,11 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         ids.masked_fill_(ids == sep, 3 if sep != 3 else 4)  # a question, then its context, as a tokenizer
         ids[:, [2, 3, -1]] = sep  # pairs them (q </s></s> c </s>): Longformer counts the three separators
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:  # not an encoder's head
-        targets = torch.randint(3, _vocab(model, config), (batch, SEQ), generator=g)
+        books = getattr(getattr(config, "decoder_config", None), "num_channels", 1)  # Dia's decoder: a code per channel
+        targets = torch.randint(3, _vocab(model, config), (batch * books, SEQ), generator=g)
         x["labels" if name.endswith("ForConditionalGeneration") else "decoder_input_ids"] = targets
+        if books > 1:  # it starts from one bos per channel, not from the labels: ids per step and channel, the
+            x["decoder_input_ids"] = targets.view(batch, books, SEQ).transpose(1, 2).contiguous()  # 3-d form it reads
     elif name.endswith("ForCausalLM") and _codebooks(model, config):  # MusicGen's decoder: ids per codebook
         books = _codebooks(model, config)
         x["input_ids"] = torch.randint(3, _vocab(model, config), (batch * books, SEQ), generator=g)
@@ -116,13 +127,17 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
     elif name.endswith("ForCTC"):
         x["labels"] = ctc_labels(config, batch, g)
-        if "attention_mask" in params:  # the CTC loss reads the input lengths from it (Parakeet)
-            x["attention_mask"] = torch.ones(x[main].shape[:2], dtype=torch.long)
+        mask = next((m for m in ("attention_mask", "padding_mask") if m in params), None)
+        if mask is not None:  # the CTC loss reads the input lengths from it (Parakeet; OmniASR's over its samples)
+            audio = x[main]
+            x[mask] = torch.ones(audio.shape[0], audio.shape[-1 if main == "input_values" else 1], dtype=torch.long)
     elif name.endswith("ForTokenClassification"):
         x["labels"] = torch.randint(0, config.num_labels, ids.shape if ids is not None else (batch, SEQ), generator=g)
     elif name.endswith("ForMultipleChoice") and ids is not None:  # [batch, choices, seq]: two choices
         x["input_ids"] = torch.stack([ids, ids.roll(1, dims=-1)], dim=1)
         x["labels"] = torch.randint(0, 2, (batch,), generator=g)
+    if "state" in params and "use_cache" in params:  # RWKV caches by default in eval mode, writing its recurrent
+        x["use_cache"] = False  # state in place layer by layer (no backward through it); training caches nothing
     return x
 
 
@@ -172,6 +187,14 @@ def _plain_inputs(model: nn.Module, params, batch: int, g: torch.Generator) -> d
     if features is not None:
         return {first: features}
     return {first: torch.randint(0, min(sizes), (batch, SEQ), generator=g)}
+
+
+def _generates_from_features(model: nn.Module, params) -> bool:
+    """Whether the model's generate requires ``input_features`` (first, no default) that its forward takes too."""
+    generate = getattr(model, "generate", None)
+    first = next(iter(inspect.signature(generate).parameters.values()), None) if callable(generate) else None
+    required = first is not None and first.default is first.empty
+    return required and first.name == "input_features" and first.name in params
 
 
 def _codebooks(model: nn.Module, config) -> int:

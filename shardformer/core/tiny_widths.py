@@ -9,6 +9,7 @@ def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
     ties += (tie_groups, tie_projection_to_text, tie_channels_to_sibling)
+    ties += (tie_used_vocab, tie_sibling_width, tie_codebook_vocab)
     for tie in ties:
         tie(out, data)
 
@@ -117,3 +118,40 @@ def tie_channels_to_sibling(out: dict, data: dict) -> None:
                 width = out[other].get("hidden_size")
                 if other != key and value[-1] == data[other].get("hidden_size") and isinstance(width, int):
                     out[key][field] = [*out[key].get(field, value)[:-1], width]
+
+
+def tie_used_vocab(out: dict, data: dict) -> None:
+    """The part of a padded vocabulary that holds tokens (Inkling's ``unpadded_vocab_size``, most of its
+    ``vocab_size``): the same part of the copy's vocabulary, or its head scores ids its embedding lacks
+    (scaled as a width, 1392 of 99) and generate picks them."""
+    vocab, tiny = data.get("vocab_size"), out.get("vocab_size")
+    if not isinstance(vocab, int) or not isinstance(tiny, int):
+        return
+    for key, value in data.items():
+        if key.endswith("unpadded_vocab_size") and type(value) is int and 0 < value <= vocab:
+            out[key] = value * tiny // vocab
+
+
+def tie_sibling_width(out: dict, data: dict) -> None:
+    """A sub-config's width that is another sub-config's hidden size, unlike its own (Dia's decoder
+    ``cross_hidden_size``: its encoder's, which it cross-attends to): the copy's other tower's."""
+    subs = {k: v for k, v in data.items() if isinstance(v, dict) and "model_type" in v and isinstance(out.get(k), dict)}
+    for name, sub in subs.items():
+        for key, value in sub.items():
+            if not str(key).endswith("_hidden_size") or type(value) is not int or value == sub.get("hidden_size"):
+                continue
+            other = next((o for o in subs if o != name and subs[o].get("hidden_size") == value), None)
+            if other is not None and isinstance(out[other].get("hidden_size"), int):
+                out[name][key] = out[other]["hidden_size"]
+
+
+def tie_codebook_vocab(out: dict, data: dict) -> None:
+    """A vocabulary of audio codes that is a codec sub-config's ``codebook_size`` (plus a pad: Kyutai's
+    ``codebook_vocab_size``, 2048 + 1): the copy's codec's, or the codes it gives index past the table."""
+    for name, sub in data.items():
+        tiny = out.get(name)
+        if not isinstance(sub, dict) or not isinstance(tiny, dict) or not isinstance(sub.get("codebook_size"), int):
+            continue
+        for key, value in data.items():
+            if key.endswith("vocab_size") and type(value) is int and 0 <= value - sub["codebook_size"] <= 1:
+                out[key] = tiny.get("codebook_size", sub["codebook_size"]) + value - sub["codebook_size"]

@@ -102,8 +102,18 @@ def _generate(model, inputs):
     ids = [getattr(c, k, None) for k in ("pad_token_id", "eos_token_id") for c in (config, text)]
     pad = next((v for v in ids if isinstance(v, int)), 0)
     kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad, "min_new_tokens": NEW_TOKENS}
+    if model.generation_config.decoder_start_token_id is None and isinstance(getattr(text, "num_codebooks", None), int):
+        # MusicGen's decoder starts each codebook's delay pattern from it (its checkpoints set it to bos), and its
+        # own generate reads num_return_sequences without the default
+        kwargs.update(decoder_start_token_id=text.bos_token_id, num_return_sequences=1)
     main = getattr(model, "main_input_name", "input_ids")
     main = main if main in inputs else next(iter(inputs))  # SpeechEncoderDecoder's "inputs": its encoder's
+    codec = getattr(config, "codec_config", None)
+    if isinstance(getattr(codec, "frame_size", None), int):  # Kyutai transcribes audio its codec encodes, a frame
+        samples = (len(inputs["input_ids"]), 1, codec.frame_size * SEQ)
+        audio = torch.randn(samples, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            return model.generate(input_values=audio, **kwargs)
     # audio or images into an encoder-decoder (PP-FormulaNet's input_ids feed its decoder): the decoder
     # generates from its start token
     if "input_ids" not in inputs or getattr(config, "is_encoder_decoder", False) and main != "input_ids":
@@ -121,6 +131,12 @@ def _generate(model, inputs):
         if required:  # BLIP's own generate: it takes pixel_values and sets its decoder's pad token itself
             kwargs.pop("pad_token_id")
             kwargs.update({k: images[k] for k in required if k in images})
+    if "input_features" in inputs:  # Voxtral Realtime streams audio for every token, the generated ones too: all of it
+        kwargs["input_features"] = inputs["input_features"]
+    codes = inputs.get("decoder_input_ids")
+    if codes is not None and codes.dim() == 3:  # Dia's decoder codes per channel: its audio prompt, their first half
+        codes = codes[:, : SEQ // 2]
+        kwargs.update(decoder_input_ids=codes, decoder_attention_mask=torch.ones(codes.shape[:2], dtype=torch.long))
     with torch.no_grad():
         return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **kwargs)
 
@@ -271,8 +287,9 @@ def verify(
     with config.json, ``module:function``, ``timm:<name>`` or a built-in name (`TINY_MODELS`).
     ``policy``: a Policy (instance or class, importable) or ``module:Class``; default: the built-in one.
     ``pipeline``: a PipelineSpec for ``pp > 1`` (default: the family's built-in one). With ``pp > 1`` the training engine runs one step (loss, weights, outputs after it); module-by-module
-    divergence and generate are checked at ``pp=1``. Returns a `VerifyReport` (``.ok``,
-    ``.format()``, ``.divergence``).
+    divergence and generate are checked at ``pp=1``; greedy generate gets what the class's own generate reads
+    beside a prompt (MusicGen's decoder start token, Dia's audio-code prompt, Kyutai's audio). Returns a
+    `VerifyReport` (``.ok``, ``.format()``, ``.divergence``).
     """
     check_positive_int("tp", tp)
     check_positive_int("pp", pp)

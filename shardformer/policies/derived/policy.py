@@ -254,7 +254,10 @@ class DerivedPolicy(TpPlanPolicy):
         for rel, tensors in rule.channels.items():  # a mixer's tensors its code reads itself, cut with its channels
             if f"{block}.{rel}" not in modules:  # a block of the class without this mixer (a hybrid's attention)
                 continue
-            layout = layouts[max((m for m in layouts if rel == m or rel.startswith(f"{m}.") or not m), key=len)]
+            owners = [m for m in layouts if rel == m or rel.startswith(f"{m}.") or not m]
+            if not owners:  # no layout of its mixer in this block (Nemotron 3.5's hybrid): its columns stay whole
+                continue
+            layout = layouts[max(owners, key=len)]
             dims = {name: dim for name, (dim, _) in tensors.items()}
             blocks = {name: layout.cuts[role][0] for name, (_, role) in tensors.items()}
             units = {name: layout.cuts[role][1] for name, (_, role) in tensors.items()}

@@ -203,9 +203,9 @@ class TpPlanPolicy(Policy):
         logits stay vocab-parallel where the model's loss can take them (``routes_loss``), else it gathers."""
         embed_cls = embedding_layer(modules[self.embedding_path]) if self.embedding_path else None
         head = modules.get(self.head_path) if self.head_path else None
-        tied = (
-            head is not None and self.embedding_path is not None and head.weight is modules[self.embedding_path].weight
-        )
+        weight = getattr(head, "weight", None)  # MusicGen's head and embedding: a list of them, one per codebook
+        tied = weight is not None and self.embedding_path is not None
+        tied = tied and weight is getattr(modules[self.embedding_path], "weight", None)
         if embed_cls is not None and (tied or head is None or isinstance(head, nn.Linear)):
             layers[self.embedding_path] = Col_Layer(self.embedding_path, bias=None, replace_layer=embed_cls)
         elif self.embedding_path in layers and tied:
