@@ -182,4 +182,4 @@ def _trained_weights(model, ref, lora: bool) -> tuple[dict, dict]:
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(folder[0], ignore_errors=True)
-    return trained, get_peft_model_state_dict(ref)
+    return trained, get_peft_model_state_dict(ref, save_embedding_layers=False)  # as saved above
