@@ -28,8 +28,10 @@ from sweeps.engine import (
     train_technique,
 )
 from sweeps.rows import (
+    FAILED,
     NOT_APPLICABLE,
     NOT_TESTED,
+    PASSED,
     REFUSED,
     REFUSED_AT_STEP,
     reason_first,
@@ -42,11 +44,40 @@ LR = 0.1
 
 def check_technique(row: dict) -> None:
     """The engine sweep's check of one row: ``trainer`` and ``lora`` here, the ParallelEngine layouts in
-    ``engine.train_technique``."""
+    ``engine.train_technique``. A row that fails is run again in float64 (``Float64Everywhere``, as verify's
+    rerun): weights that agree there to within ``ROUNDING_SHRINK`` of the float32 gap were float32
+    rounding (ParakeetForCTC's Trainer row: a bias before a training-mode BatchNorm, whose exact gradient
+    is 0, 2.9e-4 apart after 2 steps in float32, 2e-10 in float64); any other failure stays failed."""
+    from shardformer.core.float64_mode import Float64Everywhere
+    from shardformer.tools.verify_report import ROUNDING_SHRINK
+
+    _check_technique(row)
+    if _as_rank_0_finds(row.get("result") == FAILED):
+        again = {k: row[k] for k in ("task", "model_type", "class", "kind", "technique", "flip") if k in row}
+        with Float64Everywhere():
+            _check_technique(again)
+        shrank = again.get("result") == PASSED and (again.get("grad") or 0) <= (row.get("grad") or 0) * ROUNDING_SHRINK
+        if _as_rank_0_finds(shrank):
+            row.update(result=PASSED, reason=f"float32 rounding: {row['reason']} in float32; within "
+                       f"{again.get('grad') or 0:.2g} in float64")  # fmt: skip
+
+
+def _check_technique(row: dict) -> None:
     if row["technique"] in ("Trainer", "LoRA"):
         train_under_trainer(row, lora=row["technique"] == "LoRA")
     else:
         train_technique(row)
+
+
+def _as_rank_0_finds(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (rank 0 holds the gathered weights and writes the row): every rank
+    reruns, or none (the rerun has collectives)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([int(flag)])
+    dist.broadcast(value, src=0)
+    return bool(value.item())
 
 
 def _sgd(params):
