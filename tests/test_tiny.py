@@ -90,6 +90,21 @@ def test_no_scaling_that_runs_names_each_attempt():
         runnable_tiny_config(tf.LlamaForCausalLM, tf.LlamaConfig(num_hidden_layers=3), tp=2, inputs=no_inputs)
 
 
+class _WideOnlyConfig(tf.LlamaConfig):  # a validator refusing every scaled width (Dots3 Note's, FunASR-Nano's)
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.hidden_size < 64:
+            raise ValueError("hidden_size below 64")
+
+
+def test_a_refused_scaling_is_named():
+    """When the config class refuses every scaled copy, the copies that keep the widths are refused as too large:
+    the report names the scaled copy's refusal too, the real cause (a depth unlike the test above's: copies are
+    cached by config)."""
+    with pytest.raises(TinyCopyError, match=r"scaled: refused: ValueError: hidden_size below 64; keep widths: \d+M"):
+        runnable_tiny_config(tf.LlamaForCausalLM, _WideOnlyConfig(num_hidden_layers=5), tp=2)
+
+
 def test_no_dropout_of_any_kind():
     """Stochastic depth and LayerDrop are dropout too: a tiny BEiT with its default drop_path_rate=0.1
     trained at pp=2 differed from its unsharded copy by the layers each dropped, not by the split; a

@@ -149,21 +149,21 @@ SCALINGS = (
 )
 
 
-def tiny_copy_configs(config, tp: int = 2, heads: int | None = None, special: dict | None = None):
-    """``(scaling, config)`` for each of `SCALINGS` whose small config the config class accepts,
-    in order; raises the first scaling's error when none is accepted."""
+def tiny_copy_configs(config, tp: int = 2, heads: int | None = None, special: dict | None = None, refused=None):
+    """``(scaling, config)`` for each of `SCALINGS` whose small config the config class accepts, in order
+    (``refused``, a list: gets ``(scaling, error)`` of each it refuses); raises the first's error when none is."""
     special = _special_ids(config.to_dict()) if special is None else special
-    first, built = None, False
+    errors, built = [] if refused is None else refused, False
     for scaling in SCALINGS:
         try:
             tiny = _scaled(config, tp, heads, special, scaling)
         except Exception as e:  # noqa: BLE001 - a config class refusing these sizes: the next scaling
-            first = first or e
+            errors.append((scaling, e))
         else:
             built = True
             yield scaling, tiny
     if not built:
-        raise first
+        raise errors[0][1]
 
 
 def _scaled(config, tp, heads, special, scaling: Scaling):
