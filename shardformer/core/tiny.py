@@ -100,7 +100,7 @@ _GENERAL_IDS = (
     "sep_token_id",
     "cls_token_id",
 )
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+_KV_HEADS = tiny_widths.KV_HEADS
 _VISION = {
     "image_size": 32,
     "patch_size": 8,
@@ -242,7 +242,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         out.update(parts)
     keep = None if scaling.keep_depth else kept_layers(data, aliases, settable, sum(parts.values()) or None)
     if keep is not None:
-        out.update(layer_overrides(data, aliases, keep, settable, lambda d: _scale_dict(d, sizes, data)))
+        out.update(layer_overrides(data, aliases, keep, settable, lambda d: tiny_widths.scale_override(d, sizes, data)))
     fit_hybrid(out, data)
     rope = out.get("rope_parameters", data.get("rope_parameters"))
     multimodal_rope = "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())
@@ -346,19 +346,6 @@ def _derived_fields(cls) -> set[str]:
     if not dataclasses.is_dataclass(cls):
         return set()
     return {f.name for f in dataclasses.fields(cls) if f.default is None or f.default == "auto"}
-
-
-def _scale_dict(values: dict, sizes: dict, data: dict) -> dict:
-    """A per-layer override (Gemma 4's global layers with heads twice as wide) scaled as the global
-    value it overrides was: still twice the tiny head."""
-    out = dict(values)
-    for key, value in values.items():
-        full, tiny = data.get(key), sizes.get(key)
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, full, tiny)) and full > 0:
-            out[key] = max(1, round(value * tiny / full))
-    for key in (k for k in _KV_HEADS if k in values and values[k] == values.get("num_attention_heads")):
-        out[key] = out["num_attention_heads"]  # ungrouped heads stay ungrouped (Dots3 Note's, validated)
-    return out
 
 
 def _is_special(key, value) -> bool:
