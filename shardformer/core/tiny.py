@@ -17,7 +17,7 @@ from shardformer.core import tiny_layers, tiny_widths
 from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_defaults import fill_schedule
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
-from shardformer.core.tiny_rotary import rotary_sections
+from shardformer.core.tiny_rotary import rotary_head_dim, rotary_sections
 
 VOCAB = 99
 SIZES = {
@@ -169,6 +169,7 @@ def tiny_copy_configs(config, tp: int = 2, heads: int | None = None, special: di
 def _scaled(config, tp, heads, special, scaling: Scaling):
     heads = heads or max(4, 2 * tp)
     sizes = dict(SIZES, num_attention_heads=heads, hidden_size=heads * SIZES["head_dim"])
+    sizes["head_dim"] = rotary_head_dim(config.to_dict(), SIZES["head_dim"])
     sizes["intermediate_size"] = 2 * sizes["hidden_size"]
     if scaling.keep_widths:
         sizes = {k: v for k, v in sizes.items() if k in _COUNTS}

@@ -82,7 +82,7 @@ def tie_adapter_to_text(out: dict, data: dict) -> None:
     for name, sub in data.items():
         if not isinstance(sub, dict) or name == "text_config" or not isinstance(out.get(name), dict):
             continue
-        for key, value in sub.items():
+        for key, value in ((k, v) for k, v in sub.items() if isinstance(k, str)):  # not id2label's ints
             # an adapter's input, its tower's own width, stays the tower's
             adapter = ("adapt" in name or key.startswith("adapter")) and value != sub.get("hidden_size")
             ratio = next((k for k in (1, 2, 4) if type(value) is int and value * k == text), None)
