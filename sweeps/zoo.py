@@ -186,6 +186,7 @@ def tiny_config_of(class_name: str):
     return runnable_tiny_config(model_class, config, 2, inputs=inputs_for)
 
 
+QSA = {"n_heads": 16, "kv_heads": 1, "head_dim": 128, "budget": 2048, "compress_ratio": 4}
 # values a class's checkpoints set where its default config, shared with the family's other heads, does not
 # build that class (a user's config, read from a checkpoint, has them)
 AS_CHECKPOINTS_SET = {
@@ -206,6 +207,13 @@ AS_CHECKPOINTS_SET = {
     # 1408 (4 x 1408 after the pixel shuffle) and their 4096-wide output:
     # the default config runs no image
     "Llama4ForConditionalGeneration": {"vision_config.hidden_size": 1408, "vision_config.vision_output_dim": 4096},
+    # Qwen4-Exp builds its QSA indexer on every indexed-attention layer, and its default config leaves the
+    # indexer's five fields None: set as its validator requires (one key head, a budget the compression ratio
+    # divides), widths as the model's own (its query heads, its linear-attention head width); not a checkpoint's
+    **{
+        n: {f"{prefix}indexer_{k}": v for k, v in QSA.items()}
+        for n, prefix in (("Qwen4ExpForCausalLM", ""), ("Qwen4ExpForConditionalGeneration", "text_config."))
+    },
 }
 
 
