@@ -215,6 +215,13 @@ AS_CHECKPOINTS_SET = {
         for n, prefix in (("Qwen4ExpForCausalLM", ""), ("Qwen4ExpForConditionalGeneration", "text_config."))
     },
 }
+GEMMA4_ASSISTANT_TEXT = ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block")
+# Gemma 4 Assistant's validator refuses its own default text config (Gemma 4's, with per-layer inputs, MoE blocks,
+# double-wide MLPs); its checkpoints' text configs have none of them
+AS_CHECKPOINTS_SET["Gemma4AssistantForCausalLM"] = {
+    **{f"text_config.{k}": 0 for k in GEMMA4_ASSISTANT_TEXT[:2]},
+    **{f"text_config.{k}": False for k in (GEMMA4_ASSISTANT_TEXT[2], "use_double_wide_mlp")},
+}
 
 
 def set_as_checkpoints(config, class_name: str) -> None:
@@ -227,6 +234,18 @@ def set_as_checkpoints(config, class_name: str) -> None:
         setattr(owner, field, value)
 
 
+def _nested(values: dict) -> dict:
+    """Dotted keys (``text_config.vocab_size``) as nested dicts, a config's constructor arguments."""
+    nested: dict = {}
+    for key, value in values.items():
+        *path, field = key.split(".")
+        owner = nested
+        for part in path:
+            owner = owner.setdefault(part, {})
+        owner[field] = value
+    return nested
+
+
 def default_config(class_name: str):
     """The class's default config as its checkpoints' would be: with its `AS_CHECKPOINTS_SET` values and, where
     it builds no model (on the meta device), what it leaves unset filled (`shardformer.core.tiny_defaults`)."""
@@ -235,7 +254,10 @@ def default_config(class_name: str):
     from shardformer.core.tiny_defaults import complete_unset
 
     model_class = getattr(tf, class_name)
-    config = model_class.config_class()
+    try:
+        config = model_class.config_class()
+    except Exception:  # noqa: BLE001 - a default its own validator refuses (Gemma 4 Assistant's): the values given
+        config = model_class.config_class(**_nested(AS_CHECKPOINTS_SET.get(class_name, {})))
     set_as_checkpoints(config, class_name)
     if _meta_build_failure(model_class, config) is not None:
         complete_unset(config)
