@@ -186,6 +186,7 @@ def tiny_config_of(class_name: str):
     return runnable_tiny_config(model_class, config, 2, inputs=inputs_for)
 
 
+QSA = {"n_heads": 16, "kv_heads": 1, "head_dim": 128, "budget": 2048, "compress_ratio": 4}
 # values a class's checkpoints set where its default config, shared with the family's other heads, does not
 # build that class (a user's config, read from a checkpoint, has them)
 AS_CHECKPOINTS_SET = {
@@ -220,6 +221,20 @@ AS_CHECKPOINTS_SET = {
     "Ernie4_5_VLMoeForConditionalGeneration": {
         "text_config.rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [22, 22, 20]}
     },
+    # Qwen4-Exp builds its QSA indexer on every indexed-attention layer, and its default config leaves the
+    # indexer's five fields None: set as its validator requires (one key head, a budget the compression ratio
+    # divides), widths as the model's own (its query heads, its linear-attention head width); not a checkpoint's
+    **{
+        n: {f"{prefix}indexer_{k}": v for k, v in QSA.items()}
+        for n, prefix in (("Qwen4ExpForCausalLM", ""), ("Qwen4ExpForConditionalGeneration", "text_config."))
+    },
+}
+GEMMA4_ASSISTANT_TEXT = ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block")
+# Gemma 4 Assistant's validator refuses its own default text config (Gemma 4's, with per-layer inputs, MoE blocks,
+# double-wide MLPs); its checkpoints' text configs have none of them
+AS_CHECKPOINTS_SET["Gemma4AssistantForCausalLM"] = {
+    **{f"text_config.{k}": 0 for k in GEMMA4_ASSISTANT_TEXT[:2]},
+    **{f"text_config.{k}": False for k in (GEMMA4_ASSISTANT_TEXT[2], "use_double_wide_mlp")},
 }
 
 
@@ -243,6 +258,18 @@ def set_as_checkpoints(config, class_name: str) -> None:
         setattr(owner, field, value)
 
 
+def _nested(values: dict) -> dict:
+    """Dotted keys (``text_config.vocab_size``) as nested dicts, a config's constructor arguments."""
+    nested: dict = {}
+    for key, value in values.items():
+        *path, field = key.split(".")
+        owner = nested
+        for part in path:
+            owner = owner.setdefault(part, {})
+        owner[field] = value
+    return nested
+
+
 def default_config(class_name: str):
     """The class's default config as its checkpoints' would be: with its `AS_CHECKPOINTS_SET` values and, where
     it builds no model (on the meta device), what it leaves unset filled (`shardformer.core.tiny_defaults`)."""
@@ -251,7 +278,10 @@ def default_config(class_name: str):
     from shardformer.core.tiny_defaults import complete_unset
 
     model_class = getattr(tf, class_name)
-    config = model_class.config_class()
+    try:
+        config = model_class.config_class()
+    except Exception:  # noqa: BLE001 - a default its own validator refuses (Gemma 4 Assistant's): the values given
+        config = model_class.config_class(**_nested(AS_CHECKPOINTS_SET.get(class_name, {})))
     set_as_checkpoints(config, class_name)
     if _meta_build_failure(model_class, config) is not None:
         complete_unset(config)

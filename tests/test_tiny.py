@@ -90,6 +90,21 @@ def test_no_scaling_that_runs_names_each_attempt():
         runnable_tiny_config(tf.LlamaForCausalLM, tf.LlamaConfig(num_hidden_layers=3), tp=2, inputs=no_inputs)
 
 
+class _WideOnlyConfig(tf.LlamaConfig):  # a validator refusing every scaled width (Dots3 Note's, FunASR-Nano's)
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.hidden_size < 64:
+            raise ValueError("hidden_size below 64")
+
+
+def test_a_refused_scaling_is_named():
+    """When the config class refuses every scaled copy, the copies that keep the widths are refused as too large:
+    the report names the scaled copy's refusal too, the real cause (a depth unlike the test above's: copies are
+    cached by config)."""
+    with pytest.raises(TinyCopyError, match=r"scaled: refused: ValueError: hidden_size below 64; keep widths: \d+M"):
+        runnable_tiny_config(tf.LlamaForCausalLM, _WideOnlyConfig(num_hidden_layers=5), tp=2)
+
+
 def test_no_dropout_of_any_kind():
     """Stochastic depth and LayerDrop are dropout too: a tiny BEiT with its default drop_path_rate=0.1
     trained at pp=2 differed from its unsharded copy by the layers each dropped, not by the split; a
@@ -360,3 +375,28 @@ def test_inputs_of_speech_towers_and_generate_as_processors_make_them():
     )
     inkling = tiny_copy_config(tf.Inkling2TextConfig())
     assert inkling.vocab_size // 2 < inkling.unpadded_vocab_size < inkling.vocab_size
+
+
+def test_validated_ties_are_kept():
+    """Widths a config validates against each other stay tied in the copy (dicts only: milliseconds):
+    Dots3 Note's sliding head (unrotated + rotated = head_dim) and its layers' fewer experts (at least top-k),
+    adapters' widths tied to the text's hidden size (Dots3 Note, FunASR-Nano), M-RoPE's rotated part a multiple
+    of 4 (NeoMME rotates a quarter of its head); a per-layer config has no global head count to read."""
+    from shardformer.core.tiny_rotary import rotary_head_dim
+    from shardformer.core.tiny_widths import scale_override, tie_adapter_to_text
+    from shardformer.policies.tp_plan.heads import head_sizes
+
+    data = {"head_dim": 256, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "num_local_experts": 64}
+    sizes = {"head_dim": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "num_local_experts": 4}
+    sizes["num_experts_per_tok"] = 2
+    assert scale_override({"qk_nope_head_dim": 192}, sizes, data) == {"qk_nope_head_dim": 4}  # 4 + 4 = 8
+    assert scale_override({"num_local_experts": 4}, sizes, data) == {"num_local_experts": 2}
+    data = {"text_config": {"hidden_size": 1024}, "adaptor_config": {"hidden_size": 512, "intermediate_size": 256}}
+    out = {"text_config": {"hidden_size": 32}, "adaptor_config": {"hidden_size": 32, "intermediate_size": 64}}
+    tie_adapter_to_text(out, data)
+    assert out["adaptor_config"] == {"hidden_size": 32, "intermediate_size": 8}  # a quarter of the text's
+    rope = {"full_attention": {"partial_rotary_factor": 0.25}, "sliding_attention": {"partial_rotary_factor": 1.0}}
+    assert rotary_head_dim({"head_dim": 64, "rope_parameters": rope}, 8) == 16  # rotates 4 of 16, not 2 of 8
+    assert rotary_head_dim({"head_dim": 64, "rope_parameters": {"rope_type": "default"}}, 8) == 8
+    dots3 = tiny_copy_config(tf.Dots3NoteTextConfig(), tp=2)
+    assert head_sizes(dots3) is None

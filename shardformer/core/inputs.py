@@ -250,6 +250,9 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
         return _sized_images(config, channels, size, batch, g)
     if "spatial_shapes" in params and isinstance(getattr(vision, "num_patches", None), int):
         return _patchified_images(vision, channels, batch, g, vision.num_patches)
+    if isinstance(getattr(config, "patch_dim", None), int) and getattr(vision, "image_size", None) is None:
+        # NeoMME: flattened patches as wide as its config says, no image size (RADIO has one: it cuts its images)
+        return {"pixel_values": torch.randn(batch * 16, config.patch_dim, generator=g)}
     if "image_patches" in params:  # Fuyu: a linear embedding of flattened patches, no vision tower
         return {
             "pixel_values": _patchified_images(vision, channels, batch, g, (size // vision.patch_size) ** 2)[

@@ -17,7 +17,7 @@ from shardformer.core import tiny_layers, tiny_widths
 from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_defaults import fill_schedule
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
-from shardformer.core.tiny_rotary import rotary_sections
+from shardformer.core.tiny_rotary import rotary_head_dim, rotary_sections
 
 VOCAB = 99
 SIZES = {
@@ -94,7 +94,7 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
 _ID_WORDS = ("token_id", "token_ids", "token_index")
 _GENERAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 _GENERAL_IDS += ("sep_token_id", "cls_token_id")
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+_KV_HEADS = tiny_widths.KV_HEADS
 _VISION = {
     "image_size": 32,
     "patch_size": 8,
@@ -144,26 +144,27 @@ SCALINGS = (
 )
 
 
-def tiny_copy_configs(config, tp: int = 2, heads: int | None = None, special: dict | None = None):
-    """``(scaling, config)`` for each of `SCALINGS` whose small config the config class accepts,
-    in order; raises the first scaling's error when none is accepted."""
+def tiny_copy_configs(config, tp: int = 2, heads: int | None = None, special: dict | None = None, refused=None):
+    """``(scaling, config)`` for each of `SCALINGS` whose small config the config class accepts, in order
+    (``refused``, a list: gets ``(scaling, error)`` of each it refuses); raises the first's error when none is."""
     special = _special_ids(config.to_dict()) if special is None else special
-    first, built = None, False
+    errors, built = [] if refused is None else refused, False
     for scaling in SCALINGS:
         try:
             tiny = _scaled(config, tp, heads, special, scaling)
         except Exception as e:  # noqa: BLE001 - a config class refusing these sizes: the next scaling
-            first = first or e
+            errors.append((scaling, e))
         else:
             built = True
             yield scaling, tiny
     if not built:
-        raise first
+        raise errors[0][1]
 
 
 def _scaled(config, tp, heads, special, scaling: Scaling):
     heads = heads or max(4, 2 * tp)
     sizes = dict(SIZES, num_attention_heads=heads, hidden_size=heads * SIZES["head_dim"])
+    sizes["head_dim"] = rotary_head_dim(config.to_dict(), SIZES["head_dim"])
     sizes["intermediate_size"] = 2 * sizes["hidden_size"]
     if scaling.keep_widths:
         sizes = {k: v for k, v in sizes.items() if k in _COUNTS}
@@ -239,7 +240,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         out.update(parts)
     keep = None if scaling.keep_depth else kept_layers(data, aliases, settable, sum(parts.values()) or None)
     if keep is not None:
-        out.update(layer_overrides(data, aliases, keep, settable, lambda d: _scale_dict(d, sizes, data)))
+        out.update(layer_overrides(data, aliases, keep, settable, lambda d: tiny_widths.scale_override(d, sizes, data)))
     fit_hybrid(out, data)
     rope = out.get("rope_parameters", data.get("rope_parameters"))
     multimodal_rope = "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())
@@ -343,19 +344,6 @@ def _derived_fields(cls) -> set[str]:
     if not dataclasses.is_dataclass(cls):
         return set()
     return {f.name for f in dataclasses.fields(cls) if f.default is None or f.default == "auto"}
-
-
-def _scale_dict(values: dict, sizes: dict, data: dict) -> dict:
-    """A per-layer override (Gemma 4's global layers with heads twice as wide) scaled as the global
-    value it overrides was: still twice the tiny head."""
-    out = dict(values)
-    for key, value in values.items():
-        full, tiny = data.get(key), sizes.get(key)
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, full, tiny)) and full > 0:
-            out[key] = max(1, round(value * tiny / full))
-    for key in (k for k in _KV_HEADS if k in values and values[k] == values.get("num_attention_heads")):
-        out[key] = out["num_attention_heads"]  # ungrouped heads stay ungrouped (Dots3 Note's, validated)
-    return out
 
 
 def _is_special(key, value) -> bool:

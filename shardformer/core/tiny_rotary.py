@@ -21,3 +21,18 @@ def rotary_sections(sections: list[int], total: int) -> list[int]:
             if sum(scaled) > total and scaled[i] > least:
                 scaled[i] -= 1
     return scaled
+
+
+def rotary_head_dim(data: dict, head_dim: int) -> int:
+    """The tiny ``head_dim``, doubled until each partial rotary (``data``: the user's config, as a dict) rotates
+    a multiple of 4 dims of it where the full head's did: M-RoPE's two axes take frequencies in pairs of pairs
+    (NeoMME rotates a quarter of its head, 2 dims of an 8-wide one, and validates it)."""
+    full = data.get("head_dim")
+    rope = data.get("rope_parameters") or {}
+    kinds = [r for r in rope.values() if isinstance(r, dict)] or [rope]  # one rotary per kind of layer, or one
+    factors = {r.get("partial_rotary_factor", data.get("partial_rotary_factor")) or 1.0 for r in kinds}
+    if type(full) is not int:
+        return head_dim
+    while head_dim < full and any(int(full * f) % 4 == 0 and int(head_dim * f) % 4 for f in factors):
+        head_dim *= 2
+    return head_dim

@@ -71,11 +71,14 @@ def runnable_tiny_config(
 
 
 def _first_that_runs(model_class, config, tp, heads, inputs, attention):
-    tried = []
+    refused = []
     try:
-        candidates = list(tiny_copy_configs(config, tp, heads))
+        candidates = list(tiny_copy_configs(config, tp, heads, refused=refused))
     except Exception as e:  # noqa: BLE001 - no small config the class accepts
         return TinyCopyError(f"a tiny {model_class.__name__} cannot be configured: {type(e).__name__}: {_short(e)}")
+    # the first scaling the config class refused is named too: when only copies that keep the widths are left,
+    # their refusal (too large) hides why the scaled copy was not accepted
+    tried = [f"{s}: refused: {type(e).__name__}: {_short(e)}" for s, e in refused[:1]]
     for scaling, tiny in candidates:
         set_attention(tiny, attention)
         error = run_error(model_class, tiny, inputs, MAX_PARAMS if scaling.keep_widths else None)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+
 
 def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
-    ties += (tie_groups, tie_projection_to_text, tie_channels_to_sibling)
+    ties += (tie_groups, tie_projection_to_text, tie_channels_to_sibling, tie_adapter_to_text)
     ties += (tie_used_vocab, tie_sibling_width, tie_codebook_vocab)
     for tie in ties:
         tie(out, data)
@@ -69,6 +71,24 @@ def tie_vision_width(out: dict, data: dict) -> None:
     for key, value in data.items():
         if key.endswith("_hidden_size") and value == vision["hidden_size"] != text:
             out[key] = tiny["hidden_size"]
+
+
+def tie_adapter_to_text(out: dict, data: dict) -> None:
+    """An adapter's width that is the text's hidden size, or a half or a quarter of it (Dots3 Note's
+    ``adapter_out_dim``, FunASR-Nano's ``adaptor_config.intermediate_size``, both validated): the copy's text's,
+    in the same ratio. Adapters only: a tower's own widths are scaled as its own."""
+    text, tiny = (data.get("text_config") or {}).get("hidden_size"), (out.get("text_config") or {}).get("hidden_size")
+    if type(text) is not int or type(tiny) is not int:
+        return
+    for name, sub in data.items():
+        if not isinstance(sub, dict) or name == "text_config" or not isinstance(out.get(name), dict):
+            continue
+        for key, value in ((k, v) for k, v in sub.items() if isinstance(k, str)):  # not id2label's ints
+            # an adapter's input, its tower's own width, stays the tower's
+            adapter = ("adapt" in name or key.startswith("adapter")) and value != sub.get("hidden_size")
+            ratio = next((k for k in (1, 2, 4) if type(value) is int and value * k == text), None)
+            if adapter and ratio is not None and key.endswith(_WIDTHS + ("_size",)):
+                out[name][key] = tiny // ratio
 
 
 def tie_groups(out: dict, data: dict) -> None:
@@ -155,3 +175,24 @@ def tie_codebook_vocab(out: dict, data: dict) -> None:
         for key, value in data.items():
             if key.endswith("vocab_size") and type(value) is int and 0 <= value - sub["codebook_size"] <= 1:
                 out[key] = tiny.get("codebook_size", sub["codebook_size"]) + value - sub["codebook_size"]
+
+
+def scale_override(values: dict, sizes: dict, data: dict) -> dict:
+    """A per-layer override (Gemma 4's global layers with heads twice as wide) scaled as the global
+    value it overrides was: still twice the tiny head."""
+    out = dict(values)
+    for key, value in values.items():
+        full, tiny = data.get(key), sizes.get(key)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, full, tiny)) and full > 0:
+            out[key] = max(1, round(value * tiny / full))
+    for key in (k for k in KV_HEADS if k in values and values[k] == values.get("num_attention_heads")):
+        out[key] = out["num_attention_heads"]  # ungrouped heads stay ungrouped (Dots3 Note's, validated)
+    whole, tiny = data | values, sizes | out
+    if "qk_nope_head_dim" in values and whole["qk_nope_head_dim"] + whole.get("qk_rope_head_dim", 0) == whole.get(
+        "head_dim"
+    ):  # a head of an unrotated and a rotated part adding up to head_dim (Dots3 Note's sliding layers, validated)
+        out["qk_nope_head_dim"] = tiny["head_dim"] - tiny["qk_rope_head_dim"]
+    for key in (k for k in values if k.endswith("experts") and type(out[k]) is int):
+        # a layer's fewer experts (Dots3 Note's vision layers: 4 of 64) still as many as each token is routed to
+        out[key] = max(out[key], tiny.get("num_experts_per_tok", 1))
+    return out

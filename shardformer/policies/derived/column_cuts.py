@@ -20,7 +20,8 @@ def head_blocks(width: int, config) -> tuple[int, ...] | None:
     (grouped or multi-query: ``(H + 2 kv) d``), ``(k, v)`` of a fused key/value one (``2 kv d``),
     or ``(k,)`` of a key or value projection of fewer heads (``kv d``)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads, d = getattr(text, "num_attention_heads", None), head_width(config)
+    sizes = head_sizes(text)  # None for a per-layer config (Dots3 Note's): no global head count
+    heads, d = (sizes[0], sizes[2]) if sizes else (None, None)
     if not isinstance(heads, int) or not d or width % d:
         return None
     units = width // d

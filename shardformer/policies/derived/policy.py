@@ -34,6 +34,7 @@ from shardformer.policies.derived.numpy_draws import NoTrainingDraws, draws_from
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
 from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.widths import local_widths_layer
+from shardformer.policies.tp_plan.heads import head_sizes
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
 from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_params_layer
@@ -67,7 +68,8 @@ class DerivedPolicy(TpPlanPolicy):
         derivation = derive(whole, tp, tower)
         config = getattr(model, "config", None)  # None: a timm model or a plain module (counts read off modules)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = getattr(text, "num_attention_heads", None)
+        sizes = head_sizes(text)  # None for a per-layer config (Dots3 Note's): no global head count
+        heads = sizes[0] if sizes else None
         if derivation.heads and isinstance(heads, int) and heads < derivation.heads:
             raise NotDerivableError(
                 f"{type(model).__name__}'s cut at tensor_parallel_size={tp} was derived and proven on a copy with "

@@ -70,7 +70,10 @@ def replicated_kv(config, tp: int) -> bool:
 
 def head_sizes(config) -> tuple[int, int, int] | None:
     """(query heads, key/value heads, head dim) from a text config, or None if it has no heads."""
-    heads = getattr(config, "num_attention_heads", None)
+    try:
+        heads = getattr(config, "num_attention_heads", None)
+    except Exception:  # noqa: BLE001 - per-layer configs (Dots3 Note's) refuse a global head count: none to read
+        return None
     if not isinstance(heads, int):
         return None
     kv = getattr(config, "num_key_value_heads", None) or heads
