@@ -1,5 +1,4 @@
-"""Random inputs for checking a model (``shardformer verify``, the tests): the default ``inputs`` of a
-family record, and what models without a record get."""
+"""Random inputs for checking a model (``shardformer verify``, the tests): a family record's, or the recipe's."""
 
 from __future__ import annotations
 
@@ -23,11 +22,9 @@ VIDEO_FRAMES = {"instructblipvideo": 4}
 # model types whose pixel_attention_mask keeps whole pictures, [batch, pictures] (GraniteDocling's tiles, PI0's
 # cameras), and which require it
 PICTURE_MASKS = {"granite_docling", "pi0"}
-# model type -> the shape its processor gives the patches of a grid in, other than one flattened patch per row
-PATCH_LAYOUTS = {
-    "kimi_k25": lambda channels, side: (-1, channels, side, side),  # a picture per patch
-    "paddleocr_vl": lambda channels, side: (-1, channels, side, side),
-}
+# model type -> the shape its processor gives the patches of a grid in (Kimi K2.5: a picture per patch), other
+# than one flattened patch per row
+PATCH_LAYOUTS = dict.fromkeys(("kimi_k25", "paddleocr_vl"), lambda channels, side: (-1, channels, side, side))
 
 
 def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
