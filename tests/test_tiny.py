@@ -156,6 +156,11 @@ def test_inputs_follow_the_models_own_conventions():
     assert x["pixel_values"].shape[:2] == (2, 1 + (height // side) * (width // side))
     gemma, x = _tiny("Gemma3ForSequenceClassification")
     assert (x["input_ids"] == gemma.config.image_token_index).sum(1).tolist() == [gemma.config.mm_tokens_per_image] * 2
+    # the same image tokens for a float64 copy (verify's rerun): the tower is probed with float64 images
+    deepseek, x = _tiny("DeepseekVLHybridForConditionalGeneration")
+    image = deepseek.config.image_token_id
+    x64 = make_inputs(deepseek.double(), seed=0)
+    assert (x["input_ids"] == image).any() and torch.equal(x64["input_ids"] == image, x["input_ids"] == image)
     bros, x = _tiny("BrosForTokenClassification")
     assert x["bbox"].shape == (*x["input_ids"].shape, 4) and (x["bbox"][..., :2] <= x["bbox"][..., 2:]).all()
     lxmert, x = _tiny("LxmertForQuestionAnswering")

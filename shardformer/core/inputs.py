@@ -251,11 +251,8 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
         # NeoMME: flattened patches as wide as its config says, no image size (RADIO has one: it cuts its images)
         return {"pixel_values": torch.randn(batch * 16, config.patch_dim, generator=g)}
     if "image_patches" in params:  # Fuyu: a linear embedding of flattened patches, no vision tower
-        return {
-            "pixel_values": _patchified_images(vision, channels, batch, g, (size // vision.patch_size) ** 2)[
-                "pixel_values"
-            ]
-        }
+        patches = _patchified_images(vision, channels, batch, g, (size // vision.patch_size) ** 2)
+        return {"pixel_values": patches["pixel_values"]}
     frames = frames or VIDEO_FRAMES.get(getattr(config, "model_type", None))
     if frames:
         return {"pixel_values": torch.randn(batch, frames, channels, size, size, generator=g)}
@@ -381,7 +378,9 @@ def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor, qformer_ids=
     if name is None or tower is None:
         return ids
     token = special[name]
-    one = _images(model, config, 1, torch.Generator().manual_seed(0))
+    images = _images(model, config, 1, torch.Generator().manual_seed(0))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)  # float64 reruns
+    one = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in images.items()}
     if qformer_ids is not None:
         one["qformer_input_ids"] = qformer_ids[:1]
     try:
