@@ -13,7 +13,7 @@ test: $(STAMP)
 
 # The examples launched end to end with `shardformer run` (train, then inference) on 2 processes, and the
 # launcher's failure paths and two-node launch (marked `launch`): about three minutes; `make test` runs one
-# example (the fine-tuning one) and one plain launch, CI runs them all.
+# example (the fine-tuning one, launched through `shardformer run`), CI runs them all.
 examples: $(STAMP)
 	$(PY) -m pytest -m "example or launch" tests/examples tests/cli/test_launch_e2e.py
 

@@ -34,6 +34,7 @@ def rank_lines(output: str) -> dict[int, str]:
     }
 
 
+@pytest.mark.launch  # make test launches through `shardformer run` in the fine-tuning example
 def test_two_processes_all_reduce():
     argv = launcher("--nproc_per_node", "2", JOB, "--config", CONFIG, "--mode", "train")
     result = subprocess.run(argv, capture_output=True, text=True, timeout=LIMIT_S, env=ENV)

@@ -41,7 +41,6 @@ EXACT = [
     ("liar", {"channel_norm": True}),  # a BatchNorm on the MLP's inner channels (LeViT's): cut with them
     ("OPTForCausalLM", {}),
     ("BartForConditionalGeneration", {}),
-    ("RobertaForMaskedLM", {}),
     ("CLIPModel", {}),
     ("WhisperForConditionalGeneration", {}),
     ("T5ForConditionalGeneration", {}),  # relative attention bias [buckets, heads]: cut with the heads
@@ -50,9 +49,8 @@ EXACT = [
     ("LlamaForCausalLM", {"num_key_value_heads": 1}),  # the plan route, one key/value head replicated
     ("LlavaForConditionalGeneration", {}),  # the plan's language model, the derived vision tower; image tokens
     # towers proven on the inputs they get inside the whole model: Qwen2-VL's patches with their grid
-    # (and its multimodal rotary), Idefics3's images per sample with their attention mask
+    # (and its multimodal rotary)
     ("Qwen2VLForConditionalGeneration", {}),
-    ("Idefics3ForConditionalGeneration", {}),
     # vision attention that reads its heads' width from the input's width: given one that reads it from
     # the module; a Q-Former with cross-attention into the image; OPT as its language model
     ("Blip2ForConditionalGeneration", {"image_token_index": 50265}),
