@@ -115,7 +115,9 @@ def gradient_failures(
     return failures
 
 
-def own_inputs(inputs: dict) -> dict:
-    """``inputs`` with each tensor cloned: a copy of the model that writes into its inputs (FSMT's
-    ``shift_tokens_right`` fills the caller's ids in place) cannot change what the other copy reads."""
-    return {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
+def call_on_own_inputs(model, inputs: dict):
+    """``model`` run on its own clone of each tensor of ``inputs`` (timm models take their images, ``x``,
+    positionally): a copy of the model that writes into its inputs (FSMT's ``shift_tokens_right`` fills the
+    caller's ids in place) cannot change what the other copy reads."""
+    given = {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
+    return model(given.pop("x"), **given) if "x" in given else model(**given)

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from shardformer.core.comm import all_reduce, every_rank
-from shardformer.core.compare import ATOL, RTOL, gradient_failures, max_error, own_inputs
+from shardformer.core.compare import ATOL, RTOL, call_on_own_inputs, gradient_failures, max_error
 from shardformer.core.config import ShardConfig
 from shardformer.core.divergence import ActivationRecorder, first_divergence, first_tensor
 from shardformer.core.float64_mode import Float64Everywhere
@@ -193,11 +193,8 @@ def _compare(ref: nn.Module, sharded: nn.Module, group, inputs: dict, device, fa
     """Outputs, loss and every gradient of ``sharded`` against ``ref``, every tolerance times ``tighter``;
     what differs goes to ``failures`` (the first diverging module with the first failure)."""
     rec_ref, rec_sh = ActivationRecorder(ref), ActivationRecorder(sharded)
-    args = {k: v for k, v in inputs.items() if k != "x"}
-    positional = [inputs["x"]] if "x" in inputs else []  # timm models take their images positionally
     with torch.random.fork_rng(devices=[]):
-        ref_out = ref(*[x.clone() for x in positional], **own_inputs(args))
-        out = sharded(*positional, **own_inputs(args))
+        ref_out, out = call_on_own_inputs(ref, inputs), call_on_own_inputs(sharded, inputs)
     ref_main, ref_loss = _main_output(ref_out)
     main, loss = _main_output(out)
     rec_ref.remove(), rec_sh.remove()

@@ -24,10 +24,10 @@ from shardformer.core.compare import (
     GRAD_ATOL,
     GRAD_RTOL,
     RTOL,
+    call_on_own_inputs,
     compare_params,
     gather_like,
     max_error,
-    own_inputs,
 )
 from shardformer.core.config import ShardConfig, check_positive_int
 from shardformer.core.divergence import ActivationRecorder, Divergence, first_divergence, first_tensor
@@ -77,8 +77,7 @@ BATCH, SEQ, NEW_TOKENS = 2, 8, 4
 
 def _loss_and_output(model, inputs, weights, group, full_shape):
     """The model's loss when it returns one, else ``sum(output * weights)`` on the gathered output."""
-    inputs = own_inputs(inputs)  # each run its own: a model may write into its inputs
-    out = model(inputs["x"]) if "x" in inputs else model(**inputs)
+    out = call_on_own_inputs(model, inputs)
     main = first_tensor(out)
     loss = out.get("loss") if isinstance(out, dict) else None
     if group is not None and main.shape != full_shape:
