@@ -151,7 +151,9 @@ def measure(folder: str, layouts: list, args) -> dict:
 
 
 COUNTED = [dict(tp=4), dict(tp=2, dp=2), dict(tp=2, dp=2, activation_checkpointing=True), dict(dp=4, zero_stage=1),
-           dict(dp=4, zero_stage=2), dict(cp=2, dp=2), dict(cp=2, cp_mode="all_to_all", dp=2), dict(cp=4)]  # fmt: skip
+           dict(dp=4, zero_stage=2), dict(dp=4, zero_stage=3), dict(dp=4, zero_stage=3, activation_checkpointing=True),
+           dict(dp=4, zero_stage=3, num_microbatches=2), dict(tp=2, dp=2, zero_stage=3), dict(cp=2, dp=2),
+           dict(cp=2, cp_mode="all_to_all", dp=2), dict(cp=4)]  # fmt: skip
 
 
 def count(folder: str, args) -> list:

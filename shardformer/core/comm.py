@@ -8,21 +8,23 @@ initialised, this one process before. `LOCAL` (a `VirtualGroup` of one) stands f
 parallel dimension that is absent: nothing ever communicates over it. A ``VirtualGroup`` of more
 ranks (``shardformer plan``) gives sizes and ranks to shard by, and must never reach a collective.
 
-Every tensor collective issued here is recorded by any active `CollectiveCounter`, so tests
-and benchmarks count communication instead of trusting it. Under ``torch.compile`` the collectives
+Every tensor collective issued here is recorded by any active `CollectiveCounter`
+(`shardformer.core.counting`, which also records FSDP2's), so tests and benchmarks count
+communication instead of trusting it. Under ``torch.compile`` the collectives
 are torch's functional ones, which dynamo traces into the graph (an in-place ``dist`` call inside an
 autograd function, or the counter's list append, would break it); counting is eager-only.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from shardformer.core.counting import CollectiveCounter  # noqa: F401 (where callers import it from)
+from shardformer.core.counting import record as _record
 from shardformer.core.shard_spec import ShardSpec, merge_shards
 
 # torch 2.14 renamed the single-tensor collectives; older releases only have the *_tensor names.
@@ -66,51 +68,6 @@ def global_rank(group, group_rank_: int) -> int:
 
 def _functional_group(group):
     return dist.group.WORLD if group is None else group
-
-
-_active_counters: list[CollectiveCounter] = []
-
-
-class CollectiveCounter:
-    """Context manager recording ``(op, numel, bytes)`` for each collective issued inside it, and in
-    ``groups`` (same order) the process group each went over (what a simulated job sorts them by)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int, int]] = []
-        self.groups: list = []
-
-    def __enter__(self) -> CollectiveCounter:
-        _active_counters.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _active_counters.remove(self)
-
-    @property
-    def counts(self) -> Counter:
-        return Counter(op for op, _, _ in self.calls)
-
-    @property
-    def bytes(self) -> int:
-        return sum(b for _, _, b in self.calls)
-
-    def wire_bytes(self, world: int) -> float:
-        """Bytes each rank sends under ring algorithms: an all-reduce of N bytes sends 2(w-1)/w N, a
-        reduce-scatter of N bytes or an all-gather into N bytes (w-1)/w N. An all-reduce costs what a
-        reduce-scatter plus an all-gather cost, which makes sequence parallelism comparable to plain tp."""
-        share = (world - 1) / world
-        per_op = {"all_reduce": 2 * share, "reduce_scatter": share, "all_gather": world * share}
-        return sum(per_op[op] * b for op, _, b in self.calls if op in per_op)
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.groups.clear()
-
-
-def _record(op: str, tensor: torch.Tensor, group) -> None:
-    for counter in _active_counters:
-        counter.calls.append((op, tensor.numel(), tensor.numel() * tensor.element_size()))
-        counter.groups.append(group)
 
 
 # -- primitives -------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@
   ``tokens x top-k x hidden`` forward and 2 backward per MoE layer. dp, once a step: ZeRO-2
   reduce-scatters the fp32 gradients, ZeRO-1 all-reduces them (written back to ``param.grad``), both
   all-gather the updated parameters; ZeRO-3 gathers each
-  layer's parameters twice per micro-batch (forward, backward) and reduce-scatters fp32 gradients
-  once; experts over the expert-dp ranks. HSDP (replicate x shard): that traffic inside the shard
+  layer's parameters twice per micro-batch (forward, backward; a recomputed forward runs while the
+  layer is gathered for its backward), the rest (embedding, head, norm: FSDP2's root, which it keeps
+  for the backward) once per micro-batch, and reduce-scatters fp32 gradients once; experts over the expert-dp ranks. HSDP (replicate x shard): that traffic inside the shard
   group (its link: a node's when the shard group fits in one), ZeRO-3's gathers too, then an fp32
   all-reduce over the replicas on the link they span: of this rank's 1/shard of the gradient
   (ZeRO-2/3), of the whole gradient at ZeRO-1 (every row is written back to ``param.grad``). pp: one send of the activation forward and one
@@ -192,6 +193,10 @@ def step_cost(
     parts["bubble"] = scale - sum(parts.values()) if pp > 1 else 0.0
     once = {"tp": m * _tp_ends(layout, b * n, act, tp_link), "dp": _dp_step(layout, state, w, L),
             "cp": all_reduce(state.numel * 4, cp, cp_link)}  # fmt: skip
+    if layout.zero == 3:  # the root unit (embedding, head, norm): gathered once per micro-batch, kept for backward
+        shard = dp // layout.dp_replicate
+        root = max(state.numel - round(shape.layers / pp) * state.layer_numel, 0)
+        once["dp"] += m * one_way(root * w, shard, L(tp * cp, shard))
     for k, x in once.items():
         parts[k] += x
     return StepCost({k: x for k, x in parts.items() if x > 0}, scale + sum(once.values()), tokens * m * dp)

@@ -10,8 +10,8 @@ activation checkpointing and micro-batches, and pp=2 x dp=2 on both pipeline bac
 and bf16 compute from fp32 shards. What stage 3 does not offer is refused up front.
 """
 
-import contextlib
 import copy
+import math
 import os
 
 import pytest
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from shardformer import EngineConfig, ParallelEngine, ProcessMesh
 from shardformer.checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from shardformer.core.comm import CollectiveCounter
 from shardformer.core.shard_spec import ShardSpec
 from shardformer.data_parallel import ZeroOptimizer
 from shardformer.data_parallel.fsdp import check_fully_shardable
@@ -191,37 +192,49 @@ def check_tp2_dp2_parity_export_and_checkpoints():
     remove_dir(path)
 
 
-@contextlib.contextmanager
-def _dp_reduce_scatters():
-    """Every reduce-scatter FSDP2 issues (torch.distributed.reduce_scatter_single), with its group."""
-    groups, original = [], dist.reduce_scatter_single
-
-    def counting(*args, **kwargs):
-        groups.append(kwargs.get("group"))
-        return original(*args, **kwargs)
-
-    dist.reduce_scatter_single = counting
-    try:
-        yield groups
-    finally:
-        dist.reduce_scatter_single = original
+def _on_dp(counter, engine, op):
+    """``(calls, bytes)`` of collective ``op`` over the engine's dp group that ``counter`` saw."""
+    dp = engine.mesh.dp_group.group_name
+    found = [b for (kind, _, b), g in zip(counter.calls, counter.groups) if kind == op and
+             getattr(g, "group_name", None) == dp]  # fmt: skip
+    return len(found), sum(found)
 
 
-def _assert_one_reduce_scatter_per_unit_and_step(engine, groups, steps):
+def _assert_one_reduce_scatter_per_unit_and_step(engine, counter, steps):
     """Gradient accumulation: FSDP2 reduce-scatters each unit once per step (in the last micro-batch's
     backward), not once per micro-batch."""
-    dp = engine.mesh.dp_group
-    on_dp = [g for g in groups if g is not None and g.group_name == dp.group_name]
     units = sum(isinstance(m, FSDPModule) for m in engine.model.modules())
-    assert units > 1 and len(on_dp) == steps * units, (len(on_dp), steps, units)
+    calls, _ = _on_dp(counter, engine, "reduce_scatter")
+    assert units > 1 and calls == steps * units, (calls, steps, units)
+
+
+def _gathered_bytes(params, dp):
+    """Bytes of ``params`` gathered over dp (fp32): FSDP2 pads each one's first dimension to a multiple of dp."""
+    return sum(-(-p.shape[0] // dp) * dp * math.prod(p.shape[1:]) * 4 for p in params)
+
+
+def _assert_fsdp_collectives_counted(engine, counter, steps, microbatches):
+    """What the counter sees of FSDP2 (through its dispatch mode, none of it twice): per micro-batch each
+    layer unit gathered for its forward and again for its backward (the recomputed forward of activation
+    checkpointing runs while it is gathered), the root unit (embedding, head) once, kept for its
+    backward; per step every unit's fp32 gradients reduce-scattered once."""
+    dp = engine.mesh.dp_size
+    layers = [m for m in engine.model.modules() if isinstance(m, FSDPModule) and m is not engine.model]
+    in_layers = [p for m in layers for p in m.parameters()]
+    root = [p for p in engine.model.parameters() if all(p is not q for q in in_layers)]
+    everything = _gathered_bytes(engine.model.parameters(), dp)
+    gathers = microbatches * (2 * _gathered_bytes(in_layers, dp) + _gathered_bytes(root, dp))
+    assert _on_dp(counter, engine, "all_gather") == (steps * microbatches * (2 * len(layers) + 1), steps * gathers)
+    assert _on_dp(counter, engine, "reduce_scatter") == (steps * (len(layers) + 1), steps * everything)
 
 
 def check_tp2_dp2_sequence_parallel_checkpointing_microbatches():
-    with _dp_reduce_scatters() as groups:
+    with CollectiveCounter() as counter:
         engine, *_ = _trained(
             GPT2, 2, 2, 2, sequence_parallel=True, activation_checkpointing=True, num_microbatches=2
         )  # fmt: skip
-    _assert_one_reduce_scatter_per_unit_and_step(engine, groups, 2)
+    _assert_one_reduce_scatter_per_unit_and_step(engine, counter, 2)
+    _assert_fsdp_collectives_counted(engine, counter, 2, 2)
 
 
 def check_tp2_dp2_models_without_a_stage_forward():
@@ -236,11 +249,11 @@ def check_pp2_dp2_both_backends_and_export():
     stage, the gradient norm over pp x dp, on torch's schedules and on our send/recv; each stage's
     units reduce-scattered once per step of 2 micro-batches."""
     for backend, schedule in (("torch", "1f1b"), ("p2p", "gpipe"), ("p2p", "1f1b")):
-        with _dp_reduce_scatters() as groups:
+        with CollectiveCounter() as counter:
             engine, _, reference, _ = _trained(
                 GPT2, 1, 2, 3, pp=2, num_microbatches=2, backend=backend, schedule=schedule
             )  # fmt: skip
-        _assert_one_reduce_scatter_per_unit_and_step(engine, groups, 3)
+        _assert_one_reduce_scatter_per_unit_and_step(engine, counter, 3)
     _export_matches(engine, reference.model)
 
 
