@@ -10,8 +10,8 @@ them again would double them), and the other direct c10d calls carry control dat
 checks), which counters leave out as `comm` does. The mode runs only once a model has been fully
 sharded in this process (`count_fsdp_collectives`), so counting anything else costs no dispatch.
 
-Bytes, as `comm`'s flat ZeRO collectives count them: an all-gather its gathered output, a
-reduce-scatter its whole input, an all-reduce its tensor.
+FSDP2's bytes are counted as `comm`'s flat ZeRO collectives count theirs: an all-gather its
+gathered output, a reduce-scatter its whole input, an all-reduce its tensor.
 """
 
 from __future__ import annotations
