@@ -153,7 +153,8 @@ def measure(folder: str, layouts: list, args) -> dict:
 COUNTED = [dict(tp=4), dict(tp=2, dp=2), dict(tp=2, dp=2, activation_checkpointing=True), dict(dp=4, zero_stage=1),
            dict(dp=4, zero_stage=2), dict(dp=4, zero_stage=3), dict(dp=4, zero_stage=3, activation_checkpointing=True),
            dict(dp=4, zero_stage=3, num_microbatches=2), dict(tp=2, dp=2, zero_stage=3),
-           dict(dp=4, dp_replicate=2, zero_stage=3), dict(cp=2, dp=2),
+           dict(dp=4, dp_replicate=2, zero_stage=3), dict(pp=2, dp=2, zero_stage=3, num_microbatches=2),
+           dict(cp=2, dp=2),
            dict(cp=2, cp_mode="all_to_all", dp=2), dict(cp=4)]  # fmt: skip
 
 
@@ -175,7 +176,7 @@ def count(folder: str, args) -> list:
         )  # fmt: skip
         mesh = engine.mesh
         groups = (("tp", mesh.tp_group), ("cp", mesh.cp_group), ("dp", mesh.dp_shard_group),
-                  ("dp replicas", mesh.dp_replicate_group))  # fmt: skip
+                  ("dp replicas", mesh.dp_replicate_group), ("pp", mesh.pp_group))  # fmt: skip
         names = {id(g): name for name, g in groups if g is not None}
         engine.train_step({"input_ids": ids, "labels": ids})
         with CollectiveCounter() as counter:

@@ -2,16 +2,18 @@
 trusting it.
 
 Two sources feed a counter. shardformer's own primitives (`shardformer.core.comm`) record each
-collective as they issue it (`record`). torch's FSDP2, which is ZeRO-3 here, issues its own: a layer's
-all-gather, its gradients' reduce-scatter and, under hybrid sharding, the all-reduce over the replicas.
-While a counter is active, a dispatch mode (the way torch's ``CommDebugMode`` sees them) records the
-c10d collectives whose caller is FSDP2, and only those: ours are recorded at issue already (counting
-them again would double them), and the other direct c10d calls carry control data (object lists,
-checks), which counters leave out as `comm` does. The mode runs only once a model has been fully
-sharded in this process (`count_fsdp_collectives`), so counting anything else costs no dispatch.
+collective as they issue it (`record`). Two torch libraries issue their own: FSDP2, which is ZeRO-3
+here (a layer's all-gather, its gradients' reduce-scatter and, under hybrid sharding, the all-reduce
+over the replicas), and torch.distributed.pipelining, the "torch" pipeline backend (the sends and
+receives between stages). While a counter is active, a dispatch mode (the way torch's
+``CommDebugMode`` sees them) records the c10d collectives whose caller is one of those two, and only
+those: ours are recorded at issue already (counting them again would double them), and the other
+direct c10d calls carry control data (object lists, checks), which counters leave out as `comm` does.
+The mode runs only once this process has used one of them (`count_torch_collectives`), so counting
+anything else costs no dispatch.
 
-FSDP2's bytes are counted as `comm`'s flat ZeRO collectives count theirs: an all-gather its
-gathered output, a reduce-scatter its whole input, an all-reduce its tensor.
+Their bytes are counted as `comm` counts its own: an all-gather its gathered output and a
+reduce-scatter its whole input (as ZeRO's flat ones), an all-reduce, a send or a receive its tensors.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class CollectiveCounter:
         self.groups: list = []
 
     def __enter__(self) -> CollectiveCounter:
-        if not _active_counters and _fsdp_seen:
+        if not _active_counters and _torch_seen:
             _start_mode()
         _active_counters.append(self)
         return self
@@ -75,49 +77,53 @@ def record(op: str, tensor: torch.Tensor, group, numel: int | None = None, nbyte
         counter.groups.append(group)
 
 
-# -- FSDP2's collectives ----------------------------------------------------------------------------
+# -- torch's collectives ---------------------------------------------------------------------------
 
-_fsdp_seen = False
+_ISSUERS = ("torch.distributed.fsdp", "torch.distributed.pipelining")
+_torch_seen = False
 _mode: list[TorchDispatchMode] = []  # the mode while counters are active
 
 # c10d op: (the kind counters know it by, the argument whose size is counted)
-_FSDP_OPS = {
+_TORCH_OPS = {
     "_allgather_base_": ("all_gather", "output_tensor"),
     "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
     "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
     "allreduce_": ("all_reduce", "tensors"),
+    "send": ("send", "tensors"),
+    "recv_": ("recv", "tensors"),
 }
 
 
-def count_fsdp_collectives() -> None:
-    """From now on, counters also record the collectives FSDP2 issues (called where a model is fully sharded)."""
-    global _fsdp_seen
-    if not _fsdp_seen and _active_counters:  # sharded inside a counter: what follows is counted too
+def count_torch_collectives() -> None:
+    """From now on, counters also record the collectives FSDP2 and torch's pipelining issue (called
+    where a model is fully sharded, and where a torch pipeline schedule is built)."""
+    global _torch_seen
+    if not _torch_seen and _active_counters:  # called inside a counter: what follows is counted too
         _start_mode()
-    _fsdp_seen = True
+    _torch_seen = True
 
 
 def _start_mode() -> None:
-    _mode.append(_FsdpCollectives())
+    _mode.append(_TorchCollectives())
     _mode[0].__enter__()
 
 
-def _issued_by_fsdp() -> bool:
+def _issued_by_torch() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_globals.get("__name__", "").startswith("torch.distributed.fsdp"):
+        if frame.f_globals.get("__name__", "").startswith(_ISSUERS):
             return True
         frame = frame.f_back
     return False
 
 
-class _FsdpCollectives(TorchDispatchMode):
+class _TorchCollectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "c10d" and _issued_by_fsdp():
+        if func.namespace == "c10d" and _issued_by_torch():
             named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
-            kind, counted = _FSDP_OPS.get(func._opname, (func._opname.strip("_"), None))
+            kind, counted = _TORCH_OPS.get(func._opname, (func._opname.strip("_"), None))
             tensors = named.get(counted, [a for a in args if isinstance(a, torch.Tensor)])
             tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
             group = dist.ProcessGroup.unbox(named["process_group"]) if "process_group" in named else None

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardformer.core import comm
-from shardformer.core.counting import count_fsdp_collectives
+from shardformer.core.counting import count_torch_collectives
 from shardformer.core.record import is_sharded, sharding_of
 from shardformer.core.shard_spec import shard_spec
 
@@ -112,7 +112,7 @@ def fully_shard_model(
     and to ``model``, over ``mesh``'s dp group. Returns the gradient hooks to run on the sharded
     gradients (see the module docstring); ``shard_spec`` is carried to the new parameters."""
     check_fully_shardable(model)
-    count_fsdp_collectives()  # FSDP2 issues its collectives itself: counters see them through a dispatch mode
+    count_torch_collectives()  # FSDP2 issues its collectives itself: counters see them through a dispatch mode
     specs = {name: shard_spec(p) for name, p in model.named_parameters()}
     expert_specs = {name: p.expert_spec for name, p in model.named_parameters() if hasattr(p, "expert_spec")}
     hooks = {name: list(p._backward_hooks.values()) for name, p in model.named_parameters() if p._backward_hooks}

@@ -41,6 +41,7 @@ from torch.distributed.pipelining import (
 )
 
 from shardformer.core.config import EngineConfig
+from shardformer.core.counting import count_torch_collectives
 from shardformer.core.rng import get_rng_state, set_rng_state
 from shardformer.pipeline.spec import PipelineSpec
 from shardformer.tensor_parallel.recompute import seeded_dropouts
@@ -204,6 +205,7 @@ class TorchPipeline:
 
     def _build(self, schedule, n, loss_of):
         mesh, fused = self.mesh, schedule in ("zbv", "dualpipev") and not self.split_backward
+        count_torch_collectives()  # torch's schedule sends between stages itself: counters see it through a dispatch mode
         modules, stages = {}, []
         for index, forward in sorted(self.stage_forwards.items()):
             module = modules[index] = _Stage(self.model, forward, loss_of, index == self.num_stages - 1)

@@ -32,6 +32,7 @@ from shardformer.tensor_parallel.slicer import gather_tensor, shard_spec
 from tests.checkpoint.common import remove_dir, shared_dir
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common
+from tests.policies import zoo
 from tests.policies.derived_models import transformers_model
 
 GPT2 = "GPT2LMHeadModel"
@@ -247,13 +248,20 @@ def check_tp2_dp2_models_without_a_stage_forward():
 def check_pp2_dp2_both_backends_and_export():
     """Pipeline stages of FSDP2 units: the tied embedding's dp shards summed over the first and last
     stage, the gradient norm over pp x dp, on torch's schedules and on our send/recv; each stage's
-    units reduce-scattered once per step of 2 micro-batches."""
+    units reduce-scattered once per step of 2 micro-batches; torch's sends counted."""
     for backend, schedule in (("torch", "1f1b"), ("p2p", "gpipe"), ("p2p", "1f1b")):
         with CollectiveCounter() as counter:
             engine, _, reference, _ = _trained(
                 GPT2, 1, 2, 3, pp=2, num_microbatches=2, backend=backend, schedule=schedule
             )  # fmt: skip
         _assert_one_reduce_scatter_per_unit_and_step(engine, counter, 3)
+        if backend == "torch":  # torch's schedule sends itself: counted too, one activation (or its gradient) each
+            with CollectiveCounter() as counter:
+                engine.train_step(common.batches(GPT2, 1, seed=1)[0])
+            pp = engine.mesh.pp_group
+            sends = [n for (op, n, _), g in zip(counter.calls, counter.groups) if op == "send" and g is pp]
+            activation = common.BATCH // 2 // 2 * zoo.SEQ * engine.model.config.n_embd  # dp 2, 2 micro-batches
+            assert sends.count(activation) == 2, (sends, activation)
     _export_matches(engine, reference.model)
 
 
