@@ -110,8 +110,12 @@ def _start_mode() -> None:
 
 
 def _issued_by_torch() -> bool:
+    """Whether the c10d op being dispatched comes from FSDP2 or pipelining, and is not an object list
+    (control data: the pipeline's shape inference sends its shapes as pickled objects)."""
     frame = sys._getframe(2)
     while frame is not None:
+        if frame.f_code.co_name.endswith(("_object", "_object_list")):
+            return False
         if frame.f_globals.get("__name__", "").startswith(_ISSUERS):
             return True
         frame = frame.f_back
