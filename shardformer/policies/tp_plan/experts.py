@@ -27,6 +27,8 @@ def param_cut(module: nn.Module, name: str, style: str, path: str) -> tuple[int,
     if style not in _PARAM_CUTS:
         raise ValueError(f"expert parameter {path}.{name}: style {style!r} is not supported for stacked experts")
     dim, n_cast = _PARAM_CUTS[style]
+    if style == "colwise" and "gate_up" in name:  # fused [gate | up] called plain colwise (Inkling's plans): the
+        n_cast = 2  # forward chunks it in two halves, so each is cut on its own, as packed_colwise does
     if param.dim() == 3:
         return 3 + dim, n_cast
     if param.dim() == 2 and "bias" in name and style.endswith("colwise"):  # [E, out] beside a cut output
