@@ -397,12 +397,18 @@ UPSTREAM_FAILURES = {
         "no attribute 'image_outputs'",
         "Llama4ForConditionalGeneration.forward reads image_outputs from its language model's output, which has none",
     ),
-    "gemma4_unified_assistant": (
-        "inputs_embeds and shared_kv_states cannot be None",
-        "Gemma 4's unified assistant is a drafter: its forward requires the keys and values its target model shares "
-        "(shared_kv_states) with the target's inputs_embeds, so it runs only inside the target's generate "
-        "(assistant_model=...), never on its own",
-    ),
+    **{
+        model_type: (
+            "inputs_embeds and shared_kv_states cannot be None",
+            f"{name} is a drafter: its forward requires the keys and values its target model shares "
+            "(shared_kv_states) with the target's inputs_embeds, so it runs only inside the target's generate "
+            "(assistant_model=...), never on its own (nor does its generate)",
+        )
+        for model_type, name in (
+            ("gemma4_unified_assistant", "Gemma 4's unified assistant"),
+            ("gemma4_assistant", "Gemma 4's assistant"),
+        )
+    },
     "vibevoice": (
         "requires `diffusers`",
         "VibeVoice's generate samples its audio latents with a diffusers noise scheduler (DPMSolverMultistepScheduler), "

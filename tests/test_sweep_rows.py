@@ -153,21 +153,27 @@ def test_generate_gets_what_the_class_needs():
 
 
 def test_drafters_and_missing_generation_backends_are_named_upstream():
-    """Gemma 4's unified assistant refuses any forward without its target model's shared keys and values
-    (a drafter, run inside the target's generate); VibeVoice's generate builds its noise scheduler from
+    """Gemma 4's assistants (unified, and the plain one) refuse any forward without their target model's shared
+    keys and values (drafters, run inside the target's generate); VibeVoice's generate builds its noise scheduler from
     diffusers, not installed here. Meta-device build; the scheduler's own builder, no model."""
     import torch
     import transformers as tf
     from transformers.models.vibevoice.generation_vibevoice import VibeVoiceGenerationMixin
 
     from shardformer.core.tiny import tiny_copy_config
-    from sweeps.zoo import upstream_failure
+    from sweeps.zoo import AS_CHECKPOINTS_SET, _nested, upstream_failure
 
     with torch.device("meta"):
         assistant = tf.Gemma4UnifiedAssistantForCausalLM(tiny_copy_config(tf.Gemma4UnifiedAssistantConfig()))
         with pytest.raises(ValueError, match="shared_kv_states cannot be None") as caught:
             assistant(input_ids=torch.ones(1, 4, dtype=torch.long))
     assert "drafter" in upstream_failure("Gemma4UnifiedAssistantForCausalLM", str(caught.value))
+    with torch.device("meta"):
+        config = tf.Gemma4AssistantConfig(**_nested(AS_CHECKPOINTS_SET["Gemma4AssistantForCausalLM"]))
+        assistant = tf.Gemma4AssistantForCausalLM(tiny_copy_config(config))
+        with pytest.raises(ValueError, match="shared_kv_states cannot be None") as caught:
+            assistant(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert "drafter" in upstream_failure("Gemma4AssistantForCausalLM", str(caught.value))
     try:
         import diffusers  # noqa: F401
     except ImportError:

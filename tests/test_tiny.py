@@ -405,3 +405,31 @@ def test_validated_ties_are_kept():
     assert rotary_head_dim({"head_dim": 64, "rope_parameters": {"rope_type": "default"}}, 8) == 8
     dots3 = tiny_copy_config(tf.Dots3NoteTextConfig(), tp=2)
     assert head_sizes(dots3) is None
+
+
+def test_zero_widths_latent_rotaries_and_audio_lengths_are_kept():
+    """Configs only (milliseconds): Glm5Next's NoPE head (``qk_rope_head_dim`` 0, validated) stays without a
+    rotary; HYV4VL's M-RoPE sections add up to its latent attention's rotated pairs (``qk_rope_head_dim``, not
+    ``head_dim``); VibeVoice ASR's chunk of audio samples stays a multiple of its tokenizer's hop (validated),
+    and its tokenizer's channels, doubled at each of six downsamplings, end at 64 at most (not 2048)."""
+    assert tiny_copy_config(tf.Glm5NextTextConfig()).qk_rope_head_dim == 0
+    text = tiny_copy_config(tf.HYV4VLConfig()).text_config
+    assert sum(text.rope_parameters["mrope_section"]) == text.qk_rope_head_dim // 2
+    asr = tiny_copy_config(tf.VibeVoiceAsrConfig())
+    tokenizer = asr.acoustic_tokenizer_encoder_config
+    assert asr.acoustic_tokenizer_chunk_size % tokenizer.hop_length == 0
+    assert tokenizer.num_filters * 2 ** len(tokenizer.downsampling_ratios) <= 64
+
+
+def test_inputs_of_patches_per_image_token():
+    """Inkling 2's processor gives one channels-last picture per image token (a 2 x 2 merge of patches) and
+    counts its grid in image tokens: the tower's inputs have that shape, and its tiny tower runs on them."""
+    from shardformer.core.grid_inputs import grid_images
+
+    vision = tiny_copy_config(tf.Inkling2Config()).vision_config
+    g = torch.Generator().manual_seed(0)
+    grid = grid_images(vision, "inkling2", {}, "image_grid_thw", 3, 2, g)
+    side = vision.patch_size * vision.spatial_merge_size
+    assert grid["pixel_values"].shape == (8, side, side, 3) and grid["image_grid_thw"].tolist() == [[1, 2, 2]] * 2
+    with torch.no_grad():
+        assert tf.Inkling2VisionModel(vision)(**grid).pooler_output.shape[0] == 8  # one per image token

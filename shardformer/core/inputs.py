@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from shardformer.core import example_inputs
 from shardformer.core.audio_inputs import audio_inputs, ctc_labels, streamed_audio
+from shardformer.core.grid_inputs import grid_images
 from shardformer.core.refusal import POLICY, Refusal
 from shardformer.core.side_inputs import side_inputs
 from shardformer.core.tiny import VOCAB
@@ -22,9 +23,6 @@ VIDEO_FRAMES = {"instructblipvideo": 4}
 # model types whose pixel_attention_mask keeps whole pictures, [batch, pictures] (GraniteDocling's tiles, PI0's
 # cameras), and which require it
 PICTURE_MASKS = {"granite_docling", "pi0"}
-# model type -> the shape its processor gives the patches of a grid in (Kimi K2.5: a picture per patch), other
-# than one flattened patch per row
-PATCH_LAYOUTS = dict.fromkeys(("kimi_k25", "paddleocr_vl"), lambda channels, side: (-1, channels, side, side))
 
 
 def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
@@ -226,23 +224,8 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     channels = channels or getattr(model, "in_chans", 3)
     params = inspect.signature(model.forward).parameters
     grids = [k for k in ("image_grid_thw", "image_grid_hw") if k in params]  # NemotronH Omni's: no time axis
-    if grids:  # MuseGlimmer names the merge and the temporal patch its own way
-        kernel = getattr(vision, "merge_kernel_size", None)  # Kimi K2.5: [height, width]
-        merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None)
-        merge = merge or (kernel[0] if isinstance(kernel, (list, tuple)) else 1)
-        side = 2 * merge
-        frames = getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", 1)
-        patch = vision.patch_size * vision.patch_size * frames
-        grid = {
-            "pixel_values": torch.randn(batch * side * side, channels * patch, generator=g),
-            grids[0]: torch.tensor([[1, side, side] if grids[0].endswith("thw") else [side, side]] * batch),
-        }
-        if "image_merge_sizes" in params:  # VideoLLaMA 3: each image's merge, given with its grid
-            grid["image_merge_sizes"] = torch.tensor([merge] * batch)
-        layout = PATCH_LAYOUTS.get(getattr(config, "model_type", None))
-        if layout is not None:
-            grid["pixel_values"] = grid["pixel_values"].reshape(layout(channels, vision.patch_size))
-        return grid
+    if grids:
+        return grid_images(vision, getattr(config, "model_type", None), params, grids[0], channels, batch, g)
     if "image_sizes" in params and (getattr(config, "image_grid_pinpoints", None) or _tower_takes_sizes(model, vision)):
         return _sized_images(config, channels, size, batch, g)
     if "spatial_shapes" in params and isinstance(getattr(vision, "num_patches", None), int):

@@ -222,6 +222,8 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     for key, value in sizes.items():
         name = aliases.get(key, key)
         if name in data and not key.endswith("_id") and name not in _KV_HEADS and _scalar(data[name]):
+            if key.endswith("head_dim") and data[name] == 0:  # a part the head lacks (Glm5Next's NoPE: no rotary)
+                value = 0
             out[name] = min(value, data[name]) if key in _TOP_K and type(data[name]) is int else value
     _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
     tiny_widths.tie_to_others(out, data)
@@ -369,9 +371,11 @@ def _special_ids(data: dict) -> dict[int, int]:
 
 
 def _rotary_pairs(data: dict, rope: dict) -> int:
-    """Rotated pairs in a tiny head (fewer with a partial rotary factor)."""
+    """Rotated pairs in a tiny head (fewer with a partial rotary factor; latent attention rotates its
+    ``qk_rope_head_dim`` part only: HYV4VL's)."""
     factor = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0)) or 1.0
-    return max(1, int(SIZES["head_dim"] * factor) // 2)
+    width = SIZES["qk_rope_head_dim"] if data.get("qk_rope_head_dim") else SIZES["head_dim"]
+    return max(1, int(width * factor) // 2)
 
 
 def fill_zero_matrices(model, std: float = 0.02) -> None:

@@ -142,7 +142,8 @@ def fit_stages(out: dict, data: dict, hidden, scaling) -> None:
     its widths (``hidden_sizes``, ``embedding_size``, RegNet's ``groups_width``) scaled by one factor so the
     widest is 64, each a multiple of 8 (not BiT's, whose norms hold 32 groups). EfficientNet's width and depth
     coefficients (B7's 2.0 and 3.1 by default) at 0.25 and 0.5, and its last width, the width coefficient's
-    multiple of 1280, scaled with it."""
+    multiple of 1280, scaled with it. An audio encoder's first channels (``num_filters``), doubled at each
+    downsampling, so its last are 64 at most."""
     depths, widths = data.get("depths"), data.get("hidden_sizes")
     if hidden is not None or "num_attention_heads" in data:  # attention stages (Segformer, PVT): as they were
         depths = widths = None
@@ -152,6 +153,10 @@ def fit_stages(out: dict, data: dict, hidden, scaling) -> None:
         scale = lambda w: max(8, round(w * 64 / max(widths) / 8) * 8)  # noqa: E731
         out["hidden_sizes"] = [scale(w) for w in widths]
         out.update({k: scale(data[k]) for k in ("embedding_size", "groups_width") if isinstance(data.get(k), int)})
+    ratios, filters = data.get("downsampling_ratios"), data.get("num_filters")
+    if not scaling.keep_widths and _ints(ratios) and type(filters) is int:
+        # channels doubled at each downsampling from num_filters (VibeVoice's tokenizer: 32 up to 2048): 64 at most
+        out["num_filters"] = max(1, min(filters, 64 >> len(ratios)))
     if isinstance(data.get("hidden_dim"), int) and data.get("width_coefficient") and data.get("depth_coefficient"):
         out.update(width_coefficient=0.25, depth_coefficient=0.5)
         out["hidden_dim"] = round(data["hidden_dim"] * 0.25 / data["width_coefficient"])

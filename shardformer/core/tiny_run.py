@@ -19,7 +19,7 @@ from shardformer.core.inputs import make_inputs
 from shardformer.core.instance import set_attention, study_instance
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_configs
 
-MAX_PARAMS = 40_000_000  # the scalings that keep the user's widths are used only while the copy stays small
+MAX_PARAMS = 40_000_000  # the scalings that keep the user's widths or depth are used only while the copy stays small
 
 
 class TinyCopyError(ValueError):
@@ -81,7 +81,8 @@ def _first_that_runs(model_class, config, tp, heads, inputs, attention):
     tried = [f"{s}: refused: {type(e).__name__}: {_short(e)}" for s, e in refused[:1]]
     for scaling, tiny in candidates:
         set_attention(tiny, attention)
-        error = run_error(model_class, tiny, inputs, MAX_PARAMS if scaling.keep_widths else None)
+        # a copy that keeps the widths or every layer (Inkling's vision tower: 24 layers up to 24576 wide) may be huge
+        error = run_error(model_class, tiny, inputs, MAX_PARAMS if scaling.keep_widths or scaling.keep_depth else None)
         if error is None:
             return tiny
         tried.append(f"{scaling}: {error}")
@@ -97,7 +98,7 @@ def run_error(model_class, config, inputs=make_inputs, max_params: int | None = 
         if max_params and count is None:  # never built for real at the user's widths without a count
             return "its size cannot be counted on the meta device, and a copy that keeps the widths may be huge"
         if max_params and count > max_params:
-            return f"{count / 1e6:.0f}M parameters, more than a copy that keeps the widths may have"
+            return f"{count / 1e6:.0f}M parameters, more than a copy that keeps the widths or depth may have"
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = name_default_loss(model_class(config))

@@ -11,7 +11,7 @@ def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
     ties += (tie_groups, tie_projection_to_text, tie_channels_to_sibling, tie_adapter_to_text)
-    ties += (tie_used_vocab, tie_sibling_width, tie_codebook_vocab)
+    ties += (tie_used_vocab, tie_sibling_width, tie_codebook_vocab, tie_samples_to_hop)
     for tie in ties:
         tie(out, data)
 
@@ -175,6 +175,25 @@ def tie_codebook_vocab(out: dict, data: dict) -> None:
         for key, value in data.items():
             if key.endswith("vocab_size") and type(value) is int and 0 <= value - sub["codebook_size"] <= 1:
                 out[key] = tiny.get("codebook_size", sub["codebook_size"]) + value - sub["codebook_size"]
+
+
+POSITIONS = 64  # the copy's positions (the recipe's max_position_embeddings)
+
+
+def tie_samples_to_hop(out: dict, data: dict) -> None:
+    """A length in audio samples that a codec sub-config's hop divides (the product of its ``downsampling_ratios``:
+    VibeVoice ASR's ``acoustic_tokenizer_chunk_size``, 450 hops of 3200, validated): a length, not a width; the
+    copy's is as many hops as the copy has positions."""
+    hops = {math.prod(s["downsampling_ratios"]) for s in data.values() if _int_ratios(s)}
+    for key, value in data.items():
+        hop = next((h for h in hops if type(value) is int and value > h and value % h == 0), None)
+        if hop is not None and key.endswith("_size") and key in out:
+            out[key] = min(value, POSITIONS * hop)
+
+
+def _int_ratios(sub) -> bool:
+    ratios = sub.get("downsampling_ratios") if isinstance(sub, dict) else None
+    return isinstance(ratios, list) and bool(ratios) and all(type(r) is int for r in ratios)
 
 
 def scale_override(values: dict, sizes: dict, data: dict) -> dict:

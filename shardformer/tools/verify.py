@@ -96,12 +96,24 @@ def _per_token(images: dict, inputs: dict) -> bool:
 
 
 def _generate(model, inputs):
+    """Greedy generate's token ids (of a generate that returns its own output object, DiffusionGemma's block
+    diffusion: its sequences), from one seed: a generate that draws even when greedy (DiffusionGemma renoises its
+    canvas) draws the same for the sharded model and its reference (the caller's RNG left as it was)."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        out = _generate_call(model, inputs)
+    return getattr(out, "sequences", out)
+
+
+def _generate_call(model, inputs):
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     ids = [getattr(c, k, None) for k in ("pad_token_id", "eos_token_id") for c in (config, text)]
     pad = next((v for v in ids if isinstance(v, int)), 0)
     kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad, "min_new_tokens": NEW_TOKENS}
-    if model.generation_config.decoder_start_token_id is None and isinstance(getattr(text, "num_codebooks", None), int):
+    start = getattr(model.generation_config, "decoder_start_token_id", None)  # none in DiffusionGemma's own config
+    if start is None and isinstance(getattr(text, "num_codebooks", None), int):
         # MusicGen's decoder starts each codebook's delay pattern from it (its checkpoints set it to bos), and its
         # own generate reads num_return_sequences without the default
         kwargs.update(decoder_start_token_id=text.bos_token_id, num_return_sequences=1)

@@ -332,3 +332,20 @@ def test_a_wrappers_inner_lm_head_is_the_head():
     policy = TpPlanPolicy()
     policy.set_model(Wrapper())
     assert policy.head_path == "model.lm_head"
+
+
+def test_a_fused_gate_up_planned_colwise_is_cut_as_two_halves():
+    """Inkling's plans call the experts' fused ``gate_up_proj`` plain ``colwise`` (every other plan says
+    ``packed_colwise``); its forward chunks it into gate and up, so each half is cut on its own: a plain cut
+    would give one rank all of the gate and the other all of up (the sweep's 8e-2 mismatch)."""
+    from shardformer.policies.tp_plan.experts import param_cut, stacked
+
+    experts = nn.Module()
+    experts.gate_up_proj = nn.Parameter(torch.zeros(4, 16, 8))
+    experts.down_proj = nn.Parameter(torch.zeros(4, 8, 8))
+    assert param_cut(experts, "gate_up_proj", "colwise", "experts") == (1, 2)
+    assert param_cut(experts, "down_proj", "rowwise", "experts") == (2, 1)
+    # Inkling's shared experts: stacked [n, I, H] weights under 'all_reduce', cut as experts are
+    assert stacked(experts, {"gate_up_proj": "colwise", "down_proj": "rowwise"})
+    experts.norm = nn.Parameter(torch.zeros(8))
+    assert not stacked(experts, {"norm": "colwise"})  # a per-head parameter (a sink) is not

@@ -27,6 +27,8 @@ def param_cut(module: nn.Module, name: str, style: str, path: str) -> tuple[int,
     if style not in _PARAM_CUTS:
         raise ValueError(f"expert parameter {path}.{name}: style {style!r} is not supported for stacked experts")
     dim, n_cast = _PARAM_CUTS[style]
+    if style == "colwise" and "gate_up" in name:  # fused [gate | up] called plain colwise (Inkling's plans): the
+        n_cast = 2  # forward chunks it in two halves, so each is cut on its own, as packed_colwise does
     if param.dim() == 3:
         return 3 + dim, n_cast
     if param.dim() == 2 and "bias" in name and style.endswith("colwise"):  # [E, out] beside a cut output
@@ -52,14 +54,10 @@ class ExpertsTP:
             setattr(module, name, make_shard_param(param, slicer.spec(param.shape, dim, n_cast)))
 
         def inputs(_m, args, kwargs):
-            args = list(args)
-            if args:
-                args[0] = copy_to_parallel(args[0], process_group)
-            if len(args) > 2 and torch.is_tensor(args[2]):
-                args[2] = copy_to_parallel(args[2], process_group)  # routing weights
-            if torch.is_tensor(kwargs.get("top_k_weights")):
-                kwargs["top_k_weights"] = copy_to_parallel(kwargs["top_k_weights"], process_group)
-            return tuple(args), kwargs
+            # the hidden states and the routing weights (or shared experts' gammas), replicated: each rank's
+            # gradient is a part; indices pass as they are
+            copy = lambda v: copy_to_parallel(v, process_group) if _floating(v) else v  # noqa: E731
+            return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
 
         def output(_m, _args, out):
             if isinstance(out, tuple):
@@ -69,6 +67,15 @@ class ExpertsTP:
         module.register_forward_pre_hook(inputs, with_kwargs=True)
         module.register_forward_hook(output)
         return module
+
+
+def _floating(value) -> bool:
+    return torch.is_tensor(value) and value.is_floating_point()
+
+
+def stacked(module: nn.Module, param_styles: dict[str, str]) -> bool:
+    """Whether every planned parameter of ``module`` is a stack of 3-D expert weights."""
+    return all(getattr(module, name).dim() == 3 for name in param_styles)
 
 
 _CLASSES: dict[tuple, type] = {}

@@ -78,7 +78,10 @@ def head_sizes(config) -> tuple[int, int, int] | None:
         return None
     kv = getattr(config, "num_key_value_heads", None) or heads
     try:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        head_dim = getattr(config, "head_dim", None)
+        # 0 is no width (Glm5Next's: its latent attention rotates none), and no cause to guess one from the hidden
+        # size, which would mark replicated projections as sized like its heads
+        head_dim = head_dim if head_dim == 0 else head_dim or config.hidden_size // heads
     except Exception:  # noqa: BLE001 - per-layer configs refuse a global head_dim
         head_dim = None
     return heads, kv, head_dim

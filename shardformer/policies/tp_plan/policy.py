@@ -146,7 +146,11 @@ class TpPlanPolicy(Policy):
             else:
                 layers[path] = styles.descriptor(style, path, modules[path])
         for owner, named in param_styles.items():
-            if resolved.get(owner) != "moe_tp_experts":  # e.g. attention sinks, one per head
+            if resolved.get(owner) == "all_reduce" and experts.stacked(modules[owner], named):
+                # shared experts as stacked weights whose partial sums the plan all-reduces (Inkling's): cut as experts
+                experts.check_experts(owner, modules[owner], named, tp)
+                layers[owner] = Layer(owner, replace_layer=experts.experts_layer(named))
+            elif resolved.get(owner) != "moe_tp_experts":  # e.g. attention sinks, one per head
                 layers[owner] = Layer(owner, replace_layer=styles.params_layer(owner, modules[owner], named))
         self.cut_params = {f"{owner}.{name}" for owner, named in param_styles.items() for name in named}
         self._fuse(layers, modules, text_config)
