@@ -4,9 +4,9 @@ normalise.
 A random convnet's BatchNorms start with the fresh statistics (mean 0, variance 1) while each random layer
 shrinks what it passes on (weights of std 0.02), and EfficientNet draws the norms' own scales around 0 (std
 0.02, where torch starts them at 1): its tiny copy ends at 1e-45, all zero, in eval mode, so every cut would
-"agree" (and AlignModel's image-text similarity divides by that zero norm into NaN). `settle_batch_norms`
-moves scales drawn around 0 to around 1 and sets the statistics from the copy's own inputs, as a trained
-model's are set from its data.
+"agree" (and AlignModel's image-text similarity divides by that zero norm into NaN). Where a copy's output
+shrinks so, `settle_batch_norms` moves scales drawn around 0 to around 1 and sets the statistics from the
+copy's own inputs, as a trained model's are set from its data.
 
 In training mode (the proof's) a BatchNorm over two values per channel (a 1x1 map at the end of a deep-stride
 convnet, MobileNetV2's at 32 px, times a batch of 2) turns them into -1 and +1 whatever they were: its input's
@@ -20,7 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from shardformer.core.divergence import first_tensor
+
 SMALL_SCALE = 0.5  # a norm scale drawn below it everywhere was drawn around 0 (torch's start is 1)
+SHRUNK = 1e-6  # an eval-mode output below it everywhere: the random layers shrank it (EfficientNet's: 1e-45)
 DEGENERATE = 2  # values per channel a BatchNorm in training mode maps to -1 and +1 whatever they are
 
 
@@ -28,14 +31,27 @@ def batch_norms(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def _run(model: nn.Module, inputs: dict) -> None:
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        model(inputs["x"]) if "x" in inputs else model(**inputs)
+def _run(model: nn.Module, inputs: dict, eval_mode: bool = False):
+    modes = {m: m.training for m in model.modules()}
+    try:
+        if eval_mode:
+            model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            return model(inputs["x"]) if "x" in inputs else model(**inputs)
+    finally:
+        for m, training in modes.items():
+            m.training = training
 
 
 def settle_batch_norms(model: nn.Module, inputs: dict) -> None:
-    """``model``'s BatchNorms as training leaves them: scales drawn around 0 moved to around 1 (each keeps
-    its own draw), running statistics those of ``inputs``."""
+    """``model``'s BatchNorms as training leaves them where its eval-mode output on ``inputs`` shrinks to
+    nothing (`SHRUNK`) or is not finite: scales drawn around 0 moved to around 1 (each keeps its own draw),
+    running statistics those of ``inputs``. Only there: a random copy settled so is often ill-conditioned
+    in eval mode (LeViT's near-constant channels, normalised, amplify rounding 1e9-fold in float64), and
+    one whose fresh norms pass its output on is checked as it is."""
+    main = first_tensor(_run(model, inputs, eval_mode=True))
+    if main is None or not main.is_floating_point() or main.abs().max() > SHRUNK:  # NaN: not above
+        return
     with torch.no_grad():
         for m in batch_norms(model):
             if m.weight is not None and m.weight.is_floating_point() and not m.weight.abs().max() > SMALL_SCALE:
