@@ -17,6 +17,8 @@ fewest values any BatchNorm normalises per channel; the recipe doubles a copy's 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -49,14 +51,18 @@ def settle_batch_norms(model: nn.Module, inputs: dict) -> None:
     running statistics those of ``inputs``. Only there: a random copy settled so is often ill-conditioned
     in eval mode (LeViT's near-constant channels, normalised, amplify rounding 1e9-fold in float64), and
     one whose fresh norms pass its output on is checked as it is."""
-    main = first_tensor(_run(model, inputs, eval_mode=True))
+    # a copy runs: a forward may leave state behind (LeViT caches its attention biases, cut off from their
+    # gradient under no_grad)
+    probe = copy.deepcopy(model)
+    main = first_tensor(_run(probe, inputs, eval_mode=True))
     if main is None or not main.is_floating_point() or main.abs().max() > SHRUNK:  # NaN: not above
         return
     with torch.no_grad():
-        for m in batch_norms(model):
+        for m in batch_norms(probe):
             if m.weight is not None and m.weight.is_floating_point() and not m.weight.abs().max() > SMALL_SCALE:
                 m.weight.add_(1.0)
-    _calibrate(model, inputs)
+    _calibrate(probe, inputs)
+    model.load_state_dict(probe.state_dict())
 
 
 def _calibrate(model: nn.Module, inputs: dict) -> None:
