@@ -313,6 +313,8 @@ def _build(class_name: str, config, flip: dict | None):
     import transformers as tf
 
     from shardformer.core.tiny import fill_zero_matrices
+    from shardformer.core.tiny_norms import batch_norms, settle_batch_norms
+    from shardformer.models import inputs_for
 
     for key, value in (flip or {}).items():  # on the config that holds the key (a text config's, else the top)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -322,6 +324,10 @@ def _build(class_name: str, config, flip: dict | None):
     except Exception as e:  # noqa: BLE001
         raise TinyBuildError(f"a tiny {class_name} cannot be built from this config: {type(e).__name__}: {e}") from e
     fill_zero_matrices(model)
+    if batch_norms(model):  # as a trained model's: random layers would shrink everything to 0 in eval mode;
+        # on the inputs the checks run (verify's seed 1): a random copy's near-constant channels, normalised by
+        # statistics of other inputs, would blow up in eval mode (LeViT's logits at 1e3)
+        settle_batch_norms(model, inputs_for(model, 1))
     for key, value in GENERATION_AS_CHECKPOINTS.get(class_name, lambda _: {})(config).items():
         setattr(model.generation_config, key, value)
     return model

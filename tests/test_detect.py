@@ -11,7 +11,7 @@ import transformers as tf
 from shardformer import Argument, ShardConfig, shard_model
 from shardformer.cli.main import main
 from shardformer.core.comm import VirtualGroup
-from shardformer.tensor_parallel.detect import PolicyMismatch
+from shardformer.tensor_parallel.detect import PolicyMismatch, _sizes_that_cut
 from tests.policies.custom_policies import (
     GPT2WithoutAttrsPolicy,
     OPTPolicy,
@@ -71,9 +71,13 @@ def test_kv_heads_tp_does_not_divide_are_refused():  # trap 7: the policy never 
 def test_width_tp_does_not_divide_is_refused():
     message = refused(tiny_llama(intermediate_size=66, num_key_value_heads=4), UncheckedLlamaPolicy(), tp=4)
     assert (
-        "model.layers.0.mlp.gate_proj (Linear): its output width 66 does not divide by tensor_parallel_size=4"
+        "model.layers.0.mlp.gate_proj (Linear): its output width 66 does not divide by tensor_parallel_size=4; "
+        "a tensor_parallel_size of 2, 3, 6, 11, 22 or 33 divides it; or train it with data parallelism and ZeRO"
         in message
     )
+    # Perceiver's 3 + 258 Fourier features: no even size divides them; a prime width: no size at all
+    assert _sizes_that_cut(261).startswith("a tensor_parallel_size of 3, 9 or 29 divides it; or train it")
+    assert _sizes_that_cut(67).startswith("no tensor_parallel_size up to 64 divides it; or train it")
 
 
 def test_plan_takes_a_custom_policy_and_a_model_class(tmp_path, capsys, monkeypatch):  # trap 9

@@ -110,25 +110,32 @@ def test_upstream_forward_failures_are_named():
     assert "training mode" in upstream_failure("ReformerForMaskedLM", "use `model.train()` to put the model")
 
 
-def test_a_tiny_copy_with_non_finite_outputs_is_not_tested():
-    """ALIGN's tiny random EfficientNet, in eval mode, shrinks its features to ~1e-29 and normalises them to
-    0/0: its unsharded outputs are NaN before any step, so there is nothing to prove a cut against (the
-    sweep's precheck, sweeps.zoo.unsharded_failure, says so). EfficientNet's own copy ends at exactly zero,
-    which the precheck also refuses to call a proof."""
+def test_batch_norms_of_a_shrinking_tiny_copy_are_settled():
+    """ALIGN's tiny random EfficientNet, in eval mode, shrinks its features to ~1e-29 (its norms' scales are
+    drawn around 0, its fresh statistics fit no layer) and normalises them to 0/0; EfficientNet's own copy
+    ends at exactly zero: nothing to prove a cut against. Settled as training leaves them
+    (`shardformer.core.tiny_norms`), both compute. MobileNetV2's 32-pixel copy ends in 1x1 maps (a norm over
+    two values in training mode: a zero input gradient, rounding compared); its copy takes 64 pixels."""
     import torch
     import transformers as tf
 
     from shardformer.core.inputs import make_inputs
     from shardformer.core.tiny import tiny_copy_config
+    from shardformer.core.tiny_norms import settle_batch_norms
+    from shardformer.core.tiny_run import runnable_tiny_config
 
     torch.manual_seed(0)
     align = tf.AlignModel(tiny_copy_config(tf.AlignConfig())).eval()
+    torch.manual_seed(0)
+    efficientnet = tf.EfficientNetModel(tiny_copy_config(tf.EfficientNetConfig())).eval()
+    x, y = make_inputs(align, seed=0), make_inputs(efficientnet, seed=0)
     with torch.no_grad():
-        assert torch.isnan(align(**make_inputs(align, seed=0)).logits_per_image).all()
-        # the same tower without the normalisation: features shrunk to exactly zero, which any cut would match
-        torch.manual_seed(0)
-        efficientnet = tf.EfficientNetModel(tiny_copy_config(tf.EfficientNetConfig())).eval()
-        assert not efficientnet(**make_inputs(efficientnet, seed=0)).pooler_output.abs().max() > 0
+        assert torch.isnan(align(**x).logits_per_image).all()
+        assert not efficientnet(**y).pooler_output.abs().max() > 0
+        settle_batch_norms(align, x), settle_batch_norms(efficientnet, y)
+        assert torch.isfinite(align(**x).logits_per_image).all()
+        assert efficientnet(**y).pooler_output.abs().max() > 1e-2
+    assert runnable_tiny_config(tf.MobileNetV2Model, tf.MobileNetV2Config(), 2).image_size == 64
 
 
 def test_generate_gets_what_the_class_needs():

@@ -61,6 +61,9 @@ def test_one_layer_of_each_kind_is_kept():
     assert kept_layers(data, {}) == [0, 1, 2]  # a, a in the MoE list, b
     assert kept_layers({"num_hidden_layers": 6, "layer_types": ["a"] * 6}, {}) == [0, 1]
     assert kept_layers({"num_hidden_layers": 6}, {}) is None
+    # layers a list of indices marks without a schedule (GraniteSpeech5's subsampling blocks, a class of their
+    # own): two of the others, so that one class repeats
+    assert kept_layers({"num_hidden_layers": 16, "subsample_layers": [0, 1]}, {}) == [0, 2, 3]
     # each layer's source of keys and values (Mistral Large 4): a kept layer's source is kept, renumbered
     sources = [0, 1, 2, 2, 4, 5, 6, 7]
     data = {"num_hidden_layers": 8, "layer_types": list("aaabaaaa"), "kv_source_layers": sources}

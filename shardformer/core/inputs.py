@@ -73,7 +73,7 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         x.update(streamed_audio(config, params, tuple(x["input_ids"].shape), g))
     videos = params.get("pixel_values_videos")
     if videos is not None and videos.default is videos.empty:  # a video-text model (VideoPrism): its clips
-        frames = _vision_config(config).num_frames
+        frames = image_config(config).num_frames
         x["pixel_values_videos"] = _images(model, config, batch, g, frames)["pixel_values"]
     qformer = getattr(config, "qformer_config", None)
     if "qformer_input_ids" in params and qformer is not None:  # InstructBLIP's instruction to its Q-Former
@@ -86,7 +86,7 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         if "mm_token_type_ids" in params and image is not None:  # image features (Qwen2-VL's multimodal rotary)
             x["mm_token_type_ids"] = (x["input_ids"] == image).int()
         if "aspect_ratio_ids" in params:  # Mllama: one image per sample, cut into tiles, cross-attended
-            x.update(_tiled_images(_vision_config(config), x["pixel_values"], x["input_ids"].shape))
+            x.update(_tiled_images(image_config(config), x["pixel_values"], x["input_ids"].shape))
         queries = getattr(config, "latent_query_num", None)
         if "image_embeds_position_mask" in params and isinstance(queries, int):  # Kosmos-2: image slots, then text
             ids = x["input_ids"]
@@ -215,7 +215,7 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     """Random images as the model takes them: a batch of pictures; one picture per sample (Idefics2/3,
     SmolVLM: their ``pixel_attention_mask``); ``frames`` pictures per sample (a video: ``VIDEO_FRAMES``);
     or patches with their grid (Qwen2-VL: ``image_grid_thw``, a 2×2 grid of merged patches per image)."""
-    vision = _vision_config(config)
+    vision = image_config(config)
     size = getattr(vision, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", None)
     # a timm model without a patch embedding (HaloNet: 256 x 256 only): the size it was built for
     size = size or (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224))[1:] or (224,)
@@ -293,7 +293,7 @@ def _sized_images(config, channels: int, side: int, batch: int, g: torch.Generat
     return {"pixel_values": torch.randn(batch, tiles, channels, side, side, generator=g), "image_sizes": sizes}
 
 
-def _vision_config(config):
+def image_config(config):
     """The config that sizes the images: the vision tower's, also inside an encoder (T5Gemma 2) or a
     vision-language model (PI0's ``vlm_config``), or the encoder itself (VisionEncoderDecoder), else the
     model's own."""

@@ -6,7 +6,9 @@ and attention, Mamba and attention; ``no_rope_layers``; lists of layer indices s
 source of keys and values) must keep its length equal to the depth, and
 a tiny copy of two layers cut from the front may hold only one kind (Qwen3-Next's first full
 attention layer is its fourth). The tiny copy keeps the first layer of every distinct kind, in
-order, and every per-layer setting follows the kept layers. A hybrid's layers must also run small
+order, and every per-layer setting follows the kept layers; where only lists of layer indices mark the
+kinds, whose layers a model may build as classes of their own (GraniteSpeech5's subsampling blocks), two layers of
+the commonest kind, so that a class still repeats (a stack to cut). A hybrid's layers must also run small
 (`fit_hybrid`): an attention layer where the schedule has none, Mamba-2 heads that fill the mixer.
 """
 
@@ -74,10 +76,18 @@ def kept_layers(data: dict, aliases: dict, settable=lambda key: True, count: int
     # tied over them: two layers of each kind keep each class a stack and the tie between two layers
     per_kind = 2 if any("hybrid" in map(str, v) for v in lists) else 1
     kinds: dict[tuple, list[int]] = {}
+    every: dict[tuple, list[int]] = {}  # each kind's layers in the full model
     for i in range(depth):
         kind = (*(str(v[i]) for v in lists), *(i in s for s in indexed), i in overridden)
+        every.setdefault(kind, []).append(i)
         if len(kinds.setdefault(kind, [])) < per_kind:
             kinds[kind].append(i)
+    if indexed and not lists and all(len(layers) < 2 for layers in kinds.values()):
+        # layers a list of indices marks, with no schedule for one class to read, may be built as a class of
+        # their own (GraniteSpeech5's subsampling blocks, Mllama's cross-attention layers): the kind most
+        # layers are keeps two, a stack of one class
+        most = max(every, key=lambda kind: len(every[kind]))
+        kinds[most] = every[most][:2]
     keep = sorted(i for layers in kinds.values() for i in layers)
     for sources in _source_lists(_per_layer_lists(data, depth, settable)).values():
         keep = sorted({*keep, *(sources[i] for i in keep)})  # a kept layer's source is kept with it

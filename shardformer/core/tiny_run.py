@@ -15,9 +15,10 @@ import json
 
 import torch
 
-from shardformer.core.inputs import make_inputs
+from shardformer.core.inputs import image_config, make_inputs
 from shardformer.core.instance import set_attention, study_instance
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_configs
+from shardformer.core.tiny_norms import DEGENERATE, batch_norms, fewest_normalised, settle_batch_norms
 
 MAX_PARAMS = 40_000_000  # the scalings that keep the user's widths or depth are used only while the copy stays small
 
@@ -42,6 +43,8 @@ def tiny_copy(model, tp: int, seed: int = 0, heads: int | None = None):
         tiny = type(model)(config)
         instance.reproduce(model, tiny)
         fill_zero_matrices(tiny)
+    if batch_norms(tiny):  # their statistics as training would leave them: eval mode keeps the scale
+        settle_batch_norms(tiny, make_inputs(tiny, seed))
     return name_default_loss(tiny).eval()
 
 
@@ -82,23 +85,25 @@ def _first_that_runs(model_class, config, tp, heads, inputs, attention):
     for scaling, tiny in candidates:
         set_attention(tiny, attention)
         # a copy that keeps the widths or every layer (Inkling's vision tower: 24 layers up to 24576 wide) may be huge
-        error = run_error(model_class, tiny, inputs, MAX_PARAMS if scaling.keep_widths or scaling.keep_depth else None)
+        error, fewest = trial(model_class, tiny, inputs, MAX_PARAMS if scaling.keep_widths or scaling.keep_depth else None)
         if error is None:
-            return tiny
+            return _wide_enough_images(model_class, tiny, inputs, fewest)
         tried.append(f"{scaling}: {error}")
     return TinyCopyError(f"a tiny {model_class.__name__} does not run ({'; '.join(tried)})")
 
 
-def run_error(model_class, config, inputs=make_inputs, max_params: int | None = None) -> str | None:
+def trial(model_class, config, inputs=make_inputs, max_params: int | None = None) -> tuple[str | None, int | None]:
     """Why ``model_class(config)`` cannot be built (or has more than ``max_params`` parameters) or run
-    forward on ``inputs(model, seed)``, or None (the caller's RNG left as it was)."""
+    forward on ``inputs(model, seed)``, or None; with the fewest values any of its BatchNorms normalised
+    per channel (`shardformer.core.tiny_norms.fewest_normalised`; None: it has none). The caller's RNG is
+    left as it was."""
     step = "build"
     try:
         count = _meta_params(model_class, config) if max_params else 0
         if max_params and count is None:  # never built for real at the user's widths without a count
-            return "its size cannot be counted on the meta device, and a copy that keeps the widths may be huge"
+            return "its size cannot be counted on the meta device, and a copy that keeps the widths may be huge", None
         if max_params and count > max_params:
-            return f"{count / 1e6:.0f}M parameters, more than a copy that keeps the widths or depth may have"
+            return f"{count / 1e6:.0f}M parameters, more than a copy that keeps the widths or depth may have", None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = name_default_loss(model_class(config))
@@ -107,11 +112,27 @@ def run_error(model_class, config, inputs=make_inputs, max_params: int | None = 
             step = "inputs"
             batch = inputs(model, 0)
             step = "forward"
-            with torch.no_grad():
-                model(batch["x"]) if "x" in batch else model(**batch)
+            return None, fewest_normalised(model, batch)
     except Exception as e:  # noqa: BLE001 - what the next scaling may avoid
-        return f"{step}: {type(e).__name__}: {_short(e)}"
-    return None
+        return f"{step}: {type(e).__name__}: {_short(e)}", None
+
+
+def _wide_enough_images(model_class, config, inputs, fewest: int | None, doublings: int = 2):
+    """``config`` with its images doubled (at most ``doublings`` times) while some BatchNorm of its model
+    normalises ``fewest`` <= 2 values per channel, which training mode maps to -1 and +1 whatever they are
+    (`shardformer.core.tiny_norms`), and a larger image that runs gives it more (not a norm over pooled
+    features)."""
+    for _ in range(doublings):
+        size = getattr(image_config(config), "image_size", None)
+        if fewest is None or fewest > DEGENERATE or type(size) is not int:
+            break
+        wider = copy.deepcopy(config)
+        image_config(wider).image_size = 2 * size
+        error, more = trial(model_class, wider, inputs)
+        if error is not None or more is None or more <= fewest:
+            break
+        config, fewest = wider, more
+    return config
 
 
 def _meta_params(model_class, config) -> int | None:

@@ -24,12 +24,16 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from shardformer.core.refusal import DATA_PARALLEL
 from shardformer.tensor_parallel.layers import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from shardformer.tensor_parallel.layers.linear import is_conv1d
 from shardformer.tensor_parallel.policy import Col_Layer, Row_Layer
 from shardformer.tensor_parallel.slicer import shard_spec
 
 logger = logging.getLogger("shardformer")
+
+
+MAX_SUGGESTED_TP = 64  # the tensor_parallel_sizes a refusal suggests: one node's accelerators, or a few nodes'
 
 
 class PolicyMismatch(ValueError):
@@ -183,7 +187,7 @@ def check_sizes(cuts: list[Cut], tp: int, config, parents: dict[str, nn.Module])
             raise PolicyMismatch(
                 f"{where}: its {'output' if cut.side == 'out' else 'input'} width {width}"
                 f"{f' ({cut.n_cast} fused blocks)' if cut.n_cast > 1 else ''} does not divide by "
-                f"tensor_parallel_size={tp}; use a tensor_parallel_size that divides {width // cut.n_cast}"
+                f"tensor_parallel_size={tp}; {_sizes_that_cut(width // cut.n_cast)}"
             )
         if cut.side != "out" or cut.gathered:
             continue
@@ -201,6 +205,19 @@ def check_sizes(cuts: list[Cut], tp: int, config, parents: dict[str, nn.Module])
                     f"{where} holds {name}={count} heads of {head_dim}, and tensor_parallel_size={tp} does not "
                     f"divide {count}; use a tensor_parallel_size that divides {count}"
                 )
+
+
+def _sizes_that_cut(width: int) -> str:
+    """What a user can do about a width ``tp`` does not divide: the sizes that do (a width of Fourier features,
+    Perceiver's 3 + 258, may have no even divisor at all), and data parallelism, which cuts no width."""
+    sizes = [str(size) for size in range(2, MAX_SUGGESTED_TP + 1) if width % size == 0]
+    named = f"{', '.join(sizes[:-1])} or {sizes[-1]}" if len(sizes) > 1 else "".join(sizes)
+    found = (
+        f"a tensor_parallel_size of {named} divides it"
+        if sizes
+        else f"no tensor_parallel_size up to {MAX_SUGGESTED_TP} divides it"
+    )
+    return f"{found}; or {DATA_PARALLEL}"
 
 
 # -- per-rank attributes ------------------------------------------------------------------------
