@@ -85,7 +85,9 @@ def _first_that_runs(model_class, config, tp, heads, inputs, attention):
     for scaling, tiny in candidates:
         set_attention(tiny, attention)
         # a copy that keeps the widths or every layer (Inkling's vision tower: 24 layers up to 24576 wide) may be huge
-        error, fewest = trial(model_class, tiny, inputs, MAX_PARAMS if scaling.keep_widths or scaling.keep_depth else None)
+        error, fewest = trial(
+            model_class, tiny, inputs, MAX_PARAMS if scaling.keep_widths or scaling.keep_depth else None
+        )
         if error is None:
             return _wide_enough_images(model_class, tiny, inputs, fewest)
         tried.append(f"{scaling}: {error}")
