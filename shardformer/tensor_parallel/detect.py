@@ -125,6 +125,13 @@ def is_head_count(name: str) -> bool:
     return "head" in low and not any(w in low for w in ("dim", "size", "mask", "scale"))
 
 
+def is_index(name: str) -> bool:
+    """``layer_idx``, ``block_index``, ``layer_id``: a position in the model, never a width or a count,
+    however its value happens to compare with one (layer 2 of a model whose gate has 2 outputs)."""
+    low = name.lower()
+    return "idx" in low or "index" in low or low.endswith("_id") or low in ("layer_number", "layer_num")
+
+
 def _head_dim(config_ints: dict[str, int], module: nn.Module) -> int | None:
     hd = getattr(module, "head_dim", None)
     if isinstance(hd, int) and hd > 0:
@@ -278,6 +285,8 @@ def stale_attributes(cuts: list[Cut], tp: int, parents: dict[str, nn.Module], re
         block = cut.full_width // cut.n_cast
         for name, value in int_attributes(parent).items():
             if (id(parent), name) in rewritten or (read is not None and name not in read) or value <= 1:
+                continue
+            if is_index(name):  # a layer index equal to a width by chance
                 continue
             if is_head_count(name) and block % value == 0 and block // value > 1:
                 kind = "head count"
