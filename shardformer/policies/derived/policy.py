@@ -27,11 +27,12 @@ from shardformer.policies.derived.blocks import (
 )
 from shardformer.policies.derived.channels import channel_layers
 from shardformer.policies.derived.column_cuts import cut_options
-from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
+from shardformer.policies.derived.derive import BlockRule, NotDerivableError, TowerNotRun, derive, no_stack
 from shardformer.policies.derived.heads import head_counts, head_inputs_layer
 from shardformer.policies.derived.mixers import FUSED_PACKAGE, MIXER_COLUMN, fused_kernels, layouts_in, local_counts
 from shardformer.policies.derived.numpy_draws import NoTrainingDraws, draws_from_numpy
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
+from shardformer.policies.derived.tiny_inputs import has_config
 from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.widths import local_widths_layer
 from shardformer.policies.tp_plan.heads import head_sizes
@@ -163,7 +164,11 @@ class DerivedPolicy(TpPlanPolicy):
         policy = cls()
         policy.tower_of = (model, tower)
         policy.set_model(sub)
-        argument = policy.argument_policy(sub.config, shard_config)[type(sub)]
+        try:
+            argument = policy.argument_policy(sub.config, shard_config)[type(sub)]
+        except TowerNotRun as e:  # whole on every rank computes what it computes unsharded: exact, not split
+            logger.warning("%s: it stays whole on every rank (exact; its weights are not split)", e.reason)
+            return [], {}
         layers = [
             dataclasses.replace(layer, suffix=f"{tower}.{layer.suffix}")
             for func in argument.param_funcs
