@@ -14,6 +14,7 @@ from __future__ import annotations
 
 DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 MAX_KINDS = 6  # per-layer values with more kinds than this (a width per layer) do not tell layers apart
+OWN_CLASS = ("cross_attention", "hybrid")  # lists of layer indices naming layers of a class of their own
 ATTENTION_KINDS = ("full_attention", "hybrid")  # layer kinds holding an attention cache (Zamba's hybrid layer)
 
 
@@ -66,13 +67,16 @@ def kept_layers(data: dict, aliases: dict, settable=lambda key: True, count: int
     if not depth or depth <= 2:
         return None
     lists = [v for v in _per_layer_lists(data, depth, settable).values() if len({str(x) for x in v}) <= MAX_KINDS]
-    indexed = [set(v) for v in _index_lists(data, depth, settable).values()]
+    index_lists = _index_lists(data, depth, settable)
+    indexed = [set(v) for v in index_lists.values()]
     overridden = {int(k) for k in (data.get("per_layer_config") or {})}
     if not lists and not indexed and not overridden:
         return None
     # Zamba's hybrid layers are a class of their own around a Mamba layer, sharing one attention block
-    # tied over them: two layers of each kind keep each class a stack and the tie between two layers
-    per_kind = 2 if any("hybrid" in map(str, v) for v in lists) else 1
+    # tied over them, and so are Mllama's cross-attention layers: two layers of each kind keep each class
+    # a stack (one of each is no repeated block to cut) and the tie between two layers
+    own_class = any("hybrid" in map(str, v) for v in lists) or any(k.startswith(OWN_CLASS) for k in index_lists)
+    per_kind = 2 if own_class else 1
     kinds: dict[tuple, list[int]] = {}
     for i in range(depth):
         kind = (*(str(v[i]) for v in lists), *(i in s for s in indexed), i in overridden)
