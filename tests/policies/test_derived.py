@@ -515,3 +515,27 @@ def test_a_column_cut_by_heads_offers_its_blocks_widths_as_attributes():
     config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=32)  # q 32, k and v 16
     options = column_candidates(64, config, 2)
     assert ("heads",) in options and block_widths(64, options, config) >= {32, 16}
+
+
+def test_a_partial_parameter_beside_a_whole_one_is_summed_by_name():
+    """VideoPrism's pooling head holds its query (read by the cut query projection: a whole gradient) and a
+    per-dimension scale applied on this rank's heads (a partial one): only the scale is summed over tp."""
+    from types import SimpleNamespace
+
+    from shardformer.policies.derived.derive import BlockRule
+    from shardformer.policies.derived.partial_grads import partial_modules
+    from shardformer.policies.tp_plan.styles import grad_all_reduce_of
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query, self.scale = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2))
+            self.q, self.o = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    model = torch.nn.Sequential(Head())
+    origins = {"0": {"q": frozenset({"0.query"}), "o": frozenset({"0.q.weight", "0.scale"})}}
+    flows = SimpleNamespace(origins=origins, output_origins=frozenset(), blocks=[], heads=["0"])
+    rules = {Head: BlockRule(cols={"q": 1}, rows={"o"})}
+    assert partial_modules(model, flows, rules) == ({Head: {"scale"}}, set())
+    summed = grad_all_reduce_of(("scale",))
+    assert summed.sequence_parallel_exact_params(model[0]) == ["scale"] and vars(summed)["keeps_weights"]

@@ -38,7 +38,7 @@ from shardformer.policies.derived.widths import local_widths_layer
 from shardformer.policies.tp_plan.heads import head_sizes
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
-from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_params_layer
+from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, grad_all_reduce_of, head_params_layer
 from shardformer.policies.tp_plan.ties import cut_ties_alike
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import Linear1D_RowIntoParallel, is_conv1d
@@ -110,7 +110,7 @@ class DerivedPolicy(TpPlanPolicy):
             self._cut_block(block, modules, rule, tp, config, layers, attrs)
         self._cut_heads(pooling_heads(model), derivation, modules, tp, config, layers, attrs)
         for path in derivation.grad_sum:  # computed once, read by each rank's heads in every block
-            _add_layer(layers, path, GradAllReduce)
+            _sum_grad(layers, modules, path)
         if not layers:
             if config is None:  # a timm model or a plain module: convolutions, or projections a Policy may name
                 raise no_stack(model)
@@ -299,9 +299,7 @@ class DerivedPolicy(TpPlanPolicy):
             heads = tuple(head_counts(modules[path], tp))  # the module's own, whole: its stage's (Swin's differ)
             _add_layer(layers, path, local_widths_layer(out_width(modules[f"{block}.{row}"]), heads))
         for rel in rule.grad_sum:  # beside what else replaces the module (its per-rank widths)
-            path = f"{block}.{rel}" if rel else block
-            if path in modules:
-                _add_layer(layers, path, GradAllReduce)
+            _sum_grad(layers, modules, f"{block}.{rel}" if rel else block)
         # a class's blocks differ inside (T5's encoder and decoder blocks; RecurrentGemma's temporal block, an
         # attention in some layers and a recurrence in others): the attributes it has, for the groups it has
         divide = {d for d in rule.divide if _held(modules[block], d, rule)}
@@ -320,6 +318,15 @@ class DerivedPolicy(TpPlanPolicy):
                 dotted = f"{owner}.{name}" if owner else name
                 if dotted not in divide:
                     attrs.setdefault(f"{block}.{dotted}", value)
+
+
+def _sum_grad(layers: dict[str, Layer], modules: dict, path: str) -> None:
+    """The gradient of the module at ``path``, or of the parameter ``path`` names, summed over tp."""
+    owner, _, name = path.rpartition(".")
+    if path in modules:
+        _add_layer(layers, path, GradAllReduce)
+    elif owner in modules and name in dict(modules[owner].named_parameters(recurse=False)):
+        _add_layer(layers, owner, grad_all_reduce_of((name,)))
 
 
 def _add_layer(layers: dict[str, Layer], path: str, layer_cls: type) -> None:
