@@ -64,7 +64,7 @@ def kept_layers(data: dict, aliases: dict, settable=lambda key: True, count: int
     the config fixes the depth, filled with the first layers not kept yet), or None when the model has
     no per-layer schedule (then the first two layers are as good as any)."""
     depth = depth_of(data, aliases)
-    if not depth or depth <= 2:
+    if not depth:
         return None
     lists = [v for v in _per_layer_lists(data, depth, settable).values() if len({str(x) for x in v}) <= MAX_KINDS]
     index_lists = _index_lists(data, depth, settable)
@@ -72,6 +72,8 @@ def kept_layers(data: dict, aliases: dict, settable=lambda key: True, count: int
     overridden = {int(k) for k in (data.get("per_layer_config") or {})}
     if not lists and not indexed and not overridden:
         return None
+    if depth <= 2:  # a model as shallow as a copy (a tiny copy's copy): its schedule as it is, not recomputed
+        return list(range(depth))[:count] if count else list(range(depth))
     # Zamba's hybrid layers are a class of their own around a Mamba layer, sharing one attention block
     # tied over them, and so are Mllama's cross-attention layers: two layers of each kind keep each class
     # a stack (one of each is no repeated block to cut) and the tie between two layers
