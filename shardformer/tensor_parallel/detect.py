@@ -286,11 +286,11 @@ def stale_attributes(cuts: list[Cut], tp: int, parents: dict[str, nn.Module], re
         for name, value in int_attributes(parent).items():
             if (id(parent), name) in rewritten or (read is not None and name not in read) or value <= 1:
                 continue
-            if is_index(name):  # a layer index equal to a width by chance
-                continue
             if is_head_count(name) and block % value == 0 and block // value > 1:
                 kind = "head count"
-            elif value == block and not any(w in name.lower() for w in ("head_dim", "head_size")):
+            elif (
+                value == block and not is_index(name) and not any(w in name.lower() for w in ("head_dim", "head_size"))
+            ):
                 kind = "width"
             else:
                 continue
