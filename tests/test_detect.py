@@ -44,6 +44,13 @@ def test_width_read_in_forward_left_full_is_refused_by_name():  # trap 1, a widt
     assert 'add "attn.split_size": 16 to the attr_dict of GPT2Block' in message
 
 
+def test_a_layer_index_equal_to_a_width_is_no_width():  # Dots3Note: layer 2, a gate of 2 outputs
+    opt = tiny_opt()
+    opt.model.decoder.layers[1].self_attn.layer_idx = 32  # q_proj's width, read in forward by the cache
+    model = shard_model(opt, planned(), OPTPolicy())
+    assert model.model.decoder.layers[1].self_attn.layer_idx == 32
+
+
 def test_ties_found_in_the_model_stay_tied():  # trap 5: neither policy has a binding_policy
     opt = shard_model(tiny_opt(), planned(), OPTPolicy())
     assert opt.lm_head.weight is opt.model.decoder.embed_tokens.weight

@@ -64,6 +64,10 @@ def test_one_layer_of_each_kind_is_kept():
     # layers a list of indices marks without a schedule (GraniteSpeech5's subsampling blocks, a class of their
     # own): two of the others, so that one class repeats
     assert kept_layers({"num_hidden_layers": 16, "subsample_layers": [0, 1]}, {}) == [0, 2, 3]
+    # Mllama's cross-attention layers are a class of their own: two of each kind keep each class a stack
+    assert kept_layers({"num_hidden_layers": 10, "cross_attention_layers": [3, 8]}, {}) == [0, 1, 3, 8]
+    # a copy of a copy (LFM3-VL's two vision layers, a convolution then attention): its schedule as it is
+    assert kept_layers({"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}, {}) == [0, 1]
     # each layer's source of keys and values (Mistral Large 4): a kept layer's source is kept, renumbered
     sources = [0, 1, 2, 2, 4, 5, 6, 7]
     data = {"num_hidden_layers": 8, "layer_types": list("aaabaaaa"), "kv_source_layers": sources}

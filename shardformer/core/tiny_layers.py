@@ -16,6 +16,7 @@ from __future__ import annotations
 
 DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 MAX_KINDS = 6  # per-layer values with more kinds than this (a width per layer) do not tell layers apart
+OWN_CLASS = ("cross_attention", "hybrid")  # lists of layer indices naming layers of a class of their own
 ATTENTION_KINDS = ("full_attention", "hybrid")  # layer kinds holding an attention cache (Zamba's hybrid layer)
 
 
@@ -65,16 +66,21 @@ def kept_layers(data: dict, aliases: dict, settable=lambda key: True, count: int
     the config fixes the depth, filled with the first layers not kept yet), or None when the model has
     no per-layer schedule (then the first two layers are as good as any)."""
     depth = depth_of(data, aliases)
-    if not depth or depth <= 2:
+    if not depth:
         return None
     lists = [v for v in _per_layer_lists(data, depth, settable).values() if len({str(x) for x in v}) <= MAX_KINDS]
-    indexed = [set(v) for v in _index_lists(data, depth, settable).values()]
+    index_lists = _index_lists(data, depth, settable)
+    indexed = [set(v) for v in index_lists.values()]
     overridden = {int(k) for k in (data.get("per_layer_config") or {})}
     if not lists and not indexed and not overridden:
         return None
+    if depth <= 2:  # a model as shallow as a copy (a tiny copy's copy): its schedule as it is, not recomputed
+        return list(range(depth))[:count] if count else list(range(depth))
     # Zamba's hybrid layers are a class of their own around a Mamba layer, sharing one attention block
-    # tied over them: two layers of each kind keep each class a stack and the tie between two layers
-    per_kind = 2 if any("hybrid" in map(str, v) for v in lists) else 1
+    # tied over them, and so are Mllama's cross-attention layers: two layers of each kind keep each class
+    # a stack (one of each is no repeated block to cut) and the tie between two layers
+    own_class = any("hybrid" in map(str, v) for v in lists) or any(k.startswith(OWN_CLASS) for k in index_lists)
+    per_kind = 2 if own_class else 1
     kinds: dict[tuple, list[int]] = {}
     every: dict[tuple, list[int]] = {}  # each kind's layers in the full model
     for i in range(depth):

@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from shardformer.policies.copies import copy_key
-from shardformer.policies.derived.derive import tiny_with_inputs
+from shardformer.policies.derived.tiny_inputs import tiny_with_inputs
 from shardformer.policies.layer_reads import LayerReads, untied
 
 

@@ -107,6 +107,27 @@ def _tiny(model: nn.Module, tp: int, heads: int | None) -> nn.Module:
 
 
 @contextlib.contextmanager
+def _running(model: nn.Module):
+    """The paths of ``model``'s modules whose forward has begun and not returned, the innermost last: where
+    an error raised in its forward was raised (named in the refusal)."""
+    paths = {module: path for path, module in model.named_modules()}
+    running: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda m, _: running.append(paths[m])) for m in paths]
+    hooks += [m.register_forward_hook(lambda m, *_: _returned(running, paths[m])) for m in paths]
+    try:
+        yield running
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _returned(running: list[str], path: str) -> None:
+    """``path`` returned: off the list, with any module inside it whose error its code caught."""
+    while running and running.pop() != path:
+        pass
+
+
+@contextlib.contextmanager
 def _quiet():
     level = logger.level
     logger.setLevel(logging.WARNING)
@@ -167,9 +188,12 @@ def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device, tigh
             hard = 1.0
         inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         try:
-            _compare(ref, sharded, group, inputs, device, failures, tighter)
+            with _running(sharded) as running:
+                _compare(ref, sharded, group, inputs, device, failures, tighter)
         except Exception as e:  # noqa: BLE001 - the cut copy cannot run: every rank's copy fails alike
-            failures.append(f"the sharded tiny copy fails: {type(e).__name__}: {str(e)[:300]}")
+            where = f" in {running[-1] or 'the model'} ({type(sharded.get_submodule(running[-1])).__name__})"
+            where = where if running else ""
+            failures.append(f"the sharded tiny copy fails{where}: {type(e).__name__}: {str(e)[:300]}")
             hard = 1.0
         verdict = all_reduce(torch.tensor([float(len(failures)), hard], device=device), group)
         if verdict[0].item() == 0:  # every rank refuses, or none

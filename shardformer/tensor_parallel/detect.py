@@ -129,6 +129,13 @@ def is_head_count(name: str) -> bool:
     return "head" in low and not any(w in low for w in ("dim", "size", "mask", "scale"))
 
 
+def is_index(name: str) -> bool:
+    """``layer_idx``, ``block_index``, ``layer_id``: a position in the model, never a width or a count,
+    however its value happens to compare with one (layer 2 of a model whose gate has 2 outputs)."""
+    low = name.lower()
+    return "idx" in low or "index" in low or low.endswith("_id") or low in ("layer_number", "layer_num")
+
+
 def _head_dim(config_ints: dict[str, int], module: nn.Module) -> int | None:
     hd = getattr(module, "head_dim", None)
     if isinstance(hd, int) and hd > 0:
@@ -298,7 +305,9 @@ def stale_attributes(cuts: list[Cut], tp: int, parents: dict[str, nn.Module], re
                 continue
             if is_head_count(name) and block % value == 0 and block // value > 1:
                 kind = "head count"
-            elif value == block and not any(w in name.lower() for w in ("head_dim", "head_size")):
+            elif (
+                value == block and not is_index(name) and not any(w in name.lower() for w in ("head_dim", "head_size"))
+            ):
                 kind = "width"
             else:
                 continue

@@ -483,3 +483,59 @@ def test_nothing_is_derived_at_tp1(monkeypatch):
     inputs = make_inputs(ref, seed=2)
     got, want = model(**inputs), ref(**inputs)
     assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+
+
+def test_a_tower_no_forward_runs_stays_whole_with_a_word(caplog, monkeypatch):
+    """A tower the tiny model's forward never reaches and that runs on no inputs of its own (Qwen 3.5's
+    token classifier holds its base model's vision tower and takes no images): no cut of it can be derived
+    or proven, and whole it computes what it computes unsharded, so the plan route cuts the rest and says
+    so, rather than refusing the class. Here Llava given text only stands for it."""
+    from shardformer import ShardConfig
+    from shardformer.core.comm import VirtualGroup
+    from shardformer.policies.derived import tiny_inputs
+    from shardformer.tensor_parallel.sharder import ModelSharder
+
+    text_only = {"input_ids": torch.ones(2, 8, dtype=torch.long)}
+    monkeypatch.setattr(tiny_inputs, "make_inputs", lambda model, seed=0: dict(text_only))
+    monkeypatch.setattr(tiny_inputs, "instance_copy", lambda model, tp, heads=None: model)  # tiny already
+    model = transformers_model("LlavaForConditionalGeneration")
+    sharder = ModelSharder(model, get_autopolicy(model), ShardConfig(tensor_parallel_process_group=VirtualGroup(0, 2)))
+    cut = [r.path for r in sharder.plan().replacements]
+    assert cut and not [p for p in cut if p.startswith("model.vision_tower.")]
+    assert "model.vision_tower (CLIPVisionModel) is not run by a forward" in caplog.text
+
+
+def test_a_column_cut_by_heads_offers_its_blocks_widths_as_attributes():
+    """Exaone 4.5's vision attention splits its fused qkv by the ``q_dim`` and ``kv_dim`` it holds: with fewer
+    key/value heads its blocks are sized by the heads, and each block's width is a candidate to divide."""
+    from types import SimpleNamespace
+
+    from shardformer.policies.derived.column_cuts import block_widths, column_candidates
+
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=32)  # q 32, k and v 16
+    options = column_candidates(64, config, 2)
+    assert ("heads",) in options and block_widths(64, options, config) >= {32, 16}
+
+
+def test_a_partial_parameter_beside_a_whole_one_is_summed_by_name():
+    """VideoPrism's pooling head holds its query (read by the cut query projection: a whole gradient) and a
+    per-dimension scale applied on this rank's heads (a partial one): only the scale is summed over tp."""
+    from types import SimpleNamespace
+
+    from shardformer.policies.derived.derive import BlockRule
+    from shardformer.policies.derived.partial_grads import partial_modules
+    from shardformer.policies.tp_plan.styles import grad_all_reduce_of
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query, self.scale = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2))
+            self.q, self.o = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    model = torch.nn.Sequential(Head())
+    origins = {"0": {"q": frozenset({"0.query"}), "o": frozenset({"0.q.weight", "0.scale"})}}
+    flows = SimpleNamespace(origins=origins, output_origins=frozenset(), blocks=[], heads=["0"])
+    rules = {Head: BlockRule(cols={"q": 1}, rows={"o"})}
+    assert partial_modules(model, flows, rules) == ({Head: {"scale"}}, set())
+    summed = grad_all_reduce_of(("scale",))
+    assert summed.sequence_parallel_exact_params(model[0]) == ["scale"] and vars(summed)["keeps_weights"]

@@ -153,3 +153,32 @@ def test_routes_are_tried_in_order():
     assert [r.name for r in candidate_routes(opt)] == ["derived"]
     moe = tf.Qwen2MoeForCausalLM(tiny_config(tf.Qwen2MoeConfig))  # its plan leaves the shared expert whole,
     assert [r.name for r in candidate_routes(moe)] == ["tp plan", "derived"]  # but only it cuts the experts
+
+
+def test_the_module_a_sharded_copy_fails_in_is_named():
+    """A proof whose sharded copy raises names the innermost module running (NeoMME's, Udop's attention
+    adding a bias of all the heads to this rank's), not only the error; a module whose code caught an
+    error inside it is off the list once it returns."""
+    import pytest
+
+    from shardformer.policies.proof import _running
+
+    class Fails(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("heads differ")
+
+    class Catches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Fails()
+
+        def forward(self, x):
+            try:
+                return self.inner(x)
+            except RuntimeError:
+                return x
+
+    model = torch.nn.Sequential(Catches(), torch.nn.Sequential(torch.nn.Linear(2, 2), Fails()))
+    with pytest.raises(RuntimeError), _running(model) as running:
+        model(torch.ones(1, 2))
+    assert running == ["", "1", "1.1"]

@@ -13,7 +13,7 @@ import textwrap
 
 import torch.nn as nn
 
-from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count
+from shardformer.tensor_parallel.detect import attributes_read, int_attributes, is_head_count, is_index
 from shardformer.tensor_parallel.policy import divide as divide_by
 
 
@@ -25,7 +25,7 @@ def attribute_candidates(parent: nn.Module, widths: set[int], tp: int) -> list[s
         read = attributes_read(type(module))
         prefix = f"{rel}." if rel else ""
         for name, value in int_attributes(module).items():
-            counts = is_head_count(name) or value in widths
+            counts = is_head_count(name) or (value in widths and not is_index(name))
             if (read is None or name in read) and value > 1 and splits_over(name, value, tp) and counts:
                 found.append(prefix + name)
         config = getattr(module, "config", None)
@@ -36,7 +36,7 @@ def attribute_candidates(parent: nn.Module, widths: set[int], tp: int) -> list[s
                     type(value) is int
                     and value > 1
                     and splits_over(name, value, tp)
-                    and (is_head_count(name) or value in widths)
+                    and (is_head_count(name) or (value in widths and not is_index(name)))
                 ):
                     found.append(f"config.{name}")
     return found

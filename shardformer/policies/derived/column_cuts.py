@@ -42,6 +42,18 @@ def cut_options(spec, width: int, config) -> dict:
     return {"n_cast": spec}
 
 
+def block_widths(width: int, options, config) -> set[int]:
+    """The widths of the blocks ``options`` cut a column of ``width`` into, beyond the whole: the width a
+    module's code may read to split the column (Exaone 4.5's vision ``q_dim`` and ``kv_dim`` of its fused qkv)."""
+    found = set()
+    for spec in options:
+        if spec == ("heads",):
+            found |= set(head_blocks(width, config) or ())
+        elif spec > 1:
+            found.add(width // spec)
+    return found
+
+
 def fits_blocks(width: int, blocks, tp: int) -> bool:
     """Whether a width in ``blocks`` (a count of equal blocks, or their sizes) cuts every block over ``tp``."""
     if blocks is None:

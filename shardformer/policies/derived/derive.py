@@ -9,7 +9,6 @@ user's model, whatever its depth and width, is cut by its blocks' classes.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -17,15 +16,16 @@ import torch
 import torch.nn as nn
 
 from shardformer.core import example_inputs
-from shardformer.core.inputs import NoInputsError, make_inputs
+from shardformer.core.inputs import NoInputsError
 from shardformer.core.refusal import DATA_PARALLEL, HEADS, POLICY, Reason, Refusal, has_convolutions
-from shardformer.policies.copies import KEEP, copy_key, instance_copy, repeated_stacks, two_blocks
+from shardformer.policies.copies import KEEP, copy_key, repeated_stacks
 from shardformer.policies.derived.blocks import attends, is_projection, repeated_blocks
 from shardformer.policies.derived.given_inputs import input_embeddings
 from shardformer.policies.derived.mixers import MIXER_COLUMN, MixerCut, MixerParts, cut_mixers
 from shardformer.policies.derived.partial_grads import partial_modules
 from shardformer.policies.derived.settings import calling_settings
-from shardformer.policies.derived.simulate import common_parent, find_cut, record_calls
+from shardformer.policies.derived.simulate import common_parent, find_cut
+from shardformer.policies.derived.tiny_inputs import has_config, runs, tiny_with_inputs
 from shardformer.policies.derived.trace import inside, mixed_rows, pair, trace
 from shardformer.tensor_parallel.layers.multihead import refusal as multihead_refusal
 
@@ -38,6 +38,10 @@ class NotDerivableError(Refusal):
 
 class NotProvenError(NotDerivableError):
     """A route ran on a tiny copy and was not exact (or no route was)."""
+
+
+class TowerNotRun(NotDerivableError):
+    """A tower no forward of the tiny model reaches and that does not run alone: nothing to derive a cut from."""
 
 
 @dataclass
@@ -84,42 +88,6 @@ WIDER = 4  # a refused derivation is tried once more with this many times the he
 _CACHE: dict[tuple, Derivation] = {}
 
 
-def tiny_with_inputs(model: nn.Module, tp: int, tower: str = "", heads: int | None = None, seed: int = 0):
-    """The tiny copy of ``model`` (of its sub-model at ``tower``: a vision tower a plan leaves whole)
-    and inputs for it (``seed``); for a model with no transformers config (timm, a plain module), the
-    model itself with each repeated stack cut to two blocks (`shardformer.policies.copies`). A tower's inputs are the ones it receives in one forward of the whole
-    tiny model (patches and their grid, an attention mask over images: what the wrapper computes), or,
-    where that forward does not reach it, the recipe's inputs for the tower alone."""
-    if not has_config(model):
-        tiny = two_blocks(model).eval()
-        return tiny, make_inputs(tiny, seed=seed)
-    whole = instance_copy(model, tp, heads=heads)
-    if not tower:
-        return whole, make_inputs(whole, seed=seed)
-    sub = whole.get_submodule(tower)
-    try:
-        recorded = _inputs_of(whole, tower, make_inputs(whole, seed=seed))
-    except Exception:  # noqa: BLE001 - a wrapper the recipe cannot run: the tower's own inputs
-        recorded = None
-    return sub, recorded if recorded is not None else make_inputs(sub, seed=seed)
-
-
-def _inputs_of(whole: nn.Module, tower: str, inputs: dict) -> dict | None:
-    """The keyword arguments the module at ``tower`` is first called with in ``whole(**inputs)``."""
-    seen = record_calls(whole, [tower], inputs).get(tower)
-    if seen is None:
-        return None
-    args, kwargs, _ = seen
-    bound = inspect.signature(whole.get_submodule(tower).forward).bind_partial(*args, **kwargs).arguments
-    extra = bound.pop("kwargs", None)  # a **kwargs parameter binds as one dict
-    return bound | (extra if isinstance(extra, dict) else {})
-
-
-def has_config(model: nn.Module) -> bool:
-    """A transformers model (a config to scale down), not a timm model or a plain module."""
-    return hasattr(getattr(model, "config", None), "to_dict")
-
-
 def _key(model: nn.Module, tp: int, tower: str = "") -> tuple:
     return copy_key(model, tp), tower
 
@@ -151,7 +119,7 @@ def _copy_does_not_run(model: nn.Module, inputs: dict, error: Exception) -> NotD
     name = type(model).__name__
     failed = f"{type(error).__name__}: {str(error)[:200]}"
     cut = any(len(model.get_submodule(p)) > KEEP for p in repeated_stacks(model))
-    if not cut or not _runs(model, inputs):
+    if not cut or not runs(model, inputs):
         shapes = ", ".join(f"{k}: {list(v.shape)}" for k, v in inputs.items() if torch.is_tensor(v))
         given = getattr(model, example_inputs.ATTRIBUTE, None) is not None
         return NotDerivableError(
@@ -173,22 +141,6 @@ def _copy_does_not_run(model: nn.Module, inputs: dict, error: Exception) -> NotD
         f"and proven on a copy",
         DATA_PARALLEL,
     )
-
-
-def _runs(model: nn.Module, inputs: dict) -> bool:
-    """Whether ``model`` itself (in eval mode, its modes restored) runs on ``inputs``; not on the meta device."""
-    if any(t.device.type == "meta" for t in model.parameters()):
-        return False
-    modes = {m: m.training for m in model.modules()}
-    try:
-        with torch.no_grad():
-            model.eval()(**inputs)
-        return True
-    except Exception:  # noqa: BLE001 - any failure: the inputs, not the cut
-        return False
-    finally:
-        for module, mode in modes.items():
-            module.training = mode
 
 
 def no_stack(model: nn.Module) -> NotDerivableError:
@@ -218,6 +170,11 @@ def _derive(model: nn.Module, tp: int, tower: str = "", heads: int | None = None
         raise NotDerivableError(
             f"a tiny {name} cannot be built from a scaled-down config or given inputs: {type(e).__name__}: {e}"
         ) from None  # the error's text is in the message: not printed twice
+    if inputs is None:
+        raise TowerNotRun(
+            f"{tower} ({name}) is not run by a forward of a tiny {type(model).__name__} on the inputs shardformer "
+            f"makes for it, nor alone on inputs of its own"
+        )
     if has_config(tiny):
         tiny.config.use_cache = False
     inputs.pop("labels", None)

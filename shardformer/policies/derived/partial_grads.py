@@ -51,14 +51,18 @@ def _cut_in(rule, rel: str) -> bool:
 
 
 def partial_modules(model: nn.Module, flows, rules: dict) -> tuple[dict[type, set[str]], set[str]]:
-    """The modules whose every traced parameter of their own gets a partial gradient: per block
-    class, paths relative to the block (the same in every block of the class that runs it), and the
-    modules outside every block (paths in ``model``)."""
+    """The modules whose every traced parameter of their own gets a partial gradient (else those
+    parameters, by name): per block class, paths relative to the block (the same in every block of the
+    class that runs it), and the modules outside every block (paths in ``model``)."""
     modules = dict(model.named_modules())
     kinds = _reached(flows, rules, modules)
     by_module: dict[str, set[str]] = defaultdict(set)
     for name, found in kinds.items():
         by_module[name.rpartition(".")[0]] |= found
+    # a module whose own parameters differ (VideoPrism's pooling head: its query whole, its per-dim scale
+    # partial): each partial one is summed by its own name
+    params = {n for n, found in kinds.items() if found == {PARTIAL} and by_module[n.rpartition(".")[0]] != {PARTIAL}}
+    by_module.update({name: {PARTIAL} for name in params})
     units = [b for b in [*flows.blocks, *flows.heads] if type(modules[b]) in rules]
     inside: dict[type, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     outside: set[str] = set()
@@ -70,7 +74,7 @@ def partial_modules(model: nn.Module, flows, rules: dict) -> tuple[dict[type, se
             continue
         rel = path[len(unit) + 1 :]
         rule = rules[type(modules[unit])]
-        if not _cut_in(rule, rel):
+        if not _cut_in(rule, rel.rpartition(".")[0] if path in params else rel):
             inside[type(modules[unit])][rel] |= found
     per_class = {cls: {rel for rel, found in rels.items() if found == {PARTIAL}} for cls, rels in inside.items()}
     return {cls: rels for cls, rels in per_class.items() if rels}, outside

@@ -27,17 +27,18 @@ from shardformer.policies.derived.blocks import (
 )
 from shardformer.policies.derived.channels import channel_layers
 from shardformer.policies.derived.column_cuts import cut_options
-from shardformer.policies.derived.derive import BlockRule, NotDerivableError, derive, has_config, no_stack
+from shardformer.policies.derived.derive import BlockRule, NotDerivableError, TowerNotRun, derive, no_stack
 from shardformer.policies.derived.heads import head_counts, head_inputs_layer
 from shardformer.policies.derived.mixers import FUSED_PACKAGE, MIXER_COLUMN, fused_kernels, layouts_in, local_counts
 from shardformer.policies.derived.numpy_draws import NoTrainingDraws, draws_from_numpy
 from shardformer.policies.derived.rewrites import ModuleWidth, reads_width_from_input
+from shardformer.policies.derived.tiny_inputs import has_config
 from shardformer.policies.derived.towers import uncovered_blocks
 from shardformer.policies.derived.widths import local_widths_layer
 from shardformer.policies.tp_plan.heads import head_sizes
 from shardformer.policies.tp_plan.lm import embedding_layer
 from shardformer.policies.tp_plan.policy import TpPlanPolicy
-from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, head_params_layer
+from shardformer.policies.tp_plan.styles import GradAllReduce, PackedRow, grad_all_reduce_of, head_params_layer
 from shardformer.policies.tp_plan.ties import cut_ties_alike
 from shardformer.tensor_parallel.detect import find_ties, int_attributes
 from shardformer.tensor_parallel.layers.linear import Linear1D_RowIntoParallel, is_conv1d
@@ -109,7 +110,7 @@ class DerivedPolicy(TpPlanPolicy):
             self._cut_block(block, modules, rule, tp, config, layers, attrs)
         self._cut_heads(pooling_heads(model), derivation, modules, tp, config, layers, attrs)
         for path in derivation.grad_sum:  # computed once, read by each rank's heads in every block
-            _add_layer(layers, path, GradAllReduce)
+            _sum_grad(layers, modules, path)
         if not layers:
             if config is None:  # a timm model or a plain module: convolutions, or projections a Policy may name
                 raise no_stack(model)
@@ -163,7 +164,11 @@ class DerivedPolicy(TpPlanPolicy):
         policy = cls()
         policy.tower_of = (model, tower)
         policy.set_model(sub)
-        argument = policy.argument_policy(sub.config, shard_config)[type(sub)]
+        try:
+            argument = policy.argument_policy(sub.config, shard_config)[type(sub)]
+        except TowerNotRun as e:  # whole on every rank computes what it computes unsharded: exact, not split
+            logger.warning("%s: it stays whole on every rank (exact; its weights are not split)", e.reason)
+            return [], {}
         layers = [
             dataclasses.replace(layer, suffix=f"{tower}.{layer.suffix}")
             for func in argument.param_funcs
@@ -294,9 +299,7 @@ class DerivedPolicy(TpPlanPolicy):
             heads = tuple(head_counts(modules[path], tp))  # the module's own, whole: its stage's (Swin's differ)
             _add_layer(layers, path, local_widths_layer(out_width(modules[f"{block}.{row}"]), heads))
         for rel in rule.grad_sum:  # beside what else replaces the module (its per-rank widths)
-            path = f"{block}.{rel}" if rel else block
-            if path in modules:
-                _add_layer(layers, path, GradAllReduce)
+            _sum_grad(layers, modules, f"{block}.{rel}" if rel else block)
         # a class's blocks differ inside (T5's encoder and decoder blocks; RecurrentGemma's temporal block, an
         # attention in some layers and a recurrence in others): the attributes it has, for the groups it has
         divide = {d for d in rule.divide if _held(modules[block], d, rule)}
@@ -315,6 +318,15 @@ class DerivedPolicy(TpPlanPolicy):
                 dotted = f"{owner}.{name}" if owner else name
                 if dotted not in divide:
                     attrs.setdefault(f"{block}.{dotted}", value)
+
+
+def _sum_grad(layers: dict[str, Layer], modules: dict, path: str) -> None:
+    """The gradient of the module at ``path``, or of the parameter ``path`` names, summed over tp."""
+    owner, _, name = path.rpartition(".")
+    if path in modules:
+        _add_layer(layers, path, GradAllReduce)
+    elif owner in modules and name in dict(modules[owner].named_parameters(recurse=False)):
+        _add_layer(layers, owner, grad_all_reduce_of((name,)))
 
 
 def _add_layer(layers: dict[str, Layer], path: str, layer_cls: type) -> None:

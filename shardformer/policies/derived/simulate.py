@@ -24,7 +24,7 @@ from shardformer.core.refusal import DATA_PARALLEL, HEADS, Reason
 from shardformer.core.shard_spec import make_spec, slice_tensor
 from shardformer.policies.derived.attributes import apply_attributes, attribute_candidates, splits_over
 from shardformer.policies.derived.blocks import in_width, out_width, run_hooked, value_at
-from shardformer.policies.derived.column_cuts import column_candidates, cut_options, fits_blocks
+from shardformer.policies.derived.column_cuts import block_widths, column_candidates, cut_options, fits_blocks
 from shardformer.policies.derived.feature_norms import feature_norm_options, replay_means
 from shardformer.policies.derived.given_inputs import inputs_from_outside
 from shardformer.policies.derived.heads import (
@@ -253,9 +253,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
         if not options:
             return None, f"{path}: output width {out_width(module)} does not split over tp={tp}"
         per_col.append(options)
-        for n in options:
-            if isinstance(n, int) and n > 1:
-                widths.add(out_width(module) // n)
+        widths |= block_widths(out_width(module), options, config)
     if in_width(row_module) % tp:
         return None, f"{row}: input width {in_width(row_module)} does not split over tp={tp}"
     col_rels = [_rel(c, parent_path) for c in cols]

@@ -48,19 +48,30 @@ class GradAllReduce:
 
     supports_sequence_parallel = True  # per-token, per-head or no-op: exact on sequence chunks
     keeps_weights = True  # the hook is on the Parameter: every module tied to it is summed too
+    names: tuple[str, ...] | None = None  # the module's own parameters summed (`grad_all_reduce_of`); None: all
+
+    @classmethod
+    def _summed(cls, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in module.named_parameters(recurse=False) if cls.names is None or n in cls.names]
 
     @classmethod
     def from_native(cls, module: nn.Module, process_group=None, **_) -> nn.Module:
         if group_size(process_group) > 1:
-            for param in module.parameters(recurse=False):
+            for _, param in cls._summed(module):
                 if param.requires_grad:
                     param.register_hook(lambda grad: all_reduce(grad.clone(), process_group))
         return module
 
-    @staticmethod
-    def sequence_parallel_exact_params(module: nn.Module) -> list[str]:
+    @classmethod
+    def sequence_parallel_exact_params(cls, module: nn.Module) -> list[str]:
         """It reads this rank's heads, not the gathered input: exact under sequence parallelism."""
-        return [name for name, _ in module.named_parameters(recurse=False)]
+        return [name for name, _ in cls._summed(module)]
+
+
+def grad_all_reduce_of(names) -> type[GradAllReduce]:
+    """`GradAllReduce` for some of a module's own parameters only (VideoPrism's pooling head: its per-dim
+    scale, read on this rank's heads, summed; its query, read by the cut query projection, not)."""
+    return type("GradAllReduce", (GradAllReduce,), {"names": tuple(names), "keeps_weights": True})
 
 
 class OutputAllReduce:
