@@ -218,13 +218,10 @@ def _sizes_that_cut(width: int) -> str:
     """What a user can do about a width ``tp`` does not divide: the sizes that do (a width of Fourier features,
     Perceiver's 3 + 258, may have no even divisor at all), and data parallelism, which cuts no width."""
     sizes = [str(size) for size in range(2, MAX_SUGGESTED_TP + 1) if width % size == 0]
-    named = f"{', '.join(sizes[:-1])} or {sizes[-1]}" if len(sizes) > 1 else "".join(sizes)
-    found = (
-        f"a tensor_parallel_size of {named} divides it"
-        if sizes
-        else f"no tensor_parallel_size up to {MAX_SUGGESTED_TP} divides it"
-    )
-    return f"{found}; or {DATA_PARALLEL}"
+    if not sizes:
+        return f"no tensor_parallel_size up to {MAX_SUGGESTED_TP} divides it; or {DATA_PARALLEL}"
+    named = f"{', '.join(sizes[:-1])} or {sizes[-1]}" if len(sizes) > 1 else sizes[0]
+    return f"a tensor_parallel_size of {named} divides it; or {DATA_PARALLEL}"
 
 
 # -- per-rank attributes ------------------------------------------------------------------------
