@@ -12,6 +12,7 @@ import transformers as tf
 from shardformer import EngineConfig, ParallelEngine
 from shardformer.cli.config_file import ConfigError, build_config
 from shardformer.cli.main import main
+from shardformer.core.counting import CollectiveCounter
 from shardformer.core.tiny import tiny_config
 from shardformer.engine import split_batch
 from shardformer.pipeline.bubble import bubble_fraction, simulate
@@ -22,7 +23,7 @@ from tests.context_parallel import common as cp_common
 from tests.helpers import assert_close, check_table
 from tests.pipeline import common
 from tests.pipeline.test_engine import STEPS, _check
-from tests.zero.test_zero3 import _dp_reduce_scatters
+from tests.zero.test_zero3 import _on_dp
 
 
 def _llama(name="LlamaForCausalLM", **config):
@@ -94,14 +95,13 @@ def check_zero3_pp2_dp2_plan_route():
     for name, schedule in (("LlamaForCausalLM", "1f1b"), ("Qwen3ForCausalLM", "zbv")):
         _train(name, (1, 2, 2, schedule, 4, 0.5, "torch"), _llama(name), zero_stage=3)
     ref, model = pair = _llama(tie_word_embeddings=True)
-    with _dp_reduce_scatters() as groups:
+    with CollectiveCounter() as counter:
         engine = _train("LlamaForCausalLM", (1, 2, 2, "interleaved_1f1b", 2, 0.5, "torch"), pair, zero_stage=3)
     # each chunk's layers once per step (in the chunk's last backward); the root (embedding, tied head,
     # norm) in every backward that reaches its parameters: 2 micro-batches x the chunks using it
-    dp = engine.mesh.dp_group
-    on_dp = [g for g in groups if g is not None and g.group_name == dp.group_name]
+    scatters, _ = _on_dp(counter, engine, "reduce_scatter")
     root_uses = 2 * sum(c in (0, engine.chunks.num_chunks - 1) for c in engine.chunks.indices)
-    assert len(on_dp) == STEPS * (common.LAYERS // 2 + root_uses), (len(on_dp), engine.chunks)
+    assert scatters == STEPS * (common.LAYERS // 2 + root_uses), (scatters, engine.chunks)
     _inference_matches(engine, ref, "LlamaForCausalLM")
 
 
