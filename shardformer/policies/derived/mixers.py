@@ -133,7 +133,9 @@ def layout_of(mixer: nn.Module, conv: nn.Conv1d, col: nn.Module, row: nn.Module,
         cuts = {"written": ((2 * inner,) if interleaved else (inner, inner), None), "inner": ((inner,), None)}
         heads = _scan_heads(mixer, inner)
         if heads is not None and heads % tp:
-            text = f"its {heads} scan heads (per-head parameters [heads, ...]) do not split over tensor_parallel_size={tp}"
+            text = (
+                f"its {heads} scan heads (per-head parameters [heads, ...]) do not split over tensor_parallel_size={tp}"
+            )
             return Reason(text, HEADS)
         return Layout(tp, cuts | ({"heads": ((heads,), None)} if heads else {}))
     state, heads = (channels - inner) // 2, written - inner - channels  # B and C: n_groups x state each

@@ -246,7 +246,10 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
         result.bypassed[path] = [
             rel
             for rel, m in modules[path].named_modules()
-            if rel and is_projection(m) and rel not in result.reads.get(path, {}) and f"{path}.{rel}" in mode.read_elsewhere
+            if rel
+            and is_projection(m)
+            and rel not in result.reads.get(path, {})
+            and f"{path}.{rel}" in mode.read_elsewhere
         ]
     return result
 
@@ -360,7 +363,8 @@ def _low_rank(reads: dict[str, Flow], cols: set[str], rows: dict[str, frozenset[
 
 
 def _from_columns(rel: str, reads: dict[str, Flow], cols: set[str], seen: frozenset[str] = frozenset()) -> bool:
-    """Whether the input of projection ``rel`` was computed, through any projections, from a column's output."""
+    """Whether the input of projection ``rel`` was computed, through any projections (not through those in
+    ``seen``: rows whose all-reduce makes their output whole), from a column's output."""
     sources = reads[rel].sources - seen
     return bool(sources & cols) or any(
         _from_columns(s, reads, cols, seen | {rel}) for s in sources if s in reads and s not in cols
@@ -371,5 +375,8 @@ def mixed_rows(reads: dict[str, Flow], groups: list[Group]) -> list[str]:
     """Projections computed from columns' outputs that no group holds (CaiT's talking heads: a
     projection across the heads between q/k and the output projection): no cut over heads computes them."""
     cols = {rel for rel, f in reads.items() if f.stream}
-    grouped = {g.row for g in groups} | {c for g in groups for c in g.cols}
-    return [rel for rel, f in reads.items() if not f.stream and rel not in grouped and _from_columns(rel, reads, cols)]
+    rows = frozenset(g.row for g in groups)
+    grouped = rows | {c for g in groups for c in g.cols}
+    return [
+        rel for rel, f in reads.items() if not f.stream and rel not in grouped and _from_columns(rel, reads, cols, rows)
+    ]
