@@ -353,8 +353,8 @@ def _low_rank(reads: dict[str, Flow], cols: set[str], rows: dict[str, frozenset[
         for source in sources:
             readers[source] += 1
     found: dict[str, str] = {}
-    for row, sources in rows.items():
-        ups = {s: next(iter(rows[s])) for s in sources - cols if len(rows.get(s, ())) == 1}
+    for sources in rows.values():
+        ups = {up: next(iter(rows[up])) for up in sources - cols if len(rows.get(up, ())) == 1}
         if not sources & cols or len(ups) != len(sources - cols):
             continue
         if all(down in cols and readers[down] == 1 and readers[up] == 1 for up, down in ups.items()):
