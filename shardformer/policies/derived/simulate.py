@@ -24,7 +24,7 @@ from shardformer.core.refusal import DATA_PARALLEL, HEADS, Reason
 from shardformer.core.shard_spec import make_spec, slice_tensor
 from shardformer.policies.derived.attributes import apply_attributes, attribute_candidates, splits_over
 from shardformer.policies.derived.blocks import in_width, out_width, run_hooked, value_at
-from shardformer.policies.derived.column_cuts import column_candidates, cut_options, fits_blocks
+from shardformer.policies.derived.column_cuts import column_candidates, cut_options, fits_blocks, nearest_config
 from shardformer.policies.derived.feature_norms import feature_norm_options, replay_means
 from shardformer.policies.derived.given_inputs import inputs_from_outside
 from shardformer.policies.derived.heads import (
@@ -244,7 +244,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     row_module = model.get_submodule(row)
     row_bias = getattr(row_module, "bias", None)
     stream_width = out_width(row_module)  # the row writes back into the stream
-    config = getattr(model, "config", None)  # None: a timm model or a plain module (counts read off modules)
+    config = nearest_config(model, parent_path)  # None: a timm model or a plain module (counts read off modules)
     col_modules = {c: model.get_submodule(c) for c in cols}
     widths = {in_width(row_module)} | {out_width(m) for m in col_modules.values()}
     per_col = []
