@@ -25,7 +25,7 @@ from shardformer.core.shard_spec import make_spec, slice_tensor
 from shardformer.policies.derived.attributes import apply_attributes, attribute_candidates, splits_over
 from shardformer.policies.derived.blocks import in_width, out_width, run_hooked, value_at
 from shardformer.policies.derived.column_cuts import column_candidates, cut_options, fits_blocks, nearest_config
-from shardformer.policies.derived.feature_norms import feature_norm_options, replay_means
+from shardformer.policies.derived.feature_norms import feature_norm_options, own_statistics, replay_means
 from shardformer.policies.derived.given_inputs import inputs_from_outside
 from shardformer.policies.derived.heads import (
     HeadCut,
@@ -347,7 +347,8 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
             f"from all of them, which no cut of the projection gives exactly",
             DATA_PARALLEL,
         )
-    return None, _why_none(unsplit, tp, errors[0] if errors else "no candidate cut")
+    statistic = own_statistics(parent, args, kwargs, widths - {stream_width})  # Gemma 3n's activation sparsity
+    return None, statistic or _why_none(unsplit, tp, errors[0] if errors else "no candidate cut")
 
 
 def _count_of_width(parent: nn.Module, width: int) -> str:
