@@ -301,10 +301,9 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
         refused += _mixer_rule(name, mixer, cut, rule)
     owned = [*packed, *mixers]  # modules cut as one: their projections join no plain group
     reads = {rel: flow for rel, flow in flows.reads.get(block, {}).items() if not inside(rel, owned)}
-    # a timm or plain module, or a pooling head: projections of replicated tensors join a group, and a
-    # projection on the heads' outputs left whole is refused (transformers models' blocks keep the rules
-    # their sweep was run with); projections after a row read the stream (whole after its all-reduce): in
-    # a head after its attention, in a block with no residual to carry the stream on (Zamba2's shared layer)
+    # a timm or plain module, or a pooling head: projections of replicated tensors join a group, and a projection
+    # on the heads' outputs left whole is refused (transformers models' blocks keep their sweep's rules); those after
+    # a row read the stream (whole after its all-reduce: a head's MLP, Zamba2's shared layer with no residual)
     plain = head or not has_config(tiny)
     groups, whole = pair(reads, replicated_columns=plain, after_rows=True)
     if not groups and not head:  # no projection reads the stream and feeds a row: bottlenecks left whole
