@@ -139,3 +139,21 @@ def test_a_model_refused_on_every_route_prints_each_reason_and_the_fix_once():
     assert "self_attn.dt_proj (Linear) reads every head's features" in message, message
     assert "RuntimeError" not in message, message
     _printed_once(message, printed)
+
+
+def test_a_statistic_over_the_cut_features_is_named():
+    """Gemma 3n's MLP sparsifies its gate by a cutoff ``mean + std * k`` over the gate's whole width, in its own
+    forward: the refusal names the statistics and the width the column cut splits (no layer reduces them)."""
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextMLP
+
+    from shardformer.policies.derived.feature_norms import own_statistics
+
+    config = tf.Gemma3nTextConfig(
+        hidden_size=16, intermediate_size=64, num_hidden_layers=1, layer_types=["full_attention"]
+    )
+    config.activation_sparsity_pattern = [0.95]
+    mlp, x = Gemma3nTextMLP(config, layer_idx=0), torch.randn(2, 4, 16)
+    why = own_statistics(mlp, (x,), {}, {64})
+    assert "Gemma3nTextMLP's own forward takes the mean over 64, the std over 64 features" in str(why), why
+    config.activation_sparsity_pattern = [0.0]
+    assert own_statistics(Gemma3nTextMLP(config, layer_idx=0), (x,), {}, {64}) is None  # no sparsity: none taken

@@ -8,6 +8,19 @@ from __future__ import annotations
 from shardformer.policies.tp_plan.heads import head_sizes
 
 
+def nearest_config(root, path: str):
+    """The config whose head counts a projection at ``path`` below ``root`` is cut by: that of the nearest
+    module at or above it holding one with heads (a sub-model's own: PI0's action expert beside its vision-
+    language model, whose top config counts no heads), else ``root``'s (None: a timm or plain module)."""
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), -1, -1):
+        config = getattr(root.get_submodule(".".join(parts[:depth])), "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if hasattr(config, "to_dict") and head_sizes(text) is not None:
+            return config
+    return getattr(root, "config", None)
+
+
 def head_width(config) -> int | None:
     """The width of one attention head from ``config`` (its text config), as the plan route reads it."""
     sizes = head_sizes(config.get_text_config() if hasattr(config, "get_text_config") else config)

@@ -258,11 +258,11 @@ def _block_rule(tiny, block: str, rule: BlockRule, flows, packed: list[str], tp:
         refused += _mixer_rule(name, mixer, cut, rule)
     owned = [*packed, *mixers]  # modules cut as one: their projections join no plain group
     reads = {rel: flow for rel, flow in flows.reads.get(block, {}).items() if not inside(rel, owned)}
-    # a timm or plain module, or a pooling head: projections of replicated tensors join a group, and a
-    # projection on the heads' outputs left whole is refused (transformers models' blocks keep the rules
-    # their sweep was run with); in a head, projections after its attention's row read the stream
+    # a timm or plain module, or a pooling head: projections of replicated tensors join a group, and a projection
+    # on the heads' outputs left whole is refused (transformers models' blocks keep their sweep's rules); those after
+    # a row read the stream (whole after its all-reduce: a head's MLP, Zamba2's shared layer with no residual)
     plain = head or not has_config(tiny)
-    groups, whole = pair(reads, replicated_columns=plain, after_rows=head)
+    groups, whole = pair(reads, replicated_columns=plain, after_rows=True)
     if not groups and not head:  # no projection reads the stream and feeds a row: bottlenecks left whole
         groups, whole = pair(reads, replicated_columns=plain, after_whole=True)
     if head and not attends(groups, set(packed)):

@@ -11,6 +11,7 @@ the all-reduce would give them; the proof on ranks confirms.
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from shardformer.core.refusal import DATA_PARALLEL, Reason
 from shardformer.policies.derived.blocks import is_projection
 from shardformer.tensor_parallel.layers.norm import is_mean_over_last, splits_features
 
@@ -89,3 +91,59 @@ def _replaying(module: nn.Module, *args, recorded, **kwargs):
 def replay_means(module: nn.Module, recorded: list[torch.Tensor]) -> None:
     """``module`` (a rank's copy) runs with the whole module's means in place of its own."""
     module.forward = types.MethodType(functools.partial(_replaying, recorded=recorded), module)
+
+
+_STATISTICS = {torch.mean: "mean", torch.Tensor.mean: "mean", torch.std: "std", torch.Tensor.std: "std"}
+_STATISTICS |= {torch.var: "var", torch.Tensor.var: "var"}
+
+
+class _OwnStatistics(TorchFunctionMode):
+    """Records the statistics over the last dimension of a tensor of one of ``widths`` features that a module's
+    own code takes (not its children's: a norm leaf over them is `feature_norm_options`' to cut)."""
+
+    def __init__(self, widths: set[int]) -> None:
+        super().__init__()
+        self.widths, self.children_running, self.seen = widths, 0, {}
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name, x = _STATISTICS.get(func), args[0] if args else None
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        cut = torch.is_tensor(x) and x.dim() > 0 and x.shape[-1] in self.widths
+        if name and cut and not self.children_running and any(d in (-1, x.dim() - 1) for d in dims):
+            self.seen.setdefault(name, x.shape[-1])
+        return func(*args, **kwargs)
+
+
+def own_statistics(parent: nn.Module, args, kwargs, widths: set[int]) -> Reason | None:
+    """Why no cut of a group in ``parent`` is exact where ``parent``'s own forward (on its recorded call) takes
+    a mean, standard deviation or variance over the last dimension of features the cut splits (Gemma 3n's MLP:
+    its activation sparsity's cutoff, ``mean + std * k`` over the gate's whole width): each rank would take it
+    over its share alone; None where it takes none."""
+    mode = _OwnStatistics(widths)
+
+    def enter(*_):
+        mode.children_running += 1
+
+    def leave(*_):
+        mode.children_running -= 1
+
+    children = [m for _, m in parent.named_children()]
+    handles = [h for m in children for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        with torch.no_grad(), mode:
+            parent(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    except Exception:  # noqa: BLE001 - the forward is the simulation's to judge, not this check's
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not mode.seen:
+        return None
+    taken = ", ".join(f"the {name} over {width}" for name, width in mode.seen.items())
+    return Reason(
+        f"{type(parent).__name__}'s own forward takes {taken} features, which the cut splits over the ranks (each "
+        f"would take it over its share alone, and no layer here reduces such a statistic over them)",
+        DATA_PARALLEL,
+    )

@@ -10,7 +10,9 @@ the cut of those channels. The channels, read off the widths of ``in_proj``, the
 - Mamba: ``in_proj`` writes ``[x | gate]`` (two blocks of the inner width); the convolution,
   ``dt_proj``'s output, ``A_log`` and ``D`` are per channel; ``x_proj`` reads the channels and writes
   ``[dt | B | C]`` whole: a row whose all-reduced output feeds each rank's channels again
-  (`Linear1D_RowIntoParallel`).
+  (`Linear1D_RowIntoParallel`). Zamba's multi-head Mamba writes ``x`` and ``gate`` interleaved (one
+  channel's pair after another's: cut evenly) and keeps ``x_proj``, ``dt_proj``, ``A_log`` and ``D`` per
+  head (``[heads, ...]`` parameters, cut with the heads: each head's scan reads its own channels alone).
 - Mamba-2: ``in_proj`` writes ``[z | x | B | C | dt]`` (B and C per group of heads, dt per head); the
   convolution runs over ``[x | B | C]``; ``A_log``, ``D``, ``dt_bias`` are per head; the gated norm
   normalises per group. Each rank holds whole groups where ``n_groups`` splits over tp; with one group
@@ -30,6 +32,7 @@ whole output its all-reduce gives) to choose which counts its code reads become 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import itertools
 from dataclasses import dataclass, field
@@ -103,6 +106,7 @@ class MixerParts:
     col: str
     row: str
     norms: tuple[str, ...] = ()
+    interleaved: bool = False  # in_proj writes [x | gate] channel by channel (Zamba's), not as two blocks
 
 
 @dataclass
@@ -117,15 +121,23 @@ class MixerCut:
     grad_sum: set[str] = field(default_factory=set)  # leaves on the inner rows' whole outputs (Jamba's dt/B/C norms)
 
 
-def layout_of(mixer: nn.Module, conv: nn.Conv1d, col: nn.Module, row: nn.Module, tp: int):
+def layout_of(mixer: nn.Module, conv: nn.Conv1d, col: nn.Module, row: nn.Module, tp: int, interleaved=False):
     """The `Layout` of the mixer's widths (``in_proj``'s output, the convolution's channels, the inner
-    width, the heads), None where they are no Mamba layout, or a `Reason` it cannot be cut."""
+    width, the heads), None where they are no Mamba layout, or a `Reason` it cannot be cut. ``interleaved``:
+    Mamba's ``[x | gate]`` written channel by channel."""
     inner, channels, written = in_width(row), conv.out_channels, out_width(col)
     groups = getattr(mixer, "n_groups", None)
     if type(groups) is not int:  # Mamba: [x | gate], the convolution over x
-        if channels == inner and written == 2 * inner:
-            return Layout(tp, {"written": ((inner, inner), None), "inner": ((inner,), None)})
-        return None
+        if channels != inner or written != 2 * inner:
+            return None
+        cuts = {"written": ((2 * inner,) if interleaved else (inner, inner), None), "inner": ((inner,), None)}
+        heads = _scan_heads(mixer, inner)
+        if heads is not None and heads % tp:
+            text = (
+                f"its {heads} scan heads (per-head parameters [heads, ...]) do not split over tensor_parallel_size={tp}"
+            )
+            return Reason(text, HEADS)
+        return Layout(tp, cuts | ({"heads": ((heads,), None)} if heads else {}))
     state, heads = (channels - inner) // 2, written - inner - channels  # B and C: n_groups x state each
     if channels <= inner or (channels - inner) % 2 or heads <= 0:
         return None
@@ -146,6 +158,15 @@ def layout_of(mixer: nn.Module, conv: nn.Conv1d, col: nn.Module, row: nn.Module,
     head = inner // heads  # one group: B and C held whole by every rank, the heads cut
     units = {"written": (head, head, state, state, 1), "channels": (head, state, state), "inner": (head,)}
     return Layout(tp, {role: (blocks, units.get(role, (1,))) for role, blocks in cuts.items()}, spans_ranks=True)
+
+
+def _scan_heads(mixer: nn.Module, inner: int) -> int | None:
+    """The heads of a Mamba mixer that scans its channels head by head (Zamba's ``n_mamba_heads``): the
+    first dimension of its own parameters laid out ``[heads, head width, ...]``; None for one scan."""
+    for t in mixer.parameters(recurse=False):
+        if t.dim() >= 2 and 1 < t.shape[0] < inner and t.shape[0] * t.shape[1] == inner:
+            return t.shape[0]
+    return None
 
 
 def fused_kernels(model: nn.Module) -> str | None:
@@ -188,13 +209,28 @@ def mixer_cut(model: nn.Module, block: str, mixer: str, conv: str, reads, leaf_r
     out = [r for r in rows if out_width(model.get_submodule(f"{block}.{r}")) == in_width(col)]
     if len(out) != 1:
         return None
-    layout = layout_of(
-        module, model.get_submodule(f"{block}.{conv}"), col, model.get_submodule(f"{block}.{out[0]}"), tp
-    )
-    if not isinstance(layout, Layout):
-        return layout
-    inner = {r for r in rows if r != out[0]}
-    skip = {cols[0], out[0], conv, *inner}
+    parts = module, model.get_submodule(f"{block}.{conv}"), col, model.get_submodule(f"{block}.{out[0]}"), tp
+    first = layout_of(*parts)
+    if not isinstance(first, Layout):
+        return first
+    found = _cut_with(model, block, mixer, conv, (cols[0], out[0], rows), leaf_reads, first, inputs)
+    second = layout_of(*parts, interleaved=True)  # Mamba's [x | gate] written channel by channel (Zamba's)
+    if isinstance(found, MixerCut) or second == first:
+        return found
+    found = _cut_with(model, block, mixer, conv, (cols[0], out[0], rows), leaf_reads, second, inputs)
+    if isinstance(found, MixerCut):
+        found.parts = dataclasses.replace(found.parts, interleaved=True)
+    return found
+
+
+def _cut_with(model, block: str, mixer: str, conv: str, projections, leaf_reads, layout: Layout, inputs):
+    """The mixer's `MixerCut` under ``layout`` (``projections``: its column, its row and every row traced
+    in it), or the `Reason` no per-rank counts make it exact."""
+    col, row, rows = projections
+    module = model.get_submodule(f"{block}.{mixer}" if mixer else block)
+    prefix = f"{mixer}." if mixer else ""
+    inner = {r for r in rows if r != row}
+    skip = {col, row, conv, *inner}
     # leaves reading only the inner rows' outputs stay whole; each rank's gradient covers its own channels
     grad_sum = {rel for rel, f in leaf_reads.items() if rel.startswith(prefix) and f.sources and f.sources <= inner}
     norms = tuple(
@@ -202,7 +238,7 @@ def mixer_cut(model: nn.Module, block: str, mixer: str, conv: str, reads, leaf_r
         for rel, leaf in module.named_modules()
         if rel and f"{prefix}{rel}" not in skip | grad_sum and _weight_width(leaf) == layout.width("inner")
     )
-    cut = MixerCut(MixerParts(conv, cols[0], out[0], norms), inner, grad_sum=grad_sum)
+    cut = MixerCut(MixerParts(conv, col, row, norms), inner, grad_sum=grad_sum)
     for rel, leaf in module.named_modules():
         path = f"{prefix}{rel}".rstrip(".") or mixer
         if path in skip - {conv} or path in grad_sum:
@@ -342,7 +378,8 @@ def layouts_in(block: nn.Module, mixers_: dict[str, MixerParts], tp: int) -> dic
     for mixer, parts in mixers_.items():
         modules = dict(block.named_modules())
         if all(p in modules for p in (mixer, parts.conv, parts.col, parts.row)):
-            layout = layout_of(modules[mixer], *(modules[p] for p in (parts.conv, parts.col, parts.row)), tp)
+            widths = (modules[p] for p in (parts.conv, parts.col, parts.row))
+            layout = layout_of(modules[mixer], *widths, tp, interleaved=parts.interleaved)
             if not isinstance(layout, Layout):
                 raise ValueError(f"{type(modules[mixer]).__name__} at {mixer}: {layout or 'no Mamba layout'}")
             found[mixer] = layout

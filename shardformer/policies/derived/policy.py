@@ -26,7 +26,7 @@ from shardformer.policies.derived.blocks import (
     value_at,
 )
 from shardformer.policies.derived.channels import channel_layers
-from shardformer.policies.derived.column_cuts import cut_options
+from shardformer.policies.derived.column_cuts import cut_options, nearest_config
 from shardformer.policies.derived.derive import BlockRule, NotDerivableError, TowerNotRun, derive, no_stack
 from shardformer.policies.derived.heads import head_counts, head_inputs_layer
 from shardformer.policies.derived.mixers import FUSED_PACKAGE, MIXER_COLUMN, fused_kernels, layouts_in, local_counts
@@ -244,7 +244,7 @@ class DerivedPolicy(TpPlanPolicy):
                     blocks, units = layouts[next(m for m, p in rule.mixers.items() if p.col == rel)].cuts["written"]
                     options = {"n_cast": blocks, **({"head_width": units} if units else {})}
                 else:
-                    options = cut_options(spec, out_width(module), config)
+                    options = cut_options(spec, out_width(module), nearest_config(modules[""], f"{block}.{rel}"))
                 layers[f"{block}.{rel}"] = Col_Layer(f"{block}.{rel}", reversed=is_conv1d(module), **options)
         for rel in rule.rows:
             if rel in inside and rel in rule.row_blocks:  # input features in blocks, each cut on its own

@@ -22,10 +22,10 @@ import torch.nn as nn
 from shardformer.core.compare import ATOL, RTOL, max_error
 from shardformer.core.refusal import DATA_PARALLEL, HEADS, Reason
 from shardformer.core.shard_spec import make_spec, slice_tensor
+from shardformer.policies.derived import column_cuts as cuts
 from shardformer.policies.derived.attributes import apply_attributes, attribute_candidates, splits_over
 from shardformer.policies.derived.blocks import in_width, out_width, run_hooked, value_at
-from shardformer.policies.derived.column_cuts import block_widths, column_candidates, cut_options, fits_blocks
-from shardformer.policies.derived.feature_norms import feature_norm_options, replay_means
+from shardformer.policies.derived.feature_norms import feature_norm_options, own_statistics, replay_means
 from shardformer.policies.derived.given_inputs import inputs_from_outside
 from shardformer.policies.derived.heads import (
     HeadCut,
@@ -202,7 +202,7 @@ def _run_ranks(
         for rel in col_rels:
             module = local.get_submodule(rel)
             w, b = _weight_out_in(module)
-            options = cut_options(blocks[rel], w.shape[0], config)
+            options = cuts.cut_options(blocks[rel], w.shape[0], config)
             spec = make_spec(w.shape, 0, rank, tp, options["n_cast"], head_width=options.get("head_width"))
             local.set_submodule(rel, _linear(slice_tensor(w, spec), None if b is None else slice_tensor(b, spec)))
         row = local.get_submodule(row_rel)
@@ -244,16 +244,16 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     row_module = model.get_submodule(row)
     row_bias = getattr(row_module, "bias", None)
     stream_width = out_width(row_module)  # the row writes back into the stream
-    config = getattr(model, "config", None)  # None: a timm model or a plain module (counts read off modules)
+    config = cuts.nearest_config(model, parent_path)  # None: a timm model or a plain module (counts read off modules)
     col_modules = {c: model.get_submodule(c) for c in cols}
     widths = {in_width(row_module)} | {out_width(m) for m in col_modules.values()}
     per_col = []
     for path, module in col_modules.items():
-        options = column_candidates(out_width(module), config, tp)
+        options = cuts.column_candidates(out_width(module), config, tp)
         if not options:
             return None, f"{path}: output width {out_width(module)} does not split over tp={tp}"
         per_col.append(options)
-        widths |= block_widths(out_width(module), options, config)
+        widths |= cuts.block_widths(out_width(module), options, config)
     if in_width(row_module) % tp:
         return None, f"{row}: input width {in_width(row_module)} does not split over tp={tp}"
     col_rels = [_rel(c, parent_path) for c in cols]
@@ -279,7 +279,7 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
     stages = [(None, 1, per_col, 0)] + [(h, 1, per_col, 0) for h in heads_options]
     for m in BLOCKED_ROWS:
         if in_width(row_module) % (m * tp) == 0:
-            blocked = [[n for n in (m, 3 * m) if fits_blocks(out_width(c), n, tp)] for c in col_modules.values()]
+            blocked = [[n for n in (m, 3 * m) if cuts.fits_blocks(out_width(c), n, tp)] for c in col_modules.values()]
             if all(blocked):
                 stages.append((None, m, blocked, 0))
     if stream_width % tp == 0:
@@ -345,7 +345,8 @@ def find_cut(model: nn.Module, block: str, group: Group, tp: int, inputs: dict) 
             f"from all of them, which no cut of the projection gives exactly",
             DATA_PARALLEL,
         )
-    return None, _why_none(unsplit, tp, errors[0] if errors else "no candidate cut")
+    statistic = own_statistics(parent, args, kwargs, widths - {stream_width})  # Gemma 3n's activation sparsity
+    return None, statistic or _why_none(unsplit, tp, errors[0] if errors else "no candidate cut")
 
 
 def _count_of_width(parent: nn.Module, width: int) -> str:

@@ -59,7 +59,6 @@ class FlowMode(TorchFunctionMode):
         self.names = names or {}
         self.origins: dict[int, frozenset[str]] = {}
         self.alive: list[torch.Tensor] = []  # ids stay unique while the trace runs
-        self.used: set[int] = set()  # ids of every tensor a function read (parameters are long-lived)
         self.owners: dict[int, set[str]] = {}  # weights watched: id -> the paths of the modules holding them
         self.running: set[str] = set()  # the watched modules whose forward is running
         self.read_elsewhere: set[str] = set()  # watched modules whose weight a function read outside their forward
@@ -104,7 +103,6 @@ class FlowMode(TorchFunctionMode):
             self._read_attention(read, args, kwargs)
         out = func(*args, **kwargs)
         params = [id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, nn.Parameter)]
-        self.used.update(params)
         # a weight's values read, not its dtype, device or shape (`x.to(self.embed.weight.dtype)`)
         values_read = any(torch.is_tensor(t) for t in tree_leaves(out))
         for owners in (self.owners[i] for i in params if i in self.owners and values_read):
@@ -223,8 +221,10 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
         return before, after
 
     modules = dict(model.named_modules())
-    for path, m in modules.items():  # the weights of modules outside the blocks: read only by their own forward?
-        if isinstance(getattr(m, "weight", None), nn.Parameter) and not inside(path, blocks):
+    # the weights of modules outside the blocks and of the blocks' projections: read only by their own forward
+    # (or by that of a module holding the same weight: the blocks of a shared, tied layer each call their own)?
+    for path, m in modules.items():
+        if isinstance(getattr(m, "weight", None), nn.Parameter) and (not inside(path, blocks) or is_projection(m)):
             mode.owners.setdefault(id(m.weight), set()).add(path)
             if isinstance(m, nn.Embedding):
                 mode.lookups.add(path)
@@ -240,13 +240,16 @@ def trace(model: nn.Module, inputs: dict) -> Trace:
                 handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
     output = run_hooked(model, inputs, handles, mode)
     result.output_origins = mode.origins_of(list(output.values()) if isinstance(output, dict) else output)
-    result.read_by_weight = sorted(mode.read_elsewhere)
+    result.read_by_weight = sorted(p for p in mode.read_elsewhere if not inside(p, blocks))
     _place_read_attention(result, mode.attention_reads, modules)
     for path in blocks + result.heads:
         result.bypassed[path] = [
             rel
             for rel, m in modules[path].named_modules()
-            if rel and is_projection(m) and rel not in result.reads.get(path, {}) and id(m.weight) in mode.used
+            if rel
+            and is_projection(m)
+            and rel not in result.reads.get(path, {})
+            and f"{path}.{rel}" in mode.read_elsewhere
         ]
     return result
 
@@ -323,6 +326,9 @@ def pair(
 def _pair(reads: dict[str, Flow], replicated_columns: bool) -> tuple[list[Group], list[str]]:
     cols = {rel for rel, f in reads.items() if f.stream}
     rows = {rel: f.sources for rel, f in reads.items() if not f.stream and f.sources}
+    for up, down in _low_rank(reads, cols, rows).items():  # the down projection is cut with the column beside it
+        cols = (cols - {down}) | {up}
+        rows.pop(up)
     replicated = {
         rel for rel, f in reads.items() if replicated_columns and not f.stream and not _from_columns(rel, reads, cols)
     }
@@ -337,8 +343,28 @@ def _pair(reads: dict[str, Flow], replicated_columns: bool) -> tuple[list[Group]
     return groups, [rel for rel in reads if rel not in paired]
 
 
+def _low_rank(reads: dict[str, Flow], cols: set[str], rows: dict[str, frozenset[str]]) -> dict[str, str]:
+    """``{up: down}`` of the low-rank side paths beside a column (Zamba2's adapters, as LoRA's: ``proj(x) +
+    up(down(x))``): ``up`` reads only ``down``, a column no other projection reads, and a row reads ``up``
+    together with a column. Cut as the column beside it (``down`` whole: ``up`` reads its whole output on every
+    rank), so the row's group holds both; only where that makes every input of the row a column."""
+    readers: dict[str, int] = defaultdict(int)
+    for sources in rows.values():
+        for source in sources:
+            readers[source] += 1
+    found: dict[str, str] = {}
+    for sources in rows.values():
+        ups = {up: next(iter(rows[up])) for up in sources - cols if len(rows.get(up, ())) == 1}
+        if not sources & cols or len(ups) != len(sources - cols):
+            continue
+        if all(down in cols and readers[down] == 1 and readers[up] == 1 for up, down in ups.items()):
+            found.update(ups)
+    return found
+
+
 def _from_columns(rel: str, reads: dict[str, Flow], cols: set[str], seen: frozenset[str] = frozenset()) -> bool:
-    """Whether the input of projection ``rel`` was computed, through any projections, from a column's output."""
+    """Whether the input of projection ``rel`` was computed, through any projections (not through those in
+    ``seen``: rows whose all-reduce makes their output whole), from a column's output."""
     sources = reads[rel].sources - seen
     return bool(sources & cols) or any(
         _from_columns(s, reads, cols, seen | {rel}) for s in sources if s in reads and s not in cols
@@ -349,5 +375,8 @@ def mixed_rows(reads: dict[str, Flow], groups: list[Group]) -> list[str]:
     """Projections computed from columns' outputs that no group holds (CaiT's talking heads: a
     projection across the heads between q/k and the output projection): no cut over heads computes them."""
     cols = {rel for rel, f in reads.items() if f.stream}
-    grouped = {g.row for g in groups} | {c for g in groups for c in g.cols}
-    return [rel for rel, f in reads.items() if not f.stream and rel not in grouped and _from_columns(rel, reads, cols)]
+    rows = frozenset(g.row for g in groups)
+    grouped = rows | {c for g in groups for c in g.cols}
+    return [
+        rel for rel, f in reads.items() if not f.stream and rel not in grouped and _from_columns(rel, reads, cols, rows)
+    ]

@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from shardformer.core.comm import all_reduce, group_rank, group_size, reduce_from_parallel
 from shardformer.core.refusal import Refusal
-from shardformer.tensor_parallel.layers import Linear1D_Row, VocabParallelEmbedding1D
+from shardformer.policies.tp_plan.lm import embedding_layer
+from shardformer.tensor_parallel.layers import Linear1D_Row
 from shardformer.tensor_parallel.layers.attention_dropout import AttentionDropoutRng  # noqa: F401 - a style's layer
 from shardformer.tensor_parallel.policy import Col_Layer, Layer, Row_Layer
 from shardformer.tensor_parallel.regions import copy_to_parallel, sum_replicas
@@ -108,25 +109,28 @@ def _linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear)
 
 
-# style -> (module check and what it needs, descriptor factory(path))
+# style -> (module check and what it needs, descriptor factory(path, module))
 STYLES = {
-    "colwise": (_linear, lambda path: Col_Layer(path)),
-    "colwise_gather_output": (_linear, lambda path: Col_Layer(path, gather_output=True)),
-    "rowwise": (_linear, lambda path: Row_Layer(path)),
-    "rowwise_split_input": (_linear, lambda path: Row_Layer(path, replace_layer=SplitInputRow)),
-    "packed_colwise": (_linear, lambda path: Col_Layer(path, n_cast=2)),
-    "packed_rowwise": (_linear, lambda path: Row_Layer(path, replace_layer=PackedRow, n_cast=2)),
-    "embedding_rowwise": (
-        lambda m: type(m) is nn.Embedding,
-        lambda path: Col_Layer(path, bias=None, replace_layer=VocabParallelEmbedding1D),
+    "colwise": (_linear, lambda path, _module: Col_Layer(path)),
+    "colwise_gather_output": (_linear, lambda path, _module: Col_Layer(path, gather_output=True)),
+    "rowwise": (_linear, lambda path, _module: Row_Layer(path)),
+    "rowwise_split_input": (_linear, lambda path, _module: Row_Layer(path, replace_layer=SplitInputRow)),
+    "packed_colwise": (_linear, lambda path, _module: Col_Layer(path, n_cast=2)),
+    "packed_rowwise": (_linear, lambda path, _module: Row_Layer(path, replace_layer=PackedRow, n_cast=2)),
+    "embedding_rowwise": (  # Gemma's scaled embedding too: its own forward, the lookup vocab-parallel
+        lambda m: embedding_layer(m) is not None,
+        lambda path, module: Col_Layer(path, bias=None, replace_layer=embedding_layer(module)),
     ),
-    "replicated_with_grad_allreduce": (lambda m: True, lambda path: Layer(path, replace_layer=GradAllReduce)),
-    "all_reduce": (lambda m: True, lambda path: Layer(path, replace_layer=OutputAllReduce)),
-    "moe_identity_expert": (lambda m: True, lambda path: Layer(path, replace_layer=IdentityExpert)),
-    "replicate": (lambda m: True, lambda path: Layer(path, replace_layer=Replicated)),
-    "local_params": (lambda m: True, lambda path: Layer(path, replace_layer=Replicated)),  # its params: own entries
+    "replicated_with_grad_allreduce": (lambda m: True, lambda path, _module: Layer(path, replace_layer=GradAllReduce)),
+    "all_reduce": (lambda m: True, lambda path, _module: Layer(path, replace_layer=OutputAllReduce)),
+    "moe_identity_expert": (lambda m: True, lambda path, _module: Layer(path, replace_layer=IdentityExpert)),
+    "replicate": (lambda m: True, lambda path, _module: Layer(path, replace_layer=Replicated)),
+    "local_params": (
+        lambda m: True,
+        lambda path, _module: Layer(path, replace_layer=Replicated),
+    ),  # its params: own entries
 }
-_NEEDS = {"embedding_rowwise": "a plain nn.Embedding"}
+_NEEDS = {"embedding_rowwise": "an nn.Embedding whose forward looks its ids up through nn.Embedding's own"}
 
 
 class UnsupportedStyleError(Refusal):
@@ -146,7 +150,7 @@ def descriptor(style: str, path: str, module: nn.Module) -> Layer:
         raise UnsupportedStyleError(
             f"tp plan style {style!r} at {path} needs {needs}, but the module is {type(module).__name__}"
         )
-    return make(path)
+    return make(path, module)
 
 
 class MlaKvAProj:
