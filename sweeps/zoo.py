@@ -229,6 +229,36 @@ AS_CHECKPOINTS_SET = {
         for n, prefix in (("Qwen4ExpForCausalLM", ""), ("Qwen4ExpForConditionalGeneration", "text_config."))
     },
 }
+
+
+def _chameleon_code(code: int) -> str:  # its tokenizer spells a VQ code's digits as letters: 105 -> IMGIMGBAFZ
+    return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
+
+
+# Chameleon's and Emu3's image tokens: the checkpoints' configs copy their tokenizer's map of names to ids (one
+# name per VQ code, and the names the model looks up); the default configs have none and build no model
+AS_CHECKPOINTS_SET["ChameleonForConditionalGeneration"] = {
+    "vocabulary_map": {"<image>": 8711, **{_chameleon_code(c): 4 + c for c in range(8192)}},
+    "image_token_id": 8711,  # what the config reads from the map when a checkpoint is loaded
+}
+AS_CHECKPOINTS_SET["Emu3ForConditionalGeneration"] = {
+    "vocabulary_map": {
+        "<image>": 184621,
+        "<|extra_200|>": 151846,  # the end of a row of image tokens
+        **{f"<|visual token{c:06d}|>": 151854 + c for c in range(32768)},
+    },
+    "image_token_id": 184621,
+}
+
+
+# Granite 4 Vision's default config leaves its deepstack (which vision layer feeds which text layer) and its
+# Q-Former's downsampling unset; its checkpoints (granite-vision-4.1) set them
+AS_CHECKPOINTS_SET["Granite4VisionForConditionalGeneration"] = {
+    "deepstack_layer_map": [[-19, 9], [-13, 6], [-7, 3], [-1, 0]],
+    "downsample_rate": "4/8",
+}
+
+
 GEMMA4_ASSISTANT_TEXT = ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block")
 # Gemma 4 Assistant's validator refuses its own default text config (Gemma 4's, with per-layer inputs, MoE blocks,
 # double-wide MLPs); its checkpoints' text configs have none of them

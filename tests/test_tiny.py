@@ -405,3 +405,35 @@ def test_validated_ties_are_kept():
     assert rotary_head_dim({"head_dim": 64, "rope_parameters": {"rope_type": "default"}}, 8) == 8
     dots3 = tiny_copy_config(tf.Dots3NoteTextConfig(), tp=2)
     assert head_sizes(dots3) is None
+
+
+def test_codebooks_whose_codes_are_text_tokens_fit_the_tiny_vocabulary():
+    """Dicts only (milliseconds): Chameleon's and Emu3's token map keeps the names of the tiny codebook's codes and
+    the bracketed names, re-numbered inside the vocabulary with the ids the config read from it; Apertus 1.5's code
+    ranges stay end to end (its validator's rule); a VQ-VAE's norms keep 32 groups, its attention its last stage's
+    width, its resolution the tiny image's."""
+    from shardformer.core.tiny import VOCAB
+    from shardformer.core.tiny_vocab_map import CODES, fit_code_ranges, fit_vocabulary_map
+    from shardformer.core.tiny_widths import fit_convnet
+
+    names = {"<image>": 8711, "hello": 5, **{f"IMGIMG{c}Z": 4 + c for c in range(200)}}
+    data = {"vocabulary_map": names, "image_token_id": 8711, "vq_config": {"num_embeddings": 8192}}
+    out = {"vq_config": {}}
+    fit_vocabulary_map(out, data, VOCAB)
+    tiny = out["vocabulary_map"]
+    assert out["vq_config"] == {"num_embeddings": CODES} and "hello" not in tiny
+    assert sum(n.startswith("IMGIMG") for n in tiny) == CODES and "IMGIMG0Z" in tiny and "IMGIMG31Z" in tiny
+    assert out["image_token_id"] == tiny["<image>"] and len(set(tiny.values())) == len(tiny)
+    assert max(tiny.values()) < VOCAB
+    data = {"image_token_offset": 131272, "audio_token_offset": 262344, "vocab_size": 266752}
+    data |= {"vision_config": {"codebook_size": 131072}, "audio_config": {"codebook_size": 4096}}
+    out = {"vision_config": {}, "audio_config": {}}
+    fit_code_ranges(out, data, VOCAB)
+    assert out["image_token_offset"] + out["vision_config"]["codebook_size"] == out["audio_token_offset"]
+    assert out["audio_token_offset"] + out["audio_config"]["codebook_size"] <= VOCAB
+    out = {"base_channels": 8, "hidden_size": 32}
+    fit_convnet(out, {"base_channels": 256, "channel_multiplier": [1, 2, 4], "hidden_size": 1024})
+    assert out == {"base_channels": 32, "hidden_size": 128}
+    out = {}
+    fit_convnet(out, {"resolution": 256, "attn_resolutions": [16], "base_channels": 100})
+    assert out == {"resolution": 32, "attn_resolutions": [2]}

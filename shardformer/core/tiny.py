@@ -18,6 +18,7 @@ from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_defaults import fill_schedule
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
 from shardformer.core.tiny_rotary import rotary_head_dim, rotary_sections
+from shardformer.core.tiny_vocab_map import fit_code_ranges, fit_vocabulary_map
 
 VOCAB = 99
 SIZES = {
@@ -225,6 +226,8 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[name] = min(value, data[name]) if key in _TOP_K and type(data[name]) is int else value
     _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
     tiny_widths.tie_to_others(out, data)
+    if not scaling.keep_widths:
+        tiny_widths.fit_convnet(out, data)
     tiny_layers.fit_stages(out, data, hidden, scaling)
     if "head_dim" in out and data.get("head_dim") == data.get("qk_rope_head_dim") is not None:
         out["head_dim"] = out.get("qk_rope_head_dim", data["head_dim"])  # multi-head latent attention rotates head_dim
@@ -254,6 +257,8 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         out["decoder_start_token_id"] = out.get("pad_token_id", data.get("pad_token_id")) or 0
     out.update({k: v for k, v in _FIT_TWO_LAYERS.items() if k in data})
     out.update(open_choices(data, out))
+    fit_vocabulary_map(out, data, VOCAB)
+    fit_code_ranges(out, data, VOCAB)
     base = {k: v for k, v in data.items() if settable(k)}
     if scaling.recompute:
         base = {k: v for k, v in base.items() if k in out or k not in _derived_fields(cls)}
