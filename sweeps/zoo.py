@@ -259,6 +259,24 @@ AS_CHECKPOINTS_SET["Granite4VisionForConditionalGeneration"] = {
 }
 
 
+# Perception LM's default vision tower is timm's default (a ResNet-50, no model_args), which its projector cannot
+# read; its checkpoints (Perception-LM-1B, 3B) run PE-Core-L at 448 pixels, its arguments in model_args
+AS_CHECKPOINTS_SET["PerceptionLMForConditionalGeneration"] = {
+    "vision_config.architecture": "vit_pe_core_large_patch14_336",
+    "vision_config.model_args": {
+        "embed_dim": 1024,
+        "depth": 23,
+        "img_size": [448, 448],
+        "global_pool": "",
+        "use_post_transformer_norm": False,
+        "init_values": 0.1,
+        "ref_feat_shape": [32, 32],
+    },
+    "vision_config.do_pooling": False,
+    "projector_pooling_ratio": 2,
+}
+
+
 GEMMA4_ASSISTANT_TEXT = ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block")
 # Gemma 4 Assistant's validator refuses its own default text config (Gemma 4's, with per-layer inputs, MoE blocks,
 # double-wide MLPs); its checkpoints' text configs have none of them

@@ -437,3 +437,21 @@ def test_codebooks_whose_codes_are_text_tokens_fit_the_tiny_vocabulary():
     out = {}
     fit_convnet(out, {"resolution": 256, "attn_resolutions": [16], "base_channels": 100})
     assert out == {"resolution": 32, "attn_resolutions": [2]}
+
+
+def test_timm_towers_are_scaled_by_their_own_arguments():
+    """A timm tower inside a transformers config (meta-device builds of one ViT: FastViT's and MobileNet-V5's
+    take seconds, and run in the sweep's rows): PE-Core's width, heads, depth and image as its model_args give
+    them; Gemma 3n's image tokens the tiny MobileNet-V5's output grid (dicts only)."""
+    from shardformer.core.tiny_timm import GRID, fit_timm_tower, tie_tokens_per_image
+
+    pe = {"architecture": "vit_pe_core_tiny_patch16_384", "model_args": {"embed_dim": 192, "depth": 12}}
+    pe["model_args"] |= {"img_size": [384, 384], "ref_feat_shape": [24, 24]}
+    out = {}
+    fit_timm_tower(out, pe, hidden=32, heads=4)
+    expected = {"embed_dim": 32, "num_heads": 4, "depth": 2, "img_size": (64, 64), "ref_feat_shape": (GRID, GRID)}
+    assert out["model_args"] == expected
+    data = {"vision_soft_tokens_per_image": 256, "vision_config": {"model_args": None}}
+    out = {"vision_config": {"model_args": {"msfa_output_resolution": GRID}}}
+    tie_tokens_per_image(out, data)
+    assert out["vision_soft_tokens_per_image"] == GRID * GRID

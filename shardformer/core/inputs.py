@@ -18,6 +18,8 @@ SEQ = 8  # tokens per sequence
 # model type -> the config value its processor pads every text to (Perceiver's masked-LM decoder has one
 # query per position, so its logits and labels meet only at that length)
 PADDED_TO = {"perceiver": "max_position_embeddings"}
+TILED = {"perception_lm"}  # models whose processor cuts each image into tiles, which their forward flattens
+VQ_SIDE = 32  # a VQ-VAE's images where its config names no size (Emu3's): a few codes each, as many as it downsamples
 # model type -> frames per video its processor samples, where the forward takes videos as ``pixel_values``
 VIDEO_FRAMES = {"instructblipvideo": 4}
 # model types whose pixel_attention_mask keeps whole pictures, [batch, pictures] (GraniteDocling's tiles, PI0's
@@ -25,7 +27,6 @@ VIDEO_FRAMES = {"instructblipvideo": 4}
 PICTURE_MASKS = {"granite_docling", "pi0"}
 # model type -> the shape its processor gives the patches of a grid in (Kimi K2.5: a picture per patch), other
 # than one flattened patch per row
-VQ_SIDE = 32  # a VQ-VAE's images where its config names no size (Emu3's): a few codes each, as many as it downsamples
 PATCH_LAYOUTS = dict.fromkeys(("kimi_k25", "paddleocr_vl"), lambda channels, side: (-1, channels, side, side))
 
 
@@ -221,6 +222,7 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     or patches with their grid (Qwen2-VL: ``image_grid_thw``, a 2×2 grid of merged patches per image)."""
     vision = _vision_config(config)
     size = getattr(vision, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", None)
+    size = size or (getattr(vision, "model_args", None) or {}).get("img_size")  # a timm tower's, as the config sets it
     # a VQ-VAE tokenizing the images (Chameleon's, Apertus 1.5's): the resolution it was built for
     size = (
         size or getattr(vision, "resolution", None) or (VQ_SIDE if vision is getattr(config, "vq_config", 0) else None)
@@ -266,6 +268,8 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     high = getattr(config, "high_res_vision_config", None)
     if "high_res_pixel_values" in params and high is not None:  # DeepSeek-VL hybrid: the picture at two sizes
         pixels["high_res_pixel_values"] = torch.randn(batch, channels, high.image_size, high.image_size, generator=g)
+    if getattr(config, "model_type", None) in TILED:  # one tile per sample: [batch, tiles, channels, side, side]
+        pixels["pixel_values"] = pixels["pixel_values"][:, None]
     if "pixel_attention_mask" in params:  # one picture per sample (Idefics2/3: its pixels' mask left to the model)
         pixels["pixel_values"] = pixels["pixel_values"][:, None]
         if getattr(config, "model_type", None) in PICTURE_MASKS:

@@ -13,7 +13,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 
-from shardformer.core import tiny_layers, tiny_widths
+from shardformer.core import tiny_layers, tiny_timm, tiny_widths
 from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_defaults import fill_schedule
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
@@ -226,8 +226,10 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[name] = min(value, data[name]) if key in _TOP_K and type(data[name]) is int else value
     _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
     tiny_widths.tie_to_others(out, data)
+    tiny_timm.tie_tokens_per_image(out, data)
     if not scaling.keep_widths:
         tiny_widths.fit_convnet(out, data)
+        tiny_timm.fit_timm_tower(out, data, sizes["hidden_size"], heads)
     tiny_layers.fit_stages(out, data, hidden, scaling)
     if "head_dim" in out and data.get("head_dim") == data.get("qk_rope_head_dim") is not None:
         out["head_dim"] = out.get("qk_rope_head_dim", data["head_dim"])  # multi-head latent attention rotates head_dim
