@@ -277,6 +277,16 @@ AS_CHECKPOINTS_SET["PerceptionLMForConditionalGeneration"] = {
 }
 
 
+# DeepSeek-OCR 2's SAM neck ends in 896 channels that it concatenates with queries of its encoder's width, 4096 in
+# the default config (which therefore runs no image); its checkpoint's encoder is Qwen2-0.5B's, 896 wide
+AS_CHECKPOINTS_SET["DeepseekOcr2ForConditionalGeneration"] = {
+    "vision_config.encoder_config.hidden_size": 896,
+    "vision_config.encoder_config.intermediate_size": 4864,
+    "vision_config.encoder_config.num_attention_heads": 14,
+    "vision_config.encoder_config.num_key_value_heads": 2,
+}
+
+
 GEMMA4_ASSISTANT_TEXT = ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block")
 # Gemma 4 Assistant's validator refuses its own default text config (Gemma 4's, with per-layer inputs, MoE blocks,
 # double-wide MLPs); its checkpoints' text configs have none of them
