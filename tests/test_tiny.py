@@ -455,3 +455,13 @@ def test_timm_towers_are_scaled_by_their_own_arguments():
     out = {"vision_config": {"model_args": {"msfa_output_resolution": GRID}}}
     tie_tokens_per_image(out, data)
     assert out["vision_soft_tokens_per_image"] == GRID * GRID
+
+
+def test_indices_into_the_vision_tower_follow_its_depth():
+    """Dicts only: Molmo2's adapter reads vision layers [24, 18] (and -1) of 27; the copy's tower has 2."""
+    from shardformer.core.tiny_layers import fit_tower_indices
+
+    data = {"vision_config": {"num_hidden_layers": 27}, "adapter_config": {"vision_feature_layer": [24, 18, -1]}}
+    out = {"vision_config": {"num_hidden_layers": 2}, "adapter_config": {}}
+    fit_tower_indices(out, data)
+    assert out["adapter_config"]["vision_feature_layer"] == [1, 1, -1]

@@ -18,7 +18,7 @@ from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_defaults import fill_schedule
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
 from shardformer.core.tiny_rotary import rotary_head_dim, rotary_sections
-from shardformer.core.tiny_vocab_map import fit_code_ranges, fit_vocabulary_map
+from shardformer.core.tiny_vocab_map import fit_codebooks
 
 VOCAB = 99
 SIZES = {
@@ -247,6 +247,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     if keep is not None:
         out.update(layer_overrides(data, aliases, keep, settable, lambda d: tiny_widths.scale_override(d, sizes, data)))
     fit_hybrid(out, data)
+    tiny_layers.fit_tower_indices(out, data)
     rope = out.get("rope_parameters", data.get("rope_parameters"))
     multimodal_rope = "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())
     if multimodal_rope and isinstance(rope, dict) and "rope_type" in rope and not scaling.keep_widths:
@@ -259,8 +260,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         out["decoder_start_token_id"] = out.get("pad_token_id", data.get("pad_token_id")) or 0
     out.update({k: v for k, v in _FIT_TWO_LAYERS.items() if k in data})
     out.update(open_choices(data, out))
-    fit_vocabulary_map(out, data, VOCAB)
-    fit_code_ranges(out, data, VOCAB)
+    fit_codebooks(out, data, VOCAB)
     base = {k: v for k, v in data.items() if settable(k)}
     if scaling.recompute:
         base = {k: v for k, v in base.items() if k in out or k not in _derived_fields(cls)}

@@ -23,6 +23,12 @@ _PREFIX = 6  # characters that name a family of code names ("IMGIMG", "<|visu")
 _CODEBOOK_KEYS = ("num_embeddings", "codebook_size")
 
 
+def fit_codebooks(out: dict, data: dict, vocab: int) -> None:
+    """In ``out`` (the copy's values of the config ``data``): its token map and code ranges fitted to ``vocab``."""
+    fit_vocabulary_map(out, data, vocab)
+    fit_code_ranges(out, data, vocab)
+
+
 def fit_vocabulary_map(out: dict, data: dict, vocab: int) -> None:
     """In ``out`` (the copy's values of the config ``data``, as dicts): a ``vocabulary_map`` of ``data`` and the
     codebook of its sub-configs, fitted to ``vocab`` ids."""
