@@ -5,7 +5,7 @@ The config builds the tower with ``timm.create_model(architecture, **model_args)
 the architecture's unless ``model_args`` overrides them (Perception LM's ``embed_dim``, ``depth``, ``img_size``).
 A tiny copy passes the same kinds of argument, smaller: the arguments the architecture's model class is built
 with are read (its entry point's, under the config's), and those timm's classes share scaled: a depth
-(``depth``; ``layers`` per stage, one block each), widths (``embed_dim``, with `shardformer.core.tiny`'s heads;
+(``depth``; ``layers`` per stage, two blocks each), widths (``embed_dim``, with `shardformer.core.tiny`'s heads;
 ``embed_dims`` per stage, the widest `STAGE_WIDTH`), a width multiplier (``channel_multiplier``), the image
 (``img_size``, `GRID` patches a side). The config's width of the tower's output (FastVLM's ``hidden_size``,
 3072) becomes the tiny tower's ``num_features``.
@@ -68,7 +68,7 @@ def _scaled_args(model_class, args: dict, hidden: int, heads: int) -> dict:
         if key in _DEPTHS and type(value) is int:
             out[key] = min(value, 2)
         elif key in _DEPTHS and _ints(value):
-            out[key] = tuple(min(v, 1) for v in value)
+            out[key] = tuple(min(v, 2) for v in value)  # two blocks show a stage's per-block rule twice
         elif key == "embed_dim" and type(value) is int and value > hidden:
             out[key] = hidden
             if "num_heads" in takes:
