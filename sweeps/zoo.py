@@ -229,6 +229,64 @@ AS_CHECKPOINTS_SET = {
         for n, prefix in (("Qwen4ExpForCausalLM", ""), ("Qwen4ExpForConditionalGeneration", "text_config."))
     },
 }
+
+
+def _chameleon_code(code: int) -> str:  # its tokenizer spells a VQ code's digits as letters: 105 -> IMGIMGBAFZ
+    return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
+
+
+# Chameleon's and Emu3's image tokens: the checkpoints' configs copy their tokenizer's map of names to ids (one
+# name per VQ code, and the names the model looks up); the default configs have none and build no model
+AS_CHECKPOINTS_SET["ChameleonForConditionalGeneration"] = {
+    "vocabulary_map": {"<image>": 8711, **{_chameleon_code(c): 4 + c for c in range(8192)}},
+    "image_token_id": 8711,  # what the config reads from the map when a checkpoint is loaded
+}
+AS_CHECKPOINTS_SET["Emu3ForConditionalGeneration"] = {
+    "vocabulary_map": {
+        "<image>": 184621,
+        "<|extra_200|>": 151846,  # the end of a row of image tokens
+        **{f"<|visual token{c:06d}|>": 151854 + c for c in range(32768)},
+    },
+    "image_token_id": 184621,
+}
+
+
+# Granite 4 Vision's default config leaves its deepstack (which vision layer feeds which text layer) and its
+# Q-Former's downsampling unset; its checkpoints (granite-vision-4.1) set them
+AS_CHECKPOINTS_SET["Granite4VisionForConditionalGeneration"] = {
+    "deepstack_layer_map": [[-19, 9], [-13, 6], [-7, 3], [-1, 0]],
+    "downsample_rate": "4/8",
+}
+
+
+# Perception LM's default vision tower is timm's default (a ResNet-50, no model_args), which its projector cannot
+# read; its checkpoints (Perception-LM-1B, 3B) run PE-Core-L at 448 pixels, its arguments in model_args
+AS_CHECKPOINTS_SET["PerceptionLMForConditionalGeneration"] = {
+    "vision_config.architecture": "vit_pe_core_large_patch14_336",
+    "vision_config.model_args": {
+        "embed_dim": 1024,
+        "depth": 23,
+        "img_size": [448, 448],
+        "global_pool": "",
+        "use_post_transformer_norm": False,
+        "init_values": 0.1,
+        "ref_feat_shape": [32, 32],
+    },
+    "vision_config.do_pooling": False,
+    "projector_pooling_ratio": 2,
+}
+
+
+# DeepSeek-OCR 2's SAM neck ends in 896 channels that it concatenates with queries of its encoder's width, 4096 in
+# the default config (which therefore runs no image); its checkpoint's encoder is Qwen2-0.5B's, 896 wide
+AS_CHECKPOINTS_SET["DeepseekOcr2ForConditionalGeneration"] = {
+    "vision_config.encoder_config.hidden_size": 896,
+    "vision_config.encoder_config.intermediate_size": 4864,
+    "vision_config.encoder_config.num_attention_heads": 14,
+    "vision_config.encoder_config.num_key_value_heads": 2,
+}
+
+
 GEMMA4_ASSISTANT_TEXT = ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block")
 # Gemma 4 Assistant's validator refuses its own default text config (Gemma 4's, with per-layer inputs, MoE blocks,
 # double-wide MLPs); its checkpoints' text configs have none of them

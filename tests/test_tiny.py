@@ -440,3 +440,63 @@ def test_inputs_of_patches_per_image_token():
     assert grid["pixel_values"].shape == (8, side, side, 3) and grid["image_grid_thw"].tolist() == [[1, 2, 2]] * 2
     with torch.no_grad():
         assert tf.Inkling2VisionModel(vision)(**grid).pooler_output.shape[0] == 8  # one per image token
+
+
+def test_codebooks_whose_codes_are_text_tokens_fit_the_tiny_vocabulary():
+    """Dicts only (milliseconds): Chameleon's and Emu3's token map keeps the names of the tiny codebook's codes and
+    the bracketed names, re-numbered inside the vocabulary with the ids the config read from it; Apertus 1.5's code
+    ranges stay end to end (its validator's rule); a VQ-VAE's norms keep 32 groups, its attention its last stage's
+    width, its resolution the tiny image's."""
+    from shardformer.core.tiny import VOCAB
+    from shardformer.core.tiny_vocab_map import CODES, fit_code_ranges, fit_vocabulary_map
+    from shardformer.core.tiny_widths import fit_convnet
+
+    names = {"<image>": 8711, "hello": 5, **{f"IMGIMG{c}Z": 4 + c for c in range(200)}}
+    data = {"vocabulary_map": names, "image_token_id": 8711, "vq_config": {"num_embeddings": 8192}}
+    out = {"vq_config": {}}
+    fit_vocabulary_map(out, data, VOCAB)
+    tiny = out["vocabulary_map"]
+    assert out["vq_config"] == {"num_embeddings": CODES} and "hello" not in tiny
+    assert sum(n.startswith("IMGIMG") for n in tiny) == CODES and "IMGIMG0Z" in tiny and "IMGIMG31Z" in tiny
+    assert out["image_token_id"] == tiny["<image>"] and len(set(tiny.values())) == len(tiny)
+    assert max(tiny.values()) < VOCAB
+    data = {"image_token_offset": 131272, "audio_token_offset": 262344, "vocab_size": 266752}
+    data |= {"vision_config": {"codebook_size": 131072}, "audio_config": {"codebook_size": 4096}}
+    out = {"vision_config": {}, "audio_config": {}}
+    fit_code_ranges(out, data, VOCAB)
+    assert out["image_token_offset"] + out["vision_config"]["codebook_size"] == out["audio_token_offset"]
+    assert out["audio_token_offset"] + out["audio_config"]["codebook_size"] <= VOCAB
+    out = {"base_channels": 8, "hidden_size": 32}
+    fit_convnet(out, {"base_channels": 256, "channel_multiplier": [1, 2, 4], "hidden_size": 1024})
+    assert out == {"base_channels": 32, "hidden_size": 128}
+    out = {}
+    fit_convnet(out, {"resolution": 256, "attn_resolutions": [16], "base_channels": 100})
+    assert out == {"resolution": 32, "attn_resolutions": [2]}
+
+
+def test_timm_towers_are_scaled_by_their_own_arguments():
+    """A timm tower inside a transformers config (meta-device builds of one ViT: FastViT's and MobileNet-V5's
+    take seconds, and run in the sweep's rows): PE-Core's width, heads, depth and image as its model_args give
+    them; Gemma 3n's image tokens the tiny MobileNet-V5's output grid (dicts only)."""
+    from shardformer.core.tiny_timm import GRID, fit_timm_tower, tie_tokens_per_image
+
+    pe = {"architecture": "vit_pe_core_tiny_patch16_384", "model_args": {"embed_dim": 192, "depth": 12}}
+    pe["model_args"] |= {"img_size": [384, 384], "ref_feat_shape": [24, 24]}
+    out = {}
+    fit_timm_tower(out, pe, hidden=32, heads=4)
+    expected = {"embed_dim": 32, "num_heads": 4, "depth": 2, "img_size": (64, 64), "ref_feat_shape": (GRID, GRID)}
+    assert out["model_args"] == expected
+    data = {"vision_soft_tokens_per_image": 256, "vision_config": {"model_args": None}}
+    out = {"vision_config": {"model_args": {"msfa_output_resolution": GRID}}}
+    tie_tokens_per_image(out, data)
+    assert out["vision_soft_tokens_per_image"] == GRID * GRID
+
+
+def test_indices_into_the_vision_tower_follow_its_depth():
+    """Dicts only: Molmo2's adapter reads vision layers [24, 18] (and -1) of 27; the copy's tower has 2."""
+    from shardformer.core.tiny_layers import fit_tower_indices
+
+    data = {"vision_config": {"num_hidden_layers": 27}, "adapter_config": {"vision_feature_layer": [24, 18, -1]}}
+    out = {"vision_config": {"num_hidden_layers": 2}, "adapter_config": {}}
+    fit_tower_indices(out, data)
+    assert out["adapter_config"]["vision_feature_layer"] == [1, 1, -1]

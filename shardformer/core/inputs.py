@@ -10,6 +10,7 @@ import torch.nn as nn
 from shardformer.core import example_inputs
 from shardformer.core.audio_inputs import audio_inputs, ctc_labels, streamed_audio
 from shardformer.core.grid_inputs import grid_images
+from shardformer.core.image_sizes import sized_images, takes_sizes, tiled_images
 from shardformer.core.refusal import POLICY, Refusal
 from shardformer.core.side_inputs import side_inputs
 from shardformer.core.tiny import VOCAB
@@ -18,6 +19,8 @@ SEQ = 8  # tokens per sequence
 # model type -> the config value its processor pads every text to (Perceiver's masked-LM decoder has one
 # query per position, so its logits and labels meet only at that length)
 PADDED_TO = {"perceiver": "max_position_embeddings"}
+TILED = {"perception_lm"}  # models whose processor cuts each image into tiles, which their forward flattens
+VQ_SIDE = 32  # a VQ-VAE's images where its config names no size (Emu3's): a few codes each, as many as it downsamples
 # model type -> frames per video its processor samples, where the forward takes videos as ``pixel_values``
 VIDEO_FRAMES = {"instructblipvideo": 4}
 # model types whose pixel_attention_mask keeps whole pictures, [batch, pictures] (GraniteDocling's tiles, PI0's
@@ -86,7 +89,7 @@ def make_inputs(model: nn.Module, seed: int, batch: int = 2) -> dict:
         if "mm_token_type_ids" in params and image is not None:  # image features (Qwen2-VL's multimodal rotary)
             x["mm_token_type_ids"] = (x["input_ids"] == image).int()
         if "aspect_ratio_ids" in params:  # Mllama: one image per sample, cut into tiles, cross-attended
-            x.update(_tiled_images(image_config(config), x["pixel_values"], x["input_ids"].shape))
+            x.update(tiled_images(image_config(config), x["pixel_values"], x["input_ids"].shape))
         queries = getattr(config, "latent_query_num", None)
         if "image_embeds_position_mask" in params and isinstance(queries, int):  # Kosmos-2: image slots, then text
             ids = x["input_ids"]
@@ -217,6 +220,11 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     or patches with their grid (Qwen2-VL: ``image_grid_thw``, a 2×2 grid of merged patches per image)."""
     vision = image_config(config)
     size = getattr(vision, "image_size", None) or getattr(getattr(model, "patch_embed", None), "img_size", None)
+    size = size or (getattr(vision, "model_args", None) or {}).get("img_size")  # a timm tower's, as the config sets it
+    # a VQ-VAE tokenizing the images (Chameleon's, Apertus 1.5's): the resolution it was built for
+    size = (
+        size or getattr(vision, "resolution", None) or (VQ_SIDE if vision is getattr(config, "vq_config", 0) else None)
+    )
     # a timm model without a patch embedding (HaloNet: 256 x 256 only): the size it was built for
     size = size or (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224))[1:] or (224,)
     size = size[0] if isinstance(size, (tuple, list)) else size
@@ -226,8 +234,8 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     grids = [k for k in ("image_grid_thw", "image_grid_hw") if k in params]  # NemotronH Omni's: no time axis
     if grids:
         return grid_images(vision, getattr(config, "model_type", None), params, grids[0], channels, batch, g)
-    if "image_sizes" in params and (getattr(config, "image_grid_pinpoints", None) or _tower_takes_sizes(model, vision)):
-        return _sized_images(config, channels, size, batch, g)
+    if "image_sizes" in params and (getattr(config, "image_grid_pinpoints", None) or takes_sizes(model, vision)):
+        return sized_images(config, channels, size, batch, g)
     if "spatial_shapes" in params and isinstance(getattr(vision, "num_patches", None), int):
         return _patchified_images(vision, channels, batch, g, vision.num_patches)
     if isinstance(getattr(config, "patch_dim", None), int) and getattr(vision, "image_size", None) is None:
@@ -243,6 +251,8 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     high = getattr(config, "high_res_vision_config", None)
     if "high_res_pixel_values" in params and high is not None:  # DeepSeek-VL hybrid: the picture at two sizes
         pixels["high_res_pixel_values"] = torch.randn(batch, channels, high.image_size, high.image_size, generator=g)
+    if getattr(config, "model_type", None) in TILED:  # one tile per sample: [batch, tiles, channels, side, side]
+        pixels["pixel_values"] = pixels["pixel_values"][:, None]
     if "pixel_attention_mask" in params:  # one picture per sample (Idefics2/3: its pixels' mask left to the model)
         pixels["pixel_values"] = pixels["pixel_values"][:, None]
         if getattr(config, "model_type", None) in PICTURE_MASKS:
@@ -250,56 +260,13 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     return pixels
 
 
-def _tiled_images(vision, pixels: torch.Tensor, tokens: tuple[int, int]) -> dict:
-    """Mllama's processor's output for one picture per sample that fits one tile (aspect ratio 1 x 1, id 1):
-    ``[batch, images, tiles, ...]`` pixels with the unused tiles masked, and every text token seeing the
-    image's tile."""
-    tiles = vision.max_num_tiles
-    used = torch.zeros(tokens[0], 1, tiles, dtype=torch.long)
-    used[..., 0] = 1
-    return {
-        "pixel_values": torch.cat(
-            [pixels[:, None, None], pixels[:, None, None].expand(-1, -1, tiles - 1, -1, -1, -1)], 2
-        ),
-        "aspect_ratio_ids": torch.ones(tokens[0], 1, dtype=torch.long),
-        "aspect_ratio_mask": used,
-        "cross_attention_mask": used[:, None].expand(-1, tokens[1], -1, -1).clone(),
-    }
-
-
-def _tower_takes_sizes(model: nn.Module, vision) -> bool:
-    """Whether the vision tower (a module built from ``vision``, the vision config) reads the pixel sizes
-    itself (Pixtral); a CLIP tower under a forward that also offers ``image_sizes`` (LLaVA) does not."""
-    return any(
-        module is not model and getattr(module, "config", None) is vision and "image_sizes" in _params(module)
-        for module in model.modules()
-    )
-
-
-def _params(module: nn.Module):
-    return inspect.signature(module.forward).parameters
-
-
-def _sized_images(config, channels: int, side: int, batch: int, g: torch.Generator) -> dict:
-    """Images with their pixel sizes (``image_sizes``): one ``side``-square picture each (Pixtral), or,
-    where the config tiles images by ``image_grid_pinpoints`` (LLaVA-NeXT), one as large as the first
-    grid, cut into its tiles after the whole picture scaled down, as LLaVA-NeXT's processor does."""
-    grid = getattr(config, "image_grid_pinpoints", None)
-    height, width = grid[0] if grid else (side, side)
-    sizes = torch.tensor([[height, width]] * batch)
-    if not grid:
-        return {"pixel_values": torch.randn(batch, channels, side, side, generator=g), "image_sizes": sizes}
-    tiles = 1 + (height // side) * (width // side)
-    return {"pixel_values": torch.randn(batch, tiles, channels, side, side, generator=g), "image_sizes": sizes}
-
-
 def image_config(config):
-    """The config that sizes the images: the vision tower's, also inside an encoder (T5Gemma 2) or a
+    """The config that sizes the images: the vision tower's (or VQ-VAE's), also inside an encoder (T5Gemma 2) or a
     vision-language model (PI0's ``vlm_config``), or the encoder itself (VisionEncoderDecoder), else the
     model's own."""
     encoder = getattr(config, "encoder", None)
     inner = (getattr(getattr(config, key, None), "vision_config", None) for key in ("encoder", "vlm_config"))
-    for found in (getattr(config, "vision_config", None), *inner):
+    for found in (getattr(config, "vision_config", None), getattr(config, "vq_config", None), *inner):
         if found is not None:
             return found
     return encoder if hasattr(encoder, "image_size") else config

@@ -13,11 +13,12 @@ import functools
 import inspect
 from dataclasses import dataclass
 
-from shardformer.core import tiny_layers, tiny_widths
+from shardformer.core import tiny_layers, tiny_timm, tiny_widths
 from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_defaults import fill_schedule
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
 from shardformer.core.tiny_rotary import rotary_head_dim, rotary_sections
+from shardformer.core.tiny_vocab_map import fit_codebooks
 
 VOCAB = 99
 SIZES = {
@@ -227,6 +228,10 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[name] = min(value, data[name]) if key in _TOP_K and type(data[name]) is int else value
     _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
     tiny_widths.tie_to_others(out, data)
+    tiny_timm.tie_tokens_per_image(out, data)
+    if not scaling.keep_widths:
+        tiny_widths.fit_convnet(out, data)
+        tiny_timm.fit_timm_tower(out, data, sizes["hidden_size"], heads)
     tiny_layers.fit_stages(out, data, hidden, scaling)
     if "head_dim" in out and data.get("head_dim") == data.get("qk_rope_head_dim") is not None:
         out["head_dim"] = out.get("qk_rope_head_dim", data["head_dim"])  # multi-head latent attention rotates head_dim
@@ -244,6 +249,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     if keep is not None:
         out.update(layer_overrides(data, aliases, keep, settable, lambda d: tiny_widths.scale_override(d, sizes, data)))
     fit_hybrid(out, data)
+    tiny_layers.fit_tower_indices(out, data)
     rope = out.get("rope_parameters", data.get("rope_parameters"))
     multimodal_rope = "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())
     if multimodal_rope and isinstance(rope, dict) and "rope_type" in rope and not scaling.keep_widths:
@@ -256,6 +262,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
         out["decoder_start_token_id"] = out.get("pad_token_id", data.get("pad_token_id")) or 0
     out.update({k: v for k, v in _FIT_TWO_LAYERS.items() if k in data})
     out.update(open_choices(data, out))
+    fit_codebooks(out, data, VOCAB)
     base = {k: v for k, v in data.items() if settable(k)}
     if scaling.recompute:
         base = {k: v for k, v in base.items() if k in out or k not in _derived_fields(cls)}

@@ -180,3 +180,22 @@ def fit_stages(out: dict, data: dict, hidden, scaling) -> None:
 
 def _ints(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, int) for v in value)
+
+
+def fit_tower_indices(out: dict, data: dict) -> None:
+    """Layer indices one sub-config holds into the vision tower (Molmo2's adapter ``vision_feature_layer``,
+    ``[24, 18]`` of 27 layers, negative ones counted from the end): at the same depth, in proportion, of the
+    copy's tower (its validator refuses indices past it)."""
+    vision, tiny = data.get("vision_config"), out.get("vision_config")
+    full, depth = (v.get("num_hidden_layers") if isinstance(v, dict) else None for v in (vision, tiny))
+    if not isinstance(full, int) or not isinstance(depth, int) or depth >= full:
+        return
+    for key, sub in data.items():
+        scaled = out.get(key)
+        if key == "vision_config" or not isinstance(sub, dict) or not isinstance(scaled, dict):
+            continue
+        for name, value in sub.items():
+            if name.endswith("feature_layer") and _ints(value) and all(-full <= i < full for i in value):
+                scaled[name] = [
+                    min(depth - 1, i * depth // full) if i >= 0 else -max(1, -i * depth // full) for i in value
+                ]

@@ -102,6 +102,31 @@ def tie_groups(out: dict, data: dict) -> None:
             out[key] = math.gcd(groups, *widths)
 
 
+TINY_RESOLUTION = 32  # a VQ-VAE's image side (`shardformer.core.tiny`'s image_size)
+FIXED_GROUPS = 32  # the GroupNorm of the VQ-VAE convnets (Chameleon's, Emu3's, Janus's): in their code, not config
+
+
+def fit_convnet(out: dict, data: dict) -> None:
+    """A VQ-VAE's ``resolution`` (its image side) at `TINY_RESOLUTION`, its ``attn_resolutions`` scaled alike.
+    A convnet's ``base_channels`` (the VQ-VAEs': each stage a multiple of it) that is a multiple of
+    `FIXED_GROUPS` in the user's config: the copy's is `FIXED_GROUPS`, the fewest its norms take (8 channels in
+    32 groups fail). A width that is its deepest stage's (Emu3's VQ attention ``hidden_size``: base times the last
+    multiplier) stays that stage's."""
+    resolution, attention = data.get("resolution"), data.get("attn_resolutions")
+    if type(resolution) is int and resolution > TINY_RESOLUTION:  # the image it was built for, and where it attends
+        out["resolution"] = TINY_RESOLUTION
+        if _int_list(attention):
+            out["attn_resolutions"] = [max(1, r * TINY_RESOLUTION // resolution) for r in attention]
+    base = data.get("base_channels")
+    if type(base) is not int or base % FIXED_GROUPS:
+        return
+    out["base_channels"] = FIXED_GROUPS
+    last = (data.get("channel_multiplier") or [1])[-1]
+    for key, value in data.items():
+        if key.endswith(_WIDTHS) and key != "base_channels" and type(value) is int and value == base * last:
+            out[key] = FIXED_GROUPS * last
+
+
 _WIDTHS = ("hidden_size", "_dim", "channels", "width")
 
 
@@ -215,3 +240,7 @@ def scale_override(values: dict, sizes: dict, data: dict) -> dict:
         # a layer's fewer experts (Dots3 Note's vision layers: 4 of 64) still as many as each token is routed to
         out[key] = max(out[key], tiny.get("num_experts_per_tok", 1))
     return out
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(type(v) is int for v in value)
