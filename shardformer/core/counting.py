@@ -18,7 +18,7 @@ reduce-scatter its whole input (as ZeRO's flat ones), an all-reduce, a send or a
 
 from __future__ import annotations
 
-import sys
+import inspect
 from collections import Counter
 
 import torch
@@ -111,13 +111,17 @@ def _start_mode() -> None:
 
 def _issued_by_torch() -> bool:
     """Whether the c10d op being dispatched comes from FSDP2 or pipelining, and is not an object list
-    (control data: the pipeline's shape inference sends its shapes as pickled objects)."""
-    frame = sys._getframe(2)
+    (control data: the pipeline's shape inference sends its shapes as pickled objects), nor one of our own
+    primitives running inside them (a ZeRO bucket's all-reduce in a pipeline's backward: recorded at issue)."""
+    frame = inspect.currentframe()
     while frame is not None:
+        module = frame.f_globals.get("__name__", "")
         if frame.f_code.co_name.endswith(("_object", "_object_list")):
             return False
-        if frame.f_globals.get("__name__", "").startswith(_ISSUERS):
+        if module.startswith(_ISSUERS):
             return True
+        if module.startswith("shardformer.") and module != __name__:
+            return False
         frame = frame.f_back
     return False
 
