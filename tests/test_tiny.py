@@ -4,6 +4,8 @@ Single process, tiny models: each class is scaled down from a config (its defaul
 small one), built and run forward on the recipe's inputs, the way the proof and the sweeps use it.
 """
 
+import math
+
 import pytest
 import torch
 import transformers as tf
@@ -12,6 +14,7 @@ from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
 from shardformer.core.tiny_layers import kept_layers, layer_overrides
 from shardformer.core.tiny_run import MAX_PARAMS, TinyCopyError, runnable_tiny_config
+from shardformer.tools.verify import checking_mode
 
 # class -> the user's config (None: the class's default): each failed to give a tiny copy that runs
 FORMERLY_BROKEN = {
@@ -247,13 +250,18 @@ def test_what_a_default_config_leaves_unset_is_filled():
     assert moonshine.num_key_value_heads == moonshine.num_attention_heads
 
 
-def test_upstream_failure_is_named():
+def test_a_backward_that_refuses_eval_mode_is_checked_in_training_mode():
     """Reformer computes gradients only in training mode (its reversible layers recompute activations
-    there), and every check runs a copy in eval mode: the sweep's "not tested" row names this upstream
-    assertion, shown here on the tiny copy itself."""
+    there): verify checks it in training mode with dropout 0, its tiny copy's sequence sizes fitted to the
+    inputs (axial positions, attention chunks) and its hashing seeded, so that two runs compute alike."""
     reformer, x = _tiny("ReformerForSequenceClassification")
     with pytest.raises(AssertionError, match=r"model\.train\(\)"):
         reformer(**x).loss.backward()
+    assert reformer.config.hash_seed == 0 and math.prod(reformer.config.axial_pos_shape) == x["input_ids"].shape[1]
+    checking_mode(reformer, training=True)
+    first = reformer(**x).loss
+    first.backward()
+    assert reformer.training and torch.equal(first, reformer(**x).loss)
 
 
 def test_inputs_of_patches_codebooks_and_fixed_lengths():

@@ -14,8 +14,8 @@ from shardformer.core.image_sizes import sized_images, takes_sizes, tiled_images
 from shardformer.core.refusal import POLICY, Refusal
 from shardformer.core.side_inputs import side_inputs
 from shardformer.core.tiny import VOCAB
+from shardformer.core.tiny_sequence import SEQ
 
-SEQ = 8  # tokens per sequence
 # model type -> the config value its processor pads every text to (Perceiver's masked-LM decoder has one
 # query per position, so its logits and labels meet only at that length)
 PADDED_TO = {"perceiver": "max_position_embeddings"}
