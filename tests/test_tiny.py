@@ -508,3 +508,11 @@ def test_indices_into_the_vision_tower_follow_its_depth():
     out = {"vision_config": {"num_hidden_layers": 2}, "adapter_config": {}}
     fit_tower_indices(out, data)
     assert out["adapter_config"]["vision_feature_layer"] == [1, 1, -1]
+
+
+def test_a_tower_folding_its_patch_keeps_a_layer_per_scale():
+    """Inkling's vision encoder folds its patch one scale a layer (the pixels, then a prime factor of the patch's
+    side or of its frames each): its copy keeps a layer per scale (fewer need scipy's solver); a ViT does not."""
+    vision = tiny_copy_config(tf.InklingConfig()).vision_config
+    assert (vision.patch_size, vision.temporal_patch_size, vision.num_hidden_layers) == (8, 2, 1 + 3 + 1)
+    assert tiny_copy_config(tf.HunYuanVLConfig()).vision_config.num_hidden_layers == 2

@@ -159,7 +159,8 @@ def fit_stages(out: dict, data: dict, hidden, scaling) -> None:
     widest is 64, each a multiple of 8 (not BiT's, whose norms hold 32 groups). EfficientNet's width and depth
     coefficients (B7's 2.0 and 3.1 by default) at 0.25 and 0.5, and its last width, the width coefficient's
     multiple of 1280, scaled with it. An audio encoder's first channels (``num_filters``), doubled at each
-    downsampling, so its last are 64 at most."""
+    downsampling, so its last are 64 at most. A tower that folds its patch a scale a layer: `_fit_patch_scales`."""
+    _fit_patch_scales(out, data)
     depths, widths = data.get("depths"), data.get("hidden_sizes")
     if hidden is not None or "num_attention_heads" in data:  # attention stages (Segformer, PVT): as they were
         depths = widths = None
@@ -176,6 +177,29 @@ def fit_stages(out: dict, data: dict, hidden, scaling) -> None:
     if isinstance(data.get("hidden_dim"), int) and data.get("width_coefficient") and data.get("depth_coefficient"):
         out.update(width_coefficient=0.25, depth_coefficient=0.5)
         out["hidden_dim"] = round(data["hidden_dim"] * 0.25 / data["width_coefficient"])
+
+
+def _fit_patch_scales(out: dict, data: dict) -> None:
+    """A tower that folds its patch into the text width one scale a layer (Inkling's vision encoder: the pixels,
+    then one scale per prime factor of ``patch_size`` and of a ``temporal_patch_size`` over 1) keeps a layer per
+    scale of the copy's patch: with fewer, the class assigns scales to layers with scipy's solver."""
+    patch, frames = out.get("patch_size", data.get("patch_size")), data.get("temporal_patch_size")
+    if "text_hidden_size" not in data or type(patch) is not int or type(frames) is not int or frames < 2:
+        return
+    scales = 1 + _prime_factors(patch) + _prime_factors(frames)
+    for key in DEPTH_KEYS:
+        if type(out.get(key)) is int and out[key] < scales <= data.get(key, 0):
+            out[key] = scales
+
+
+def _prime_factors(number: int) -> int:
+    """How many prime factors ``number`` has, counted with their multiplicity (8: 3)."""
+    count, factor = 0, 2
+    while number > 1 and factor <= number:
+        while number % factor == 0:
+            number, count = number // factor, count + 1
+        factor += 1
+    return count
 
 
 def _ints(value) -> bool:
