@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers as tf
 
+from shardformer.core.grid_inputs import FRAMED_PATCHES, framed_patches
 from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
 from shardformer.core.tiny_layers import kept_layers, layer_overrides
@@ -516,3 +517,6 @@ def test_a_tower_folding_its_patch_keeps_a_layer_per_scale():
     vision = tiny_copy_config(tf.InklingConfig()).vision_config
     assert (vision.patch_size, vision.temporal_patch_size, vision.num_hidden_layers) == (8, 2, 1 + 3 + 1)
     assert tiny_copy_config(tf.HunYuanVLConfig()).vision_config.num_hidden_layers == 2
+    # its processor's patches: clips of the tower's frames, channels last, one image token each
+    patches = framed_patches(vision, vision.num_channels, 2, torch.Generator().manual_seed(0))["pixel_values"]
+    assert patches.shape == (8, 2, 8, 8, 3) and vision.model_type in FRAMED_PATCHES

@@ -34,3 +34,15 @@ def grid_images(vision, model_type, params, grid_key: str, channels: int, batch:
     if layout is not None:
         grid["pixel_values"] = grid["pixel_values"].reshape(layout(channels, vision.patch_size, merge))
     return grid
+
+
+# vision towers whose processor gives each image as patches that are clips of its frames, channels last (Inkling:
+# [patches, temporal_patch_size, patch_size, patch_size, channels], the picture repeated over the frames)
+FRAMED_PATCHES = {"inkling_vision"}
+
+
+def framed_patches(vision, channels: int, batch: int, g: torch.Generator, patches: int = 4) -> dict:
+    """``batch`` images of ``patches`` patches each, every patch a clip of the tower's ``temporal_patch_size``
+    frames, channels last; its tower gives one feature per patch."""
+    side, frames = vision.patch_size, vision.temporal_patch_size
+    return {"pixel_values": torch.randn(batch * patches, frames, side, side, channels, generator=g)}

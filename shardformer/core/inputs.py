@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from shardformer.core import example_inputs
 from shardformer.core.audio_inputs import audio_inputs, ctc_labels, streamed_audio
-from shardformer.core.grid_inputs import grid_images
+from shardformer.core.grid_inputs import FRAMED_PATCHES, framed_patches, grid_images
 from shardformer.core.image_sizes import sized_images, takes_sizes, tiled_images
 from shardformer.core.refusal import POLICY, Refusal
 from shardformer.core.side_inputs import side_inputs
@@ -232,6 +232,8 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     channels = channels or getattr(model, "in_chans", 3)
     params = inspect.signature(model.forward).parameters
     grids = [k for k in ("image_grid_thw", "image_grid_hw") if k in params]  # NemotronH Omni's: no time axis
+    if getattr(vision, "model_type", None) in FRAMED_PATCHES:
+        return framed_patches(vision, channels, batch, g)
     if grids:
         return grid_images(vision, getattr(config, "model_type", None), params, grids[0], channels, batch, g)
     if "image_sizes" in params and (getattr(config, "image_grid_pinpoints", None) or takes_sizes(model, vision)):
