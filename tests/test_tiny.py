@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers as tf
 
-from shardformer.core.grid_inputs import FRAMED_PATCHES, framed_patches
+from shardformer.core.grid_inputs import FRAMED_PATCHES, framed_patches, pooled_patches
 from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
 from shardformer.core.tiny_layers import kept_layers, layer_overrides
@@ -520,3 +520,17 @@ def test_a_tower_folding_its_patch_keeps_a_layer_per_scale():
     # its processor's patches: clips of the tower's frames, channels last, one image token each
     patches = framed_patches(vision, vision.num_channels, 2, torch.Generator().manual_seed(0))["pixel_values"]
     assert patches.shape == (8, 2, 8, 8, 3) and vision.model_type in FRAMED_PATCHES
+
+
+def test_molmo2_pools_flattened_patches_into_its_image_tokens():
+    """Molmo2's adapter projects to the text's width (``text_hidden_size``, tied by its name: its default config's
+    3584 is not its text's 4096), its image token is an id (``image_patch_id``), and its images are the processor's:
+    flattened patches, as many as its position table, pooled into tokens by an index table."""
+    molmo = tiny_copy_config(tf.Molmo2Config())
+    assert molmo.adapter_config.text_hidden_size == molmo.text_config.hidden_size
+    assert molmo.image_token_id < molmo.text_config.vocab_size
+    vision = molmo.vision_config
+    x = pooled_patches(vision, vision.num_channels, 2, torch.Generator().manual_seed(0))
+    assert x["pixel_values"].shape == (2, vision.num_position_embeddings, 3 * vision.patch_size**2)
+    assert x["image_token_pooling"].max() < 2 * vision.num_position_embeddings
+    assert x["image_grids"][:, :2].prod(-1).sum() == len(x["image_token_pooling"])

@@ -93,7 +93,7 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
     return config
 
 
-_ID_WORDS = ("token_id", "token_ids", "token_index")
+_ID_WORDS = ("token_id", "token_ids", "token_index", "patch_id")  # an image patch's placeholder: Molmo2's
 _GENERAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 _GENERAL_IDS += ("sep_token_id", "cls_token_id")
 _KV_HEADS = tiny_widths.KV_HEADS

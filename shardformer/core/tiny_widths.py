@@ -76,7 +76,7 @@ def tie_vision_width(out: dict, data: dict) -> None:
 def tie_adapter_to_text(out: dict, data: dict) -> None:
     """An adapter's width that is the text's hidden size, or a half or a quarter of it (Dots3 Note's
     ``adapter_out_dim``, FunASR-Nano's ``adaptor_config.intermediate_size``, both validated): the copy's text's,
-    in the same ratio. Adapters only: a tower's own widths are scaled as its own."""
+    in the same ratio; a sub-config's ``text_hidden_size``, the copy's text width by its name. Adapters only: a tower's own widths are scaled as its own."""
     text, tiny = (data.get("text_config") or {}).get("hidden_size"), (out.get("text_config") or {}).get("hidden_size")
     if type(text) is not int or type(tiny) is not int:
         return
@@ -89,6 +89,8 @@ def tie_adapter_to_text(out: dict, data: dict) -> None:
             ratio = next((k for k in (1, 2, 4) if type(value) is int and value * k == text), None)
             if adapter and ratio is not None and key.endswith(_WIDTHS + ("_size",)):
                 out[name][key] = tiny // ratio
+            elif key == "text_hidden_size" and type(value) is int:  # by its name (Molmo2's adapter: 3584 of 4096)
+                out[name][key] = tiny
 
 
 def tie_groups(out: dict, data: dict) -> None:
