@@ -534,3 +534,20 @@ def test_molmo2_pools_flattened_patches_into_its_image_tokens():
     assert x["pixel_values"].shape == (2, vision.num_position_embeddings, 3 * vision.patch_size**2)
     assert x["image_token_pooling"].max() < 2 * vision.num_position_embeddings
     assert x["image_grids"][:, :2].prod(-1).sum() == len(x["image_token_pooling"])
+
+
+def test_granite4_vision_fits_its_deepstack_and_qformer_to_the_copy():
+    """Granite 4 Vision: its deepstack (vision layer -> decoder layer pairs) and spatial target layers renumbered for
+    the copy's depths, its Q-Former (a head per 64 vision features) two heads wide, its Q-Former's windows inside the
+    tiny patch grid in the same ratio, and its pinpoints multiples of the tiny tile (its default's are not)."""
+    full = tf.Granite4VisionConfig(deepstack_layer_map=[[-19, 9], [-13, 6], [-7, 3], [-1, 0]], downsample_rate="4/8")
+    granite = tiny_copy_config(full)
+    vision, text = granite.vision_config, granite.text_config
+    assert all(
+        -vision.num_hidden_layers - 1 <= v < 0 <= t < text.num_hidden_layers for v, t in granite.deepstack_layer_map
+    )
+    assert all(0 <= t < text.num_hidden_layers for t in granite.spatial_target_layers)
+    assert granite.qformer_config.num_attention_heads == 2 == vision.hidden_size // 64
+    query, window = map(int, granite.downsample_rate.split("/"))
+    assert query * 2 == window and (vision.image_size // vision.patch_size) % window == 0
+    assert all(side % vision.image_size == 0 for pinpoint in granite.image_grid_pinpoints for side in pinpoint)

@@ -343,6 +343,8 @@ def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor, qformer_ids=
     except Exception:  # noqa: BLE001 - a model wanting more than the recipe gives: text only
         return ids
     features = getattr(out, "pooler_output", None)  # the features the model places, by transformers' convention
+    deep = getattr(out, "deepstack_features", None)  # else Granite 4 Vision's: (decoder layer, features per image)
+    features = deep[0][1] if features is None and isinstance(deep, list) and deep else features
     features = getattr(out, "last_hidden_state", out) if features is None else features  # Fuyu: no pooling
     first = features[0] if isinstance(features, (list, tuple)) else features
     if not torch.is_tensor(first) or first.dim() < 2:

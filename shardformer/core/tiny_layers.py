@@ -210,8 +210,8 @@ def fit_tower_indices(out: dict, data: dict) -> None:
     """Layer indices one sub-config holds into the vision tower (Molmo2's adapter ``vision_feature_layer``,
     ``[24, 18]`` of 27 layers, negative ones counted from the end): at the same depth, in proportion, of the
     copy's tower (its validator refuses indices past it)."""
-    vision, tiny = data.get("vision_config"), out.get("vision_config")
-    full, depth = (v.get("num_hidden_layers") if isinstance(v, dict) else None for v in (vision, tiny))
+    _fit_layer_maps(out, data)
+    full, depth = _depths(out, data, "vision_config")
     if not isinstance(full, int) or not isinstance(depth, int) or depth >= full:
         return
     for key, sub in data.items():
@@ -220,6 +220,29 @@ def fit_tower_indices(out: dict, data: dict) -> None:
             continue
         for name, value in sub.items():
             if name.endswith("feature_layer") and _ints(value) and all(-full <= i < full for i in value):
-                scaled[name] = [
-                    min(depth - 1, i * depth // full) if i >= 0 else -max(1, -i * depth // full) for i in value
-                ]
+                scaled[name] = [_fit_index(i, full, depth) for i in value]
+
+
+def _depths(out: dict, data: dict, tower: str) -> tuple:
+    """The depth of ``tower`` (a sub-config's name) in the user's config and in the copy."""
+    return tuple(v.get("num_hidden_layers") if isinstance(v, dict) else None for v in (data.get(tower), out.get(tower)))
+
+
+def _fit_index(index: int, full: int, depth: int) -> int:
+    """A layer index of ``full`` layers (a negative one counted from the end) at the same depth, in proportion, of
+    ``depth`` layers."""
+    return min(depth - 1, index * depth // full) if index >= 0 else -max(1, -index * depth // full)
+
+
+def _fit_layer_maps(out: dict, data: dict) -> None:
+    """Layer indices the config holds into both towers (Granite 4 Vision: ``deepstack_layer_map``, pairs of a vision
+    layer and the text layer it feeds; ``spatial_target_layers``, text layers): in proportion, as above."""
+    vision, text = _depths(out, data, "vision_config"), _depths(out, data, "text_config")
+    if not all(isinstance(d, int) for d in (*vision, *text)):
+        return
+    for key, value in data.items():
+        pairs = isinstance(value, list) and all(isinstance(p, (list, tuple)) and _ints(list(p)) for p in value)
+        if key.endswith("layer_map") and pairs and value and all(len(p) == 2 for p in value):
+            out[key] = [[_fit_index(v, *vision), _fit_index(t, *text)] for v, t in value]
+        elif key.endswith("target_layers") and _ints(value):
+            out[key] = [_fit_index(t, *text) for t in value]

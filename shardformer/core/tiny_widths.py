@@ -11,7 +11,7 @@ def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
     ties += (tie_groups, tie_projection_to_text, tie_channels_to_sibling, tie_adapter_to_text)
-    ties += (tie_used_vocab, tie_sibling_width, tie_codebook_vocab, tie_samples_to_hop)
+    ties += (tie_used_vocab, tie_sibling_width, tie_codebook_vocab, tie_samples_to_hop, tie_heads_of_64)
     for tie in ties:
         tie(out, data)
 
@@ -246,3 +246,17 @@ def scale_override(values: dict, sizes: dict, data: dict) -> dict:
 
 def _int_list(value) -> bool:
     return isinstance(value, (list, tuple)) and all(type(v) is int for v in value)
+
+
+def tie_heads_of_64(out: dict, data: dict) -> None:
+    """A sibling of the vision tower as wide as it, with a head per 64 of its features (Granite 4 Vision's Q-Former,
+    whose heads the config class derives as the vision width // 64: none at the copy's 32): the copy's vision tower
+    two such heads wide."""
+    vision, tiny = data.get("vision_config"), out.get("vision_config")
+    width = vision.get("hidden_size") if isinstance(vision, dict) and isinstance(tiny, dict) else None
+    if type(width) is not int or width < 64 or tiny.get("hidden_size", width) >= 128:
+        return
+    for key, sub in data.items():
+        derived = isinstance(sub, dict) and sub.get("encoder_hidden_size") == sub.get("hidden_size") == width
+        if key != "vision_config" and derived and sub.get("num_attention_heads") == width // 64:
+            tiny["hidden_size"] = 2 * 64
