@@ -394,17 +394,30 @@ def _build(class_name: str, config, flip: dict | None):
 def unsharded_failure(class_name: str, flip: dict | None = None, generate: bool = True) -> tuple[str, str] | None:
     """``(step, error)`` of the first step that fails for the tiny model unsharded (config, build, inputs,
     forward, backward, generate: as verify runs them), or None when it runs."""
+    try:
+        config = tiny_config_of(class_name)
+    except Exception as e:  # noqa: BLE001 - what the row reports
+        return "config", f"{type(e).__name__}: {e}"
+    failure = _forward_backward(class_name, config, flip, training=False, generate=generate)
+    if failure is not None and failure[0] == "backward":  # verify's rule: checked again in training mode
+        trained = _forward_backward(class_name, config, flip, training=True, generate=generate)
+        failure = failure if trained is not None and trained[0] == "backward" else trained
+    return failure
+
+
+def _forward_backward(class_name: str, config, flip: dict | None, training: bool, generate: bool):
+    """``(step, error)`` of the first step of verify's that fails for the tiny model, built from ``config``
+    (in training mode with dropout 0 when ``training``), or None."""
     import torch
 
     from shardformer.models import inputs_for
-    from shardformer.tools.verify import _generate, _loss_and_output
+    from shardformer.tools.verify import _generate, _loss_and_output, checking_mode
 
-    step = "config"
+    step = "build"
     try:
-        config = tiny_config_of(class_name)
-        step = "build"
         torch.manual_seed(0)
-        model = _build(class_name, config, flip).eval()
+        model = _build(class_name, config, flip)
+        checking_mode(model, training)
         step = "inputs"
         inputs = inputs_for(model, 1)
         step = "forward"
@@ -420,7 +433,7 @@ def unsharded_failure(class_name: str, flip: dict | None = None, generate: bool 
         (loss if loss is not None else out.float().sum()).backward()
         if generate and callable(getattr(model, "can_generate", None)) and model.can_generate():
             step = "generate"
-            _generate(model, inputs)
+            _generate(model.eval(), inputs)
     except Exception as e:  # noqa: BLE001 - what the row reports
         return step, f"{type(e).__name__}: {e}"
     return None
@@ -447,7 +460,6 @@ def default_build_failure(class_name: str) -> str | None:
 # model type -> (a fragment of the error, why): the model's own code failing on the tiny copy, not the recipe
 # (each shown by a test in tests/test_sweep_rows.py)
 UPSTREAM_FAILURES = {
-    "reformer": ("model.train()", "Reformer computes gradients only in training mode; the checks run in eval mode"),
     "xlstm": (
         "matC_old has wrong shape",
         "xLSTM's cache sizes its state by qk_dim rounded up to a multiple of 64 (xLSTMConfig.qk_dim), its layers "

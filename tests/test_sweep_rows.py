@@ -106,8 +106,8 @@ def test_upstream_forward_failures_are_named():
     vision = tf.Llama4VisionConfig()  # its default tower: an adapter sized for the checkpoints' 1408, not 768
     assert vision.intermediate_size == 1408 / vision.pixel_shuffle_ratio**2 != vision.hidden_size * 4
     assert upstream_failure("LlamaForCausalLM", "any error") is None
-    # Reformer's assertion, shown on its tiny copy in tests/test_tiny.py, names every Reformer head's row
-    assert "training mode" in upstream_failure("ReformerForMaskedLM", "use `model.train()` to put the model")
+    # Reformer's backward refuses eval mode: checked in training mode (tests/test_tiny.py), not an upstream failure
+    assert upstream_failure("ReformerForMaskedLM", "use `model.train()` to put the model") is None
 
 
 def test_batch_norms_of_a_shrinking_tiny_copy_are_settled():

@@ -4,14 +4,18 @@ Single process, tiny models: each class is scaled down from a config (its defaul
 small one), built and run forward on the recipe's inputs, the way the proof and the sweeps use it.
 """
 
+import math
+
 import pytest
 import torch
 import transformers as tf
 
+from shardformer.core.grid_inputs import FRAMED_PATCHES, framed_patches, pooled_patches
 from shardformer.core.inputs import make_inputs
 from shardformer.core.tiny import fill_zero_matrices, tiny_copy_config
 from shardformer.core.tiny_layers import kept_layers, layer_overrides
 from shardformer.core.tiny_run import MAX_PARAMS, TinyCopyError, runnable_tiny_config
+from shardformer.tools.verify import checking_mode
 
 # class -> the user's config (None: the class's default): each failed to give a tiny copy that runs
 FORMERLY_BROKEN = {
@@ -247,13 +251,18 @@ def test_what_a_default_config_leaves_unset_is_filled():
     assert moonshine.num_key_value_heads == moonshine.num_attention_heads
 
 
-def test_upstream_failure_is_named():
+def test_a_backward_that_refuses_eval_mode_is_checked_in_training_mode():
     """Reformer computes gradients only in training mode (its reversible layers recompute activations
-    there), and every check runs a copy in eval mode: the sweep's "not tested" row names this upstream
-    assertion, shown here on the tiny copy itself."""
+    there): verify checks it in training mode with dropout 0, its tiny copy's sequence sizes fitted to the
+    inputs (axial positions, attention chunks) and its hashing seeded, so that two runs compute alike."""
     reformer, x = _tiny("ReformerForSequenceClassification")
     with pytest.raises(AssertionError, match=r"model\.train\(\)"):
         reformer(**x).loss.backward()
+    assert reformer.config.hash_seed == 0 and math.prod(reformer.config.axial_pos_shape) == x["input_ids"].shape[1]
+    checking_mode(reformer, training=True)
+    first = reformer(**x).loss
+    first.backward()
+    assert reformer.training and torch.equal(first, reformer(**x).loss)
 
 
 def test_inputs_of_patches_codebooks_and_fixed_lengths():
@@ -500,3 +509,45 @@ def test_indices_into_the_vision_tower_follow_its_depth():
     out = {"vision_config": {"num_hidden_layers": 2}, "adapter_config": {}}
     fit_tower_indices(out, data)
     assert out["adapter_config"]["vision_feature_layer"] == [1, 1, -1]
+
+
+def test_a_tower_folding_its_patch_keeps_a_layer_per_scale():
+    """Inkling's vision encoder folds its patch one scale a layer (the pixels, then a prime factor of the patch's
+    side or of its frames each): its copy keeps a layer per scale (fewer need scipy's solver); a ViT does not."""
+    vision = tiny_copy_config(tf.InklingConfig()).vision_config
+    assert (vision.patch_size, vision.temporal_patch_size, vision.num_hidden_layers) == (8, 2, 1 + 3 + 1)
+    assert tiny_copy_config(tf.HunYuanVLConfig()).vision_config.num_hidden_layers == 2
+    # its processor's patches: clips of the tower's frames, channels last, one image token each
+    patches = framed_patches(vision, vision.num_channels, 2, torch.Generator().manual_seed(0))["pixel_values"]
+    assert patches.shape == (8, 2, 8, 8, 3) and vision.model_type in FRAMED_PATCHES
+
+
+def test_molmo2_pools_flattened_patches_into_its_image_tokens():
+    """Molmo2's adapter projects to the text's width (``text_hidden_size``, tied by its name: its default config's
+    3584 is not its text's 4096), its image token is an id (``image_patch_id``), and its images are the processor's:
+    flattened patches, as many as its position table, pooled into tokens by an index table."""
+    molmo = tiny_copy_config(tf.Molmo2Config())
+    assert molmo.adapter_config.text_hidden_size == molmo.text_config.hidden_size
+    assert molmo.image_token_id < molmo.text_config.vocab_size
+    vision = molmo.vision_config
+    x = pooled_patches(vision, vision.num_channels, 2, torch.Generator().manual_seed(0))
+    assert x["pixel_values"].shape == (2, vision.num_position_embeddings, 3 * vision.patch_size**2)
+    assert x["image_token_pooling"].max() < 2 * vision.num_position_embeddings
+    assert x["image_grids"][:, :2].prod(-1).sum() == len(x["image_token_pooling"])
+
+
+def test_granite4_vision_fits_its_deepstack_and_qformer_to_the_copy():
+    """Granite 4 Vision: its deepstack (vision layer -> decoder layer pairs) and spatial target layers renumbered for
+    the copy's depths, its Q-Former (a head per 64 vision features) two heads wide, its Q-Former's windows inside the
+    tiny patch grid in the same ratio, and its pinpoints multiples of the tiny tile (its default's are not)."""
+    full = tf.Granite4VisionConfig(deepstack_layer_map=[[-19, 9], [-13, 6], [-7, 3], [-1, 0]], downsample_rate="4/8")
+    granite = tiny_copy_config(full)
+    vision, text = granite.vision_config, granite.text_config
+    assert all(
+        -vision.num_hidden_layers - 1 <= v < 0 <= t < text.num_hidden_layers for v, t in granite.deepstack_layer_map
+    )
+    assert all(0 <= t < text.num_hidden_layers for t in granite.spatial_target_layers)
+    assert granite.qformer_config.num_attention_heads == 2 == vision.hidden_size // 64
+    query, window = map(int, granite.downsample_rate.split("/"))
+    assert query * 2 == window and (vision.image_size // vision.patch_size) % window == 0
+    assert all(side % vision.image_size == 0 for pinpoint in granite.image_grid_pinpoints for side in pinpoint)

@@ -34,3 +34,30 @@ def grid_images(vision, model_type, params, grid_key: str, channels: int, batch:
     if layout is not None:
         grid["pixel_values"] = grid["pixel_values"].reshape(layout(channels, vision.patch_size, merge))
     return grid
+
+
+# vision towers whose processor gives each image as patches that are clips of its frames, channels last (Inkling:
+# [patches, temporal_patch_size, patch_size, patch_size, channels], the picture repeated over the frames)
+FRAMED_PATCHES = {"inkling_vision"}
+
+
+def framed_patches(vision, channels: int, batch: int, g: torch.Generator, patches: int = 4) -> dict:
+    """``batch`` images of ``patches`` patches each, every patch a clip of the tower's ``temporal_patch_size``
+    frames, channels last; its tower gives one feature per patch."""
+    side, frames = vision.patch_size, vision.temporal_patch_size
+    return {"pixel_values": torch.randn(batch * patches, frames, side, side, channels, generator=g)}
+
+
+def pooled_patches(vision, channels: int, batch: int, g: torch.Generator, pool: int = 4) -> dict:
+    """Molmo2's processor's images: one crop per image of the tower's ``num_position_embeddings`` flattened
+    patches (its count is fixed), every ``pool`` consecutive patches pooled into one image token
+    (``image_token_pooling``: indices into all crops' patches), each image's tokens as a grid (``image_grids``:
+    rows and columns of its tokens, no second, low-resolution grid)."""
+    patches = vision.num_position_embeddings
+    tokens = patches // pool
+    side = int(tokens**0.5)
+    return {
+        "pixel_values": torch.randn(batch, patches, channels * vision.patch_size**2, generator=g),
+        "image_token_pooling": torch.arange(batch * side * side * pool).reshape(-1, pool),
+        "image_grids": torch.tensor([[side, side, 0, 0]] * batch),
+    }

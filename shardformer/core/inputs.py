@@ -9,13 +9,13 @@ import torch.nn as nn
 
 from shardformer.core import example_inputs
 from shardformer.core.audio_inputs import audio_inputs, ctc_labels, streamed_audio
-from shardformer.core.grid_inputs import grid_images
+from shardformer.core.grid_inputs import FRAMED_PATCHES, framed_patches, grid_images, pooled_patches
 from shardformer.core.image_sizes import sized_images, takes_sizes, tiled_images
 from shardformer.core.refusal import POLICY, Refusal
 from shardformer.core.side_inputs import side_inputs
 from shardformer.core.tiny import VOCAB
+from shardformer.core.tiny_sequence import SEQ
 
-SEQ = 8  # tokens per sequence
 # model type -> the config value its processor pads every text to (Perceiver's masked-LM decoder has one
 # query per position, so its logits and labels meet only at that length)
 PADDED_TO = {"perceiver": "max_position_embeddings"}
@@ -232,6 +232,10 @@ def _images(model: nn.Module, config, batch: int, g: torch.Generator, frames: in
     channels = channels or getattr(model, "in_chans", 3)
     params = inspect.signature(model.forward).parameters
     grids = [k for k in ("image_grid_thw", "image_grid_hw") if k in params]  # NemotronH Omni's: no time axis
+    if "image_token_pooling" in params:  # Molmo2: flattened patches pooled into tokens by an index table
+        return pooled_patches(vision, channels, batch, g)
+    if getattr(vision, "model_type", None) in FRAMED_PATCHES:
+        return framed_patches(vision, channels, batch, g)
     if grids:
         return grid_images(vision, getattr(config, "model_type", None), params, grids[0], channels, batch, g)
     if "image_sizes" in params and (getattr(config, "image_grid_pinpoints", None) or takes_sizes(model, vision)):
@@ -297,7 +301,7 @@ def _flattened_patches(vision, batch: int, g: torch.Generator, side: int = 4) ->
 def _special_tokens(config) -> dict[str, int]:
     """The config's special token ids other than bos/eos/pad (an image placeholder, a vision start)."""
     found = {}
-    for key in dir(config):
+    for key in {*dir(config), *getattr(config, "attribute_map", {})}:  # Molmo2's image_token_id: its image_patch_id
         if key.endswith(("_token_id", "_token_index")) and not key.startswith(("_", "bos", "eos", "pad")):
             value = getattr(config, key, None)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -339,6 +343,8 @@ def _with_image_tokens(model: nn.Module, config, ids: torch.Tensor, qformer_ids=
     except Exception:  # noqa: BLE001 - a model wanting more than the recipe gives: text only
         return ids
     features = getattr(out, "pooler_output", None)  # the features the model places, by transformers' convention
+    deep = getattr(out, "deepstack_features", None)  # else Granite 4 Vision's: (decoder layer, features per image)
+    features = deep[0][1] if features is None and isinstance(deep, list) and deep else features
     features = getattr(out, "last_hidden_state", out) if features is None else features  # Fuyu: no pooling
     first = features[0] if isinstance(features, (list, tuple)) else features
     if not torch.is_tensor(first) or first.dim() < 2:

@@ -18,6 +18,7 @@ from shardformer.core.tiny_choices import open_choices
 from shardformer.core.tiny_defaults import fill_schedule
 from shardformer.core.tiny_layers import depth_keys, depth_of, fit_hybrid, kept_layers, lacks_attention, layer_overrides
 from shardformer.core.tiny_rotary import rotary_head_dim, rotary_sections
+from shardformer.core.tiny_sequence import fit_training_sequence
 from shardformer.core.tiny_vocab_map import fit_codebooks
 
 VOCAB = 99
@@ -92,7 +93,7 @@ def tiny_config(config_class, base: dict | None = None, **overrides):
     return config
 
 
-_ID_WORDS = ("token_id", "token_ids", "token_index")
+_ID_WORDS = ("token_id", "token_ids", "token_index", "patch_id")  # an image patch's placeholder: Molmo2's
 _GENERAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 _GENERAL_IDS += ("sep_token_id", "cls_token_id")
 _KV_HEADS = tiny_widths.KV_HEADS
@@ -228,6 +229,7 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
             out[name] = min(value, data[name]) if key in _TOP_K and type(data[name]) is int else value
     _keep_apart(out, data, hidden, out.get(aliases.get("hidden_size", "hidden_size")))
     tiny_widths.tie_to_others(out, data)
+    fit_training_sequence(out, data)
     tiny_timm.tie_tokens_per_image(out, data)
     if not scaling.keep_widths:
         tiny_widths.fit_convnet(out, data)

@@ -23,7 +23,9 @@ def open_choices(data: dict, scaled: dict) -> dict:
     grid = data.get("image_grid_pinpoints")
     full, tiny = ((d.get("vision_config") or {}).get("image_size") for d in (data, scaled))
     if grid and isinstance(full, int) and isinstance(tiny, int):
-        out["image_grid_pinpoints"] = [[side * tiny // full for side in pinpoint] for pinpoint in grid]
+        # tiles of the tiny tower, as many as the full one's (rounded: Granite 4 Vision's default pinpoints are
+        # multiples of 336, its default CLIP tower's tiles 224)
+        out["image_grid_pinpoints"] = [[max(1, round(side / full)) * tiny for side in pinpoint] for pinpoint in grid]
     tokens, vision = data.get("mm_tokens_per_image"), scaled.get("vision_config") or {}
     image, patch = _square(vision.get("image_size")), _square(vision.get("patch_size"))
     per_side = image // patch if image and patch else 0
@@ -32,6 +34,15 @@ def open_choices(data: dict, scaled: dict) -> dict:
         most = scaled.get("mm_tokens_per_image", tokens)
         side = max(s for s in range(1, per_side + 1) if per_side % s == 0 and s * s <= max(most, 1))
         out["mm_tokens_per_image"] = side * side
+    rate, side = data.get("downsample_rate"), per_side
+    if isinstance(rate, str) and rate.count("/") == 1 and all(p.isdigit() for p in rate.split("/")) and side:
+        # Granite 4 Vision's Q-Former: queries of a side "q/w" of each window's, windows of w x w patches: windows
+        # that fit the tiny tower's grid of patches, in the same ratio
+        query, window = map(int, rate.split("/"))
+        if window > side or side % window:
+            fit = max((w for w in range(1, side + 1) if side % w == 0 and w * query % window == 0), default=None)
+            if fit is not None:
+                out["downsample_rate"] = f"{fit * query // window}/{fit}"
     languages = data.get("languages")
     if "default_language" in data and data["default_language"] is None and languages:
         out["default_language"] = list(languages)[0]  # X-MOD: adapters per language, none chosen

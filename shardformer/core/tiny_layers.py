@@ -159,7 +159,8 @@ def fit_stages(out: dict, data: dict, hidden, scaling) -> None:
     widest is 64, each a multiple of 8 (not BiT's, whose norms hold 32 groups). EfficientNet's width and depth
     coefficients (B7's 2.0 and 3.1 by default) at 0.25 and 0.5, and its last width, the width coefficient's
     multiple of 1280, scaled with it. An audio encoder's first channels (``num_filters``), doubled at each
-    downsampling, so its last are 64 at most."""
+    downsampling, so its last are 64 at most. A tower that folds its patch a scale a layer: `_fit_patch_scales`."""
+    _fit_patch_scales(out, data)
     depths, widths = data.get("depths"), data.get("hidden_sizes")
     if hidden is not None or "num_attention_heads" in data:  # attention stages (Segformer, PVT): as they were
         depths = widths = None
@@ -178,6 +179,29 @@ def fit_stages(out: dict, data: dict, hidden, scaling) -> None:
         out["hidden_dim"] = round(data["hidden_dim"] * 0.25 / data["width_coefficient"])
 
 
+def _fit_patch_scales(out: dict, data: dict) -> None:
+    """A tower that folds its patch into the text width one scale a layer (Inkling's vision encoder: the pixels,
+    then one scale per prime factor of ``patch_size`` and of a ``temporal_patch_size`` over 1) keeps a layer per
+    scale of the copy's patch: with fewer, the class assigns scales to layers with scipy's solver."""
+    patch, frames = out.get("patch_size", data.get("patch_size")), data.get("temporal_patch_size")
+    if "text_hidden_size" not in data or type(patch) is not int or type(frames) is not int or frames < 2:
+        return
+    scales = 1 + _prime_factors(patch) + _prime_factors(frames)
+    for key in DEPTH_KEYS:
+        if type(out.get(key)) is int and out[key] < scales <= data.get(key, 0):
+            out[key] = scales
+
+
+def _prime_factors(number: int) -> int:
+    """How many prime factors ``number`` has, counted with their multiplicity (8: 3)."""
+    count, factor = 0, 2
+    while number > 1 and factor <= number:
+        while number % factor == 0:
+            number, count = number // factor, count + 1
+        factor += 1
+    return count
+
+
 def _ints(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, int) for v in value)
 
@@ -186,8 +210,8 @@ def fit_tower_indices(out: dict, data: dict) -> None:
     """Layer indices one sub-config holds into the vision tower (Molmo2's adapter ``vision_feature_layer``,
     ``[24, 18]`` of 27 layers, negative ones counted from the end): at the same depth, in proportion, of the
     copy's tower (its validator refuses indices past it)."""
-    vision, tiny = data.get("vision_config"), out.get("vision_config")
-    full, depth = (v.get("num_hidden_layers") if isinstance(v, dict) else None for v in (vision, tiny))
+    _fit_layer_maps(out, data)
+    full, depth = _depths(out, data, "vision_config")
     if not isinstance(full, int) or not isinstance(depth, int) or depth >= full:
         return
     for key, sub in data.items():
@@ -196,6 +220,29 @@ def fit_tower_indices(out: dict, data: dict) -> None:
             continue
         for name, value in sub.items():
             if name.endswith("feature_layer") and _ints(value) and all(-full <= i < full for i in value):
-                scaled[name] = [
-                    min(depth - 1, i * depth // full) if i >= 0 else -max(1, -i * depth // full) for i in value
-                ]
+                scaled[name] = [_fit_index(i, full, depth) for i in value]
+
+
+def _depths(out: dict, data: dict, tower: str) -> tuple:
+    """The depth of ``tower`` (a sub-config's name) in the user's config and in the copy."""
+    return tuple(v.get("num_hidden_layers") if isinstance(v, dict) else None for v in (data.get(tower), out.get(tower)))
+
+
+def _fit_index(index: int, full: int, depth: int) -> int:
+    """A layer index of ``full`` layers (a negative one counted from the end) at the same depth, in proportion, of
+    ``depth`` layers."""
+    return min(depth - 1, index * depth // full) if index >= 0 else -max(1, -index * depth // full)
+
+
+def _fit_layer_maps(out: dict, data: dict) -> None:
+    """Layer indices the config holds into both towers (Granite 4 Vision: ``deepstack_layer_map``, pairs of a vision
+    layer and the text layer it feeds; ``spatial_target_layers``, text layers): in proportion, as above."""
+    vision, text = _depths(out, data, "vision_config"), _depths(out, data, "text_config")
+    if not all(isinstance(d, int) for d in (*vision, *text)):
+        return
+    for key, value in data.items():
+        pairs = isinstance(value, list) and all(isinstance(p, (list, tuple)) and _ints(list(p)) for p in value)
+        if key.endswith("layer_map") and pairs and value and all(len(p) == 2 for p in value):
+            out[key] = [[_fit_index(v, *vision), _fit_index(t, *text)] for v, t in value]
+        elif key.endswith("target_layers") and _ints(value):
+            out[key] = [_fit_index(t, *text) for t in value]

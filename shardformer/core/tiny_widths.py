@@ -11,7 +11,7 @@ def tie_to_others(out: dict, data: dict) -> None:
     """Each tie below that ``data`` (the user's config, as a dict) holds, kept in ``out`` (the copy's values)."""
     ties = (tie_merged_width, tie_projection_to_channels, tie_shuffled_width, tie_patch_queries, tie_vision_width)
     ties += (tie_groups, tie_projection_to_text, tie_channels_to_sibling, tie_adapter_to_text)
-    ties += (tie_used_vocab, tie_sibling_width, tie_codebook_vocab, tie_samples_to_hop)
+    ties += (tie_used_vocab, tie_sibling_width, tie_codebook_vocab, tie_samples_to_hop, tie_heads_of_64)
     for tie in ties:
         tie(out, data)
 
@@ -76,7 +76,7 @@ def tie_vision_width(out: dict, data: dict) -> None:
 def tie_adapter_to_text(out: dict, data: dict) -> None:
     """An adapter's width that is the text's hidden size, or a half or a quarter of it (Dots3 Note's
     ``adapter_out_dim``, FunASR-Nano's ``adaptor_config.intermediate_size``, both validated): the copy's text's,
-    in the same ratio. Adapters only: a tower's own widths are scaled as its own."""
+    in the same ratio; a sub-config's ``text_hidden_size``, the copy's text width by its name. Adapters only: a tower's own widths are scaled as its own."""
     text, tiny = (data.get("text_config") or {}).get("hidden_size"), (out.get("text_config") or {}).get("hidden_size")
     if type(text) is not int or type(tiny) is not int:
         return
@@ -89,6 +89,8 @@ def tie_adapter_to_text(out: dict, data: dict) -> None:
             ratio = next((k for k in (1, 2, 4) if type(value) is int and value * k == text), None)
             if adapter and ratio is not None and key.endswith(_WIDTHS + ("_size",)):
                 out[name][key] = tiny // ratio
+            elif key == "text_hidden_size" and type(value) is int:  # by its name (Molmo2's adapter: 3584 of 4096)
+                out[name][key] = tiny
 
 
 def tie_groups(out: dict, data: dict) -> None:
@@ -244,3 +246,17 @@ def scale_override(values: dict, sizes: dict, data: dict) -> dict:
 
 def _int_list(value) -> bool:
     return isinstance(value, (list, tuple)) and all(type(v) is int for v in value)
+
+
+def tie_heads_of_64(out: dict, data: dict) -> None:
+    """A sibling of the vision tower as wide as it, with a head per 64 of its features (Granite 4 Vision's Q-Former,
+    whose heads the config class derives as the vision width // 64: none at the copy's 32): the copy's vision tower
+    two such heads wide."""
+    vision, tiny = data.get("vision_config"), out.get("vision_config")
+    width = vision.get("hidden_size") if isinstance(vision, dict) and isinstance(tiny, dict) else None
+    if type(width) is not int or width < 64 or tiny.get("hidden_size", width) >= 128:
+        return
+    for key, sub in data.items():
+        derived = isinstance(sub, dict) and sub.get("encoder_hidden_size") == sub.get("hidden_size") == width
+        if key != "vision_config" and derived and sub.get("num_attention_heads") == width // 64:
+            tiny["hidden_size"] = 2 * 64

@@ -33,6 +33,7 @@ from shardformer.core.config import ShardConfig, check_positive_int
 from shardformer.core.divergence import ActivationRecorder, Divergence, first_divergence, first_tensor
 from shardformer.core.float64_mode import Float64Everywhere
 from shardformer.models import inputs_for
+from shardformer.policies.copies import no_dropout
 from shardformer.tensor_parallel.regions import gather_from_parallel
 from shardformer.tools.model_source import build_model, check_model_source, load_policy
 from shardformer.tools.testing import run_on_ranks
@@ -67,6 +68,8 @@ __all__ = [
 ]
 
 BATCH, SEQ, NEW_TOKENS = 2, 8, 4
+# the step that names a model whose backward refuses eval mode: checked again in training mode
+EVAL_BACKWARD = "backward in eval mode of the unsharded model"
 
 
 # -- comparing activations --------------------------------------------------------------------------
@@ -170,13 +173,31 @@ def verify_on_this_rank(model: Any, policy: Any = None, model_class: str | None 
     comparison fails, it is run again in float64: differences that shrink there by orders of magnitude
     are float32 rounding (summation order over ranks, amplified by the model), not the cut — a wrong cut
     differs as much in float64 — and the report says so with both numbers."""
-    report = _compare(model, policy, model_class, seed, torch.float32)
-    failing = torch.tensor([report.error is None and not report.ok], dtype=torch.int32)
-    dist.all_reduce(failing, op=dist.ReduceOp.MAX)  # every rank reruns, or none: the rerun has collectives
-    if failing.item():
-        excuse_rounding(report, _compare(model, policy, model_class, seed, torch.float64))
+    report = _compare(model, policy, model_class, seed, torch.float32, training=False)
+    if _on_every_rank(report.error is not None and report.error.startswith(EVAL_BACKWARD)):
+        trained = _compare(model, policy, model_class, seed, torch.float32, training=True)
+        if trained.error is None or not trained.error.startswith(EVAL_BACKWARD):  # else eval mode's failure stands
+            report = trained
+    if _on_every_rank(report.error is None and not report.ok):  # every rank reruns, or none: it has collectives
+        excuse_rounding(report, _compare(model, policy, model_class, seed, torch.float64, report.training))
     report.reference_after_step = None  # the report goes to rank 0 without its tensors
     return report
+
+
+def _on_every_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank, agreed by all."""
+    flags = torch.tensor([flag], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags.item())
+
+
+def checking_mode(model: torch.nn.Module, training: bool) -> None:
+    """Eval mode (no dropout: both models compute the same function), or training mode with every dropout at 0
+    for a model whose backward refuses eval mode (Reformer's reversible layers recompute activations only in
+    training; its tiny copy's hashing is seeded: `shardformer.core.tiny_sequence`)."""
+    if training:
+        no_dropout(model)
+    model.train(training)
 
 
 def _outputs_after_step(out: torch.Tensor, ref_out: torch.Tensor) -> Check:
@@ -208,15 +229,17 @@ def _eager_experts(model) -> None:
             config._experts_implementation = "eager"
 
 
-def _compare(model: Any, policy: Any, model_class: str | None, seed: int, dtype: torch.dtype) -> VerifyReport:
+def _compare(
+    model: Any, policy: Any, model_class: str | None, seed: int, dtype: torch.dtype, training: bool
+) -> VerifyReport:
     tp = dist.get_world_size()
     torch.manual_seed(seed)
     built = build_model(model, model_class).to(dtype)
     if dtype == torch.float64:
         _eager_experts(built)
-    report = VerifyReport(type(built).__name__, "?", tp)
+    report = VerifyReport(type(built).__name__, "?", tp, training=training)
     broadcast_weights(built)
-    built.eval()  # no dropout: both models must compute the same function
+    checking_mode(built, training)
     ref = copy.deepcopy(built)
     try:
         pol = load_policy(policy)
@@ -251,8 +274,10 @@ def _compare(model: Any, policy: Any, model_class: str | None, seed: int, dtype:
                 Check("loss", ok, f"{loss.item():.6g} vs {ref_loss.item():.6g} (|diff| {err:.2g})", err)
             )
 
+            step = EVAL_BACKWARD if not training else "backward of the unsharded model"
+            ref_loss.backward()
             step = "backward"
-            ref_loss.backward(), loss.backward()
+            loss.backward()
             report.checks.append(params_check("gradients", compare_params(ref, sharded, group, grads=True), True))
 
             step = "optimizer step"
@@ -269,6 +294,7 @@ def _compare(model: Any, policy: Any, model_class: str | None, seed: int, dtype:
 
             step = "generate"
             if callable(getattr(ref, "can_generate", None)) and ref.can_generate():
+                ref.eval(), sharded.eval()  # generating is inference (Reformer's cache refuses training mode)
                 expected, got = _generate(ref, inputs), _generate(sharded, inputs)
                 same = got.shape == expected.shape and torch.equal(got, expected)
                 detail = f"{BATCH} x {NEW_TOKENS} new tokens " + (

@@ -42,6 +42,7 @@ class VerifyReport:
     pp: int = 1
     divergence: Divergence | None = None
     error: str | None = None  # sharding refused or a step failed
+    training: bool = False  # checked in training mode, dropout 0: its backward refuses eval mode (Reformer)
     # the unsharded model's outputs after its step, kept on the rank only to measure its own rounding
     reference_after_step: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -54,6 +55,8 @@ class VerifyReport:
         lines = [
             f"shardformer verify: {self.model} with {self.policy} at {layout} ({self.tp * self.pp} gloo processes)"
         ]
+        if self.training:
+            lines.append("  (in training mode with dropout 0: its backward refuses eval mode)")
         lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<20} {c.detail}" for c in self.checks]
         if self.divergence is not None:
             lines.append(f"first diverging module: {self.divergence}")
