@@ -247,9 +247,8 @@ def _scaled(config, tp, heads, special, scaling: Scaling):
     parts = _depth_parts(data, aliases)
     if parts and not scaling.keep_depth:  # Dory's input, recurrent and output layers add up to the depth
         out.update(parts)
-    keep = None if scaling.keep_depth else kept_layers(data, aliases, settable, sum(parts.values()) or None)
-    if scaling.recompute and keep == list(range(depth_of(data, aliases) or 0)):
-        keep = None  # as shallow as its copy: the schedule recomputed too (a given one may not run: GLM-MoE-DSA's)
+    count = sum(parts.values()) or None
+    keep = None if scaling.keep_depth else kept_layers(data, aliases, settable, count, scaling.recompute)
     if keep is not None:
         out.update(layer_overrides(data, aliases, keep, settable, lambda d: tiny_widths.scale_override(d, sizes, data)))
     fit_hybrid(out, data)

@@ -61,10 +61,13 @@ def _index_lists(data: dict, depth: int, settable) -> dict[str, list[int]]:
     return found
 
 
-def kept_layers(data: dict, aliases: dict, settable=lambda key: True, count: int | None = None) -> list[int] | None:
+def kept_layers(
+    data: dict, aliases: dict, settable=lambda key: True, count: int | None = None, recompute: bool = False
+) -> list[int] | None:
     """The original indices of the layers a tiny copy keeps (at least two; ``count`` exactly, where
     the config fixes the depth, filled with the first layers not kept yet), or None when the model has
-    no per-layer schedule (then the first two layers are as good as any)."""
+    no per-layer schedule (then the first two layers are as good as any) or, with ``recompute``, is no
+    deeper than its copy (its schedule recomputed for the depth: GLM-MoE-DSA's given one may not run)."""
     depth = depth_of(data, aliases)
     if not depth:
         return None
@@ -74,8 +77,8 @@ def kept_layers(data: dict, aliases: dict, settable=lambda key: True, count: int
     overridden = {int(k) for k in (data.get("per_layer_config") or {})}
     if not lists and not indexed and not overridden:
         return None
-    if depth <= 2:  # a model as shallow as a copy (a tiny copy's copy): its schedule as it is, not recomputed
-        return list(range(depth))[:count] if count else list(range(depth))
+    if depth <= 2:  # a model as shallow as a copy (a tiny copy's copy): its schedule as it is, unless recomputed
+        return None if recompute else list(range(depth))[:count] if count else list(range(depth))
     # Zamba's hybrid layers are a class of their own around a Mamba layer, sharing one attention block
     # tied over them, and so are Mllama's cross-attention layers: two layers of each kind keep each class
     # a stack (one of each is no repeated block to cut) and the tie between two layers
