@@ -12,10 +12,11 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 # The examples launched end to end with `shardformer run` (train, then inference) on 2 processes, and the
-# launcher's failure paths and two-node launch (marked `launch`): about three minutes; `make test` runs one
+# launcher's failure paths and two-node launch (marked `launch`), and the sweep's row runner killing a hung
+# or growing row (marked `harness`, 30 s of waiting on its budgets): about four minutes; `make test` runs one
 # example (the fine-tuning one, launched through `shardformer run`), CI runs them all.
 examples: $(STAMP)
-	$(PY) -m pytest -m "example or launch" tests/examples tests/cli/test_launch_e2e.py
+	$(PY) -m pytest -m "example or launch or harness" tests/examples tests/cli/test_launch_e2e.py tests/test_sweep_rows.py
 
 demo: $(STAMP)
 	$(VENV)/bin/shardformer run --nproc_per_node 2 examples/gpt2/main.py --config examples/gpt2/config.py --mode train

@@ -30,6 +30,7 @@ def _check(row: dict) -> None:
         re.match(r"(a+)+$", "a" * 60 + "b")  # years of backtracking in C, the GIL held: no timer thread runs
 
 
+@pytest.mark.harness  # 30 s of budgets: run by `make examples` (CI), not `make test`
 def test_each_row_gets_its_result_and_a_row_past_its_budget_is_killed():
     """Past the time budget (a hang), or past the memory budget (a rank that grows): killed, named, and the
     sweep goes on in a fresh spawn (the machine's memory back)."""

@@ -41,13 +41,9 @@ EXACT = [
     ("liar", {"channel_norm": True}),  # a BatchNorm on the MLP's inner channels (LeViT's): cut with them
     ("OPTForCausalLM", {}),
     ("BartForConditionalGeneration", {}),
-    ("CLIPModel", {}),
-    ("WhisperForConditionalGeneration", {}),
     ("T5ForConditionalGeneration", {}),  # relative attention bias [buckets, heads]: cut with the heads
-    ("BloomForCausalLM", {}),  # per-head interleaved fused qkv; ALiBi [batch x heads, 1, s] handed in whole
     ("FalconForCausalLM", {}),  # multi-query fused [Q | K | V] of H + 2 heads in FalconLinear: K/V replicated
     ("LlamaForCausalLM", {"num_key_value_heads": 1}),  # the plan route, one key/value head replicated
-    ("LlavaForConditionalGeneration", {}),  # the plan's language model, the derived vision tower; image tokens
     # towers proven on the inputs they get inside the whole model: Qwen2-VL's patches with their grid
     # (and its multimodal rotary)
     ("Qwen2VLForConditionalGeneration", {}),
