@@ -191,8 +191,12 @@ def _prove(tiny: nn.Module, shard_config: ShardConfig, make_policy, device, tigh
             with _running(sharded) as running:
                 _compare(ref, sharded, group, inputs, device, failures, tighter)
         except Exception as e:  # noqa: BLE001 - the cut copy cannot run: every rank's copy fails alike
-            where = f" in {running[-1] or 'the model'} ({type(sharded.get_submodule(running[-1])).__name__})"
-            where = where if running else ""
+            # nothing running: the error came after the forward (its backward), so no module is named
+            where = (
+                f" in {running[-1] or 'the model'} ({type(sharded.get_submodule(running[-1])).__name__})"
+                if running
+                else ""
+            )
             failures.append(f"the sharded tiny copy fails{where}: {type(e).__name__}: {str(e)[:300]}")
             hard = 1.0
         verdict = all_reduce(torch.tensor([float(len(failures)), hard], device=device), group)
